@@ -1,0 +1,6 @@
+"""Modules: ``Linear`` and ``GroupedLinear`` (MoE experts), TransformerEngine-compatible."""
+
+from distwgrad.nn.grouped_linear import GroupedLinear
+from distwgrad.nn.linear import Linear
+
+__all__ = ["Linear", "GroupedLinear"]

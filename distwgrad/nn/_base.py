@@ -1,0 +1,81 @@
+"""What Linear and GroupedLinear share: deferred-wgrad plumbing, hooks and contribution accounting.
+
+The TransformerEngine-compatible surface lives here once: ``delay_wgrad_compute``,
+``fuse_wgrad_accumulation``, ``backward_dw()``, ``need_backward_dw()``,
+``register_wgrad_accumulation_and_reduce_hooks(hook)`` and ``skip_backward_post_hook`` on the
+parameters of deferred modules (Megatron's DDP then leaves them to the hooks above).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from distwgrad.wgrad.store import WeightGradStore
+
+__all__ = ["WgradModule"]
+
+
+class WgradModule(nn.Module):
+    """Base of distwgrad's modules; subclasses call ``_init_wgrad`` first thing in ``__init__``."""
+
+    def _init_wgrad(self, *, delay_wgrad_compute: bool, fuse_wgrad_accumulation: bool) -> None:
+        if not isinstance(delay_wgrad_compute, bool) or not isinstance(fuse_wgrad_accumulation, bool):
+            raise TypeError(f"delay_wgrad_compute and fuse_wgrad_accumulation must be bools, got "
+                            f"{delay_wgrad_compute!r} and {fuse_wgrad_accumulation!r}")
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.wgrad_store = WeightGradStore(type(self).__name__)
+        self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, nn.Parameter) and getattr(self, "delay_wgrad_compute", False):
+            value.skip_backward_post_hook = True
+        super().__setattr__(name, value)
+
+    # --- TransformerEngine-compatible API ------------------------------------------------------------
+    def need_backward_dw(self) -> bool:
+        """True when this module defers its wgrads to ``backward_dw()``."""
+        return self.delay_wgrad_compute
+
+    def backward_dw(self) -> None:
+        """Runs the oldest deferred wgrad of this module, then the registered hooks.
+
+        A no-op for a module that does not defer (as in TransformerEngine). For a deferring module with
+        nothing queued it raises ``DeferredWgradError`` naming the module.
+        """
+        if not self.need_backward_dw():
+            return
+        self.wgrad_store.pop()
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """Registers ``hook()``, fired after each deferred wgrad GEMM of this module."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    @property
+    def pending_backward_dw(self) -> int:
+        """Deferred wgrads queued and not yet drained."""
+        return len(self.wgrad_store)
+
+    # --- helpers for subclasses ----------------------------------------------------------------------
+    def _begin_forward(self, tracked: Iterable[torch.Tensor]) -> None:
+        """Checks the calling order and records one expected contribution per tracked parameter.
+
+        ``tracked`` are the parameters whose gradient this forward will produce (grad mode on and
+        ``requires_grad`` read from the parameter itself, never from a materialized copy).
+        """
+        tracked = list(tracked)
+        if self.delay_wgrad_compute and tracked:
+            self.wgrad_store.check_can_queue()
+        for p in tracked:
+            if self.delay_wgrad_compute:
+                p.skip_backward_post_hook = True
+            expect = getattr(p, "expect_contribution", None)
+            if expect is not None:
+                expect()

@@ -1,0 +1,208 @@
+"""``GroupedLinear``: E expert GEMMs over ragged token groups (MoE), one grouped-GEMM call per product.
+
+Legend: E experts (``num_gemms``), T tokens, K in-features, N out-features.
+Parameters carry TransformerEngine's names: discrete ``weight0..weight{E-1}`` (``[N, K]`` each) and
+``bias0..bias{E-1}`` (``[N]``), or, with ``single_grouped_weight=True``, one packed ``weight``
+``[E, N, K]`` and ``bias`` ``[E, N]``. Any of them may be a distributed weight: discrete experts are
+materialized each on its own; a packed ``ShardedWeight`` (experts sharded over ranks along dim 0) is
+gathered with one collective for all experts.
+
+The products go through ``distwgrad.ops.grouped_gemm`` (torch reference on CPU, Triton on CUDA), so the
+module never knows which ran. The gradient contract is Linear's: [Note: accumulate, never assign].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distwgrad.nn._base import WgradModule
+from distwgrad.ops import grouped_gemm as gg
+from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
+from distwgrad.wgrad.accumulate import run_wgrad
+from distwgrad.wgrad.store import WeightGradStore
+
+__all__ = ["GroupedLinear"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    num_weights: int
+    packed: bool
+    weight_grad: bool
+    bias_grad: bool
+    delay: bool
+    fuse: bool
+    store: WeightGradStore
+
+
+def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
+    """Packed weights are already ``[E, ...]``; discrete ones are stacked (one transient copy)."""
+    return tensors[0] if packed else torch.stack(list(tensors))
+
+
+def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool):
+    def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        if targets[0] is None:
+            dW_ENK = gg.grouped_wgrad(dy_TN, x_TK, offs_E)
+            return [dW_ENK] if packed else list(dW_ENK.unbind(0))
+        return list(gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets[0] if packed else targets))
+    return gemm
+
+
+def _bias_gemm(dy_TN, offs_E, packed: bool):
+    def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        db_EN = gg.grouped_bias_grad(dy_TN, offs_E)
+        grads = [db_EN] if packed else list(db_EN.unbind(0))
+        if targets[0] is None:
+            return grads
+        return [t.add_(g) for t, g in zip(targets, grads)]
+    return gemm
+
+
+def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool):
+    gws = [None] * len(weights)
+    gbs = [None] * len(biases)
+    if call.weight_grad:
+        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed), fuse=call.fuse,
+                        deferred=deferred)
+    if call.bias_grad:
+        gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred)
+    return gws, gbs
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TK, offs_E, call: _Call, *params):
+        weights, biases = list(params[: call.num_weights]), list(params[call.num_weights:])
+        w_ENK = _stack(materialize_weight_for_forward(weights), call.packed)
+        b_EN = _stack(materialize_weight_for_forward(biases), call.packed) if biases else None
+        y_TN = gg.grouped_fprop(x_TK, w_ENK, offs_E, b_EN)
+        del w_ENK, b_EN  # transient: never saved, never cached
+        ctx.save_for_backward(x_TK, offs_E)
+        # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
+        ctx.weights, ctx.biases, ctx.call = weights, biases, call
+        return y_TN
+
+    @staticmethod
+    def backward(ctx, dy_TN):
+        x_TK, offs_E = ctx.saved_tensors
+        weights, biases, call = ctx.weights, ctx.biases, ctx.call
+        dy_TN = dy_TN.contiguous()
+        dx_TK = None
+        if ctx.needs_input_grad[0]:
+            w_ENK = _stack(materialize_weight_for_backward(weights), call.packed)
+            dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
+            del w_ENK
+        nones = (None,) * (len(weights) + len(biases))
+        if not (call.weight_grad or call.bias_grad):
+            return (dx_TK, None, None, *nones)
+        if call.delay:
+            call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True))
+            return (dx_TK, None, None, *nones)
+        gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False)
+        return (dx_TK, None, None, *gws, *gbs)
+
+
+class GroupedLinear(WgradModule):
+    """``num_gemms`` linear experts applied to consecutive token groups of sizes ``m_splits``.
+
+    Args:
+        num_gemms: E, the number of experts.
+        in_features: K.
+        out_features: N.
+        bias: whether each expert has a bias.
+        params_dtype, device: for freshly created parameters.
+        single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead of
+            ``weight0..weight{E-1}``.
+        delay_wgrad_compute, fuse_wgrad_accumulation: as in :class:`distwgrad.nn.Linear`.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
+                 params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 single_grouped_weight: bool = False, delay_wgrad_compute: bool = False,
+                 fuse_wgrad_accumulation: bool = False) -> None:
+        super().__init__()
+        self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute,
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.single_grouped_weight = bool(single_grouped_weight)
+        self.use_bias = bool(bias)
+        self.wgrad_store.owner = f"GroupedLinear({num_gemms}, {in_features}, {out_features})"
+        dtype = params_dtype or torch.get_default_dtype()
+        bound = 1 / math.sqrt(in_features)
+        new = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=dtype, device=device).uniform_(-bound, bound))
+        if self.single_grouped_weight:
+            self.weight = new(num_gemms, out_features, in_features)
+            if self.use_bias:
+                self.bias = new(num_gemms, out_features)
+        else:
+            for e in range(num_gemms):
+                setattr(self, f"weight{e}", new(out_features, in_features))
+                if self.use_bias:
+                    setattr(self, f"bias{e}", new(out_features))
+
+    def _weights(self) -> list[torch.Tensor]:
+        if self.single_grouped_weight:
+            return [self.weight]
+        return [getattr(self, f"weight{e}") for e in range(self.num_gemms)]
+
+    def _biases(self) -> list[torch.Tensor]:
+        if not self.use_bias:
+            return []
+        if self.single_grouped_weight:
+            return [self.bias]
+        return [getattr(self, f"bias{e}") for e in range(self.num_gemms)]
+
+    def _check(self, inp: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
+        owner = self.wgrad_store.owner
+        E, N, K = self.num_gemms, self.out_features, self.in_features
+        want_w = [(E, N, K)] if self.single_grouped_weight else [(N, K)] * E
+        want_b = ([(E, N)] if self.single_grouped_weight else [(N,)] * E) if self.use_bias else []
+        for kind, got, want in (("weight", weights, want_w), ("bias", biases, want_b)):
+            shapes = [tuple(getattr(p, "full_shape", p.shape)) for p in got]
+            if shapes != want:
+                raise ValueError(f"{owner}: {kind} full shapes {shapes}, expected {want}")
+        if not isinstance(inp, torch.Tensor) or inp.dim() == 0 or inp.shape[-1] != K:
+            shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
+            raise ValueError(f"{owner}: input of shape {shape}, expected last dim in_features={K}")
+        dtypes = {p.dtype for p in weights}
+        if len(dtypes) != 1 or inp.dtype not in dtypes:
+            raise TypeError(f"{owner}: input dtype {inp.dtype} does not match the weight dtype(s) "
+                            f"{sorted(map(str, dtypes))}")
+        if any(p.device != inp.device for p in weights + biases):
+            raise ValueError(f"{owner}: input on {inp.device}, parameters on "
+                             f"{sorted({str(p.device) for p in weights + biases})}")
+
+    def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        weights, biases = self._weights(), self._biases()
+        self._check(inp, weights, biases)
+        x_TK = inp.reshape(-1, self.in_features)
+        offs_E = gg.splits_to_offsets(m_splits, self.num_gemms, x_TK.shape[0], x_TK.device)
+        grad_on = torch.is_grad_enabled()
+        weight_grad = grad_on and any(p.requires_grad for p in weights)
+        bias_grad = grad_on and any(p.requires_grad for p in biases)
+        for kind, group, on in (("weights", weights, weight_grad), ("biases", biases, bias_grad)):
+            if on and not all(p.requires_grad for p in group):
+                raise ValueError(f"{self.wgrad_store.owner}: some expert {kind} require grad and some do "
+                                 f"not ({[p.requires_grad for p in group]}); freeze all or none")
+        tracked = (weights if weight_grad else []) + (biases if bias_grad else [])
+        self._begin_forward(tracked)
+        call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
+                     self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store)
+        y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
+        return y_TN.reshape(*inp.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}, "
+                f"single_grouped_weight={self.single_grouped_weight}, "
+                f"delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")

@@ -1,0 +1,172 @@
+"""``Linear``: y = x W^T + b, with deferred wgrads, fused fp32 accumulation and distributed weights.
+
+Signature-compatible with TransformerEngine's ``te.Linear`` for the parts implemented here. The weight
+may be a plain parameter or any DistributedWeight (``ShardedWeight``, ``ReplicatedWeight``, or a weight
+written for TE's protocol); see [Note: what backward may hold] in ``distwgrad/protocol.py`` and
+[Note: accumulate, never assign] in ``distwgrad/wgrad/accumulate.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distwgrad.nn._base import WgradModule
+from distwgrad.ops.gemm import wgrad_mm
+from distwgrad.protocol import (
+    is_distributed_weight,
+    materialize_weight_for_backward,
+    materialize_weight_for_forward,
+)
+from distwgrad.wgrad.accumulate import run_wgrad
+from distwgrad.wgrad.store import WeightGradStore
+
+__all__ = ["Linear"]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Per-call facts the autograd function needs, fixed at forward time."""
+
+    weight_grad: bool
+    bias_grad: bool
+    delay: bool
+    fuse: bool
+    store: WeightGradStore
+
+
+def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torch.Tensor | None:
+    if bias is None or not is_distributed_weight(bias):
+        return bias
+    fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
+    return fn([bias])[0]
+
+
+def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None, call: _Call, deferred: bool):
+    """One contribution to the weight (and bias) gradient; returns what autograd gets."""
+    gw = gb = None
+    if call.weight_grad:
+        (gw,) = run_wgrad([weight], lambda t: [wgrad_mm(dy_TN, x_TK, t[0])], fuse=call.fuse,
+                          deferred=deferred)
+    if call.bias_grad:
+        (gb,) = run_wgrad([bias], lambda t: [dy_TN.sum(0) if t[0] is None else t[0].add_(dy_TN.sum(0))],
+                          fuse=False, deferred=deferred)
+    return gw, gb
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TK, weight, bias, call: _Call):
+        (w_NK,) = materialize_weight_for_forward([weight])
+        y_TN = F.linear(x_TK, w_NK, _materialize_bias(bias))
+        del w_NK  # transient: never saved, never cached
+        ctx.save_for_backward(x_TK)
+        # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
+        ctx.weight, ctx.bias, ctx.call = weight, bias, call
+        return y_TN
+
+    @staticmethod
+    def backward(ctx, dy_TN):
+        (x_TK,) = ctx.saved_tensors
+        weight, bias, call = ctx.weight, ctx.bias, ctx.call
+        dx_TK = None
+        if ctx.needs_input_grad[0]:
+            (w_NK,) = materialize_weight_for_backward([weight])
+            dx_TK = dy_TN.mm(w_NK)
+            del w_NK
+        if not (call.weight_grad or call.bias_grad):
+            return dx_TK, None, None, None
+        if call.delay:
+            call.store.put(lambda: _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=True))
+            return dx_TK, None, None, None
+        gw, gb = _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=False)
+        return dx_TK, gw, gb, None
+
+
+class Linear(WgradModule):
+    """A linear layer whose weight gradient may be deferred, fused into ``main_grad`` or distributed.
+
+    Args:
+        in_features: K, the input width.
+        out_features: N, the output width.
+        bias: True for a fresh bias, False for none, or a tensor/parameter to use as the bias.
+        params_dtype: dtype of freshly created parameters (default: torch's default dtype).
+        device: device of freshly created parameters (default: torch's default device).
+        delay_wgrad_compute: queue the wgrad GEMM in backward; ``backward_dw()`` runs it.
+        fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (fp32).
+        weight: an existing weight to use (e.g. a ``ShardedWeight`` or a tied parameter), of full
+            shape ``[out_features, in_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool | torch.Tensor = True, *,
+                 params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
+                 weight: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute,
+                         fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.wgrad_store.owner = f"Linear({in_features}, {out_features})"
+        dtype = params_dtype or torch.get_default_dtype()
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        if isinstance(bias, torch.Tensor):
+            self.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias)
+        elif bias:
+            bound = 1 / math.sqrt(in_features)
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound))
+        else:
+            self.register_parameter("bias", None)
+        self._check_param_shapes()
+
+    def _check_param_shapes(self) -> None:
+        full = tuple(getattr(self.weight, "full_shape", self.weight.shape))
+        if full != (self.out_features, self.in_features):
+            raise ValueError(f"Linear({self.in_features}, {self.out_features}): weight has full shape {full}, "
+                             f"expected {(self.out_features, self.in_features)}")
+        if self.bias is not None:
+            bfull = tuple(getattr(self.bias, "full_shape", self.bias.shape))
+            if bfull != (self.out_features,):
+                raise ValueError(f"Linear({self.in_features}, {self.out_features}): bias has shape {bfull}, "
+                                 f"expected {(self.out_features,)}")
+
+    def _check_input(self, inp: torch.Tensor) -> None:
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{self.wgrad_store.owner}: input must be a tensor, got {type(inp).__name__}")
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"{self.wgrad_store.owner}: input of shape {tuple(inp.shape)} has last dim "
+                             f"{inp.shape[-1] if inp.dim() else None}, expected in_features={self.in_features}")
+        if inp.dtype != self.weight.dtype:
+            raise TypeError(f"{self.wgrad_store.owner}: input dtype {inp.dtype} does not match the weight "
+                            f"dtype {self.weight.dtype}; cast the input (or build the layer with "
+                            f"params_dtype={inp.dtype})")
+        if inp.device != self.weight.device:
+            raise ValueError(f"{self.wgrad_store.owner}: input on {inp.device}, weight on {self.weight.device}")
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        self._check_input(inp)
+        self._check_param_shapes()
+        grad_on = torch.is_grad_enabled()
+        weight_grad = grad_on and self.weight.requires_grad
+        bias_grad = grad_on and self.bias is not None and self.bias.requires_grad
+        self._begin_forward([p for p, t in ((self.weight, weight_grad), (self.bias, bias_grad)) if t])
+        call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
+                     self.wgrad_store)
+        x_TK = inp.reshape(-1, self.in_features)
+        y_TN = _LinearFunction.apply(x_TK, self.weight, self.bias, call)
+        return y_TN.reshape(*inp.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")

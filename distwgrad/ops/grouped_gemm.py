@@ -1,0 +1,123 @@
+"""The one grouped-GEMM interface GroupedLinear calls: three MoE products over ragged token groups.
+
+Legend: E experts (groups), T tokens, K in-features, N out-features.
+``offs_E`` holds the END offset of each group's token range (int32, on the tokens' device), as
+``torch._grouped_mm`` takes it: group ``e`` owns rows ``offs_E[e-1]:offs_E[e]`` of ``x_TK``.
+
+    fprop   y_TN[g]   = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])
+    dgrad   dx_TK[g]  = dy_TN[g] @ w_ENK[e]
+    wgrad   dW_ENK[e] = dy_TN[g]^T @ x_TK[g]      (contraction over the group's tokens)
+
+``wgrad`` either returns a fresh tensor or ACCUMULATES into fp32 outputs (``main_grad`` or a
+distributed weight's ``grad_buffer()``): ``out`` is a stacked ``[E, N, K]`` fp32 tensor or a list of E
+``[N, K]`` fp32 tensors (discrete weights keep separate buffers); a group with no tokens adds nothing.
+
+[Note: grouped gemm dispatch]
+CPU tensors always take the torch reference in ``distwgrad.testing.reference`` (bit-exact with a
+per-expert ``torch.nn.functional.linear`` oracle, which the CPU tests rely on). CUDA tensors take the
+Triton kernels in ``distwgrad.kernels.grouped_gemm`` when Triton imports; otherwise the reference. The
+choice is made here and nowhere else, so the modules never know which one ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from distwgrad.testing import reference
+
+__all__ = ["splits_to_offsets", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "kernels_available"]
+
+
+def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_tokens: int,
+                      device: torch.device) -> torch.Tensor:
+    """Validates ``m_splits`` and returns int32 end offsets on ``device``.
+
+    A list (or CPU tensor) is checked on the host: length, no negative split, sum equals the token
+    count. A CUDA tensor is never read on the host (no sync): the cumulative sum runs on the device and
+    the sum check is an asynchronous device assertion.
+    """
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1 or m_splits.numel() != num_groups:
+            raise ValueError(f"m_splits must have {num_groups} entries (one per GEMM), got shape "
+                             f"{tuple(m_splits.shape)}")
+        if m_splits.dtype.is_floating_point or m_splits.dtype == torch.bool:
+            raise TypeError(f"m_splits must be an integer tensor, got {m_splits.dtype}")
+        if m_splits.device.type == "cpu":
+            return splits_to_offsets(m_splits.tolist(), num_groups, num_tokens, device)
+        offs = torch.cumsum(m_splits.to(device=device, dtype=torch.int32), 0, dtype=torch.int32)
+        torch._assert_async(offs[-1] == num_tokens, "m_splits do not sum to the number of tokens")
+        torch._assert_async((m_splits >= 0).all(), "m_splits has a negative split")
+        return offs
+    splits = list(m_splits)
+    if len(splits) != num_groups:
+        raise ValueError(f"m_splits must have {num_groups} entries (one per GEMM), got {len(splits)}: "
+                         f"{splits}")
+    if any((not isinstance(s, int)) or isinstance(s, bool) for s in splits):
+        raise TypeError(f"m_splits must hold ints, got {splits}")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"m_splits has a negative split: {splits}")
+    if sum(splits) != num_tokens:
+        raise ValueError(f"m_splits {splits} sum to {sum(splits)}, but the input has {num_tokens} tokens")
+    ends, total = [], 0
+    for s in splits:
+        total += s
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def kernels_available(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on CUDA and the Triton grouped-GEMM kernels import."""
+    if t.device.type != "cuda":
+        return False
+    try:
+        from distwgrad.kernels import grouped_gemm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                  bias_EN: torch.Tensor | None = None) -> torch.Tensor:
+    """``y_TN`` for every group; see the module docstring."""
+    if kernels_available(x_TK):
+        from distwgrad.kernels import grouped_gemm as k
+        return k.grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    return reference.grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
+
+
+def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``dx_TK`` for every group; see the module docstring."""
+    if kernels_available(dy_TN):
+        from distwgrad.kernels import grouped_gemm as k
+        return k.grouped_dgrad(dy_TN, w_ENK, offs_E)
+    return reference.grouped_dgrad(dy_TN, w_ENK, offs_E)
+
+
+def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, *,
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+    """``dW`` per group; with ``out`` (fp32) it is added into ``out`` and ``out`` is returned."""
+    if kernels_available(dy_TN):
+        from distwgrad.kernels import grouped_gemm as k
+        return k.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+    return reference.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+
+
+def grouped_bias_grad(dy_TN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``db_EN[e] = sum of dy_TN over group e's tokens``.
+
+    CPU: a per-group ``sum(0)``, bit-exact with a per-expert ``torch.nn.Linear``. CUDA: one fp32
+    ``index_add_`` keyed by each token's group (found on the device: no host sync), cast back.
+    """
+    if dy_TN.device.type != "cuda":
+        return reference.grouped_bias_grad(dy_TN, offs_E)
+    num_tokens = dy_TN.shape[0]
+    tokens = torch.arange(num_tokens, device=dy_TN.device, dtype=torch.int32)
+    group_T = torch.searchsorted(offs_E, tokens, right=True)
+    db_EN = torch.zeros(offs_E.numel(), dy_TN.shape[1], dtype=torch.float32, device=dy_TN.device)
+    db_EN.index_add_(0, group_T, dy_TN.float())
+    return db_EN.to(dy_TN.dtype)
+
+
+__all__ += ["grouped_bias_grad"]

@@ -1,0 +1,57 @@
+"""Collectives the weights use, with one spelling across the torch versions we support (>= 2.11).
+
+Every helper takes the group explicitly (no module-level group globals) and treats ``group=None`` with
+no initialised process group as a group of one, so single-process code needs no ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["resolve_group", "group_rank", "group_size", "all_gather_into", "reduce_scatter_sum",
+           "all_reduce_sum", "all_gather_objects"]
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 only has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def resolve_group(group: Any) -> Any:
+    """``None`` means the default group; with no initialised default group, a group of one."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+def group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``out`` (``size * len(inp)`` rows) receives every rank's ``inp`` in rank order."""
+    _all_gather_single(out, inp, group=group)
+
+
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """``out`` receives this rank's row block of the element-wise sum of every rank's ``inp``."""
+    _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_gather_objects(obj: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,183 @@
+"""``DistributedParameter``: the accounting every distwgrad weight shares.
+
+A weight knows how many gradient contributions a step owes it and how many have arrived, and it reduces
+exactly when they are all there. Subclasses only say how to gather (``_gather``) and how to reduce a
+full-size fp32 buffer to their local shape (``_reduce``).
+
+[Note: contribution accounting]
+* A module's forward calls ``expect_contribution()`` once per use of the weight that will need a
+  gradient (grad mode on, weight requires grad). Tied weights are used several times; microbatches add
+  more uses. The count lives on the weight object, so a tied weight counts all of its users.
+* Every wgrad GEMM of such a use (now, or deferred to ``backward_dw``) accumulates into
+  ``grad_buffer()`` (fp32, full size: None -> zeros, then add; never assign) and calls
+  ``finalize_group_grads``, which counts one delivery. A delivery beyond the expected count raises:
+  nothing is counted twice.
+* ``ReducePolicy.PER_MICROBATCH`` (default) reduces when deliveries catch up with uses, i.e. after each
+  microbatch's last contribution: the buffer is reduced into the fp32 ``main_grad`` and freed, so
+  between microbatches only 1/N of the weight's gradient is held. ``PER_STEP`` keeps accumulating the
+  full buffer and reduces once in ``finish_step`` (fewer collectives, full-size memory).
+* ``finish_step`` (called by ``distwgrad.finalize_model_grads``) refuses to finish while a contribution
+  is missing, reduces what is left, applies the token scaling, then adds the step's gradient to
+  ``.grad`` (None initialises, otherwise add, as autograd does) so any ``torch.optim`` optimizer works.
+  A second ``finish_step`` with no new contribution is a no-op. The next ``expect_contribution`` opens a
+  new step and zeroes ``main_grad`` (the caller's ``main_grad`` tensor is zeroed in place, never replaced).
+* Collectives fire in the order contributions complete, which is the same on every rank because every
+  rank runs the same program; the reduction is an fp32 sum divided by the group size (an average, as
+  DDP and FSDP do).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distwgrad.weights import _comm
+
+__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError"]
+
+
+class ReducePolicy(enum.Enum):
+    """When a weight reduces its gradient; see [Note: contribution accounting]."""
+
+    PER_MICROBATCH = "per_microbatch"
+    PER_STEP = "per_step"
+
+
+class MissingContributionError(RuntimeError):
+    """A step was finished while some weight still expected gradient contributions."""
+
+
+class DistributedParameter(nn.Parameter):
+    """Base class of distwgrad's weights: an ``nn.Parameter`` holding this rank's local tensor."""
+
+    is_distributed_weight = True
+    _distwgrad_weight = True
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
+        return super().__new__(cls, data, requires_grad)
+
+    def _init_state(self, group: Any, reduce_policy: ReducePolicy, full_shape: torch.Size) -> None:
+        if not isinstance(reduce_policy, ReducePolicy):
+            raise TypeError(f"reduce_policy must be a ReducePolicy, got {reduce_policy!r}")
+        self.group = group
+        self.reduce_policy = reduce_policy
+        self.full_shape = torch.Size(full_shape)
+        self._buffer: torch.Tensor | None = None
+        self._expected = 0
+        self._delivered = 0
+        self._reduced = 0
+        self._step_closed = True
+        self._step_has_grad = False
+        self.bytes_gathered = 0
+        self.bytes_reduced = 0
+
+    # --- what subclasses provide -------------------------------------------------------------------
+    def _gather(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- the protocol --------------------------------------------------------------------------------
+    def materialize_group_for_forward(self) -> list[torch.Tensor]:
+        return [self._gather()]
+
+    def materialize_group_for_backward(self) -> list[torch.Tensor]:
+        return [self._gather()]
+
+    def grad_buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
+        return self._buffer
+
+    def finalize_group_grads(self, wgrads: Sequence[torch.Tensor]) -> list[None]:
+        if len(wgrads) != 1:
+            raise ValueError(f"{self._name()} acts for itself: expected 1 wgrad, got {len(wgrads)}")
+        (wgrad,) = wgrads
+        buf = self.grad_buffer()
+        if wgrad is not buf:
+            if tuple(wgrad.shape) != tuple(self.full_shape):
+                raise ValueError(f"{self._name()}: wgrad of shape {tuple(wgrad.shape)} for a weight of full "
+                                 f"shape {tuple(self.full_shape)}")
+            buf.add_(wgrad)
+        self._delivered += 1
+        if self._delivered > self._expected:
+            raise RuntimeError(
+                f"{self._name()} received contribution {self._delivered} but only {self._expected} uses "
+                f"needing a gradient were recorded this step (a wgrad delivered twice, or a forward that "
+                f"bypassed expect_contribution)")
+        if self.reduce_policy is ReducePolicy.PER_MICROBATCH and self._delivered == self._expected:
+            self._reduce_pending()
+        return [None]
+
+    # --- accounting ----------------------------------------------------------------------------------
+    def expect_contribution(self, count: int = 1) -> None:
+        """Records ``count`` uses in forward that will deliver a gradient; opens a step if needed."""
+        if self._step_closed:
+            self._step_closed = False
+            self._expected = self._delivered = self._reduced = 0
+            self._step_has_grad = False
+            main_grad = getattr(self, "main_grad", None)
+            if main_grad is not None:
+                main_grad.zero_()
+        self._expected += count
+
+    @property
+    def pending_contributions(self) -> int:
+        """Uses recorded this step whose gradient has not been delivered yet."""
+        return self._expected - self._delivered
+
+    def _main_grad(self) -> torch.Tensor:
+        main_grad = getattr(self, "main_grad", None)
+        if main_grad is None:
+            main_grad = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+            self.main_grad = main_grad
+        elif tuple(main_grad.shape) != tuple(self.shape):
+            raise ValueError(f"{self._name()}: main_grad has shape {tuple(main_grad.shape)}, expected the "
+                             f"local shape {tuple(self.shape)}")
+        return main_grad
+
+    def _reduce_pending(self) -> None:
+        if self._delivered == self._reduced or self._buffer is None:
+            return
+        buffer, self._buffer = self._buffer, None
+        reduced = self._reduce(buffer)
+        self._main_grad().add_(reduced)
+        self._reduced = self._delivered
+        self._step_has_grad = True
+
+    def finish_step(self, scale: float | None = None) -> bool:
+        """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
+        if self._step_closed:
+            return False
+        if self._delivered != self._expected:
+            raise MissingContributionError(
+                f"{self._name()}: {self._expected - self._delivered} of {self._expected} gradient "
+                f"contributions this step never arrived (an undrained backward_dw, or a forward whose "
+                f"backward never ran)")
+        self._reduce_pending()
+        self._step_closed = True
+        if not self._step_has_grad:
+            return False
+        main_grad = self._main_grad()
+        if scale is not None:
+            main_grad.mul_(scale)
+        grad = main_grad.to(self.dtype)
+        if self.grad is None:
+            self.grad = grad if grad is not main_grad else grad.clone()
+        else:
+            self.grad.add_(grad)
+        self.grad_added_to_main_grad = True
+        return True
+
+    def _name(self) -> str:
+        return f"{type(self).__name__}(local {tuple(self.shape)}, full {tuple(self.full_shape)})"
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(local={tuple(self.shape)}, full={tuple(self.full_shape)}, "
+                f"rank={_comm.group_rank(self.group)}/{_comm.group_size(self.group)}, dtype={self.dtype}, "
+                f"policy={self.reduce_policy.value})")

@@ -1,0 +1,47 @@
+"""``ReplicatedWeight``: a full copy on every rank whose gradient is all-reduced (DDP-like).
+
+It goes through the same accounting as ``ShardedWeight`` (``weights/base.py``), so tied uses, microbatches
+and deferred wgrads land exactly once before the fp32 all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distwgrad.weights import _comm
+from distwgrad.weights.base import DistributedParameter, ReducePolicy
+
+__all__ = ["ReplicatedWeight"]
+
+
+class ReplicatedWeight(DistributedParameter):
+    """A weight replicated over ``group``; finalize averages its gradient over the group in fp32."""
+
+    @classmethod
+    def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
+                  reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
+                  requires_grad: bool = True) -> ReplicatedWeight:
+        """Wraps a copy of ``tensor``, which must be identical on every rank (shape/dtype checked)."""
+        group = _comm.resolve_group(group)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"ReplicatedWeight.from_full needs a tensor, got {type(tensor).__name__}")
+        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype)), group)
+        if any(m != meta[0] for m in meta):
+            raise ValueError(f"ReplicatedWeight.from_full: ranks disagree on the tensor: "
+                             f"{dict(enumerate(meta))} (shape, dtype) by rank")
+        self = cls(tensor.detach().clone(), requires_grad)
+        self._init_state(group, reduce_policy, tensor.shape)
+        return self
+
+    def _gather(self) -> torch.Tensor:
+        return self.detach()
+
+    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+        size = _comm.group_size(self.group)
+        if size > 1:
+            _comm.all_reduce_sum(buffer, self.group)
+            self.bytes_reduced += buffer.numel() * buffer.element_size()
+            buffer.div_(size)
+        return buffer

@@ -1,0 +1,117 @@
+"""``ShardedWeight``: a parameter that holds this rank's dim-0 shard of a full weight.
+
+Forward all-gathers a transient full weight, backward re-gathers it, wgrads accumulate into a full fp32
+``grad_buffer()`` and the reduction reduce-scatters that buffer, in fp32, into the shard's ``main_grad``
+(see [Note: contribution accounting] in ``weights/base.py``). The optimizer steps on shards.
+
+Shards may be uneven: ``rows`` rows over ``size`` ranks give the first ``rows % size`` ranks one extra
+row (10 rows on 3 ranks: 4, 3, 3); a rank may hold zero rows. Collectives pad every shard to the largest
+shard's row count, so each rank sends and receives equal-sized blocks; padding rows are never read back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from distwgrad.weights import _comm
+from distwgrad.weights.base import DistributedParameter, ReducePolicy
+
+__all__ = ["ShardedWeight", "shard_rows"]
+
+
+def shard_rows(rows: int, size: int) -> list[int]:
+    """Rows held by each of ``size`` ranks for a dim-0 extent of ``rows``."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+class ShardedWeight(DistributedParameter):
+    """This rank's dim-0 shard of a weight, gathered on use and reduce-scattered on finalize.
+
+    Build it with :meth:`from_full` or :meth:`from_shard`; use it as any module's weight (constructor
+    argument or assignment), tied across as many modules as you like.
+    """
+
+    @classmethod
+    def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
+                  reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
+                  requires_grad: bool = True) -> ShardedWeight:
+        """Shards ``tensor``, which must be identical on every rank of ``group`` (None: default group).
+
+        Raises ``ValueError`` on every rank when the ranks disagree on the shape or dtype.
+        """
+        group = _comm.resolve_group(group)
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            raise ValueError(f"ShardedWeight.from_full needs a tensor with at least one dimension, got "
+                             f"{tensor!r}")
+        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype)), group)
+        if any(m != meta[0] for m in meta):
+            raise ValueError(f"ShardedWeight.from_full: ranks disagree on the full tensor: "
+                             f"{dict(enumerate(meta))} (shape, dtype) by rank")
+        rows = shard_rows(tensor.shape[0], _comm.group_size(group))
+        rank = _comm.group_rank(group)
+        start = sum(rows[:rank])
+        shard = tensor.detach()[start:start + rows[rank]].clone()
+        return cls._build(shard, group, rows, reduce_policy, requires_grad)
+
+    @classmethod
+    def from_shard(cls, shard: torch.Tensor, *, group: Any = None,
+                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
+                   requires_grad: bool = True) -> ShardedWeight:
+        """Wraps this rank's rows; ranks must agree on trailing dims and dtype (checked on every rank)."""
+        group = _comm.resolve_group(group)
+        meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype)), group)
+        if any(m[0][1:] != meta[0][0][1:] or m[1] != meta[0][1] for m in meta):
+            raise ValueError(f"ShardedWeight.from_shard: ranks disagree on trailing dims or dtype: "
+                             f"{dict(enumerate(meta))} (shape, dtype) by rank")
+        rows = [m[0][0] for m in meta]
+        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad)
+
+    @classmethod
+    def _build(cls, shard: torch.Tensor, group: Any, rows: list[int], reduce_policy: ReducePolicy,
+               requires_grad: bool) -> ShardedWeight:
+        self = cls(shard, requires_grad)
+        full_shape = torch.Size([sum(rows), *shard.shape[1:]])
+        self._init_state(group, reduce_policy, full_shape)
+        self.shard_rows = rows
+        self.shard_offset = sum(rows[: _comm.group_rank(group)])
+        return self
+
+    @property
+    def _padded_rows(self) -> int:
+        return max(self.shard_rows)
+
+    def _padded(self, t: torch.Tensor) -> torch.Tensor:
+        pad = self._padded_rows - t.shape[0]
+        if pad == 0:
+            return t.contiguous()
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+    def _gather(self) -> torch.Tensor:
+        size = _comm.group_size(self.group)
+        if size == 1:
+            return self.detach()
+        local = self._padded(self.detach())
+        out = local.new_empty(size * local.shape[0], *local.shape[1:])
+        _comm.all_gather_into(out, local, self.group)
+        self.bytes_gathered += out.numel() * out.element_size()
+        if len(set(self.shard_rows)) == 1:
+            return out
+        blocks = out.split(self._padded_rows)
+        return torch.cat([b[:r] for b, r in zip(blocks, self.shard_rows)])
+
+    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+        size = _comm.group_size(self.group)
+        if size == 1:
+            return buffer
+        if len(set(self.shard_rows)) == 1:
+            padded = buffer
+        else:
+            parts = buffer.split(self.shard_rows)
+            padded = torch.cat([self._padded(p) for p in parts])
+        out = buffer.new_empty(self._padded_rows, *buffer.shape[1:])
+        _comm.reduce_scatter_sum(out, padded.contiguous(), self.group)
+        self.bytes_reduced += padded.numel() * padded.element_size()
+        return out[: self.shape[0]].div_(size)

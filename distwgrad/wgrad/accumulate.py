@@ -1,0 +1,97 @@
+"""Where a weight gradient lands, identical for every module, every path, weight and bias alike.
+
+[Note: accumulate, never assign]
+A parameter can receive several contributions in one step: tied uses, microbatches, deferred wgrads
+drained in any order. Every contribution is therefore added, never assigned:
+
+* plain parameter, no fusion: the main backward hands the gradient to autograd (which accumulates into
+  ``.grad``); a deferred contribution initialises ``.grad`` when it is None and adds to it otherwise.
+  ``zero_grad(set_to_none=False)`` leaves zeros and ``True`` leaves None: both take a branch that lands
+  on the same value. The main backward never hands autograd an unfilled buffer: a deferred gradient is
+  ``None`` there.
+* plain parameter with ``fuse_wgrad_accumulation``: the GEMM accumulates into ``param.main_grad`` (fp32;
+  a caller-attached ``main_grad`` is used in place, never replaced; one is created at the first
+  contribution otherwise), sets ``param.grad_added_to_main_grad = True``, and autograd gets a dummy of
+  zeros (Megatron's ``zero_out_wgrad`` asks for zeros; distwgrad never hands autograd uninitialised
+  memory, so the dummy is zeros whether or not it is set).
+* distributed weight: the GEMM accumulates into ``grad_buffer()`` and ``finalize_weight_grads`` counts
+  the contribution; its return value is used once (see [Note: the finalize contract] in protocol.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from distwgrad.protocol import finalize_weight_grads, is_distributed_weight
+
+__all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad"]
+
+
+def add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``.grad``: None -> initialise with ``grad``, otherwise add. Never assigns over a gradient."""
+    if grad is None:
+        return
+    if tuple(grad.shape) != tuple(param.shape):
+        raise ValueError(f"a gradient of shape {tuple(grad.shape)} for a parameter of shape "
+                         f"{tuple(param.shape)}")
+    if param.grad is None:
+        param.grad = grad.detach().to(param.dtype).clone(memory_format=torch.contiguous_format)
+    else:
+        param.grad.add_(grad.to(param.grad.dtype))
+
+
+def main_grad_of(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's ``main_grad``, created as fp32 zeros at the first contribution if absent."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        param.main_grad = main_grad
+    elif tuple(main_grad.shape) != tuple(param.shape):
+        raise ValueError(f"main_grad has shape {tuple(main_grad.shape)} but its parameter has shape "
+                         f"{tuple(param.shape)}")
+    return main_grad
+
+
+def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool) -> list[torch.Tensor | None]:
+    """The buffer each parameter's wgrad GEMM accumulates into; None means 'return a fresh tensor'.
+
+    A group is all distributed or all plain (the dispatchers reject a plain leader with distributed
+    followers), so one GEMM call serves the group.
+    """
+    if params and is_distributed_weight(params[0]):
+        return [p.grad_buffer() for p in params]
+    if fuse:
+        return [main_grad_of(p) for p in params]
+    return [None] * len(params)
+
+
+def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor], *, fuse: bool,
+                   deferred: bool) -> list[torch.Tensor | None]:
+    """Completes one contribution per parameter; returns what the main backward hands autograd.
+
+    ``wgrads`` are what the GEMM produced: the targets of :func:`wgrad_targets` (already accumulated)
+    or fresh tensors. With ``deferred`` nothing goes to autograd (the main backward already returned
+    None) and every gradient is added to ``.grad`` here; see [Note: accumulate, never assign].
+    """
+    if params and is_distributed_weight(params[0]):
+        results = finalize_weight_grads(list(params), list(wgrads))
+    elif fuse:
+        for p in params:
+            p.grad_added_to_main_grad = True
+        return [None] * len(params) if deferred else [torch.zeros_like(p) for p in params]
+    else:
+        results = list(wgrads)
+    if deferred:
+        for p, g in zip(params, results):
+            add_to_grad(p, g)
+        return [None] * len(params)
+    return results
+
+
+def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
+              *, fuse: bool, deferred: bool) -> list[torch.Tensor | None]:
+    """Picks targets, runs ``gemm(targets)`` (which returns per-param wgrads), delivers them."""
+    targets = wgrad_targets(params, fuse)
+    return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred)

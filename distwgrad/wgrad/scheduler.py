@@ -1,0 +1,104 @@
+"""Draining every deferred wgrad of a model in one call, in a chosen order.
+
+TransformerEngine makes the caller loop over modules calling ``backward_dw()``; its reviewers asked for a
+context manager instead. ``drain_deferred_wgrads`` and ``deferred_wgrad_scope`` are that: they find every
+module of the model that defers, and run all of their queued wgrads. The per-module ``backward_dw()``
+stays for compatibility and for schedules that interleave wgrads with other work (pipeline bubbles).
+
+Order matters only for performance and for the order in which reductions fire (the same on every rank,
+so any order is safe): ``"reverse"`` (default) drains in reverse registration order, which is the order
+backward produced the work; ``"forward"`` drains in registration order; a list of module indices (into
+``deferred_modules(model)``) or of modules gives any other order, and must name each module once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from torch import nn
+
+from distwgrad.wgrad.store import DeferredWgradError
+
+__all__ = ["deferred_modules", "drain_deferred_wgrads", "deferred_wgrad_scope"]
+
+
+def _roots(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    if isinstance(model, nn.Module):
+        return [model]
+    roots = list(model)
+    if not all(isinstance(m, nn.Module) for m in roots):
+        raise TypeError(f"expected an nn.Module or a list of them, got {[type(m).__name__ for m in roots]}")
+    return roots
+
+
+def deferred_modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """Modules under ``model`` (or each of a list of model chunks) that defer their wgrads, each once."""
+    seen: set[int] = set()
+    out: list[nn.Module] = []
+    for i, root in enumerate(_roots(model)):
+        for name, m in root.named_modules():
+            need = getattr(m, "need_backward_dw", None)
+            if need is not None and need() and id(m) not in seen:
+                seen.add(id(m))
+                if hasattr(m, "wgrad_store"):
+                    m.wgrad_store.owner = f"{type(m).__name__} '{name or '<root>'}'" + (f" of chunk {i}" if i else "")
+                out.append(m)
+    return out
+
+
+def _ordered(mods: list[nn.Module], order) -> list[nn.Module]:
+    if order == "reverse":
+        return mods[::-1]
+    if order == "forward":
+        return mods
+    if isinstance(order, str):
+        raise ValueError(f"order must be 'reverse', 'forward' or a sequence, got {order!r}")
+    picked = [mods[o] if isinstance(o, int) else o for o in order]
+    if sorted(map(id, picked)) != sorted(map(id, mods)):
+        raise ValueError(f"order must name each of the {len(mods)} deferring modules exactly once, got {order!r}")
+    return picked
+
+
+def drain_deferred_wgrads(model: nn.Module | Sequence[nn.Module], *, order="reverse") -> int:
+    """Runs every queued deferred wgrad under ``model``; returns how many ran.
+
+    Each module drains its whole FIFO (oldest first) before the next module in ``order`` starts.
+    """
+    count = 0
+    for m in _ordered(deferred_modules(model), order):
+        while getattr(m, "pending_backward_dw", 0):
+            m.backward_dw()
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def deferred_wgrad_scope(model: nn.Module | Sequence[nn.Module], *, order="reverse",
+                         strict: bool = False) -> Iterator[list[nn.Module]]:
+    """Runs the body, then drains every deferred wgrad of ``model``.
+
+    With ``strict=True`` every deferring module refuses (``DeferredWgradError``) a forward that would
+    queue work on top of undrained work while the scope is open; the previous setting is restored on exit.
+    On an exception in the body nothing is drained (the step is broken; the weights' accounting will
+    say so at ``finalize_model_grads``).
+    """
+    mods = deferred_modules(model)
+    previous = [m.wgrad_store.strict for m in mods]
+    for m in mods:
+        m.wgrad_store.strict = strict or m.wgrad_store.strict
+    try:
+        yield mods
+        drain_deferred_wgrads(mods, order=order)
+    finally:
+        for m, s in zip(mods, previous):
+            m.wgrad_store.strict = s
+
+
+def undrained(model: nn.Module | Sequence[nn.Module]) -> list[str]:
+    """Names of modules with deferred wgrads still queued."""
+    return [f"{m.wgrad_store.owner} ({len(m.wgrad_store)} queued)" for m in deferred_modules(model)
+            if len(m.wgrad_store)]
+
+
+__all__ += ["undrained", "DeferredWgradError"]

@@ -1,0 +1,60 @@
+"""``WeightGradStore``: the per-module FIFO of deferred wgrad work.
+
+With ``delay_wgrad_compute=True`` a module's main backward computes dgrad only and queues a closure
+holding what the wgrad GEMM needs: the saved input, the output gradient and the *parameters* (never a
+gathered copy: the wgrad product needs no weight at all). ``backward_dw()`` pops the oldest closure,
+runs it, then fires the module's wgrad-accumulation-and-reduce hooks.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+__all__ = ["WeightGradStore", "DeferredWgradError"]
+
+
+class DeferredWgradError(RuntimeError):
+    """A deferred wgrad was drained, skipped or queued in the wrong order."""
+
+
+class WeightGradStore:
+    """FIFO of deferred wgrad closures for one module.
+
+    Args:
+        owner: a name for error messages (the module's qualified name once known).
+        strict: when True, :meth:`check_can_queue` (called at the start of every forward that will
+            queue work) raises if work from an earlier backward is still undrained.
+    """
+
+    def __init__(self, owner: str, *, strict: bool = False) -> None:
+        self.owner = owner
+        self.strict = strict
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, work: Callable[[], None]) -> None:
+        self._queue.append(work)
+
+    def check_can_queue(self) -> None:
+        if self.strict and self._queue:
+            raise DeferredWgradError(
+                f"{self.owner}: forward would queue deferred wgrad work on top of {len(self._queue)} "
+                f"undrained item(s); call backward_dw() (or distwgrad.drain_deferred_wgrads) first, or "
+                f"turn strict checking off")
+
+    def pop(self) -> None:
+        """Runs the oldest queued wgrad; raises naming the module when nothing is queued."""
+        if not self._queue:
+            raise DeferredWgradError(
+                f"{self.owner}: backward_dw() called with no deferred wgrad queued (every backward "
+                f"queues exactly one; was backward run, or was this module drained already?)")
+        self._queue.popleft()()
+
+    def clear(self) -> int:
+        """Drops queued work without running it (e.g. after an aborted step); returns how many."""
+        n = len(self._queue)
+        self._queue.clear()
+        return n
