@@ -50,7 +50,9 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool):
         if targets[0] is None:
             dW_ENK = gg.grouped_wgrad(dy_TN, x_TK, offs_E)
             return [dW_ENK] if packed else list(dW_ENK.unbind(0))
-        return list(gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets[0] if packed else targets))
+        if packed:
+            return [gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets[0])]
+        return list(gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets))
     return gemm
 
 

@@ -1,0 +1,298 @@
+"""FP8 quantization in plain torch: the oracle for the Triton kernels and the CPU emulation path.
+
+Legend: M rows, N columns of a 2-D tensor; ``(bm, bn)`` a scaling block; ``gm, gn = ceil(M/bm),
+ceil(N/bn)`` the scale grid. A GEMM ``y_MN = a_MK @ b_KN`` contracts over K.
+
+Everything here runs on CPU and CUDA with the same results, and ``distwgrad.kernels.quantize`` must
+reproduce it bit for bit. The arithmetic is therefore spelled out and kept to single IEEE fp32
+operations (no fused or approximate steps):
+
+[Note: fp8 scale arithmetic]
+    amax      = max |x| over the tensor or block, in fp32; +inf when any element is NaN or +-inf.
+                Padding of partial edge blocks is never read (the torch path pads with zeros,
+                which cannot raise a max of absolute values). An empty tensor has amax 0.
+    s         = fl32(fp8_max * 2**-margin / amax)           one correctly rounded fp32 division
+    s         = min(max(s, 2**-126), FLT_MAX)               inf (tiny amax) -> FLT_MAX; 1/s stays finite
+    s         = s with its mantissa bits cleared            only with power_of_two: round DOWN to 2**k
+    s         = 1      where amax == 0                      all-zero tensor or block
+    s         = NaN    where amax is not finite             see the NaN / inf policy below
+    scale_inv = fl32(1 / s)                                 one correctly rounded fp32 division
+    data      = fp8_rne(clamp(fl32(x * s), -fp8_max, fp8_max))
+    dequant   = fl32(fp32(data) * scale_inv)
+
+[Note: fp8 saturation and non-finite policy]
+- Saturation: values whose scaled magnitude exceeds fp8_max are clamped to +-fp8_max. With the amax
+  computed from the tensor itself this only trims fp32 rounding; it matters when the caller passes a
+  smaller amax (e.g. a stale or wrong one): those values saturate, they never become NaN or inf.
+- Zeros stay zeros (signed zeros keep their sign); an all-zero tensor or block gets scale 1.
+- Non-finite inputs POISON their scaling unit: a NaN or +-inf anywhere in a tensor (per-tensor) or in
+  a block makes amax +inf, the scale NaN, every fp8 value of that unit NaN and its scale_inv NaN. The
+  overflow stays visible downstream (loss-scaler / skip-step logic sees NaN) instead of being clamped
+  into plausible numbers. No host sync and no exception: the kernels behave the same way. NaN bit
+  patterns (sign, payload) are not specified; compare NaN as NaN.
+- A caller-given amax that is NaN or inf is treated the same way. amax must be >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
+
+__all__ = [
+    "Quantized", "compute_amax", "compute_scale", "quantize_per_tensor", "quantize_blockwise",
+    "quantize_rowwise_and_columnwise", "dequantize", "transpose_quantized", "fp8_matmul_reference",
+    "roundtrip_error_bound",
+]
+
+FLT_MAX = torch.finfo(torch.float32).max
+FLT_MIN_NORMAL = 2.0**-126
+_EXPONENT_MASK = 0x7F800000
+
+
+@dataclass(frozen=True, eq=False)
+class Quantized:
+    """An FP8 tensor with its scales (the role of TransformerEngine's ``Float8Tensor``).
+
+    ``dequantize(q) = fp32(data) * scale_inv`` (per-tensor) or with each block multiplied by its own
+    ``scale_inv`` entry.
+
+    Attributes:
+        data: float8 values, shape ``shape``, contiguous.
+        scale_inv: fp32; a 0-d tensor (per-tensor) or the ``[gm, gn]`` grid of per-block values.
+        block: ``(bm, bn)``, or ``None`` for per-tensor scaling.
+        orig_dtype: dtype of the tensor that was quantized (default dtype of ``dequantize``).
+        shape: logical shape (equals ``data.shape``; data is never padded).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int] | None
+    orig_dtype: torch.dtype
+    shape: torch.Size
+
+    def __post_init__(self) -> None:
+        fp8_format(self.data.dtype)
+        if self.scale_inv.dtype != torch.float32:
+            raise ValueError(f"Quantized.scale_inv must be float32, got {self.scale_inv.dtype}")
+        if tuple(self.data.shape) != tuple(self.shape):
+            raise ValueError(f"Quantized.data has shape {tuple(self.data.shape)}, expected {tuple(self.shape)}")
+        expected = () if self.block is None else _grid(self.shape, self.block)
+        if tuple(self.scale_inv.shape) != expected:
+            raise ValueError(f"Quantized.scale_inv has shape {tuple(self.scale_inv.shape)}, expected "
+                             f"{expected} for shape {tuple(self.shape)} and block {self.block}")
+
+
+def _grid(shape: tuple[int, ...] | torch.Size, block: tuple[int, int]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ValueError(f"blockwise scaling needs a 2-D tensor, got shape {tuple(shape)}")
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float64):
+        raise ValueError(f"can only quantize float32/float16/bfloat16 tensors, got {x.dtype}")
+
+
+def _nonfinite_to_inf(amax: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(amax), math.inf, amax)
+
+
+def compute_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a 0-d fp32 tensor on ``x.device``: +inf if ``x`` has a NaN or inf, 0 if empty.
+
+    Mapping NaN to +inf keeps a cross-rank ``all_reduce(MAX)`` of amaxes well defined (the MAX of a NaN
+    is not), and +inf yields the same NaN scale as NaN would (see [Note: fp8 scale arithmetic]).
+    """
+    _check_input(x)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return _nonfinite_to_inf(x.abs().amax().float())
+
+
+def compute_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, *,
+                  power_of_two: bool = False) -> torch.Tensor:
+    """The fp32 quantization scale(s) from amax(es), exactly as [Note: fp8 scale arithmetic] says.
+
+    Args:
+        amax: amax per tensor or per block, any shape, ``>= 0``; cast to fp32.
+        dtype: target float8 dtype.
+        margin: headroom in powers of two (``PerTensorScaling.margin``).
+        power_of_two: round the scale down to a power of two (``BlockwiseScaling.power_of_two``).
+
+    Returns:
+        fp32 tensor of ``amax``'s shape: ``x * scale`` maps amax to (at most) ``fp8_max * 2**-margin``.
+    """
+    fmt = fp8_format(dtype)
+    amax = amax.float()
+    scale = torch.full_like(amax, fmt.max * 2.0**-margin) / amax
+    scale = torch.clamp(scale, min=FLT_MIN_NORMAL, max=FLT_MAX)
+    if power_of_two:
+        scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+    scale = torch.where(amax == 0, 1.0, scale)
+    return torch.where(torch.isfinite(amax), scale, math.nan)
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(scale) / scale
+
+
+def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fmax = fp8_format(dtype).max
+    return torch.clamp(y, -fmax, fmax).to(dtype)
+
+
+def _as_amax(amax: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if not isinstance(amax, torch.Tensor):
+        return torch.tensor(float(amax), dtype=torch.float32, device=device)
+    if amax.numel() != 1:
+        raise ValueError(f"amax must hold one value, got shape {tuple(amax.shape)}")
+    if amax.device != device:
+        raise ValueError(f"amax is on {amax.device} but the tensor is on {device}")
+    return amax.reshape(()).float()
+
+
+def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | float | None = None,
+                        margin: int = 0) -> Quantized:
+    """Quantizes ``x`` (any shape) with one scale.
+
+    Args:
+        x: float32 / float16 / bfloat16 tensor.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        amax: use this amax instead of ``compute_amax(x)``. For a sharded weight pass the global amax:
+            ``compute_amax(shard)`` all-reduced with MAX over the shard group, so every rank gets the
+            same scale and the quantized shards concatenate to the quantized full weight. An amax
+            smaller than ``max |x|`` saturates the larger values.
+        margin: headroom in powers of two.
+
+    Returns:
+        ``Quantized`` with a 0-d ``scale_inv`` and ``block=None``.
+    """
+    _check_input(x)
+    amax_t = compute_amax(x) if amax is None else _as_amax(amax, x.device)
+    scale = compute_scale(amax_t, dtype, margin)
+    data = _cast(x.float() * scale, dtype)
+    return Quantized(data, _reciprocal(scale), None, x.dtype, x.shape)
+
+
+def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
+                       power_of_two: bool = True) -> Quantized:
+    """Quantizes a 2-D ``x_MN`` with one scale per ``block`` (e.g. ``(1, 128)`` or ``(128, 128)``).
+
+    A partial edge block (M or N not a multiple of the block) gets its own scale from its valid
+    elements only. The scale grid is ``[ceil(M/bm), ceil(N/bn)]``; data keeps ``x``'s shape.
+
+    Args:
+        x: 2-D float32 / float16 / bfloat16 tensor (flatten leading dims first: ``x.reshape(-1, K)``).
+        block: ``(bm, bn)``, positive ints.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        power_of_two: round each scale down to a power of two (``BlockwiseScaling``'s default).
+    """
+    _check_input(x)
+    if not (isinstance(block, tuple) and len(block) == 2 and all(isinstance(b, int) and b >= 1 for b in block)):
+        raise ValueError(f"block must be a tuple of two positive ints, got {block!r}")
+    (gm, gn), (bm, bn) = _grid(x.shape, block), block
+    M, N = x.shape
+    x_pad = F.pad(x.float(), (0, gn * bn - N, 0, gm * bm - M))  # zeros never raise a max of |x|
+    x_blk = x_pad.view(gm, bm, gn, bn)
+    amax = _nonfinite_to_inf(x_blk.abs().amax(dim=(1, 3)))
+    scale = compute_scale(amax, dtype, power_of_two=power_of_two)
+    data = _cast(x_blk * scale[:, None, :, None], dtype).view(gm * bm, gn * bn)[:M, :N].contiguous()
+    return Quantized(data, _reciprocal(scale), block, x.dtype, x.shape)
+
+
+def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
+                                    grad: bool = False) -> tuple[Quantized, Quantized]:
+    """Quantizes ``x_MN`` for both GEMMs that read it: as ``x`` and as ``x^T``.
+
+    An activation is contracted over N in forward (rows of x) and over M (tokens) in wgrad; a gradient
+    likewise in dgrad and wgrad. With 1xL tiles the two need different scales, so ``x^T`` is quantized
+    from the original values (never from ``x``'s fp8 data, which would compound two roundings).
+
+    Args:
+        x: 2-D float32 / float16 / bfloat16 tensor.
+        recipe: ``BlockwiseScaling`` (tiles ``recipe.act_block`` along N for ``x``, along M for
+            ``x^T``) or ``PerTensorScaling`` (one scale; ``x^T`` is the transposed data).
+        grad: ``x`` is a gradient (selects ``PerTensorScaling.grad_dtype``).
+
+    Returns:
+        ``(q_x, q_xt)``: quantizations of ``x_MN`` and of ``x^T_NM``, both with contiguous data.
+    """
+    dtype = recipe.dtype_for(grad=grad)
+    if isinstance(recipe, BlockwiseScaling):
+        return (quantize_blockwise(x, recipe.act_block, dtype, power_of_two=recipe.power_of_two),
+                quantize_blockwise(x.t(), recipe.act_block, dtype, power_of_two=recipe.power_of_two))
+    if isinstance(recipe, PerTensorScaling):
+        _grid(x.shape, (1, 1))
+        q = quantize_per_tensor(x, dtype, margin=recipe.margin)
+        return q, transpose_quantized(q)
+    raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+
+
+def _expanded_scale_inv(q: Quantized) -> torch.Tensor:
+    if q.block is None:
+        return q.scale_inv
+    (bm, bn), (M, N) = q.block, q.shape
+    return q.scale_inv.repeat_interleave(bm, 0)[:M].repeat_interleave(bn, 1)[:, :N]
+
+
+def dequantize(q: Quantized, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``fp32(data) * scale_inv`` (per element's block), cast to ``dtype`` (default ``q.orig_dtype``)."""
+    out = q.data.float() * _expanded_scale_inv(q)
+    return out.to(q.orig_dtype if dtype is None else dtype)
+
+
+def transpose_quantized(q: Quantized) -> Quantized:
+    """The quantization of ``x^T`` from that of ``x``, by moving bits: no re-quantization.
+
+    Exact for per-tensor scaling and for any block shape: block ``(i, j)`` of ``x`` with block shape
+    ``(bm, bn)`` is block ``(j, i)`` of ``x^T`` with block shape ``(bn, bm)``, with the same amax and
+    scale. For square weight blocks the result is in the weight recipe's own layout, which is why
+    ``BlockwiseScaling`` requires them (dgrad uses ``W`` where forward used ``W^T``).
+    """
+    _grid(q.shape, (1, 1))
+    scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().contiguous()
+    block = None if q.block is None else (q.block[1], q.block[0])
+    return Quantized(q.data.t().contiguous(), scale_inv, block, q.orig_dtype, torch.Size(q.shape[::-1]))
+
+
+def fp8_matmul_reference(a_q: Quantized, b_q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """Emulated FP8 GEMM ``y_MN = a_MK @ b_KN``: dequantize both to fp32, fp32 matmul, cast.
+
+    This is the CPU path ("FP8 by emulation, with the same scales"): the result is exactly the fp32
+    product of the dequantized operands, so its error against the unquantized product is the
+    quantization error alone (bounded in ``tests/test_fp8_gemm_emulation.py``). On CUDA, disable TF32
+    (``torch.backends.cuda.matmul.allow_tf32 = False``) for a true fp32 product.
+
+    Args:
+        a_q: quantized ``[M, K]``.
+        b_q: quantized ``[K, N]`` (for ``x @ W^T`` pass ``transpose_quantized(w_q)``).
+        out_dtype: dtype of the result.
+    """
+    if len(a_q.shape) != 2 or len(b_q.shape) != 2 or a_q.shape[1] != b_q.shape[0]:
+        raise ValueError(f"fp8_matmul_reference needs [M, K] @ [K, N], got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
+    a = dequantize(a_q, dtype=torch.float32)
+    b = dequantize(b_q, dtype=torch.float32)
+    return (a @ b).to(out_dtype)
+
+
+def roundtrip_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
+    """Elementwise bound on ``|x - dequantize(q, dtype=float32)|``, as float64.
+
+    ``|x| * 2**-(mantissa_bits + 1)`` (fp8 round-to-nearest, normal range) plus half a subnormal step
+    divided by the element's scale (fp8 subnormal range), plus slack for the three fp32 roundings
+    (``x * s``, ``1 / s``, ``data * scale_inv``; all exact with power-of-two scales). Valid for finite
+    ``x`` quantized without saturation (amax >= max |x| of each scaling unit); the one place where the
+    quantization tolerance of tests and integrations is defined.
+    """
+    fmt = fp8_format(q.data.dtype)
+    s_inv = _expanded_scale_inv(q).double()
+    ax = x.double().abs()
+    return (ax * 2.0 ** -(fmt.mantissa_bits + 1) + 0.5 * fmt.subnormal_step * s_inv) * (1 + 2.0**-20) \
+        + ax * 2.0**-21

@@ -1,0 +1,281 @@
+"""One harness for multi-rank tests: spawned gloo ranks, a per-call timeout, rank failures in the parent.
+
+Why: a multi-rank test has three ways to go wrong that a plain ``mp.spawn`` handles badly. A rank that
+raises leaves its peers blocked in a collective forever; a rank that hangs blocks the test run until
+CI's global timeout; a rank that dies in C code (segfault, ``os._exit``) reports nothing. Here the
+parent waits on every rank's result pipe and process sentinel with short polls, and as soon as one
+rank fails (or ``timeout`` passes) it kills all the others and raises :class:`DistributedTestError`
+with every rank's formatted traceback; for ranks that had not finished it adds their Python stacks,
+dumped by :mod:`faulthandler` on ``SIGUSR1`` just before the kill, which says where they were stuck.
+
+Each call rendezvouses through a FileStore in its own temporary directory (no TCP ports), so calls in
+parallel threads or under ``pytest -n auto`` do not collide. Children run ``torch.set_num_threads(1)``
+so several ranks do not oversubscribe a 2-core CI machine. Nothing is seeded: tests seed themselves.
+
+Start-up (a fresh interpreter importing torch per rank) costs seconds, so sweep a grid of cases
+inside one spawn instead of spawning per case::
+
+    def _rank_fn(rank, world_size, cases):            # module level, so the spawn can pickle it
+        for_each_case(cases, _check_one, rank, world_size)
+
+    @pytest.mark.distributed
+    def test_grid():
+        cases = [dict(n=n, dtype=d) for n, d in itertools.product([1, 7], [torch.float32])]
+        run_distributed(_rank_fn, 2, cases)           # a failure names its case: "case {'n': 7, ...}"
+
+Under ``torchrun`` (RANK, WORLD_SIZE and LOCAL_RANK set, e.g. on a GPU node) nothing is spawned: see
+:func:`run_distributed`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "for_each_case", "DistributedTestError", "CaseFailure"]
+
+_DEFAULT_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_POLL_S = 0.05  # parent's wait granularity; never blocks longer than this on a pipe
+_GRACE_S = 1.0  # after the first failure, how long peers get to report their own errors
+_PG_SLACK_S = 30.0  # group timeout = timeout + slack, so the parent's deadline fires first
+_STACK_WAIT_S = 1.0  # how long to wait for faulthandler stack dumps before killing
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died without reporting, or did not finish within the timeout."""
+
+
+class CaseFailure(Exception):
+    """One case of a :func:`for_each_case` sweep failed; ``case`` holds it, ``__cause__`` the error."""
+
+    def __init__(self, message: str, case: Any = None) -> None:
+        super().__init__(message)
+        self.case = case
+
+
+def for_each_case(cases: Iterable[Any], body: Callable[..., Any], *args: Any) -> list[Any]:
+    """Runs ``body(case, *args)`` for each case, naming the case that fails.
+
+    Args:
+        cases: The cases, e.g. dicts built from ``itertools.product``.
+        body: Called as ``body(case, *args)``.
+        *args: Passed after the case (typically ``rank, world_size``).
+
+    Returns:
+        The results of ``body``, in case order.
+
+    Raises:
+        CaseFailure: ``"case {case!r}: {type}: {message}"``, chained from the original exception.
+    """
+    results = []
+    for case in cases:
+        try:
+            results.append(body(case, *args))
+        except Exception as exc:
+            raise CaseFailure(f"case {case!r}: {type(exc).__name__}: {exc}", case) from exc
+    return results
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    backend: str | None = None, device: str = "cpu", **kwargs: Any) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks with a default group.
+
+    Spawn mode (the default): starts ``world_size`` processes (spawn context); each initialises the
+    default process group through a ``file://`` store in a fresh temporary directory, calls ``fn``,
+    sends back its return value and destroys the group (also on failure, best effort). With
+    ``device="cuda"`` each rank first calls ``torch.cuda.set_device(rank)``.
+
+    Torchrun mode: if RANK, WORLD_SIZE and LOCAL_RANK are all set, nothing is spawned. The default
+    group is initialised from the environment unless it already is (and is left initialised for the
+    next call), ``fn`` runs for this rank in this process, and the result list holds only this rank's
+    value (others ``None``). ``timeout`` then only bounds collectives, and only if this call created
+    the group; a failure on one rank may leave the others waiting until that group timeout.
+
+    Args:
+        fn: A module-level (picklable) function; its ``args``/``kwargs`` and return value must be
+            picklable too. Return CPU tensors or plain values: they are unpickled in the parent.
+        world_size: Number of ranks.
+        *args: Passed to ``fn`` after ``rank, world_size``.
+        timeout: Seconds from the spawn until every rank must have returned.
+        backend: Process-group backend; default gloo for ``"cpu"``, nccl for ``"cuda"``.
+        device: ``"cpu"`` or ``"cuda"``.
+        **kwargs: Passed to ``fn`` (so ``fn`` cannot take ``timeout``, ``backend`` or ``device``).
+
+    Returns:
+        The per-rank return values, in rank order.
+
+    Raises:
+        DistributedTestError: A rank raised (message holds ``rank N`` and its traceback, and those
+            of other ranks that failed), died without reporting (with its exit code), or had not
+            finished after ``timeout`` seconds (names the ranks and the timeout).
+        ValueError: ``world_size``, ``timeout`` or ``device`` is invalid.
+        TypeError: ``fn`` or its arguments cannot be pickled.
+    """
+    if world_size < 1 or timeout <= 0 or device not in _DEFAULT_BACKEND:
+        raise ValueError(f"need world_size >= 1, timeout > 0, device in {sorted(_DEFAULT_BACKEND)}; "
+                         f"got world_size={world_size}, timeout={timeout}, device={device!r}")
+    backend = backend or _DEFAULT_BACKEND[device]
+    if all(k in os.environ for k in _TORCHRUN_ENV):
+        return _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend, device)
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        _skip(f"needs {world_size} CUDA devices, found {torch.cuda.device_count()}")
+    try:
+        pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"fn={fn!r} and its arguments must be picklable (define fn at module "
+                        f"level): {exc}") from exc
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="distwgrad-rdzv-") as tmp:
+        procs, readers = [], []
+        try:
+            for rank in range(world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                spec = (rank, world_size, f"file://{tmp}/store", backend, device, timeout,
+                        os.path.join(tmp, f"stack-{rank}.txt"), writer, fn, args, kwargs)
+                # Not daemonic, so a rank may start its own workers; the finally below kills every rank.
+                procs.append(ctx.Process(target=_child_main, args=spec))
+                procs[-1].start()
+                writer.close()  # the parent keeps only the read end, so a dead child reads as EOF
+                readers.append(reader)
+            return _collect(procs, readers, time.monotonic() + timeout, timeout, tmp)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            for r in readers:
+                r.close()
+
+
+def _skip(reason: str) -> None:
+    try:
+        import pytest
+    except ImportError:
+        raise RuntimeError(f"cannot run this distributed test: {reason}") from None
+    pytest.skip(reason)
+
+
+def _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend, device) -> list[Any]:
+    env_world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if env_world_size != world_size:
+        _skip(f"test needs world_size={world_size}, torchrun launched WORLD_SIZE={env_world_size}")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    results: list[Any] = [None] * world_size
+    try:
+        results[rank] = fn(rank, world_size, *args, **kwargs)
+    except Exception as exc:
+        raise DistributedTestError(f"rank {rank} failed:\n{traceback.format_exc()}") from exc
+    return results
+
+
+def _child_main(rank, world_size, init_method, backend, device, timeout, stack_path, writer,
+                fn, args, kwargs) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"  # for anything this rank launches
+    torch.set_num_threads(1)
+    stack_file = open(stack_path, "w")  # stays open: faulthandler writes to its fd on SIGUSR1
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout + _PG_SLACK_S))
+        report = (True, fn(rank, world_size, *args, **kwargs))
+    except BaseException:  # report everything, SystemExit and KeyboardInterrupt included
+        report = (False, traceback.format_exc())
+    try:
+        payload = pickle.dumps(report)
+    except Exception:
+        payload = pickle.dumps((False, f"return value could not be pickled:\n{traceback.format_exc()}"))
+    writer.send_bytes(payload)  # report before teardown, so the parent learns of a failure at once
+    writer.close()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # best effort: peers may be gone already, and the parent has the report
+        pass
+    stack_file.close()
+
+
+def _collect(procs, readers: list[Connection], deadline: float, timeout: float, tmp: str) -> list[Any]:
+    results: list[Any] = [None] * len(procs)
+    pending, failures = set(range(len(procs))), []
+    while pending and time.monotonic() < deadline:
+        wait([readers[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=_POLL_S)
+        for rank in sorted(pending):
+            report = _try_receive(readers[rank], procs[rank])
+            if report is None:
+                continue
+            pending.discard(rank)
+            if report[0]:
+                results[rank] = report[1]
+            else:
+                failures.append((rank, report[1]))
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+    if not pending and not failures:
+        return results
+    stacks = _dump_stacks(procs, sorted(pending), tmp)
+    if failures:
+        msg = (f"{len(failures)} of {len(procs)} ranks failed (in the order they reported; later "
+               f"ones are often peers reacting to the first):\n")
+        msg += "".join(f"--- rank {rank} ---\n{text}\n" for rank, text in failures)
+        if pending:
+            msg += f"ranks {sorted(pending)} had not finished and were killed; their stacks:\n"
+    else:
+        done = sorted(set(range(len(procs))) - pending)
+        msg = (f"timed out after {timeout} s: ranks {sorted(pending)} had not finished (ranks {done} "
+               f"returned); their Python stacks at the timeout:\n")
+    msg += "".join(f"--- rank {rank} stack ---\n{stacks[rank]}\n" for rank in sorted(pending))
+    raise DistributedTestError(msg)
+
+
+def _try_receive(reader: Connection, proc) -> tuple[bool, Any] | None:
+    """The rank's ``(ok, value_or_traceback)``, or ``None`` while it is still running."""
+    alive = proc.is_alive()  # checked first: once it is dead, all it ever sent is in the pipe
+    if reader.poll():
+        try:
+            return pickle.loads(reader.recv_bytes())
+        except EOFError:
+            alive = False
+    if alive:
+        return None
+    proc.join(5.0)
+    return False, f"process exited with code {proc.exitcode} without reporting a result\n"
+
+
+def _dump_stacks(procs, ranks: list[int], tmp: str) -> dict[int, str]:
+    """Asks each live rank in ``ranks`` for its Python stacks (faulthandler on SIGUSR1)."""
+    paths = {r: os.path.join(tmp, f"stack-{r}.txt") for r in ranks}
+    if hasattr(signal, "SIGUSR1"):
+        for r in ranks:
+            if procs[r].is_alive():
+                os.kill(procs[r].pid, signal.SIGUSR1)
+        until = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < until and not all(_read(p) for p in paths.values()):
+            time.sleep(_POLL_S)
+    return {r: _read(p) or "(no stack: the rank was not running Python code yet)" for r, p in paths.items()}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
