@@ -4,9 +4,11 @@ Forward all-gathers a transient full weight, backward re-gathers it, wgrads accu
 ``grad_buffer()`` and the reduction reduce-scatters that buffer, in fp32, into the shard's ``main_grad``
 (see [Note: contribution accounting] in ``weights/base.py``). The optimizer steps on shards.
 
-Shards may be uneven: ``rows`` rows over ``size`` ranks give the first ``rows % size`` ranks one extra
-row (10 rows on 3 ranks: 4, 3, 3); a rank may hold zero rows. Collectives pad every shard to the largest
-shard's row count, so each rank sends and receives equal-sized blocks; padding rows are never read back.
+Shards may be uneven and follow ``torch.chunk`` (and so DTensor's ``Shard(0)``): every rank holds
+``ceil(rows / size)`` rows until the rows run out (10 rows on 3 ranks: 4, 4, 2; 2 rows on 3 ranks: 1, 1,
+0). Using DTensor's layout lets ``torch.distributed.checkpoint`` reshard our weights between world
+sizes. Collectives pad every shard to the largest shard's row count, so each rank sends and receives
+equal-sized blocks; padding rows are never read back.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ __all__ = ["ShardedWeight", "shard_rows"]
 
 
 def shard_rows(rows: int, size: int) -> list[int]:
-    """Rows held by each of ``size`` ranks for a dim-0 extent of ``rows``."""
-    base, extra = divmod(rows, size)
-    return [base + (1 if r < extra else 0) for r in range(size)]
+    """Rows held by each of ``size`` ranks for a dim-0 extent of ``rows`` (``torch.chunk`` layout)."""
+    if rows < 0 or size <= 0:
+        raise ValueError(f"shard_rows needs rows >= 0 and size > 0, got rows={rows}, size={size}")
+    chunk = -(-rows // size)
+    return [max(0, min(rows, (r + 1) * chunk) - r * chunk) for r in range(size)]
 
 
 class ShardedWeight(DistributedParameter):
@@ -60,13 +64,17 @@ class ShardedWeight(DistributedParameter):
     def from_shard(cls, shard: torch.Tensor, *, group: Any = None,
                    reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
                    requires_grad: bool = True) -> ShardedWeight:
-        """Wraps this rank's rows; ranks must agree on trailing dims and dtype (checked on every rank)."""
+        """Wraps this rank's rows; ranks must agree on trailing dims and dtype and the rows must follow the
+        ``torch.chunk`` layout of :func:`shard_rows` (checked on every rank)."""
         group = _comm.resolve_group(group)
         meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype)), group)
         if any(m[0][1:] != meta[0][0][1:] or m[1] != meta[0][1] for m in meta):
             raise ValueError(f"ShardedWeight.from_shard: ranks disagree on trailing dims or dtype: "
                              f"{dict(enumerate(meta))} (shape, dtype) by rank")
         rows = [m[0][0] for m in meta]
+        if rows != shard_rows(sum(rows), len(rows)):
+            raise ValueError(f"ShardedWeight.from_shard: rows per rank {rows} do not follow the torch.chunk "
+                             f"layout {shard_rows(sum(rows), len(rows))} for {sum(rows)} rows")
         return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad)
 
     @classmethod

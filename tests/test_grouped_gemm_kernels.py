@@ -1,0 +1,316 @@
+"""Tests for the Triton grouped GEMMs (``distwgrad.kernels.grouped_gemm``) against the in-package oracle.
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` in a child process (this file is also its script:
+``python tests/test_grouped_gemm_kernels.py GROUP``), so the variable never leaks into other test
+modules that import Triton. Tiny shapes. The interpreter computes bf16 ``tl.dot`` on bit patterns (the
+kernels upcast bf16 to fp32 there) and TRUNCATES fp32 -> bf16 stores (the GPU rounds to nearest), so bf16
+goes through the interpreter only where the output is fp32 (accumulating wgrad); bf16 outputs are tested
+on the GPU (``@pytest.mark.gpu``).
+
+Every comparison uses the bound in [Note: grouped gemm error bound] (kernels/_grouped_gemm_configs.py):
+our error against an fp64 oracle must be <= 2x the torch reference's own error at the same precision plus
+a 1e-5 relative floor, in both the Frobenius and the max norm. Fresh outputs are poisoned with NaN first,
+so an unwritten tile fails; splits are random and include empty groups.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distwgrad.testing import reference as R
+
+_HERE = os.path.abspath(__file__)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernels():
+    from distwgrad.kernels import grouped_gemm
+    return grouped_gemm
+
+
+def _bound():
+    from distwgrad.kernels import _grouped_gemm_configs
+    return _grouped_gemm_configs.error_vs_oracle
+
+
+def _random_offsets(T: int, E: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Random split of T tokens into E groups, about a third of them empty."""
+    weights = torch.rand(E, generator=gen) * (torch.rand(E, generator=gen) > 0.33)
+    if weights.sum() == 0:
+        weights[0] = 1.0
+    idx = torch.multinomial(weights, T, replacement=True, generator=gen) if T else torch.empty(0).long()
+    splits = torch.bincount(idx, minlength=E)
+    return splits.cumsum(0).to(torch.int32).to(device)
+
+
+def _inputs(T, E, K, N, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    return dict(x=r(T, K), w=r(E, N, K), b=r(E, N), dy=r(T, N), m=torch.randn(E, N, K, generator=gen)
+                .to(device), offs=_random_offsets(T, E, gen, device))
+
+
+def _check(what, ours, reference, oracle):
+    res = _bound()(ours, reference, oracle)
+    assert res["ok"], f"{what}: {res}"
+
+
+def _poisoned(shape, like):
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _check_all_ops(T, E, K, N, dtype, device, *, seed=0, use_tma=None, config=None, bias=True,
+                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list")):
+    """Runs the launchers on NaN-poisoned outputs and checks each op against the oracle."""
+    k = _kernels()
+    d = _inputs(T, E, K, N, dtype, device, seed)
+    x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]
+    b = d["b"] if bias else None
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    kw = dict(config=config, use_tma=use_tma)
+    tag = f"T={T} E={E} K={K} N={N} {dtype} tma={use_tma}"
+    if "fprop" in ops:
+        y = k._launch_ragged(x, w, offs, b, _poisoned((T, N), x), w_trans=True, **kw)
+        _check(f"fprop {tag}", y, R.grouped_fprop(x, w, offs, b),
+               R.grouped_fprop(x64, w64, offs, None if b is None else b.double()))
+    if "dgrad" in ops:
+        dx = k._launch_ragged(dy, w, offs, None, _poisoned((T, K), x), w_trans=False, **kw)
+        _check(f"dgrad {tag}", dx, R.grouped_dgrad(dy, w, offs), R.grouped_dgrad(dy64, w64, offs))
+    oracle_dw = R.grouped_wgrad(dy64, x64, offs)
+    if "wgrad" in ops:
+        dw = _poisoned((E, N, K), x)
+        k._launch_wgrad(dy, x, offs, dw, accumulate=False, table=None, **kw)
+        _check(f"wgrad {tag}", dw, R.grouped_wgrad(dy, x, offs), oracle_dw)
+    if "wgrad_acc" in ops:
+        out = k._wgrad(dy, x, offs, out=m.clone(), **kw)
+        _check(f"wgrad_acc {tag}", out, R.grouped_wgrad(dy, x, offs, out=m.clone()), m.double() + oracle_dw)
+    if "wgrad_acc_list" in ops:
+        # separate buffers at unrelated addresses, each a strided view (row stride K + 3)
+        bufs = [torch.zeros(N, K + 3, device=device)[:, :K] for _ in range(E)]
+        for e in range(E):
+            bufs[e].copy_(m[e])
+        k._wgrad(dy, x, offs, out=bufs, **kw)
+        _check(f"wgrad_acc_list {tag}", torch.stack(bufs), R.grouped_wgrad(dy, x, offs, out=m.clone()),
+               m.double() + oracle_dw)
+
+
+# ---- interpreter cases (run in the child process) -------------------------------------------------
+
+
+def _case_fprop_dgrad():
+    for dtype in (torch.float16, torch.float32):
+        for T, E, K, N in ((64, 5, 48, 40), (37, 3, 24, 16)):   # K, N % 8 == 0: TMA-able rows
+            for use_tma in (False, True):
+                _check_all_ops(T, E, K, N, dtype, "cpu", seed=T + E, use_tma=use_tma, ops=("fprop", "dgrad"))
+        _check_all_ops(50, 4, 45, 33, dtype, "cpu", seed=1, bias=False, ops=("fprop", "dgrad"))  # masked tails
+
+
+def _case_wgrad():
+    for dtype in (torch.float16, torch.float32):
+        for use_tma in (False, True):
+            _check_all_ops(64, 5, 48, 40, dtype, "cpu", seed=7, use_tma=use_tma,
+                           ops=("wgrad", "wgrad_acc", "wgrad_acc_list"))
+        _check_all_ops(50, 4, 45, 33, dtype, "cpu", seed=8, ops=("wgrad", "wgrad_acc", "wgrad_acc_list"))
+    # bf16 operands, fp32 outputs only (see the module docstring)
+    _check_all_ops(64, 5, 48, 40, torch.bfloat16, "cpu", seed=9, ops=("wgrad_acc", "wgrad_acc_list"))
+    _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=10, use_tma=True, ops=("wgrad_acc",))
+
+
+def _case_e256():
+    _check_all_ops(40, 256, 16, 24, torch.float16, "cpu", seed=11)
+
+
+def _case_layouts_and_offsets():
+    k = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    T, E, K, N = 48, 3, 32, 24
+    x = torch.randn(T, K + 8, generator=gen)[:, 4:4 + K]              # row stride K + 8
+    w = torch.randn(E, N + 8, K, generator=gen)[:, :N]                # stride_e != N * stride_n
+    wt = torch.randn(E, K, N, generator=gen).transpose(1, 2)          # stride_k != 1
+    offs = torch.tensor([10, 10, T], dtype=torch.int32)
+    for ww in (w, wt):
+        _check("fprop strided", k._fprop(x, ww, offs), R.grouped_fprop(x, ww, offs),
+               R.grouped_fprop(x.double(), ww.double(), offs))
+        dy = torch.randn(T, N, generator=gen)
+        _check("dgrad strided", k._dgrad(dy, ww, offs), R.grouped_dgrad(dy, ww, offs),
+               R.grouped_dgrad(dy.double(), ww.double(), offs))
+    with pytest.raises(ValueError, match="TMA was requested"):
+        k._fprop(x, wt, offs, use_tma=True)
+    # Offsets past T are clamped: no stray access, and the last group ends at T.
+    bad = torch.tensor([10, 10, T + 50], dtype=torch.int32)
+    _check("fprop clamped offsets", k._fprop(x, w, bad), R.grouped_fprop(x, w, offs),
+           R.grouped_fprop(x.double(), w.double(), offs))
+    # T == 0 and a group count of one
+    assert k._fprop(x[:0], w, torch.zeros(E, dtype=torch.int32)).shape == (0, N)
+    zero = k._wgrad(torch.randn(0, N), x[:0], torch.zeros(E, dtype=torch.int32))
+    assert zero.shape == (E, N, K) and bool((zero == 0).all())
+    one = torch.tensor([T], dtype=torch.int32)
+    _check("fprop E=1", k._fprop(x, w[:1], one), R.grouped_fprop(x, w[:1], one),
+           R.grouped_fprop(x.double(), w[:1].double(), one))
+
+
+def _case_custom_ops():
+    """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
+    k = _kernels()
+    d = _inputs(32, 3, 16, 24, torch.float32, "cpu", seed=5)
+    x, w, b, dy, offs, m = d["x"], d["w"], d["b"], d["dy"], d["offs"], d["m"]
+    ops = torch.ops.distwgrad
+    torch.library.opcheck(ops.grouped_fprop.default, (x, w, offs, b))
+    torch.library.opcheck(ops.grouped_dgrad.default, (dy, w, offs))
+    torch.library.opcheck(ops.grouped_wgrad.default, (dy, x, offs))
+    torch.library.opcheck(ops.grouped_wgrad_accumulate.default, (dy, x, offs, m.clone()))
+    torch.library.opcheck(ops.grouped_wgrad_accumulate_list.default, (dy, x, offs, list(m.clone())))
+
+    def step(x, w, b, dy, offs, acc, bufs):
+        y = k.grouped_fprop(x, w, offs, b)
+        dx = k.grouped_dgrad(dy, w, offs)
+        k.grouped_wgrad(dy, x, offs, out=acc)
+        k.grouped_wgrad(dy, x, offs, out=bufs)
+        return y, dx, k.grouped_wgrad(dy, x, offs)
+
+    eager = step(x, w, b, dy, offs, m.clone(), list(m.clone()))
+    acc, bufs = m.clone(), list(m.clone())
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, b, dy, offs, acc, bufs)
+    for a, c in zip(eager, compiled):
+        torch.testing.assert_close(c, a, rtol=0, atol=0)  # same kernels, same inputs: bit-exact
+    ref_acc = k.grouped_wgrad(dy, x, offs, out=m.clone())
+    torch.testing.assert_close(acc, ref_acc, rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(bufs), ref_acc, rtol=0, atol=0)
+
+
+_INTERPRETER_CASES = {
+    "fprop_dgrad": _case_fprop_dgrad,
+    "wgrad": _case_wgrad,
+    "e256": _case_e256,
+    "layouts_and_offsets": _case_layouts_and_offsets,
+    "custom_ops": _case_custom_ops,
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", sorted(_INTERPRETER_CASES))
+def test_interpreter(case):
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, _HERE, case], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"interpreter case {case} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+# ---- argument checks (no launch; run in-process) ---------------------------------------------------
+
+
+def test_checks_name_the_bad_argument():
+    pytest.importorskip("triton")
+    k = _kernels()
+    x, w, offs = torch.randn(8, 16), torch.randn(2, 24, 16), torch.tensor([3, 8], dtype=torch.int32)
+    dy = torch.randn(8, 24)
+    with pytest.raises(ValueError, match=r"disagree on K"):
+        k.grouped_fprop(torch.randn(8, 12), w, offs)
+    with pytest.raises(TypeError, match=r"w_ENK is torch.float16 but x_TK is torch.float32"):
+        k.grouped_fprop(x, w.half(), offs)
+    with pytest.raises(TypeError, match=r"must be bfloat16, float16 or float32"):
+        k.grouped_fprop(x.double(), w.double(), offs)
+    with pytest.raises(TypeError, match=r"int32 end offsets, got torch.int64"):
+        k.grouped_fprop(x, w, offs.long())
+    with pytest.raises(ValueError, match=r"offs_E has 3 entries, expected one per group \(2\)"):
+        k.grouped_dgrad(dy, w, torch.tensor([1, 2, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"bias_EN must be \[E, N\]"):
+        k.grouped_fprop(x, w, offs, torch.randn(2, 23))
+    with pytest.raises(ValueError, match=r"disagree on N"):
+        k.grouped_dgrad(torch.randn(8, 23), w, offs)
+    with pytest.raises(ValueError, match=r"disagree on T"):
+        k.grouped_wgrad(dy[:7], x, offs)
+    with pytest.raises(TypeError, match=r"out must be float32"):
+        k.grouped_wgrad(dy, x, offs, out=torch.zeros(2, 24, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must be \[E, N, K\] = \(2, 24, 16\)"):
+        k.grouped_wgrad(dy, x, offs, out=torch.zeros(2, 16, 24))
+    with pytest.raises(ValueError, match=r"groups overlap"):
+        k.grouped_wgrad(dy, x, offs, out=torch.zeros(24, 16).expand(2, 24, 16))
+    with pytest.raises(ValueError, match=r"out has 1 buffers"):
+        k.grouped_wgrad(dy, x, offs, out=[torch.zeros(24, 16)])
+    with pytest.raises(ValueError, match=r"out\[1\] has shape \(24, 16\) and strides \(1, 24\)"):
+        k.grouped_wgrad(dy, x, offs, out=[torch.zeros(24, 16), torch.zeros(16, 24).t()])
+    shared = torch.zeros(24, 16)
+    with pytest.raises(ValueError, match=r"share memory"):
+        k.grouped_wgrad(dy, x, offs, out=[shared, shared])
+    with pytest.raises(TypeError, match=r"got dict"):
+        k.grouped_wgrad(dy, x, offs, out={})
+    if not _INTERPRETED:
+        with pytest.raises(ValueError, match=r"need CUDA tensors \(or TRITON_INTERPRET=1\)"):
+            k.grouped_fprop(x, w, offs)
+
+
+# ---- GPU (bf16, realistic shapes) -------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T,E,K,N,use_tma", [
+    (4096, 8, 1024, 1536, None),     # TMA on Hopper
+    (4096, 8, 1024, 1536, False),    # masked pointer loads
+    (8192, 64, 512, 384, None),      # ~128 tokens per expert: 64-row tiles
+    (3000, 5, 1000, 1304, None),     # K, N off the tile grid; dgrad's reduction tail -> pointer path
+    (2500, 6, 999, 515, None),       # rows not 16-byte aligned -> pointer path everywhere
+])
+def test_gpu_bf16(T, E, K, N, use_tma):
+    _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T + E, use_tma=use_tma)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes(dtype):
+    _check_all_ops(2048, 6, 256, 384, dtype, "cuda", seed=2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_e256():
+    _check_all_ops(3000, 256, 64, 96, torch.bfloat16, "cuda", seed=256)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_and_compile():
+    """Captured once, replayed with new routing (offsets on the device change, the graph does not)."""
+    k = _kernels()
+    T, E, K, N = 2048, 8, 256, 512
+    d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=4)
+    x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]
+    bufs = [m[e].clone() for e in range(E)]
+
+    def step():
+        return k.grouped_fprop(x, w, offs), k.grouped_dgrad(dy, w, offs), k.grouped_wgrad(dy, x, offs,
+                                                                                           out=bufs)
+    step()  # warm-up: compile, pointer table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, dx, _ = step()
+    new_offs = _random_offsets(T, E, torch.Generator().manual_seed(99), "cuda")
+    offs.copy_(new_offs)
+    for e in range(E):
+        bufs[e].copy_(m[e])
+    graph.replay()
+    torch.cuda.synchronize()
+    _check("graph fprop", y, R.grouped_fprop(x, w, new_offs), R.grouped_fprop(x.double(), w.double(), new_offs))
+    _check("graph dgrad", dx, R.grouped_dgrad(dy, w, new_offs),
+           R.grouped_dgrad(dy.double(), w.double(), new_offs))
+    _check("graph wgrad_acc_list", torch.stack(bufs), R.grouped_wgrad(dy, x, new_offs, out=m.clone()),
+           m.double() + R.grouped_wgrad(dy.double(), x.double(), new_offs))
+    compiled = torch.compile(lambda: (k.grouped_fprop(x, w, offs), k.grouped_wgrad(dy, x, offs)),
+                             fullgraph=True)()
+    torch.testing.assert_close(compiled[0], k.grouped_fprop(x, w, offs), rtol=0, atol=0)
+    torch.testing.assert_close(compiled[1], k.grouped_wgrad(dy, x, offs), rtol=0, atol=0)
+
+
+if __name__ == "__main__":  # child process of test_interpreter: TRITON_INTERPRET=1 is set
+    assert _INTERPRETED, "run through pytest, or set TRITON_INTERPRET=1"
+    _INTERPRETER_CASES[sys.argv[1]]()
+    print(f"interpreter case {sys.argv[1]}: ok")
