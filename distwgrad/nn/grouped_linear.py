@@ -52,7 +52,7 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool):
             return [dW_ENK] if packed else list(dW_ENK.unbind(0))
         if packed:
             return [gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets[0])]
-        return list(gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets))
+        return list(gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=[t for t in targets if t is not None]))
     return gemm
 
 
@@ -67,8 +67,8 @@ def _bias_gemm(dy_TN, offs_E, packed: bool):
 
 
 def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool):
-    gws = [None] * len(weights)
-    gbs = [None] * len(biases)
+    gws: list[torch.Tensor | None] = [None] * len(weights)
+    gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
         gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed), fuse=call.fuse,
                         deferred=deferred)

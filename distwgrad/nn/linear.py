@@ -54,6 +54,7 @@ def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
         (gw,) = run_wgrad([weight], lambda t: [wgrad_mm(dy_TN, x_TK, t[0])], fuse=call.fuse,
                           deferred=deferred)
     if call.bias_grad:
+        assert bias is not None
         (gb,) = run_wgrad([bias], lambda t: [dy_TN.sum(0) if t[0] is None else t[0].add_(dy_TN.sum(0))],
                           fuse=False, deferred=deferred)
     return gw, gb

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -66,6 +67,7 @@ def drain_deferred_wgrads(model: nn.Module | Sequence[nn.Module], *, order="reve
     Each module drains its whole FIFO (oldest first) before the next module in ``order`` starts.
     """
     count = 0
+    m: Any
     for m in _ordered(deferred_modules(model), order):
         while getattr(m, "pending_backward_dw", 0):
             m.backward_dw()
@@ -97,8 +99,8 @@ def deferred_wgrad_scope(model: nn.Module | Sequence[nn.Module], *, order="rever
 
 def undrained(model: nn.Module | Sequence[nn.Module]) -> list[str]:
     """Names of modules with deferred wgrads still queued."""
-    return [f"{m.wgrad_store.owner} ({len(m.wgrad_store)} queued)" for m in deferred_modules(model)
-            if len(m.wgrad_store)]
+    stores: list[Any] = [m.wgrad_store for m in deferred_modules(model)]
+    return [f"{s.owner} ({len(s)} queued)" for s in stores if len(s)]
 
 
 __all__ += ["undrained", "DeferredWgradError"]
