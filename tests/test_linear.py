@@ -313,3 +313,13 @@ def test_negative_control_assigning_backward_dw_is_caught(monkeypatch):
     monkeypatch.setattr(accumulate, "add_to_grad", assign)
     with pytest.raises(AssertionError):
         test_tied_deferred_accumulates_every_use(torch.float32, (0, 1), bias=True)
+
+
+def test_capturing_an_add_into_grad_is_refused(monkeypatch):
+    """Seed 000's CUDA-graph hazard: a captured ``.grad.add_`` outlives the ``.grad`` it wrote into."""
+    lin = Linear(16, 8, delay_wgrad_compute=True)
+    lin(torch.randn(4, 16)).sum().backward()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph is capturing.*fuse_wgrad_accumulation=True"):
+        lin.backward_dw()

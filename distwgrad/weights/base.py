@@ -91,6 +91,11 @@ class DistributedParameter(nn.Parameter):
 
     def grad_buffer(self) -> torch.Tensor:
         if self._buffer is None:
+            if self.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{self._name()}: a distributed weight's gradient buffer is allocated and freed once per "
+                    f"reduction, so its wgrad cannot be captured in a CUDA graph; run backward_dw() "
+                    f"outside the graph. [Note: no capture into caller-owned gradients]")
             self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
         return self._buffer
 

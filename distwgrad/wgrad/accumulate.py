@@ -16,6 +16,13 @@ drained in any order. Every contribution is therefore added, never assigned:
   memory, so the dummy is zeros whether or not it is set).
 * distributed weight: the GEMM accumulates into ``grad_buffer()`` and ``finalize_weight_grads`` counts
   the contribution; its return value is used once (see [Note: the finalize contract] in protocol.py).
+
+[Note: no capture into caller-owned gradients]
+A CUDA graph that captures ``param.grad.add_(g)`` bakes in the address of ``.grad``;
+``zero_grad(set_to_none=True)`` then frees that tensor and every replay writes into freed memory.
+Adding into ``.grad`` while a stream is capturing is therefore refused with an error that says what to do
+instead: capture with ``fuse_wgrad_accumulation=True`` (the GEMM accumulates into ``main_grad``, a buffer
+the caller owns and keeps for the graph's lifetime), or run ``backward_dw()`` outside the graph.
 """
 
 from __future__ import annotations
@@ -29,10 +36,20 @@ from distwgrad.protocol import finalize_weight_grads, is_distributed_weight
 __all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad"]
 
 
+def _refuse_capture(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{what} while a CUDA graph is capturing: the graph would bake in the address of a gradient "
+            f"that zero_grad(set_to_none=True) frees, and replays would write into freed memory. Use "
+            f"fuse_wgrad_accumulation=True (accumulates into main_grad, which you own) for captured "
+            f"wgrads, or run backward_dw() outside the graph. [Note: no capture into caller-owned gradients]")
+
+
 def add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """``.grad``: None -> initialise with ``grad``, otherwise add. Never assigns over a gradient."""
     if grad is None:
         return
+    _refuse_capture("adding a deferred wgrad into .grad")
     if tuple(grad.shape) != tuple(param.shape):
         raise ValueError(f"a gradient of shape {tuple(grad.shape)} for a parameter of shape "
                          f"{tuple(param.shape)}")
