@@ -323,3 +323,4 @@ def test_capturing_an_add_into_grad_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA graph is capturing.*fuse_wgrad_accumulation=True"):
         lin.backward_dw()
+    assert lin.pending_backward_dw == 1  # refused, not lost

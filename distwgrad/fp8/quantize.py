@@ -80,7 +80,8 @@ class Quantized:
         if self.scale_inv.dtype != torch.float32:
             raise ValueError(f"Quantized.scale_inv must be float32, got {self.scale_inv.dtype}")
         if tuple(self.data.shape) != tuple(self.shape):
-            raise ValueError(f"Quantized.data has shape {tuple(self.data.shape)}, expected {tuple(self.shape)}")
+            raise ValueError(f"Quantized.data has shape {tuple(self.data.shape)}, "
+                             f"expected {tuple(self.shape)}")
         expected = () if self.block is None else _grid(self.shape, self.block)
         if tuple(self.scale_inv.shape) != expected:
             raise ValueError(f"Quantized.scale_inv has shape {tuple(self.scale_inv.shape)}, expected "
@@ -195,7 +196,8 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dty
         power_of_two: round each scale down to a power of two (``BlockwiseScaling``'s default).
     """
     _check_input(x)
-    if not (isinstance(block, tuple) and len(block) == 2 and all(isinstance(b, int) and b >= 1 for b in block)):
+    if not (isinstance(block, tuple) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
         raise ValueError(f"block must be a tuple of two positive ints, got {block!r}")
     (gm, gn), (bm, bn) = _grid(x.shape, block), block
     M, N = x.shape
@@ -276,7 +278,8 @@ def fp8_matmul_reference(a_q: Quantized, b_q: Quantized, out_dtype: torch.dtype)
         out_dtype: dtype of the result.
     """
     if len(a_q.shape) != 2 or len(b_q.shape) != 2 or a_q.shape[1] != b_q.shape[0]:
-        raise ValueError(f"fp8_matmul_reference needs [M, K] @ [K, N], got {tuple(a_q.shape)} @ {tuple(b_q.shape)}")
+        raise ValueError(f"fp8_matmul_reference needs [M, K] @ [K, N], got {tuple(a_q.shape)} @ "
+                         f"{tuple(b_q.shape)}")
     a = dequantize(a_q, dtype=torch.float32)
     b = dequantize(b_q, dtype=torch.float32)
     return (a @ b).to(out_dtype)

@@ -152,7 +152,8 @@ class BlockwiseScaling:
         _check_block("act_block", self.act_block)
         _check_block("weight_block", self.weight_block)
         if self.act_block[0] != 1 or self.act_block[1] < 16:
-            raise ValueError(f"BlockwiseScaling.act_block must be (1, L) with L >= 16, got {self.act_block!r}")
+            raise ValueError(f"BlockwiseScaling.act_block must be (1, L) with L >= 16, "
+                             f"got {self.act_block!r}")
         bm, bn = self.weight_block
         if bm != bn or bm < 16:
             raise ValueError("BlockwiseScaling.weight_block must be square (the exact weight transpose needs "
@@ -189,7 +190,8 @@ def fp8_autocast(recipe: Recipe | None) -> Iterator[Recipe | None]:
         TypeError: ``recipe`` is something else.
     """
     if recipe is not None and not isinstance(recipe, PerTensorScaling | BlockwiseScaling):
-        raise TypeError(f"fp8_autocast expects a PerTensorScaling, a BlockwiseScaling or None, got {recipe!r}")
+        raise TypeError("fp8_autocast expects a PerTensorScaling, a BlockwiseScaling or None, "
+                        f"got {recipe!r}")
     token = _ACTIVE.set(recipe)
     try:
         yield recipe

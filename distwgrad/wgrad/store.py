@@ -46,12 +46,17 @@ class WeightGradStore:
                 f"turn strict checking off")
 
     def pop(self) -> None:
-        """Runs the oldest queued wgrad; raises naming the module when nothing is queued."""
+        """Runs the oldest queued wgrad, then drops it; raises naming the module when nothing is queued.
+
+        If the work raises before changing any gradient (a refused CUDA-graph capture, say), it stays
+        queued, so the contribution is not lost and ``finalize_model_grads`` still sees it.
+        """
         if not self._queue:
             raise DeferredWgradError(
                 f"{self.owner}: backward_dw() called with no deferred wgrad queued (every backward "
                 f"queues exactly one; was backward run, or was this module drained already?)")
-        self._queue.popleft()()
+        self._queue[0]()
+        self._queue.popleft()
 
     def clear(self) -> int:
         """Drops queued work without running it (e.g. after an aborted step); returns how many."""

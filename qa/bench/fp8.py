@@ -15,8 +15,9 @@ traffic. "eager" and "compile" run the reference ``distwgrad.fp8.quantize`` (eag
 before it is timed.
 
 Output: a table on stdout and, with ``--json``, a list of rows ``{"op", "shape", "impl", "gbps", ...}``
-(extra keys: ``ms``, ``frac_of_copy``, ``device``). ``BENCHMARKS`` lists the row producers; a new
-benchmark (e.g. the FP8 grouped GEMM) is one more function ``(args, copy_gbps) -> rows`` appended there.
+(extra keys: ``ms``, ``frac_of_copy``, ``device``; ``bit_exact``: same bits as eager). ``BENCHMARKS``
+lists the row producers; a new benchmark (e.g. the FP8 grouped GEMM) is one more function
+``(args, copy_gbps) -> rows`` appended there.
 """
 
 from __future__ import annotations
@@ -99,10 +100,12 @@ QUANTIZE_OPS: dict[str, tuple[Callable, int, Callable[[int, int], int]]] = {
 }
 
 
-def _row(op: str, args: argparse.Namespace, impl: str, nbytes: int, ms: float, copy_gbps: float | None) -> Row:
+def _row(op: str, args: argparse.Namespace, impl: str, nbytes: int, ms: float,
+         copy_gbps: float | None, **extra) -> Row:
     gbps = nbytes / (ms * 1e-3) / 1e9
-    return {"op": op, "shape": f"{args.M}x{args.N}", "impl": impl, "gbps": round(gbps, 1), "ms": round(ms, 4),
-            "frac_of_copy": None if not copy_gbps else round(gbps / copy_gbps, 3), "device": args.device_name}
+    return {"op": op, "shape": f"{args.M}x{args.N}", "impl": impl, "gbps": round(gbps, 2), "ms": round(ms, 4),
+            "frac_of_copy": None if not copy_gbps else round(gbps / copy_gbps, 3), "device": args.device_name,
+            **extra}
 
 
 def bench_copy(args: argparse.Namespace) -> Row:
@@ -141,10 +144,11 @@ def bench_quantize(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
         for impl, mod in mods.items():
             fn = torch.compile(make(ref), dynamic=False) if impl == "compile" else make(mod)
             got = fn(x)
-            if impl == "triton" and not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected)):
+            same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected, strict=True))
+            if impl == "triton" and not same:
                 raise AssertionError(f"{op}: triton result differs from the reference; not timing it")
-            rows.append(_row(op, args, impl, nbytes, time_ms(lambda fn=fn: fn(x), args.device, args.reps),
-                             copy_gbps))
+            ms = time_ms(lambda fn=fn: fn(x), args.device, args.reps)
+            rows.append(_row(op, args, impl, nbytes, ms, copy_gbps, bit_exact=same))
         del expected
     return rows
 
@@ -154,11 +158,11 @@ BENCHMARKS: list[Callable[[argparse.Namespace, float], list[Row]]] = [bench_quan
 
 
 def print_table(rows: list[Row]) -> None:
-    cols = ("op", "shape", "impl", "gbps", "frac_of_copy", "ms")
+    cols = ("op", "shape", "impl", "gbps", "frac_of_copy", "ms", "bit_exact")
     widths = [max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for r in rows:
-        print("  ".join(str(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+        print("  ".join(str(r.get(c)).ljust(w) for c, w in zip(cols, widths, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
