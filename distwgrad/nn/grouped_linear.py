@@ -9,6 +9,9 @@ gathered with one collective for all experts.
 
 The products go through ``distwgrad.ops.grouped_gemm`` (torch reference on CPU, Triton on CUDA), so the
 module never knows which ran. The gradient contract is Linear's: [Note: accumulate, never assign].
+Under ``fp8_autocast`` the products run in FP8 as in ``Linear`` (emulated; [Note: fp8 distributed
+weights]); wgrad operands are tiled along the tokens over the whole token range, so a tile may span two
+experts' tokens (a valid quantization; per-group tiles would need the offsets on the host).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from distwgrad.fp8.emulate import dequantize_weights, fake_quant_cols, fake_quant_rows
+from distwgrad.fp8.recipe import Recipe, current_recipe
+from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
@@ -38,6 +44,7 @@ class _Call:
     delay: bool
     fuse: bool
     store: WeightGradStore
+    recipe: Recipe | None = None
 
 
 def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
@@ -45,10 +52,24 @@ def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
     return tensors[0] if packed else torch.stack(list(tensors))
 
 
-def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool):
+def _weights_ENK(weights, call: _Call, *, backward: bool) -> torch.Tensor:
+    """The experts' full weights for a GEMM: bf16/fp32 as stored, or FP8-dequantized fp32 values."""
+    if call.recipe is None:
+        fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
+        return _stack(fn(weights), call.packed)
+    qs = [q for w in weights for q in materialize_quantized(w, call.recipe, backward=backward)]
+    return dequantize_weights(qs, packed=True)
+
+
+def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None):
+    out_dtype = dy_TN.dtype
+    if recipe is not None:  # tiles along the tokens (the contraction), over the whole token range
+        dy_TN = fake_quant_cols(dy_TN, recipe, grad=True).contiguous()
+        x_TK = fake_quant_cols(x_TK, recipe, grad=False).contiguous()
+
     def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
         if targets[0] is None:
-            dW_ENK = gg.grouped_wgrad(dy_TN, x_TK, offs_E)
+            dW_ENK = gg.grouped_wgrad(dy_TN, x_TK, offs_E).to(out_dtype)
             return [dW_ENK] if packed else list(dW_ENK.unbind(0))
         if packed:
             return [gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets[0])]
@@ -70,7 +91,7 @@ def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: 
     gws: list[torch.Tensor | None] = [None] * len(weights)
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
-        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed), fuse=call.fuse,
+        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe), fuse=call.fuse,
                         deferred=deferred)
     if call.bias_grad:
         gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred)
@@ -81,9 +102,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, offs_E, call: _Call, *params):
         weights, biases = list(params[: call.num_weights]), list(params[call.num_weights:])
-        w_ENK = _stack(materialize_weight_for_forward(weights), call.packed)
+        w_ENK = _weights_ENK(weights, call, backward=False)
         b_EN = _stack(materialize_weight_for_forward(biases), call.packed) if biases else None
-        y_TN = gg.grouped_fprop(x_TK, w_ENK, offs_E, b_EN)
+        if call.recipe is None:
+            y_TN = gg.grouped_fprop(x_TK, w_ENK, offs_E, b_EN)
+        else:
+            x_q = fake_quant_rows(x_TK, call.recipe, grad=False)
+            y_TN = gg.grouped_fprop(x_q, w_ENK, offs_E, None if b_EN is None else b_EN.float()).to(x_TK.dtype)
         del w_ENK, b_EN  # transient: never saved, never cached
         ctx.save_for_backward(x_TK, offs_E)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
@@ -97,8 +122,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy_TN = dy_TN.contiguous()
         dx_TK = None
         if ctx.needs_input_grad[0]:
-            w_ENK = _stack(materialize_weight_for_backward(weights), call.packed)
-            dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
+            w_ENK = _weights_ENK(weights, call, backward=True)
+            if call.recipe is None:
+                dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
+            else:
+                dy_q = fake_quant_rows(dy_TN, call.recipe, grad=True)
+                dx_TK = gg.grouped_dgrad(dy_q, w_ENK, offs_E).to(dy_TN.dtype)
             del w_ENK
         nones = (None,) * (len(weights) + len(biases))
         if not (call.weight_grad or call.bias_grad):
@@ -198,7 +227,7 @@ class GroupedLinear(WgradModule):
         tracked = (weights if weight_grad else []) + (biases if bias_grad else [])
         self._begin_forward(tracked)
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
-                     self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store)
+                     self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe())
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
         return y_TN.reshape(*inp.shape[:-1], self.out_features)
 

@@ -4,6 +4,11 @@ Signature-compatible with TransformerEngine's ``te.Linear`` for the parts implem
 may be a plain parameter or any DistributedWeight (``ShardedWeight``, ``ReplicatedWeight``, or a weight
 written for TE's protocol); see [Note: what backward may hold] in ``distwgrad/protocol.py`` and
 [Note: accumulate, never assign] in ``distwgrad/wgrad/accumulate.py``.
+
+Under ``distwgrad.fp8.fp8_autocast(recipe)`` the three GEMMs run in FP8 (emulated: quantize with the
+recipe's scales, fp32 GEMM of the dequantized operands; ``distwgrad/fp8/emulate.py``), the weight is
+quantized before it is gathered and re-gathered in FP8 for dgrad ([Note: fp8 distributed weights]).
+The recipe is read in forward and carried to backward on the autograd context.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distwgrad.fp8.emulate import dequantize_weights, fake_quant_cols, fake_quant_rows
+from distwgrad.fp8.recipe import Recipe, current_recipe
+from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule
 from distwgrad.ops.gemm import wgrad_mm
 from distwgrad.protocol import (
@@ -37,6 +45,7 @@ class _Call:
     delay: bool
     fuse: bool
     store: WeightGradStore
+    recipe: Recipe | None = None
 
 
 def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torch.Tensor | None:
@@ -46,12 +55,37 @@ def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torc
     return fn([bias])[0]
 
 
+def _fprop(x_TK, weight, bias, recipe: Recipe | None) -> torch.Tensor:
+    if recipe is None:
+        (w_NK,) = materialize_weight_for_forward([weight])
+        return F.linear(x_TK, w_NK, _materialize_bias(bias))
+    w_NK = dequantize_weights(materialize_quantized(weight, recipe, backward=False), packed=False)
+    b = _materialize_bias(bias)
+    return F.linear(fake_quant_rows(x_TK, recipe, grad=False), w_NK, None if b is None else b.float()).to(x_TK.dtype)
+
+
+def _dgrad(dy_TN, weight, recipe: Recipe | None) -> torch.Tensor:
+    if recipe is None:
+        (w_NK,) = materialize_weight_for_backward([weight])
+        return dy_TN.mm(w_NK)
+    # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision.
+    w_NK = dequantize_weights(materialize_quantized(weight, recipe, backward=True), packed=False)
+    return fake_quant_rows(dy_TN, recipe, grad=True).mm(w_NK).to(dy_TN.dtype)
+
+
+def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None) -> torch.Tensor:
+    if recipe is None:
+        return wgrad_mm(dy_TN, x_TK, out)
+    dW_NK = fake_quant_cols(dy_TN, recipe, grad=True).t().mm(fake_quant_cols(x_TK, recipe, grad=False))
+    return dW_NK.to(dy_TN.dtype) if out is None else out.add_(dW_NK)
+
+
 def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, call: _Call, deferred: bool):
     """One contribution to the weight (and bias) gradient; returns what autograd gets."""
     gw = gb = None
     if call.weight_grad:
-        (gw,) = run_wgrad([weight], lambda t: [wgrad_mm(dy_TN, x_TK, t[0])], fuse=call.fuse,
+        (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe)], fuse=call.fuse,
                           deferred=deferred)
     if call.bias_grad:
         assert bias is not None
@@ -63,9 +97,7 @@ def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, weight, bias, call: _Call):
-        (w_NK,) = materialize_weight_for_forward([weight])
-        y_TN = F.linear(x_TK, w_NK, _materialize_bias(bias))
-        del w_NK  # transient: never saved, never cached
+        y_TN = _fprop(x_TK, weight, bias, call.recipe)  # the materialized weight is transient
         ctx.save_for_backward(x_TK)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weight, ctx.bias, ctx.call = weight, bias, call
@@ -77,9 +109,7 @@ class _LinearFunction(torch.autograd.Function):
         weight, bias, call = ctx.weight, ctx.bias, ctx.call
         dx_TK = None
         if ctx.needs_input_grad[0]:
-            (w_NK,) = materialize_weight_for_backward([weight])
-            dx_TK = dy_TN.mm(w_NK)
-            del w_NK
+            dx_TK = _dgrad(dy_TN, weight, call.recipe)
         if not (call.weight_grad or call.bias_grad):
             return dx_TK, None, None, None
         if call.delay:
@@ -162,7 +192,7 @@ class Linear(WgradModule):
         bias_grad = grad_on and self.bias is not None and self.bias.requires_grad
         self._begin_forward([p for p, t in ((self.weight, weight_grad), (self.bias, bias_grad)) if t])
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                     self.wgrad_store)
+                     self.wgrad_store, current_recipe())
         x_TK = inp.reshape(-1, self.in_features)
         y_TN = _LinearFunction.apply(x_TK, self.weight, self.bias, call)
         return y_TN.reshape(*inp.shape[:-1], self.out_features)

@@ -55,3 +55,11 @@ def all_gather_objects(obj: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_reduce_max(t: torch.Tensor, group: Any) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
+__all__ += ["all_reduce_max"]

@@ -1,0 +1,152 @@
+"""FP8 weights: quantize before gather, re-gather FP8 in backward, one amax all-reduce per step.
+
+[Note: fp8 distributed weights]
+* Quantize-before-gather. A ``ShardedWeight`` quantizes its own shard and the all-gather moves FP8
+  bytes (plus block scales); the gathered copy is transient like the bf16 one. Per-tensor scaling needs
+  one amax for the whole weight: the MAX over the shard group of the local amaxes. Weights change only
+  at the optimizer step, so :func:`sync_weight_amax` reduces the amaxes of every distributed weight of a
+  model in ONE all-reduce per step (stacked); a weight whose amax is stale (its ``_version`` moved)
+  falls back to its own all-reduce and counts it in ``amax_allreduces`` (visible, never silent).
+* Blockwise scaling quantizes each shard in ``weight_block`` blocks that start at the shard's first
+  row, so a block never straddles two ranks. When every shard offset is a multiple of the block (even
+  shards of a multiple of 128 rows) the gathered blocks are exactly the full weight's blocks; otherwise
+  the gathered scales are kept per row (``block=(1, B)``), which dequantizes to the same values.
+  A packed ``[E, N, K]`` weight is sharded by experts, so every expert quantizes on one rank.
+* Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization); it never
+  uses the shard's bf16 values under an FP8 recipe (seed 004's bug 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from distwgrad.fp8.quantize import Quantized, compute_amax, compute_scale, quantize_blockwise, quantize_per_tensor
+from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe
+from distwgrad.protocol import is_distributed_weight, materialize_weight_for_backward, materialize_weight_for_forward
+from distwgrad.weights import _comm
+from distwgrad.weights.base import DistributedParameter
+from distwgrad.weights.sharded import ShardedWeight
+
+__all__ = ["quantize_weight", "materialize_quantized", "sync_weight_amax"]
+
+
+def quantize_weight(w: torch.Tensor, recipe: Recipe, *, amax: torch.Tensor | None = None) -> list[Quantized]:
+    """Quantizes a ``[N, K]`` weight (one entry) or a packed ``[E, N, K]`` weight (one entry per expert).
+
+    Per-tensor scaling uses one amax for the whole tensor (``amax`` if given: the group-wide one).
+    """
+    mats = [w] if w.dim() == 2 else list(w.unbind(0))
+    if isinstance(recipe, PerTensorScaling):
+        amax = compute_amax(w) if amax is None else amax
+        return [quantize_per_tensor(m, recipe.fwd_dtype, amax=amax, margin=recipe.margin) for m in mats]
+    if isinstance(recipe, BlockwiseScaling):
+        return [quantize_blockwise(m, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two)
+                for m in mats]
+    raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+
+
+def _global_amax(w: DistributedParameter) -> torch.Tensor:
+    if getattr(w, "_fp8_amax_version", None) != w._version:
+        amax = compute_amax(w.detach()).reshape(1)
+        if isinstance(w, ShardedWeight) and _comm.group_size(w.group) > 1:
+            _comm.all_reduce_max(amax, w.group)
+            w.amax_allreduces = getattr(w, "amax_allreduces", 0) + 1
+        w._fp8_amax, w._fp8_amax_version = amax.reshape(()), w._version
+    return w._fp8_amax
+
+
+def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:
+    """One MAX all-reduce of every sharded weight's local amax (per group); returns weights synced."""
+    mods = [model] if isinstance(model, nn.Module) else list(model)
+    seen: dict[int, ShardedWeight] = {}
+    for m in mods:
+        for p in m.parameters():
+            if isinstance(p, ShardedWeight):
+                seen.setdefault(id(p), p)
+    by_group: dict[int, list[ShardedWeight]] = {}
+    for p in seen.values():
+        by_group.setdefault(id(p.group), []).append(p)
+    for weights in by_group.values():
+        local = torch.stack([compute_amax(p.detach()) for p in weights])
+        _comm.all_reduce_max(local, weights[0].group)
+        for p, a in zip(weights, local):
+            p._fp8_amax, p._fp8_amax_version = a, p._version
+    return len(seen)
+
+
+def _gather_rows(local: torch.Tensor, w: ShardedWeight, rows: list[int]) -> torch.Tensor:
+    """All-gathers dim-0 blocks of ``rows[r]`` rows per rank (padded on the wire), in rank order."""
+    size = _comm.group_size(w.group)
+    pad_rows = max(rows)
+    padded = torch.cat([local, local.new_zeros(pad_rows - local.shape[0], *local.shape[1:])])
+    out = padded.new_empty(size * pad_rows, *padded.shape[1:])
+    _comm.all_gather_into(out, padded.contiguous(), w.group)
+    w.bytes_gathered += out.numel() * out.element_size()
+    return torch.cat([b[:r] for b, r in zip(out.split(pad_rows), rows)])
+
+
+def _gather_fp8(data: torch.Tensor, w: ShardedWeight) -> torch.Tensor:
+    return _gather_rows(data.view(torch.uint8), w, w.shard_rows).view(data.dtype)
+
+
+def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
+    local = w.detach()
+    size = _comm.group_size(w.group)
+    if isinstance(recipe, PerTensorScaling):
+        amax = _global_amax(w)
+        qs = quantize_weight(local, recipe, amax=amax)
+        if size == 1:
+            return qs
+        if local.dim() == 2:
+            data = _gather_fp8(qs[0].data, w)
+            return [Quantized(data, qs[0].scale_inv, None, w.dtype, w.full_shape)]
+        stacked = torch.stack([q.data for q in qs]) if qs else local.new_empty(local.shape, dtype=recipe.fwd_dtype)
+        data = _gather_fp8(stacked, w)
+        scale = compute_scale(amax, recipe.fwd_dtype, recipe.margin)
+        scale_inv = torch.ones_like(scale) / scale  # the same fp32 division as quantize_per_tensor
+        return [Quantized(d, scale_inv, None, w.dtype, d.shape) for d in data.unbind(0)]
+    if not isinstance(recipe, BlockwiseScaling):
+        raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+    if size == 1:
+        return quantize_weight(local, recipe)
+    if local.dim() == 3:  # experts are whole on one rank: gather data and each expert's grid
+        qs = quantize_weight(local, recipe)
+        E_full, N, K = w.full_shape
+        grid = (-(-N // recipe.weight_block[0]), -(-K // recipe.weight_block[1]))
+        data = _gather_fp8(torch.stack([q.data for q in qs]) if qs else
+                           local.new_empty(local.shape, dtype=recipe.dtype), w)
+        scales = torch.stack([q.scale_inv for q in qs]) if qs else local.new_empty(0, *grid, dtype=torch.float32)
+        scales = _gather_rows(scales, w, w.shard_rows)
+        return [Quantized(d, s, recipe.weight_block, w.dtype, d.shape) for d, s in zip(data.unbind(0), scales.unbind(0))]
+    bm, bn = recipe.weight_block
+    q = quantize_blockwise(local, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two)
+    data = _gather_fp8(q.data, w)
+    grid_rows = [-(-r // bm) for r in w.shard_rows]
+    grids = _gather_rows(q.scale_inv, w, grid_rows)  # the small block grids travel, not per-row scales
+    offsets = [sum(w.shard_rows[:r]) for r in range(size)]
+    if all(o % bm == 0 for o in offsets):
+        return [Quantized(data, grids, recipe.weight_block, w.dtype, w.full_shape)]
+    # Shard-aligned blocks that the full weight's grid cannot describe: expand to one scale row per row.
+    per_row = torch.cat([g.repeat_interleave(bm, 0)[:r] for g, r in zip(grids.split(grid_rows), w.shard_rows)])
+    return [Quantized(data, per_row.contiguous(), (1, bn), w.dtype, w.full_shape)]
+
+
+def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool) -> list[Quantized]:
+    """The full weight in FP8 for a GEMM: one ``Quantized`` per ``[N, K]`` matrix (per expert if packed).
+
+    distwgrad's sharded weights quantize before the gather; replicated and plain weights quantize
+    locally; a foreign DistributedWeight is materialized through the protocol and quantized (so a
+    re-gathered bf16 copy is always re-quantized). See [Note: fp8 distributed weights].
+    """
+    if isinstance(weight, ShardedWeight):
+        return _sharded_quantized(weight, recipe)
+    if isinstance(weight, DistributedParameter):
+        return quantize_weight(weight.detach(), recipe, amax=_global_amax(weight)
+                               if isinstance(recipe, PerTensorScaling) else None)
+    if is_distributed_weight(weight):
+        fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
+        return quantize_weight(fn([weight])[0], recipe)
+    return quantize_weight(weight.detach(), recipe)
