@@ -114,13 +114,14 @@ def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
         return quantize_weight(local, recipe)
     if local.dim() == 3:  # experts are whole on one rank: gather data and each expert's grid
         qs = quantize_weight(local, recipe)
-        E_full, N, K = w.full_shape
+        _, N, K = w.full_shape
         grid = (-(-N // recipe.weight_block[0]), -(-K // recipe.weight_block[1]))
         data = _gather_fp8(torch.stack([q.data for q in qs]) if qs else
                            local.new_empty(local.shape, dtype=recipe.dtype), w)
         scales = torch.stack([q.scale_inv for q in qs]) if qs else local.new_empty(0, *grid, dtype=torch.float32)
         scales = _gather_rows(scales, w, w.shard_rows)
-        return [Quantized(d, s, recipe.weight_block, w.dtype, d.shape) for d, s in zip(data.unbind(0), scales.unbind(0))]
+        return [Quantized(d, s, recipe.weight_block, w.dtype, d.shape)
+                for d, s in zip(data.unbind(0), scales.unbind(0))]
     bm, bn = recipe.weight_block
     q = quantize_blockwise(local, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two)
     data = _gather_fp8(q.data, w)
