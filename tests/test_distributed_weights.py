@@ -252,3 +252,23 @@ def test_num_tokens_scaling_matches_megatron():
     expected = torch.full((3,), 3.0) * (2 / 5) / 2  # the same fp32 operations: average, then * world/tokens
     for got in run_distributed(_token_scaling_rank, 2, timeout=120):
         assert got == expected.tolist()
+
+
+def _per_group_scaling_rank(rank, world):
+    """Token scaling uses each weight's own group: a world-group weight and a one-rank-group weight."""
+    import torch.distributed as dist
+
+    solo_groups = [dist.new_group([r]) for r in range(world)]
+    a = ReplicatedWeight.from_full(torch.zeros(2))
+    b = ReplicatedWeight.from_full(torch.zeros(2), group=solo_groups[rank])
+    for w in (b, a):  # b first: the first weight's group must not decide for the others
+        w.expect_contribution()
+        w.grad_buffer().fill_(1.0)
+        w.finalize_group_grads([w.grad_buffer()])
+    distwgrad.finalize_model_grads([torch.nn.ParameterList([b, a])], num_tokens=4)
+    return a.grad.tolist(), b.grad.tolist()
+
+
+def test_num_tokens_scaling_is_per_group():
+    # a: (1 + 1) / 8 tokens over 2 ranks; b: 1 / 4 tokens on its own rank.
+    assert run_distributed(_per_group_scaling_rank, 2, timeout=120) == [([0.25, 0.25], [0.25, 0.25])] * 2

@@ -12,6 +12,7 @@ CASE``); the case functions below are shared with the GPU tests, which run them 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -289,6 +290,26 @@ def test_square_block_weight_transpose_is_exact(shape, f8, power_of_two):
     assert_same(transpose_quantized(p), quantize_per_tensor(w.t(), f8))
 
 
+def test_sharded_weight_quantizes_like_the_full_weight():
+    """Per-tensor: with the MAX of the shards' amaxes (what an all-reduce gives) uneven dim-0 shards
+    quantize to exactly the rows of the full quantization. Blockwise: the same holds when shard
+    boundaries fall on block boundaries; zero rows padding the last shard do not change any scale."""
+    w = wide_range((1000, 384), torch.bfloat16, seed=5)
+    shards = torch.split(w, [260, 260, 260, 220])  # uneven, not 128-aligned
+    amax = torch.stack([compute_amax(s) for s in shards]).amax()  # all_reduce(MAX) stand-in
+    for f8 in FP8S:
+        full = quantize_per_tensor(w, f8)
+        parts = [quantize_per_tensor(s, f8, amax=amax) for s in shards]
+        assert torch.equal(torch.cat([p.data.view(torch.uint8) for p in parts]), full.data.view(torch.uint8))
+        assert all(torch.equal(p.scale_inv, full.scale_inv) for p in parts)
+    full = quantize_blockwise(w, (128, 128), E4M3)
+    padded = torch.cat([w, w.new_zeros(1024 - 1000, 384)])  # 4 ranks x 256 rows, 128-aligned
+    parts = [quantize_blockwise(s, (128, 128), E4M3) for s in torch.split(padded, 256)]
+    data = torch.cat([p.data.view(torch.uint8) for p in parts])[:1000]
+    assert torch.equal(data, full.data.view(torch.uint8))
+    assert torch.equal(torch.cat([p.scale_inv for p in parts]), full.scale_inv)
+
+
 def test_power_of_two_scales_requantize_losslessly():
     """With power-of-two scales, dequantized values (even in bf16) re-quantize to the same values."""
     w = wide_range((300, 260), torch.bfloat16, seed=3)
@@ -354,6 +375,19 @@ def _on(x: torch.Tensor, device: str) -> torch.Tensor:
     return x.to(device)
 
 
+@contextlib.contextmanager
+def _tuning(kq, **values):
+    """Temporarily overrides the kernels' tuning constants (they must only move speed, never bits)."""
+    old = {k: getattr(kq, k) for k in values}
+    for k, v in values.items():
+        setattr(kq, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(kq, k, v)
+
+
 def case_rounding(device: str, big: bool) -> None:
     """Every fp8 value, every midpoint and its neighbours, subnormals, signed zeros, saturation, NaN:
     with amax = fp8_max the scale is exactly 1, so this tests the kernel's RNE cast value by value."""
@@ -389,6 +423,9 @@ def case_per_tensor(device: str, big: bool) -> None:
                     a = torch.tensor([amax])
                     k = kq.quantize_per_tensor(_on(x, device), f8, amax=_on(a, device))
                     assert_same(k, quantize_per_tensor(x, f8, amax=a), f"{dtype} {f8} {shape} amax={amax}")
+    x = wide_range((9000,), torch.bfloat16)
+    with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024):  # several grid-stride steps per program
+        assert_same(kq.quantize_per_tensor(_on(x, device), E4M3), quantize_per_tensor(x, E4M3), "grid-stride")
 
 
 def case_nonfinite(device: str, big: bool) -> None:
@@ -436,11 +473,12 @@ def case_rowcol(device: str, big: bool) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             x = wide_range(shape, dtype, seed=shape[1])
             for f8 in FP8S:
-                for pow2 in (True, False):
+                for pow2, chunk in ((True, kq.ROWCOL_CHUNK), (False, kq.ROWCOL_CHUNK), (True, L // 4)):
                     rec = BlockwiseScaling(act_block=(1, L), weight_block=(L, L), dtype=f8, power_of_two=pow2)
-                    for k, r in zip(kq.quantize_rowwise_and_columnwise(_on(x, device), rec),
-                                    quantize_rowwise_and_columnwise(x, rec), strict=True):
-                        assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2}")
+                    with _tuning(kq, ROWCOL_CHUNK=chunk):
+                        got = kq.quantize_rowwise_and_columnwise(_on(x, device), rec)
+                    for k, r in zip(got, quantize_rowwise_and_columnwise(x, rec), strict=True):
+                        assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2} chunk={chunk}")
             rec = PerTensorScaling(margin=1)
             for k, r in zip(kq.quantize_rowwise_and_columnwise(_on(x, device), rec, grad=True),
                             quantize_rowwise_and_columnwise(x, rec, grad=True), strict=True):

@@ -13,6 +13,7 @@ a 1e-5 relative floor, in both the Frobenius and the max norm. Fresh outputs are
 so an unwritten tile fails; splits are random and include empty groups.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -114,6 +115,13 @@ def _case_wgrad():
             _check_all_ops(64, 5, 48, 40, dtype, "cpu", seed=7, use_tma=use_tma,
                            ops=("wgrad", "wgrad_acc", "wgrad_acc_list"))
         _check_all_ops(50, 4, 45, 33, dtype, "cpu", seed=8, ops=("wgrad", "wgrad_acc", "wgrad_acc_list"))
+    # the ways of adding into fp32 out ("tma_add" runs as "atomic" in the interpreter)
+    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
+    for mode in ("prefetch", "atomic", "tma_add"):
+        cfg = dataclasses.replace(INTERPRETER, add_mode=mode)
+        for use_tma in (False, True):
+            _check_all_ops(64, 5, 48, 40, torch.float32, "cpu", seed=12, use_tma=use_tma, config=cfg,
+                           ops=("wgrad_acc", "wgrad_acc_list"))
     # bf16 operands, fp32 outputs only (see the module docstring)
     _check_all_ops(64, 5, 48, 40, torch.bfloat16, "cpu", seed=9, ops=("wgrad_acc", "wgrad_acc_list"))
     _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=10, use_tma=True, ops=("wgrad_acc",))
@@ -268,6 +276,17 @@ def test_gpu_bf16(T, E, K, N, use_tma):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_other_dtypes(dtype):
     _check_all_ops(2048, 6, 256, 384, dtype, "cuda", seed=2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["load", "prefetch", "atomic", "tma_add"])
+def test_gpu_wgrad_add_modes(mode):
+    """Every way of adding into fp32 out, on the tile grid and off it (rows past N dropped per group)."""
+    from distwgrad.kernels._grouped_gemm_configs import TileConfig
+    cfg = TileConfig(128, 128, 32, num_warps=8 if mode == "prefetch" else 4, num_stages=4, add_mode=mode)
+    for T, E, K, N in ((4096, 8, 1024, 1536), (3000, 5, 1000, 1304)):
+        _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, config=cfg, ops=("wgrad_acc", "wgrad_acc_list"))
 
 
 @pytest.mark.gpu

@@ -146,6 +146,17 @@ class DistributedParameter(nn.Parameter):
                              f"local shape {tuple(self.shape)}")
         return main_grad
 
+    def reduce_now(self) -> bool:
+        """Reduces what the buffer holds now, if every contribution owed so far has arrived.
+
+        Returns True if a reduction ran. Used by schedules that trigger reductions themselves
+        (Megatron's ``grad_sync_func``); a weight with missing contributions is left untouched.
+        """
+        if self.pending_contributions or self._delivered == self._reduced:
+            return False
+        self._reduce_pending()
+        return True
+
     def _reduce_pending(self) -> None:
         if self._delivered == self._reduced or self._buffer is None:
             return

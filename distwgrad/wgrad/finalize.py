@@ -34,23 +34,29 @@ def distributed_parameters(model_chunks: nn.Module | Sequence[nn.Module]) -> lis
     return out
 
 
-def _token_scale(num_tokens: Any, params: list[DistributedParameter]) -> float | None:
-    """Megatron's per-token loss scaling: grads become sum over ranks / total tokens.
+def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[int, float | None]:
+    """Megatron's per-token loss scaling, per weight: grads become sum over ranks / total tokens.
 
-    Weights reduce to the *average* over their group, so the factor is group size / total tokens, with
-    the token count summed over the group (the data-parallel group of the first weight).
+    Weights reduce to the *average* over their own group, so each weight's factor is its group's size
+    over its group's total token count (this rank's ``num_tokens`` summed over that group). One
+    all-reduce per distinct group, in the order the groups first appear (the same on every rank).
     """
     if num_tokens is None:
-        return None
-    group = params[0].group if params else None
-    total = torch.as_tensor(num_tokens, dtype=torch.float64).reshape(1).clone()
-    if params:
-        total = total.to(params[0].device)
-    _comm.all_reduce_sum(total, group)
-    tokens = float(total.item())
-    if tokens <= 0:
-        raise ValueError(f"num_tokens summed over the group is {tokens}; it must be positive")
-    return _comm.group_size(group) / tokens
+        return {}
+    by_group: dict[int, list[DistributedParameter]] = {}
+    for p in params:
+        by_group.setdefault(id(p.group), []).append(p)
+    scales: dict[int, float | None] = {}
+    for members in by_group.values():
+        group = members[0].group
+        total = torch.as_tensor(num_tokens, dtype=torch.float64).reshape(1).clone().to(members[0].device)
+        _comm.all_reduce_sum(total, group)
+        tokens = float(total.item())
+        if tokens <= 0:
+            raise ValueError(f"num_tokens summed over the group is {tokens}; it must be positive")
+        for p in members:
+            scales[id(p)] = _comm.group_size(group) / tokens
+    return scales
 
 
 def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_tokens: Any = None, *,
@@ -83,5 +89,5 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
         raise MissingContributionError(
             "finalize_model_grads: contributions missing (expected uses whose gradient never arrived): "
             + "; ".join(missing))
-    scale = _token_scale(num_tokens, [p for _, p in params])
-    return sum(bool(p.finish_step(scale)) for _, p in params)
+    scales = _token_scales(num_tokens, [p for _, p in params])
+    return sum(bool(p.finish_step(scales.get(id(p)))) for _, p in params)

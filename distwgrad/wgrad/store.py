@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
+import torch
+
 __all__ = ["WeightGradStore", "DeferredWgradError"]
 
 
@@ -55,7 +57,8 @@ class WeightGradStore:
             raise DeferredWgradError(
                 f"{self.owner}: backward_dw() called with no deferred wgrad queued (every backward "
                 f"queues exactly one; was backward run, or was this module drained already?)")
-        self._queue[0]()
+        with torch.no_grad():  # a deferred GEMM is gradient bookkeeping, never part of a graph
+            self._queue[0]()
         self._queue.popleft()
 
     def clear(self) -> int:

@@ -23,6 +23,7 @@ lists the row producers; a new benchmark (e.g. the FP8 grouped GEMM) is one more
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -147,7 +148,7 @@ def bench_quantize(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
             same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected, strict=True))
             if impl == "triton" and not same:
                 raise AssertionError(f"{op}: triton result differs from the reference; not timing it")
-            ms = time_ms(lambda fn=fn: fn(x), args.device, args.reps)
+            ms = time_ms(functools.partial(fn, x), args.device, args.reps)
             rows.append(_row(op, args, impl, nbytes, ms, copy_gbps, bit_exact=same))
         del expected
     return rows

@@ -1,0 +1,295 @@
+"""Grad-ready hooks and no-sync bookkeeping for the Megatron integration (``megatron.py`` is the API).
+
+[Note: grad-ready, once per parameter per step]
+Megatron's DDP launches a bucket's reduction when every parameter in it reported "grad ready", and it
+counts those reports per parameter on the first batch ("golden counts") because a weight used k times
+reports k times. Its GTP code shows how that goes wrong: a weight used by several heads reused one
+reduce-scatter handle, and only the last head's gradient survived. Here the hook is told *once* per
+distinct parameter per step, when the last contribution of the step has arrived, so a consumer never
+sees a partial gradient and never counts uses:
+
+* distwgrad weights know how many contributions a step owes them ([Note: contribution accounting] in
+  ``weights/base.py``). The core has no callback for "a contribution arrived", so each hooked weight
+  gets an *instance attribute* ``finalize_group_grads`` (a :class:`_DeliveryTap`) that shadows the class
+  method: it calls the real one (which counts, and may reduce), then checks ``pending_contributions``.
+  The protocol's dispatchers look the method up on the instance, so every path (main backward, deferred
+  ``backward_dw``, Linear and GroupedLinear, discrete and packed) goes through it. Removing the hook
+  deletes the attribute again.
+* plain parameters have no accounting, so readiness is inferred: autograd's post-accumulate-grad hook
+  (which fires once per backward however many uses the backward summed) and the
+  ``register_wgrad_accumulation_and_reduce_hooks`` hook of every *deferring* module holding the parameter
+  (fired after each ``backward_dw``) both report an event; the parameter is ready at an event when no
+  deferring module holding it has a deferred wgrad still queued. Megatron picks one of the two paths
+  per parameter with ``skip_backward_post_hook``; listening to both and gating on the queues also covers
+  a parameter tied between a deferring and a non-deferring module.
+* "the last contribution of the step" is only known outside ``no_sync``: Megatron runs microbatches
+  0..n-2 under ``no_sync_func()`` and the last one outside it, so an event under no_sync never fires.
+  ``grad_sync_func(params)`` (called by the interleaved schedule after a chunk's last microbatch, with
+  sync enabled) checks its parameters again, and ``finalize_model_grads`` fires, at the latest, every
+  hooked parameter that received a contribution this step and has not fired yet; then it resets the
+  per-step state. A step therefore ends at the integration's ``finalize_model_grads`` (the core's
+  ``distwgrad.finalize_model_grads`` alone does not reset the hooks).
+* After a hook fired, later contributions in the same step (a forward after the "last" microbatch) are
+  counted by the weight as always but do not fire the hook again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from distwgrad.weights.base import DistributedParameter, ReducePolicy
+from distwgrad.wgrad.scheduler import deferred_modules
+
+__all__ = ["chunks_of", "named_distinct_params", "in_no_sync", "enter_no_sync", "exit_no_sync",
+           "GradReadyHandle", "register_grad_ready_hook", "grad_ready_check", "grad_ready_end_step"]
+
+_DEPTH = "_distwgrad_no_sync_depth"  # on every parameter of the chunks while no_sync is active
+_SAVED_POLICY = "_distwgrad_policy_outside_no_sync"  # on distwgrad weights while no_sync is active
+_STATE = "_distwgrad_grad_ready"  # the parameter's _ReadyState once a grad-ready hook is registered
+_TAP = "finalize_group_grads"  # the instance attribute that shadows DistributedParameter's method
+
+
+# --- walking model chunks ------------------------------------------------------------------------------
+
+def chunks_of(model_chunks: nn.Module | Sequence[nn.Module], what: str) -> list[nn.Module]:
+    """Megatron passes a list of chunks; a single module is accepted too."""
+    if isinstance(model_chunks, nn.Module):
+        return [model_chunks]
+    if isinstance(model_chunks, (str, bytes)) or not isinstance(model_chunks, Sequence):
+        raise TypeError(f"{what}: model_chunks must be an nn.Module or a list of them, got "
+                        f"{type(model_chunks).__name__}")
+    chunks = list(model_chunks)
+    bad = [type(m).__name__ for m in chunks if not isinstance(m, nn.Module)]
+    if bad or not chunks:
+        raise TypeError(f"{what}: model_chunks must be a non-empty list of nn.Modules, got "
+                        f"{[type(m).__name__ for m in chunks]}")
+    return chunks
+
+
+def named_distinct_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """``(name, param)`` for each distinct parameter (tied ones once), named as the core names them."""
+    seen: set[int] = set()
+    out = []
+    for i, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{i}.{name}" if len(chunks) > 1 else name, p))
+    return out
+
+
+# --- no_sync bookkeeping -------------------------------------------------------------------------------
+
+def in_no_sync(p: torch.Tensor) -> bool:
+    return getattr(p, _DEPTH, 0) > 0
+
+
+def enter_no_sync(p: nn.Parameter) -> None:
+    """First entry switches a distwgrad weight to PER_STEP; nested entries only count.
+
+    Switching is safe at any point of a step: a weight's buffer always holds exactly the contributions
+    delivered since its last reduction, and the policy only decides *when* the next reduction happens
+    (``weights/base.py``: ``finalize_group_grads`` / ``_reduce_pending``), never what it contains.
+    """
+    depth = getattr(p, _DEPTH, 0)
+    if depth == 0 and isinstance(p, DistributedParameter):
+        setattr(p, _SAVED_POLICY, p.reduce_policy)
+        p.reduce_policy = ReducePolicy.PER_STEP
+    setattr(p, _DEPTH, depth + 1)
+
+
+def exit_no_sync(p: nn.Parameter) -> None:
+    """Last exit restores the policy the weight had outside no_sync (it does not reduce by itself)."""
+    depth = getattr(p, _DEPTH, 0)
+    assert depth > 0, "exit_no_sync without a matching enter_no_sync"
+    setattr(p, _DEPTH, depth - 1)
+    if depth == 1 and isinstance(p, DistributedParameter):
+        p.reduce_policy = getattr(p, _SAVED_POLICY)
+        delattr(p, _SAVED_POLICY)
+
+
+# --- grad-ready hooks ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    token: int
+    name: str
+    hook: Callable[[str, nn.Parameter], Any]
+
+
+class _ReadyState:
+    """Per-parameter grad-ready bookkeeping; see [Note: grad-ready, once per parameter per step]."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+        self.entries: list[_Entry] = []
+        self.owners: list[nn.Module] = []  # deferring modules holding this plain parameter
+        self.fired = False
+        self.touched = False
+        self._undo: list[Callable[[], None]] = []
+
+    def ready(self) -> bool:
+        p = self.param
+        if in_no_sync(p):
+            return False
+        if isinstance(p, DistributedParameter):
+            return p.pending_contributions == 0
+        return all(getattr(m, "pending_backward_dw", 0) == 0 for m in self.owners)
+
+    def on_contribution(self) -> None:
+        self.touched = True
+        self.check()
+
+    def check(self) -> None:
+        if self.touched and not self.fired and self.entries and self.ready():
+            self.fire()
+
+    def fire(self) -> None:
+        self.fired = True
+        for e in list(self.entries):
+            e.hook(e.name, self.param)
+
+    def end_step(self) -> None:
+        if self.touched and not self.fired and self.entries:
+            self.fire()
+        self.fired = self.touched = False
+
+    def add_owner(self, module: nn.Module) -> None:
+        if any(m is module for m in self.owners):
+            return
+        self.owners.append(module)
+        register = getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)
+        if register is None:
+            return
+        callback = self.on_contribution
+        register(callback)
+        hooks = getattr(module, "wgrad_accumulation_and_reduce_hooks", None)
+        if isinstance(hooks, list):
+            self._undo.append(lambda: hooks.remove(callback) if callback in hooks else None)
+
+    def uninstall(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        self.owners.clear()
+        if getattr(self.param, _STATE, None) is self:
+            delattr(self.param, _STATE)
+
+
+class _DeliveryTap:
+    """Instance-level stand-in for ``DistributedParameter.finalize_group_grads`` (see the Note)."""
+
+    def __init__(self, state: _ReadyState, inner: Callable | None) -> None:
+        self.state = state
+        self.inner = inner  # an instance attribute that was there before us, if any
+
+    def __call__(self, wgrads):
+        w = self.state.param
+        if self.inner is not None:
+            result = self.inner(wgrads)
+        else:
+            result = type(w).finalize_group_grads(w, wgrads)
+        self.state.on_contribution()
+        return result
+
+
+def _install(p: nn.Parameter) -> _ReadyState:
+    state = _ReadyState(p)
+    if isinstance(p, DistributedParameter):
+        inner = p.__dict__.get(_TAP)
+        tap = _DeliveryTap(state, inner)
+        setattr(p, _TAP, tap)
+
+        def untap() -> None:
+            if p.__dict__.get(_TAP) is tap:
+                if inner is None:
+                    delattr(p, _TAP)
+                else:
+                    setattr(p, _TAP, inner)
+        state._undo.append(untap)
+    else:
+        handle = p.register_post_accumulate_grad_hook(lambda _p: state.on_contribution())
+        state._undo.append(handle.remove)
+    setattr(p, _STATE, state)
+    return state
+
+
+_tokens = itertools.count()
+
+
+class GradReadyHandle:
+    """Returned by :func:`register_grad_ready_hook`; ``remove()`` unregisters the hook."""
+
+    def __init__(self, token: int, states: list[_ReadyState]) -> None:
+        self._token = token
+        self._states = states
+
+    def remove(self) -> None:
+        for state in self._states:
+            state.entries = [e for e in state.entries if e.token != self._token]
+            if not state.entries:
+                state.uninstall()
+        self._states = []
+
+
+def register_grad_ready_hook(model_chunks: nn.Module | Sequence[nn.Module],
+                             hook: Callable[[str, nn.Parameter], Any]) -> GradReadyHandle:
+    """Calls ``hook(name, param)`` once per distinct parameter per step, when its gradient is complete.
+
+    See [Note: grad-ready, once per parameter per step] for what "complete" means for distwgrad weights
+    (every recorded use delivered, outside ``no_sync``) and for plain parameters (autograd accumulated and
+    no deferring module holding it has queued work, outside ``no_sync``). A tied parameter fires once,
+    after its last use. For a distwgrad weight the hook runs after the weight's own reduction of that
+    contribution (``PER_MICROBATCH``), so ``main_grad`` already holds the reduced gradient of the
+    microbatches reduced so far. Register after the model is built (the deferring modules holding each
+    plain parameter are looked up now). Parameters with ``requires_grad=False`` are skipped.
+
+    Args:
+        model_chunks: a model or Megatron's list of model chunks.
+        hook: called as ``hook(name, param)``; ``name`` is the parameter's name in ``model_chunks``
+            (prefixed by the chunk index when there are several chunks).
+
+    Returns:
+        A handle whose ``remove()`` unregisters ``hook`` (and the instrumentation once no hook is left).
+    """
+    if not callable(hook):
+        raise TypeError(f"register_grad_ready_hook: hook must be callable, got {hook!r}")
+    chunks = chunks_of(model_chunks, "register_grad_ready_hook")
+    owners: dict[int, list[nn.Module]] = {}
+    for m in deferred_modules(chunks):
+        for p in m.parameters():
+            owners.setdefault(id(p), []).append(m)
+    token = next(_tokens)
+    states = []
+    for name, p in named_distinct_params(chunks):
+        if not p.requires_grad:
+            continue
+        state = getattr(p, _STATE, None) or _install(p)
+        if not isinstance(p, DistributedParameter):
+            for m in owners.get(id(p), []):
+                state.add_owner(m)
+        state.entries.append(_Entry(token, name, hook))
+        states.append(state)
+    return GradReadyHandle(token, states)
+
+
+def grad_ready_check(params: list[torch.Tensor]) -> None:
+    """Fires the hooks of ``params`` that are complete now (``grad_sync_func``'s explicit signal)."""
+    for p in params:
+        state = getattr(p, _STATE, None)
+        if state is not None:
+            state.check()
+
+
+def grad_ready_end_step(params: list[torch.Tensor]) -> None:
+    """At the step's end: fire what received a contribution and has not fired, then reset."""
+    for p in params:
+        state = getattr(p, _STATE, None)
+        if state is not None:
+            state.end_step()

@@ -1,0 +1,265 @@
+"""A small GPT with a mixture-of-experts MLP, built only from distwgrad modules.
+
+Legend: B sequences, S positions, T = B*S tokens, D ``d_model``, H heads, E experts, F ``d_ff`` (expert
+hidden width), V vocabulary, A = T*top_k token-to-expert assignments.
+
+Every parameter is a distwgrad weight: norms are parameter-free RMSNorm, positions use rotary embeddings
+(buffers, not parameters), and the rest is distwgrad's ``Embedding``, ``Linear`` and ``GroupedLinear``
+holding ``ShardedWeight``s over ``group`` (dim-0 shards, ``torch.chunk`` layout).
+
+With ``sharded=False`` the same architecture is built from plain ``torch`` pieces instead
+(``torch.nn.Embedding``, ``F.linear``, a loop of ``F.linear`` over experts) with ordinary parameters of
+the same names: the independent single-process oracle that the training job's ``--check-parity``
+compares against, so a bug in distwgrad's modules or weights cannot hide in both sides. Both are built
+from the same full tensors (:func:`init_full_weights`, seeded, identical on every rank), so a model is a
+pure function of its config whatever the world size.
+
+[Note: tied embedding]
+``lm_head`` is ``Linear(D, V, bias=False, weight=embedding.weight)``: one object used twice per forward.
+Each use records one expected contribution; the lm_head wgrad and the embedding's scatter accumulate into
+the same fp32 buffer and the weight reduces once, when both have arrived. ``named_parameters()`` lists it
+once, as ``embedding.weight`` (so does a checkpoint).
+
+The experts' wgrads are deferred (``delay_wgrad_compute=True``): backward queues them and the caller
+drains them with ``distwgrad.deferred_wgrad_scope`` / ``drain_deferred_wgrads`` before
+``distwgrad.finalize_model_grads``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distwgrad.nn import Embedding, GroupedLinear, Linear
+from distwgrad.weights import ShardedWeight
+
+__all__ = ["MoEGPTConfig", "MoEGPT", "init_full_weights"]
+
+
+@dataclass(frozen=True)
+class MoEGPTConfig:
+    """Shape and initialisation of :class:`MoEGPT`; validated on construction."""
+
+    vocab_size: int = 64
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_experts: int = 4
+    top_k: int = 2
+    d_ff: int = 128
+    init_std: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        ints = {k: getattr(self, k) for k in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads",
+                                               "n_experts", "top_k", "d_ff")}
+        bad = {k: v for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool) or v <= 0}
+        if bad:
+            raise ValueError(f"model sizes must be positive ints, got {bad}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"d_model={self.d_model} must split into n_heads={self.n_heads} heads of even "
+                             f"width (rotary embeddings rotate pairs)")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be at most n_experts={self.n_experts}")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be positive, got {self.init_std}")
+
+
+def init_full_weights(config: MoEGPTConfig) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors of every weight, by parameter name; deterministic in ``config.seed``.
+
+    Output projections are scaled by ``1/sqrt(2 * n_layers)`` (GPT-2) so the residual stream does not
+    grow with depth.
+    """
+    c = config
+    g = torch.Generator().manual_seed(c.seed)
+    normal = lambda *shape, std=c.init_std: torch.randn(*shape, generator=g) * std
+    out_std = c.init_std / math.sqrt(2 * c.n_layers)
+    weights = {"embedding.weight": normal(c.vocab_size, c.d_model)}
+    for i in range(c.n_layers):
+        p = f"blocks.{i}."
+        weights[p + "attn.qkv.weight"] = normal(3 * c.d_model, c.d_model)
+        weights[p + "attn.proj.weight"] = normal(c.d_model, c.d_model, std=out_std)
+        weights[p + "moe.router.weight"] = normal(c.n_experts, c.d_model)
+        weights[p + "moe.fc1.weight"] = normal(c.n_experts, c.d_ff, c.d_model)
+        weights[p + "moe.fc2.weight"] = normal(c.n_experts, c.d_model, c.d_ff, std=out_std)
+    return weights
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dim."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rotary_tables(seq_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BHSd.chunk(2, dim=-1)
+    return torch.cat([x1 * cos_Sh - x2 * sin_Sh, x1 * sin_Sh + x2 * cos_Sh], dim=-1)
+
+
+# --- the oracle's leaves (sharded=False): plain torch, no distwgrad code -------------------------------
+
+class _TorchLinear(nn.Module):
+    """``F.linear`` without bias on a given (possibly tied) parameter."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _TorchExperts(nn.Module):
+    """A packed ``[E, N, K]`` weight applied per expert with ``F.linear`` over its contiguous tokens."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x_AK: torch.Tensor, m_splits_E: torch.Tensor) -> torch.Tensor:
+        groups = x_AK.split(m_splits_E.tolist())
+        return torch.cat([F.linear(x, w) for x, w in zip(groups, self.weight.unbind(0))])
+
+
+def _linear(sharded: bool, weight: torch.Tensor) -> nn.Module:
+    if not sharded:
+        return _TorchLinear(weight)
+    n, k = getattr(weight, "full_shape", weight.shape)
+    return Linear(k, n, bias=False, weight=weight)
+
+
+def _experts(sharded: bool, weight: torch.Tensor) -> nn.Module:
+    """distwgrad ``GroupedLinear`` (packed weight, deferred wgrads) or the oracle's per-expert loop."""
+    if not sharded:
+        return _TorchExperts(weight)
+    e, n, k = getattr(weight, "full_shape", weight.shape)
+    experts = GroupedLinear(e, k, n, bias=False, single_grouped_weight=True, delay_wgrad_compute=True,
+                            device="meta")  # built on "meta", then given the real weight
+    experts.weight = weight
+    return experts
+
+
+# --- the model -------------------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with rotary positions."""
+
+    def __init__(self, config: MoEGPTConfig, qkv: nn.Module, proj: nn.Module) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.qkv, self.proj = qkv, proj
+        cos, sin = _rotary_tables(config.seq_len, config.d_model // config.n_heads)
+        self.register_buffer("cos", cos.to(qkv.weight.device), persistent=False)
+        self.register_buffer("sin", sin.to(qkv.weight.device), persistent=False)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        q, k, v = (t.view(B, S, self.n_heads, D // self.n_heads).transpose(1, 2)
+                   for t in self.qkv(x_BSD).split(D, dim=-1))
+        cos, sin = self.cos[:S], self.sin[:S]
+        y_BHSd = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
+        return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts: a softmax router, then ``fc2(gelu(fc1(x)))`` per expert, gate-weighted.
+
+    Tokens are sorted by expert (stable) so each expert's tokens are one contiguous group, which is the
+    layout ``GroupedLinear`` takes (``m_splits`` tokens per expert). The experts' packed ``[E, N, K]``
+    weights defer their wgrads.
+    """
+
+    def __init__(self, config: MoEGPTConfig, router: nn.Module, fc1: nn.Module, fc2: nn.Module) -> None:
+        super().__init__()
+        self.top_k, self.n_experts = config.top_k, config.n_experts
+        self.router, self.fc1, self.fc2 = router, fc1, fc2
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        E = self.n_experts
+        probs_TE = self.router(x_TD).float().softmax(dim=-1)
+        gate_TK, expert_TK = probs_TE.topk(self.top_k, dim=-1)
+        gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)
+        expert_A = expert_TK.reshape(-1)
+        order_A = torch.argsort(expert_A, stable=True)
+        token_A = order_A // self.top_k
+        m_splits_E = torch.bincount(expert_A, minlength=E)
+        h_AF = F.gelu(self.fc1(x_TD[token_A], m_splits_E))
+        y_AD = self.fc2(h_AF, m_splits_E) * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
+        return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
+
+
+class Block(nn.Module):
+    def __init__(self, config: MoEGPTConfig, weight: Callable[[str], torch.Tensor], prefix: str,
+                 sharded: bool) -> None:
+        super().__init__()
+        w = lambda name: weight(prefix + name)
+        self.attn = CausalSelfAttention(config, _linear(sharded, w("attn.qkv.weight")),
+                                        _linear(sharded, w("attn.proj.weight")))
+        self.moe = MoE(config, _linear(sharded, w("moe.router.weight")), _experts(sharded, w("moe.fc1.weight")),
+                       _experts(sharded, w("moe.fc2.weight")))
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(rms_norm(x_BSD))
+        return x_BSD + self.moe(rms_norm(x_BSD).flatten(0, 1)).view_as(x_BSD)
+
+
+class MoEGPT(nn.Module):
+    """Decoder-only transformer: tied embedding, causal attention, MoE MLP, parameter-free norms.
+
+    Args:
+        config: the model's shape and seed.
+        device: where the weights live.
+        group: process group the weights are sharded over (None: the default group, or a group of one
+            with no process group initialised).
+        sharded: distwgrad modules on ``ShardedWeight``s over ``group`` when True; plain torch modules
+            on ``nn.Parameter``s (the unsharded single-process oracle) when False.
+    """
+
+    def __init__(self, config: MoEGPTConfig, *, device: torch.device | str | None = None, group: Any = None,
+                 sharded: bool = True) -> None:
+        super().__init__()
+        if not isinstance(config, MoEGPTConfig):
+            raise TypeError(f"config must be a MoEGPTConfig, got {type(config).__name__}")
+        self.config = config
+        full = init_full_weights(config)
+
+        def weight(name: str) -> torch.Tensor:
+            t = full.pop(name).to(device)
+            return ShardedWeight.from_full(t, group=group) if sharded else nn.Parameter(t)
+
+        c = config
+        if sharded:
+            self.embedding = Embedding(c.vocab_size, c.d_model, weight=weight("embedding.weight"))
+        else:
+            self.embedding = nn.Embedding.from_pretrained(weight("embedding.weight"), freeze=False)
+        self.blocks = nn.ModuleList(Block(c, weight, f"blocks.{i}.", sharded) for i in range(c.n_layers))
+        # [Note: tied embedding]: the same object, not a copy.
+        self.lm_head = _linear(sharded, self.embedding.weight)
+        assert not full, f"unused initial weights {sorted(full)}"
+
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, S, V]`` for token ids ``[B, S]`` (S at most ``config.seq_len``)."""
+        if ids_BS.dim() != 2 or ids_BS.shape[1] > self.config.seq_len:
+            raise ValueError(f"ids must be [batch, seq <= {self.config.seq_len}], got {tuple(ids_BS.shape)}")
+        x_BSD = self.embedding(ids_BS)
+        for block in self.blocks:
+            x_BSD = block(x_BSD)
+        return self.lm_head(rms_norm(x_BSD))
+
+    def loss(self, ids_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over every position, computed in fp32."""
+        logits_BSV = self(ids_BS)
+        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())

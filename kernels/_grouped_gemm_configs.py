@@ -1,0 +1,174 @@
+"""Tile configurations for ``distwgrad.kernels.grouped_gemm``, and the accuracy bound that accepts them.
+
+Configs are picked by a fixed table, not by ``triton.autotune``: autotuning benchmarks on the first call
+of every new key, which cannot run inside a CUDA-graph capture and would corrupt the accumulating wgrad
+(its benchmark runs add into ``out`` repeatedly). ``qa/bench/grouped_gemm.py --sweep`` times every
+candidate below on an H200 and prints each one per op and shape; the tables cite those runs.
+
+Legend (kernel view): every kernel computes ``C[M, N] (+)= A[M, K] @ B[K, N]`` tile by tile.
+    fprop   M = tokens of one expert, N = out-features, K = in-features
+    dgrad   M = tokens of one expert, N = in-features,  K = out-features
+    wgrad   M = out-features,         N = in-features,  K = tokens of one expert (ragged reduction)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = ["TileConfig", "INTERPRETER", "RAGGED_CANDIDATES", "WGRAD_CANDIDATES", "WGRAD_ACC_CANDIDATES",
+           "pick_ragged",
+           "pick_wgrad", "smem_bytes", "error_vs_oracle"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration. ``group_m`` tiles along M share one column of B (L2 reuse).
+    ``add_mode`` only matters to the accumulating wgrad: "load" reads the old fp32 tile after the main
+    loop, "prefetch" before it (held in registers while the MMAs run), "atomic" sends fp32 reductions
+    to L2 instead of a read-modify-write round trip (deterministic: each element gets one addend),
+    "tma_add" one asynchronous bulk tensor reduction per tile (Hopper, stacked ``out`` with 16-byte
+    aligned strides; otherwise, and in the interpreter, it runs as "atomic")."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    add_mode: str = "load"
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad TileConfig: group_m={self.group_m}, num_warps={self.num_warps}, "
+                             f"num_stages={self.num_stages}")
+        if self.add_mode not in ("load", "prefetch", "atomic", "tma_add"):
+            raise ValueError(f"TileConfig.add_mode must be 'load', 'prefetch', 'atomic' or 'tma_add', got "
+                             f"{self.add_mode!r}")
+
+    def short(self) -> str:
+        mode = "" if self.add_mode == "load" else f"/{self.add_mode}"
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
+                f"/s{self.num_stages}{mode}")
+
+
+# Tiny tiles for TRITON_INTERPRET=1: several tiles per group and masked edges at test shapes.
+INTERPRETER = TileConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
+
+# Candidates that ``qa/bench/grouped_gemm.py --sweep`` times (bf16, H200). Rounds and their results are
+# in docs/benchmarks/grouped_gemm.md. Round 1 also timed 128x128x128/w8/s3, 64x256x64/w4/s4 and
+# 64x128x128/w4/s4 for fprop/dgrad and 128x128x64/w8/s4 for wgrad, round 2 128x256x128/w8/s2 for
+# fprop/dgrad and add_mode="prefetch" (w8, s3/s4): never within 5% of the best, so they were dropped.
+# Wgmma wants 64 rows per warpgroup; 128x128/w4/s3 (96 KB of shared memory) lets two programs share an
+# SM, so one's epilogue overlaps the other's main loop.
+_T = TileConfig
+RAGGED_CANDIDATES = (
+    _T(128, 256, 64, num_warps=8, num_stages=3), _T(128, 256, 64, num_warps=8, num_stages=4),
+    _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
+    _T(128, 128, 64, num_warps=4, num_stages=3),
+)
+WGRAD_CANDIDATES = (
+    _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
+    _T(128, 256, 64, num_warps=8, num_stages=4), _T(128, 128, 64, num_warps=4, num_stages=3),
+    _T(128, 128, 32, num_warps=4, num_stages=4),
+)
+WGRAD_ACC_CANDIDATES = (
+    _T(128, 128, 32, num_warps=4, num_stages=4),
+    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="atomic"),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic"),
+    _T(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic"),
+    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic"),
+    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add"),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add"),
+    _T(128, 128, 64, num_warps=8, num_stages=3, add_mode="tma_add"),
+    _T(256, 128, 64, num_warps=8, num_stages=2, add_mode="tma_add"),
+)
+
+
+def smem_bytes(cfg: TileConfig, elem_bytes: int) -> int:
+    """Shared memory of the operand pipeline (the epilogue may need a little more)."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
+
+
+def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None) -> TileConfig:
+    """Drops pipeline stages (then halves N) until the operand ring fits the device's shared memory."""
+    if smem_limit is None:
+        return cfg
+    while smem_bytes(cfg, elem_bytes) + 8192 > smem_limit:
+        if cfg.num_stages > 2:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 32:
+            cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+        else:
+            break
+    return cfg
+
+
+# The tables below cite the H200 sweeps (bf16, TFLOP/s, median of do_bench; rounds 1 and 2 on
+# 2026-11-29, averaged where both timed a config: one config moved by up to 10% between rounds) at the
+# three benchmark shapes, named by tokens per expert: 4096 (E=8, K=4096, N=14336), 1024 (E=64, K=7168,
+# N=2048) and 128 (E=128, K=2048, N=768). Other GPUs and dtypes get the same tiles, shrunk to fit.
+
+
+def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,
+                smem_limit: int | None) -> TileConfig:
+    """Config for fprop/dgrad (ragged M)."""
+    del num_tokens, num_groups, n, k
+    # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
+    # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,
+    # 600/570, 302/261. 64-row tiles (round 1) lost at every shape, by 5-10%.
+    return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4), elem_bytes, smem_limit)
+
+
+def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,
+               smem_limit: int | None, accumulate: bool) -> TileConfig:
+    """Config for wgrad (ragged K), fresh or accumulating."""
+    del n, k
+    big = num_tokens / max(num_groups, 1) >= 2048
+    if accumulate:
+        # add_mode "atomic" beat "load" at every shape (round 2): 4096/expert 629 (256x128x64/w8/s3)
+        # vs 552; 1024: 397 (128x128x32/w4/s4) vs 362; 128: 81 vs 75. "prefetch": 542, 351, 70.
+        cfg = (TileConfig(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic") if big else
+               TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic"))
+    elif big:  # 256x128x64/w8/s3 676 vs 128x256x64/w8/s4 664, 128x128x32/w4/s4 626
+        cfg = TileConfig(256, 128, 64, num_warps=8, num_stages=3)
+    else:      # 1024/expert: 128x128x32/w4/s4 601 vs 128x128x64/w4/s3 580; 128/expert: 246 vs 184
+        cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4)
+    return _fit(cfg, elem_bytes, smem_limit)
+
+
+# ---- accuracy bound (tests and the benchmark's pre-timing check share it) ---------------------------
+# [Note: grouped gemm error bound]
+# A low-precision GEMM is judged against an fp64 oracle relative to the error the in-package torch
+# reference makes at the same precision: ours must satisfy err(ours) <= RATIO * err(reference) + floor,
+# measured both in the Frobenius norm (overall accuracy) and in the max norm (a single bad tile). Both
+# implementations round every output once to the output dtype after fp32 accumulation, so their errors
+# agree to within a rounding step; RATIO = 2 leaves room for a different summation order and for the
+# fused fp32 accumulate (which rounds less than the reference's bf16 GEMM + add). The floor (1e-5 of the
+# oracle's norm, ~100 fp32 ulps) covers cases where the reference happens to be exact, e.g. fp32 data.
+# A wrong or unwritten tile errs by O(|value|) and a NaN-poisoned one fails outright.
+ERROR_RATIO = 2.0
+ERROR_FLOOR = 1e-5
+
+
+def error_vs_oracle(ours: torch.Tensor, reference: torch.Tensor, oracle: torch.Tensor) -> dict:
+    """Errors of ``ours`` and ``reference`` against the fp64 ``oracle``; ``ok`` applies the bound above."""
+    o = oracle.double()
+    res = {}
+    for norm in ("fro", "max"):
+        def dist(t, norm=norm):
+            d = (t.double() - o).flatten()
+            return float(torch.linalg.vector_norm(d, 2 if norm == "fro" else math.inf))
+        scale = float(torch.linalg.vector_norm(o.flatten(), 2 if norm == "fro" else math.inf))
+        e_ours, e_ref = dist(ours), dist(reference)
+        bound = ERROR_RATIO * e_ref + ERROR_FLOOR * scale
+        res[norm] = {"ours": e_ours, "reference": e_ref, "bound": bound,
+                     "ok": bool(e_ours <= bound)}  # NaN compares False
+    res["ok"] = res["fro"]["ok"] and res["max"]["ok"]
+    return res

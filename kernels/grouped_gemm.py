@@ -1,0 +1,513 @@
+"""Triton grouped GEMMs for MoE: the three products over ragged token groups, in one launch each.
+
+Legend: E experts (groups), T tokens, K in-features, N out-features. ``offs_E`` holds int32 END offsets
+on the tokens' device (as ``torch._grouped_mm`` takes them): group ``e`` owns tokens
+``[offs_E[e-1], offs_E[e])``, with ``offs_E[-1]`` read as 0.
+
+    fprop   y_TN[g]   = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])     grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    dgrad   dx_TK[g]  = dy_TN[g] @ w_ENK[e]                     grouped_dgrad(dy_TN, w_ENK, offs_E)
+    wgrad   dW_ENK[e] = dy_TN[g]^T @ x_TK[g]  (sum over g)      grouped_wgrad(dy_TN, x_TK, offs_E, out=None)
+
+Dtypes: bf16, fp16 or fp32 operands (all the same), fp32 accumulation, outputs in the operand dtype,
+except ``grouped_wgrad(..., out=...)`` which ADDS into fp32 buffers in the same pass: ``out`` is a
+stacked ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors (discrete per-expert ``main_grad``;
+their addresses go to the kernel as an int64 pointer table, so no full-size temporary exists). fp32
+operands use IEEE fp32 products unless ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch.mm).
+
+No host sync: the offsets are read on the device only, so the ops can be captured in a CUDA graph
+(after a warm-up call: Triton compiles, and a list ``out`` builds its pointer table, on first use).
+Offsets are clamped into ``[0, T]`` in the kernel, so bad offsets give wrong groups, never stray
+memory accesses. Rows at or past ``offs_E[-1]`` of fprop/dgrad outputs are left unwritten (as in
+the reference and ``torch._grouped_mm``); an empty group writes nothing there, zeros in a fresh wgrad
+and adds nothing in an accumulating one.
+
+Scheduling: one program per output tile, tiles ordered group-major, ``group_m`` tiles along M share a
+column of B for L2 reuse. For fprop/dgrad the number of M tiles per group lives on the device: the grid
+covers the bound ``cdiv(T, BLOCK_M) + E`` M tiles and every program finds its group with a prefix sum
+over the offsets (at most 256 lanes); spare programs exit at once. wgrad tiles the fixed [N, K] output of
+every group and walks that group's tokens as its reduction.
+
+Loads: Hopper TMA tensor descriptors when layouts allow (16-byte aligned base and row strides, unit
+inner stride; for dgrad also N a multiple of BLOCK_K, so a reduction step never crosses into the next
+expert's weight), else masked pointer loads (any strides). The results are the same. wgrad's last,
+partial token block always takes the masked path, because a descriptor cannot stop at a group's end.
+``TRITON_INTERPRET=1`` runs everything on CPU tensors; there bf16 operands are upcast to fp32 first
+(the interpreter's bf16 ``tl.dot`` multiplies bit patterns).
+"""
+
+import collections
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import _grouped_gemm_configs as _cfg
+from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
+
+__all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
+
+_ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile ``local`` of a tiles_m x tiles_n grid, in bands of GROUP_M rows (column-major per band)."""
+    width = GROUP_M * tiles_n
+    first_m = (local // width) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (local % width) % rows, (local % width) // rows
+
+
+@triton.jit
+def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(group, tile within it, first token, tokens, total tiles) for tile ``pid``; offsets clamped."""
+    eidx = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0)
+    starts = tl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
+    ends = tl.minimum(tl.maximum(ends, 0), T)
+    starts = tl.minimum(tl.maximum(starts, 0), T)
+    sizes = tl.maximum(ends - starts, 0)
+    tiles = tl.cdiv(sizes, BLOCK_M) * tiles_n
+    done = tl.cumsum(tiles, 0) <= pid
+    this = eidx == tl.sum(done.to(tl.int32), 0)
+    e = tl.sum(done.to(tl.int32), 0)
+    local = pid - tl.sum(tl.where(done, tiles, 0), 0)
+    start = tl.sum(tl.where(this, starts, 0), 0)
+    size = tl.sum(tl.where(this, sizes, 0), 0)
+    return e, local, start, size, tl.sum(tiles, 0)
+
+
+@triton.jit(do_not_specialize=["T", "E"])  # token and group counts change per step: one compile
+def _ragged_m_kernel(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, offs_ptr,
+                     T, E, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn,
+                     stride_ot, stride_on, stride_be, stride_bn_bias, stride_o,
+                     W_TRANS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e; B_e = W_e^T (fprop) or W_e (dgrad)."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E)
+    if pid >= total:
+        return
+    pid_m, pid_n = _swizzle(local, tl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
+    row0 = start + pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    rows_ok = rows < start + size
+    rows64 = rows.to(tl.int64)
+    e64 = e.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # Rows past the group (next group's tokens) and columns past N only feed outputs that are
+        # masked at the store; K past the end is zero-filled by the descriptor.
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([row0, k0])
+            if W_TRANS:
+                b = w_desc.load([e * W_ROWS + col0, k0]).T
+            else:
+                b = w_desc.load([e * W_ROWS + k0, col0])
+            acc = _mma(a, b, acc, UPCAST, PRECISION)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows64[:, None] * stride_at + ks[None, :] * stride_ak
+        b_ptrs = w_ptr + e64 * stride_we + ks[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks[None, :] < K - k0), other=0.0)
+            b = tl.load(b_ptrs, mask=(ks[:, None] < K - k0) & (cols[None, :] < N), other=0.0)
+            acc = _mma(a, b, acc, UPCAST, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e64 * stride_be + cols * stride_bn_bias, mask=cols < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    o_ptrs = out_ptr + rows64[:, None] * stride_ot + cols[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _wgrad_masked_step(dy_ptr, x_ptr, t0, end, rows_m, cols_n, N, K, acc,
+                       stride_dt, stride_dn, stride_xt, stride_xk,
+                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    ts = t0 + tl.arange(0, BLOCK_K)
+    ts64 = ts.to(tl.int64)
+    t_ok = ts < end
+    g = tl.load(dy_ptr + ts64[:, None] * stride_dt + rows_m[None, :] * stride_dn,
+                mask=t_ok[:, None] & (rows_m[None, :] < N), other=0.0)
+    x = tl.load(x_ptr + ts64[:, None] * stride_xt + cols_n[None, :] * stride_xk,
+                mask=t_ok[:, None] & (cols_n[None, :] < K), other=0.0)
+    return _mma(g.T, x, acc, UPCAST, PRECISION)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
+                  T, N, K,
+                  stride_dt, stride_dn, stride_xt, stride_xk,
+                  stride_oe, stride_on, stride_ok, stride_o,
+                  ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr):
+    """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
+    output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
+    fresh output; 1-4 add into fp32 ``out``: 1 loads the old tile after the main loop, 2 before it
+    (the read streams under the MMAs, held in registers), 3 sends fp32 reductions to L2 (no round trip;
+    still deterministic: every element receives exactly one addend), 4 does the same with one bulk
+    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(N, BLOCK_M)
+    tiles_n = tl.cdiv(K, BLOCK_N)
+    e = pid // (tiles_m * tiles_n)
+    pid_m, pid_n = _swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e * stride_o), 0), T)
+    start = tl.minimum(tl.maximum(tl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
+    end = tl.maximum(end, start)
+    if ADD_MODE != 0:
+        if end == start:
+            return
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PTR_TABLE:
+        base = tl.load(out_ptr + e).to(tl.pointer_type(tl.float32))
+    else:
+        base = out_ptr + e.to(tl.int64) * stride_oe
+    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
+    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
+    if ADD_MODE == 2:
+        old = tl.load(o_ptrs, mask=mask, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        t_tail = start + ((end - start) // BLOCK_K) * BLOCK_K
+        for t0 in range(start, t_tail, BLOCK_K):
+            g = dy_desc.load([t0, pid_m * BLOCK_M])
+            x = x_desc.load([t0, pid_n * BLOCK_N])
+            acc = _mma(g.T, x, acc, UPCAST, PRECISION)
+        if t_tail < end:
+            acc = _wgrad_masked_step(dy_ptr, x_ptr, t_tail, end, rows_m, cols_n, N, K, acc, stride_dt,
+                                     stride_dn, stride_xt, stride_xk, UPCAST, PRECISION, BLOCK_K)
+    else:
+        for t0 in range(start, end, BLOCK_K):
+            acc = _wgrad_masked_step(dy_ptr, x_ptr, t0, end, rows_m, cols_n, N, K, acc, stride_dt,
+                                     stride_dn, stride_xt, stride_xk, UPCAST, PRECISION, BLOCK_K)
+    if ADD_MODE == 3:
+        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
+    elif ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
+        out_desc.atomic_add([e, pid_m * BLOCK_M, pid_n * BLOCK_N], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)))
+    else:
+        if ADD_MODE == 1:
+            acc += tl.load(o_ptrs, mask=mask, other=0.0)
+        if ADD_MODE == 2:
+            acc += old
+        tl.store(o_ptrs, acc.to(base.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers: check, allocate, grid, launch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _device_info(device: torch.device) -> tuple[int, int | None]:
+    """(compute capability major, shared memory per block) of a CUDA device; (0, None) elsewhere."""
+    if device.type != "cuda":
+        return 0, None
+    props = torch.cuda.get_device_properties(device)
+    return props.major, getattr(props, "shared_memory_per_block_optin", None)
+
+
+def _dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[bool, str | None]:
+    """(UPCAST, PRECISION): bf16 is upcast only in the interpreter; fp32 follows torch's TF32 switch."""
+    if _interpreting():
+        return dtype == torch.bfloat16, "ieee" if dtype in (torch.bfloat16, torch.float32) else None
+    if dtype == torch.float32:
+        return False, "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return False, None
+
+
+def _tma_2d_ok(t: torch.Tensor, row_stride: int, inner_stride: int) -> bool:
+    b = t.element_size()
+    return t.data_ptr() % 16 == 0 and inner_stride == 1 and (row_stride * b) % 16 == 0
+
+
+def _resolve_tma(requested: bool | None, eligible: bool, device: torch.device, what: str) -> bool:
+    """None: TMA iff the device is Hopper or newer and the layouts allow. True: required (tests)."""
+    if requested is None:
+        return eligible and not _interpreting() and _device_info(device)[0] >= 9
+    if requested and not eligible:
+        raise ValueError(f"{what}: TMA was requested but the layouts do not allow it (16-byte aligned "
+                         f"base and row strides, unit inner stride; dgrad: N a multiple of BLOCK_K)")
+    return requested
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma):
+    """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]."""
+    T, K = a.shape
+    E, w_rows, w_cols = w_ENK.shape
+    N = out.shape[1]
+    if T == 0 or N == 0 or E == 0:
+        return out
+    if config is None:
+        config = (_cfg.INTERPRETER if _interpreting() else
+                  _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
+                                   smem_limit=_device_info(a.device)[1]))
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    sw = w_ENK.stride()
+    eligible = (K > 0 and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
+                and (E == 1 or sw[0] == w_rows * sw[1]) and (w_trans or w_rows % bk == 0))
+    tma = _resolve_tma(use_tma, eligible, a.device, "grouped_fprop" if w_trans else "grouped_dgrad")
+    a_desc = w_desc = None
+    if tma:
+        a_desc = TensorDescriptor(a, [T, K], [a.stride(0), 1], [bm, bk])
+        w_desc = TensorDescriptor(w_ENK, [E * w_rows, w_cols], [sw[1], 1], [bn, bk] if w_trans else [bk, bn])
+    stride_bk, stride_bn = (sw[2], sw[1]) if w_trans else (sw[1], sw[2])
+    bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
+    upcast, precision = _dot_flags(a.dtype, a.device)
+    grid = ((triton.cdiv(T, bm) + E) * triton.cdiv(N, bn),)
+    _ragged_m_kernel[grid](
+        a_desc, w_desc, a, w_ENK, out, bias_EN, offs_E,
+        T, E, N, K, w_rows,
+        a.stride(0), a.stride(1), sw[0], stride_bk, stride_bn,
+        out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
+        W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, USE_TMA=tma, UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        BLOCK_E=max(16, triton.next_power_of_2(E)),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma):
+    """dW_e for every group into ``out`` ([E, N, K]) or, with ``table``, into the per-group buffers it
+    points to (``out`` is then entry 0, read for its strides); adds to them iff ``accumulate``."""
+    T, N = dy_TN.shape
+    K = x_TK.shape[1]
+    E = offs_E.shape[0]
+    if E == 0 or N == 0 or K == 0:
+        return
+    if config is None:
+        config = (_cfg.INTERPRETER if _interpreting() else
+                  _cfg.pick_wgrad(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=dy_TN.element_size(),
+                                  smem_limit=_device_info(dy_TN.device)[1], accumulate=accumulate))
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    eligible = (T > 0 and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1))
+                and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1)))
+    tma = _resolve_tma(use_tma, eligible, dy_TN.device, "grouped_wgrad")
+    dy_desc = x_desc = None
+    if tma:
+        dy_desc = TensorDescriptor(dy_TN, [T, N], [dy_TN.stride(0), 1], [bk, bm])
+        x_desc = TensorDescriptor(x_TK, [T, K], [x_TK.stride(0), 1], [bk, bn])
+    so = (0,) + out.stride() if table is not None else out.stride()
+    add_mode = _ADD_MODES[config.add_mode] if accumulate else 0
+    out_desc = None
+    if add_mode == 4:  # bulk tensor reduction: Hopper, stacked out with TMA-able strides; else mode 3
+        if table is None and tma and not _interpreting() and _tma_2d_ok(out, so[1], so[2]) and so[0] % 4 == 0:
+            out_desc = TensorDescriptor(out, [E, N, K], list(so), [1, bm, bn])
+        else:
+            add_mode = 3
+    upcast, precision = _dot_flags(dy_TN.dtype, dy_TN.device)
+    grid = (E * triton.cdiv(N, bm) * triton.cdiv(K, bn),)
+    _wgrad_kernel[grid](
+        dy_desc, x_desc, out_desc, dy_TN, x_TK, out if table is None else table, offs_E,
+        T, N, K,
+        dy_TN.stride(0), dy_TN.stride(1), x_TK.stride(0), x_TK.stride(1),
+        so[0], so[1], so[2], offs_E.stride(0),
+        ADD_MODE=add_mode, PTR_TABLE=table is not None,
+        USE_TMA=tma, UPCAST=upcast, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _check_runnable(op: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{op}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got "
+                         f"{t.device}; distwgrad.ops.grouped_gemm runs the torch reference elsewhere")
+
+
+# ---- pointer tables for a list of per-group outputs -------------------------------------------------
+# Kept for the process's life (up to _PTR_TABLES_MAX, 2 KB each at E=256): a CUDA graph that captured a
+# launch keeps reading its table, so a table must not be freed while graphs may replay.
+_PTR_TABLES: collections.OrderedDict = collections.OrderedDict()
+_PTR_TABLES_MAX = 4096
+
+
+def _ptr_table(outs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    key = (str(device), tuple(t.data_ptr() for t in outs))
+    hit = _PTR_TABLES.get(key)
+    if hit is not None:
+        _PTR_TABLES.move_to_end(key)
+        return hit[1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("grouped_wgrad: first use of this list of out buffers inside a CUDA graph "
+                           "capture; call once before capturing (a warm-up, as Triton's compile needs)")
+    host = torch.tensor(key[1], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    _PTR_TABLES[key] = (host, host.to(device, non_blocking=True))
+    while len(_PTR_TABLES) > _PTR_TABLES_MAX:
+        _PTR_TABLES.popitem(last=False)
+    return _PTR_TABLES[key][1]
+
+
+# ---- the three products (config and use_tma are for tests and benchmarks) --------------------------
+
+
+def _fprop(x_TK, w_ENK, offs_E, bias_EN=None, *, config=None, use_tma=None) -> torch.Tensor:
+    _check_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    _check_runnable("grouped_fprop", x_TK)
+    y_TN = x_TK.new_empty(x_TK.shape[0], w_ENK.shape[1])
+    return _launch_ragged(x_TK, w_ENK, offs_E, bias_EN, y_TN, w_trans=True, config=config, use_tma=use_tma)
+
+
+def _dgrad(dy_TN, w_ENK, offs_E, *, config=None, use_tma=None) -> torch.Tensor:
+    _check_dgrad(dy_TN, w_ENK, offs_E)
+    _check_runnable("grouped_dgrad", dy_TN)
+    dx_TK = dy_TN.new_empty(dy_TN.shape[0], w_ENK.shape[2])
+    return _launch_ragged(dy_TN, w_ENK, offs_E, None, dx_TK, w_trans=False, config=config, use_tma=use_tma)
+
+
+def _wgrad(dy_TN, x_TK, offs_E, out=None, *, config=None, use_tma=None):
+    _check_wgrad(dy_TN, x_TK, offs_E, out)
+    _check_runnable("grouped_wgrad", dy_TN)
+    kw = dict(config=config, use_tma=use_tma)
+    if out is None:
+        dW_ENK = dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1])
+        _launch_wgrad(dy_TN, x_TK, offs_E, dW_ENK, accumulate=False, table=None, **kw)
+        return dW_ENK
+    if isinstance(out, torch.Tensor):
+        _launch_wgrad(dy_TN, x_TK, offs_E, out, accumulate=True, table=None, **kw)
+    elif len(out) > 0:
+        table = _ptr_table(out, dy_TN.device)
+        _launch_wgrad(dy_TN, x_TK, offs_E, out[0], accumulate=True, table=table, **kw)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom ops (+ fake implementations, so torch.compile traces them) and the public API
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("distwgrad::grouped_fprop", mutates_args=())
+def _fprop_op(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+              bias_EN: torch.Tensor | None) -> torch.Tensor:
+    return _fprop(x_TK, w_ENK, offs_E, bias_EN)
+
+
+@_fprop_op.register_fake
+def _(x_TK, w_ENK, offs_E, bias_EN):
+    _check_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    return x_TK.new_empty(x_TK.shape[0], w_ENK.shape[1])
+
+
+@torch.library.custom_op("distwgrad::grouped_dgrad", mutates_args=())
+def _dgrad_op(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return _dgrad(dy_TN, w_ENK, offs_E)
+
+
+@_dgrad_op.register_fake
+def _(dy_TN, w_ENK, offs_E):
+    _check_dgrad(dy_TN, w_ENK, offs_E)
+    return dy_TN.new_empty(dy_TN.shape[0], w_ENK.shape[2])
+
+
+@torch.library.custom_op("distwgrad::grouped_wgrad", mutates_args=())
+def _wgrad_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return _wgrad(dy_TN, x_TK, offs_E)
+
+
+@_wgrad_op.register_fake
+def _(dy_TN, x_TK, offs_E):
+    _check_wgrad(dy_TN, x_TK, offs_E, None)
+    return dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1])
+
+
+@torch.library.custom_op("distwgrad::grouped_wgrad_accumulate", mutates_args=("out",))
+def _wgrad_acc_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, out: torch.Tensor) -> None:
+    _wgrad(dy_TN, x_TK, offs_E, out)
+
+
+@_wgrad_acc_op.register_fake
+def _(dy_TN, x_TK, offs_E, out):
+    _check_wgrad(dy_TN, x_TK, offs_E, out)
+
+
+@torch.library.custom_op("distwgrad::grouped_wgrad_accumulate_list", mutates_args=("out",))
+def _wgrad_acc_list_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
+                       out: list[torch.Tensor]) -> None:
+    _wgrad(dy_TN, x_TK, offs_E, out)
+
+
+@_wgrad_acc_list_op.register_fake
+def _(dy_TN, x_TK, offs_E, out):
+    _check_wgrad(dy_TN, x_TK, offs_E, out)
+
+
+def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                  bias_EN: torch.Tensor | None = None) -> torch.Tensor:
+    """``y_TN[g] = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])`` for the tokens g of every group e.
+
+    Args:
+        x_TK: ``[T, K]`` tokens, sorted by group; bf16, fp16 or fp32.
+        w_ENK: ``[E, N, K]`` stacked weights, same dtype and device.
+        offs_E: ``[E]`` int32 end offsets on the same device (never read on the host).
+        bias_EN: optional ``[E, N]`` bias, same dtype.
+
+    Returns:
+        ``[T, N]`` in x's dtype (rows at or past ``offs_E[-1]`` unwritten).
+    """
+    _check_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    return torch.ops.distwgrad.grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
+
+
+def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``dx_TK[g] = dy_TN[g] @ w_ENK[e]`` for every group; arguments as in :func:`grouped_fprop`."""
+    _check_dgrad(dy_TN, w_ENK, offs_E)
+    return torch.ops.distwgrad.grouped_dgrad(dy_TN, w_ENK, offs_E)
+
+
+def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+    """``dW_e = dy_TN[g]^T @ x_TK[g]`` summed over the tokens g of each group e.
+
+    Args:
+        dy_TN: ``[T, N]`` output gradients; x_TK: ``[T, K]`` inputs (same dtype, device, token order).
+        offs_E: ``[E]`` int32 end offsets on the same device.
+        out: None for a fresh ``[E, N, K]`` tensor in dy's dtype (an empty group gives zeros); or fp32
+            buffers to ADD into in the same pass (``main_grad``): a stacked ``[E, N, K]`` tensor, or a
+            list of E ``[N, K]`` tensors sharing shape and strides (an empty group adds nothing).
+
+    Returns:
+        The fresh tensor, or ``out`` itself.
+    """
+    _check_wgrad(dy_TN, x_TK, offs_E, out)
+    if out is None:
+        return torch.ops.distwgrad.grouped_wgrad(dy_TN, x_TK, offs_E)
+    if isinstance(out, torch.Tensor):
+        torch.ops.distwgrad.grouped_wgrad_accumulate(dy_TN, x_TK, offs_E, out)
+    else:
+        torch.ops.distwgrad.grouped_wgrad_accumulate_list(dy_TN, x_TK, offs_E, list(out))
+    return out

@@ -1,0 +1,269 @@
+"""The training job end to end: torchrun on CPU/gloo, parity, reports, resharded resume, bad arguments.
+
+One 2-rank run (30 steps, ``--check-parity``, a checkpoint every 10 steps) is shared by the tests that
+read its report or resume its checkpoints (module fixture), so torchrun start-up is paid a few times,
+not per assertion.
+
+Tolerances: a resumed run restores weights, AdamW state and step exactly, so its losses differ from the
+uninterrupted run's only by the order in which ranks' partial losses and gradients are summed; over the
+4 steps compared that is below 1e-6 (measured 5e-7 on 1 and 3 ranks), bounded by the job's own
+``PARITY_LOSS_ATOL`` (1e-5). Longer horizons would not do: top-k routing is chaotic and amplifies
+rounding (see [Note: parity] in ``launch/train.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import distwgrad
+from distwgrad.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from distwgrad.data import MarkovCorpus
+from distwgrad.models import MoEGPT, MoEGPTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, SAVE_EVERY, RESUME_AT, RESUME_TO = 30, 10, 10, 14
+SMALL = ["--global-batch", "12", "--microbatches", "2", "--seq-len", "32", "--d-model", "32", "--d-ff", "64",
+         "--no-progress", "--log-every", "10"]  # 12 sequences: divisible by 1, 2 and 3 ranks x 2 microbatches
+CONFIG = MoEGPTConfig(seq_len=32, d_model=32, d_ff=64)  # the model SMALL builds
+
+# ``distwgrad.launch`` exists once installed (``pip install -e .``); a bare checkout on PYTHONPATH has no
+# such package (setuptools maps it onto ``launch/`` only at install time), so there the same files run
+# as ``launch``.
+LAUNCH = "distwgrad.launch" if importlib.util.find_spec("distwgrad.launch") else "launch"
+MODULE = f"{LAUNCH}.train"
+
+
+def _launch(name: str):
+    if LAUNCH == "launch" and REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    return importlib.import_module(f"{LAUNCH}.{name}")
+
+
+LOSS_ATOL = _launch("train").PARITY_LOSS_ATOL  # see the module docstring
+
+
+def _run(args: list[str], nproc: int | None = 2, env: dict | None = None, timeout: float = 240):
+    """``torchrun --standalone --nproc-per-node N -m <job> ARGS`` (or plain ``python -m`` with None)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launcher if nproc else [sys.executable]) + ["-m", MODULE, *args]
+    full_env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def _report(out) -> dict:
+    with open(os.path.join(out, "report.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("base"))
+    proc = _run(["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--check-parity", "--out", out, *SMALL])
+    _ok(proc)
+    return out, proc
+
+
+# --- the uninterrupted run -----------------------------------------------------------------------------
+
+@pytest.mark.distributed
+def test_loss_decreases_and_parity_passes(base_run):
+    out, proc = base_run
+    r = _report(out)
+    assert r["steps"] == list(range(1, STEPS + 1)) and len(r["loss"]) == STEPS
+    first, last = sum(r["loss"][:5]) / 5, sum(r["loss"][-5:]) / 5
+    assert r["loss"][0] == pytest.approx(r["corpus"]["uniform_loss"], abs=0.05)  # ln(64) at the init
+    assert last < first - 0.2, r["loss"]
+    parity = r["parity"]
+    assert parity["passed"] and parity["weights_compared"], parity
+    assert parity["max_abs_diff"] <= parity["tolerance"]["loss_abs"] == LOSS_ATOL
+    assert parity["max"]["grad_rel"] <= parity["tolerance"]["grad_rel"]
+    assert "parity (lockstep, 30 steps): max |loss diff|" in proc.stderr and "PASSED" in proc.stderr
+
+
+@pytest.mark.distributed
+def test_report_plot_and_counters(base_run):
+    out, proc = base_run
+    r = _report(out)
+    assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu"
+    assert r["config"]["steps"] == STEPS and r["config"]["recipe"] == "none"
+    assert len(r["tokens_per_s"]) == STEPS and r["tokens_per_s_mean"] > 0 and r["wall_time_s"] > 0
+    assert r["peak_memory"]["source"].startswith("resource.getrusage")
+    assert len(r["peak_memory"]["bytes_per_rank"]) == 2 and r["peak_memory"]["max_bytes"] > 0
+    # Every step moves the same bytes. Per microbatch: the embedding gathers once (its backward needs no
+    # weight), every other use gathers twice (forward, dgrad), the tied lm_head included; each distinct
+    # weight reduce-scatters its fp32 buffer once. All shards are even on 2 ranks (no padding).
+    V, D, E, Fh, L, M = 64, 32, 4, 64, 2, 2  # vocab, width, experts, expert width, layers, microbatches
+    per_layer = 3 * D * D + D * D + E * D + 2 * E * Fh * D
+    gathered = M * 4 * (3 * V * D + 2 * L * per_layer)
+    reduced = M * 4 * (V * D + L * per_layer)
+    assert set(r["bytes_all_gathered_per_step"]) == {gathered}
+    assert set(r["bytes_reduce_scattered_per_step"]) == {reduced}
+    with open(os.path.join(out, "loss.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert [os.path.basename(p) for p in r["checkpoints"]] == ["step_10", "step_20", "step_30"]
+
+
+@pytest.mark.distributed
+def test_only_rank_zero_logs(base_run):
+    _, proc = base_run
+    assert proc.stderr.count("step 10/30") == 1  # one log line, not one per rank
+    assert "Traceback" not in proc.stderr
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_resume_reshards_and_continues_the_same_losses(base_run, nproc, tmp_path):
+    out, _ = base_run
+    ckpt = os.path.join(out, "checkpoints", f"step_{RESUME_AT}")
+    _ok(_run(["--steps", str(RESUME_TO), "--resume", ckpt, "--out", str(tmp_path), *SMALL], nproc=nproc))
+    resumed, full = _report(str(tmp_path)), _report(out)
+    assert resumed["start_step"] == RESUME_AT and resumed["world_size"] == nproc
+    assert resumed["steps"] == list(range(RESUME_AT + 1, RESUME_TO + 1))
+    want = full["loss"][RESUME_AT:RESUME_TO]
+    diffs = [abs(a - b) for a, b in zip(resumed["loss"], want)]
+    assert max(diffs) <= LOSS_ATOL, (resumed["loss"], want)
+
+
+def test_checkpoint_holds_the_tied_weight_once_and_loads_in_process(base_run):
+    """No process group in this process: the 2-rank checkpoint loads resharded to a group of one."""
+    out, _ = base_run
+    path = os.path.join(out, "checkpoints", "step_30")
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert "model.embedding.weight" in keys and not any("lm_head" in k for k in keys)
+    assert "optim.embedding.weight.exp_avg" in keys and "train.step" in keys
+    model = MoEGPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    before = model.embedding.weight.detach().clone()
+    with torch.random.fork_rng():
+        step = load_checkpoint(path, model, opt, expect={"model_config": dataclasses.asdict(CONFIG)})
+    assert step == 30
+    assert model.lm_head.weight is model.embedding.weight  # still one object
+    assert not torch.equal(model.embedding.weight.detach(), before)
+    assert float(opt.state[model.embedding.weight]["step"]) == 30
+
+
+def test_bad_checkpoints_give_clear_errors(base_run, tmp_path):
+    out, _ = base_run
+    src = os.path.join(out, "checkpoints", "step_20")
+    model = MoEGPT(CONFIG, sharded=False)
+    expect = {"model_config": dataclasses.asdict(CONFIG)}
+    # Another model: the config fields that differ are named.
+    other = dataclasses.replace(CONFIG, d_model=16)
+    with pytest.raises(CheckpointError, match=r"another model: model_config: .*'d_model': \(32, 16\)"):
+        load_checkpoint(src, MoEGPT(other, sharded=False), expect={"model_config": dataclasses.asdict(other)})
+    # Partial: DCP's metadata missing, or a data file truncated.
+    for name, damage in ((".metadata", os.remove), ("__1_0.distcp", lambda p: os.truncate(p, 10))):
+        broken = str(tmp_path / f"broken{name}")
+        shutil.copytree(src, broken)
+        damage(os.path.join(broken, name))
+        with pytest.raises(CheckpointError, match=r"is incomplete"):
+            load_checkpoint(broken, model, expect=expect)
+    # An interrupted save leaves step_N.tmp, which resolving a folder of checkpoints skips.
+    root = str(tmp_path / "root")
+    shutil.copytree(src, os.path.join(root, "step_20"))
+    shutil.copytree(src, os.path.join(root, "step_40.tmp"))
+    assert resolve_checkpoint(root) == os.path.join(root, "step_20")
+    shutil.rmtree(os.path.join(root, "step_20"))
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in .*found \['step_40.tmp'\]"):
+        resolve_checkpoint(root)
+    with pytest.raises(CheckpointError, match=r"does not exist"):
+        resolve_checkpoint(str(tmp_path / "nowhere"))
+
+
+def test_a_step_leaves_no_autograd_history():
+    """In process, a group of one: after a step no gradient carries a graph (see docs/training.md,
+    "Known issues": drained deferred wgrads must not record autograd history)."""
+    train = _launch("train")
+    model = MoEGPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    corpus = MarkovCorpus(CONFIG.vocab_size, CONFIG.seq_len)
+    for step in (1, 2):
+        train.forward_backward(model, corpus.global_batch(step, 4), 2)
+        assert distwgrad.finalize_model_grads([model]) == len(list(model.parameters()))
+        for name, p in model.named_parameters():
+            assert p.grad is not None and p.grad.grad_fn is None and not p.grad.requires_grad, name
+            assert not p.main_grad.requires_grad, name
+        opt.step()
+        opt.zero_grad()
+
+
+def test_config_validates_and_names_the_values():
+    config = _launch("config")
+    with pytest.raises(ValueError, match=r"global_batch=10 is not divisible by microbatches=4"):
+        config.TrainConfig(global_batch=10, microbatches=4)
+    with pytest.raises(ValueError, match=r"recipe='fp8' must be one of \('none',\)"):
+        config.TrainConfig(recipe="fp8")
+    with pytest.raises(ValueError, match=r"world size \* microbatches = 3 \* 2 = 6"):
+        config.TrainConfig().check_world_size(3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.TrainConfig().steps = 3
+    assert config.TrainConfig().model_config() == MoEGPTConfig()
+
+
+# --- bad arguments ---------------------------------------------------------------------------------------
+
+BAD = [
+    (["--recipe", "fp8"], {}, r"argument --recipe: invalid choice: 'fp8'"),
+    (["--n-heads", "5"], {}, r"d_model=64 must split into n_heads=5 heads"),
+    (["--steps", "0"], {}, r"\{'steps': 0\}"),
+    (["--global-batch", "16"], {"WORLD_SIZE": "3"}, r"global_batch=16 must be divisible by world size \* "
+                                                    r"microbatches = 3 \* 2 = 6"),
+    (["--bogus"], {}, r"unrecognized arguments: --bogus"),
+]
+
+
+def test_bad_arguments_exit_2_with_one_line():
+    procs = [subprocess.Popen([sys.executable, "-m", MODULE, *args], cwd=REPO, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO, **env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for args, env, _ in BAD]
+    for proc, (args, _, pattern) in zip(procs, BAD):
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, stderr)
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("distwgrad.launch.train: error: "), (args, stderr)
+        assert re.search(pattern, lines[0]) and "Traceback" not in stderr and not stdout, (args, stderr)
+
+
+def test_help_documents_every_option():
+    config = _launch("config")
+    text = config.build_parser().format_help()
+    for f in dataclasses.fields(config.TrainConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "--steps" in text and "--out" in text and "--check-parity" in text
+
+
+def test_mismatched_resume_exits_2(base_run, tmp_path):
+    out, _ = base_run
+    proc = _run(["--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL,
+                 "--d-model", "16"], nproc=None)  # the last --d-model wins
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "written for another model" in lines[0] and "'d_model': (32, 16)" in lines[0]
+
+
+@pytest.mark.distributed
+def test_bad_arguments_under_torchrun():
+    """torchrun adds its own failure summary (it always does); the job prints its line once, on rank 0."""
+    proc = _run(["--global-batch", "9"], nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("distwgrad.launch.train: error: global_batch=9 is not divisible by "
+                             "microbatches=2") == 1
+    assert "exitcode  : 2" in proc.stderr
