@@ -92,7 +92,8 @@ class _Wrapper:
         if not isinstance(like, ShardedWeight) or like.group is None:
             return t
         if tuple(t.shape) != tuple(like.shape):
-            raise ValueError(f"optimizer state of shape {tuple(t.shape)} for a shard of shape {tuple(like.shape)}")
+            raise ValueError(f"a tensor of shape {tuple(t.shape)} cannot be laid out like a shard of shape "
+                             f"{tuple(like.shape)}")
         return DTensor.from_local(t, self.mesh(like.group), [Shard(0)], run_check=False,
                                   shape=like.full_shape, stride=_contiguous_stride(like.full_shape))
 
@@ -241,7 +242,7 @@ def _check_complete(path: str) -> None:
                               f"{sorted(short)}")
 
 
-def read_meta(path: str) -> dict[str, Any]:
+def _read_meta(path: str) -> dict[str, Any]:
     with open(os.path.join(path, META_FILE)) as f:
         meta = json.load(f)
     if meta.get("format") != _FORMAT:
@@ -285,7 +286,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         CheckpointError: incomplete checkpoint, or one written for another model.
     """
     path = resolve_checkpoint(path)
-    meta = read_meta(path)
+    meta = _read_meta(path)
     _check_fits(path, meta, model, expect or {})
     group = _comm.resolve_group(group)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -65,6 +65,7 @@ INTERPRETER = TileConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 # in docs/benchmarks/grouped_gemm.md. Round 1 also timed 128x128x128/w8/s3, 64x256x64/w4/s4 and
 # 64x128x128/w4/s4 for fprop/dgrad and 128x128x64/w8/s4 for wgrad, round 2 128x256x128/w8/s2 for
 # fprop/dgrad and add_mode="prefetch" (w8, s3/s4): never within 5% of the best, so they were dropped.
+# Round 3 timed the accumulating candidates only (with "tma_add").
 # Wgmma wants 64 rows per warpgroup; 128x128/w4/s3 (96 KB of shared memory) lets two programs share an
 # SM, so one's epilogue overlaps the other's main loop.
 _T = TileConfig
@@ -134,6 +135,8 @@ def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: 
     if accumulate:
         # add_mode "atomic" beat "load" at every shape (round 2): 4096/expert 629 (256x128x64/w8/s3)
         # vs 552; 1024: 397 (128x128x32/w4/s4) vs 362; 128: 81 vs 75. "prefetch": 542, 351, 70.
+        # Round 3, "tma_add" vs "atomic": 602 vs 621, 414 vs 392, 81 vs 80: within the rounds' noise,
+        # and GPU-only (untestable in the interpreter), so not the default.
         cfg = (TileConfig(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic") if big else
                TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic"))
     elif big:  # 256x128x64/w8/s3 676 vs 128x256x64/w8/s4 664, 128x128x32/w4/s4 626

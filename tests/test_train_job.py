@@ -142,6 +142,7 @@ def test_resume_reshards_and_continues_the_same_losses(base_run, nproc, tmp_path
     assert max(diffs) <= LOSS_ATOL, (resumed["loss"], want)
 
 
+@pytest.mark.distributed  # uses the 2-rank base run
 def test_checkpoint_holds_the_tied_weight_once_and_loads_in_process(base_run):
     """No process group in this process: the 2-rank checkpoint loads resharded to a group of one."""
     out, _ = base_run
@@ -160,6 +161,7 @@ def test_checkpoint_holds_the_tied_weight_once_and_loads_in_process(base_run):
     assert float(opt.state[model.embedding.weight]["step"]) == 30
 
 
+@pytest.mark.distributed  # uses the 2-rank base run
 def test_bad_checkpoints_give_clear_errors(base_run, tmp_path):
     out, _ = base_run
     src = os.path.join(out, "checkpoints", "step_20")
@@ -250,6 +252,7 @@ def test_help_documents_every_option():
     assert "--steps" in text and "--out" in text and "--check-parity" in text
 
 
+@pytest.mark.distributed  # uses the 2-rank base run
 def test_mismatched_resume_exits_2(base_run, tmp_path):
     out, _ = base_run
     proc = _run(["--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL,

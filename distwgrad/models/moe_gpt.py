@@ -21,8 +21,8 @@ the same fp32 buffer and the weight reduces once, when both have arrived. ``name
 once, as ``embedding.weight`` (so does a checkpoint).
 
 The experts' wgrads are deferred (``delay_wgrad_compute=True``): backward queues them and the caller
-drains them with ``distwgrad.deferred_wgrad_scope`` / ``drain_deferred_wgrads`` before
-``distwgrad.finalize_model_grads``.
+drains them with ``distwgrad.drain_deferred_wgrads`` (under ``torch.no_grad()``: docs/training.md,
+"Known issues") before ``distwgrad.finalize_model_grads``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""torchrun entry points, installed as ``distwgrad.launch``; ``distwgrad.launch.train`` is the training job."""

@@ -1,0 +1,406 @@
+"""Train a small MoE GPT whose every weight is a ShardedWeight: tied embedding, deferred expert wgrads.
+
+Commands::
+
+    # CPU, 2 ranks over gloo, all defaults (a synthetic corpus generated in-process; no downloads)
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train
+    # 8 GPUs over NCCL: the same command; each rank uses cuda:LOCAL_RANK
+    torchrun --standalone --nproc-per-node 8 -m distwgrad.launch.train
+    # one process, no torchrun
+    python -m distwgrad.launch.train --steps 50
+    # also train an unsharded single-process copy and compare (exit code 1 if they disagree)
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --check-parity
+    # checkpoint every 50 steps, then resume the latest checkpoint on 3 ranks (resharded)
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --save-every 50 --out runs/a
+    torchrun --standalone --nproc-per-node 3 -m distwgrad.launch.train --resume runs/a/checkpoints --out runs/b
+    # every option
+    python -m distwgrad.launch.train --help
+
+Each step runs ``--microbatches`` forward/backward passes on this rank's rows of the global batch, drains
+the experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
+``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``),
+then ``AdamW.step()`` on the shards and ``zero_grad()``. Rank 0 shows a progress bar and logs; the other
+ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` and ``OUT/loss.png`` (``docs/training.md``
+says what they hold). Exit codes: 0 done, 1 parity check failed, 2 bad options or an unusable ``--resume``.
+
+[Note: parity]
+Top-k routing makes training chaotic: in one process, nudging one weight by 1e-7 moves the loss by 1e-2
+within 20 steps at the default learning rate (docs/training.md). The sharded run and an unsharded one add
+the same terms in different orders, so their free-running loss curves part the same way, and no tight
+tolerance on them can hold. So ``--check-parity`` runs the oracle (``MoEGPT(sharded=False)``: the same
+architecture from plain torch modules, same init) in lockstep on rank 0. Before every step it takes the
+sharded model's gathered weights, then on the whole global batch three things are compared: the loss at
+identical weights, every gradient (the gathered shards after ``finalize_model_grads`` against autograd's),
+and, handing the oracle's AdamW the sharded gradient, the weights after the optimizer step. Those differ
+by rounding only, so the tolerances below are tight. The free-running oracle (trained alone from the same
+init on the same batches) is reported and plotted too, without a verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import distwgrad
+from distwgrad.checkpoint import CheckpointError, full_tensor, load_checkpoint, save_checkpoint
+from distwgrad.data import MarkovCorpus
+from distwgrad.models import MoEGPT
+
+from .config import TrainConfig, parse_args
+
+__all__ = ["main", "forward_backward"]
+
+log = logging.getLogger("distwgrad.train")
+
+# [Note: parity] tolerances. Measured on CPU (2 and 3 ranks, 30 and 200 steps) and one H200 (60 steps):
+# loss <= 7e-7, gradient <= 2.3e-6 (relative to the weight's largest gradient entry), weights after the
+# update 0 on CPU and 1.2e-7 on the GPU (AdamW is elementwise: given the same gradient and state a shard
+# updates as the full tensor does, up to the GPU kernels' vectorisation). A bug is O(1): summing instead
+# of averaging over ranks gives a gradient error of 1.0, a lost tied-embedding contribution 1.1.
+PARITY_LOSS_ATOL = 1e-5  # ~40 fp32 ulps at a loss of 4
+PARITY_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref|, per weight
+PARITY_WEIGHT_RTOL = 1e-6  # max |w - w_ref| / max |w_ref| after the optimizer step, per weight
+
+# Context each forward/backward runs in, per precision recipe; FP8 recipes add their entry here.
+_RECIPES = {"none": contextlib.nullcontext}
+
+
+@dataclass
+class _Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    group: Any
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _TqdmHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+# --- set-up ----------------------------------------------------------------------------------------------
+
+def _pick_device(config: TrainConfig) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _init(config: TrainConfig) -> _Runtime:
+    device = _pick_device(config)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(minutes=30)  # rank 0 alone runs the --check-parity reference
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # plain `python -m ...`: a group of one, so every code path is the same
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, handlers=[_TqdmHandler()],
+                        format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
+    torch.manual_seed(config.seed)
+    return _Runtime(rank, world_size, device, backend, dist.group.WORLD)
+
+
+def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+
+# --- one step --------------------------------------------------------------------------------------------
+
+def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatches: int,
+                     recipe: str = "none") -> torch.Tensor:
+    """Forward and backward of every microbatch of ``tokens_BS`` (``[B, S + 1]``: inputs, then shifted
+    targets), deferred wgrads drained; returns the loss (token mean, summed over microbatches), detached.
+    The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer."""
+    total = torch.zeros((), device=tokens_BS.device)
+    for mb in tokens_BS.chunk(microbatches):
+        with _RECIPES[recipe]():
+            loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches
+            loss.backward()
+        # Under no_grad: a deferred wgrad drained with grad mode on records autograd history into the
+        # weights' fp32 buffers and main_grad (their inputs require grad), which then grows every step.
+        # docs/training.md, "Known issues".
+        with torch.no_grad():
+            distwgrad.drain_deferred_wgrads(model)
+        total += loss.detach()
+    return total
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _comm_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """All-gathered and reduce-scattered bytes so far, summed over distinct weights (tied: once)."""
+    params = [p for _, p in distwgrad.wgrad.distributed_parameters(model)]
+    return sum(p.bytes_gathered for p in params), sum(p.bytes_reduced for p in params)
+
+
+# --- [Note: parity] --------------------------------------------------------------------------------------
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
+
+
+class _Lockstep:
+    """The unsharded reference on rank 0, re-synchronised to the sharded weights before every step."""
+
+    def __init__(self, config: TrainConfig, rt: _Runtime, start: int) -> None:
+        self.config, self.rt = config, rt
+        self.ref = MoEGPT(config.model_config(), device=rt.device, sharded=False) if rt.rank == 0 else None
+        self.opt = _optimizer(self.ref, config) if self.ref is not None else None
+        # Updates compare only when both optimizers share their history: not after a resume, where the
+        # sharded AdamW state comes from the checkpoint and the reference's starts empty.
+        self.compare_weights, self.stepped = start == 0, False
+        self.worst = {"loss_abs": 0.0, "grad_rel": 0.0, "weight_rel": 0.0}
+        self.ref_loss: list[float] = []
+
+    def _gather(self, model: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in model.named_parameters():
+            local = p.detach() if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
+            out[name] = full_tensor(local, p)  # collective: every rank takes part
+        return out
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Before a step: compare the reference's own last update with the sharded one, then adopt it."""
+        full = self._gather(model, grads=False)
+        if self.ref is None:
+            return
+        with torch.no_grad():
+            for name, q in self.ref.named_parameters():
+                if self.compare_weights and self.stepped:
+                    self.worst["weight_rel"] = max(self.worst["weight_rel"], _max_rel(full[name], q))
+                q.copy_(full[name])
+
+    def check(self, model: torch.nn.Module, tokens_BS: torch.Tensor, loss: float) -> None:
+        """After ``finalize_model_grads``: the reference's step on the global batch, compared."""
+        grads = self._gather(model, grads=True)
+        if self.ref is None:
+            return
+        ref_loss = forward_backward(self.ref, tokens_BS.to(self.rt.device), self.config.microbatches,
+                                    self.config.recipe).item()
+        distwgrad.finalize_model_grads([self.ref])  # plain parameters: a no-op, kept for symmetry
+        self.ref_loss.append(ref_loss)
+        self.worst["loss_abs"] = max(self.worst["loss_abs"], abs(loss - ref_loss))
+        for name, q in self.ref.named_parameters():
+            self.worst["grad_rel"] = max(self.worst["grad_rel"], _max_rel(grads[name], q.grad))
+            q.grad = grads[name]  # the update is compared given the same gradient: see [Note: parity]
+        _optimizer_step(self.opt)
+        self.stepped = True
+
+    def verdict(self, final_model: torch.nn.Module) -> dict[str, Any] | None:
+        self.sync(final_model)  # compares the last step's update
+        if self.ref is None:
+            return None
+        limits = {"loss_abs": PARITY_LOSS_ATOL, "grad_rel": PARITY_GRAD_RTOL, "weight_rel": PARITY_WEIGHT_RTOL}
+        passed = all(self.worst[k] <= limits[k] for k in limits)
+        return {"max_abs_diff": self.worst["loss_abs"], "max": dict(self.worst), "tolerance": limits,
+                "weights_compared": self.compare_weights, "passed": passed, "reference_loss": self.ref_loss}
+
+
+def _free_running(config: TrainConfig, rt: _Runtime, corpus: MarkovCorpus) -> list[float]:
+    """The reference trained alone from the same init on the same global batches (rank 0)."""
+    ref = MoEGPT(config.model_config(), device=rt.device, sharded=False)
+    opt = _optimizer(ref, config)
+    losses = []
+    for step in range(1, config.steps + 1):
+        tokens = corpus.global_batch(step, config.global_batch).to(rt.device)
+        losses.append(forward_backward(ref, tokens, config.microbatches, config.recipe).item())
+        distwgrad.finalize_model_grads([ref])
+        _optimizer_step(opt)
+    return losses
+
+
+def _parity_result(config, rt, corpus, lockstep: _Lockstep, model, hist) -> dict[str, Any]:
+    result = [lockstep.verdict(model)]
+    if rt.rank == 0:
+        free = _free_running(config, rt, corpus)
+        ours = hist["loss"]
+        result[0]["free_running_loss"] = free[hist["steps"][0] - 1:] if ours else []
+        result[0]["free_running_max_abs_diff"] = max((abs(a - b) for a, b in zip(ours, result[0]["free_running_loss"])),
+                                                     default=0.0)
+        r = result[0]
+        log.info("parity (lockstep, %d steps): max |loss diff| %.2e (tol %.0e), max rel grad diff %.2e (tol %.0e), "
+                 "max rel weight diff %.2e (tol %.0e): %s; free-running max |loss diff| %.2e (chaotic, not gated)",
+                 len(ours), r["max"]["loss_abs"], PARITY_LOSS_ATOL, r["max"]["grad_rel"], PARITY_GRAD_RTOL,
+                 r["max"]["weight_rel"], PARITY_WEIGHT_RTOL, "PASSED" if r["passed"] else "FAILED",
+                 r["free_running_max_abs_diff"])
+    dist.broadcast_object_list(result, src=0, group=rt.group)
+    return result[0]
+
+
+# --- the loop --------------------------------------------------------------------------------------------
+
+def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus, start: int,
+           lockstep: _Lockstep | None) -> dict[str, list]:
+    hist: dict[str, list] = {k: [] for k in ("steps", "loss", "step_time_s", "tokens_per_s",
+                                             "bytes_all_gathered", "bytes_reduce_scattered", "checkpoints")}
+    tokens_per_step = config.global_batch * config.seq_len
+    rows = config.global_batch // rt.world_size
+    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               disable=rt.rank != 0 or not config.progress, file=sys.stderr)
+    for step in range(start + 1, config.steps + 1):
+        global_BS = corpus.global_batch(step, config.global_batch)
+        if lockstep:
+            lockstep.sync(model)
+        gathered0, reduced0 = _comm_bytes(model)
+        t0 = time.perf_counter()
+        loss = forward_backward(model, global_BS[rt.rank * rows:(rt.rank + 1) * rows].to(rt.device),
+                                config.microbatches, config.recipe)
+        distwgrad.finalize_model_grads([model])
+        dist.all_reduce(loss, group=rt.group)
+        loss = loss.item() / rt.world_size  # .item() synchronises, so the step time is real
+        dt = time.perf_counter() - t0
+        if lockstep:
+            lockstep.check(model, global_BS, loss)
+        t0 = time.perf_counter()
+        _optimizer_step(optimizer)
+        dt += time.perf_counter() - t0
+        gathered, reduced = _comm_bytes(model)
+        for key, value in (("steps", step), ("loss", loss), ("step_time_s", dt),
+                           ("tokens_per_s", tokens_per_step / dt), ("bytes_all_gathered", gathered - gathered0),
+                           ("bytes_reduce_scattered", reduced - reduced0)):
+            hist[key].append(value)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}")
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if config.log_every and (step % config.log_every == 0 or step == config.steps):
+            log.info("step %d/%d  loss %.4f  %.0f tokens/s", step, config.steps, loss, tokens_per_step / dt)
+        if config.save_every and (step % config.save_every == 0 or step == config.steps):
+            hist["checkpoints"].append(_save(config, rt, step, model, optimizer))
+    bar.close()
+    return hist
+
+
+def _model_meta(config: TrainConfig) -> dict[str, Any]:
+    return {"model_config": dict(config.model_config().__dict__)}
+
+
+def _save(config: TrainConfig, rt: _Runtime, step: int, model, optimizer) -> str:
+    path = save_checkpoint(os.path.join(config.out, "checkpoints"), step, model, optimizer, group=rt.group,
+                           meta=_model_meta(config))
+    log.info("saved %s", path)
+    return path
+
+
+# --- report ----------------------------------------------------------------------------------------------
+
+def _peak_memory(rt: _Runtime) -> dict[str, Any]:
+    if rt.device.type == "cuda":
+        mine, source = torch.cuda.max_memory_allocated(rt.device), "torch.cuda.max_memory_allocated"
+    else:  # Linux reports ru_maxrss in KiB
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        source = "resource.getrusage(RUSAGE_SELF).ru_maxrss (process RSS high-water mark, whole process)"
+    per_rank: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(per_rank, mine, group=rt.group)
+    return {"source": source, "bytes_per_rank": per_rank, "max_bytes": max(per_rank)}
+
+
+def _report(config: TrainConfig, rt: _Runtime, hist: dict[str, list], start: int, parity: dict | None,
+            corpus: MarkovCorpus) -> dict[str, Any]:
+    rates = hist["tokens_per_s"][1:] or hist["tokens_per_s"]  # the first step pays warm-up
+    return {
+        "config": config.to_dict(), "world_size": rt.world_size, "device": str(rt.device),
+        "backend": rt.backend, "torch": torch.__version__, "start_step": start,
+        "steps": hist["steps"], "loss": hist["loss"], "step_time_s": hist["step_time_s"],
+        "tokens_per_s": hist["tokens_per_s"],
+        "tokens_per_s_mean": sum(rates) / len(rates) if rates else None,
+        "bytes_all_gathered_per_step": hist["bytes_all_gathered"],
+        "bytes_reduce_scattered_per_step": hist["bytes_reduce_scattered"],
+        "comm_bytes_note": "per rank, summed over distinct weights: all-gather output and reduce-scatter "
+                           "input sizes (shards padded to equal size); the same on every rank",
+        "peak_memory": _peak_memory(rt),
+        "wall_time_s": time.perf_counter() - rt.started,
+        "corpus": {"uniform_loss": corpus.uniform_loss(), "entropy_floor": corpus.entropy()},
+        "checkpoints": hist["checkpoints"], "resumed_from": config.resume, "parity": parity,
+    }
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(report["steps"], report["loss"], label=f"sharded, {report['world_size']} rank(s)")
+    if report["parity"]:
+        ax.plot(report["steps"], report["parity"]["free_running_loss"], "--", lw=1,
+                label="unsharded reference, free-running")
+    ax.axhline(report["corpus"]["entropy_floor"], color="grey", lw=0.8, ls=":", label="corpus entropy")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="MoE GPT on the Markov corpus")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- main ------------------------------------------------------------------------------------------------
+
+def _run(config: TrainConfig, rt: _Runtime) -> int:
+    model = MoEGPT(config.model_config(), device=rt.device, group=rt.group)
+    optimizer = _optimizer(model, config)
+    start = 0
+    if config.resume:
+        start = load_checkpoint(config.resume, model, optimizer, group=rt.group, expect=_model_meta(config))
+        log.info("resumed from %s at step %d", config.resume, start)
+    log.info("%d rank(s) on %s (%s); %d weights; steps %d..%d", rt.world_size, rt.device, rt.backend,
+             len(distwgrad.wgrad.distributed_parameters(model)), start + 1, config.steps)
+    corpus = MarkovCorpus(config.vocab_size, config.seq_len, config.seed)
+    lockstep = _Lockstep(config, rt, start) if config.check_parity else None
+    hist = _train(config, rt, model, optimizer, corpus, start, lockstep)
+    parity = _parity_result(config, rt, corpus, lockstep, model, hist) if lockstep else None
+    report = _report(config, rt, hist, start, parity, corpus)
+    if rt.rank == 0:
+        os.makedirs(config.out, exist_ok=True)
+        with open(os.path.join(config.out, "report.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        _plot(report, os.path.join(config.out, "loss.png"))
+        log.info("wrote %s and loss.png; %.0f tokens/s; %.1f s", os.path.join(config.out, "report.json"),
+                 report["tokens_per_s_mean"] or 0.0, report["wall_time_s"])
+    return 1 if parity is not None and not parity["passed"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv, prog="distwgrad.launch.train", description=__doc__.split("[Note: parity]")[0])
+    try:
+        rt = _init(config)
+    except ValueError as exc:  # before any process group: every rank knows, rank 0 says
+        if os.environ.get("RANK", "0") == "0":
+            print(f"distwgrad.launch.train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run(config, rt)
+    except CheckpointError as exc:  # the same check fails on every rank, before any collective
+        if rt.rank == 0:
+            print(f"distwgrad.launch.train: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
