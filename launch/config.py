@@ -22,7 +22,7 @@ from distwgrad.models import MoEGPTConfig
 
 __all__ = ["TrainConfig", "RECIPES", "DEVICES", "build_parser", "parse_args"]
 
-RECIPES = ("none",)  # precision recipes; FP8 recipes join this tuple when they land
+RECIPES = ("none", "fp8_per_tensor", "fp8_blockwise")  # precision recipes (launch/train.py: _RECIPES)
 DEVICES = ("auto", "cpu", "cuda")
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
 

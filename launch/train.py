@@ -57,6 +57,8 @@ from tqdm import tqdm
 import distwgrad
 from distwgrad.checkpoint import CheckpointError, full_tensor, load_checkpoint, save_checkpoint
 from distwgrad.data import MarkovCorpus
+from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
+from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
 from .config import TrainConfig, parse_args
@@ -74,8 +76,12 @@ PARITY_LOSS_ATOL = 1e-5  # ~40 fp32 ulps at a loss of 4
 PARITY_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref|, per weight
 PARITY_WEIGHT_RTOL = 1e-6  # max |w - w_ref| / max |w_ref| after the optimizer step, per weight
 
-# Context each forward/backward runs in, per precision recipe; FP8 recipes add their entry here.
-_RECIPES = {"none": contextlib.nullcontext}
+# Context each forward/backward runs in, per precision recipe (distwgrad.fp8; emulated on CPU).
+_RECIPES = {
+    "none": contextlib.nullcontext,
+    "fp8_per_tensor": lambda: fp8_autocast(PerTensorScaling()),
+    "fp8_blockwise": lambda: fp8_autocast(BlockwiseScaling()),
+}
 
 
 @dataclass
@@ -132,15 +138,13 @@ def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatch
     targets), deferred wgrads drained; returns the loss (token mean, summed over microbatches), detached.
     The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer."""
     total = torch.zeros((), device=tokens_BS.device)
+    if recipe == "fp8_per_tensor":
+        sync_weight_amax(model)  # one amax all-reduce for every sharded weight of the step
     for mb in tokens_BS.chunk(microbatches):
         with _RECIPES[recipe]():
             loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches
             loss.backward()
-        # Under no_grad: a deferred wgrad drained with grad mode on records autograd history into the
-        # weights' fp32 buffers and main_grad (their inputs require grad), which then grows every step.
-        # docs/training.md, "Known issues".
-        with torch.no_grad():
-            distwgrad.drain_deferred_wgrads(model)
+        distwgrad.drain_deferred_wgrads(model)
         total += loss.detach()
     return total
 
@@ -163,12 +167,25 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
+def _reference_model(config: TrainConfig, rt: _Runtime) -> MoEGPT | None:
+    """The unsharded reference, on rank 0. Without FP8 it is plain torch (no distwgrad code at all).
+    Under an FP8 recipe plain torch has no FP8 path, so the reference is the same distwgrad model with
+    its weights whole on rank 0 (a group of one): it checks that sharding changes nothing under FP8,
+    while the FP8 numerics themselves are checked against the emulation reference in the tests."""
+    if config.recipe == "none":
+        return MoEGPT(config.model_config(), device=rt.device, sharded=False) if rt.rank == 0 else None
+    solo = [dist.new_group([r]) for r in range(rt.world_size)]  # every rank creates every group
+    if rt.rank != 0:
+        return None
+    return MoEGPT(config.model_config(), device=rt.device, sharded=True, group=solo[0])
+
+
 class _Lockstep:
     """The unsharded reference on rank 0, re-synchronised to the sharded weights before every step."""
 
     def __init__(self, config: TrainConfig, rt: _Runtime, start: int) -> None:
         self.config, self.rt = config, rt
-        self.ref = MoEGPT(config.model_config(), device=rt.device, sharded=False) if rt.rank == 0 else None
+        self.ref = _reference_model(config, rt)
         self.opt = _optimizer(self.ref, config) if self.ref is not None else None
         # Updates compare only when both optimizers share their history: not after a resume, where the
         # sharded AdamW state comes from the checkpoint and the reference's starts empty.
@@ -199,8 +216,10 @@ class _Lockstep:
         grads = self._gather(model, grads=True)
         if self.ref is None:
             return
-        ref_loss = forward_backward(self.ref, tokens_BS.to(self.rt.device), self.config.microbatches,
-                                    self.config.recipe).item()
+        # world x microbatches chunks of the global batch are exactly the ranks' microbatches, so the
+        # reference quantizes the same activations under a per-tensor FP8 recipe.
+        ref_loss = forward_backward(self.ref, tokens_BS.to(self.rt.device),
+                                    self.config.microbatches * self.rt.world_size, self.config.recipe).item()
         distwgrad.finalize_model_grads([self.ref])  # plain parameters: a no-op, kept for symmetry
         self.ref_loss.append(ref_loss)
         self.worst["loss_abs"] = max(self.worst["loss_abs"], abs(loss - ref_loss))

@@ -107,17 +107,14 @@ def _gather_case(case, rank, world):
     w.materialize_group_for_forward()
     bf16_bytes = w.bytes_gathered - before - fp8_bytes
     got = dequantize(q, dtype=torch.float32)
-    if isinstance(recipe, PerTensorScaling):
-        want = _dq_weight(full, recipe)  # one global amax: exactly the full weight's quantization
-    else:
-        bm = recipe.weight_block[0]
-        offsets = [sum(w.shard_rows[:r]) for r in range(world)]
-        if all(o % bm == 0 for o in offsets):
-            want = _dq_weight(full, recipe)  # blocks coincide with the full weight's blocks
-        else:  # blocks start at each shard's first row and never straddle ranks
-            parts = full.split(w.shard_rows)
-            want = torch.cat([_dq_weight(p, recipe) for p in parts if p.shape[0]])
+    # Per-tensor: one global amax. Blockwise: the full weight's grid, blocks straddling ranks included.
+    # Either way the gathered FP8 weight is exactly the full weight's quantization, scales included.
+    want = _dq_weight(full, recipe)
     assert torch.equal(got, want)
+    if isinstance(recipe, BlockwiseScaling):
+        full_q = quantize_blockwise(full, recipe.weight_block, recipe.dtype)
+        assert torch.equal(q.data.view(torch.uint8), full_q.data.view(torch.uint8))
+        assert torch.equal(q.scale_inv, full_q.scale_inv)
     assert fp8_bytes <= 0.55 * bf16_bytes, (fp8_bytes, bf16_bytes)
     return fp8_bytes / bf16_bytes
 

@@ -7,11 +7,13 @@
   at the optimizer step, so :func:`sync_weight_amax` reduces the amaxes of every distributed weight of a
   model in ONE all-reduce per step (stacked); a weight whose amax is stale (its ``_version`` moved)
   falls back to its own all-reduce and counts it in ``amax_allreduces`` (visible, never silent).
-* Blockwise scaling quantizes each shard in ``weight_block`` blocks that start at the shard's first
-  row, so a block never straddles two ranks. When every shard offset is a multiple of the block (even
-  shards of a multiple of 128 rows) the gathered blocks are exactly the full weight's blocks; otherwise
-  the gathered scales are kept per row (``block=(1, B)``), which dequantizes to the same values.
-  A packed ``[E, N, K]`` weight is sharded by experts, so every expert quantizes on one rank.
+* Blockwise scaling uses the FULL weight's block grid, whatever the shard boundaries: each rank takes
+  the amax of its rows of every block, one MAX all-reduce of the small ``[N/128, K/128]`` grid combines
+  the blocks that straddle ranks, and each rank quantizes its rows with the global block scales. The
+  gathered FP8 weight is then bit-identical to quantizing the full weight (uneven shards included), so
+  a sharded model and its unsharded reference see the same FP8 weights. The grid is cached until the
+  weight changes (one small all-reduce per weight per step, counted in ``amax_allreduces``).
+  A packed ``[E, N, K]`` weight is sharded by experts, so every expert quantizes whole on one rank.
 * Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization); it never
   uses the shard's bf16 values under an FP8 recipe (seed 004's bug 2).
 """
@@ -23,7 +25,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from distwgrad.fp8.quantize import Quantized, compute_amax, compute_scale, quantize_blockwise, quantize_per_tensor
+import math
+
+import torch.nn.functional as F
+
+from distwgrad.fp8.quantize import (
+    Quantized,
+    _cast,
+    compute_amax,
+    compute_scale,
+    quantize_blockwise,
+    quantize_per_tensor,
+)
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe
 from distwgrad.protocol import is_distributed_weight, materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.weights import _comm
@@ -122,17 +135,34 @@ def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
         scales = _gather_rows(scales, w, w.shard_rows)
         return [Quantized(d, s, recipe.weight_block, w.dtype, d.shape)
                 for d, s in zip(data.unbind(0), scales.unbind(0))]
-    bm, bn = recipe.weight_block
-    q = quantize_blockwise(local, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two)
-    data = _gather_fp8(q.data, w)
-    grid_rows = [-(-r // bm) for r in w.shard_rows]
-    grids = _gather_rows(q.scale_inv, w, grid_rows)  # the small block grids travel, not per-row scales
-    offsets = [sum(w.shard_rows[:r]) for r in range(size)]
-    if all(o % bm == 0 for o in offsets):
-        return [Quantized(data, grids, recipe.weight_block, w.dtype, w.full_shape)]
-    # Shard-aligned blocks that the full weight's grid cannot describe: expand to one scale row per row.
-    per_row = torch.cat([g.repeat_interleave(bm, 0)[:r] for g, r in zip(grids.split(grid_rows), w.shard_rows)])
-    return [Quantized(data, per_row.contiguous(), (1, bn), w.dtype, w.full_shape)]
+    scale = _global_block_scales(w, recipe)
+    bm = recipe.weight_block[0]
+    rows = torch.arange(w.shard_offset, w.shard_offset + local.shape[0], device=local.device) // bm
+    cols = torch.arange(local.shape[1], device=local.device) // recipe.weight_block[1]
+    # The same fp32 multiply, clamp and cast as quantize_blockwise on the full weight: identical bits.
+    data = _cast(local.float() * scale[rows][:, cols], recipe.dtype)
+    scale_inv = torch.ones_like(scale) / scale
+    return [Quantized(_gather_fp8(data, w), scale_inv, recipe.weight_block, w.dtype, w.full_shape)]
+
+
+def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
+    """The full weight's block scale grid from the shards: blocks that straddle ranks combine their
+    ranks' partial amaxes with one small MAX all-reduce of the grid (cached until the weight changes)."""
+    key = (recipe.weight_block, recipe.dtype, recipe.power_of_two, w._version)
+    if getattr(w, "_fp8_grid_key", None) != key:
+        (bm, bn), (N, K) = recipe.weight_block, w.full_shape
+        gm, gn = -(-N // bm), -(-K // bn)
+        local = w.detach().float().abs()
+        local = torch.where(torch.isnan(local), math.inf, local)  # NaN poisons its block (compute_amax)
+        per_row = F.pad(local, (0, gn * bn - K)).view(local.shape[0], gn, bn).amax(dim=2)
+        grid = torch.zeros(gm, gn, dtype=torch.float32, device=local.device)
+        block_of_row = (torch.arange(local.shape[0], device=local.device) + w.shard_offset) // bm
+        grid.index_reduce_(0, block_of_row, per_row, "amax")
+        _comm.all_reduce_max(grid, w.group)
+        w.amax_allreduces = getattr(w, "amax_allreduces", 0) + 1
+        w._fp8_grid = compute_scale(grid, recipe.dtype, power_of_two=recipe.power_of_two)
+        w._fp8_grid_key = key
+    return w._fp8_grid
 
 
 def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool) -> list[Quantized]:
