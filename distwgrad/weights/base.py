@@ -37,7 +37,20 @@ from torch import nn
 
 from distwgrad.weights import _comm
 
-__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError"]
+__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of"]
+
+
+def main_grad_of(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's ``main_grad`` (local shape), created as fp32 zeros at the first contribution if
+    absent; a caller-attached one (Megatron attaches views into its flat buffer) is used in place."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        param.main_grad = main_grad
+    elif tuple(main_grad.shape) != tuple(param.shape):
+        raise ValueError(f"main_grad has shape {tuple(main_grad.shape)} but its parameter has shape "
+                         f"{tuple(param.shape)}")
+    return main_grad
 
 
 class ReducePolicy(enum.Enum):
@@ -137,14 +150,7 @@ class DistributedParameter(nn.Parameter):
         return self._expected - self._delivered
 
     def _main_grad(self) -> torch.Tensor:
-        main_grad = getattr(self, "main_grad", None)
-        if main_grad is None:
-            main_grad = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
-            self.main_grad = main_grad
-        elif tuple(main_grad.shape) != tuple(self.shape):
-            raise ValueError(f"{self._name()}: main_grad has shape {tuple(main_grad.shape)}, expected the "
-                             f"local shape {tuple(self.shape)}")
-        return main_grad
+        return main_grad_of(self)
 
     def reduce_now(self) -> bool:
         """Reduces what the buffer holds now, if every contribution owed so far has arrived.

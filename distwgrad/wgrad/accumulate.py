@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from distwgrad.protocol import finalize_weight_grads, is_distributed_weight
+from distwgrad.weights.base import main_grad_of
 
 __all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad"]
 
@@ -57,18 +58,6 @@ def add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
         param.grad = grad.detach().to(param.dtype).clone(memory_format=torch.contiguous_format)
     else:
         param.grad.add_(grad.to(param.grad.dtype))
-
-
-def main_grad_of(param: torch.Tensor) -> torch.Tensor:
-    """The parameter's ``main_grad``, created as fp32 zeros at the first contribution if absent."""
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is None:
-        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        param.main_grad = main_grad
-    elif tuple(main_grad.shape) != tuple(param.shape):
-        raise ValueError(f"main_grad has shape {tuple(main_grad.shape)} but its parameter has shape "
-                         f"{tuple(param.shape)}")
-    return main_grad
 
 
 def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool) -> list[torch.Tensor | None]:
