@@ -81,11 +81,13 @@ class _Wrapper:
     """Wraps tensors laid out like a weight: a DTensor for a ``ShardedWeight``, the tensor otherwise."""
 
     def __init__(self, group: Any, device_type: str) -> None:
-        self.group, self.device_type, self._mesh = group, device_type, None
+        self.group, self.device_type = group, device_type
+        self._mesh: DeviceMesh | None = None
 
     def mesh(self, group: Any) -> DeviceMesh:
         if group is not self.group or self._mesh is None:
             self.group, self._mesh = group, DeviceMesh.from_group(group, self.device_type)
+        assert self._mesh is not None
         return self._mesh
 
     def __call__(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

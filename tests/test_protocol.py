@@ -186,3 +186,11 @@ def _transient_rank(rank, world, delay, packed):
 def test_gathered_copies_are_transient(delay, packed):
     # Two gathers per microbatch (forward, backward), two microbatches.
     assert run_distributed(_transient_rank, 2, delay, packed, timeout=120) == [4, 4]
+
+
+def test_te_module_name_exposes_the_same_dispatchers():
+    from distwgrad import distributed_weight, protocol
+
+    for name in distributed_weight.__all__:
+        assert getattr(distributed_weight, name) is getattr(protocol, name)
+    assert isinstance(_fake(torch.zeros(2)), distributed_weight.DistributedWeight)

@@ -225,7 +225,7 @@ def test_config_validates_and_names_the_values():
     config = _launch("config")
     with pytest.raises(ValueError, match=r"global_batch=10 is not divisible by microbatches=4"):
         config.TrainConfig(global_batch=10, microbatches=4)
-    with pytest.raises(ValueError, match=r"recipe='fp8' must be one of \('none',\)"):
+    with pytest.raises(ValueError, match=r"recipe='fp8' must be one of \('none', 'fp8_per_tensor', 'fp8_blockwise'\)"):
         config.TrainConfig(recipe="fp8")
     with pytest.raises(ValueError, match=r"world size \* microbatches = 3 \* 2 = 6"):
         config.TrainConfig().check_world_size(3)

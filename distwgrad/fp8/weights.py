@@ -20,14 +20,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
-from torch import nn
-
-import math
-
 import torch.nn.functional as F
+from torch import nn
 
 from distwgrad.fp8.quantize import (
     Quantized,

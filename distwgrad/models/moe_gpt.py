@@ -114,7 +114,7 @@ def _rotate(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) ->
 class _TorchLinear(nn.Module):
     """``F.linear`` without bias on a given (possibly tied) parameter."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = weight
 
@@ -125,7 +125,7 @@ class _TorchLinear(nn.Module):
 class _TorchExperts(nn.Module):
     """A packed ``[E, N, K]`` weight applied per expert with ``F.linear`` over its contiguous tokens."""
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = weight
 
@@ -148,7 +148,7 @@ def _experts(sharded: bool, weight: torch.Tensor) -> nn.Module:
     e, n, k = getattr(weight, "full_shape", weight.shape)
     experts = GroupedLinear(e, k, n, bias=False, single_grouped_weight=True, delay_wgrad_compute=True,
                             device="meta")  # built on "meta", then given the real weight
-    experts.weight = weight
+    experts.weight = weight  # type: ignore[assignment]  # any (distributed) tensor; nn.Module registers it
     return experts
 
 
@@ -162,14 +162,15 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.qkv, self.proj = qkv, proj
         cos, sin = _rotary_tables(config.seq_len, config.d_model // config.n_heads)
-        self.register_buffer("cos", cos.to(qkv.weight.device), persistent=False)
-        self.register_buffer("sin", sin.to(qkv.weight.device), persistent=False)
+        device = next(qkv.parameters()).device
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         q, k, v = (t.view(B, S, self.n_heads, D // self.n_heads).transpose(1, 2)
                    for t in self.qkv(x_BSD).split(D, dim=-1))
-        cos, sin = self.cos[:S], self.sin[:S]
+        cos, sin = self.get_buffer("cos")[:S], self.get_buffer("sin")[:S]
         y_BHSd = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
         return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))
 
