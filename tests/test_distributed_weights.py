@@ -272,3 +272,26 @@ def _per_group_scaling_rank(rank, world):
 def test_num_tokens_scaling_is_per_group():
     # a: (1 + 1) / 8 tokens over 2 ranks; b: 1 / 4 tokens on its own rank.
     assert run_distributed(_per_group_scaling_rank, 2, timeout=120) == [([0.25, 0.25], [0.25, 0.25])] * 2
+
+
+def test_activation_checkpointing_counts_each_use_once():
+    """Non-reentrant checkpointing recomputes the forward inside backward: still one contribution."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    full = torch.randn(N, K)
+    x = torch.randn(4, K)
+    for delay in (False, True):
+        w = ReplicatedWeight.from_full(full)
+        lin = Linear(K, N, bias=False, weight=w, delay_wgrad_compute=delay)
+        checkpoint(lin, x, use_reentrant=False).square().sum().backward()
+        distwgrad.drain_deferred_wgrads(lin)
+        assert distwgrad.finalize_model_grads([lin]) == 1
+        ref = torch.nn.Linear(K, N, bias=False)
+        ref.weight.data.copy_(full)
+        ref(x).square().sum().backward()
+        assert torch.equal(w.grad, ref.weight.grad)
+    w = ReplicatedWeight.from_full(full)
+    lin = Linear(K, N, bias=False, weight=w)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        checkpoint(lin, x.requires_grad_(), use_reentrant=True).sum().backward()

@@ -69,7 +69,17 @@ class WgradModule(nn.Module):
 
         ``tracked`` are the parameters whose gradient this forward will produce (grad mode on and
         ``requires_grad`` read from the parameter itself, never from a materialized copy).
+
+        [Note: activation checkpointing]
+        A forward that runs while autograd is executing a backward pass is the recomputation of
+        non-reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``):
+        the original forward already recorded this use, and its backward delivers exactly one
+        contribution, so the recomputation records nothing. Reentrant checkpointing runs the original
+        forward without grad, so its use is never recorded; its contribution then arrives unexpected
+        and the weight raises, naming ``use_reentrant=False`` as the fix (never a silent miscount).
         """
+        if torch._C._current_graph_task_id() != -1:
+            return
         tracked = list(tracked)
         if self.delay_wgrad_compute and tracked:
             self.wgrad_store.check_can_queue()

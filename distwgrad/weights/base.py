@@ -126,8 +126,9 @@ class DistributedParameter(nn.Parameter):
         if self._delivered > self._expected:
             raise RuntimeError(
                 f"{self._name()} received contribution {self._delivered} but only {self._expected} uses "
-                f"needing a gradient were recorded this step (a wgrad delivered twice, or a forward that "
-                f"bypassed expect_contribution)")
+                f"needing a gradient were recorded this step (a wgrad delivered twice, a forward that "
+                f"bypassed expect_contribution, or reentrant activation checkpointing: use "
+                f"torch.utils.checkpoint(..., use_reentrant=False))")
         if self.reduce_policy is ReducePolicy.PER_MICROBATCH and self._delivered == self._expected:
             self._reduce_pending()
         return [None]

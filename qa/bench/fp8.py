@@ -5,6 +5,10 @@ Run on a GPU machine from the repository root::
     PYTHONPATH=. python qa/bench/fp8.py --json out.json                 # 8192x16384 bf16, all ops
     PYTHONPATH=. python qa/bench/fp8.py --ops per_tensor --impls triton  # a subset
     PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --impls eager   # smoke test
+    PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --json gg.json       # FP8 vs bf16 grouped GEMM
+    PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep         # + every fp8 tile config
+    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --benchmarks grouped_gemm \
+        --gemm-shapes 2,64,64,48 --reps 1                                               # smoke test
 
 Quantization is memory bound, so each implementation is reported in GB/s and as a fraction of the
 device's copy bandwidth, measured here with a clone of the same input. Bytes are the op's minimal
@@ -16,8 +20,18 @@ before it is timed.
 
 Output: a table on stdout and, with ``--json``, a list of rows ``{"op", "shape", "impl", "gbps", ...}``
 (extra keys: ``ms``, ``frac_of_copy``, ``device``; ``bit_exact``: same bits as eager). ``BENCHMARKS``
-lists the row producers; a new benchmark (e.g. the FP8 grouped GEMM) is one more function
+lists the row producers (``--benchmarks`` picks some by name); a new benchmark is one more function
 ``(args, copy_gbps) -> rows`` appended there.
+
+``grouped_gemm`` (``bench_grouped_gemm``): our FP8 grouped GEMM (``distwgrad.kernels.grouped_gemm_fp8``)
+against our bf16 one (``distwgrad.kernels.grouped_gemm``) at the three MoE shapes (E, T, K, N), ops fprop,
+dgrad, wgrad (fresh: bf16 writes bf16, fp8 writes fp32) and wgrad_accumulate (into an fp32 main_grad),
+per recipe. Rows: ``op`` ("gg_" + op), ``shape`` "E,T,K,N", ``impl`` ("bf16", "fp8_<recipe>", for dgrad
+also "fp8_<recipe>_wT": the weight as a transposed copy, N contiguous), ``ms``, ``tflops`` (2*T*N*K / time
+for every op), ``vs_bf16`` (bf16 time / this time: > 1 is faster), ``worst`` (largest error/bound ratio
+of the pre-timing check against ``distwgrad.testing.reference_fp8``; a failed check raises). Timed: the
+GEMM alone on pre-quantized operands and stacked fp8 weights (quantization is ``bench_quantize``'s).
+Routing as qa/bench/grouped_gemm.py: each token picks one expert uniformly at random, seed 0.
 """
 
 from __future__ import annotations
@@ -32,7 +46,8 @@ from collections.abc import Callable
 import torch
 
 from distwgrad.fp8 import quantize as ref
-from distwgrad.fp8.recipe import BlockwiseScaling
+from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
+from distwgrad.fp8.weights import quantize_weight
 
 E4M3 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test; no triton)")
     p.add_argument("--reps", type=int, default=50, help="timed repetitions on CPU (GPU: do_bench's own)")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    p.add_argument("--benchmarks", nargs="+", default=None,
+                   help="row producers to run (default all): quantize, grouped_gemm")
+    _add_gemm_args(p)
     args = p.parse_args(argv)
     try:
         args.M, args.N = (int(v) for v in args.shape.lower().split("x"))
@@ -58,6 +76,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.ops or ()) - set(QUANTIZE_OPS)
     if unknown:
         p.error(f"unknown --ops {sorted(unknown)}; choose from {sorted(QUANTIZE_OPS)}")
+    names = [_bench_name(b) for b in BENCHMARKS]
+    if set(args.benchmarks or ()) - set(names):
+        p.error(f"unknown --benchmarks {args.benchmarks}; choose from {names}")
+    try:
+        args.gemm_shapes = [tuple(int(v) for v in s.split(",")) for s in args.gemm_shapes] \
+            if args.gemm_shapes else list(GEMM_SHAPES)
+        assert all(len(s) == 4 for s in args.gemm_shapes)
+    except (ValueError, AssertionError):
+        p.error(f"--gemm-shapes must be E,T,K,N each, got {args.gemm_shapes}")
     return args
 
 
@@ -154,12 +181,161 @@ def bench_quantize(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
     return rows
 
 
+
+# ---- FP8 grouped GEMM vs our bf16 grouped GEMM -------------------------------------------------------
+
+GEMM_SHAPES = ((8, 32768, 4096, 14336), (64, 65536, 7168, 2048), (128, 16384, 2048, 768))  # E, T, K, N
+GEMM_OPS = ("fprop", "dgrad", "wgrad", "wgrad_accumulate")
+GEMM_RECIPES = {"per_tensor": PerTensorScaling(), "blockwise": BlockwiseScaling()}
+
+
+def _add_gemm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("grouped_gemm: FP8 vs bf16 grouped GEMM")
+    g.add_argument("--gemm-shapes", nargs="+", default=None, help="E,T,K,N each (default: the three MoE shapes)")
+    g.add_argument("--gemm-ops", nargs="+", choices=GEMM_OPS, default=list(GEMM_OPS))
+    g.add_argument("--gemm-recipes", nargs="+", choices=sorted(GEMM_RECIPES), default=sorted(GEMM_RECIPES))
+    g.add_argument("--gemm-sweep", action="store_true", help="also time every candidate fp8 tile config")
+
+
+def _bench_name(bench: Callable) -> str:
+    return bench.__name__.removeprefix("bench_")
+
+
+def gemm_flops(E: int, T: int, K: int, N: int) -> float:
+    """FLOPs of any of the three products: every token meets one [N, K] expert: sum_e 2 T_e N K."""
+    del E
+    return 2.0 * T * N * K
+
+
+def _gemm_problem(E: int, T: int, K: int, N: int, device: str) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    expert = torch.multinomial(torch.ones(E), T, replacement=True, generator=gen)
+    offs = torch.bincount(expert, minlength=E).cumsum(0).to(torch.int32).to(device)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float16  # interpreter: no bf16 stores
+    r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
+    return {"x": r(T, K), "w": r(E, N, K) * K ** -0.5, "dy": r(T, N), "offs": offs}
+
+
+def _fp8_operands(p: dict, recipe) -> dict:
+    """Pre-quantized operands (torch reference quantizers, bit-exact with the kernels; untimed)."""
+    x_q, x_qt = ref.quantize_rowwise_and_columnwise(p["x"], recipe)
+    dy_q, dy_qt = ref.quantize_rowwise_and_columnwise(p["dy"], recipe, grad=True)
+    wq = [quantize_weight(w, recipe)[0] for w in p["w"].unbind(0)]
+    w = (torch.stack([q.data for q in wq]), torch.stack([q.scale_inv for q in wq]))  # stacked: no copy per call
+    w_t = (w[0].transpose(1, 2).contiguous().transpose(1, 2), w[1])  # same values, N contiguous
+    return {"x_q": x_q, "x_qt": x_qt, "dy_q": dy_q, "dy_qt": dy_qt, "w": w, "w_t": w_t, "wq": wq}
+
+
+def _bf16_call(op: str, p: dict, main: torch.Tensor):
+    from distwgrad.kernels import grouped_gemm as G
+    x, w, dy, offs = p["x"], p["w"], p["dy"], p["offs"]
+    return {"fprop": lambda: G.grouped_fprop(x, w, offs), "dgrad": lambda: G.grouped_dgrad(dy, w, offs),
+            "wgrad": lambda: G.grouped_wgrad(dy, x, offs),
+            "wgrad_accumulate": lambda: G.grouped_wgrad(dy, x, offs, out=main)}[op]
+
+
+def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None) -> dict:
+    """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers."""
+    from distwgrad.kernels import grouped_gemm_fp8 as F
+    offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
+    block = 0 if q["x_q"].block is None else q["x_q"].block[1]
+    if op == "fprop":
+        return {"fp8": lambda: F._fprop(q["x_q"].data, q["x_q"].scale_inv, *q["w"], offs, None, block, bf, **kw)}
+    if op == "dgrad":
+        dy, dy_s = q["dy_q"].data, q["dy_q"].scale_inv
+        return {"fp8": lambda: F._dgrad(dy, dy_s, *q["w"], offs, block, bf, **kw),
+                "fp8_wT": lambda: F._dgrad(dy, dy_s, *q["w_t"], offs, block, bf, **kw)}
+    args = (q["dy_qt"].data, q["dy_qt"].scale_inv, q["x_qt"].data, q["x_qt"].scale_inv, offs, block)
+    if op == "wgrad":
+        return {"fp8": lambda: F._wgrad(*args, **kw)}
+    return {"fp8": lambda: F._wgrad(*args, out=main, **kw)}
+
+
+def _gemm_check(op: str, p: dict, q: dict) -> float:
+    """Worst error/bound ratio of the fp8 result against the oracle; AssertionError if out of bound."""
+    from distwgrad.testing import reference_fp8 as RF
+    offs = p["offs"]
+    T, K, N = p["x"].shape[0], p["x"].shape[1], p["dy"].shape[1]
+    addend = None
+    if op in ("fprop", "dgrad"):
+        ref_fn, a, depth = ((RF.grouped_fprop_fp8, q["x_q"], K) if op == "fprop" else
+                            (RF.grouped_dgrad_fp8, q["dy_q"], N))
+        n = int(offs[-1])
+        got = _fp8_calls(op, p, q, None)["fp8"]()[:n]
+        exp = ref_fn(a, q["wq"], offs, out_dtype=torch.float32)[:n]
+        S, out_dtype = ref_fn(a, q["wq"], offs, absolute=True)[:n], p["x"].dtype
+    else:
+        exp = RF.grouped_wgrad_fp8(q["dy_qt"], q["x_qt"], offs)
+        S, depth, out_dtype = RF.grouped_wgrad_fp8(q["dy_qt"], q["x_qt"], offs, absolute=True), T, torch.float32
+        if op == "wgrad_accumulate":
+            addend = torch.randn(offs.shape[0], N, K, generator=torch.Generator().manual_seed(1)).to(offs.device)
+            got = _fp8_calls(op, p, q, addend.clone())["fp8"]()
+            exp = addend.double() + exp.double()
+        else:
+            got = _fp8_calls(op, p, q, None)["fp8"]()
+    res = RF.check(got, exp, S, depth=depth, out_dtype=out_dtype, addend=addend,
+                   mma_rel=RF.HOPPER_MMA_REL if p["x"].is_cuda else 0.0)
+    if not res["ok"]:
+        raise AssertionError(f"fp8 grouped {op}: result out of bound, not timing it: {res}")
+    return res["worst"]
+
+
+def _gemm_row(args: argparse.Namespace, shape: tuple, op: str, impl: str, ms: float, **extra) -> Row:
+    tflops = gemm_flops(*shape) / (ms * 1e-3) / 1e12
+    return {"op": f"gg_{op}", "shape": ",".join(map(str, shape)), "impl": impl, "gbps": None, "ms": round(ms, 4),
+            "tflops": float(f"{tflops:.4g}"), "device": args.device_name, **extra}
+
+
+def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
+    from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
+    block = 0 if q["x_q"].block is None else q["x_q"].block[1]
+    main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
+    rows = []
+    for cfg in CF.RAGGED_CANDIDATES if op in ("fprop", "dgrad") else CF.WGRAD_CANDIDATES:
+        if op != "wgrad_accumulate" and cfg.add_mode != "load":
+            continue
+        try:
+            ms = time_ms(_fp8_calls(op, p, q, main, config=cfg)["fp8"], args.device, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result too
+            print(f"  sweep {op} {shape} {name} {cfg.short()}: {exc!r}"[:400], flush=True)
+            continue
+        rows.append(_gemm_row(args, shape, op, f"fp8_{name}@{CF.with_block_k(cfg, block).short()}", ms,
+                              vs_bf16=round(bf16_ms / ms, 3)))
+    return rows
+
+
+def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
+    """FP8 (per recipe) vs bf16 grouped GEMM: one row per (op, shape, impl); see the module docstring."""
+    del copy_gbps
+    rows: list[Row] = []
+    for shape in args.gemm_shapes:
+        E, T, K, N = shape
+        p = _gemm_problem(E, T, K, N, args.device)
+        qs = {name: _fp8_operands(p, GEMM_RECIPES[name]) for name in args.gemm_recipes}
+        main = torch.zeros(E, N, K, device=args.device)
+        for op in args.gemm_ops:
+            bf16_ms = time_ms(_bf16_call(op, p, main), args.device, args.reps)
+            rows.append(_gemm_row(args, shape, op, "bf16", bf16_ms, vs_bf16=1.0))
+            for name, q in qs.items():
+                worst = _gemm_check(op, p, q)
+                for impl, fn in _fp8_calls(op, p, q, main).items():
+                    ms = time_ms(fn, args.device, args.reps)
+                    rows.append(_gemm_row(args, shape, op, impl.replace("fp8", f"fp8_{name}"), ms,
+                                          vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+                if args.gemm_sweep:
+                    rows += _gemm_sweep(args, shape, op, p, q, name, bf16_ms)
+            print(f"  grouped_gemm {op} {shape}: done", flush=True)
+        del p, qs, main
+    return rows
+
+
 # Row producers, run in order after the copy baseline. Append new benchmarks here.
-BENCHMARKS: list[Callable[[argparse.Namespace, float], list[Row]]] = [bench_quantize]
+BENCHMARKS: list[Callable[[argparse.Namespace, float], list[Row]]] = [bench_quantize, bench_grouped_gemm]
 
 
 def print_table(rows: list[Row]) -> None:
     cols = ("op", "shape", "impl", "gbps", "frac_of_copy", "ms", "bit_exact")
+    cols += tuple(k for k in dict.fromkeys(k for r in rows for k in r) if k not in cols and k != "device")
     widths = [max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for r in rows:
@@ -174,7 +350,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     copy = bench_copy(args)
     rows = [copy]
     for bench in BENCHMARKS:
-        rows += bench(args, copy["gbps"])
+        if args.benchmarks is None or _bench_name(bench) in args.benchmarks:
+            rows += bench(args, copy["gbps"])
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

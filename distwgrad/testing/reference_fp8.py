@@ -1,0 +1,162 @@
+"""Reference FP8 grouped GEMMs: the oracle of ``distwgrad.kernels.grouped_gemm_fp8``, and its error bound.
+
+Legend: E experts (groups), T tokens, K in-features, N out-features, L the scale block; ``offs_E`` int32
+END offsets (read on the host here). Same arguments as the kernels' public functions, same semantics:
+every operand is dequantized to fp32 (``fp32(data) * scale_inv`` per element's tile or block, one
+rounding, as ``distwgrad.fp8.quantize.dequantize``) and each group is one fp32 ``torch`` matmul, i.e. the
+FP8 emulation of ``distwgrad.fp8.emulate`` per group. On CUDA keep TF32 off
+(``torch.backends.cuda.matmul.allow_tf32 = False``, torch's default) for a true fp32 product.
+
+[Note: fp8 grouped gemm error bound]
+Kernel and oracle both compute y = sum_k a_k b_k (times scales) in fp32, in different orders: the kernel
+multiplies the fp8 values exactly (fp8 x fp8 fits in fp32) and applies the scales per K block (or once),
+the oracle dequantizes first and leaves the order to the BLAS. Each is within gamma_n * S of the exact
+value, S = sum_k |a_k||b_k| (dequantized), gamma_n = n u / (1 - n u), u = 2^-24, n = K + 4 (K - 1 sums,
+the dequantize/scale roundings, the product, a bias add; Higham, Thm 3.5), so
+
+    |ours - oracle| <= 2 gamma_n S + mma_rel S + u_out |y| + tiny            (elementwise)
+
+with u_out the output rounding (fp32 2^-24, fp16 2^-11, bf16 2^-7: the interpreter truncates bf16
+stores, RNE would be 2^-8), ``tiny`` the output format's smallest subnormal plus fp32 underflow, and
+``mma_rel`` the extra error of the MMA unit: 0 in the interpreter (numpy fp32), ``HOPPER_MMA_REL`` on
+GPUs, whose fp8 tensor cores add into a ~22-bit (13 explicit mantissa bits) accumulator inside each
+promotion interval (DeepSeek-V3 report, Sec. 3.3.2): at most ~4 truncating steps of 2^-13 per 128-deep
+interval, bounded here by 16 * 2^-13 = 2^-9 of S. PROVISIONAL: set before any GPU run; the GPU tests
+print the worst error/bound ratio. A loose ``atol`` would hide a wrong scale; this bound does not: a
+wrong tile scale errs by O(|partial sum|) >> gamma_n S, and a NaN where the oracle has none fails.
+Accumulating wgrad compares ``out + dW`` against ``addend + oracle`` in float64, with one more fp32
+rounding of the sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from distwgrad.fp8.quantize import Quantized, dequantize
+from distwgrad.testing.reference import group_ranges
+
+__all__ = ["dequantize_weights", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8",
+           "HOPPER_MMA_REL", "error_bound", "check"]
+
+U32 = 2.0**-24
+HOPPER_MMA_REL = 2.0**-9
+_U_OUT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-7}
+_TINY = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}
+
+
+def _deq(q: Quantized, dtype: torch.dtype, absolute: bool) -> torch.Tensor:
+    v = dequantize(q, dtype=torch.float32)
+    return (v.abs() if absolute else v).to(dtype)
+
+
+def dequantize_weights(w_qs, *, block: int = 0) -> torch.Tensor:
+    """fp32 ``[E, N, K]`` values of per-expert ``Quantized`` weights or of a ``(w_ENK, scale_inv)`` tuple
+    (``scale_inv`` ``[E]``, or ``[E, cdiv(N, block), cdiv(K, block)]`` with ``block`` the block side)."""
+    if isinstance(w_qs, tuple) and len(w_qs) == 2 and all(isinstance(t, torch.Tensor) for t in w_qs):
+        data, s = w_qs
+        E, N, K = data.shape
+        if s.dim() == 1:
+            return data.float() * s[:, None, None]
+        s = s.repeat_interleave(block, 1)[:, :N].repeat_interleave(block, 2)[:, :, :K]
+        return data.float() * s
+    return torch.stack([dequantize(q, dtype=torch.float32) for q in w_qs])
+
+
+def _block(q: Quantized) -> int:
+    return 0 if q.block is None else q.block[1]
+
+
+def _ragged(a_q: Quantized, w_qs, offs_E, bias_EN, out_dtype, *, transpose_w: bool, absolute: bool,
+            compute_dtype: torch.dtype) -> torch.Tensor:
+    a = _deq(a_q, compute_dtype, absolute)
+    w = dequantize_weights(w_qs, block=_block(a_q))
+    w = (w.abs() if absolute else w).to(compute_dtype)
+    rows = w.shape[1] if transpose_w else w.shape[2]
+    out = torch.zeros(a.shape[0], rows, dtype=compute_dtype, device=a.device)
+    for e, (s, t) in enumerate(group_ranges(offs_E)):
+        if t > s:
+            out[s:t] = a[s:t] @ (w[e].t() if transpose_w else w[e])
+            if bias_EN is not None and not absolute:
+                out[s:t] += bias_EN[e].to(compute_dtype)
+    return out if absolute else out.to(out_dtype)
+
+
+def grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16, *, absolute: bool = False,
+                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``y_TN[g] = deq(x)[g] @ deq(w_e)^T (+ bias_EN[e])``. ``absolute``: ``S = |x| @ |w|^T`` instead (no
+    bias, no cast: the scale of the error bound). Rows at or past ``offs_E[-1]`` are zero."""
+    return _ragged(x_q, w_qs, offs_E, bias_EN, out_dtype, transpose_w=True, absolute=absolute,
+                   compute_dtype=compute_dtype)
+
+
+def grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
+                      absolute: bool = False, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dx_TK[g] = deq(dy)[g] @ deq(w_e)``; ``absolute`` as in :func:`grouped_fprop_fp8`."""
+    return _ragged(dy_q, w_qs, offs_E, None, out_dtype, transpose_w=False, absolute=absolute,
+                   compute_dtype=compute_dtype)
+
+
+def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, absolute: bool = False,
+                      compute_dtype: torch.dtype = torch.float32):
+    """``dW_e = deq(dy^T)[:, g] @ deq(x^T)[:, g]^T``: a fresh ``[E, N, K]`` in ``compute_dtype`` (zeros for an
+    empty group), or added into ``out`` (stacked or a list). ``absolute``: ``|dy^T| @ |x^T|^T``."""
+    dy_t = _deq(dy_qt, compute_dtype, absolute)
+    x_t = _deq(x_qt, compute_dtype, absolute)
+    ranges = group_ranges(offs_E)
+    if out is None:
+        dW = torch.zeros(len(ranges), dy_t.shape[0], x_t.shape[0], dtype=compute_dtype, device=dy_t.device)
+        for e, (s, t) in enumerate(ranges):
+            if t > s:
+                dW[e] = dy_t[:, s:t] @ x_t[:, s:t].t()
+        return dW
+    for e, (s, t) in enumerate(ranges):
+        if t > s:
+            out[e].add_(dy_t[:, s:t] @ x_t[:, s:t].t())
+    return out
+
+
+def error_bound(S: torch.Tensor, expected: torch.Tensor, *, depth: int, out_dtype: torch.dtype,
+                mma_rel: float = 0.0, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """Elementwise float64 bound on ``|ours - expected|`` ([Note: fp8 grouped gemm error bound]).
+
+    Args:
+        S: ``sum |a||b|`` per output (``absolute=True`` of the reference functions).
+        expected: the oracle (plus ``addend``, for accumulation), unrounded.
+        depth: the contraction length (K, N or the group's tokens; the largest is fine).
+        out_dtype: dtype ours was stored in.
+        mma_rel: extra relative error of the MMA unit (``HOPPER_MMA_REL`` on GPUs).
+        addend: the fp32 buffer ours added into (one more fp32 rounding of ``|addend| + |y|``).
+    """
+    n = depth + 4
+    gamma = n * U32 / (1 - n * U32)
+    S = S.double()
+    err = (2 * gamma + mma_rel) * S
+    y = expected.double().abs()
+    bound = err + _U_OUT[out_dtype] * (y + err) + _TINY[out_dtype] + n * 2.0**-126
+    if addend is not None:
+        bound = bound + U32 * (addend.double().abs() + y + err)
+    return bound * (1 + 2.0**-20)
+
+
+def check(ours: torch.Tensor, expected: torch.Tensor, S: torch.Tensor, **bound_kw) -> dict:
+    """``ok`` iff every element of ``ours`` is within :func:`error_bound` of ``expected`` (NaN matches NaN
+    only); ``worst`` the largest error/bound ratio (finite elements), for tightening the bound."""
+    o, x = ours.double(), expected.double()
+    bound = error_bound(S, expected, **bound_kw)
+    nan_o, nan_x = torch.isnan(o), torch.isnan(x)
+    both = nan_o & nan_x
+    err = torch.where(both, 0.0, (o - x).abs())
+    ratio = torch.where(both, 0.0, err / bound)
+    bad = ~(ratio <= 1)  # NaN in only one of them compares False
+    worst = float(ratio[~torch.isnan(ratio)].max()) if ratio.numel() else 0.0
+    res = {"ok": not bool(bad.any()), "worst": worst, "bad": int(bad.sum()), "numel": ours.numel(),
+           "nan_mismatch": int((nan_o ^ nan_x).sum())}
+    if bad.any():
+        i = int(bad.flatten().nonzero()[0])
+        res["first_bad"] = {"index": i, "ours": float(o.flatten()[i]), "expected": float(x.flatten()[i]),
+                            "bound": float(bound.flatten()[i])}
+    return res

@@ -1,0 +1,655 @@
+"""FP8 grouped GEMMs for MoE: the three products over ragged token groups, scales applied in the kernel.
+
+STATUS: validated under TRITON_INTERPRET=1 only (tests/test_grouped_gemm_fp8_kernels.py). Not wired into
+any module. A GPU session must, in order:
+1. ``pytest -m gpu tests/test_grouped_gemm_fp8_kernels.py``: compiles every path on sm_90 and checks it
+   against the oracle. Open points: (a) dgrad reads the weight with the CONTRACTION (N) strided by K;
+   Hopper's fp8 wgmma wants both operands K-major, so Triton may transpose in shared memory, fall back
+   to mma.sync, or fail: ``test_gpu_dgrad_weight_layouts`` times the [E, N, K] weight against a
+   transposed copy (N contiguous, what TransformerEngine caches as the "columnwise" weight); if the copy
+   wins clearly, cache it per step next to the fp8 weight. (b) The Hopper accumulation bound
+   ``reference_fp8.HOPPER_MMA_REL`` (2**-9 of sum |a||b|) is provisional: the tests print the worst
+   error/bound ratio; tighten it from that. (c) ``max_num_imprecise_acc=BLOCK_K`` (fp32 promotion every
+   K step in the per-tensor path) costs registers; compare against the default (no promotion).
+2. ``python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep --json fp8_gemm.json``: FP8 vs our bf16
+   kernels at the three MoE shapes, then every candidate tile config; replace the UNMEASURED table in
+   ``_grouped_gemm_fp8_configs.py`` and record the run in docs/benchmarks/.
+Wiring (after 1 and 2), through ``distwgrad.ops.grouped_gemm`` so CPU keeps the emulation ([Note: grouped
+gemm dispatch]): in ``distwgrad/nn/grouped_linear.py``, ``_GroupedLinearFunction.forward``'s recipe branch
+calls ``grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype)`` with ``x_q`` from
+``distwgrad.kernels.quantize.quantize_rowwise_and_columnwise(x_TK, recipe)`` (keep its transposed half
+for wgrad instead of the bf16 ``x_TK``) and ``w_qs`` from ``materialize_quantized`` (quantize packed
+weights straight into a stacked buffer to skip the per-call ``torch.stack``); ``backward``'s dgrad branch
+calls ``grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype)``; ``_wgrad_gemm``'s recipe branch calls
+``grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=targets...)`` (fresh: ``.to(out_dtype)``). Weights from a
+sharded gather off the 128-row grid come with ``block=(1, 128)`` scales (``distwgrad.fp8.weights``):
+not supported here, they need the emulation or a re-quantization.
+
+Legend: E experts (groups), T tokens, K in-features, N out-features, L the scale block (128).
+``offs_E``: int32 END offsets on the device (``grouped_gemm``'s convention: no host sync, clamped into
+``[0, T]``, rows at or past ``offs_E[-1]`` of fprop/dgrad outputs left unwritten).
+
+    fprop  y_TN[g]   = deq(x_TK)[g] @ deq(w_ENK[e])^T (+ bias_EN[e])  grouped_fprop_fp8(x_q, w_qs, offs_E, ...)
+    dgrad  dx_TK[g]  = deq(dy_TN)[g] @ deq(w_ENK[e])                  grouped_dgrad_fp8(dy_q, w_qs, offs_E, ...)
+    wgrad  dW_ENK[e] = deq(dy^T_NT)[:, g] @ deq(x^T_KT)[:, g]^T       grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out)
+
+Operands (``distwgrad.fp8.quantize.Quantized``), one recipe for all operands of a call:
+- per-tensor: one fp32 ``scale_inv`` per activation / gradient, one per expert weight ([E]);
+- blockwise (DeepSeek-V3): activations and gradients in 1xL tiles along the contraction (x: [T, cdiv(K,
+  L)], dy: [T, cdiv(N, L)]; for wgrad the TRANSPOSED quantizations ``dy^T`` [N, T] and ``x^T`` [K, T] that
+  ``quantize_rowwise_and_columnwise`` returns, tiles along the tokens), weights in LxL blocks ([E, cdiv(N,
+  L), cdiv(K, L)]). dgrad contracts over N, so it reads weight block (nb, kb) for contraction block nb:
+  the square blocks make the transposed use exact.
+``w_qs`` is a sequence of E per-expert ``Quantized`` ([N, K]; stacked here, one copy) or a tuple
+``(w_ENK, scale_inv)`` of a stacked float8 tensor (any strides) and stacked scales ([E] or [E, gn, gk]).
+
+Math: fp8 x fp8 products on the tensor cores (exact in fp32), fp32 accumulation. Blockwise: one K step
+per scale block (BLOCK_K = L); each step's dot starts from zero and is added to the fp32 accumulator
+times ``a_scale[row, kb] * b_scale[col_block, kb]`` (DeepSeek-V3's promotion every 128 elements, which
+also bounds Hopper's limited-precision fp8 accumulation to 128-deep partial sums). Per-tensor: the dot
+accumulates directly with ``max_num_imprecise_acc=BLOCK_K`` (the same promotion) and the two scales
+multiply once after the loop. wgrad walks each group's tokens in chunks ALIGNED TO THE GLOBAL L GRID,
+masking tokens outside the group, so every chunk lies in one token tile (one scale per row) even when a
+group starts mid-tile: the module quantizes over the whole token range, and a tile may span two groups.
+Outputs: fprop/dgrad in ``out_dtype`` (bf16 default; fp16, fp32); wgrad a fresh fp32 ``[E, N, K]`` (the
+fp32 accumulator as is: an fp8 product has no natural output dtype, and the module's ``main_grad`` is
+fp32 anyway) or ADDED into fp32 ``out`` (stacked ``[E, N, K]`` or a list of E ``[N, K]``), as
+``grouped_wgrad``. An empty group writes zeros to a fresh wgrad and adds nothing to ``out``.
+Non-finite scales (the quantizers' NaN policy) propagate: a NaN scale makes the outputs that use it NaN.
+
+Loads: TMA descriptors when layouts allow (16-byte aligned base and outer strides, unit inner stride;
+the weight through a 3-D [E, rows, cols] descriptor, so a step never reads the next expert), else masked
+pointer loads with any strides. wgrad's partial chunks (group edges) always take the pointer path.
+
+Interpreter (TRITON_INTERPRET=1, CPU tensors): fp8 loads, TMA loads and ``tl.dot`` on fp8 (also mixed
+e4m3 x e5m2) are exact there (checked on every finite fp8 value: the interpreter decodes fp8 to fp16,
+which holds every e4m3/e5m2 value, and multiplies in fp32), so no upcast is needed, unlike bf16. Caveats
+that do not touch these kernels: its fp8 -> fp32 cast maps NaN/inf to finite values (e4m3 NaN -> 480)
+and its fp32 -> bf16 store truncates instead of rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from distwgrad.fp8.quantize import Quantized
+
+from . import _grouped_gemm_fp8_configs as _cfg
+from ._grouped_gemm_checks import _check_tensor, _data_ptr
+from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table, _swizzle
+
+__all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _wgrad_kernel
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ b: blockwise, the step's own dot times the outer product of its row/column scales;
+    per-tensor, straight into acc (scaled after the loop), promoted to fp32 every BLOCK_K."""
+    if BLOCKWISE:
+        return acc + tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["T", "E"])
+def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
+                       T, E, N, K,
+                       stride_at, stride_ak, stride_be, stride_bk, stride_bn,
+                       stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
+                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
+                       BLOCKWISE: tl.constexpr, B_K_INNER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """out[t, :N] = a[t, :K] @ B_e[:K, :N] for the tokens t of group e (K: the contraction, N: the output
+    features). B_e is read through strides (b_ptr) or a 3-D descriptor, [E, N, K] if B_K_INNER else
+    [E, K, N]. Blockwise scales: a_s[t, kb] and b_s[e, kb, n // BLOCK_K] (strides bsk, bsn)."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E)
+    if pid >= total:
+        return
+    pid_m, pid_n = _swizzle(local, tl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
+    row0 = start + pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    rows_ok = rows < start + size
+    cols_ok = cols < N
+    rows64 = rows.to(tl.int64)
+    e64 = e.to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_at + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + e64 * stride_be + ks[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+    as_ptrs = as_ptr + rows64 * stride_ast                                   # blockwise only
+    bs_ptrs = bs_ptr + e64 * stride_bse + (cols // BLOCK_K) * stride_bsn     # blockwise only
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if USE_TMA:  # rows past the group and columns past N feed masked outputs only; K tail zero-filled
+            a = a_desc.load([row0, k0])
+            if B_K_INNER:
+                b = tl.reshape(b_desc.load([e, col0, k0]), (BLOCK_N, BLOCK_K)).T
+            else:
+                b = tl.reshape(b_desc.load([e, k0, col0]), (BLOCK_K, BLOCK_N))
+        else:
+            a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks[None, :] < K - k0), other=0.0)
+            b = tl.load(b_ptrs, mask=(ks[:, None] < K - k0) & cols_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        a_s = None
+        b_s = None
+        if BLOCKWISE:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(as_ptrs + kb * stride_ask, mask=rows_ok, other=0.0)
+            b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=cols_ok, other=0.0)
+        acc = _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K)
+    if not BLOCKWISE:
+        acc = acc * tl.load(as_ptr) * tl.load(bs_ptr + e64 * stride_bse)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    o_ptrs = out_ptr + rows64[:, None] * stride_ot + cols[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+@triton.jit
+def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n, N, K, acc,
+                     stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
+                     BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tokens [t0, t0 + BLOCK_K) of one L-aligned chunk, those outside [lo, hi) masked to zero."""
+    ts = t0 + tl.arange(0, BLOCK_K)
+    t_ok = (ts >= lo) & (ts < hi)
+    a = tl.load(a_ptr + rows_m.to(tl.int64)[:, None] * stride_an + ts[None, :] * stride_at,
+                mask=(rows_m < N)[:, None] & t_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + cols_n.to(tl.int64)[:, None] * stride_bk + ts[None, :] * stride_bt,
+                mask=(cols_n < K)[:, None] & t_ok[None, :], other=0.0)
+    return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
+                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K)
+
+
+@triton.jit
+def _wgrad_fp8_scaled(a, b, acc, as_ptrs, bs_ptrs, c, rows_m, cols_n, N, K, stride_asc, stride_bsc,
+                      BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr):
+    a_s = None
+    b_s = None
+    if BLOCKWISE:  # token tile c: one scale per row of dy^T (out-feature) and per row of x^T (in-feature)
+        a_s = tl.load(as_ptrs + c * stride_asc, mask=rows_m < N, other=0.0)
+        b_s = tl.load(bs_ptrs + c * stride_bsc, mask=cols_n < K, other=0.0)
+    return _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, offs_ptr,
+                      T, N, K,
+                      stride_an, stride_at, stride_bk, stride_bt,
+                      stride_asn, stride_asc, stride_bsk, stride_bsc,
+                      stride_oe, stride_on, stride_ok, stride_o,
+                      BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
+                      USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
+    b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
+    deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(N, BLOCK_M)
+    tiles_n = tl.cdiv(K, BLOCK_N)
+    e = pid // (tiles_m * tiles_n)
+    pid_m, pid_n = _swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e * stride_o), 0), T)
+    start = tl.minimum(tl.maximum(tl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
+    end = tl.maximum(end, start)
+    if ADD_MODE != 0:
+        if end == start:
+            return
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    as_ptrs = as_ptr + rows_m.to(tl.int64) * stride_asn      # blockwise only
+    bs_ptrs = bs_ptr + cols_n.to(tl.int64) * stride_bsk      # blockwise only
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Chunks on the global BLOCK_K (= L) grid; an empty group visits none (a masked chunk would still
+    # multiply zeros by its tile's scales, and a NaN scale of another group's tile would leak in).
+    first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
+    if USE_TMA:
+        body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi) by TMA
+        body_hi = (end // BLOCK_K) * BLOCK_K
+        if first < start:                            # head: the group starts mid-chunk
+            acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, first, start, end, rows_m, cols_n, N, K,
+                                   acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
+                                   BLOCKWISE, BLOCK_K)
+        for t0 in range(body_lo, body_hi, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, t0])
+            b = b_desc.load([pid_n * BLOCK_N, t0])
+            acc = _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
+                                    stride_asc, stride_bsc, BLOCKWISE, BLOCK_K)
+        if (body_hi < end) & (body_hi >= body_lo):   # tail, unless the head chunk already held it
+            acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, body_hi, start, end, rows_m, cols_n, N,
+                                   K, acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc,
+                                   stride_bsc, BLOCKWISE, BLOCK_K)
+    else:
+        for t0 in range(first, end, BLOCK_K):
+            acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, start, end, rows_m, cols_n, N, K,
+                                   acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
+                                   BLOCKWISE, BLOCK_K)
+    if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale
+        acc = acc * tl.where(end > start, tl.load(as_ptr), 1.0) * tl.where(end > start, tl.load(bs_ptr), 1.0)
+    if PTR_TABLE:
+        base = tl.load(out_ptr + e).to(tl.pointer_type(tl.float32))
+    else:
+        base = out_ptr + e.to(tl.int64) * stride_oe
+    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
+    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
+    if ADD_MODE == 3:
+        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        if ADD_MODE == 1:
+            acc += tl.load(o_ptrs, mask=mask, other=0.0)
+        tl.store(o_ptrs, acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers: check, allocate, grid, launch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _aligned(t: torch.Tensor, outer_strides: Sequence[int], inner_stride: int) -> bool:
+    """TMA-able 1-byte layout: 16-byte aligned base and outer strides, unit inner stride."""
+    return t.data_ptr() % 16 == 0 and inner_stride == 1 and all(s % 16 == 0 for s in outer_strides)
+
+
+def _resolve_tma(requested: bool | None, eligible: bool, device: torch.device, op: str) -> bool:
+    """None: TMA iff Hopper or newer and the layouts allow. True: required (tests), else ValueError."""
+    if requested is None:
+        return eligible and not _interpreting() and _device_info(device)[0] >= 9
+    if requested and not eligible:
+        raise ValueError(f"{op}: TMA was requested but the layouts do not allow it (16-byte aligned base "
+                         f"and outer strides of the fp8 operands, unit inner stride)")
+    return requested
+
+
+def _config(op: str, config, block: int, accumulate: bool, device: torch.device):
+    if config is None:
+        config = _cfg.INTERPRETER if _interpreting() else _cfg.pick(
+            op, block=block, accumulate=accumulate, smem_limit=_device_info(device)[1])
+    config = _cfg.with_block_k(config, block)
+    if config.block_k < 32 or config.add_mode not in _cfg.ADD_MODES:
+        raise ValueError(f"{op}: fp8 configs need block_k >= 32 and add_mode in {_cfg.ADD_MODES}, got "
+                         f"{config.short()}")
+    return config
+
+
+def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, op: str, config, use_tma):
+    """out[g] = a[g] @ b_EKN[e] for every group: a [T, K] fp8, b_EKN [E, K, N] (any strides), the
+    contraction K; blockwise scales a_s [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]."""
+    T, K = a.shape
+    E, _, N = b_EKN.shape
+    if T == 0 or N == 0 or E == 0:
+        return out
+    cfg = _config(op, config, block, False, a.device)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    sb = b_EKN.stride()
+    b_k_inner = sb[1] == 1 and sb[2] != 1
+    a_ok = K > 0 and _aligned(a, [a.stride(0)], a.stride(1))
+    b_ok = _aligned(b_EKN, [sb[0], sb[2]], sb[1]) if b_k_inner else _aligned(b_EKN, [sb[0], sb[1]], sb[2])
+    tma = _resolve_tma(use_tma, a_ok and b_ok, a.device, op)
+    a_desc = b_desc = None
+    if tma:
+        a_desc = TensorDescriptor(a, [T, K], [a.stride(0), 1], [bm, bk])
+        if b_k_inner:
+            b_desc = TensorDescriptor(b_EKN, [E, N, K], [sb[0], sb[2], 1], [1, bn, bk])
+        else:
+            b_desc = TensorDescriptor(b_EKN, [E, K, N], [sb[0], sb[1], 1], [1, bk, bn])
+    sas = a_s.stride() if block else (0, 0)
+    sbs = bs_EKN.stride() if block else (bs_EKN.stride(0), 0, 0)
+    sbias = bias_EN.stride() if bias_EN is not None else (0, 0)
+    grid = ((triton.cdiv(T, bm) + E) * triton.cdiv(N, bn),)
+    _fp8_ragged_kernel[grid](
+        a_desc, b_desc, a, b_EKN, a_s, bs_EKN, out, bias_EN, offs_E,
+        T, E, N, K,
+        a.stride(0), a.stride(1), sb[0], sb[1], sb[2],
+        sas[0], sas[1], sbs[0], sbs[1], sbs[2],
+        out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
+        BLOCKWISE=block > 0, B_K_INNER=b_k_inner, HAS_BIAS=bias_EN is not None, USE_TMA=tma,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=max(16, triton.next_power_of_2(E)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma):
+    """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to."""
+    N, T = a_NT.shape
+    K = b_KT.shape[0]
+    E = offs_E.shape[0]
+    if E == 0 or N == 0 or K == 0:
+        return
+    cfg = _config("grouped_wgrad_fp8", config, block, accumulate, a_NT.device)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    eligible = (T > 0 and _aligned(a_NT, [a_NT.stride(0)], a_NT.stride(1))
+                and _aligned(b_KT, [b_KT.stride(0)], b_KT.stride(1)))
+    tma = _resolve_tma(use_tma, eligible, a_NT.device, "grouped_wgrad_fp8")
+    a_desc = b_desc = None
+    if tma:
+        a_desc = TensorDescriptor(a_NT, [N, T], [a_NT.stride(0), 1], [bm, bk])
+        b_desc = TensorDescriptor(b_KT, [K, T], [b_KT.stride(0), 1], [bn, bk])
+    so = (0,) + out.stride() if table is not None else out.stride()
+    sas = as_.stride() if block else (0, 0)
+    sbs = bs.stride() if block else (0, 0)
+    grid = (E * triton.cdiv(N, bm) * triton.cdiv(K, bn),)
+    _wgrad_fp8_kernel[grid](
+        a_desc, b_desc, a_NT, b_KT, as_, bs, out if table is None else table, offs_E,
+        T, N, K,
+        a_NT.stride(0), a_NT.stride(1), b_KT.stride(0), b_KT.stride(1),
+        sas[0], sas[1], sbs[0], sbs[1],
+        so[0], so[1], so[2], offs_E.stride(0),
+        BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
+        PTR_TABLE=table is not None, USE_TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# ---- argument checks (eager launchers, fake implementations and public wrappers alike) -------------
+
+
+def _check_fp8(op: str, named: dict, scales: dict, block: int) -> None:
+    """float8 operands and fp32 scales on one device, scale shapes as the recipe says (block 0:
+    per-tensor): a 2-D operand has 1xL tiles along dim 1 (its contraction), a 3-D weight LxL blocks."""
+    if not isinstance(block, int) or isinstance(block, bool) or (block and (block < 32 or block & (block - 1))):
+        raise ValueError(f"{op}: the scale block must be 0 (per-tensor) or a power of two >= 32, got {block!r}")
+    first, device = next(iter(named)), next(iter(named.values())).device
+    for name, t in named.items():
+        s = scales[name]
+        if t.dtype not in _FP8:
+            raise TypeError(f"{op}: {name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+            raise TypeError(f"{op}: {name}'s scale_inv must be a float32 tensor, got "
+                            f"{getattr(s, 'dtype', type(s).__name__)}")
+        for what, v in ((name, t), (f"{name}'s scale_inv", s)):
+            if v.device != device:
+                raise ValueError(f"{op}: {what} is on {v.device} but {first} is on {device}")
+        cdiv = lambda n: -(-n // block)
+        if t.dim() == 2:
+            want = (t.shape[0], cdiv(t.shape[1])) if block else ()
+        else:
+            want = (t.shape[0], cdiv(t.shape[1]), cdiv(t.shape[2])) if block else (t.shape[0],)
+        if tuple(s.shape) != want:
+            raise ValueError(f"{op}: {name}'s scale_inv has shape {tuple(s.shape)}, expected {want} for {name} "
+                             f"{tuple(t.shape)} and scale block {block or 'per-tensor'}")
+
+
+def _check_offsets(op: str, offs_E, num_groups: int, device) -> None:
+    _check_tensor(op, "offs_E", offs_E, 1)
+    if offs_E.dtype != torch.int32:
+        raise TypeError(f"{op}: offs_E must hold int32 end offsets, got {offs_E.dtype}")
+    if offs_E.shape[0] != num_groups:
+        raise ValueError(f"{op}: offs_E has {offs_E.shape[0]} entries, expected one per group ({num_groups})")
+    if offs_E.device != device:
+        raise ValueError(f"{op}: offs_E is on {offs_E.device} but the operands are on {device}")
+
+
+def _check_ragged(op, a, a_s, w, w_s, offs_E, block, out_dtype, bias_EN=None) -> None:
+    a_name, c = ("x", 2) if op == "grouped_fprop_fp8" else ("dy", 1)
+    _check_tensor(op, a_name, a, 2)
+    _check_tensor(op, "w", w, 3)
+    if a.shape[1] != w.shape[c]:
+        raise ValueError(f"{op}: {a_name} {tuple(a.shape)} and w {tuple(w.shape)} disagree on the "
+                         f"contraction ({'K' if c == 2 else 'N'})")
+    _check_fp8(op, {a_name: a, "w": w}, {a_name: a_s, "w": w_s}, block)
+    _check_offsets(op, offs_E, w.shape[0], a.device)
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype!r}")
+    if bias_EN is not None:
+        _check_tensor(op, "bias_EN", bias_EN, 2)
+        if tuple(bias_EN.shape) != tuple(w.shape[:2]) or bias_EN.dtype not in _OUT_DTYPES:
+            raise ValueError(f"{op}: bias_EN must be a bf16/fp16/fp32 [E, N] = {tuple(w.shape[:2])} tensor, "
+                             f"got {bias_EN.dtype} {tuple(bias_EN.shape)}")
+        if bias_EN.device != a.device:
+            raise ValueError(f"{op}: bias_EN is on {bias_EN.device} but {a_name} is on {a.device}")
+
+
+def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out) -> None:
+    op = "grouped_wgrad_fp8"
+    _check_tensor(op, "dy_t", dy_t, 2)
+    _check_tensor(op, "x_t", x_t, 2)
+    if dy_t.shape[1] != x_t.shape[1]:
+        raise ValueError(f"{op}: dy_t {tuple(dy_t.shape)} ([N, T]) and x_t {tuple(x_t.shape)} ([K, T]) "
+                         f"disagree on T")
+    _check_fp8(op, {"dy_t": dy_t, "x_t": x_t}, {"dy_t": dy_s, "x_t": x_s}, block)
+    _check_tensor(op, "offs_E", offs_E, 1)
+    E, N, K = offs_E.shape[0], dy_t.shape[0], x_t.shape[0]
+    _check_offsets(op, offs_E, E, dy_t.device)
+    if out is None:
+        return
+    if isinstance(out, torch.Tensor):
+        outs, want = [("out", out)], (E, N, K)
+        if tuple(out.shape) != want:
+            raise ValueError(f"{op}: out must be [E, N, K] = {want}, got {tuple(out.shape)}")
+        if E > 1 and _data_ptr(out) is not None and torch._debug_has_internal_overlap(out) == 1:
+            raise ValueError(f"{op}: out's groups overlap in memory (strides {out.stride()})")
+    elif isinstance(out, (list, tuple)):
+        if len(out) != E:
+            raise ValueError(f"{op}: out has {len(out)} buffers, expected one per group ({E})")
+        outs, want = [(f"out[{i}]", t) for i, t in enumerate(out)], (N, K)
+        for name, t in outs:
+            _check_tensor(op, name, t, 2)
+            if tuple(t.shape) != want or t.stride() != out[0].stride():
+                raise ValueError(f"{op}: {name} has shape {tuple(t.shape)} and strides {t.stride()}; every "
+                                 f"buffer must be [N, K] = {want} with out[0]'s strides {out[0].stride()}")
+        ptrs = [_data_ptr(t) for t in out]
+        if None not in ptrs and len(set(ptrs)) != len(ptrs):
+            raise ValueError(f"{op}: two buffers of out share memory; accumulating both in one pass would race")
+    else:
+        raise TypeError(f"{op}: out must be None, an fp32 [E, N, K] tensor or a list of E fp32 [N, K] "
+                        f"tensors, got {type(out).__name__}")
+    for name, t in outs:
+        if t.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must be float32 (gradients accumulate in fp32), got {t.dtype}")
+        if t.device != dy_t.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but dy_t is on {dy_t.device}")
+
+
+def _check_runnable(op: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{op}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}; "
+                         f"distwgrad.testing.reference_fp8 computes the same products with torch")
+
+
+# ---- the three products on raw tensors (config and use_tma are for tests and benchmarks) -----------
+
+
+def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, use_tma=None, out=None):
+    """``out``: a preallocated [T, N] output in ``out_dtype`` (tests poison it), else a fresh one."""
+    _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
+    _check_runnable("grouped_fprop_fp8", x)
+    y = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device) if out is None else out
+    return _launch_ragged(x, x_s, w.transpose(1, 2), w_s.transpose(1, 2) if block else w_s, offs_E, bias_EN, y,
+                          block=block, op="grouped_fprop_fp8", config=config, use_tma=use_tma)
+
+
+def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=None, out=None):
+    _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
+    _check_runnable("grouped_dgrad_fp8", dy)
+    dx = torch.empty(dy.shape[0], w.shape[2], dtype=out_dtype, device=dy.device) if out is None else out
+    return _launch_ragged(dy, dy_s, w, w_s, offs_E, None, dx, block=block, op="grouped_dgrad_fp8",
+                          config=config, use_tma=use_tma)
+
+
+def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tma=None):
+    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+    _check_runnable("grouped_wgrad_fp8", dy_t)
+    kw = dict(block=block, config=config, use_tma=use_tma)
+    args = (dy_t, dy_s, x_t, x_s, offs_E)
+    if out is None:
+        dW = torch.empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32, device=dy_t.device)
+        _launch_wgrad(*args, dW, accumulate=False, table=None, **kw)
+        return dW
+    if isinstance(out, torch.Tensor):
+        _launch_wgrad(*args, out, accumulate=True, table=None, **kw)
+    elif len(out) > 0:
+        _launch_wgrad(*args, out[0], accumulate=True, table=_ptr_table(out, dy_t.device), **kw)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.library custom ops (+ fake implementations) and the public API on Quantized operands
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("distwgrad::grouped_fprop_fp8", mutates_args=())
+def _fprop_op(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+              offs_E: torch.Tensor, bias_EN: torch.Tensor | None, block: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return _fprop(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype)
+
+
+@_fprop_op.register_fake
+def _(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype):
+    _check_ragged("grouped_fprop_fp8", x, x_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, bias_EN)
+    return x.new_empty(x.shape[0], w.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("distwgrad::grouped_dgrad_fp8", mutates_args=())
+def _dgrad_op(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+              offs_E: torch.Tensor, block: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return _dgrad(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
+
+
+@_dgrad_op.register_fake
+def _(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype):
+    _check_ragged("grouped_dgrad_fp8", dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
+    return dy.new_empty(dy.shape[0], w.shape[2], dtype=out_dtype)
+
+
+@torch.library.custom_op("distwgrad::grouped_wgrad_fp8", mutates_args=())
+def _wgrad_op(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor, x_t_scale_inv: torch.Tensor,
+              offs_E: torch.Tensor, block: int) -> torch.Tensor:
+    return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block)
+
+
+@_wgrad_op.register_fake
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block):
+    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, None)
+    return dy_t.new_empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("distwgrad::grouped_wgrad_fp8_accumulate", mutates_args=("out",))
+def _wgrad_acc_op(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
+                  x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+
+
+@_wgrad_acc_op.register_fake
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out):
+    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+
+
+@torch.library.custom_op("distwgrad::grouped_wgrad_fp8_accumulate_list", mutates_args=("out",))
+def _wgrad_acc_list_op(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
+                       x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int,
+                       out: list[torch.Tensor]) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+
+
+@_wgrad_acc_list_op.register_fake
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out):
+    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+
+
+def _act(op: str, name: str, q) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(data, scale_inv, L) of an activation/gradient ``Quantized``; L = 0 for per-tensor."""
+    if not isinstance(q, Quantized):
+        raise TypeError(f"{op}: {name} must be a distwgrad.fp8.quantize.Quantized, got {type(q).__name__}")
+    if q.block is None:
+        return q.data, q.scale_inv, 0
+    if q.block[0] != 1:
+        raise ValueError(f"{op}: {name} must be quantized per tensor or in 1xL tiles along its last dim, "
+                         f"got block {q.block}")
+    return q.data, q.scale_inv, q.block[1]
+
+
+def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_ENK, scale_inv) from a sequence of per-expert ``Quantized`` or a (data, scale_inv) tuple."""
+    if isinstance(w_qs, tuple) and len(w_qs) == 2 and all(isinstance(t, torch.Tensor) for t in w_qs):
+        return w_qs
+    if isinstance(w_qs, (Quantized, torch.Tensor)) or not isinstance(w_qs, Sequence) or len(w_qs) == 0:
+        raise TypeError(f"{op}: w_qs must be a non-empty sequence of per-expert Quantized or a (w_ENK, "
+                        f"scale_inv) tuple of tensors, got {type(w_qs).__name__}")
+    want = (block, block) if block else None
+    for i, q in enumerate(w_qs):
+        if not isinstance(q, Quantized):
+            raise TypeError(f"{op}: w_qs[{i}] must be a Quantized, got {type(q).__name__}")
+        if q.block != want or len(q.shape) != 2:
+            raise ValueError(f"{op}: w_qs[{i}] has block {q.block} and shape {tuple(q.shape)}; with "
+                             f"{'per-tensor' if not block else f'1x{block}'} activations every expert must be a "
+                             f"2-D weight quantized {'per tensor' if not block else f'in {block}x{block} blocks'}")
+    return torch.stack([q.data for q in w_qs]), torch.stack([q.scale_inv for q in w_qs])
+
+
+def grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``y_TN[g] = deq(x)[g] @ deq(w_e)^T (+ bias_EN[e])`` for the tokens g of every group e.
+
+    Args:
+        x_q: ``[T, K]`` fp8, per-tensor or 1xL tiles along K (``quantize_rowwise_and_columnwise(x)[0]``).
+        w_qs: E per-expert ``[N, K]`` ``Quantized`` (per-tensor, or LxL blocks with the same L), or a tuple
+            ``(w_ENK, scale_inv)`` with scale_inv ``[E]`` or ``[E, cdiv(N, L), cdiv(K, L)]``.
+        offs_E: ``[E]`` int32 end offsets on the same device (never read on the host).
+        bias_EN: optional ``[E, N]`` bf16/fp16/fp32 bias, added in fp32.
+        out_dtype: bf16 (default), fp16 or fp32.
+
+    Returns:
+        ``[T, N]`` in ``out_dtype`` (rows at or past ``offs_E[-1]`` unwritten).
+    """
+    x, x_s, block = _act("grouped_fprop_fp8", "x_q", x_q)
+    w, w_s = _weights("grouped_fprop_fp8", w_qs, block)
+    _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
+    return torch.ops.distwgrad.grouped_fprop_fp8(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype)
+
+
+def grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``dx_TK[g] = deq(dy)[g] @ deq(w_e)``; ``dy_q`` ``[T, N]`` per-tensor or 1xL tiles along N, the
+    weights as in :func:`grouped_fprop_fp8` (forward layout; block (nb, kb) serves contraction block nb)."""
+    dy, dy_s, block = _act("grouped_dgrad_fp8", "dy_q", dy_q)
+    w, w_s = _weights("grouped_dgrad_fp8", w_qs, block)
+    _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
+    return torch.ops.distwgrad.grouped_dgrad_fp8(dy, dy_s, w, w_s, offs_E, block, out_dtype)
+
+
+def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+    """``dW_e = deq(dy)[g]^T @ deq(x)[g]`` summed over the tokens g of each group e.
+
+    Args:
+        dy_qt, x_qt: the TRANSPOSED quantizations ``[N, T]`` and ``[K, T]`` (per-tensor, or 1xL tiles
+            along the tokens over the whole token range: ``quantize_rowwise_and_columnwise(...)[1]``).
+        offs_E: ``[E]`` int32 end offsets on the same device.
+        out: None for a fresh fp32 ``[E, N, K]`` (zeros for an empty group); or fp32 buffers to ADD into
+            (``main_grad``): a stacked ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors sharing
+            shape and strides (an empty group adds nothing).
+
+    Returns:
+        The fresh tensor, or ``out`` itself.
+    """
+    dy_t, dy_s, block = _act("grouped_wgrad_fp8", "dy_qt", dy_qt)
+    x_t, x_s, x_block = _act("grouped_wgrad_fp8", "x_qt", x_qt)
+    if x_block != block:
+        raise ValueError(f"grouped_wgrad_fp8: dy_qt and x_qt must share one recipe, got blocks {dy_qt.block} "
+                         f"and {x_qt.block}")
+    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+    ops = torch.ops.distwgrad
+    if out is None:
+        return ops.grouped_wgrad_fp8(dy_t, dy_s, x_t, x_s, offs_E, block)
+    if isinstance(out, torch.Tensor):
+        ops.grouped_wgrad_fp8_accumulate(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+    else:
+        ops.grouped_wgrad_fp8_accumulate_list(dy_t, dy_s, x_t, x_s, offs_E, block, list(out))
+    return out
+

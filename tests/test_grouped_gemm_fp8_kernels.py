@@ -1,0 +1,514 @@
+"""Tests for the FP8 grouped GEMMs (``distwgrad.kernels.grouped_gemm_fp8``) against the in-package oracle
+(``distwgrad.testing.reference_fp8``: dequantize to fp32, one fp32 matmul per group).
+
+CPU: the kernels run under ``TRITON_INTERPRET=1`` in a child process (this file is also its script:
+``python tests/test_grouped_gemm_fp8_kernels.py CASE``), as in tests/test_grouped_gemm_kernels.py. The
+interpreter computes fp8 ``tl.dot`` exactly (fp8 -> fp16 decode, fp32 matmul; checked on every finite
+fp8 value), so the kernels run unmodified there; it truncates fp32 -> bf16 stores, which the bound's bf16
+output rounding (2^-7) covers.
+
+Every comparison uses [Note: fp8 grouped gemm error bound] (elementwise, in float64: twice gamma_n times
+sum |a||b|, plus the output rounding; on GPUs also the Hopper accumulation term). Fresh fprop/dgrad/wgrad
+outputs are NaN-poisoned first, so an unwritten tile fails, and rows at or past ``offs_E[-1]`` must stay
+NaN. Shapes: T <= 300 and K, N <= 160, so 128-blocks and partial blocks both occur; splits are random
+(about a third empty) or fixed so that a group starts in the middle of a 128-token tile. Inputs vary in
+magnitude by up to 2^+-4 between 32x32 patches, so a wrong tile or block scale is visible. Recipes:
+per-tensor (e4m3 x and w, e5m2 gradients, one scale per expert weight) and blockwise (e4m3, 1x128 and
+128x128 power-of-two scales; also 1x32/32x32 with exact fp32 scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
+from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
+from distwgrad.testing import reference_fp8 as RF
+
+_HERE = os.path.abspath(__file__)
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+RECIPES = {
+    "per_tensor": PerTensorScaling(),
+    "blockwise": BlockwiseScaling(),
+    "blockwise32": BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), power_of_two=False),
+}
+SHAPE_TMA = (288, 4, 160, 144)     # T, E, K, N: every fp8 row 16-byte aligned (TMA-able)
+SHAPE_ODD = (300, 3, 150, 136)     # K, N, T off the 16-byte grid: masked pointer loads only
+WORST: dict[str, float] = {}       # error/bound ratios, printed by the GPU tests
+
+
+def _kernels():
+    from distwgrad.kernels import grouped_gemm_fp8
+    return grouped_gemm_fp8
+
+
+def _offsets(T: int, E: int, gen: torch.Generator, splits=None) -> torch.Tensor:
+    """int32 end offsets: ``splits`` as given, else random with about a third of the groups empty."""
+    if splits is None:
+        weights = torch.rand(E, generator=gen) * (torch.rand(E, generator=gen) > 0.33)
+        if weights.sum() == 0:
+            weights[0] = 1.0
+        idx = torch.multinomial(weights, T, replacement=True, generator=gen) if T else torch.empty(0).long()
+        splits = torch.bincount(idx, minlength=E)
+    return torch.as_tensor(splits).cumsum(0).to(torch.int32)
+
+
+def _rough(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """randn times 2^k, k in [-4, 4] drawn per 32x32 patch: block scales differ from block to block."""
+    f = 2.0 ** torch.randint(-4, 5, (-(-rows // 32), -(-cols // 32)), generator=gen).float()
+    f = f.repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)[:, :cols]
+    return torch.randn(rows, cols, generator=gen) * f
+
+
+def _problem(T, E, K, N, recipe: str, *, seed=0, splits=None, device="cpu", offs=None, src=None):
+    """Quantized operands of all three products; ``src`` overrides the fp32 sources (x, w, dy)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = RECIPES[recipe]
+    x, w, dy = src if src is not None else (
+        _rough(T, K, gen), torch.stack([_rough(N, K, gen) * 0.1 for _ in range(E)]), _rough(T, N, gen))
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    x, w, dy = x.to(device, dt), w.to(device, dt), dy.to(device, dt)
+    x_q, x_qt = quantize_rowwise_and_columnwise(x, r)
+    dy_q, dy_qt = quantize_rowwise_and_columnwise(dy, r, grad=True)
+    if isinstance(r, PerTensorScaling):
+        wq = [quantize_per_tensor(w[e], r.fwd_dtype) for e in range(E)]  # one scale per expert
+    else:
+        wq = [quantize_blockwise(w[e], r.weight_block, r.dtype, power_of_two=r.power_of_two) for e in range(E)]
+    offs = _offsets(T, E, gen, splits) if offs is None else offs
+    return types.SimpleNamespace(T=T, E=E, K=K, N=N, x_q=x_q, x_qt=x_qt, dy_q=dy_q, dy_qt=dy_qt, wq=wq,
+                                 block=0 if x_q.block is None else x_q.block[1], offs=offs.to(device),
+                                 device=device)
+
+
+def _weight_form(pb, form: str):
+    """The weights as the API takes them: "list" of Quantized, "stacked" (data, scales) tuple, or "kn":
+    the same values stored [E, K, N] (a transposed copy) and passed as an [E, N, K] view."""
+    if form == "list":
+        return pb.wq
+    data, scales = torch.stack([q.data for q in pb.wq]), torch.stack([q.scale_inv for q in pb.wq])
+    if form == "kn":
+        data = data.transpose(1, 2).contiguous().transpose(1, 2)
+    return data, scales
+
+
+def _check(what, ours, expected, S, *, depth, out_dtype, device, addend=None):
+    mma_rel = RF.HOPPER_MMA_REL if device == "cuda" else 0.0
+    res = RF.check(ours, expected, S, depth=depth, out_dtype=out_dtype, mma_rel=mma_rel, addend=addend)
+    assert res["ok"], f"{what}: {res}"
+    WORST[what] = res["worst"]
+
+
+def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", config=None, use_tma=None):
+    """One fprop or dgrad launch on a NaN-poisoned output, checked against the oracle."""
+    k = _kernels()
+    fprop = op == "fprop"
+    a_q, w_in = (pb.x_q if fprop else pb.dy_q), _weight_form(pb, form)
+    w, w_s = k._weights(op, w_in, pb.block)
+    rows, depth = (pb.N, pb.K) if fprop else (pb.K, pb.N)
+    out = torch.full((pb.T, rows), float("nan"), dtype=out_dtype, device=pb.device)
+    kw = dict(config=config, use_tma=use_tma, out=out)
+    if fprop:
+        k._fprop(a_q.data, a_q.scale_inv, w, w_s, pb.offs, bias, pb.block, out_dtype, **kw)
+        ref = lambda **a: RF.grouped_fprop_fp8(a_q, w_in, pb.offs, bias, **a)
+    else:
+        k._dgrad(a_q.data, a_q.scale_inv, w, w_s, pb.offs, pb.block, out_dtype, **kw)
+        ref = lambda **a: RF.grouped_dgrad_fp8(a_q, w_in, pb.offs, **a)
+    n = min(max(int(pb.offs[-1]), 0), pb.T) if pb.E else 0
+    tag = f"{op} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} {form} {out_dtype} tma={use_tma}"
+    _check(tag, out[:n], ref(out_dtype=torch.float32)[:n], ref(absolute=True)[:n], depth=depth,
+           out_dtype=out_dtype, device=pb.device)
+    assert bool(out[n:].isnan().all()), f"{tag}: rows at or past offs_E[-1] were written"
+    return out
+
+
+def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0):
+    """wgrad fresh (into a NaN-poisoned fp32 output), accumulating into a stacked tensor, or into a list
+    of strided buffers, checked against the oracle (plus the buffers' old values)."""
+    k = _kernels()
+    raw = (pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs)
+    exp = RF.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs)
+    S = RF.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, absolute=True)
+    tag = f"wgrad_{mode} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} cfg={config} tma={use_tma}"
+    m = torch.randn(pb.E, pb.N, pb.K, generator=torch.Generator().manual_seed(seed)).to(pb.device)
+    if mode == "fresh":
+        got = torch.full((pb.E, pb.N, pb.K), float("nan"), device=pb.device)
+        k._launch_wgrad(*raw, got, block=pb.block, accumulate=False, table=None, config=config, use_tma=use_tma)
+        addend = None
+    elif mode == "acc":
+        got = k._wgrad(*raw, pb.block, m.clone(), config=config, use_tma=use_tma)
+        exp, addend = m.double() + exp.double(), m
+    else:  # separate buffers at unrelated addresses, each a strided view (row stride K + 3)
+        bufs = [torch.zeros(pb.N, pb.K + 3, device=pb.device)[:, :pb.K] for _ in range(pb.E)]
+        for e in range(pb.E):
+            bufs[e].copy_(m[e])
+        k._wgrad(*raw, pb.block, bufs, config=config, use_tma=use_tma)
+        got, exp, addend = torch.stack(bufs), m.double() + exp.double(), m
+    _check(tag, got, exp, S, depth=pb.T, out_dtype=torch.float32, device=pb.device, addend=addend)
+    return got
+
+
+def _cfg(**kw):
+    from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
+    return dataclasses.replace(CF.INTERPRETER, **kw)
+
+
+# ---- interpreter cases (run in the child process) -------------------------------------------------
+
+
+def _ragged_cases(recipe: str):
+    T, E, K, N = SHAPE_TMA
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(E, N, generator=gen)
+    fixed = _problem(T, E, K, N, recipe, splits=[0, 100, 0, 188])       # group 3 starts mid-tile
+    rand = _problem(T, E, K, N, recipe, seed=2)
+    for op in ("fprop", "dgrad"):
+        b = bias.bfloat16() if op == "fprop" else None
+        _run_ragged(op, fixed, bias=b, form="list", use_tma=True)
+        _run_ragged(op, rand, out_dtype=torch.float32, form="stacked", use_tma=False)
+        _run_ragged(op, fixed, out_dtype=torch.float16, form="kn", use_tma=True)   # the other B layout
+        odd = _problem(*SHAPE_ODD, recipe, seed=3)
+        _run_ragged(op, odd, bias=bias[:3, :SHAPE_ODD[3]] if op == "fprop" else None)
+
+
+def _case_ragged_per_tensor():
+    _ragged_cases("per_tensor")
+
+
+def _case_ragged_blockwise():
+    _ragged_cases("blockwise")
+    pb = _problem(200, 3, 96, 80, "blockwise32", seed=4)  # more blocks than fit in 160 at L=128
+    _run_ragged("fprop", pb, out_dtype=torch.float32)
+    _run_ragged("dgrad", pb, out_dtype=torch.float32)
+    # Tiles wider than a weight block: the column scales of one tile come from two blocks.
+    wide = _problem(*SHAPE_TMA, "blockwise", splits=[0, 100, 0, 188])
+    _run_ragged("fprop", wide, out_dtype=torch.float32, config=_cfg(block_m=16, block_n=256))
+    _run_ragged("dgrad", wide, out_dtype=torch.float32, config=_cfg(block_m=16, block_n=256), use_tma=True)
+
+
+def _wgrad_cases(recipe: str):
+    fixed = _problem(*SHAPE_TMA, recipe, splits=[0, 100, 0, 188])  # [0, 100), [100, 288): mid-tile start
+    for use_tma in (True, False):
+        _run_wgrad(fixed, "fresh", use_tma=use_tma)
+        _run_wgrad(fixed, "acc", use_tma=use_tma, config=_cfg(add_mode="atomic"))
+    _run_wgrad(fixed, "acc_list", use_tma=True)
+    rand = _problem(*SHAPE_TMA, recipe, seed=5)
+    _run_wgrad(rand, "acc", use_tma=True)
+    _run_wgrad(rand, "acc_list", use_tma=False, config=_cfg(add_mode="atomic"))
+    odd = _problem(*SHAPE_ODD, recipe, splits=[150, 0, 150])      # group 2 starts mid-tile [128, 256)
+    _run_wgrad(odd, "fresh")
+    _run_wgrad(odd, "acc_list")
+
+
+def _case_wgrad_per_tensor():
+    _wgrad_cases("per_tensor")
+
+
+def _case_wgrad_blockwise():
+    _wgrad_cases("blockwise")
+    pb = _problem(200, 3, 96, 80, "blockwise32", splits=[40, 0, 160])
+    _run_wgrad(pb, "fresh")
+    _run_wgrad(pb, "acc", config=_cfg(block_m=64, block_n=16))
+
+
+def _case_edges():
+    k = _kernels()
+    T, E, K, N = SHAPE_TMA
+    for recipe in ("per_tensor", "blockwise"):
+        # clamped offsets (past T) and a last offset short of T (the rows after it stay unwritten)
+        pb = _problem(T, E, K, N, recipe, offs=torch.tensor([10, 10, 200, T + 50], dtype=torch.int32))
+        _run_ragged("fprop", pb, out_dtype=torch.float32)
+        _run_wgrad(pb, "fresh")
+        short = _problem(T, E, K, N, recipe, offs=torch.tensor([50, 120, 120, 200], dtype=torch.int32))
+        _run_ragged("dgrad", short, out_dtype=torch.float32, use_tma=True)
+        one = _problem(64, 1, K, N, recipe, splits=[64])
+        _run_ragged("fprop", one, use_tma=True)
+        _run_wgrad(one, "acc")
+        # no tokens at all; and tokens but every group empty
+        for pb in (_problem(0, E, K, N, recipe, splits=[0] * E), _problem(T, E, K, N, recipe, splits=[0] * E)):
+            raw = (pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs, pb.block)
+            assert bool((k._wgrad(*raw) == 0).all())
+            m = torch.randn(E, N, K)
+            assert torch.equal(k._wgrad(*raw, m.clone()), m)
+            y = k._fprop(pb.x_q.data, pb.x_q.scale_inv, *k._weights("f", pb.wq, pb.block), pb.offs, None, pb.block,
+                         torch.float32)
+            assert y.shape == (pb.T, N)
+    # strided activation data (row stride K + 16): pointer path, and TMA refused by name
+    pb = _problem(T, E, K, N, "blockwise", seed=6)
+    wide = torch.zeros(T, K + 16, dtype=pb.x_q.data.dtype)
+    wide[:, 3:3 + K] = pb.x_q.data
+    pb.x_q = dataclasses.replace(pb.x_q, data=wide[:, 3:3 + K])
+    _run_ragged("fprop", pb, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="TMA was requested"):
+        _run_ragged("fprop", pb, out_dtype=torch.float32, use_tma=True)
+
+
+def _case_nan_propagation():
+    """A non-finite input poisons its scaling unit (NaN scale, see distwgrad.fp8.quantize); outputs that
+    use the unit are NaN exactly where the oracle's are, and an empty group next to it stays zero."""
+    T, E, K, N = SHAPE_TMA
+    gen = torch.Generator().manual_seed(7)
+    x, dy = _rough(T, K, gen), _rough(T, N, gen)
+    w = torch.stack([_rough(N, K, gen) for _ in range(E)])
+    x[5, 130] = float("inf")        # tile (row 5, K block 1)
+    w[1, 140, 3] = float("nan")     # expert 1, block (nb 1, kb 0)
+    dy[200, 7] = float("inf")       # token tile [128, 256) of out-feature 7 (wgrad), row 200 (dgrad)
+    splits = [100, 0, 100, 88]      # group 1 is empty at token 100, inside tile [0, 128)
+    for recipe in ("blockwise", "per_tensor"):
+        pb = _problem(T, E, K, N, recipe, splits=splits, src=(x, w, dy))
+        y = _run_ragged("fprop", pb, out_dtype=torch.float32, use_tma=True)
+        dx = _run_ragged("dgrad", pb, out_dtype=torch.float32)
+        dw = _run_wgrad(pb, "fresh", use_tma=True)
+        assert bool(y.isnan().any() & dx.isnan().any() & dw.isnan().any())
+        assert bool((dw[1] == 0).all()), "an empty group must stay zero next to a NaN tile"
+        if recipe == "blockwise":
+            assert bool(y[5].isnan().all()) and not bool(y[6].isnan().any())
+
+
+def _case_custom_ops():
+    """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
+    k = _kernels()
+    for recipe in ("per_tensor", "blockwise"):
+        pb = _problem(96, 3, 160, 144, recipe, seed=8)
+        (w, w_s), b = _weight_form(pb, "stacked"), torch.randn(3, 144)
+        x, xs, dy, dys = pb.x_q.data, pb.x_q.scale_inv, pb.dy_q.data, pb.dy_q.scale_inv
+        raw_t = (pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs, pb.block)
+        m = torch.randn(3, 144, 160)
+        ops = torch.ops.distwgrad
+        # Not "test_schema": its SchemaCheckMode compares the inputs before and after with arithmetic that
+        # torch does not implement for CPU float8 ("mul_cpu_reduced_float"); mutation and aliasing are
+        # covered by the fake-tensor and AOT-dispatch checks, and by the compile comparison below.
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        check = lambda op, args: torch.library.opcheck(op, args, test_utils=utils)
+        check(ops.grouped_fprop_fp8.default, (x, xs, w, w_s, pb.offs, b, pb.block, torch.float32))
+        check(ops.grouped_dgrad_fp8.default, (dy, dys, w, w_s, pb.offs, pb.block, torch.bfloat16))
+        check(ops.grouped_wgrad_fp8.default, raw_t)
+        check(ops.grouped_wgrad_fp8_accumulate.default, (*raw_t, m.clone()))
+        check(ops.grouped_wgrad_fp8_accumulate_list.default, (*raw_t, list(m.clone())))
+
+        def step(acc, bufs, pb=pb, b=b):
+            y = k.grouped_fprop_fp8(pb.x_q, pb.wq, pb.offs, b)
+            dx = k.grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, torch.float32)
+            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=acc)
+            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs)
+            return y, dx, k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs)
+
+        eager = step(m.clone(), list(m.clone()))
+        acc, bufs = m.clone(), list(m.clone())
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(acc, bufs)
+        for a, c in zip(eager, compiled):
+            torch.testing.assert_close(c, a, rtol=0, atol=0, equal_nan=True)  # same kernels, same inputs
+        ref_acc = k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone())
+        torch.testing.assert_close(acc, ref_acc, rtol=0, atol=0)
+        torch.testing.assert_close(torch.stack(bufs), ref_acc, rtol=0, atol=0)
+
+
+_INTERPRETER_CASES = {
+    "ragged_per_tensor": _case_ragged_per_tensor,
+    "ragged_blockwise": _case_ragged_blockwise,
+    "wgrad_per_tensor": _case_wgrad_per_tensor,
+    "wgrad_blockwise": _case_wgrad_blockwise,
+    "edges": _case_edges,
+    "nan_propagation": _case_nan_propagation,
+    "custom_ops": _case_custom_ops,
+}
+
+
+def _child_env() -> dict:
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", sorted(_INTERPRETER_CASES))
+def test_interpreter(case):
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, _HERE, case], env=_child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"interpreter case {case} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+# ---- the benchmark's bookkeeping -------------------------------------------------------------------
+
+
+def test_bench_help_and_flops():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, os.path.join(_ROOT, "qa", "bench", "fp8.py"), "--help"],
+                          env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--gemm-shapes" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.interpret
+def test_bench_grouped_gemm_smoke(tmp_path):
+    """The benchmark end to end on a tiny shape in the interpreter: rows, FLOPs, ratio columns."""
+    pytest.importorskip("triton")
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, os.path.join(_ROOT, "qa", "bench", "fp8.py"), "--device", "cpu", "--shape", "64x64",
+           "--benchmarks", "grouped_gemm", "--gemm-shapes", "2,64,64,48", "--reps", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    rows = [r for r in json.loads(out.read_text()) if r["op"].startswith("gg_")]
+    impls = {(r["op"], r["impl"]) for r in rows}
+    for op in ("fprop", "dgrad", "wgrad", "wgrad_accumulate"):
+        for impl in ("bf16", "fp8_per_tensor", "fp8_blockwise"):
+            assert (f"gg_{op}", impl) in impls
+    assert ("gg_dgrad", "fp8_blockwise_wT") in impls
+    bf16_ms = {r["op"]: r["ms"] for r in rows if r["impl"] == "bf16"}
+    for r in rows:
+        assert r["shape"] == "2,64,64,48"
+        assert r["tflops"] == pytest.approx(2 * 64 * 48 * 64 / (r["ms"] * 1e-3) / 1e12, rel=1e-2)
+        assert r["vs_bf16"] == pytest.approx(bf16_ms[r["op"]] / r["ms"], rel=1e-2)
+        assert r["impl"] == "bf16" or r["worst"] <= 1
+
+
+# ---- argument checks (no launch; run in-process) ---------------------------------------------------
+
+
+def test_checks_name_the_bad_argument():
+    pytest.importorskip("triton")
+    k = _kernels()
+    pb = _problem(64, 2, 160, 144, "blockwise", seed=9)
+    pt = _problem(64, 2, 160, 144, "per_tensor", seed=9)
+    offs, w = pb.offs, _weight_form(pb, "stacked")
+    with pytest.raises(TypeError, match=r"x_q must be a distwgrad.fp8.quantize.Quantized, got Tensor"):
+        k.grouped_fprop_fp8(pb.x_q.data, pb.wq, offs)
+    with pytest.raises(ValueError, match=r"w_qs\[0\] has block None"):
+        k.grouped_fprop_fp8(pb.x_q, pt.wq, offs)
+    with pytest.raises(TypeError, match=r"w_qs must be a non-empty sequence"):
+        k.grouped_fprop_fp8(pb.x_q, w[0], offs)
+    with pytest.raises(ValueError, match=r"w's scale_inv has shape \(2,\), expected \(2, 2, 2\)"):
+        k.grouped_fprop_fp8(pb.x_q, (w[0], torch.ones(2)), offs)
+    with pytest.raises(TypeError, match=r"x must be float8_e4m3fn or float8_e5m2, got torch.float32"):
+        k.grouped_fprop_fp8(dataclasses.replace(pb.x_q, data=pb.x_q.data.float()), w, offs)
+    with pytest.raises(TypeError, match=r"w's scale_inv must be a float32 tensor"):
+        k.grouped_fprop_fp8(pb.x_q, (w[0], w[1].double()), offs)
+    with pytest.raises(ValueError, match=r"x \(64, 160\) and w \(2, 160, 144\) disagree on the contraction"):
+        k.grouped_fprop_fp8(pb.x_q, (w[0].transpose(1, 2), w[1]), offs)
+    with pytest.raises(TypeError, match=r"int32 end offsets, got torch.int64"):
+        k.grouped_fprop_fp8(pb.x_q, w, offs.long())
+    with pytest.raises(ValueError, match=r"offs_E has 3 entries, expected one per group \(2\)"):
+        k.grouped_dgrad_fp8(pb.dy_q, w, torch.tensor([1, 2, 64], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"out_dtype must be one of"):
+        k.grouped_fprop_fp8(pb.x_q, w, offs, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"bias_EN must be a bf16/fp16/fp32 \[E, N\] = \(2, 144\)"):
+        k.grouped_fprop_fp8(pb.x_q, w, offs, torch.randn(2, 143))
+    with pytest.raises(ValueError, match=r"dy_q must be quantized per tensor or in 1xL tiles"):
+        k.grouped_dgrad_fp8(dataclasses.replace(pb.dy_q, block=(128, 128), scale_inv=torch.ones(1, 2)), w, offs)
+    with pytest.raises(ValueError, match=r"scale block must be 0 \(per-tensor\) or a power of two >= 32"):
+        k.grouped_fprop_fp8(_problem(64, 2, 160, 144, "per_tensor").x_q.__class__(
+            pb.x_q.data, torch.ones(64, 10), (1, 16), torch.float32, pb.x_q.shape), w, offs)
+    with pytest.raises(ValueError, match=r"dy_qt and x_qt must share one recipe"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pt.x_qt, offs)
+    with pytest.raises(ValueError, match=r"disagree on T"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_q, offs)
+    with pytest.raises(TypeError, match=r"out must be float32"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 144, 160, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must be \[E, N, K\] = \(2, 144, 160\)"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 160, 144))
+    with pytest.raises(ValueError, match=r"out has 1 buffers"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[torch.zeros(144, 160)])
+    shared = torch.zeros(144, 160)
+    with pytest.raises(ValueError, match=r"share memory"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[shared, shared])
+    with pytest.raises(ValueError, match=r"groups overlap"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(144, 160).expand(2, 144, 160))
+    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32"):
+        k._fprop(pt.x_q.data, pt.x_q.scale_inv, *_weight_form(pt, "stacked"), offs, None, 0, torch.float32,
+                 config=_cfg(block_k=16))
+    if not _INTERPRETED:
+        with pytest.raises(ValueError, match=r"need CUDA tensors \(or TRITON_INTERPRET=1\)"):
+            k.grouped_fprop_fp8(pb.x_q, w, offs)
+
+
+# ---- GPU (bf16 sources quantized to fp8, realistic shapes) ------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
+@pytest.mark.parametrize("T,E,K,N,use_tma", [
+    (4096, 8, 1024, 1536, None),     # TMA on Hopper
+    (4096, 8, 1024, 1536, False),    # masked pointer loads
+    (8192, 64, 512, 384, None),      # ~128 tokens per expert
+    (3000, 5, 1000, 1304, None),     # K, N, T off the 16-byte grid -> pointer path; partial blocks
+])
+def test_gpu_fp8(recipe, T, E, K, N, use_tma):
+    gen = torch.Generator().manual_seed(T + E)
+    src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
+           torch.randn(T, N, generator=gen))
+    pb = _problem(T, E, K, N, recipe, src=src, device="cuda", seed=T)
+    bias = torch.randn(E, N, device="cuda", dtype=torch.bfloat16)
+    _run_ragged("fprop", pb, bias=bias, form="stacked", use_tma=use_tma)
+    _run_ragged("dgrad", pb, form="stacked", use_tma=use_tma)
+    _run_ragged("dgrad", pb, form="kn", use_tma=use_tma)
+    for mode in ("fresh", "acc", "acc_list"):
+        _run_wgrad(pb, mode, use_tma=use_tma)
+    print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
+def test_gpu_dgrad_weight_layouts(recipe):
+    """dgrad with the [E, N, K] weight (contraction strided) and with a transposed copy (contraction
+    contiguous, K-major for the fp8 wgmma): both must pass; the timings decide which the module caches."""
+    from triton.testing import do_bench
+    k = _kernels()
+    T, E, K, N = 16384, 8, 2048, 4096
+    gen = torch.Generator().manual_seed(0)
+    src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
+           torch.randn(T, N, generator=gen))
+    pb = _problem(T, E, K, N, recipe, src=src, device="cuda")
+    times = {}
+    for form in ("stacked", "kn"):
+        _run_ragged("dgrad", pb, form=form)
+        w, w_s = _weight_form(pb, form)
+        fn = lambda w=w, w_s=w_s: k._dgrad(pb.dy_q.data, pb.dy_q.scale_inv, w, w_s, pb.offs, pb.block,
+                                           torch.bfloat16)
+        times[form] = do_bench(fn, return_mode="median")
+    print(f"dgrad {recipe} ms by weight layout:", times)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph():
+    """Captured once, replayed with new routing (offsets on the device change, the graph does not)."""
+    k = _kernels()
+    T, E, K, N = 2048, 8, 256, 512
+    pb = _problem(T, E, K, N, "blockwise", device="cuda", seed=4)
+    m = torch.randn(E, N, K, device="cuda")
+    bufs = [m[e].clone() for e in range(E)]
+    w = _weight_form(pb, "stacked")
+
+    def step():
+        return (k.grouped_fprop_fp8(pb.x_q, w, pb.offs), k.grouped_dgrad_fp8(pb.dy_q, w, pb.offs),
+                k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs))
+    step()  # warm-up: compile, pointer table
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, dx, _ = step()
+    pb.offs.copy_(_offsets(T, E, torch.Generator().manual_seed(99)).cuda())
+    for e in range(E):
+        bufs[e].copy_(m[e])
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, k.grouped_fprop_fp8(pb.x_q, w, pb.offs), rtol=0, atol=0)
+    torch.testing.assert_close(dx, k.grouped_dgrad_fp8(pb.dy_q, w, pb.offs), rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(bufs), k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone()),
+                               rtol=0, atol=0)
+
+
+if __name__ == "__main__":  # child process of test_interpreter: TRITON_INTERPRET=1 is set
+    assert _INTERPRETED, "run through pytest, or set TRITON_INTERPRET=1"
+    _INTERPRETER_CASES[sys.argv[1]]()
+    print(f"interpreter case {sys.argv[1]}: ok")
