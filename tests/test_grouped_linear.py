@@ -309,3 +309,14 @@ def _sharded_rank(rank, world, cases):
 def test_sharded_experts_match_single_process_after_three_steps():
     cases = [dict(packed=p, delay=d) for p, d in itertools.product([False, True], [False, True])]
     assert run_distributed(_sharded_rank, 2, cases, timeout=300) == [[True] * 4] * 2
+
+
+def test_transformer_engine_constructor_and_forward_conventions():
+    g = GroupedLinear(2, D, 4, init_method=torch.nn.init.ones_, return_bias=True, single_grouped_weight=True)
+    assert torch.equal(g.weight, torch.ones(2, 4, D))
+    x = torch.randn(5, D)
+    out, biases = g(x, [2, 3], is_first_microbatch=False)
+    assert len(biases) == 1 and biases[0] is g.bias  # returned, not added
+    torch.testing.assert_close(out, x.sum(1, keepdim=True).expand(5, 4))  # a matmul vs a sum: rounding
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        GroupedLinear(2, D, 4, sequence_parallel=True)

@@ -324,3 +324,16 @@ def test_capturing_an_add_into_grad_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="CUDA graph is capturing.*fuse_wgrad_accumulation=True"):
         lin.backward_dw()
     assert lin.pending_backward_dw == 1  # refused, not lost
+
+
+def test_transformer_engine_constructor_and_forward_conventions():
+    """init_method, return_bias, is_first_microbatch, and tensor-parallel arguments at their defaults."""
+    lin = Linear(16, 8, init_method=torch.nn.init.zeros_, return_bias=True, sequence_parallel=False, tp_size=1)
+    assert torch.equal(lin.weight, torch.zeros(8, 16))
+    x = torch.randn(4, 16)
+    out, bias = lin(x, is_first_microbatch=True)
+    assert bias is lin.bias and torch.equal(out, torch.zeros(4, 8))  # bias returned, not added
+    (out + bias).sum().backward()
+    assert torch.equal(lin.bias.grad, torch.full((8,), 4.0))
+    with pytest.raises(NotImplementedError, match=r"tensor parallelism is not implemented \(\{'tp_size': 2\}\)"):
+        Linear(16, 8, tp_size=2)

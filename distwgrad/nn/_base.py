@@ -15,7 +15,22 @@ from torch import nn
 
 from distwgrad.wgrad.store import WeightGradStore
 
-__all__ = ["WgradModule"]
+__all__ = ["WgradModule", "check_no_tensor_parallelism"]
+
+
+def check_no_tensor_parallelism(owner: str, *, sequence_parallel: bool, tp_group, tp_size: int,
+                                parallel_mode) -> None:
+    """TransformerEngine's tensor-parallel arguments are accepted at their defaults only.
+
+    distwgrad distributes weights with ``ShardedWeight`` (data-parallel sharding); tensor parallelism is
+    not implemented, and a non-default value is refused rather than silently ignored.
+    """
+    given = {k: v for k, v in (("sequence_parallel", sequence_parallel), ("tp_group", tp_group),
+                               ("tp_size", tp_size), ("parallel_mode", parallel_mode))
+             if v not in (False, None, 1)}
+    if given:
+        raise NotImplementedError(f"{owner}: tensor parallelism is not implemented ({given}); distribute the "
+                                  f"weight with distwgrad.ShardedWeight instead")
 
 
 class WgradModule(nn.Module):

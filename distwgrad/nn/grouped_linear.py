@@ -17,7 +17,7 @@ experts' tokens (a valid quantization; per-group tiles would need the offsets on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ from torch import nn
 from distwgrad.fp8.emulate import dequantize_weights, fake_quant_cols, fake_quant_rows
 from distwgrad.fp8.recipe import Recipe, current_recipe
 from distwgrad.fp8.weights import materialize_quantized
-from distwgrad.nn._base import WgradModule
+from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.wgrad.accumulate import run_wgrad
@@ -150,16 +150,28 @@ class GroupedLinear(WgradModule):
         params_dtype, device: for freshly created parameters.
         single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead of
             ``weight0..weight{E-1}``.
-        delay_wgrad_compute, fuse_wgrad_accumulation: as in :class:`distwgrad.nn.Linear`.
+        delay_wgrad_compute, fuse_wgrad_accumulation, init_method, return_bias, sequence_parallel,
+            tp_group, tp_size, parallel_mode: as in :class:`distwgrad.nn.Linear` (``init_method`` is applied
+            to each expert's ``[N, K]`` matrix; ``return_bias`` returns ``(output, [biases])``).
+
+    ``forward(inp, m_splits, is_first_microbatch=None)``; ``is_first_microbatch`` has no effect (nothing
+    is cached across microbatches).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  single_grouped_weight: bool = False, delay_wgrad_compute: bool = False,
-                 fuse_wgrad_accumulation: bool = False) -> None:
+                 fuse_wgrad_accumulation: bool = False,
+                 init_method: Callable[[torch.Tensor], object] | None = None, return_bias: bool = False,
+                 sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
+                 parallel_mode: str | None = None) -> None:
         super().__init__()
         self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute,
                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        check_no_tensor_parallelism(f"GroupedLinear({num_gemms}, {in_features}, {out_features})",
+                                    sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=tp_size,
+                                    parallel_mode=parallel_mode)
+        self.return_bias = bool(return_bias)
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -179,6 +191,11 @@ class GroupedLinear(WgradModule):
                 setattr(self, f"weight{e}", new(out_features, in_features))
                 if self.use_bias:
                     setattr(self, f"bias{e}", new(out_features))
+        if init_method is not None:
+            with torch.no_grad():
+                for w in self._weights():
+                    for matrix in (w.unbind(0) if self.single_grouped_weight else [w]):
+                        init_method(matrix)
 
     def _weights(self) -> list[torch.Tensor]:
         if self.single_grouped_weight:
@@ -212,9 +229,12 @@ class GroupedLinear(WgradModule):
             raise ValueError(f"{owner}: input on {inp.device}, parameters on "
                              f"{sorted({str(p.device) for p in weights + biases})}")
 
-    def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        weights, biases = self._weights(), self._biases()
-        self._check(inp, weights, biases)
+    def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
+                is_first_microbatch: bool | None = None):
+        del is_first_microbatch  # nothing is cached across microbatches
+        weights, all_biases = self._weights(), self._biases()
+        self._check(inp, weights, all_biases)
+        biases = [] if self.return_bias else all_biases
         x_TK = inp.reshape(-1, self.in_features)
         offs_E = gg.splits_to_offsets(m_splits, self.num_gemms, x_TK.shape[0], x_TK.device)
         grad_on = torch.is_grad_enabled()
@@ -229,7 +249,8 @@ class GroupedLinear(WgradModule):
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe())
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
-        return y_TN.reshape(*inp.shape[:-1], self.out_features)
+        out = y_TN.reshape(*inp.shape[:-1], self.out_features)
+        return (out, all_biases) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

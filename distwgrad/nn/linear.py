@@ -14,6 +14,7 @@ The recipe is read in forward and carried to backward on the autograd context.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 from distwgrad.fp8.emulate import dequantize_weights, fake_quant_cols, fake_quant_rows
 from distwgrad.fp8.recipe import Recipe, current_recipe
 from distwgrad.fp8.weights import materialize_quantized
-from distwgrad.nn._base import WgradModule
+from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
 from distwgrad.ops.gemm import wgrad_mm
 from distwgrad.protocol import (
     is_distributed_weight,
@@ -132,15 +133,30 @@ class Linear(WgradModule):
         fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (fp32).
         weight: an existing weight to use (e.g. a ``ShardedWeight`` or a tied parameter), of full
             shape ``[out_features, in_features]``.
+        init_method: ``init_method(weight)`` initialises a fresh weight in place (TransformerEngine's
+            convention); default: ``torch.nn.Linear``'s initialisation.
+        return_bias: return ``(output, bias)`` with the bias not added (TransformerEngine's convention, for
+            fusing the bias into what follows); its gradient then flows through the caller's use.
+        sequence_parallel, tp_group, tp_size, parallel_mode: TransformerEngine's tensor-parallel
+            arguments, accepted at their defaults only (``NotImplementedError`` otherwise).
+
+    ``forward(inp, is_first_microbatch=None)``: ``is_first_microbatch`` is TransformerEngine's hint for
+    caching FP8 weights across microbatches; distwgrad never caches a materialized weight, so it is
+    accepted and has no effect.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool | torch.Tensor = True, *,
                  params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
-                 weight: torch.Tensor | None = None) -> None:
+                 weight: torch.Tensor | None = None, init_method: Callable[[torch.Tensor], object] | None = None,
+                 return_bias: bool = False, sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
+                 parallel_mode: str | None = None) -> None:
         super().__init__()
         self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute,
                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        check_no_tensor_parallelism(f"Linear({in_features}, {out_features})", sequence_parallel=sequence_parallel,
+                                    tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode)
+        self.return_bias = bool(return_bias)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -149,7 +165,11 @@ class Linear(WgradModule):
         dtype = params_dtype or torch.get_default_dtype()
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            if init_method is None:
+                nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            else:
+                with torch.no_grad():
+                    init_method(weight)
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         if isinstance(bias, torch.Tensor):
             self.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias)
@@ -184,18 +204,21 @@ class Linear(WgradModule):
         if inp.device != self.weight.device:
             raise ValueError(f"{self.wgrad_store.owner}: input on {inp.device}, weight on {self.weight.device}")
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+        del is_first_microbatch  # nothing is cached across microbatches
         self._check_input(inp)
         self._check_param_shapes()
+        bias = None if self.return_bias else self.bias
         grad_on = torch.is_grad_enabled()
         weight_grad = grad_on and self.weight.requires_grad
-        bias_grad = grad_on and self.bias is not None and self.bias.requires_grad
-        self._begin_forward([p for p, t in ((self.weight, weight_grad), (self.bias, bias_grad)) if t])
+        bias_grad = grad_on and bias is not None and bias.requires_grad
+        self._begin_forward([p for p, t in ((self.weight, weight_grad), (bias, bias_grad)) if t and p is not None])
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                      self.wgrad_store, current_recipe())
         x_TK = inp.reshape(-1, self.in_features)
-        y_TN = _LinearFunction.apply(x_TK, self.weight, self.bias, call)
-        return y_TN.reshape(*inp.shape[:-1], self.out_features)
+        y_TN = _LinearFunction.apply(x_TK, self.weight, bias, call)
+        out = y_TN.reshape(*inp.shape[:-1], self.out_features)
+        return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
