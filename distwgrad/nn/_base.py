@@ -25,9 +25,9 @@ def check_no_tensor_parallelism(owner: str, *, sequence_parallel: bool, tp_group
     distwgrad distributes weights with ``ShardedWeight`` (data-parallel sharding); tensor parallelism is
     not implemented, and a non-default value is refused rather than silently ignored.
     """
-    given = {k: v for k, v in (("sequence_parallel", sequence_parallel), ("tp_group", tp_group),
-                               ("tp_size", tp_size), ("parallel_mode", parallel_mode))
-             if v not in (False, None, 1)}
+    given = {k: v for k, v, default in (("sequence_parallel", sequence_parallel, False), ("tp_group", tp_group, None),
+                                        ("tp_size", tp_size, 1), ("parallel_mode", parallel_mode, None))
+             if not (v is default or (type(v) is type(default) and v == default))}
     if given:
         raise NotImplementedError(f"{owner}: tensor parallelism is not implemented ({given}); distribute the "
                                   f"weight with distwgrad.ShardedWeight instead")
