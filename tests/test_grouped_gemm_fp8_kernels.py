@@ -169,7 +169,7 @@ def _ragged_cases(recipe: str):
     T, E, K, N = SHAPE_TMA
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(E, N, generator=gen)
-    fixed = _problem(T, E, K, N, recipe, splits=[0, 100, 0, 188])       # group 3 starts mid-tile
+    fixed = _problem(T, E, K, N, recipe, splits=[0, 100, 20, 168])       # groups 2, 3 start mid-tile; 2 ends in it
     rand = _problem(T, E, K, N, recipe, seed=2)
     for op in ("fprop", "dgrad"):
         b = bias.bfloat16() if op == "fprop" else None
@@ -190,13 +190,13 @@ def _case_ragged_blockwise():
     _run_ragged("fprop", pb, out_dtype=torch.float32)
     _run_ragged("dgrad", pb, out_dtype=torch.float32)
     # Tiles wider than a weight block: the column scales of one tile come from two blocks.
-    wide = _problem(*SHAPE_TMA, "blockwise", splits=[0, 100, 0, 188])
+    wide = _problem(*SHAPE_TMA, "blockwise", splits=[0, 100, 20, 168])
     _run_ragged("fprop", wide, out_dtype=torch.float32, config=_cfg(block_m=16, block_n=256))
     _run_ragged("dgrad", wide, out_dtype=torch.float32, config=_cfg(block_m=16, block_n=256), use_tma=True)
 
 
 def _wgrad_cases(recipe: str):
-    fixed = _problem(*SHAPE_TMA, recipe, splits=[0, 100, 0, 188])  # [0, 100), [100, 288): mid-tile start
+    fixed = _problem(*SHAPE_TMA, recipe, splits=[0, 100, 20, 168])  # [0, 100), [100, 120), [120, 288): mid-tile starts
     for use_tma in (True, False):
         _run_wgrad(fixed, "fresh", use_tma=use_tma)
         _run_wgrad(fixed, "acc", use_tma=use_tma, config=_cfg(add_mode="atomic"))
