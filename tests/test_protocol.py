@@ -194,3 +194,22 @@ def test_te_module_name_exposes_the_same_dispatchers():
     for name in distributed_weight.__all__:
         assert getattr(distributed_weight, name) is getattr(protocol, name)
     assert isinstance(_fake(torch.zeros(2)), distributed_weight.DistributedWeight)
+
+
+def test_deepcopy_keeps_state_group_and_ties():
+    import copy
+
+    torch.manual_seed(0)
+    w = ShardedWeight.from_full(torch.randn(6, 6))
+    model = torch.nn.Sequential(Linear(6, 6, weight=w, delay_wgrad_compute=True),
+                                Linear(6, 6, weight=w, delay_wgrad_compute=True))
+    clone = copy.deepcopy(model)
+    cw = clone[0].weight
+    assert cw is clone[1].weight and cw is not w and isinstance(cw, ShardedWeight)
+    assert cw.group is w.group and cw.full_shape == w.full_shape and torch.equal(cw, w)
+    x = torch.randn(3, 6)
+    for m in (model, clone):
+        m(x).sum().backward()
+        distwgrad.drain_deferred_wgrads(m)
+        assert distwgrad.finalize_model_grads([m]) == 1
+    assert torch.equal(cw.grad, w.grad) and cw.main_grad is not w.main_grad

@@ -28,6 +28,7 @@ full-size fp32 buffer to their local shape (``_reduce``).
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -196,6 +197,17 @@ class DistributedParameter(nn.Parameter):
             self.grad.add_(grad)
         self.grad_added_to_main_grad = True
         return True
+
+    def __deepcopy__(self, memo: dict) -> DistributedParameter:
+        """A copy with its own data and gradient state, in the same process group (groups are shared
+        handles, not data). Tied uses stay tied in a deep-copied model (``memo``)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        new = type(self)(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key == "group" else copy.deepcopy(value, memo)
+        return new
 
     def _name(self) -> str:
         return f"{type(self).__name__}(local {tuple(self.shape)}, full {tuple(self.full_shape)})"
