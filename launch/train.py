@@ -365,10 +365,11 @@ def _plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(report["steps"], report["loss"], label=f"sharded, {report['world_size']} rank(s)")
+    recipe = report["config"]["recipe"]
+    ax.plot(report["steps"], report["loss"], label=f"sharded, {report['world_size']} rank(s), recipe {recipe}")
     if report["parity"]:
         ax.plot(report["steps"], report["parity"]["free_running_loss"], "--", lw=1,
-                label="unsharded reference, free-running")
+                label="unsharded plain-torch reference (full precision), free-running")
     ax.axhline(report["corpus"]["entropy_floor"], color="grey", lw=0.8, ls=":", label="corpus entropy")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="MoE GPT on the Markov corpus")
     ax.legend()
