@@ -133,11 +133,7 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
     del force_all_reduce
     chunks = chunks_of(model_chunks, "finalize_model_grads")
     named = named_distinct_params(chunks)
-    # A wgrad is never differentiated. Without no_grad, backward_dw() run in grad mode records a graph
-    # through the saved input of any layer but the first (it requires grad): .grad and main_grad become
-    # non-leaf tensors with a grad_fn that keeps the step's activations alive (a core issue, reported).
-    with torch.no_grad():
-        drained = drain_deferred_wgrads(chunks)
+    drained = drain_deferred_wgrads(chunks)  # deferred wgrads run under no_grad (WeightGradStore.pop)
     waited = wait_for_reductions(chunks)
     finished = _core_finalize(chunks, num_tokens)
     plain = [p for _, p in named if p.requires_grad and not is_distributed_weight(p)]
