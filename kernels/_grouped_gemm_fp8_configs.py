@@ -4,15 +4,19 @@ Same scheme as the bf16 kernels (``_grouped_gemm_configs``): a fixed table, no `
 benchmark runs cannot happen inside a CUDA-graph capture and would add into an accumulating ``out``
 repeatedly). Configs reuse ``TileConfig``; the FP8 kernels support ``add_mode`` "load" and "atomic".
 
-UNMEASURED. No GPU run of the FP8 kernels exists yet, so nothing below cites a measurement (house style
-rule 17 asks for one); the values are starting points derived from the bf16 sweeps (H200, 2026-11-29,
-docs/benchmarks/grouped_gemm.md) by this reasoning, to be replaced by ``qa/bench/fp8.py --gemm-sweep``:
-- fp8 elements are half the bytes of bf16, so BLOCK_K = 128 moves the same bytes per pipeline stage as
-  bf16's BLOCK_K = 64, and is what the blockwise recipe forces anyway (one K step = one scale block);
-- every K step of the blockwise path (and of the per-tensor path, which promotes the tensor-core partial
-  sum into the fp32 accumulator each step: ``max_num_imprecise_acc``) holds a second fp32 accumulator,
-  so a 128x256 tile on 8 warps would need ~256 accumulator registers per thread and spill: the default
-  is 128x128 on 8 warps (2 x 64 registers), 4 stages (128 KB of shared memory).
+UNMEASURED SPEED. No GPU has run the FP8 kernels yet, so no value below cites a timing (house style rule
+17 asks for one); they are starting points, to be replaced from ``qa/bench/fp8.py --gemm-sweep`` on an
+H200. What they rest on:
+- the bf16 sweeps (H200, 2026-11-29, docs/benchmarks/grouped_gemm.md): fp8 elements are half the bytes,
+  so BLOCK_K = 128 moves the bytes of bf16's BLOCK_K = 64 per pipeline stage; the blockwise recipe forces
+  it anyway (one K step = one scale block);
+- an sm_90a build without a GPU (triton 3.9 + its ptxas, JIT specializations emulated, first MoE shape;
+  the recipe behind ``test_compiles_for_sm90``), registers/thread and spill bytes at 128x128x128/w8/s4:
+  fprop/dgrad 231-236 (blockwise) and 165 (per-tensor), no spills; wgrad 170-186 (per-tensor), 255 with
+  24-32 B of spills (blockwise, accumulating). Every K step of the blockwise path holds a second fp32
+  accumulator (the step's dot before scaling): 128x256/w8 and 256x128/w8 spilled 88-250 B in fprop and
+  more in wgrad, 128x128/w4 (blockwise) 296-592 B; 64x128/w4/s4-5 built without spills everywhere.
+  The masked pointer-load fallback (unaligned layouts) spills in wgrad blockwise (~340-420 B).
 
 Legend (kernel view) as in ``_grouped_gemm_configs``: fprop/dgrad tile ragged token rows x features,
 wgrad tiles the fixed [N, K] output and reduces over each group's tokens.
@@ -33,17 +37,19 @@ ADD_MODES = ("load", "atomic")  # of TileConfig.add_mode; "prefetch" and "tma_ad
 INTERPRETER = TileConfig(32, 32, 32, group_m=2, num_warps=1, num_stages=1)
 
 _T = TileConfig
-# Candidates for the sweep. block_k is replaced by the scale block (128) in the blockwise recipe.
+# Candidates for the sweep (block_k becomes the scale block, 128, in the blockwise recipe). The spill
+# notes above: 64-row tiles build spill-free everywhere, the 256-wide ones spill in the blockwise path.
 RAGGED_CANDIDATES = (
-    _T(128, 128, 128, num_warps=8, num_stages=4), _T(128, 128, 128, num_warps=4, num_stages=4),
-    _T(128, 256, 128, num_warps=8, num_stages=3), _T(256, 128, 128, num_warps=8, num_stages=3),
-    _T(64, 128, 128, num_warps=4, num_stages=5),
+    _T(128, 128, 128, num_warps=8, num_stages=4), _T(128, 128, 128, num_warps=8, num_stages=3),
+    _T(64, 128, 128, num_warps=4, num_stages=5), _T(128, 256, 128, num_warps=8, num_stages=3),
+    _T(256, 128, 128, num_warps=8, num_stages=3),
 )
-WGRAD_CANDIDATES = (
-    _T(128, 128, 128, num_warps=8, num_stages=4), _T(128, 128, 128, num_warps=4, num_stages=4),
-    _T(256, 128, 128, num_warps=8, num_stages=3), _T(128, 128, 64, num_warps=4, num_stages=5),
+WGRAD_CANDIDATES = (  # "load" configs serve the fresh wgrad too; the benchmark times the others accumulating
+    _T(128, 128, 128, num_warps=8, num_stages=4), _T(64, 128, 128, num_warps=4, num_stages=4),
+    _T(256, 128, 128, num_warps=8, num_stages=3),
     _T(128, 128, 128, num_warps=8, num_stages=4, add_mode="atomic"),
-    _T(128, 128, 128, num_warps=4, num_stages=4, add_mode="atomic"),
+    _T(128, 128, 128, num_warps=8, num_stages=3, add_mode="atomic"),
+    _T(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic"),
 )
 
 
@@ -56,6 +62,7 @@ def with_block_k(cfg: TileConfig, block: int) -> TileConfig:
 
 def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None) -> TileConfig:
     """Config for ``op`` in ("fprop", "dgrad", "wgrad"); ``block`` the scale block (0: per-tensor)."""
+    # 128x128x128/w8/s4 everywhere: spill-free in fprop/dgrad and per-tensor wgrad (see above).
     if op == "wgrad" and accumulate:  # bf16: "atomic" beat "load" at every shape (round 2)
         cfg = TileConfig(128, 128, 128, num_warps=8, num_stages=4, add_mode="atomic")
     else:

@@ -1,16 +1,17 @@
 """FP8 grouped GEMMs for MoE: the three products over ragged token groups, scales applied in the kernel.
 
-STATUS: validated under TRITON_INTERPRET=1 only (tests/test_grouped_gemm_fp8_kernels.py). Not wired into
-any module. A GPU session must, in order:
-1. ``pytest -m gpu tests/test_grouped_gemm_fp8_kernels.py``: compiles every path on sm_90 and checks it
-   against the oracle. Open points: (a) dgrad reads the weight with the CONTRACTION (N) strided by K;
-   Hopper's fp8 wgmma wants both operands K-major, so Triton may transpose in shared memory, fall back
-   to mma.sync, or fail: ``test_gpu_dgrad_weight_layouts`` times the [E, N, K] weight against a
-   transposed copy (N contiguous, what TransformerEngine caches as the "columnwise" weight); if the copy
-   wins clearly, cache it per step next to the fp8 weight. (b) The Hopper accumulation bound
-   ``reference_fp8.HOPPER_MMA_REL`` (2**-9 of sum |a||b|) is provisional: the tests print the worst
-   error/bound ratio; tighten it from that. (c) ``max_num_imprecise_acc=BLOCK_K`` (fp32 promotion every
-   K step in the per-tensor path) costs registers; compare against the default (no promotion).
+STATUS: validated under TRITON_INTERPRET=1, and built for sm_90a without a GPU (``test_compiles_for_sm90``:
+the default configs compile to fp8 wgmma), in tests/test_grouped_gemm_fp8_kernels.py. Never run on a GPU;
+not wired into any module. A GPU session must, in order:
+1. ``pytest -m gpu tests/test_grouped_gemm_fp8_kernels.py``: runs every path on the GPU against the oracle.
+   Open points: (a) dgrad reads the weight with the CONTRACTION (N) strided by K, and Hopper's fp8 wgmma
+   takes B only K-major: the sm_90a build transposes every B tile through registers (48 byte permutes and
+   72 instead of 8 shared stores per K step in the PTX). ``test_gpu_dgrad_weight_layouts`` times that
+   against a transposed copy of the weight (N contiguous, what TransformerEngine caches as the
+   "columnwise" weight; same PTX as fprop); if the copy wins clearly, cache it per step. (b) The
+   Hopper accumulation term ``reference_fp8.HOPPER_MMA_REL`` (2**-9 of sum |a||b|) is provisional: the
+   tests print the worst error/bound ratios; set it from those. (c) ``max_num_imprecise_acc=BLOCK_K``
+   (fp32 promotion every K step, per-tensor path) against Triton's default (no promotion): speed and error.
 2. ``python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep --json fp8_gemm.json``: FP8 vs our bf16
    kernels at the three MoE shapes, then every candidate tile config; replace the UNMEASURED table in
    ``_grouped_gemm_fp8_configs.py`` and record the run in docs/benchmarks/.
@@ -61,11 +62,14 @@ Loads: TMA descriptors when layouts allow (16-byte aligned base and outer stride
 the weight through a 3-D [E, rows, cols] descriptor, so a step never reads the next expert), else masked
 pointer loads with any strides. wgrad's partial chunks (group edges) always take the pointer path.
 
-Interpreter (TRITON_INTERPRET=1, CPU tensors): fp8 loads, TMA loads and ``tl.dot`` on fp8 (also mixed
-e4m3 x e5m2) are exact there (checked on every finite fp8 value: the interpreter decodes fp8 to fp16,
-which holds every e4m3/e5m2 value, and multiplies in fp32), so no upcast is needed, unlike bf16. Caveats
-that do not touch these kernels: its fp8 -> fp32 cast maps NaN/inf to finite values (e4m3 NaN -> 480)
-and its fp32 -> bf16 store truncates instead of rounding.
+Interpreter (TRITON_INTERPRET=1, CPU tensors; triton 3.9): fp8 loads (plain and TMA) and the fp8 ->
+fp32 cast are exact for every finite fp8 value, but its fp8 ``tl.dot`` decodes through fp16 and turns
+e5m2 subnormals wrong (2^-16 -> 0, 3 * 2^-16 -> 2^-15; e4m3 is exact), so the kernels upcast fp8
+operands to fp32 there (UPCAST, as ``grouped_gemm`` does for bf16); the GPU path feeds fp8 to the tensor
+cores. Other interpreter quirks: its fp8 -> fp32 cast maps NaN/inf to finite values (harmless: the
+quantizers give a non-finite unit a NaN scale, which the kernels propagate) and fp32 -> bf16 stores
+truncate. ``tests/test_grouped_gemm_fp8_kernels.py`` (cases interpreter_fp8_dot, e5m2_subnormals) pins
+this down.
 """
 
 from __future__ import annotations
@@ -95,9 +99,14 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 
 
 @triton.jit
-def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr):
+def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b: blockwise, the step's own dot times the outer product of its row/column scales;
-    per-tensor, straight into acc (scaled after the loop), promoted to fp32 every BLOCK_K."""
+    per-tensor, straight into acc (scaled after the loop), promoted to fp32 every BLOCK_K. UPCAST (the
+    interpreter only, whose fp8 dot mis-decodes e5m2 subnormals): fp32 operands, exact for every finite
+    fp8 value; the interpreter's fp32 dot is a plain fp32 matmul whatever ``input_precision`` says."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     if BLOCKWISE:
         return acc + tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
     return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
@@ -110,8 +119,9 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
                        stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
                        stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                        BLOCKWISE: tl.constexpr, B_K_INNER: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr):
+                       USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
     """out[t, :N] = a[t, :K] @ B_e[:K, :N] for the tokens t of group e (K: the contraction, N: the output
     features). B_e is read through strides (b_ptr) or a 3-D descriptor, [E, N, K] if B_K_INNER else
     [E, K, N]. Blockwise scales: a_s[t, kb] and b_s[e, kb, n // BLOCK_K] (strides bsk, bsn)."""
@@ -153,7 +163,7 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
             kb = k0 // BLOCK_K
             a_s = tl.load(as_ptrs + kb * stride_ask, mask=rows_ok, other=0.0)
             b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=cols_ok, other=0.0)
-        acc = _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K)
+        acc = _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K, UPCAST)
     if not BLOCKWISE:
         acc = acc * tl.load(as_ptr) * tl.load(bs_ptr + e64 * stride_bse)
     if HAS_BIAS:
@@ -166,7 +176,7 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
 @triton.jit
 def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n, N, K, acc,
                      stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
-                     BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """Tokens [t0, t0 + BLOCK_K) of one L-aligned chunk, those outside [lo, hi) masked to zero."""
     ts = t0 + tl.arange(0, BLOCK_K)
     t_ok = (ts >= lo) & (ts < hi)
@@ -175,18 +185,37 @@ def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n,
     b = tl.load(b_ptr + cols_n.to(tl.int64)[:, None] * stride_bk + ts[None, :] * stride_bt,
                 mask=(cols_n < K)[:, None] & t_ok[None, :], other=0.0)
     return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
-                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K)
+                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST)
+
+
+@triton.jit
+def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col0, rows_m, cols_n, N, K, acc,
+                         stride_asc, stride_bsc, MASKED: tl.constexpr, BLOCKWISE: tl.constexpr,
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The same chunk by TMA (rows past N or K and tokens past T arrive as zeros); MASKED zeroes the
+    tokens outside [lo, hi) in registers: other groups' data, which may even be NaN (a poisoned tile).
+    Pointer loads here would need a [BLOCK, BLOCK_K] tensor of 64-bit addresses per operand and, masked
+    along the contiguous dim, could not vectorize: the sm_90 build spilled."""
+    a = a_desc.load([row0, t0])
+    b = b_desc.load([col0, t0])
+    if MASKED:
+        ts = t0 + tl.arange(0, BLOCK_K)
+        t_ok = (ts >= lo) & (ts < hi)
+        a = tl.where(t_ok[None, :], a, tl.zeros_like(a))
+        b = tl.where(t_ok[None, :], b, tl.zeros_like(b))
+    return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
+                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST)
 
 
 @triton.jit
 def _wgrad_fp8_scaled(a, b, acc, as_ptrs, bs_ptrs, c, rows_m, cols_n, N, K, stride_asc, stride_bsc,
-                      BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     a_s = None
     b_s = None
     if BLOCKWISE:  # token tile c: one scale per row of dy^T (out-feature) and per row of x^T (in-feature)
         a_s = tl.load(as_ptrs + c * stride_asc, mask=rows_m < N, other=0.0)
         b_s = tl.load(bs_ptrs + c * stride_bsc, mask=cols_n < K, other=0.0)
-    return _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K)
+    return _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K, UPCAST)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -196,8 +225,8 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       stride_asn, stride_asc, stride_bsk, stride_bsc,
                       stride_oe, stride_on, stride_ok, stride_o,
                       BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
-                      USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
     b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
     deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases."""
@@ -220,27 +249,26 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
     # Chunks on the global BLOCK_K (= L) grid; an empty group visits none (a masked chunk would still
     # multiply zeros by its tile's scales, and a NaN scale of another group's tile would leak in).
     first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
-    if USE_TMA:
-        body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi) by TMA
+    if USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
+        body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
         body_hi = (end // BLOCK_K) * BLOCK_K
         if first < start:                            # head: the group starts mid-chunk
-            acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, first, start, end, rows_m, cols_n, N, K,
-                                   acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
-                                   BLOCKWISE, BLOCK_K)
+            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, first, start, end, pid_m * BLOCK_M,
+                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
+                                       True, BLOCKWISE, BLOCK_K, UPCAST)
         for t0 in range(body_lo, body_hi, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, t0])
-            b = b_desc.load([pid_n * BLOCK_N, t0])
-            acc = _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
-                                    stride_asc, stride_bsc, BLOCKWISE, BLOCK_K)
+            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
+                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
+                                       False, BLOCKWISE, BLOCK_K, UPCAST)
         if (body_hi < end) & (body_hi >= body_lo):   # tail, unless the head chunk already held it
-            acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, body_hi, start, end, rows_m, cols_n, N,
-                                   K, acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc,
-                                   stride_bsc, BLOCKWISE, BLOCK_K)
+            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, body_hi, start, end, pid_m * BLOCK_M,
+                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
+                                       True, BLOCKWISE, BLOCK_K, UPCAST)
     else:
         for t0 in range(first, end, BLOCK_K):
             acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, start, end, rows_m, cols_n, N, K,
                                    acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
-                                   BLOCKWISE, BLOCK_K)
+                                   BLOCKWISE, BLOCK_K, UPCAST)
     if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale
         acc = acc * tl.where(end > start, tl.load(as_ptr), 1.0) * tl.where(end > start, tl.load(bs_ptr), 1.0)
     if PTR_TABLE:
@@ -320,8 +348,8 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
         sas[0], sas[1], sbs[0], sbs[1], sbs[2],
         out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
         BLOCKWISE=block > 0, B_K_INNER=b_k_inner, HAS_BIAS=bias_EN is not None, USE_TMA=tma,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, BLOCK_E=max(16, triton.next_power_of_2(E)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        BLOCK_E=max(16, triton.next_power_of_2(E)), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -352,8 +380,8 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         sas[0], sas[1], sbs[0], sbs[1],
         so[0], so[1], so[2], offs_E.stride(0),
         BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
-        PTR_TABLE=table is not None, USE_TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---- argument checks (eager launchers, fake implementations and public wrappers alike) -------------

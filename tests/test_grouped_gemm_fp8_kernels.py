@@ -3,9 +3,9 @@
 
 CPU: the kernels run under ``TRITON_INTERPRET=1`` in a child process (this file is also its script:
 ``python tests/test_grouped_gemm_fp8_kernels.py CASE``), as in tests/test_grouped_gemm_kernels.py. The
-interpreter computes fp8 ``tl.dot`` exactly (fp8 -> fp16 decode, fp32 matmul; checked on every finite
-fp8 value), so the kernels run unmodified there; it truncates fp32 -> bf16 stores, which the bound's bf16
-output rounding (2^-7) covers.
+interpreter's own fp8 ``tl.dot`` mis-decodes e5m2 subnormals, so the kernels upcast fp8 to fp32 there
+(case interpreter_fp8_dot checks that path on every finite fp8 value, case e5m2_subnormals that the
+kernels take it); it truncates fp32 -> bf16 stores, which the bound's bf16 output rounding (2^-7) covers.
 
 Every comparison uses [Note: fp8 grouped gemm error bound] (elementwise, in float64: twice gamma_n times
 sum |a||b|, plus the output rounding; on GPUs also the Hopper accumulation term). Fresh fprop/dgrad/wgrad
@@ -15,6 +15,11 @@ NaN. Shapes: T <= 300 and K, N <= 160, so 128-blocks and partial blocks both occ
 magnitude by up to 2^+-4 between 32x32 patches, so a wrong tile or block scale is visible. Recipes:
 per-tensor (e4m3 x and w, e5m2 gradients, one scale per expert weight) and blockwise (e4m3, 1x128 and
 128x128 power-of-two scales; also 1x32/32x32 with exact fp32 scales).
+
+Without a GPU: ``test_compiles_for_sm90`` builds the GPU variants for Hopper (triton ships ptxas) and
+checks they run on fp8 wgmma; ``test_bench_*`` run qa/bench/fp8.py's grouped GEMM benchmark (--help, and
+end to end in the interpreter: rows, FLOPs, ratios). GPU tests (``-m gpu``) repeat the checks at bf16-sourced
+realistic shapes and print the worst error/bound ratios (for the provisional Hopper term of the bound).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ _HERE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {
     "per_tensor": PerTensorScaling(),
     "blockwise": BlockwiseScaling(),
@@ -274,6 +280,50 @@ def _case_nan_propagation():
             assert bool(y[5].isnan().all()) and not bool(y[6].isnan().any())
 
 
+def _case_interpreter_fp8_dot():
+    """What the kernels rely on in the interpreter: fp8 loads, the fp8 -> fp32 cast and an fp32 ``tl.dot``
+    are exact for every finite fp8 value (each meets 1.0 in a one-hot product: one nonzero term per
+    output, exact in fp32). The interpreter's own fp8 ``tl.dot`` decodes through fp16 and gets e5m2
+    subnormals wrong (2^-16 -> 0; triton 3.9), hence the kernels' UPCAST there; e4m3 is exact."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_kernel(a_ptr, b_ptr, o_ptr, UPCAST: tl.constexpr):
+        m, kk = tl.arange(0, 16), tl.arange(0, 256)
+        a = tl.load(a_ptr + m[:, None] * 256 + kk[None, :])
+        b = tl.load(b_ptr + kk[:, None] * 16 + m[None, :])
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        tl.store(o_ptr + m[:, None] * 16 + m[None, :], tl.dot(a, b))
+
+    for da, db, upcast in ((E4M3, E4M3, True), (E5M2, E5M2, True), (E5M2, E4M3, True), (E4M3, E4M3, False)):
+        vals = torch.arange(256, dtype=torch.uint8).view(da).float()
+        vals = torch.where(vals.isfinite(), vals, 0.0)
+        a = torch.zeros(16, 256)
+        a[torch.arange(256) // 16, torch.arange(256)] = vals             # row i holds values 16i..16i+15
+        b = torch.zeros(256, 16)
+        b[torch.arange(256), torch.arange(256) % 16] = 1.0               # column j picks value 16i + j
+        out = torch.empty(16, 16)
+        dot_kernel[(1,)](a.to(da), b.to(db), out, UPCAST=upcast)
+        assert torch.equal(out.flatten(), vals), f"interpreter dot {da} x {db} upcast={upcast} is not exact"
+
+
+def _case_e5m2_subnormals():
+    """Gradients whose e5m2 values are mostly subnormal (tiny entries next to one large one)."""
+    T, E, K, N = SHAPE_TMA
+    gen = torch.Generator().manual_seed(10)
+    x, w = _rough(T, K, gen), torch.stack([_rough(N, K, gen) for _ in range(E)])
+    dy = torch.randn(T, N, generator=gen) * 1e-9
+    dy[0, 0] = 1.0
+    pb = _problem(T, E, K, N, "per_tensor", src=(x, w, dy), splits=[0, 100, 20, 168])
+    sub = pb.dy_q.data.float().abs()
+    assert float(((sub > 0) & (sub < 2.0**-14)).float().mean()) > 0.5
+    _run_ragged("dgrad", pb, out_dtype=torch.float32, use_tma=True)
+    _run_wgrad(pb, "fresh", use_tma=True)
+
+
 def _case_custom_ops():
     """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
     k = _kernels()
@@ -287,8 +337,7 @@ def _case_custom_ops():
         # Not "test_schema": its SchemaCheckMode compares the inputs before and after with arithmetic that
         # torch does not implement for CPU float8 ("mul_cpu_reduced_float"); mutation and aliasing are
         # covered by the fake-tensor and AOT-dispatch checks, and by the compile comparison below.
-        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-        check = lambda op, args: torch.library.opcheck(op, args, test_utils=utils)
+        check = lambda op, args: torch.library.opcheck(op, args, test_utils=_OPCHECK_UTILS)
         check(ops.grouped_fprop_fp8.default, (x, xs, w, w_s, pb.offs, b, pb.block, torch.float32))
         check(ops.grouped_dgrad_fp8.default, (dy, dys, w, w_s, pb.offs, pb.block, torch.bfloat16))
         check(ops.grouped_wgrad_fp8.default, raw_t)
@@ -312,6 +361,8 @@ def _case_custom_ops():
         torch.testing.assert_close(torch.stack(bufs), ref_acc, rtol=0, atol=0)
 
 
+_OPCHECK_UTILS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
 _INTERPRETER_CASES = {
     "ragged_per_tensor": _case_ragged_per_tensor,
     "ragged_blockwise": _case_ragged_blockwise,
@@ -320,6 +371,8 @@ _INTERPRETER_CASES = {
     "edges": _case_edges,
     "nan_propagation": _case_nan_propagation,
     "custom_ops": _case_custom_ops,
+    "interpreter_fp8_dot": _case_interpreter_fp8_dot,
+    "e5m2_subnormals": _case_e5m2_subnormals,
 }
 
 
@@ -339,7 +392,7 @@ def test_interpreter(case):
 # ---- the benchmark's bookkeeping -------------------------------------------------------------------
 
 
-def test_bench_help_and_flops():
+def test_bench_help():
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, os.path.join(_ROOT, "qa", "bench", "fp8.py"), "--help"],
                           env=_child_env(), capture_output=True, text=True, timeout=120)
@@ -369,6 +422,90 @@ def test_bench_grouped_gemm_smoke(tmp_path):
         assert r["impl"] == "bf16" or r["worst"] <= 1
 
 
+# ---- the GPU build without a GPU: sm_90a compile of the default variants (ptxas ships with triton) -----
+
+_MOE = dict(E=8, T=32768, K=4096, N=14336)
+
+
+def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0):
+    """ASTSource of one kernel variant at the first MoE shape with the JIT's specializations (unit strides
+    constant, 16-divisible ints and all pointers hinted), as a launch on CUDA tensors would build it."""
+    from triton.compiler import ASTSource
+    k = _kernels()
+    from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
+    E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
+    cfg = CF.pick(op, block=block, accumulate=add_mode > 0, smem_limit=232448)  # H100/H200 opt-in smem
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    grad = "fp8e5" if not block else "fp8e4nv"          # per-tensor gradients are e5m2
+    sc = lambda n: -(-n // (block or 1)) if block else 16  # scale strides (any value when per-tensor)
+    if op == "wgrad":
+        fn, nospec = k._wgrad_fp8_kernel, ("T",)
+        vals = dict(a_ptr=f"*{grad}", b_ptr="*fp8e4nv", as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*fp32",
+                    offs_ptr="*i32", T=T, N=N, K=K, stride_an=T, stride_at=1, stride_bk=T, stride_bt=1,
+                    stride_asn=sc(T), stride_asc=1, stride_bsk=sc(T), stride_bsc=1, stride_oe=N * K, stride_on=K,
+                    stride_ok=1, stride_o=1,
+                    a_desc=f"tensordesc<{grad}[{bm}, {bk}]>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>")
+        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False)
+    else:
+        fn, nospec = k._fp8_ragged_kernel, ("T", "E")
+        Kc, No = (K, N) if op == "fprop" else (N, K)       # contraction, output features
+        kin = op == "fprop" or kn
+        sb = (N * K, 1, Kc) if kin else (N * K, No, 1)      # b_EKN strides
+        a_dt = "fp8e4nv" if op == "fprop" else grad
+        vals = dict(a_ptr=f"*{a_dt}", b_ptr="*fp8e4nv", as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*bf16",
+                    bias_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=No, K=Kc, stride_at=Kc, stride_ak=1,
+                    stride_be=sb[0], stride_bk=sb[1], stride_bn=sb[2], stride_ast=sc(Kc), stride_ask=1,
+                    stride_bse=sc(N) * sc(K), stride_bsk=1 if op == "fprop" else sc(K),
+                    stride_bsn=sc(K) if op == "fprop" else 1, stride_ot=No, stride_on=1, stride_biase=No,
+                    stride_biasn=1, stride_o=1, a_desc=f"tensordesc<{a_dt}[{bm}, {bk}]>",
+                    b_desc=f"tensordesc<fp8e4nv[1, {bn}, {bk}]>" if kin else f"tensordesc<fp8e4nv[1, {bk}, {bn}]>")
+        consts = dict(BLOCKWISE=block > 0, B_K_INNER=kin, HAS_BIAS=op == "fprop", BLOCK_E=16)
+    consts.update(USE_TMA=tma, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m)
+    if not tma:
+        consts.update(a_desc=None, b_desc=None)
+    if consts.get("HAS_BIAS") is False:
+        consts["bias_ptr"] = None
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = vals.get(name)
+        if name in consts:
+            sig[name] = "constexpr"
+        elif isinstance(v, str):
+            sig[name] = v
+            attrs.update({(i,): [["tt.divisibility", 16]]} if v.startswith("*") else {})
+        elif v == 1 and name not in nospec:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in nospec else {})
+    return ASTSource(fn, sig, consts, attrs), cfg, (a_dt if op != "wgrad" else grad)
+
+
+@pytest.mark.parametrize("variant", [
+    "fprop/128/tma", "fprop/0/tma", "fprop/128/ptr", "dgrad/128/tma", "dgrad/0/tma", "dgrad/128/tma/kn",
+    "wgrad/128/tma/add3", "wgrad/0/tma/add0", "wgrad/128/ptr/add1",
+])
+def test_compiles_for_sm90(variant):
+    """The GPU path of the default configs compiles for Hopper (sm_90a) and runs its products on fp8
+    wgmma (no fallback to mma.sync or an upcast). Registers and spills are in the message, for tuning."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    op, block, load, *rest = variant.split("/")
+    src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest,
+                                  add_mode=int(rest[-1][3:]) if rest and rest[-1].startswith("add") else 0)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc) and "not found" in str(exc):
+            pytest.skip(f"no ptxas: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    a_ty = {"fp8e4nv": "e4m3", "fp8e5": "e5m2"}[a_dt]
+    assert f".f32.{a_ty}.e4m3" in ptx and "wgmma.mma_async" in ptx, f"{variant}: no fp8 wgmma"
+    assert "mma.sync" not in ptx, f"{variant}: fell back to mma.sync"
+
+
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------
 
 
@@ -387,7 +524,7 @@ def test_checks_name_the_bad_argument():
     with pytest.raises(ValueError, match=r"w's scale_inv has shape \(2,\), expected \(2, 2, 2\)"):
         k.grouped_fprop_fp8(pb.x_q, (w[0], torch.ones(2)), offs)
     with pytest.raises(TypeError, match=r"x must be float8_e4m3fn or float8_e5m2, got torch.float32"):
-        k.grouped_fprop_fp8(dataclasses.replace(pb.x_q, data=pb.x_q.data.float()), w, offs)
+        k._fprop(pb.x_q.data.float(), pb.x_q.scale_inv, *w, offs, None, pb.block, torch.bfloat16)
     with pytest.raises(TypeError, match=r"w's scale_inv must be a float32 tensor"):
         k.grouped_fprop_fp8(pb.x_q, (w[0], w[1].double()), offs)
     with pytest.raises(ValueError, match=r"x \(64, 160\) and w \(2, 160, 144\) disagree on the contraction"):
@@ -403,8 +540,7 @@ def test_checks_name_the_bad_argument():
     with pytest.raises(ValueError, match=r"dy_q must be quantized per tensor or in 1xL tiles"):
         k.grouped_dgrad_fp8(dataclasses.replace(pb.dy_q, block=(128, 128), scale_inv=torch.ones(1, 2)), w, offs)
     with pytest.raises(ValueError, match=r"scale block must be 0 \(per-tensor\) or a power of two >= 32"):
-        k.grouped_fprop_fp8(_problem(64, 2, 160, 144, "per_tensor").x_q.__class__(
-            pb.x_q.data, torch.ones(64, 10), (1, 16), torch.float32, pb.x_q.shape), w, offs)
+        k.grouped_fprop_fp8(dataclasses.replace(pb.x_q, scale_inv=torch.ones(64, 10), block=(1, 16)), w, offs)
     with pytest.raises(ValueError, match=r"dy_qt and x_qt must share one recipe"):
         k.grouped_wgrad_fp8(pb.dy_qt, pt.x_qt, offs)
     with pytest.raises(ValueError, match=r"disagree on T"):
@@ -420,9 +556,10 @@ def test_checks_name_the_bad_argument():
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[shared, shared])
     with pytest.raises(ValueError, match=r"groups overlap"):
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(144, 160).expand(2, 144, 160))
-    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32"):
-        k._fprop(pt.x_q.data, pt.x_q.scale_inv, *_weight_form(pt, "stacked"), offs, None, 0, torch.float32,
-                 config=_cfg(block_k=16))
+    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32 and add_mode in"):
+        k._config("grouped_fprop_fp8", _cfg(block_k=16), 0, False, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32 and add_mode in"):
+        k._config("grouped_wgrad_fp8", _cfg(add_mode="prefetch"), 128, True, torch.device("cpu"))
     if not _INTERPRETED:
         with pytest.raises(ValueError, match=r"need CUDA tensors \(or TRITON_INTERPRET=1\)"):
             k.grouped_fprop_fp8(pb.x_q, w, offs)
@@ -477,6 +614,22 @@ def test_gpu_dgrad_weight_layouts(recipe):
                                            torch.bfloat16)
         times[form] = do_bench(fn, return_mode="median")
     print(f"dgrad {recipe} ms by weight layout:", times)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("use_tma", [None, False])
+def test_gpu_wgrad_foreign_nan_masked(use_tma):
+    """fp8 NaN data under a finite scale (our quantizers never emit it, other producers may): only the
+    group owning the token sees it, also when another group's chunk covers the token, i.e. both operands
+    are masked. GPU only: the interpreter's fp8 -> fp32 cast turns NaN into finite values."""
+    T, E, K, N = SHAPE_TMA
+    pb = _problem(T, E, K, N, "blockwise", splits=[100, 0, 100, 88], device="cuda")
+    pb.x_qt.data[3, 90] = float("nan")     # token 90 is group 0's; chunk [0, 128) also serves group 2
+    pb.dy_qt.data[4, 110] = float("nan")   # token 110 is group 2's; the same chunk serves group 0
+    dw = _run_wgrad(pb, "fresh", use_tma=use_tma)
+    assert bool(dw[0, :, 3].isnan().all()) and not bool(dw[2, :, 3].isnan().any())
+    assert bool(dw[2, 4, :].isnan().all()) and not bool(dw[0, 4, 4:].isnan().any())
 
 
 @pytest.mark.gpu

@@ -152,8 +152,9 @@ def check(ours: torch.Tensor, expected: torch.Tensor, S: torch.Tensor, **bound_k
     err = torch.where(both, 0.0, (o - x).abs())
     ratio = torch.where(both, 0.0, err / bound)
     bad = ~(ratio <= 1)  # NaN in only one of them compares False
-    worst = float(ratio[~torch.isnan(ratio)].max()) if ratio.numel() else 0.0
-    res = {"ok": not bool(bad.any()), "worst": worst, "bad": int(bad.sum()), "numel": ours.numel(),
+    finite = ratio[torch.isfinite(ratio)]
+    worst = float(finite.max()) if finite.numel() else 0.0
+    res: dict[str, object] = {"ok": not bool(bad.any()), "worst": worst, "bad": int(bad.sum()), "numel": ours.numel(),
            "nan_mismatch": int((nan_o ^ nan_x).sum())}
     if bad.any():
         i = int(bad.flatten().nonzero()[0])
