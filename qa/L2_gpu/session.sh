@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Everything a single-GPU device session should run, in one call, writing its results under OUT_DIR
+# (default: $OUT on the device machine, else runs/gpu_session). Each step is independent: a failure is
+# recorded in the summary table and the next step still runs. Usage, from the repository root:
+#
+#   bash qa/L2_gpu/session.sh            # all steps
+#   STEPS="tests bench_gemm" bash qa/L2_gpu/session.sh
+#
+# megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
+# machine with the package index:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_session}}
+mkdir -p "$OUT_DIR"
+STEPS=${STEPS:-"tests bench_gemm bench_fp8 megatron train"}
+if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+declare -A RESULT
+LOG="$OUT_DIR/session.log"  # one log: the device tool brings back at most 8 files
+: >"$LOG"
+run() {  # run NAME CMD...: appends to session.log, records the exit code
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  "$@" >>"$LOG" 2>&1
+  RESULT[$name]="rc=$? $((SECONDS - t0))s"
+  tail -n 3 "$LOG"
+}
+for step in $STEPS; do
+  case $step in
+    tests) run gpu_tests python3 -m pytest tests -m gpu -q -p no:cacheprovider -s ;;
+    bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
+                  --plot "$OUT_DIR/grouped_gemm_h200.png" ;;
+    bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
+    megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
+    train) run train_bf16 python3 -m distwgrad.launch.train --steps 50 --check-parity --no-progress --out /tmp/train_bf16
+           cp /tmp/train_bf16/report.json "$OUT_DIR/train_bf16_report.json" 2>/dev/null
+           run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
+             --no-progress --out /tmp/train_fp8
+           cp /tmp/train_fp8/report.json "$OUT_DIR/train_fp8_report.json" 2>/dev/null ;;
+    *) echo "unknown step: $step" >&2; RESULT[$step]="unknown" ;;
+  esac
+done
+echo
+printf '%-14s %s\n' step result
+for k in "${!RESULT[@]}"; do printf '%-14s %s\n' "$k" "${RESULT[$k]}"; done
