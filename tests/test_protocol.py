@@ -159,7 +159,12 @@ def _transient_rank(rank, world, delay, packed):
 
     ShardedWeight._gather = spy
     try:
-        if packed:
+        if packed == "discrete":
+            mod = GroupedLinear(2, 8, 6, bias=False, delay_wgrad_compute=delay)
+            mod.weight0 = ShardedWeight.from_full(torch.randn(6, 8))
+            mod.weight1 = ShardedWeight.from_full(torch.randn(6, 8))
+            run = lambda x: mod(x, [3, 2])
+        elif packed:
             mod = GroupedLinear(2, 8, 6, bias=False, single_grouped_weight=True, delay_wgrad_compute=delay)
             mod.weight = ShardedWeight.from_full(torch.randn(2, 6, 8))
             run = lambda x: mod(x, [3, 2])
@@ -174,14 +179,14 @@ def _transient_rank(rank, world, delay, packed):
             y.sum().backward()
             assert _all_dead(gathered), "backward kept a gathered copy alive"
             mod.backward_dw()
-        assert distwgrad.finalize_model_grads([mod]) == 1
-        return len(gathered)
+        assert distwgrad.finalize_model_grads([mod]) == (2 if packed == "discrete" else 1)
+        return len(gathered) // (2 if packed == "discrete" else 1)
     finally:
         ShardedWeight._gather = original
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, True, "discrete"])
 @pytest.mark.parametrize("delay", [False, True])
 def test_gathered_copies_are_transient(delay, packed):
     # Two gathers per microbatch (forward, backward), two microbatches.
