@@ -23,7 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 declare -A RESULT
-LOG="$OUT_DIR/session.log"  # one log: the device tool brings back at most 8 files
+LOG="$OUT_DIR/session.log"  # one log, so the results are a handful of files
 : >"$LOG"
 run() {  # run NAME CMD...: appends to session.log, records the exit code
   local name=$1; shift
