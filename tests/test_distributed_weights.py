@@ -35,17 +35,17 @@ def _full_params(seed=0):
     }
 
 
-def _wrap(kind, t, policy):
+def _wrap(kind, t, policy, async_reduce=False):
     if kind == "sharded" and t.dim() == 2:
-        return ShardedWeight.from_full(t, reduce_policy=policy)
-    return ReplicatedWeight.from_full(t, reduce_policy=policy)
+        return ShardedWeight.from_full(t, reduce_policy=policy, async_reduce=async_reduce)
+    return ReplicatedWeight.from_full(t, reduce_policy=policy, async_reduce=async_reduce)
 
 
 def _build(case, full):
     """Linear(K,N) -> Linear(N,N) -> Linear(N,N); with ``tied`` the last two share weight and bias."""
     policy = ReducePolicy(case["policy"])
     kw = dict(delay_wgrad_compute=case["delay"], fuse_wgrad_accumulation=case["fuse"])
-    p = {k: _wrap(case["kind"], v, policy) for k, v in full.items()}
+    p = {k: _wrap(case["kind"], v, policy, case["async"]) for k, v in full.items()}
     layers = [Linear(K, N, weight=p["w0"], bias=p["b0"], **kw), Linear(N, N, weight=p["w1"], bias=p["b1"], **kw)]
     if case["tied"]:
         layers.append(Linear(N, N, weight=p["w1"], bias=p["b1"], **kw))
@@ -152,7 +152,7 @@ def _parity_rank(rank, world, cases):
 
 def _cases(**fixed):
     grid = dict(kind=["sharded", "replicated"], tied=[False, True], delay=[False, True], fuse=[False, True],
-                microbatches=[1, 4], policy=["per_microbatch", "per_step"])
+                microbatches=[1, 4], policy=["per_microbatch", "per_step"], **{"async": [False, True]})
     grid.update({k: [v] for k, v in fixed.items()})
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
@@ -171,6 +171,20 @@ def test_parity_two_ranks_bit_exact():
 def test_parity_three_ranks_uneven_shards():
     cases = [c for c in _cases(fuse=False, policy="per_microbatch")]
     run_distributed(_parity_rank, 3, cases, timeout=300)
+
+
+def _async_overlap_rank(rank, world):
+    """An async reduction is in flight after backward and lands in main_grad when the step ends."""
+    w = ShardedWeight.from_full(torch.ones(N, K), async_reduce=True)
+    lin = Linear(K, N, bias=False, weight=w)
+    lin(torch.ones(2, K)).sum().backward()
+    assert len(w._inflight) == 1 and (not hasattr(w, "main_grad") or not w.main_grad.any())
+    assert distwgrad.finalize_model_grads([lin]) == 1 and not w._inflight
+    return torch.equal(w.grad, torch.full_like(w, 2.0)) and torch.equal(w.main_grad, w.grad)
+
+
+def test_async_reductions_land_at_the_end_of_the_step():
+    assert run_distributed(_async_overlap_rank, 2, timeout=120) == [True, True]
 
 
 # --- accounting and errors -----------------------------------------------------------------------------

@@ -223,9 +223,9 @@ def install(config: Any, model_chunks: nn.Module | Sequence[nn.Module]) -> Any:
 def wait_for_reductions(model_chunks: nn.Module | Sequence[nn.Module]) -> int:
     """Waits for every distributed weight's in-flight reductions; returns how many weights it waited on.
 
-    A weight that reduces asynchronously exposes ``wait_for_reductions()``; this is where the step blocks
-    on those handles. distwgrad's own weights reduce synchronously today and do not define it, so for them
-    this finds nothing to wait on (the plain parameters' asynchronous all-reduces are waited in finalize).
+    Every distwgrad weight exposes ``wait_for_reductions()``; one built with ``async_reduce=True`` has
+    its launched reductions in flight until here (``False``, the default: nothing to wait on). The plain
+    parameters' asynchronous all-reduces are waited in finalize.
     """
     waited = 0
     for _, p in named_distinct_params(chunks_of(model_chunks, "wait_for_reductions")):

@@ -239,7 +239,8 @@ class MoEGPT(nn.Module):
 
         def weight(name: str) -> torch.Tensor:
             t = full.pop(name).to(device)
-            return ShardedWeight.from_full(t, group=group) if sharded else nn.Parameter(t)
+            # async_reduce: each reduce-scatter overlaps the rest of backward; finalize waits for it.
+            return ShardedWeight.from_full(t, group=group, async_reduce=True) if sharded else nn.Parameter(t)
 
         c = config
         if sharded:

@@ -39,14 +39,18 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     _all_gather_single(out, inp, group=group)
 
 
-def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    """``out`` receives this rank's row block of the element-wise sum of every rank's ``inp``."""
-    _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group)
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """``out`` receives this rank's row block of the element-wise sum of every rank's ``inp``.
+
+    With ``async_op`` returns the work handle to ``wait()`` on (``inp`` and ``out`` must stay alive).
+    """
+    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_sum(t: torch.Tensor, group: Any) -> None:
+def all_reduce_sum(t: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return None
 
 
 def all_gather_objects(obj: Any, group: Any) -> list[Any]:

@@ -24,13 +24,17 @@ full-size fp32 buffer to their local shape (``_reduce``).
 * Collectives fire in the order contributions complete, which is the same on every rank because every
   rank runs the same program; the reduction is an fp32 sum divided by the group size (an average, as
   DDP and FSDP do).
+* With ``async_reduce=True`` a reduction is launched without waiting (``async_op``), so it overlaps the
+  rest of backward; its result is added to ``main_grad`` by ``wait_for_reductions()``, which
+  ``finish_step`` calls first (and Megatron's finalize through it). The adds happen in launch order, so
+  the result is bit-identical to the synchronous one; ``main_grad`` is complete only after the step ends.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,10 +78,15 @@ class DistributedParameter(nn.Parameter):
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
         return super().__new__(cls, data, requires_grad)
 
-    def _init_state(self, group: Any, reduce_policy: ReducePolicy, full_shape: torch.Size) -> None:
+    def _init_state(self, group: Any, reduce_policy: ReducePolicy, full_shape: torch.Size,
+                    async_reduce: bool = False) -> None:
         if not isinstance(reduce_policy, ReducePolicy):
             raise TypeError(f"reduce_policy must be a ReducePolicy, got {reduce_policy!r}")
+        if not isinstance(async_reduce, bool):
+            raise TypeError(f"async_reduce must be a bool, got {async_reduce!r}")
         self.group = group
+        self.async_reduce = async_reduce
+        self._inflight: list[Callable[[], torch.Tensor]] = []
         self.reduce_policy = reduce_policy
         self.full_shape = torch.Size(full_shape)
         self._buffer: torch.Tensor | None = None
@@ -93,7 +102,8 @@ class DistributedParameter(nn.Parameter):
     def _gather(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
+        """Launches the reduction of ``buffer``; the returned callable waits and gives the local result."""
         raise NotImplementedError
 
     # --- the protocol --------------------------------------------------------------------------------
@@ -138,6 +148,7 @@ class DistributedParameter(nn.Parameter):
     def expect_contribution(self, count: int = 1) -> None:
         """Records ``count`` uses in forward that will deliver a gradient; opens a step if needed."""
         if self._step_closed:
+            self._wait_inflight()  # nothing is in flight after finish_step; never leave one behind
             self._step_closed = False
             self._expected = self._delivered = self._reduced = 0
             self._step_has_grad = False
@@ -169,10 +180,24 @@ class DistributedParameter(nn.Parameter):
         if self._delivered == self._reduced or self._buffer is None:
             return
         buffer, self._buffer = self._buffer, None
-        reduced = self._reduce(buffer)
-        self._main_grad().add_(reduced)
+        finish = self._reduce(buffer, async_op=self.async_reduce)
+        if self.async_reduce:
+            self._inflight.append(finish)
+        else:
+            self._main_grad().add_(finish())
         self._reduced = self._delivered
         self._step_has_grad = True
+
+    def wait_for_reductions(self) -> int:
+        """Waits for the reductions in flight and adds them to ``main_grad``, in launch order; returns
+        how many there were. Schedules call it to block on the step's reductions (Megatron's finalize)."""
+        return self._wait_inflight()
+
+    def _wait_inflight(self) -> int:
+        inflight, self._inflight = self._inflight, []
+        for finish in inflight:
+            self._main_grad().add_(finish())
+        return len(inflight)
 
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
@@ -184,6 +209,7 @@ class DistributedParameter(nn.Parameter):
                 f"contributions this step never arrived (an undrained backward_dw, or a forward whose "
                 f"backward never ran)")
         self._reduce_pending()
+        self._wait_inflight()
         self._step_closed = True
         if not self._step_has_grad:
             return False

@@ -6,6 +6,7 @@ and deferred wgrads land exactly once before the fp32 all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ class ReplicatedWeight(DistributedParameter):
     @classmethod
     def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
-                  requires_grad: bool = True) -> ReplicatedWeight:
+                  requires_grad: bool = True, async_reduce: bool = False) -> ReplicatedWeight:
         """Wraps a copy of ``tensor``, which must be identical on every rank (shape/dtype checked)."""
         group = _comm.resolve_group(group)
         if not isinstance(tensor, torch.Tensor):
@@ -32,16 +33,22 @@ class ReplicatedWeight(DistributedParameter):
             raise ValueError(f"ReplicatedWeight.from_full: ranks disagree on the tensor: "
                              f"{dict(enumerate(meta))} (shape, dtype) by rank")
         self = cls(tensor.detach().clone(), requires_grad)
-        self._init_state(group, reduce_policy, tensor.shape)
+        self._init_state(group, reduce_policy, tensor.shape, async_reduce)
         return self
 
     def _gather(self) -> torch.Tensor:
         return self.detach()
 
-    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         size = _comm.group_size(self.group)
-        if size > 1:
-            _comm.all_reduce_sum(buffer, self.group)
-            self.bytes_reduced += buffer.numel() * buffer.element_size()
-            buffer.div_(size)
-        return buffer
+        if size == 1:
+            return lambda: buffer
+        work = _comm.all_reduce_sum(buffer, self.group, async_op=async_op)
+        self.bytes_reduced += buffer.numel() * buffer.element_size()
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return buffer.div_(size)
+
+        return finish

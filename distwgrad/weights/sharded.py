@@ -13,6 +13,7 @@ equal-sized blocks; padding rows are never read back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,10 +42,12 @@ class ShardedWeight(DistributedParameter):
     @classmethod
     def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
-                  requires_grad: bool = True) -> ShardedWeight:
+                  requires_grad: bool = True, async_reduce: bool = False) -> ShardedWeight:
         """Shards ``tensor``, which must be identical on every rank of ``group`` (None: default group).
 
-        Raises ``ValueError`` on every rank when the ranks disagree on the shape or dtype.
+        ``async_reduce`` launches each reduce-scatter without waiting, to overlap it with the rest of
+        backward ([Note: contribution accounting]). Raises ``ValueError`` on every rank when the ranks
+        disagree on the shape or dtype.
         """
         group = _comm.resolve_group(group)
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
@@ -58,12 +61,12 @@ class ShardedWeight(DistributedParameter):
         rank = _comm.group_rank(group)
         start = sum(rows[:rank])
         shard = tensor.detach()[start:start + rows[rank]].clone()
-        return cls._build(shard, group, rows, reduce_policy, requires_grad)
+        return cls._build(shard, group, rows, reduce_policy, requires_grad, async_reduce)
 
     @classmethod
     def from_shard(cls, shard: torch.Tensor, *, group: Any = None,
                    reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
-                   requires_grad: bool = True) -> ShardedWeight:
+                   requires_grad: bool = True, async_reduce: bool = False) -> ShardedWeight:
         """Wraps this rank's rows; ranks must agree on trailing dims and dtype and the rows must follow the
         ``torch.chunk`` layout of :func:`shard_rows` (checked on every rank)."""
         group = _comm.resolve_group(group)
@@ -75,14 +78,14 @@ class ShardedWeight(DistributedParameter):
         if rows != shard_rows(sum(rows), len(rows)):
             raise ValueError(f"ShardedWeight.from_shard: rows per rank {rows} do not follow the torch.chunk "
                              f"layout {shard_rows(sum(rows), len(rows))} for {sum(rows)} rows")
-        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad)
+        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad, async_reduce)
 
     @classmethod
     def _build(cls, shard: torch.Tensor, group: Any, rows: list[int], reduce_policy: ReducePolicy,
-               requires_grad: bool) -> ShardedWeight:
+               requires_grad: bool, async_reduce: bool) -> ShardedWeight:
         self = cls(shard, requires_grad)
         full_shape = torch.Size([sum(rows), *shard.shape[1:]])
-        self._init_state(group, reduce_policy, full_shape)
+        self._init_state(group, reduce_policy, full_shape, async_reduce)
         self.shard_rows = rows
         self.shard_offset = sum(rows[: _comm.group_rank(group)])
         return self
@@ -110,16 +113,24 @@ class ShardedWeight(DistributedParameter):
         blocks = out.split(self._padded_rows)
         return torch.cat([b[:r] for b, r in zip(blocks, self.shard_rows)])
 
-    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         size = _comm.group_size(self.group)
         if size == 1:
-            return buffer
+            return lambda: buffer
         if len(set(self.shard_rows)) == 1:
             padded = buffer
         else:
             parts = buffer.split(self.shard_rows)
             padded = torch.cat([self._padded(p) for p in parts])
+        padded = padded.contiguous()
         out = buffer.new_empty(self._padded_rows, *buffer.shape[1:])
-        _comm.reduce_scatter_sum(out, padded.contiguous(), self.group)
+        work = _comm.reduce_scatter_sum(out, padded, self.group, async_op=async_op)
         self.bytes_reduced += padded.numel() * padded.element_size()
-        return out[: self.shape[0]].div_(size)
+        rows = self.shape[0]
+
+        def finish(_inputs_alive: torch.Tensor = padded) -> torch.Tensor:  # held until the work is done
+            if work is not None:
+                work.wait()
+            return out[:rows].div_(size)
+
+        return finish
