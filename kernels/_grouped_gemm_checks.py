@@ -82,9 +82,14 @@ def _check_wgrad(dy_TN, x_TK, offs_E, out) -> None:
     _check_operands(op, {"dy_TN": dy_TN, "x_TK": x_TK}, offs_E, E)
     if out is None:
         return
-    outs = [("out", out)] if isinstance(out, torch.Tensor) else None
-    if outs is not None:
-        want = (E, N, K)
+    _check_wgrad_out(op, out, E, N, K, dy_TN.device, "dy_TN")
+
+
+def _check_wgrad_out(op: str, out, E: int, N: int, K: int, device: torch.device, ref_name: str) -> None:
+    """``out`` of an accumulating wgrad: an fp32 ``[E, N, K]`` tensor whose groups do not overlap, or a
+    list of E distinct fp32 ``[N, K]`` buffers with equal strides, all on ``device``."""
+    if isinstance(out, torch.Tensor):
+        outs, want = [("out", out)], (E, N, K)
         if tuple(out.shape) != want:
             raise ValueError(f"{op}: out must be [E, N, K] = {want}, got {tuple(out.shape)}")
         if E > 1 and _data_ptr(out) is not None and torch._debug_has_internal_overlap(out) == 1:
@@ -109,5 +114,5 @@ def _check_wgrad(dy_TN, x_TK, offs_E, out) -> None:
     for name, t in outs:
         if t.dtype != torch.float32:
             raise TypeError(f"{op}: {name} must be float32 (gradients accumulate in fp32), got {t.dtype}")
-        if t.device != dy_TN.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but dy_TN is on {dy_TN.device}")
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {device}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._grouped_gemm_checks import _check_tensor, _data_ptr
+from ._grouped_gemm_checks import _check_tensor, _check_wgrad_out
 from .grouped_gemm import _interpreting
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -81,32 +81,7 @@ def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out) -> None:
     _check_offsets(op, offs_E, E, dy_t.device)
     if out is None:
         return
-    if isinstance(out, torch.Tensor):
-        outs, want = [("out", out)], (E, N, K)
-        if tuple(out.shape) != want:
-            raise ValueError(f"{op}: out must be [E, N, K] = {want}, got {tuple(out.shape)}")
-        if E > 1 and _data_ptr(out) is not None and torch._debug_has_internal_overlap(out) == 1:
-            raise ValueError(f"{op}: out's groups overlap in memory (strides {out.stride()})")
-    elif isinstance(out, (list, tuple)):
-        if len(out) != E:
-            raise ValueError(f"{op}: out has {len(out)} buffers, expected one per group ({E})")
-        outs, want = [(f"out[{i}]", t) for i, t in enumerate(out)], (N, K)
-        for name, t in outs:
-            _check_tensor(op, name, t, 2)
-            if tuple(t.shape) != want or t.stride() != out[0].stride():
-                raise ValueError(f"{op}: {name} has shape {tuple(t.shape)} and strides {t.stride()}; every "
-                                 f"buffer must be [N, K] = {want} with out[0]'s strides {out[0].stride()}")
-        ptrs = [_data_ptr(t) for t in out]
-        if None not in ptrs and len(set(ptrs)) != len(ptrs):
-            raise ValueError(f"{op}: two buffers of out share memory; accumulating both in one pass would race")
-    else:
-        raise TypeError(f"{op}: out must be None, an fp32 [E, N, K] tensor or a list of E fp32 [N, K] "
-                        f"tensors, got {type(out).__name__}")
-    for name, t in outs:
-        if t.dtype != torch.float32:
-            raise TypeError(f"{op}: {name} must be float32 (gradients accumulate in fp32), got {t.dtype}")
-        if t.device != dy_t.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but dy_t is on {dy_t.device}")
+    _check_wgrad_out(op, out, E, N, K, dy_t.device, "dy_t")
 
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:
