@@ -75,6 +75,21 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """This wgrad program's group ``e``, its (swizzled) output tile and the group's token range
+    ``[start, end)``, offsets clamped into ``[0, T]`` (shared by the bf16 and FP8 wgrad kernels)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(N, BLOCK_M)
+    tiles_n = tl.cdiv(K, BLOCK_N)
+    e = pid // (tiles_m * tiles_n)
+    pid_m, pid_n = _swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
+    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e * stride_o), 0), T)
+    start = tl.minimum(tl.maximum(tl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
+    return e, pid_m, pid_n, start, tl.maximum(end, start)
+
+
+@triton.jit
 def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(group, tile within it, first token, tokens, total tiles) for tile ``pid``; offsets clamped."""
     eidx = tl.arange(0, BLOCK_E)
@@ -173,14 +188,7 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
     (the read streams under the MMAs, held in registers), 3 sends fp32 reductions to L2 (no round trip;
     still deterministic: every element receives exactly one addend), 4 does the same with one bulk
     tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(N, BLOCK_M)
-    tiles_n = tl.cdiv(K, BLOCK_N)
-    e = pid // (tiles_m * tiles_n)
-    pid_m, pid_n = _swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
-    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e * stride_o), 0), T)
-    start = tl.minimum(tl.maximum(tl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
-    end = tl.maximum(end, start)
+    e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if end == start:
             return

@@ -85,7 +85,7 @@ from distwgrad.fp8.quantize import Quantized
 
 from . import _grouped_gemm_fp8_configs as _cfg
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_wgrad
-from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table, _swizzle
+from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table, _swizzle, _wgrad_tile
 
 __all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
 
@@ -228,14 +228,7 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
     b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
     deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(N, BLOCK_M)
-    tiles_n = tl.cdiv(K, BLOCK_N)
-    e = pid // (tiles_m * tiles_n)
-    pid_m, pid_n = _swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
-    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e * stride_o), 0), T)
-    start = tl.minimum(tl.maximum(tl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
-    end = tl.maximum(end, start)
+    e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if end == start:
             return
