@@ -15,7 +15,8 @@ cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_session}}
 mkdir -p "$OUT_DIR"
-STEPS=${STEPS:-"tests bench_gemm bench_fp8 megatron train"}
+STEPS=${STEPS:-"tests bench_gemm bench_fp8 megatron train bench_gemm_graph"}
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # seconds per step: a hang costs one step, not the session
 if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -29,7 +30,7 @@ run() {  # run NAME CMD...: appends to session.log, records the exit code
   local name=$1; shift
   echo "== $name: $*" | tee -a "$LOG"
   local t0=$SECONDS
-  "$@" >>"$LOG" 2>&1
+  timeout "$STEP_TIMEOUT" "$@" >>"$LOG" 2>&1
   RESULT[$name]="rc=$? $((SECONDS - t0))s"
   tail -n 3 "$LOG"
 }
@@ -38,6 +39,8 @@ for step in $STEPS; do
     tests) run gpu_tests python3 -m pytest tests -m gpu -q -p no:cacheprovider -s ;;
     bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
                   --plot "$OUT_DIR/grouped_gemm_h200.png" ;;
+    bench_gemm_graph) run bench_gemm_graph python3 qa/bench/grouped_gemm.py --cuda-graph --no-check \
+                        --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
     bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
     train) run train_bf16 python3 -m distwgrad.launch.train --steps 50 --check-parity --no-progress --out /tmp/train_bf16

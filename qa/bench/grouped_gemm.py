@@ -23,7 +23,9 @@ Routing: every token picks one expert uniformly at random (``torch.multinomial``
 seed 0), so groups hold about T/E +- sqrt(T/E) tokens: balanced, as after an auxiliary-loss-balanced
 router, but ragged. The loop reads the splits on the host once, outside the timed region.
 
-Timing: ``triton.testing.do_bench`` (L2 flushed before every run), median, after a warm-up call. Kernels
+Timing: ``triton.testing.do_bench`` (L2 flushed before every run), median, after a warm-up call; with
+``--cuda-graph``, ``triton.testing.do_bench_cudagraph`` (back-to-back calls captured in one graph and
+replayed: device time only, L2 not flushed between calls). Kernels
 shorter than ~0.3 ms (the E=128 shape) can be host-bound here: each of our calls spends ~0.1 ms in Python
 (custom-op dispatch, checks, descriptor encoding) and the loop peer 128 launches; a slow host shows up
 as a slow E=128 row and a slow loop (docs/benchmarks/grouped_gemm.md, 2026-11-29 round 3). Before
@@ -71,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test, TRITON_INTERPRET=1)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time CUDA-graph replays (triton.testing.do_bench_cudagraph): device time without "
+                        "the host's launch cost; rows get timing='cuda_graph'")
     args = p.parse_args(argv)
     args.shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     return args
@@ -184,6 +189,8 @@ def time_ms(fn, args, rep=None) -> float:
         fn()
         return (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
+    if args.cuda_graph:  # replays of a graph of back-to-back calls; L2 is not flushed between them
+        return triton.testing.do_bench_cudagraph(fn, rep=rep or args.rep, return_mode="median")
     return triton.testing.do_bench(fn, warmup=args.warmup, rep=rep or args.rep, return_mode="median")
 
 
@@ -243,7 +250,8 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                 except Exception as exc:  # noqa: BLE001 - a peer that refuses a layout is reported
                     print(f"  {name} failed on {op} {shape}: {exc!r}"[:400], flush=True)
                     continue
-                row = dict(op=op, shape=list(shape), impl=name, tflops=p.flops / ms / 1e9, ms=ms, device=dev)
+                row = dict(op=op, shape=list(shape), impl=name, tflops=p.flops / ms / 1e9, ms=ms, device=dev,
+                           timing="cuda_graph" if args.cuda_graph else "do_bench")
                 if name == "distwgrad":
                     row["config"] = default_config(op, p).short()
                 rows.append(row)
