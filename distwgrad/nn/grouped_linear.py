@@ -9,9 +9,9 @@ gathered with one collective for all experts.
 
 The products go through ``distwgrad.ops.grouped_gemm`` (torch reference on CPU, Triton on CUDA), so the
 module never knows which ran. The gradient contract is Linear's: [Note: accumulate, never assign].
-Under ``fp8_autocast`` the products run in FP8 as in ``Linear`` (emulated; [Note: fp8 distributed
-weights]); wgrad operands are tiled along the tokens over the whole token range, so a tile may span two
-experts' tokens (a valid quantization; per-group tiles would need the offsets on the host).
+Under ``fp8_autocast`` the products run in FP8 through ``distwgrad.ops.grouped_gemm_fp8``: the FP8
+Triton kernels on CUDA, emulation elsewhere ([Note: fp8 gemm dispatch], [Note: fp8 distributed
+weights]).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distwgrad.fp8.emulate import dequantize_weights, fake_quant_cols, fake_quant_rows
+from distwgrad.fp8.quantize import Quantized
 from distwgrad.fp8.recipe import Recipe, current_recipe
 from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm as gg
+from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.wgrad.accumulate import run_wgrad
 from distwgrad.wgrad.store import WeightGradStore
@@ -53,27 +54,39 @@ def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
 
 
 def _weights_ENK(weights, call: _Call, *, backward: bool) -> torch.Tensor:
-    """The experts' full weights for a GEMM: bf16/fp32 as stored, or FP8-dequantized fp32 values."""
-    if call.recipe is None:
-        fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
-        return _stack(fn(weights), call.packed)
-    qs = [q for w in weights for q in materialize_quantized(w, call.recipe, backward=backward)]
-    return dequantize_weights(qs, packed=True)
+    """The experts' full weights for a GEMM, as stored (no recipe)."""
+    fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
+    return _stack(fn(weights), call.packed)
 
 
-def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None):
+def _weights_fp8(weights, call: _Call, *, backward: bool) -> list[Quantized]:
+    """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded)."""
+    assert call.recipe is not None
+    return [q for w in weights for q in materialize_quantized(w, call.recipe, backward=backward)]
+
+
+def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None):
+    """The wgrad product for ``run_wgrad``. Under a recipe both operands are quantized along the tokens
+    (the contraction) over the whole token range, so a tile may span two experts' tokens (a valid
+    quantization; per-group tiles would need the offsets on the host)."""
     out_dtype = dy_TN.dtype
-    if recipe is not None:  # tiles along the tokens (the contraction), over the whole token range
-        dy_TN = fake_quant_cols(dy_TN, recipe, grad=True).contiguous()
-        x_TK = fake_quant_cols(x_TK, recipe, grad=False).contiguous()
+    if recipe is None:
+        def product(out):
+            return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+    else:
+        dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
+        x_qt = gg8.quantize_operand(x_TK, recipe, grad=False)[1]
+
+        def product(out):
+            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out)
 
     def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
         if targets[0] is None:
-            dW_ENK = gg.grouped_wgrad(dy_TN, x_TK, offs_E).to(out_dtype)
+            dW_ENK = product(None).to(out_dtype)
             return [dW_ENK] if packed else list(dW_ENK.unbind(0))
         if packed:
-            return [gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=targets[0])]
-        return list(gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=[t for t in targets if t is not None]))
+            return [product(targets[0])]
+        return list(product([t for t in targets if t is not None]))
     return gemm
 
 
@@ -87,12 +100,12 @@ def _bias_gemm(dy_TN, offs_E, packed: bool):
     return gemm
 
 
-def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool):
+def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool, dy_qt=None):
     gws: list[torch.Tensor | None] = [None] * len(weights)
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
-        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe), fuse=call.fuse,
-                        deferred=deferred)
+        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt),
+                        fuse=call.fuse, deferred=deferred)
     if call.bias_grad:
         gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred)
     return gws, gbs
@@ -102,13 +115,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, offs_E, call: _Call, *params):
         weights, biases = list(params[: call.num_weights]), list(params[call.num_weights:])
-        w_ENK = _weights_ENK(weights, call, backward=False)
         b_EN = _stack(materialize_weight_for_forward(biases), call.packed) if biases else None
         if call.recipe is None:
+            w_ENK = _weights_ENK(weights, call, backward=False)
             y_TN = gg.grouped_fprop(x_TK, w_ENK, offs_E, b_EN)
-        else:
-            x_q = fake_quant_rows(x_TK, call.recipe, grad=False)
-            y_TN = gg.grouped_fprop(x_q, w_ENK, offs_E, None if b_EN is None else b_EN.float()).to(x_TK.dtype)
+        else:  # [Note: fp8 gemm dispatch]
+            w_ENK = _weights_fp8(weights, call, backward=False)
+            x_q = gg8.quantize_operand(x_TK, call.recipe, grad=False)[0]
+            y_TN = gg8.grouped_fprop_fp8(x_q, w_ENK, offs_E, b_EN, x_TK.dtype)
         del w_ENK, b_EN  # transient: never saved, never cached
         ctx.save_for_backward(x_TK, offs_E)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
@@ -120,22 +134,25 @@ class _GroupedLinearFunction(torch.autograd.Function):
         x_TK, offs_E = ctx.saved_tensors
         weights, biases, call = ctx.weights, ctx.biases, ctx.call
         dy_TN = dy_TN.contiguous()
-        dx_TK = None
+        dx_TK = dy_qt = None
         if ctx.needs_input_grad[0]:
-            w_ENK = _weights_ENK(weights, call, backward=True)
             if call.recipe is None:
+                w_ENK = _weights_ENK(weights, call, backward=True)
                 dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
-            else:
-                dy_q = fake_quant_rows(dy_TN, call.recipe, grad=True)
-                dx_TK = gg.grouped_dgrad(dy_q, w_ENK, offs_E).to(dy_TN.dtype)
+            else:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
+                w_ENK = _weights_fp8(weights, call, backward=True)
+                dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
+                dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_ENK, offs_E, dy_TN.dtype)
+                del dy_q
             del w_ENK
         nones = (None,) * (len(weights) + len(biases))
         if not (call.weight_grad or call.bias_grad):
             return (dx_TK, None, None, *nones)
         if call.delay:
-            call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True))
+            call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True,
+                                                  dy_qt=dy_qt))
             return (dx_TK, None, None, *nones)
-        gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False)
+        gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False, dy_qt=dy_qt)
         return (dx_TK, None, None, *gws, *gbs)
 
 

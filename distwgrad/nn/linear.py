@@ -5,9 +5,10 @@ may be a plain parameter or any DistributedWeight (``ShardedWeight``, ``Replicat
 written for TE's protocol); see [Note: what backward may hold] in ``distwgrad/protocol.py`` and
 [Note: accumulate, never assign] in ``distwgrad/wgrad/accumulate.py``.
 
-Under ``distwgrad.fp8.fp8_autocast(recipe)`` the three GEMMs run in FP8 (emulated: quantize with the
-recipe's scales, fp32 GEMM of the dequantized operands; ``distwgrad/fp8/emulate.py``), the weight is
-quantized before it is gathered and re-gathered in FP8 for dgrad ([Note: fp8 distributed weights]).
+Under ``distwgrad.fp8.fp8_autocast(recipe)`` the three GEMMs run in FP8: on CUDA in the FP8 grouped
+kernels as one group, elsewhere emulated (quantize with the recipe's scales, fp32 GEMM of the
+dequantized operands); [Note: fp8 gemm dispatch] in ``distwgrad/ops/grouped_gemm_fp8.py``. The weight
+is quantized before it is gathered and re-gathered in FP8 for dgrad ([Note: fp8 distributed weights]).
 The recipe is read in forward and carried to backward on the autograd context.
 """
 
@@ -21,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distwgrad.fp8.emulate import dequantize_weights, fake_quant_cols, fake_quant_rows
+from distwgrad.fp8.emulate import dequantize_weights
+from distwgrad.fp8.quantize import dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe
 from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
+from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.ops.gemm import wgrad_mm
 from distwgrad.protocol import (
     is_distributed_weight,
@@ -56,37 +59,55 @@ def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torc
     return fn([bias])[0]
 
 
+def _one_group(t_TX: torch.Tensor) -> torch.Tensor:
+    """Offsets of one group holding every token: Linear on the grouped FP8 kernels (no host sync)."""
+    return torch.full((1,), t_TX.shape[0], dtype=torch.int32, device=t_TX.device)
+
+
 def _fprop(x_TK, weight, bias, recipe: Recipe | None) -> torch.Tensor:
     if recipe is None:
         (w_NK,) = materialize_weight_for_forward([weight])
         return F.linear(x_TK, w_NK, _materialize_bias(bias))
-    w_NK = dequantize_weights(materialize_quantized(weight, recipe, backward=False), packed=False)
+    # [Note: fp8 gemm dispatch]: the FP8 kernels where they apply, else fp32 of the dequantized operands.
+    w_qs = materialize_quantized(weight, recipe, backward=False)
     b = _materialize_bias(bias)
-    return F.linear(fake_quant_rows(x_TK, recipe, grad=False), w_NK, None if b is None else b.float()).to(x_TK.dtype)
+    x_q = gg8.quantize_operand(x_TK, recipe, grad=False)[0]
+    if gg8.fp8_kernels_accept([x_q], w_qs):
+        return gg8.grouped_fprop_fp8(x_q, w_qs, _one_group(x_TK), None if b is None else b[None], x_TK.dtype)
+    w_NK = dequantize_weights(w_qs, packed=False)
+    return F.linear(dequantize(x_q, dtype=torch.float32), w_NK, None if b is None else b.float()).to(x_TK.dtype)
 
 
-def _dgrad(dy_TN, weight, recipe: Recipe | None) -> torch.Tensor:
+def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     if recipe is None:
         (w_NK,) = materialize_weight_for_backward([weight])
         return dy_TN.mm(w_NK)
     # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision.
-    w_NK = dequantize_weights(materialize_quantized(weight, recipe, backward=True), packed=False)
-    return fake_quant_rows(dy_TN, recipe, grad=True).mm(w_NK).to(dy_TN.dtype)
+    w_qs = materialize_quantized(weight, recipe, backward=True)
+    if gg8.fp8_kernels_accept([dy_q], w_qs):
+        return gg8.grouped_dgrad_fp8(dy_q, w_qs, _one_group(dy_TN), dy_TN.dtype)
+    w_NK = dequantize_weights(w_qs, packed=False)
+    return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
 
-def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None) -> torch.Tensor:
+def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None) -> torch.Tensor:
     if recipe is None:
         return wgrad_mm(dy_TN, x_TK, out)
-    dW_NK = fake_quant_cols(dy_TN, recipe, grad=True).t().mm(fake_quant_cols(x_TK, recipe, grad=False))
+    dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
+    x_qt = gg8.quantize_operand(x_TK, recipe, grad=False)[1]
+    if gg8.fp8_kernels_accept([dy_qt, x_qt]):
+        dW = gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=None if out is None else [out])
+        return dW[0].to(dy_TN.dtype) if out is None else out
+    dW_NK = dequantize(dy_qt, dtype=torch.float32).mm(dequantize(x_qt, dtype=torch.float32).t())
     return dW_NK.to(dy_TN.dtype) if out is None else out.add_(dW_NK)
 
 
 def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, call: _Call, deferred: bool):
+                  bias: torch.Tensor | None, call: _Call, deferred: bool, dy_qt=None):
     """One contribution to the weight (and bias) gradient; returns what autograd gets."""
     gw = gb = None
     if call.weight_grad:
-        (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe)], fuse=call.fuse,
+        (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt)], fuse=call.fuse,
                           deferred=deferred)
     if call.bias_grad:
         assert bias is not None
@@ -108,15 +129,18 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, dy_TN):
         (x_TK,) = ctx.saved_tensors
         weight, bias, call = ctx.weight, ctx.bias, ctx.call
-        dx_TK = None
+        dx_TK = dy_qt = None
         if ctx.needs_input_grad[0]:
-            dx_TK = _dgrad(dy_TN, weight, call.recipe)
+            dy_q = None
+            if call.recipe is not None:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
+                dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
+            dx_TK = _dgrad(dy_TN, weight, call.recipe, dy_q)
         if not (call.weight_grad or call.bias_grad):
             return dx_TK, None, None, None
         if call.delay:
-            call.store.put(lambda: _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=True))
+            call.store.put(lambda: _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=True, dy_qt=dy_qt))
             return dx_TK, None, None, None
-        gw, gb = _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=False)
+        gw, gb = _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=False, dy_qt=dy_qt)
         return dx_TK, gw, gb, None
 
 

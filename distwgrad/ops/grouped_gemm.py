@@ -16,11 +16,13 @@ distributed weight's ``grad_buffer()``): ``out`` is a stacked ``[E, N, K]`` fp32
 CPU tensors always take the torch reference in ``distwgrad.testing.reference`` (bit-exact with a
 per-expert ``torch.nn.functional.linear`` oracle, which the CPU tests rely on). CUDA tensors take the
 Triton kernels in ``distwgrad.kernels.grouped_gemm`` when Triton imports; otherwise the reference. The
-choice is made here and nowhere else, so the modules never know which one ran.
+choice is made here and nowhere else, so the modules never know which one ran. (Tests of the wiring
+alone may send CPU tensors through the kernels: ``DISTWGRAD_KERNELS_ON_CPU=1`` with ``TRITON_INTERPRET=1``.)
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -67,9 +69,16 @@ def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, n
     return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
+def _kernels_on_cpu() -> bool:
+    """Testing route: CPU tensors through the kernels, under the Triton interpreter only."""
+    return (os.environ.get("DISTWGRAD_KERNELS_ON_CPU", "0") not in ("", "0")
+            and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
 def kernels_available(t: torch.Tensor) -> bool:
-    """True when ``t`` lives on CUDA and the Triton grouped-GEMM kernels import."""
-    if t.device.type != "cuda":
+    """True when ``t`` lives on CUDA and the Triton grouped-GEMM kernels import (or, for tests of the
+    wiring, ``DISTWGRAD_KERNELS_ON_CPU=1`` with ``TRITON_INTERPRET=1`` and ``t`` on the CPU)."""
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and _kernels_on_cpu()):
         return False
     try:
         from distwgrad.kernels import grouped_gemm  # noqa: F401
@@ -97,11 +106,30 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, *,
                   out: torch.Tensor | Sequence[torch.Tensor] | None = None):
-    """``dW`` per group; with ``out`` (fp32) it is added into ``out`` and ``out`` is returned."""
+    """``dW`` per group; with ``out`` it is added into ``out`` and ``out`` is returned. The kernels fuse
+    the add into fp32 buffers; other buffers (a bf16 ``main_grad``, a foreign weight's bf16
+    ``grad_buffer()``) get a fresh product added afterwards."""
     if kernels_available(dy_TN):
         from distwgrad.kernels import grouped_gemm as k
+        if out is not None and not all_fp32(out):
+            return add_per_group(out, k.grouped_wgrad(dy_TN, x_TK, offs_E))
         return k.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
     return reference.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+
+
+def all_fp32(out: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """Whether every accumulation target is fp32 (what the fused kernels add into)."""
+    return all(t.dtype == torch.float32 for t in ([out] if isinstance(out, torch.Tensor) else out))
+
+
+def add_per_group(out, dW_ENK: torch.Tensor):
+    """Adds a fresh ``[E, N, K]`` product into a stacked or per-group ``out``; returns ``out``."""
+    if isinstance(out, torch.Tensor):
+        out.add_(dW_ENK)
+    else:
+        for t, g in zip(out, dW_ENK.unbind(0), strict=True):
+            t.add_(g)
+    return out
 
 
 def grouped_bias_grad(dy_TN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -120,4 +148,4 @@ def grouped_bias_grad(dy_TN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor
     return db_EN.to(dy_TN.dtype)
 
 
-__all__ += ["grouped_bias_grad"]
+__all__ += ["grouped_bias_grad", "all_fp32", "add_per_group"]

@@ -1,0 +1,115 @@
+"""The FP8 grouped GEMMs the modules call under an FP8 recipe: Triton on CUDA, emulation elsewhere.
+
+Legend: E experts (groups), T tokens, K in-features, N out-features; ``offs_E`` as in
+``distwgrad.ops.grouped_gemm`` (int32 END offsets on the tokens' device). ``Linear`` is one group.
+
+    quantize_operand(x_MK, recipe, grad)  -> (q, q_t): x for a GEMM contracting over its columns, and
+                                             x^T for one contracting over its rows (the tokens)
+    grouped_fprop_fp8(x_q, w_qs, offs_E, bias_EN, out_dtype)   y_TN[g]   = deq(x)[g] @ deq(w_e)^T (+ b_e)
+    grouped_dgrad_fp8(dy_q, w_qs, offs_E, out_dtype)           dx_TK[g]  = deq(dy)[g] @ deq(w_e)
+    grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=None)           dW_ENK[e] = deq(dy)[g]^T @ deq(x)[g]
+
+``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``).
+A fresh wgrad is fp32 (the caller casts); with ``out`` (fp32 ``[E, N, K]`` or a list of E ``[N, K]``) the
+product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
+
+[Note: fp8 gemm dispatch]
+Operands are quantized once, by the Triton quantize kernels on CUDA and by the torch reference
+elsewhere: the two are bit-identical (tests/test_fp8_quantize.py), so every device sees the same fp8
+values and scales. The products then run:
+* on CUDA, in the FP8 Triton kernels (``distwgrad.kernels.grouped_gemm_fp8``: fp8 tensor-core products,
+  scales applied in the kernel, fp32 accumulation) when they accept the operands: per-tensor scales, or
+  1xL activation tiles with LxL weight blocks of the same L >= 32;
+* otherwise by EMULATION: dequantize to fp32, then the fp32 grouped GEMM of ``distwgrad.ops.grouped_gemm``
+  (the torch reference on CPU, bit-exact with the CPU tests' oracles; Triton in fp32 on CUDA). Weights
+  whose gathered scales are not square blocks (a sharded weight whose row split is off the block grid
+  keeps per-row scales, ``distwgrad.fp8.weights``) and tiles shorter than 32 take this path.
+Both compute the same mathematical product of the same quantized values; they differ only in the order
+of fp32 accumulation and, on Hopper, in the tensor cores' limited-precision fp8 accumulation, which
+``distwgrad.testing.reference_fp8.error_bound`` bounds. Setting ``DISTWGRAD_KERNELS_ON_CPU=1`` together
+with ``TRITON_INTERPRET=1`` routes CPU tensors through the kernels (tests of this wiring on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from distwgrad.fp8 import quantize as reference_quantize
+from distwgrad.fp8.emulate import dequantize_weights
+from distwgrad.fp8.quantize import Quantized, dequantize
+from distwgrad.fp8.recipe import Recipe
+from distwgrad.ops import grouped_gemm as gg
+
+__all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8",
+           "fp8_kernels_accept"]
+
+
+def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool) -> tuple[Quantized, Quantized]:
+    """``(q, q_t)``: ``x`` quantized along its rows (tiles along K) and ``x^T`` along the tokens; one read
+    of ``x`` on CUDA. Bit-identical on every device ([Note: fp8 gemm dispatch])."""
+    if gg.kernels_available(x_MK):
+        from distwgrad.kernels import quantize as kq
+        return kq.quantize_rowwise_and_columnwise(x_MK.contiguous(), recipe, grad=grad)
+    return reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
+
+
+def _act_block(q: Quantized) -> int | None:
+    """L of 1xL tiles, 0 for per-tensor, None for anything else."""
+    if q.block is None:
+        return 0
+    return q.block[1] if q.block[0] == 1 else None
+
+
+def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] = ()) -> bool:
+    """True when the FP8 kernels run these operands: all on CUDA (or the CPU testing route), one
+    recipe (all per-tensor, or 1xL tiles with L >= 32 and LxL weight blocks), 2-D weights."""
+    if not gg.kernels_available(act_qs[0].data):
+        return False
+    blocks = {_act_block(q) for q in act_qs}
+    if len(blocks) != 1:
+        return False
+    L = blocks.pop()
+    if L is None or (L and L < 32):
+        return False
+    want = (L, L) if L else None
+    return all(q.block == want and len(q.shape) == 2 for q in w_qs)
+
+
+def _emulated_weights(w_qs: Sequence[Quantized]) -> torch.Tensor:
+    return dequantize_weights(list(w_qs), packed=True)
+
+
+def grouped_fprop_fp8(x_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
+                      bias_EN: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``y_TN`` in ``out_dtype`` (bias added in fp32); see the module docstring."""
+    if fp8_kernels_accept([x_q], w_qs):
+        from distwgrad.kernels import grouped_gemm_fp8 as k
+        return k.grouped_fprop_fp8(x_q, list(w_qs), offs_E, bias_EN, out_dtype)
+    x_TK = dequantize(x_q, dtype=torch.float32)
+    bias = None if bias_EN is None else bias_EN.float()
+    return gg.grouped_fprop(x_TK, _emulated_weights(w_qs), offs_E, bias).to(out_dtype)
+
+
+def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """``dx_TK`` in ``out_dtype``; see the module docstring."""
+    if fp8_kernels_accept([dy_q], w_qs):
+        from distwgrad.kernels import grouped_gemm_fp8 as k
+        return k.grouped_dgrad_fp8(dy_q, list(w_qs), offs_E, out_dtype)
+    dy_TN = dequantize(dy_q, dtype=torch.float32)
+    return gg.grouped_dgrad(dy_TN, _emulated_weights(w_qs), offs_E).to(out_dtype)
+
+
+def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor, *,
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+    """A fresh fp32 ``[E, N, K]``, or the product added into ``out``; see the module docstring."""
+    if fp8_kernels_accept([dy_qt, x_qt]):
+        from distwgrad.kernels import grouped_gemm_fp8 as k
+        if out is not None and not gg.all_fp32(out):  # the fused add is into fp32 only
+            return gg.add_per_group(out, k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E))
+        return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out)
+    dy_TN = dequantize(dy_qt, dtype=torch.float32).t().contiguous()
+    x_TK = dequantize(x_qt, dtype=torch.float32).t().contiguous()
+    return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)

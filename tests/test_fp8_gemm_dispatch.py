@@ -1,0 +1,152 @@
+"""The FP8 modules on the FP8 Triton kernels ([Note: fp8 gemm dispatch] in distwgrad/ops/grouped_gemm_fp8.py).
+
+``Linear`` and ``GroupedLinear`` under ``fp8_autocast`` are run end to end (forward, dgrad, deferred or
+immediate wgrad fused into fp32 ``main_grad``, bias) and checked against the FP8 oracle of
+``distwgrad.testing.reference_fp8`` built from the same tensors with the reference quantizers: the
+output, the input gradient and the weight gradient must lie within ``reference_fp8.error_bound`` (fp32
+accumulation in another order; on Hopper its limited-precision fp8 accumulation). Each case also
+counts the kernel launches, so a silent fallback to the emulation fails the test.
+
+On CPU the cases run in a child process under ``TRITON_INTERPRET=1`` with ``DISTWGRAD_KERNELS_ON_CPU=1``
+(fp32 modules: the interpreter truncates bf16 stores); on a GPU (``-m gpu``) in bf16 at larger shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_HERE = os.path.abspath(__file__)
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _counting(monkeypatch_like, module, names):
+    """Wraps ``module.<name>`` for each name; returns the dict of call counts."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        fn = getattr(module, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            counts[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch_like(module, name, wrapped)
+    return counts
+
+
+def _check(what, ours, expected, S, *, depth, out_dtype, device, addend=None):
+    from distwgrad.testing import reference_fp8 as RF
+    mma_rel = RF.HOPPER_MMA_REL if device == "cuda" else 0.0
+    res = RF.check(ours, expected, S, depth=depth, out_dtype=out_dtype, mma_rel=mma_rel, addend=addend)
+    assert res["ok"], f"{what}: {res}"
+    return res["worst"]
+
+
+def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn) -> dict:
+    """One module under one recipe through the kernels; returns the worst error/bound ratios."""
+    from distwgrad.kernels import grouped_gemm_fp8 as K
+
+    from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
+    from distwgrad.fp8.quantize import quantize_rowwise_and_columnwise
+    from distwgrad.fp8.weights import quantize_weight
+    from distwgrad.nn import GroupedLinear, Linear
+    from distwgrad.testing import reference_fp8 as RF
+
+    cuda = device == "cuda"
+    L = 128 if cuda else 32
+    recipe = (PerTensorScaling() if recipe_name == "per_tensor"
+              else BlockwiseScaling(act_block=(1, L), weight_block=(L, L)))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    T, K_, N_ = (1000, 384, 320) if cuda else (40, 72, 48)  # K, N off the block grid on purpose
+    torch.manual_seed(0)
+    if module == "grouped":
+        splits = [300, 0, 1, 699] if cuda else [11, 0, 1, 28]
+        mod = GroupedLinear(len(splits), K_, N_, bias=True, params_dtype=dtype, device=device,
+                            delay_wgrad_compute=delay, fuse_wgrad_accumulation=True)
+        weights = [getattr(mod, f"weight{e}") for e in range(len(splits))]
+    else:
+        splits = [T]
+        mod = Linear(K_, N_, bias=True, params_dtype=dtype, device=device, delay_wgrad_compute=delay,
+                     fuse_wgrad_accumulation=True)
+        weights = [mod.weight]
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+    biases = [p for n, p in mod.named_parameters() if n.startswith("bias")]
+    with torch.no_grad():
+        for b in biases:
+            b.normal_()
+    counts = _counting(setattr_fn, K, ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"])
+    x = torch.randn(T, K_, device=device, dtype=dtype, requires_grad=True)
+    with fp8_autocast(recipe):
+        y = mod(x, splits) if module == "grouped" else mod(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    if delay:
+        mod.backward_dw()
+    assert counts == {"grouped_fprop_fp8": 1, "grouped_dgrad_fp8": 1, "grouped_wgrad_fp8": 1}, counts
+
+    # Oracle: the same quantized operands, from the reference quantizers.
+    offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
+    x_q, x_qt = quantize_rowwise_and_columnwise(x.detach(), recipe)
+    dy_q, dy_qt = quantize_rowwise_and_columnwise(dy, recipe, grad=True)
+    w_qs = [q for w in weights for q in quantize_weight(w.detach(), recipe)]  # per weight, as the module
+    b_EN = torch.stack([b.detach() for b in biases])
+    worst = {}
+    exp = RF.grouped_fprop_fp8(x_q, w_qs, offs, b_EN, out_dtype=torch.float32)
+    S = RF.grouped_fprop_fp8(x_q, w_qs, offs, absolute=True)
+    worst["y"] = _check("y", y.detach(), exp, S, depth=K_, out_dtype=dtype, device=device)
+    exp = RF.grouped_dgrad_fp8(dy_q, w_qs, offs, out_dtype=torch.float32)
+    S = RF.grouped_dgrad_fp8(dy_q, w_qs, offs, absolute=True)
+    worst["dx"] = _check("dx", x.grad, exp, S, depth=N_, out_dtype=dtype, device=device)
+    exp = RF.grouped_wgrad_fp8(dy_qt, x_qt, offs)
+    S = RF.grouped_wgrad_fp8(dy_qt, x_qt, offs, absolute=True)
+    zero = torch.zeros_like(exp)
+    for e, w in enumerate(weights):
+        worst[f"dw{e}"] = _check(f"main_grad of weight {e}", w.main_grad, exp[e], S[e], depth=T,
+                                 out_dtype=torch.float32, device=device, addend=zero[e])
+    for e, b in enumerate(biases):  # bias gradients are not FP8: the sum of dy over each group
+        s, t = int(offs[e]) - splits[e], int(offs[e])
+        torch.testing.assert_close(b.grad.float(), dy[s:t].float().sum(0), rtol=1e-2, atol=1e-2)
+    return worst
+
+
+CASES = [(r, m, d) for r in ("per_tensor", "blockwise") for m in ("grouped", "linear") for d in (False, True)]
+IDS = [f"{r}-{m}-{'delay' if d else 'now'}" for r, m, d in CASES]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_modules_on_fp8_kernels_interpreted(case):
+    env = dict(os.environ, TRITON_INTERPRET="1", DISTWGRAD_KERNELS_ON_CPU="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, _HERE, *map(str, case)], env=env, cwd=_ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_modules_on_fp8_kernels_gpu(case, monkeypatch):
+    worst = run_case(*case, "cuda", monkeypatch.setattr)
+    print(f"fp8 modules {case}: worst error/bound {max(worst.values()):.3f}")
+
+
+def test_cpu_takes_the_emulation_by_default():
+    """Without the testing route, CPU tensors never reach the kernels (the CPU tests are bit-exact)."""
+    from distwgrad.fp8 import BlockwiseScaling
+    from distwgrad.ops import grouped_gemm_fp8 as gg8
+    if os.environ.get("DISTWGRAD_KERNELS_ON_CPU"):
+        pytest.skip("the testing route is switched on")
+    q, _ = gg8.quantize_operand(torch.randn(4, 64), BlockwiseScaling(), grad=False)
+    assert not gg8.fp8_kernels_accept([q])
+
+
+if __name__ == "__main__":  # child of test_modules_on_fp8_kernels_interpreted
+    recipe_name, module, delay = sys.argv[1], sys.argv[2], sys.argv[3] == "True"
+    worst = run_case(recipe_name, module, delay, "cpu", setattr)
+    print(f"ok {sys.argv[1:]}: worst error/bound {max(worst.values()):.3f}")
