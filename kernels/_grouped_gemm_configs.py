@@ -30,7 +30,12 @@ class TileConfig:
     loop, "prefetch" before it (held in registers while the MMAs run), "atomic" sends fp32 reductions
     to L2 instead of a read-modify-write round trip (deterministic: each element gets one addend),
     "tma_add" one asynchronous bulk tensor reduction per tile (Hopper, stacked ``out`` with 16-byte
-    aligned strides; otherwise, and in the interpreter, it runs as "atomic")."""
+    aligned strides; otherwise, and in the interpreter, it runs as "atomic").
+
+    wgrad only: ``persistent`` > 0 launches that many programs per SM, each looping over tiles, instead
+    of one program per tile ([Note: persistent wgrad] in kernels/_grouped_wgrad.py; no "prefetch"
+    there); with it, ``subtile`` = 2 writes the tile in two column halves and ``warp_specialize`` asks
+    Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise)."""
 
     block_m: int
     block_n: int
@@ -39,6 +44,9 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     add_mode: str = "load"
+    persistent: int = 0
+    subtile: int = 1
+    warp_specialize: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -51,11 +59,24 @@ class TileConfig:
         if self.add_mode not in ("load", "prefetch", "atomic", "tma_add"):
             raise ValueError(f"TileConfig.add_mode must be 'load', 'prefetch', 'atomic' or 'tma_add', got "
                              f"{self.add_mode!r}")
+        self._check_persistent()
+
+    def _check_persistent(self):
+        if not 0 <= self.persistent <= 8 or self.subtile not in (1, 2):
+            raise ValueError(f"TileConfig.persistent must be 0-8 programs per SM and subtile 1 or 2, got "
+                             f"persistent={self.persistent}, subtile={self.subtile}")
+        if not self.persistent and (self.subtile != 1 or self.warp_specialize):
+            raise ValueError(f"TileConfig: subtile={self.subtile} and warp_specialize={self.warp_specialize} "
+                             f"need persistent > 0")
+        if self.persistent and self.add_mode == "prefetch":
+            raise ValueError("TileConfig: the persistent wgrad kernel has no add_mode 'prefetch'")
 
     def short(self) -> str:
         mode = "" if self.add_mode == "load" else f"/{self.add_mode}"
+        pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
+                                               + ("/ws" if self.warp_specialize else ""))
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
-                f"/s{self.num_stages}{mode}")
+                f"/s{self.num_stages}{mode}{pers}")
 
 
 # Tiny tiles for TRITON_INTERPRET=1: several tiles per group and masked edges at test shapes.
@@ -89,6 +110,17 @@ WGRAD_ACC_CANDIDATES = (
     _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add"),
     _T(128, 128, 64, num_warps=8, num_stages=3, add_mode="tma_add"),
     _T(256, 128, 64, num_warps=8, num_stages=2, add_mode="tma_add"),
+    # Round 4 (untimed yet): the persistent kernel, [Note: persistent wgrad]. Shared memory per program
+    # (bf16): 128x128x64/s3 96 KB and 128x128x32/s4 64 KB of operands, plus the "tma_add" staging tile
+    # (64 KB, 32 KB with subtile=2); two programs per SM need both to fit 227 KB together.
+    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1),
+    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="atomic", persistent=2),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", persistent=2, subtile=2),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", persistent=2),
+    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="tma_add", persistent=1, subtile=2),
+    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
+    _T(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
+    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1, warp_specialize=True),
 )
 
 

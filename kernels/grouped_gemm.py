@@ -25,7 +25,9 @@ Scheduling: one program per output tile, tiles ordered group-major, ``group_m`` 
 column of B for L2 reuse. For fprop/dgrad the number of M tiles per group lives on the device: the grid
 covers the bound ``cdiv(T, BLOCK_M) + E`` M tiles and every program finds its group with a prefix sum
 over the offsets (at most 256 lanes); spare programs exit at once. wgrad tiles the fixed [N, K] output of
-every group and walks that group's tokens as its reduction.
+every group and walks that group's tokens as its reduction; its kernels live in ``_grouped_wgrad``, with
+a persistent variant (``TileConfig.persistent`` programs per SM loop over the tiles, so that one tile's
+fp32 reduction into ``out`` drains while the next tile's main loop runs; [Note: persistent wgrad]).
 
 Loads: Hopper TMA tensor descriptors when layouts allow (16-byte aligned base and row strides, unit
 inner stride; for dgrad also N a multiple of BLOCK_K, so a reduction step never crosses into the next
@@ -37,6 +39,7 @@ partial token block always takes the masked path, because a descriptor cannot st
 
 import collections
 import functools
+import inspect
 import os
 from collections.abc import Sequence
 
@@ -47,46 +50,18 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _grouped_gemm_configs as _cfg
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
+from ._grouped_wgrad import _mma, _swizzle, _wgrad_kernel, _wgrad_persistent_kernel
+from ._grouped_wgrad import _wgrad_tile as _wgrad_tile  # re-exported: grouped_gemm_fp8 imports it here
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 
 _ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
+# tl.range(..., warp_specialize=) exists in newer Triton only; TileConfig.warp_specialize needs it
+_RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 
 # ---------------------------------------------------------------------------------------------------
-# Kernels
+# Kernels (fprop/dgrad; the wgrad kernels and the shared tile helpers are in _grouped_wgrad.py)
 # ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """Tile ``local`` of a tiles_m x tiles_n grid, in bands of GROUP_M rows (column-major per band)."""
-    width = GROUP_M * tiles_n
-    first_m = (local // width) * GROUP_M
-    rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (local % width) % rows, (local % width) // rows
-
-
-@triton.jit
-def _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr):
-    """This wgrad program's group ``e``, its (swizzled) output tile and the group's token range
-    ``[start, end)``, offsets clamped into ``[0, T]`` (shared by the bf16 and FP8 wgrad kernels)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(N, BLOCK_M)
-    tiles_n = tl.cdiv(K, BLOCK_N)
-    e = pid // (tiles_m * tiles_n)
-    pid_m, pid_n = _swizzle(pid % (tiles_m * tiles_n), tiles_m, tiles_n, GROUP_M)
-    end = tl.minimum(tl.maximum(tl.load(offs_ptr + e * stride_o), 0), T)
-    start = tl.minimum(tl.maximum(tl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
-    return e, pid_m, pid_n, start, tl.maximum(end, start)
 
 
 @triton.jit
@@ -159,75 +134,6 @@ def _ragged_m_kernel(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, offs_ptr,
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & (cols[None, :] < N))
 
 
-@triton.jit
-def _wgrad_masked_step(dy_ptr, x_ptr, t0, end, rows_m, cols_n, N, K, acc,
-                       stride_dt, stride_dn, stride_xt, stride_xk,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    ts = t0 + tl.arange(0, BLOCK_K)
-    ts64 = ts.to(tl.int64)
-    t_ok = ts < end
-    g = tl.load(dy_ptr + ts64[:, None] * stride_dt + rows_m[None, :] * stride_dn,
-                mask=t_ok[:, None] & (rows_m[None, :] < N), other=0.0)
-    x = tl.load(x_ptr + ts64[:, None] * stride_xt + cols_n[None, :] * stride_xk,
-                mask=t_ok[:, None] & (cols_n[None, :] < K), other=0.0)
-    return _mma(g.T, x, acc, UPCAST, PRECISION)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
-                  T, N, K,
-                  stride_dt, stride_dn, stride_xt, stride_xk,
-                  stride_oe, stride_on, stride_ok, stride_o,
-                  ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
-    """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
-    output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
-    fresh output; 1-4 add into fp32 ``out``: 1 loads the old tile after the main loop, 2 before it
-    (the read streams under the MMAs, held in registers), 3 sends fp32 reductions to L2 (no round trip;
-    still deterministic: every element receives exactly one addend), 4 does the same with one bulk
-    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only)."""
-    e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
-    if ADD_MODE != 0:
-        if end == start:
-            return
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PTR_TABLE:
-        base = tl.load(out_ptr + e).to(tl.pointer_type(tl.float32))
-    else:
-        base = out_ptr + e.to(tl.int64) * stride_oe
-    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
-    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
-    if ADD_MODE == 2:
-        old = tl.load(o_ptrs, mask=mask, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_TMA:
-        t_tail = start + ((end - start) // BLOCK_K) * BLOCK_K
-        for t0 in range(start, t_tail, BLOCK_K):
-            g = dy_desc.load([t0, pid_m * BLOCK_M])
-            x = x_desc.load([t0, pid_n * BLOCK_N])
-            acc = _mma(g.T, x, acc, UPCAST, PRECISION)
-        if t_tail < end:
-            acc = _wgrad_masked_step(dy_ptr, x_ptr, t_tail, end, rows_m, cols_n, N, K, acc, stride_dt,
-                                     stride_dn, stride_xt, stride_xk, UPCAST, PRECISION, BLOCK_K)
-    else:
-        for t0 in range(start, end, BLOCK_K):
-            acc = _wgrad_masked_step(dy_ptr, x_ptr, t0, end, rows_m, cols_n, N, K, acc, stride_dt,
-                                     stride_dn, stride_xt, stride_xk, UPCAST, PRECISION, BLOCK_K)
-    if ADD_MODE == 3:
-        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
-    elif ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
-        out_desc.atomic_add([e, pid_m * BLOCK_M, pid_n * BLOCK_N], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)))
-    else:
-        if ADD_MODE == 1:
-            acc += tl.load(o_ptrs, mask=mask, other=0.0)
-        if ADD_MODE == 2:
-            acc += old
-        tl.store(o_ptrs, acc.to(base.dtype.element_ty), mask=mask)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Launchers: check, allocate, grid, launch
 # ---------------------------------------------------------------------------------------------------
@@ -244,6 +150,15 @@ def _device_info(device: torch.device) -> tuple[int, int | None]:
         return 0, None
     props = torch.cuda.get_device_properties(device)
     return props.major, getattr(props, "shared_memory_per_block_optin", None)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device: persistent kernels launch a multiple of it. Elsewhere
+    (the interpreter) 4, so that test programs loop over several tiles."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[bool, str | None]:
@@ -285,6 +200,9 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
                                    smem_limit=_device_info(a.device)[1]))
+    if config.persistent:
+        raise ValueError(f"grouped_fprop/grouped_dgrad: persistent configs are for wgrad only, got "
+                         f"{config.short()}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     sw = w_ENK.stride()
     eligible = (K > 0 and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
@@ -335,19 +253,26 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     out_desc = None
     if add_mode == 4:  # bulk tensor reduction: Hopper, stacked out with TMA-able strides; else mode 3
         if table is None and tma and not _interpreting() and _tma_2d_ok(out, so[1], so[2]) and so[0] % 4 == 0:
-            out_desc = TensorDescriptor(out, [E, N, K], list(so), [1, bm, bn])
+            out_desc = TensorDescriptor(out, [E, N, K], list(so), [1, bm, bn // config.subtile])
         else:
             add_mode = 3
     upcast, precision = _dot_flags(dy_TN.dtype, dy_TN.device)
-    grid = (E * triton.cdiv(N, bm) * triton.cdiv(K, bn),)
-    _wgrad_kernel[grid](
-        dy_desc, x_desc, out_desc, dy_TN, x_TK, out if table is None else table, offs_E,
-        T, N, K,
-        dy_TN.stride(0), dy_TN.stride(1), x_TK.stride(0), x_TK.stride(1),
-        so[0], so[1], so[2], offs_E.stride(0),
-        ADD_MODE=add_mode, PTR_TABLE=table is not None,
-        USE_TMA=tma, UPCAST=upcast, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+    args = (dy_desc, x_desc, out_desc, dy_TN, x_TK, out if table is None else table, offs_E, T, N, K)
+    strides = (dy_TN.stride(0), dy_TN.stride(1), x_TK.stride(0), x_TK.stride(1),
+               so[0], so[1], so[2], offs_E.stride(0))
+    meta = dict(ADD_MODE=add_mode, PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=upcast,
+                PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    num_tiles = E * triton.cdiv(N, bm) * triton.cdiv(K, bn)
+    if not config.persistent:
+        _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
+        return
+    if config.warp_specialize and not _RANGE_WARP_SPECIALIZE:
+        raise ValueError(f"grouped_wgrad: {config.short()} asks for warp specialization, which "
+                         f"tl.range of triton {triton.__version__} does not take")
+    programs = min(num_tiles, _num_sms(dy_TN.device) * config.persistent)
+    _wgrad_persistent_kernel[(programs,)](*args, E, programs, *strides, SUBTILE=config.subtile,
+                                          WARP_SPECIALIZE=config.warp_specialize, **meta)
 
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:

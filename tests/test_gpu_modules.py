@@ -106,3 +106,27 @@ def test_cuda_graph_capture_of_deferred_add_is_refused():
     with pytest.raises(RuntimeError, match="CUDA graph is capturing"):
         with torch.cuda.graph(graph):
             lin.backward_dw()
+
+
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_fused_into_any_main_grad_dtype(main_dtype):
+    """The kernels fuse the add into fp32 ``main_grad``; a bf16 one gets the fresh product added. Both
+    hold old + the expert's wgrad (compared with a per-expert fp64 product)."""
+    torch.manual_seed(0)
+    E, K, N, splits = 4, 128, 192, [100, 0, 37, 119]
+    layer = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                          fuse_wgrad_accumulation=True)
+    old = [torch.randn(N, K, device="cuda").to(main_dtype) for _ in range(E)]
+    for w, o in zip(_experts(layer), old):
+        w.main_grad = o.clone()
+    x = torch.randn(sum(splits), K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(sum(splits), N, device="cuda", dtype=torch.bfloat16)
+    layer(x, splits).backward(dy)
+    s = 0
+    for w, o, m in zip(_experts(layer), old, splits):
+        want = o.double() + dy[s:s + m].double().t() @ x[s:s + m].double()
+        got = w.main_grad
+        assert got.dtype == main_dtype
+        tol = (2 ** -7 if main_dtype == torch.bfloat16 else 2 ** -14) * want.abs().max().item()  # output rounding
+        assert (got.double() - want).abs().max().item() <= tol, main_dtype
+        s += m

@@ -64,11 +64,15 @@ def _poisoned(shape, like):
 
 
 def _check_all_ops(T, E, K, N, dtype, device, *, seed=0, use_tma=None, config=None, bias=True,
-                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list")):
-    """Runs the launchers on NaN-poisoned outputs and checks each op against the oracle."""
+                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list"), splits=None):
+    """Runs the launchers on NaN-poisoned outputs and checks each op against the oracle; ``splits``
+    (tokens per group) replaces the random split."""
     k = _kernels()
     d = _inputs(T, E, K, N, dtype, device, seed)
     x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]
+    if splits is not None:
+        assert len(splits) == E and sum(splits) == T
+        offs = torch.tensor(splits).cumsum(0).to(device=device, dtype=torch.int32)
     b = d["b"] if bias else None
     x64, w64, dy64 = x.double(), w.double(), dy.double()
     kw = dict(config=config, use_tma=use_tma)
@@ -125,6 +129,49 @@ def _case_wgrad():
     # bf16 operands, fp32 outputs only (see the module docstring)
     _check_all_ops(64, 5, 48, 40, torch.bfloat16, "cpu", seed=9, ops=("wgrad_acc", "wgrad_acc_list"))
     _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=10, use_tma=True, ops=("wgrad_acc",))
+
+
+def _persistent_configs():
+    """Persistent variants of the interpreter config: 4 programs (the interpreter's SM count) x 1 or 2,
+    each add mode ("tma_add" runs as "atomic" here; "load" also covers the fresh output), both
+    epilogue widths, and the warp-specialized loop where this Triton has it."""
+    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
+    ws = _kernels()._RANGE_WARP_SPECIALIZE
+    return [dataclasses.replace(INTERPRETER, persistent=p, add_mode=mode, subtile=sub, warp_specialize=w)
+            for p, mode, sub, w in ((1, "atomic", 1, False), (2, "tma_add", 2, False), (1, "load", 2, False),
+                                    (1, "load", 1, ws), (2, "atomic", 2, ws))]
+
+
+def _case_wgrad_persistent():
+    """Tiles per program > 1, so programs cross group boundaries; empty groups in the random splits."""
+    ops = ("wgrad", "wgrad_acc", "wgrad_acc_list")
+    for i, cfg in enumerate(_persistent_configs()):
+        for dtype in (torch.float16, torch.float32):
+            for use_tma in (False, True):     # 5 groups x 9 tiles over 4 or 8 programs
+                _check_all_ops(64, 5, 48, 40, dtype, "cpu", seed=20 + i, use_tma=use_tma, config=cfg, ops=ops)
+        _check_all_ops(50, 4, 45, 33, torch.float32, "cpu", seed=30 + i, config=cfg, ops=ops)  # off the grid
+
+
+def _case_wgrad_persistent_splits():
+    """Edge splits: E=1, all tokens in one group, no tokens at all, many one-tile groups (E=37 over 4
+    or 8 programs), bf16 operands into fp32."""
+    ops = ("wgrad", "wgrad_acc", "wgrad_acc_list")
+    for i, cfg in enumerate(_persistent_configs()):
+        _check_all_ops(37, 1, 40, 24, torch.float32, "cpu", seed=40 + i, config=cfg, ops=ops)
+        _check_all_ops(33, 4, 48, 40, torch.float16, "cpu", seed=41 + i, use_tma=True, config=cfg, ops=ops,
+                       splits=[0, 0, 33, 0])
+        _check_all_ops(0, 3, 24, 16, torch.float32, "cpu", seed=42 + i, config=cfg, ops=ops, splits=[0, 0, 0])
+        _check_all_ops(90, 37, 16, 16, torch.float16, "cpu", seed=43 + i, config=cfg, ops=ops)
+        _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=44 + i, use_tma=True, config=cfg,
+                       ops=("wgrad_acc", "wgrad_acc_list"))
+    # the config checks
+    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
+    for bad in (dict(persistent=-1), dict(persistent=1, subtile=3), dict(subtile=2), dict(warp_specialize=True),
+                dict(persistent=1, add_mode="prefetch")):
+        with pytest.raises(ValueError, match="TileConfig"):
+            dataclasses.replace(INTERPRETER, **bad)
+    with pytest.raises(ValueError, match="persistent configs are for wgrad only"):
+        _check_all_ops(16, 2, 16, 16, torch.float32, "cpu", config=_persistent_configs()[0], ops=("fprop",))
 
 
 def _case_e256():
@@ -192,6 +239,8 @@ def _case_custom_ops():
 _INTERPRETER_CASES = {
     "fprop_dgrad": _case_fprop_dgrad,
     "wgrad": _case_wgrad,
+    "wgrad_persistent": _case_wgrad_persistent,
+    "wgrad_persistent_splits": _case_wgrad_persistent_splits,
     "e256": _case_e256,
     "layouts_and_offsets": _case_layouts_and_offsets,
     "custom_ops": _case_custom_ops,
@@ -287,6 +336,30 @@ def test_gpu_wgrad_add_modes(mode):
     cfg = TileConfig(128, 128, 32, num_warps=8 if mode == "prefetch" else 4, num_stages=4, add_mode=mode)
     for T, E, K, N in ((4096, 8, 1024, 1536), (3000, 5, 1000, 1304)):
         _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, config=cfg, ops=("wgrad_acc", "wgrad_acc_list"))
+
+
+def _gpu_persistent_configs():
+    """The persistent sweep candidates (imported lazily: the configs module sits under kernels/)."""
+    try:
+        from distwgrad.kernels._grouped_gemm_configs import WGRAD_ACC_CANDIDATES
+    except ImportError:
+        return []
+    return [c for c in WGRAD_ACC_CANDIDATES if c.persistent]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("cfg", _gpu_persistent_configs(), ids=lambda c: c.short())
+def test_gpu_wgrad_persistent(cfg):
+    """The persistent kernel: fresh and accumulating, on and off the tile grid, more tiles than programs
+    (every program loops, across group boundaries), E=64 with ~5 tokens per group, all in one group."""
+    if cfg.warp_specialize and not _kernels()._RANGE_WARP_SPECIALIZE:
+        pytest.skip("this Triton's tl.range has no warp_specialize")
+    ops = ("wgrad", "wgrad_acc", "wgrad_acc_list")
+    for T, E, K, N in ((4096, 8, 1024, 1536), (3000, 5, 1000, 1304), (300, 64, 256, 384)):
+        _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, config=cfg, ops=ops)
+    _check_all_ops(2048, 4, 512, 256, torch.bfloat16, "cuda", seed=1, config=cfg, ops=ops,
+                   splits=[0, 2048, 0, 0])
 
 
 @pytest.mark.gpu

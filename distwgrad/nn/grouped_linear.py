@@ -119,11 +119,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if call.recipe is None:
             w_ENK = _weights_ENK(weights, call, backward=False)
             y_TN = gg.grouped_fprop(x_TK, w_ENK, offs_E, b_EN)
+            del w_ENK  # transient: never saved, never cached
         else:  # [Note: fp8 gemm dispatch]
-            w_ENK = _weights_fp8(weights, call, backward=False)
+            w_qs = _weights_fp8(weights, call, backward=False)
             x_q = gg8.quantize_operand(x_TK, call.recipe, grad=False)[0]
-            y_TN = gg8.grouped_fprop_fp8(x_q, w_ENK, offs_E, b_EN, x_TK.dtype)
-        del w_ENK, b_EN  # transient: never saved, never cached
+            y_TN = gg8.grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype)
+            del w_qs, x_q
+        del b_EN
         ctx.save_for_backward(x_TK, offs_E)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weights, ctx.biases, ctx.call = weights, biases, call
@@ -139,12 +141,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if call.recipe is None:
                 w_ENK = _weights_ENK(weights, call, backward=True)
                 dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
+                del w_ENK
             else:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
-                w_ENK = _weights_fp8(weights, call, backward=True)
+                w_qs = _weights_fp8(weights, call, backward=True)
                 dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
-                dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_ENK, offs_E, dy_TN.dtype)
-                del dy_q
-            del w_ENK
+                dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype)
+                del dy_q, w_qs
         nones = (None,) * (len(weights) + len(biases))
         if not (call.weight_grad or call.bias_grad):
             return (dx_TK, None, None, *nones)

@@ -5,6 +5,8 @@
 #
 #   bash qa/L2_gpu/session.sh            # all steps
 #   STEPS="tests bench_gemm" bash qa/L2_gpu/session.sh
+#   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
+#   only), quant_sweep (quantize tuning candidates), train_fp8 (the FP8 job alone).
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
 # machine with the package index:
@@ -36,13 +38,21 @@ run() {  # run NAME CMD...: appends to session.log, records the exit code
 }
 for step in $STEPS; do
   case $step in
-    tests) run gpu_tests python3 -m pytest tests -m gpu -q -p no:cacheprovider -s ;;
+    tests) run gpu_tests python3 -m pytest tests -m gpu -q -p no:cacheprovider -s --timeout 150 --durations 12 ;;
+    sweep_wgrad) run sweep_wgrad python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --sweep \
+                   --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
+    gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
+    quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
+                   --json "$OUT_DIR/quant_sweep.json" ;;
     bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
                   --plot "$OUT_DIR/grouped_gemm_h200.png" ;;
     bench_gemm_graph) run bench_gemm_graph python3 qa/bench/grouped_gemm.py --cuda-graph --no-check \
                         --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
     bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
+    train_fp8) run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
+                 --no-progress --out /tmp/train_fp8
+               cp /tmp/train_fp8/report.json "$OUT_DIR/train_fp8_report.json" 2>/dev/null ;;
     train) run train_bf16 python3 -m distwgrad.launch.train --steps 50 --check-parity --no-progress --out /tmp/train_bf16
            cp /tmp/train_bf16/report.json "$OUT_DIR/train_bf16_report.json" 2>/dev/null
            run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
