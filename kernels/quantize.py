@@ -8,28 +8,45 @@ Kernels:
 - per-tensor, two passes: ``_amax_kernel`` (grid-stride max of |x|, one fp32 ``atomic_max`` per
   program) then ``_cast_per_tensor_kernel`` (every program derives the same scale from the amax; the
   first also writes ``scale_inv``). A caller-given amax (a sharded weight's all-reduced one) skips
-  the first pass.
+  the first pass. The cast pass walks the blocks last to first (``PER_TENSOR_REVERSE``): the amax
+  pass read them last, so the first ones may still be in L2.
 - ``_quantize_blocks_kernel``: one program per (bm, bn) block, e.g. 128x128 weights: block amax,
   scale and cast in one pass over the block.
 - ``_quantize_rows_kernel``: 1xL tiles for activations and gradients: a [TILE_M, L] tile per program,
   one scale per row.
 - ``_quantize_rowcol_kernel``: both quantizations an activation (or gradient) needs, from one read of
   x: an [L, L] tile per program gives the 1xL row tiles of x (along N) and the 1xL tiles of x^T (along
-  M, one per column of the tile), the latter stored transposed as [N, M]. The tile is visited in
-  column chunks (``ROWCOL_CHUNK``) twice, column-wise first; the second visit hits the cache.
+  M, one per column of the tile), the latter stored transposed as [N, M]. ``ROWCOL_CHUNK == L`` holds
+  the tile in registers; a smaller chunk visits it in column chunks twice (the second visit hits the
+  cache) with fewer registers but more per-scale work.
+
+Speed (H200: ~4.1 TB/s copy, 132 SMs at ~1.98 GHz). At copy bandwidth an SM must take ~4 bf16 elements
+per cycle while issuing at most 128 thread-instructions per cycle, so the per-element work must stay
+near ~10 instructions: a load's bf16 -> fp32 shift, one max.NaN (|x| folded in), one multiply, half a
+cvt (it converts two values) and byte packing. Per-scale work (two IEEE divisions and the clamps) is
+repeated by every thread that holds part of the scale's row or column, which is why the tilings
+matter. Per-tensor scaling needs the global amax before the first element can be cast, so x is read
+twice: holding x on chip until every program's amax is in would take a grid-wide barrier and room
+for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB of registers + ~30 MiB of shared memory + 50 MB
+of L2 on an H200). For bf16 -> fp8 that is 5 bytes moved per 3 of minimal traffic: a bound of 3/5 =
+0.6 of copy on the minimal-traffic GB/s the benchmark reports; L2 hits of the reversed cast pass can
+only shave the re-read of the last few tens of MB. Delayed scaling (the previous step's amax) reads x
+once, but it is another recipe, not this one.
 
 Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``):
 - the scale and ``scale_inv`` use ``tl.math.div_rn`` (IEEE division; Triton's ``/`` is approximate
   on NVIDIA) and the same clamps and mask as the reference, selected with ``tl.where`` (comparisons
   with NaN are false, so no NaN-dropping min/max is involved);
-- NaN is mapped to +inf before the max reductions (``tl.max`` may ignore NaN);
-- the fp32 -> fp8 cast (``_to_fp8_bits``) saturates first, then rounds to nearest even: on CUDA with
-  the hardware conversion (``cvt.rn.satfinite``, sm_89+: Ada, Hopper, Blackwell); under
-  ``TRITON_INTERPRET=1`` with explicit integer/power-of-two arithmetic onto the fp8 grid, because the
-  interpreter's own cast rounds wrongly (it drops mantissa carries: 31.6 -> 16) and turns NaN into
-  256. The explicit path costs ~20% of bandwidth on H200, hence the split; each path is tested
-  bit-exact against torch's conversion on every fp8 value and midpoint (``case_rounding``). NaN gets
-  the byte 0x7F | sign on both.
+- the amax reductions use the NaN-propagating max (``tl.max`` may drop NaN) and map a NaN result to
+  +inf, as ``compute_amax`` does; a max picks one of its inputs, so reducing in bf16/fp16 is exact;
+- the fp32 -> fp8 cast (``_to_fp8_bits``) saturates to +-fp8_max and rounds to nearest even: on CUDA
+  with the hardware conversion alone (``cvt.rn.satfinite``, sm_89+: Ada, Hopper, Blackwell; it
+  saturates +-inf and finite overflow, and keeps NaN); under ``TRITON_INTERPRET=1`` with explicit
+  integer/power-of-two arithmetic onto the fp8 grid, because the interpreter's own cast rounds wrongly
+  (it drops mantissa carries: 31.6 -> 16) and turns NaN into 256. Each path is tested bit-exact
+  against torch's conversion on every fp8 value and midpoint, saturation and non-finite values
+  (``case_rounding``). NaN bytes are unspecified (the reference's note): the interpreter path writes
+  0x7F | sign, the hardware its own NaN.
 Partial edge blocks are masked: masked lanes load 0 and are never stored.
 """
 
@@ -46,17 +63,55 @@ from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
-# Tuning: H200, 8192x16384 bf16 -> e4m3, do_bench medians (GB/s of minimal traffic; copy 4090 GB/s),
-# the best or tied-best of the configurations swept; run-to-run noise on that machine was ~+-15%.
-# Every value here only moves speed: each element's arithmetic is the same for any tiling.
+# Tuning. Every value here only moves speed: each element's arithmetic is the same for any tiling.
+# The GB/s quoted are H200 medians (8192x16384 bf16 -> e4m3, GB/s of minimal traffic, copy ~4100) of
+# the previous kernels (fp8 cast with a clamp and NaN select per element: ~2.3x the instructions);
+# re-pick from `python qa/bench/fp8.py --benchmarks quantize --quant-sweep` (candidates in SWEEP).
+# Registers below: ptxas -v for sm_90a, Triton 3.9, bf16 input; "k/SM" = programs resident per SM.
 PER_TENSOR_BLOCK = 8192   # elements per program (and per amax loop step): ~2140 vs ~1690-1920 at 4096
-PER_TENSOR_WARPS = 4
+PER_TENSOR_WARPS = 4      # cast 39 regs (12/SM), amax 94 regs (5/SM)
+PER_TENSOR_REVERSE = True  # cast pass last block first (L2 reuse after the amax pass); unmeasured
 AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one address (~8 per SM)
-BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 2150-2800 vs ~1850 with 4 warps
-ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 2300-2750 at (32 rows, 4 warps)
+BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 2150-2800 vs ~1850 with 4 warps; 80 regs (3/SM)
+ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 2300-2750 at (32 rows, 4 warps); 53 regs (9/SM)
 ROWS_WARPS = 4
-ROWCOL_CHUNK = 128        # 128x128 tile in one chunk: ~1120 vs ~1035 for 32/64-column chunks
-ROWCOL_WARPS = 4          # vs ~900 with 8 warps
+ROWCOL_CHUNK = 128        # whole 128x128 tile, one read: ~1120 vs ~1035 for 32/64-column chunks (old kernel)
+ROWCOL_WARPS = 4          # 210 regs (2/SM) vs 8 warps: 143 regs (1/SM), ~900 with the old kernel
+ROWCOL_MAXNREG = None     # register cap (Triton ``maxnreg``): 8 warps fit 128 without spills (2/SM)
+
+# Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
+# timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
+# per program and per-scale redundancy; the first of each list is the default.
+SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
+    "per_tensor": [
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=False),
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),    # amax 55 regs
+        dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
+        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),
+        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=16, PER_TENSOR_REVERSE=True),
+    ],
+    "blockwise_1x128": [
+        dict(ROWS_TILE_M=32, ROWS_WARPS=4),
+        dict(ROWS_TILE_M=16, ROWS_WARPS=4),   # 37 regs (12/SM)
+        dict(ROWS_TILE_M=32, ROWS_WARPS=8),   # 37 regs (8/SM)
+        dict(ROWS_TILE_M=64, ROWS_WARPS=4),   # 96 regs (5/SM)
+        dict(ROWS_TILE_M=64, ROWS_WARPS=8),   # 59 regs (4/SM)
+        dict(ROWS_TILE_M=128, ROWS_WARPS=8),  # 97 regs (2/SM)
+    ],
+    "blockwise_128x128": [
+        dict(BLOCKS_WARPS=8),
+        dict(BLOCKS_WARPS=4),   # 167 regs (3/SM), fewest instructions per element
+        dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
+    ],
+    "rowcol_1x128": [
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
+        dict(ROWCOL_CHUNK=64, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),    # two reads, 152 regs
+    ],
+}
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _FLT_MIN_NORMAL = tl.constexpr(2.0**-126)
@@ -66,9 +121,24 @@ _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _abs_nan_to_inf(x):
-    a = tl.abs(x)
-    return tl.where(a == a, a, _INF)
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # max.NaN.f32: one instruction
+
+
+@triton.jit
+def _absmax(x, axis):
+    """max |x| along ``axis`` as fp32, NaN-propagating (``tl.max`` may drop NaN); the caller makes NaN
+    +inf on the reduced value (``_inf_if_nan``): one select per scale instead of one per element.
+
+    Reduced in x's own dtype: a max only picks one of its inputs, so this is exact, and x stays packed
+    (bf16 pairs per register, one max.NaN.bf16x2 per pair) instead of being held in fp32 as well.
+    """
+    return tl.reduce(tl.abs(x), axis, _max_nan).to(tl.float32)
+
+
+@triton.jit
+def _inf_if_nan(amax):
+    return tl.where(amax == amax, amax, _INF)
 
 
 @triton.jit
@@ -87,24 +157,32 @@ def _scale_from_amax(amax, NUM: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def _row_scales(x_RC, NUM: tl.constexpr, POW2: tl.constexpr):
+    """Scales of an [R, C] tile (input dtype) whose rows are whole 1xC scaling tiles."""
+    return _scale_from_amax(_inf_if_nan(_absmax(x_RC, 1)), NUM, POW2)
+
+
+@triton.jit
 def _to_fp8_bits(y, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                  HW_CAST: tl.constexpr):
-    """fp32 -> float8 bits (uint8): saturate, round to nearest even, NaN -> 0x7F | sign."""
+    """fp32 -> float8 bits (uint8): saturate to +-FP8_MAX, round to nearest even; NaN stays NaN."""
+    if HW_CAST:
+        # One cvt.rn.satfinite.{e4m3,e5m2}x2.f32 per two values (sm_89+) and nothing else: RNE, NaN ->
+        # NaN, finite overflow and +-inf -> +-fp8_max. Saturating after rounding equals saturating
+        # first: every value above fp8_max rounds to fp8_max or above.
+        return y.to(FP8).to(tl.uint8, bitcast=True)
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
     sign = y.to(tl.int32, bitcast=True) & -2147483648
-    if HW_CAST:
-        q = y.to(FP8).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite: RNE on sm_89+
-    else:
-        # ulp of the fp8 value at |y|: 2**(e - MANT), with e floored at the smallest normal exponent
-        # (below it the fp8 grid is the uniform subnormal one). Both scalings are exact powers of two.
-        mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        e = tl.maximum(mag >> 23, EMIN_BIASED)
-        ulp = ((e - MANT) << 23).to(tl.float32, bitcast=True)
-        inv_ulp = ((254 + MANT - e) << 23).to(tl.float32, bitcast=True)
-        v = mag.to(tl.float32, bitcast=True) * inv_ulp          # in [0, 2**(MANT + 1)], exact
-        v = (v + 8388608.0) - 8388608.0                          # round to an integer, ties to even
-        r = ((v * ulp).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        q = r.to(FP8).to(tl.uint8, bitcast=True)                 # exact: r is on the fp8 grid
+    # ulp of the fp8 value at |y|: 2**(e - MANT), with e floored at the smallest normal exponent
+    # (below it the fp8 grid is the uniform subnormal one). Both scalings are exact powers of two.
+    mag = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    e = tl.maximum(mag >> 23, EMIN_BIASED)
+    ulp = ((e - MANT) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((254 + MANT - e) << 23).to(tl.float32, bitcast=True)
+    v = mag.to(tl.float32, bitcast=True) * inv_ulp          # in [0, 2**(MANT + 1)], exact
+    v = (v + 8388608.0) - 8388608.0                          # round to an integer, ties to even
+    r = ((v * ulp).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    q = r.to(FP8).to(tl.uint8, bitcast=True)                 # exact: r is on the fp8 grid
     nan_bits = (0x7F | ((sign >> 24) & 0x80)).to(tl.uint8)
     return tl.where(y == y, q, nan_bits)
 
@@ -116,18 +194,23 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(0, tl.cdiv(n, BLOCK * nprog)):
         offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _abs_nan_to_inf(x))
-    tl.atomic_max(amax_ptr, tl.max(acc, axis=0))
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc = _max_nan(acc, tl.abs(x).to(tl.float32))
+    # +inf, never NaN, into the atomic: the fp32 atomic_max is an integer max/min on the bits, which
+    # orders NaN wrongly.
+    tl.atomic_max(amax_ptr, _inf_if_nan(tl.reduce(acc, 0, _max_nan)))
 
 
 @triton.jit
 def _cast_per_tensor_kernel(x_ptr, amax_ptr, q_ptr, s_inv_ptr, n, NUM: tl.constexpr, FP8: tl.constexpr,
                             FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr):
+                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
     pid = tl.program_id(0)
     scale = _scale_from_amax(tl.load(amax_ptr), NUM, False)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    blk = pid
+    if REVERSE:  # last block first: the amax pass read it last, so it may still be in L2
+        blk = tl.num_programs(0) - 1 - pid
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(q_ptr + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
@@ -147,10 +230,11 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(_abs_nan_to_inf(x), axis=1), axis=0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    amax = _inf_if_nan(tl.reduce(_absmax(x, 1), 0, _max_nan))
     scale = _scale_from_amax(amax, NUM, POW2)
-    tl.store(q_ptr + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+    q = _to_fp8_bits(x.to(tl.float32) * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+    tl.store(q_ptr + offs, q, mask=mask)
     s_inv = tl.math.div_rn(1.0 + tl.zeros_like(scale), scale)
     tl.store(s_inv_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, s_inv)
 
@@ -167,12 +251,31 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8:
     mask_m = offs_m < M
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    x_TL = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale_T = _scale_from_amax(tl.max(_abs_nan_to_inf(x_TL), axis=1), NUM, POW2)
-    tl.store(q_ptr + offs, _to_fp8_bits(x_TL * scale_T[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST),
-             mask=mask)
+    x_TL = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    scale_T = _row_scales(x_TL, NUM, POW2)
+    q_TL = _to_fp8_bits(x_TL.to(tl.float32) * scale_T[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+    tl.store(q_ptr + offs, q_TL, mask=mask)
     s_inv_T = tl.math.div_rn(1.0 + tl.zeros_like(scale_T), scale_T)
     tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, s_inv_T, mask=mask_m)
+
+
+@triton.jit
+def _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M, st_col, NUM: tl.constexpr,
+                    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
+                    HW_CAST: tl.constexpr, POW2: tl.constexpr):
+    """The C columns of an [L, C] chunk of x are C rows of x^T, each one 1xL tile: quantized, stored.
+
+    ``tl.trans`` only relabels the layout; Triton moves the fp8 bytes through shared memory before the
+    store, so the stores to x^T are 16 contiguous bytes per thread like the others (TTGIR: one
+    ``convert_layout`` on the uint8 tile). Reduced in fp32 here: ptxas needs fewer registers than with
+    the reduction in bf16 (210 vs 255 at 4 warps).
+    """
+    xt_CL = tl.trans(x_LC).to(tl.float32)
+    scale_C = _row_scales(xt_CL, NUM, POW2)
+    tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
+             _to_fp8_bits(xt_CL * scale_C[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST),
+             mask=mask_n[:, None] & mask_m[None, :])
+    tl.store(st_inv_ptr + offs_n * st_col, tl.math.div_rn(1.0 + tl.zeros_like(scale_C), scale_C), mask=mask_n)
 
 
 @triton.jit
@@ -180,37 +283,45 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
                             FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                             EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
                             L: tl.constexpr, CHUNK: tl.constexpr):
-    """An [L, L] tile of x per program, in [L, CHUNK] column chunks (C below).
+    """An [L, L] tile of x per program: the 1xL row tiles of x (along N) and of x^T (along M).
 
-    Pass 1 per chunk: column amaxes -> 1xL tiles of x^T (along M), quantized and stored transposed as
-    [N, M]; row amaxes accumulate. Pass 2 per chunk (a cache hit): the 1xL row tiles of x (along N).
+    CHUNK == L: the tile is loaded once and held in registers for both. CHUNK < L: [L, CHUNK] column
+    chunks (C below), visited twice: pass 1 quantizes the columns (``_rowcol_columns``) and
+    accumulates the row amaxes; pass 2 reloads each chunk (a cache hit) and quantizes the rows.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * L + tl.arange(0, L)
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)[:, None] * N
-    amax_L = tl.zeros([L], dtype=tl.float32)
-    for c in tl.static_range(L // CHUNK):
-        offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
-        mask_n = offs_n < N
-        x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-        x_LC = x_LC.to(tl.float32)
-        a_LC = _abs_nan_to_inf(x_LC)
-        amax_L = tl.maximum(amax_L, tl.max(a_LC, axis=1))
-        scale_C = _scale_from_amax(tl.max(a_LC, axis=0), NUM, POW2)
-        qt_CL = tl.trans(_to_fp8_bits(x_LC * scale_C[None, :], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST))
-        tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :], qt_CL,
-                 mask=mask_n[:, None] & mask_m[None, :])
-        tl.store(st_inv_ptr + offs_n * tl.cdiv(M, L) + pid_m, tl.math.div_rn(1.0 + tl.zeros_like(scale_C), scale_C),
-                 mask=mask_n)
-    scale_L = _scale_from_amax(amax_L, NUM, POW2)
-    for c in tl.static_range(L // CHUNK):
-        offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
+    st_inv_ptr += pid_m  # scale_inv_t[n, pid_m] = st_inv_ptr[n * cdiv(M, L) + pid_m]
+    st_col = tl.cdiv(M, L)
+    if CHUNK == L:
+        offs_n = pid_n * L + tl.arange(0, L)
         mask = mask_m[:, None] & (offs_n < N)[None, :]
-        x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_LL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0)
+        xf_LL = x_LL.to(tl.float32)
+        scale_L = _row_scales(xf_LL, NUM, POW2)
         tl.store(q_ptr + rows + offs_n[None, :],
-                 _to_fp8_bits(x_LC * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+                 _to_fp8_bits(xf_LL * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+        _rowcol_columns(x_LL, offs_m, mask_m, offs_n, offs_n < N, qt_ptr, st_inv_ptr, M, st_col, NUM, FP8,
+                        FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
+    else:
+        amax_L = tl.zeros([L], dtype=tl.float32)
+        for c in tl.static_range(L // CHUNK):
+            offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
+            mask_n = offs_n < N
+            x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+            _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M, st_col, NUM, FP8,
+                            FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
+            amax_L = _max_nan(amax_L, _absmax(x_LC, 1))
+        scale_L = _scale_from_amax(_inf_if_nan(amax_L), NUM, POW2)
+        for c in tl.static_range(L // CHUNK):
+            offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
+            mask = mask_m[:, None] & (offs_n < N)[None, :]
+            x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + rows + offs_n[None, :],
+                     _to_fp8_bits(x_LC * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
     tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, tl.math.div_rn(1.0 + tl.zeros_like(scale_L), scale_L),
              mask=mask_m)
 
@@ -263,7 +374,7 @@ def _per_tensor_op(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtyp
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, triton.cdiv(n, PER_TENSOR_BLOCK)),)
     _cast_per_tensor_kernel[grid](x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=PER_TENSOR_BLOCK,
-                                  num_warps=PER_TENSOR_WARPS, **_fmt_args(dtype, margin))
+                                  REVERSE=PER_TENSOR_REVERSE, num_warps=PER_TENSOR_WARPS, **_fmt_args(dtype, margin))
     return data, scale_inv
 
 
@@ -312,7 +423,8 @@ def _rowcol_op(x: torch.Tensor, tile: int, dtype: torch.dtype,
     if M * N > 0:
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), num_warps=ROWCOL_WARPS, **_fmt_args(dtype))
+            POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
+            **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
 
 

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -424,8 +425,10 @@ def case_per_tensor(device: str, big: bool) -> None:
                     k = kq.quantize_per_tensor(_on(x, device), f8, amax=_on(a, device))
                     assert_same(k, quantize_per_tensor(x, f8, amax=a), f"{dtype} {f8} {shape} amax={amax}")
     x = wide_range((9000,), torch.bfloat16)
-    with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024):  # several grid-stride steps per program
-        assert_same(kq.quantize_per_tensor(_on(x, device), E4M3), quantize_per_tensor(x, E4M3), "grid-stride")
+    for reverse in (True, False):  # several grid-stride steps per program; cast blocks in either order
+        with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024, PER_TENSOR_REVERSE=reverse):
+            k = kq.quantize_per_tensor(_on(x, device), E4M3)
+        assert_same(k, quantize_per_tensor(x, E4M3), f"grid-stride reverse={reverse}")
 
 
 def case_nonfinite(device: str, big: bool) -> None:
@@ -463,6 +466,11 @@ def case_blockwise(device: str, big: bool) -> None:
                     k = kq.quantize_blockwise(_on(x, device), block, f8, power_of_two=pow2)
                     r = quantize_blockwise(x, block, f8, power_of_two=pow2)
                     assert_same(k, r, f"{dtype} {shape} {f8} {block} pow2={pow2}")
+    x = wide_range((70, 100), torch.bfloat16)
+    for tile_m in (4, 64):  # 1xL row tiles: many programs along M, or one partial one
+        with _tuning(kq, ROWS_TILE_M=tile_m):
+            k = kq.quantize_blockwise(_on(x, device), (1, 32), E4M3)
+        assert_same(k, quantize_blockwise(x, (1, 32), E4M3), f"ROWS_TILE_M={tile_m}")
 
 
 def case_rowcol(device: str, big: bool) -> None:
@@ -487,6 +495,29 @@ def case_rowcol(device: str, big: bool) -> None:
             for k, r in zip(kq.quantize_rowwise_and_columnwise(x, rec, grad=True),
                             quantize_rowwise_and_columnwise(x, rec, grad=True), strict=True):
                 assert_same(k, r, f"{shape} per-tensor")
+
+
+def case_sweep(device: str, big: bool) -> None:
+    """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/fp8.py --quant-sweep``) on
+    a shape that is no multiple of any tile: same bits as the reference, op by op."""
+    kq = _kernels()
+    ops = {
+        "per_tensor": lambda m, x: (m.quantize_per_tensor(x, E4M3),),
+        "blockwise_1x128": lambda m, x: (m.quantize_blockwise(x, (1, 128), E4M3),),
+        "blockwise_128x128": lambda m, x: (m.quantize_blockwise(x, (128, 128), E5M2),),
+        "rowcol_1x128": lambda m, x: m.quantize_rowwise_and_columnwise(x, BlockwiseScaling(power_of_two=False)),
+    }
+    assert set(kq.SWEEP) == set(ops), sorted(kq.SWEEP)
+    reference = SimpleNamespace(quantize_per_tensor=quantize_per_tensor, quantize_blockwise=quantize_blockwise,
+                                quantize_rowwise_and_columnwise=quantize_rowwise_and_columnwise)
+    x = _on(wide_range((4096 + 65, 2048 + 3) if big else (130, 200), torch.bfloat16, seed=7), device)
+    for op, candidates in kq.SWEEP.items():
+        ref = ops[op](reference, x)  # on the kernel's device, as in case_rowcol
+        for cand in candidates:
+            with _tuning(kq, **cand):
+                got = ops[op](kq, x)
+            for k, r in zip(got, ref, strict=True):
+                assert_same(k, r, f"{op} {cand}")
 
 
 def case_checks(device: str, big: bool) -> None:
@@ -518,7 +549,7 @@ def case_opcheck(device: str, big: bool) -> None:
 
 
 KERNEL_CASES = {f.__name__[5:]: f for f in (case_rounding, case_per_tensor, case_nonfinite, case_blockwise,
-                                               case_rowcol, case_checks, case_opcheck)}
+                                               case_rowcol, case_sweep, case_checks, case_opcheck)}
 
 
 @pytest.mark.interpret

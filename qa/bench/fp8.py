@@ -5,6 +5,9 @@ Run on a GPU machine from the repository root::
     PYTHONPATH=. python qa/bench/fp8.py --json out.json                 # 8192x16384 bf16, all ops
     PYTHONPATH=. python qa/bench/fp8.py --ops per_tensor --impls triton  # a subset
     PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --impls eager   # smoke test
+    PYTHONPATH=. python qa/bench/fp8.py --benchmarks quantize --quant-sweep --json q.json  # + every tuning
+    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --benchmarks quantize \
+        --impls triton --quant-sweep --reps 1                                          # smoke test
     PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --json gg.json       # FP8 vs bf16 grouped GEMM
     PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep         # + every fp8 tile config
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --benchmarks grouped_gemm \
@@ -16,7 +19,9 @@ traffic (read x once, write the fp8 data and the fp32 scales) for every implemen
 compares times at equal work: a two-pass or padding implementation is not credited for its extra
 traffic. "eager" and "compile" run the reference ``distwgrad.fp8.quantize`` (eagerly, and under
 ``torch.compile``); "triton" runs ``distwgrad.kernels.quantize``, checked bit-exact against eager
-before it is timed.
+before it is timed. ``--quant-sweep`` adds one row per candidate tuning of each op (the ``SWEEP`` table
+of ``distwgrad.kernels.quantize``: module tuning constants, overridden while that candidate is built,
+checked bit-exact against eager and timed), ``impl`` "triton@NAME=VALUE,...".
 
 Output: a table on stdout and, with ``--json``, a list of rows ``{"op", "shape", "impl", "gbps", ...}``
 (extra keys: ``ms``, ``frac_of_copy``, ``device``; ``bit_exact``: same bits as eager). ``BENCHMARKS``
@@ -37,11 +42,12 @@ Routing as qa/bench/grouped_gemm.py: each token picks one expert uniformly at ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -67,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--benchmarks", nargs="+", default=None,
                    help="row producers to run (default all): quantize, grouped_gemm")
+    p.add_argument("--quant-sweep", action="store_true",
+                   help="quantize: also time every candidate tuning in distwgrad.kernels.quantize.SWEEP")
     _add_gemm_args(p)
     args = p.parse_args(argv)
     try:
@@ -162,8 +170,48 @@ def _impl_modules(args: argparse.Namespace) -> dict[str, object]:
     return mods
 
 
+@contextlib.contextmanager
+def _overriding(module: object, values: dict) -> Iterator[None]:
+    """Sets module attributes (tuning constants) for the duration of the block, then restores them."""
+    old = {k: getattr(module, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def _same_bits(got: tuple, expected: tuple) -> bool:
+    return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected, strict=True))
+
+
+def _quant_sweep(args: argparse.Namespace, op: str, x: torch.Tensor, expected: tuple, nbytes: int,
+                 copy_gbps: float, kq) -> list[Row]:
+    """One row per candidate of ``kq.SWEEP[op]``; a candidate that fails to build or differs from the
+    reference is printed and skipped (it is a result too, but not a timing)."""
+    rows = []
+    for cand in kq.SWEEP.get(op, []):
+        impl = "triton@" + ",".join(f"{k}={v}" for k, v in cand.items())
+        try:
+            with _overriding(kq, cand):
+                fn = functools.partial(QUANTIZE_OPS[op][0](kq), x)
+                if not _same_bits(fn(), expected):
+                    print(f"  sweep {op} {impl}: differs from the reference; not timed", flush=True)
+                    continue
+                ms = time_ms(fn, args.device, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails to build is reported, not fatal
+            print(f"  sweep {op} {impl}: {exc!r}"[:400], flush=True)
+            continue
+        rows.append(_row(op, args, impl, nbytes, ms, copy_gbps, bit_exact=True))
+        print(f"  sweep {op} {impl}: {rows[-1]['gbps']} GB/s", flush=True)
+    return rows
+
+
 def bench_quantize(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
-    """One row per (op, impl): GB/s of the op's minimal traffic."""
+    """One row per (op, impl): GB/s of the op's minimal traffic; with ``--quant-sweep`` also one per
+    candidate tuning of our kernels (``_quant_sweep``)."""
     x = torch.randn(args.M, args.N, device=args.device).mul_(3).to(DTYPES[args.dtype]).contiguous()
     rows, mods = [], _impl_modules(args)
     for op in args.ops or QUANTIZE_OPS:
@@ -172,12 +220,16 @@ def bench_quantize(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
         expected = make(ref)(x)
         for impl, mod in mods.items():
             fn = torch.compile(make(ref), dynamic=False) if impl == "compile" else make(mod)
-            got = fn(x)
-            same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected, strict=True))
+            same = _same_bits(fn(x), expected)
             if impl == "triton" and not same:
                 raise AssertionError(f"{op}: triton result differs from the reference; not timing it")
             ms = time_ms(functools.partial(fn, x), args.device, args.reps)
             rows.append(_row(op, args, impl, nbytes, ms, copy_gbps, bit_exact=same))
+        if args.quant_sweep:
+            if "triton" in mods:
+                rows += _quant_sweep(args, op, x, expected, nbytes, copy_gbps, mods["triton"])
+            else:
+                print(f"  sweep {op}: skipped, the triton impl is not selected or not available here")
         del expected
     return rows
 
