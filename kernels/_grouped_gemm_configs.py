@@ -35,7 +35,9 @@ class TileConfig:
     wgrad only: ``persistent`` > 0 launches that many programs per SM, each looping over tiles, instead
     of one program per tile ([Note: persistent wgrad] in kernels/_grouped_wgrad.py; no "prefetch"
     there); with it, ``subtile`` = 2 writes the tile in two column halves and ``warp_specialize`` asks
-    Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise)."""
+    Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise).
+    ``tma=False`` keeps masked pointer loads where TMA descriptors would apply (an explicit ``use_tma``
+    argument of the launcher wins)."""
 
     block_m: int
     block_n: int
@@ -47,6 +49,7 @@ class TileConfig:
     persistent: int = 0
     subtile: int = 1
     warp_specialize: bool = False
+    tma: bool = True
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -75,6 +78,7 @@ class TileConfig:
         mode = "" if self.add_mode == "load" else f"/{self.add_mode}"
         pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
                                                + ("/ws" if self.warp_specialize else ""))
+        pers += "" if self.tma else "/ptr"
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
                 f"/s{self.num_stages}{mode}{pers}")
 
@@ -110,7 +114,9 @@ WGRAD_ACC_CANDIDATES = (
     _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add"),
     _T(128, 128, 64, num_warps=8, num_stages=3, add_mode="tma_add"),
     _T(256, 128, 64, num_warps=8, num_stages=2, add_mode="tma_add"),
-    # Round 4 (untimed yet): the persistent kernel, [Note: persistent wgrad]. Shared memory per program
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False),
+    # Round 4: the persistent kernel, [Note: persistent wgrad]; it never beat the best one-tile-per-
+    # program config (H200, 2026-11-29: 631 vs 641, 403 vs 421, 80 vs 91). Shared memory per program
     # (bf16): 128x128x64/s3 96 KB and 128x128x32/s4 64 KB of operands, plus the "tma_add" staging tile
     # (64 KB, 32 KB with subtile=2); two programs per SM need both to fit 227 KB together.
     _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1),
@@ -167,10 +173,18 @@ def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: 
     if accumulate:
         # add_mode "atomic" beat "load" at every shape (round 2): 4096/expert 629 (256x128x64/w8/s3)
         # vs 552; 1024: 397 (128x128x32/w4/s4) vs 362; 128: 81 vs 75. "prefetch": 542, 351, 70.
-        # Round 3, "tma_add" vs "atomic": 602 vs 621, 414 vs 392, 81 vs 80: within the rounds' noise,
-        # and GPU-only (untestable in the interpreter), so not the default.
-        cfg = (TileConfig(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic") if big else
-               TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic"))
+        # Round 3, "tma_add" vs "atomic": 602 vs 621, 414 vs 392, 81 vs 80. Round 4 (all candidates
+        # in one run): 4096/expert 128x256x64/w8/s3/atomic 641 vs 256x128x64 589; 1024: 128x128x32/
+        # w4/s4/tma_add 421 vs atomic 397 (the second run in which tma_add led at 1024); 128/expert:
+        # pointer loads 91 vs TMA 80 (a group's ~4 token steps do not amortize the descriptor loads).
+        # "tma_add" falls back to "atomic" where it cannot run (lists of buffers, odd strides).
+        tokens_per_group = num_tokens / max(num_groups, 1)
+        if big:
+            cfg = TileConfig(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic")
+        elif tokens_per_group >= 512:
+            cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add")
+        else:
+            cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False)
     elif big:  # 256x128x64/w8/s3 676 vs 128x256x64/w8/s4 664, 128x128x32/w4/s4 626
         cfg = TileConfig(256, 128, 64, num_warps=8, num_stages=3)
     else:      # 1024/expert: 128x128x32/w4/s4 601 vs 128x128x64/w4/s3 580; 128/expert: 246 vs 184

@@ -243,7 +243,8 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     eligible = (T > 0 and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1))
                 and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1)))
-    tma = _resolve_tma(use_tma, eligible, dy_TN.device, "grouped_wgrad")
+    tma = _resolve_tma(use_tma if use_tma is not None or config.tma else False, eligible, dy_TN.device,
+                       "grouped_wgrad")
     dy_desc = x_desc = None
     if tma:
         dy_desc = TensorDescriptor(dy_TN, [T, N], [dy_TN.stride(0), 1], [bk, bm])

@@ -130,10 +130,11 @@ def _absmax(x, axis):
     """max |x| along ``axis`` as fp32, NaN-propagating (``tl.max`` may drop NaN); the caller makes NaN
     +inf on the reduced value (``_inf_if_nan``): one select per scale instead of one per element.
 
-    Reduced in x's own dtype: a max only picks one of its inputs, so this is exact, and x stays packed
-    (bf16 pairs per register, one max.NaN.bf16x2 per pair) instead of being held in fp32 as well.
+    Reduced in fp32 (exact: a max picks one of its inputs). Reducing bf16 in place would keep pairs
+    packed, but Triton 3.6 promotes ``tl.maximum`` of bf16 to fp32 inside the combine function and then
+    rejects the reduction (its result type differs from the operand type; H200, 2026-11-29).
     """
-    return tl.reduce(tl.abs(x), axis, _max_nan).to(tl.float32)
+    return tl.reduce(tl.abs(x).to(tl.float32), axis, _max_nan)
 
 
 @triton.jit

@@ -81,6 +81,16 @@ def _emulated_weights(w_qs: Sequence[Quantized]) -> torch.Tensor:
     return dequantize_weights(list(w_qs), packed=True)
 
 
+def _contraction_contiguous(w_qs: Sequence[Quantized]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked weights for dgrad, stored ``[E, K, N]`` (N, dgrad's contraction, contiguous) and
+    passed as the ``[E, N, K]`` view the kernel takes. Hopper's fp8 MMA reads its B operand only
+    K-major, so the forward layout costs a transpose of every tile in registers: 4-5x slower dgrad on an
+    H200 (``test_gpu_dgrad_weight_layouts``); the one transposing copy here (E*N*K bytes) is cheaper.
+    The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb)."""
+    data = torch.stack([q.data.t() for q in w_qs]).transpose(1, 2)
+    return data, torch.stack([q.scale_inv for q in w_qs])
+
+
 def grouped_fprop_fp8(x_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
                       bias_EN: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``y_TN`` in ``out_dtype`` (bias added in fp32); see the module docstring."""
@@ -97,7 +107,7 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.
     """``dx_TK`` in ``out_dtype``; see the module docstring."""
     if fp8_kernels_accept([dy_q], w_qs):
         from distwgrad.kernels import grouped_gemm_fp8 as k
-        return k.grouped_dgrad_fp8(dy_q, list(w_qs), offs_E, out_dtype)
+        return k.grouped_dgrad_fp8(dy_q, _contraction_contiguous(w_qs), offs_E, out_dtype)
     dy_TN = dequantize(dy_q, dtype=torch.float32)
     return gg.grouped_dgrad(dy_TN, _emulated_weights(w_qs), offs_E).to(out_dtype)
 

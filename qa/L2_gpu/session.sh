@@ -5,6 +5,7 @@
 #
 #   bash qa/L2_gpu/session.sh            # all steps
 #   STEPS="tests bench_gemm" bash qa/L2_gpu/session.sh
+#   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
 #   only), quant_sweep (quantize tuning candidates), train_fp8 (the FP8 job alone).
 #
@@ -38,7 +39,8 @@ run() {  # run NAME CMD...: appends to session.log, records the exit code
 }
 for step in $STEPS; do
   case $step in
-    tests) run gpu_tests python3 -m pytest tests -m gpu -q -p no:cacheprovider -s --timeout 150 --durations 12 ;;
+    tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu -q -p no:cacheprovider -s -rf --tb=short \
+             --timeout 150 --durations 12 ;;
     sweep_wgrad) run sweep_wgrad python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --sweep \
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
