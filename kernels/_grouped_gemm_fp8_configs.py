@@ -4,9 +4,10 @@ Same scheme as the bf16 kernels (``_grouped_gemm_configs``): a fixed table, no `
 benchmark runs cannot happen inside a CUDA-graph capture and would add into an accumulating ``out``
 repeatedly). Configs reuse ``TileConfig``; the FP8 kernels support ``add_mode`` "load" and "atomic".
 
-UNMEASURED SPEED. No GPU has run the FP8 kernels yet, so no value below cites a timing (house style rule
-17 asks for one); they are starting points, to be replaced from ``qa/bench/fp8.py --gemm-sweep`` on an
-H200. What they rest on:
+UNTUNED. The kernels run and pass their tests on an H200 with these defaults (docs/benchmarks.md has
+their speed), but no candidate below has been timed against another, so no value cites a sweep (house
+style rule 17 asks for one); they are starting points, to be replaced from ``qa/bench/fp8.py
+--gemm-sweep`` on an H200. What they rest on:
 - the bf16 sweeps (H200, 2026-11-29, docs/benchmarks/grouped_gemm.md): fp8 elements are half the bytes,
   so BLOCK_K = 128 moves the bytes of bf16's BLOCK_K = 64 per pipeline stage; the blockwise recipe forces
   it anyway (one K step = one scale block);

@@ -1,30 +1,18 @@
 """FP8 grouped GEMMs for MoE: the three products over ragged token groups, scales applied in the kernel.
 
-STATUS: validated under TRITON_INTERPRET=1, and built for sm_90a without a GPU (``test_compiles_for_sm90``:
-the default configs compile to fp8 wgmma), in tests/test_grouped_gemm_fp8_kernels.py. Never run on a GPU;
-not wired into any module. A GPU session must, in order:
-1. ``pytest -m gpu tests/test_grouped_gemm_fp8_kernels.py``: runs every path on the GPU against the oracle.
-   Open points: (a) dgrad reads the weight with the CONTRACTION (N) strided by K, and Hopper's fp8 wgmma
-   takes B only K-major: the sm_90a build transposes every B tile through registers (48 byte permutes and
-   72 instead of 8 shared stores per K step in the PTX). ``test_gpu_dgrad_weight_layouts`` times that
-   against a transposed copy of the weight (N contiguous, what TransformerEngine caches as the
-   "columnwise" weight; same PTX as fprop); if the copy wins clearly, cache it per step. (b) The
-   Hopper accumulation term ``reference_fp8.HOPPER_MMA_REL`` (2**-9 of sum |a||b|) is provisional: the
-   tests print the worst error/bound ratios; set it from those. (c) ``max_num_imprecise_acc=BLOCK_K``
-   (fp32 promotion every K step, per-tensor path) against Triton's default (no promotion): speed and error.
-2. ``python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep --json fp8_gemm.json``: FP8 vs our bf16
-   kernels at the three MoE shapes, then every candidate tile config; replace the UNMEASURED table in
-   ``_grouped_gemm_fp8_configs.py`` and record the run in docs/benchmarks/.
-Wiring (after 1 and 2), through ``distwgrad.ops.grouped_gemm`` so CPU keeps the emulation ([Note: grouped
-gemm dispatch]): in ``distwgrad/nn/grouped_linear.py``, ``_GroupedLinearFunction.forward``'s recipe branch
-calls ``grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype)`` with ``x_q`` from
-``distwgrad.kernels.quantize.quantize_rowwise_and_columnwise(x_TK, recipe)`` (keep its transposed half
-for wgrad instead of the bf16 ``x_TK``) and ``w_qs`` from ``materialize_quantized`` (quantize packed
-weights straight into a stacked buffer to skip the per-call ``torch.stack``); ``backward``'s dgrad branch
-calls ``grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype)``; ``_wgrad_gemm``'s recipe branch calls
-``grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=targets...)`` (fresh: ``.to(out_dtype)``). Weights from a
-sharded gather off the 128-row grid come with ``block=(1, 128)`` scales (``distwgrad.fp8.weights``):
-not supported here, they need the emulation or a re-quantization.
+STATUS (2026-11-29): every path passes its GPU tests on an H200 (``pytest -m gpu
+tests/test_grouped_gemm_fp8_kernels.py``: fprop, dgrad in both weight layouts, fresh / stacked / list
+wgrad, TMA and pointer paths, NaN masking, CUDA graphs; worst error/bound ratio 0.32 with
+``reference_fp8.HOPPER_MMA_REL``) and under the interpreter, and the modules use them on CUDA through
+``distwgrad.ops.grouped_gemm_fp8`` ([Note: fp8 gemm dispatch]). dgrad reading the weight with the
+contraction (N) strided runs 4-5x slower than an N-contiguous copy on Hopper (its fp8 MMA takes B only
+K-major, so every B tile is transposed in registers): the dispatcher passes the copy. Open: the tile
+tables in ``_grouped_gemm_fp8_configs.py`` are untuned (``python qa/bench/fp8.py --benchmarks
+grouped_gemm --gemm-sweep`` has not run on a GPU), and the wgrad kernels trail bf16 at small groups
+(docs/benchmarks.md).
+
+Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
+(``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
 
 Legend: E experts (groups), T tokens, K in-features, N out-features, L the scale block (128).
 ``offs_E``: int32 END offsets on the device (``grouped_gemm``'s convention: no host sync, clamped into

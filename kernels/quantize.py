@@ -64,20 +64,21 @@ from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
 # Tuning. Every value here only moves speed: each element's arithmetic is the same for any tiling.
-# The GB/s quoted are H200 medians (8192x16384 bf16 -> e4m3, GB/s of minimal traffic, copy ~4100) of
-# the previous kernels (fp8 cast with a clamp and NaN select per element: ~2.3x the instructions);
-# re-pick from `python qa/bench/fp8.py --benchmarks quantize --quant-sweep` (candidates in SWEEP).
+# GB/s: H200, 2026-11-29, 8192x16384 bf16 -> e4m3, GB/s of minimal traffic (copy ~4135), from
+# `python qa/bench/fp8.py --benchmarks quantize --quant-sweep` (candidates in SWEEP; every row checked
+# bit-exact first). The machine's run-to-run noise was +-15-30% (the same 128x128 config measured 2682
+# and 3837 GB/s in one process), so only differences well beyond that moved a default.
 # Registers below: ptxas -v for sm_90a, Triton 3.9, bf16 input; "k/SM" = programs resident per SM.
-PER_TENSOR_BLOCK = 8192   # elements per program (and per amax loop step): ~2140 vs ~1690-1920 at 4096
-PER_TENSOR_WARPS = 4      # cast 39 regs (12/SM), amax 94 regs (5/SM)
-PER_TENSOR_REVERSE = True  # cast pass last block first (L2 reuse after the amax pass); unmeasured
+PER_TENSOR_BLOCK = 8192   # elements per program (and per amax loop step): 2294; 4096: 2429, 16384: 2196
+PER_TENSOR_WARPS = 4      # cast 39 regs (12/SM), amax 94 regs (5/SM); 8 warps 2275
+PER_TENSOR_REVERSE = True  # cast pass last block first (L2 reuse after the amax pass): 2294 vs 2284
 AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one address (~8 per SM)
-BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 2150-2800 vs ~1850 with 4 warps; 80 regs (3/SM)
-ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 2300-2750 at (32 rows, 4 warps); 53 regs (9/SM)
-ROWS_WARPS = 4
-ROWCOL_CHUNK = 128        # whole 128x128 tile, one read: ~1120 vs ~1035 for 32/64-column chunks (old kernel)
-ROWCOL_WARPS = 4          # 210 regs (2/SM) vs 8 warps: 143 regs (1/SM), ~900 with the old kernel
-ROWCOL_MAXNREG = None     # register cap (Triton ``maxnreg``): 8 warps fit 128 without spills (2/SM)
+BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
+ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
+ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
+ROWCOL_CHUNK = 128        # whole 128x128 tile, one read: 2180 vs 1045 for 64-column chunks (two reads)
+ROWCOL_WARPS = 8          # with the cap below: 2180 vs 4 warps 1913 (210 regs, 2/SM), 8 uncapped 1607,
+ROWCOL_MAXNREG = 128      # 16 warps 1260; register cap (Triton ``maxnreg``): 8 warps fit 128 without spills
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
 # timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
@@ -105,8 +106,8 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
         dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
         dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),
         dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
         dict(ROWCOL_CHUNK=64, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),    # two reads, 152 regs

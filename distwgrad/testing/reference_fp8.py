@@ -21,9 +21,10 @@ stores, RNE would be 2^-8), ``tiny`` the output format's smallest subnormal plus
 ``mma_rel`` the extra error of the MMA unit: 0 in the interpreter (numpy fp32), ``HOPPER_MMA_REL`` on
 GPUs, whose fp8 tensor cores add into a ~22-bit (13 explicit mantissa bits) accumulator inside each
 promotion interval (DeepSeek-V3 report, Sec. 3.3.2): at most ~4 truncating steps of 2^-13 per 128-deep
-interval, bounded here by 16 * 2^-13 = 2^-9 of S. PROVISIONAL: set before any GPU run; the GPU tests
-print the worst error/bound ratio. A loose ``atol`` would hide a wrong scale; this bound does not: a
-wrong tile scale errs by O(|partial sum|) >> gamma_n S, and a NaN where the oracle has none fails.
+interval, bounded here by 16 * 2^-13 = 2^-9 of S. Set from that argument before any GPU run; on an H200
+(2026-11-29) the worst error/bound ratio over every GPU test was 0.32 (fprop/dgrad, bf16 outputs; wgrad
+0.02-0.09): the bound holds with margin. A loose ``atol`` would hide a wrong scale; this bound does
+not: a wrong tile scale errs by O(|partial sum|) >> gamma_n S, and a NaN where the oracle has none fails.
 Accumulating wgrad compares ``out + dW`` against ``addend + oracle`` in float64, with one more fp32
 rounding of the sum.
 """

@@ -35,6 +35,9 @@ oracle with the bound in [Note: grouped gemm error bound] (kernels/_grouped_gemm
 Output: a table on stdout; ``--json`` writes a list of rows ``{"op", "shape": [E, T, K, N], "impl",
 "tflops"}`` (extra keys: ``ms``, ``device``, ``config`` for distwgrad); ``--plot`` a PNG of TFLOP/s by
 shape. ``--sweep`` also times every candidate tile config of ours (kernels/_grouped_gemm_configs.py).
+With ``wgrad_accumulate`` among the ops, the run ends with its memory roofline per shape (``roofline``):
+the fp32 read-modify-write of ``main_grad`` at the measured copy bandwidth against the MMAs at the dense
+mm's rate, i.e. the most any accumulating kernel can reach.
 """
 
 from __future__ import annotations
@@ -266,6 +269,42 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
     return rows, sweep_rows, all_ok
 
 
+def copy_gbps(device: str) -> float:
+    """Device copy bandwidth (``clone`` of 1 GiB; bytes read + written per second / 1e9), the memory
+    roofline of the accumulating wgrad's fp32 read-modify-write."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    if device == "cpu":
+        t0 = time.perf_counter()
+        x.clone()
+        return 2 * x.numel() / (time.perf_counter() - t0) / 1e9
+    import triton
+    return 2 * x.numel() / (triton.testing.do_bench(x.clone, return_mode="median") * 1e-3) / 1e9
+
+
+def roofline(rows: list[dict], gbps: float) -> list[str]:
+    """Per shape, the accumulating wgrad's bound: its fp32 ``main_grad`` read + write (8 bytes per
+    element) and operands at ``gbps``, overlapped at best with the MMAs at the dense mm's measured rate.
+    The ratio to grouped_mm's plain wgrad (which writes 2 bytes per element and reads none) is the most
+    any accumulating kernel can reach against that target."""
+    tf = {(r["op"], tuple(r["shape"]), r["impl"]): r["tflops"] for r in rows}
+    lines = []
+    for s in sorted({tuple(r["shape"]) for r in rows if r["op"] == "wgrad_accumulate"}):
+        E, T, K, N = s
+        flops = 2.0 * T * N * K
+        dense, plain = tf.get(("wgrad_accumulate", s, "dense")), tf.get(("wgrad", s, "torch_grouped_mm"))
+        ours = tf.get(("wgrad_accumulate", s, "distwgrad"))
+        if not (dense and ours):
+            continue
+        t_mem = (8.0 * E * N * K + 2.0 * T * (N + K)) / (gbps * 1e9)
+        t_mma = flops / (dense * 1e12)
+        cap = flops / max(t_mem, t_mma) / 1e12
+        vs = f", {cap / plain:.2f}x grouped_mm's plain wgrad" if plain else ""
+        lines.append(f"wgrad_accumulate {s}: fp32 read-modify-write >= {t_mem * 1e3:.2f} ms at {gbps:.0f} GB/s, "
+                     f"MMAs >= {t_mma * 1e3:.2f} ms: cap {cap:.0f} TFLOP/s with full overlap{vs}; "
+                     f"ours {ours:.0f} ({ours / cap:.0%} of the cap)")
+    return lines
+
+
 def summarize(rows: list[dict]) -> str:
     tf = {(r["op"], tuple(r["shape"]), r["impl"]): r["tflops"] for r in rows}
     shapes = sorted({tuple(r["shape"]) for r in rows}, key=lambda s: SHAPES.index(s) if s in SHAPES else 99)
@@ -332,6 +371,11 @@ def main(argv=None) -> int:
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     rows, sweep_rows, ok = run(args)
     print(summarize(rows))
+    if "wgrad_accumulate" in args.ops:
+        gbps = copy_gbps(args.device)
+        print("\n".join(roofline(rows, gbps)))
+        for r in rows:
+            r["copy_gbps"] = round(gbps, 1)
     print(f"correctness before timing: {'PASS' if ok else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
