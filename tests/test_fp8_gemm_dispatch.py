@@ -153,29 +153,30 @@ if __name__ == "__main__":  # child of test_modules_on_fp8_kernels_interpreted
 
 
 def test_kernels_take_only_operands_they_support(monkeypatch):
-    """The dispatch rule of [Note: fp8 gemm dispatch], with the kernel route switched on (nothing is
-    launched): one recipe, per-tensor or 1xL tiles with L >= 32 and LxL weight blocks; anything else
-    (short tiles, per-row weight scales of an off-grid sharded gather, mixed recipes) is emulated."""
+    """The dispatch rule of [Note: fp8 gemm dispatch], with the kernels reported available (nothing is
+    launched or imported: a Triton module imported here under TRITON_INTERPRET would stay interpreted for
+    the rest of the process): one recipe, per-tensor or 1xL tiles with L >= 32 and LxL weight blocks;
+    anything else (short tiles, per-row weight scales of an off-grid sharded gather, mixed recipes) is
+    emulated."""
     from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling
-    from distwgrad.fp8.quantize import dequantize, quantize_blockwise
+    from distwgrad.fp8.quantize import dequantize, quantize_blockwise, quantize_rowwise_and_columnwise
     from distwgrad.fp8.weights import quantize_weight
+    from distwgrad.ops import grouped_gemm as gg
     from distwgrad.ops import grouped_gemm_fp8 as gg8
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("DISTWGRAD_KERNELS_ON_CPU", "1")
     x, w = torch.randn(8, 64), torch.randn(48, 64)
     pt, bw32, bw16 = (PerTensorScaling(), BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32)),
                       BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16)))
-    act = {r: gg8.quantize_operand(x, r, grad=False)[0] for r in (pt, bw32, bw16)}
+    act = {r: quantize_rowwise_and_columnwise(x, r)[0] for r in (pt, bw32, bw16)}
     wq = {r: quantize_weight(w, r) for r in (pt, bw32, bw16)}
+    per_row = [quantize_blockwise(w, (1, 32), torch.float8_e4m3fn)]      # an off-grid sharded gather's scales
+    offs = torch.tensor([8], dtype=torch.int32)
+    want = dequantize(act[bw32], dtype=torch.float32) @ dequantize(per_row[0], dtype=torch.float32).t()
+    y = gg8.grouped_fprop_fp8(act[bw32], per_row, offs, None, torch.float32)  # emulated: bit-exact
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    monkeypatch.setattr(gg, "kernels_available", lambda t: True)
     assert gg8.fp8_kernels_accept([act[pt]], wq[pt])
     assert gg8.fp8_kernels_accept([act[bw32]], wq[bw32])
     assert not gg8.fp8_kernels_accept([act[bw16]], wq[bw16])             # tiles shorter than 32
     assert not gg8.fp8_kernels_accept([act[bw32]], wq[pt])               # mixed recipes
     assert not gg8.fp8_kernels_accept([act[pt], act[bw32]])
-    per_row = [quantize_blockwise(w, (1, 32), torch.float8_e4m3fn)]      # an off-grid sharded gather's scales
     assert not gg8.fp8_kernels_accept([act[bw32]], per_row)
-    offs = torch.tensor([8], dtype=torch.int32)
-    monkeypatch.delenv("DISTWGRAD_KERNELS_ON_CPU")                       # the emulation answers the same call
-    y = gg8.grouped_fprop_fp8(act[bw32], per_row, offs, None, torch.float32)
-    torch.testing.assert_close(y, dequantize(act[bw32], dtype=torch.float32)
-                               @ dequantize(per_row[0], dtype=torch.float32).t(), rtol=0, atol=0)
