@@ -51,8 +51,7 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
     from distwgrad.kernels import grouped_gemm_fp8 as K
 
     from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
-    from distwgrad.fp8.quantize import quantize_rowwise_and_columnwise
-    from distwgrad.fp8.weights import quantize_weight
+    from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
     from distwgrad.nn import GroupedLinear, Linear
     from distwgrad.testing import reference_fp8 as RF
 
@@ -93,7 +92,9 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
     offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
     x_q, x_qt = quantize_rowwise_and_columnwise(x.detach(), recipe)
     dy_q, dy_qt = quantize_rowwise_and_columnwise(dy, recipe, grad=True)
-    w_qs = [q for w in weights for q in quantize_weight(w.detach(), recipe)]  # per weight, as the module
+    # Per weight, as the module; the reference quantizers even where the module used the kernels.
+    w_qs = [quantize_per_tensor(w.detach(), recipe.fwd_dtype) if recipe_name == "per_tensor" else
+            quantize_blockwise(w.detach(), recipe.weight_block, recipe.dtype) for w in weights]
     b_EN = torch.stack([b.detach() for b in biases])
     worst = {}
     exp = RF.grouped_fprop_fp8(x_q, w_qs, offs, b_EN, out_dtype=torch.float32)

@@ -44,18 +44,33 @@ from distwgrad.weights.sharded import ShardedWeight
 __all__ = ["quantize_weight", "materialize_quantized", "sync_weight_amax"]
 
 
+def _quantizers(w: torch.Tensor):
+    """(quantize_per_tensor, quantize_blockwise, contiguous): the Triton kernels where the grouped-GEMM
+    kernels run (CUDA), else the torch reference. The two produce the same bits
+    (tests/test_fp8_quantize.py), so the choice moves speed only ([Note: fp8 gemm dispatch])."""
+    from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
+    if gg.kernels_available(w):
+        from distwgrad.kernels import quantize as kq
+        return kq.quantize_per_tensor, kq.quantize_blockwise, True
+    return quantize_per_tensor, quantize_blockwise, False
+
+
 def quantize_weight(w: torch.Tensor, recipe: Recipe, *, amax: torch.Tensor | None = None) -> list[Quantized]:
     """Quantizes a ``[N, K]`` weight (one entry) or a packed ``[E, N, K]`` weight (one entry per expert).
 
     Per-tensor scaling uses one amax for the whole tensor (``amax`` if given: the group-wide one).
     """
+    per_tensor, blockwise, kernels = _quantizers(w)
     mats = [w] if w.dim() == 2 else list(w.unbind(0))
+    if kernels:
+        mats = [m.contiguous() for m in mats]
     if isinstance(recipe, PerTensorScaling):
         amax = compute_amax(w) if amax is None else amax
-        return [quantize_per_tensor(m, recipe.fwd_dtype, amax=amax, margin=recipe.margin) for m in mats]
+        if kernels:
+            amax = amax.reshape(1)
+        return [per_tensor(m, recipe.fwd_dtype, amax=amax, margin=recipe.margin) for m in mats]
     if isinstance(recipe, BlockwiseScaling):
-        return [quantize_blockwise(m, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two)
-                for m in mats]
+        return [blockwise(m, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two) for m in mats]
     raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
 
 
