@@ -7,7 +7,8 @@
 #   STEPS="tests bench_gemm" bash qa/L2_gpu/session.sh
 #   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
-#   only), quant_sweep (quantize tuning candidates), train_fp8 (the FP8 job alone).
+#   only), gemm_fp8_sweep (every FP8 tile candidate: the FP8 tables are untuned), quant_sweep
+#   (quantize tuning candidates), train_fp8 (the FP8 job alone).
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
 # machine with the package index:
@@ -44,6 +45,8 @@ for step in $STEPS; do
     sweep_wgrad) run sweep_wgrad python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --sweep \
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
+    gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
+                      --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
     quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
                    --json "$OUT_DIR/quant_sweep.json" ;;
     bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
