@@ -51,7 +51,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _grouped_gemm_configs as _cfg
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_wgrad import _mma, _swizzle, _wgrad_kernel, _wgrad_persistent_kernel
-from ._grouped_wgrad import _wgrad_tile as _wgrad_tile  # re-exported: grouped_gemm_fp8 imports it here
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 

@@ -73,7 +73,8 @@ from distwgrad.fp8.quantize import Quantized
 
 from . import _grouped_gemm_fp8_configs as _cfg
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_wgrad
-from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table, _swizzle, _wgrad_tile
+from ._grouped_wgrad import _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
+from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table
 
 __all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
 
@@ -250,18 +251,9 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                                    BLOCKWISE, BLOCK_K, UPCAST)
     if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale
         acc = acc * tl.where(end > start, tl.load(as_ptr), 1.0) * tl.where(end > start, tl.load(bs_ptr), 1.0)
-    if PTR_TABLE:
-        base = tl.load(out_ptr + e).to(tl.pointer_type(tl.float32))
-    else:
-        base = out_ptr + e.to(tl.int64) * stride_oe
-    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
-    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
-    if ADD_MODE == 3:
-        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        if ADD_MODE == 1:
-            acc += tl.load(o_ptrs, mask=mask, other=0.0)
-        tl.store(o_ptrs, acc, mask=mask)
+    base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
+    _wgrad_write(acc, None, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok,
+                 ADD_MODE, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -181,3 +181,30 @@ def test_kernels_take_only_operands_they_support(monkeypatch):
     assert not gg8.fp8_kernels_accept([act[bw32]], wq[pt])               # mixed recipes
     assert not gg8.fp8_kernels_accept([act[pt], act[bw32]])
     assert not gg8.fp8_kernels_accept([act[bw32]], per_row)
+
+
+@pytest.mark.parametrize("module", ["grouped", "linear"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_each_operand_is_quantized_once(module, delay, monkeypatch):
+    """Forward quantizes x once (rows for fprop, x^T saved for wgrad: backward never re-quantizes x);
+    backward quantizes dy once (rows for dgrad, columns for wgrad)."""
+    from distwgrad.fp8 import BlockwiseScaling, fp8_autocast
+    from distwgrad.nn import GroupedLinear, Linear
+    from distwgrad.ops import grouped_gemm_fp8 as gg8
+    calls = _counting(monkeypatch.setattr, gg8, ["quantize_operand"])
+    torch.manual_seed(0)
+    x = torch.randn(24, 64, requires_grad=True)
+    recipe = BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32))
+    if module == "grouped":
+        mod = GroupedLinear(2, 64, 32, delay_wgrad_compute=delay)
+        with fp8_autocast(recipe):
+            y = mod(x, [10, 14])
+    else:
+        mod = Linear(64, 32, delay_wgrad_compute=delay)
+        with fp8_autocast(recipe):
+            y = mod(x)
+    assert calls["quantize_operand"] == 1
+    y.sum().backward()
+    mod.backward_dw()
+    assert calls["quantize_operand"] == 2
+    assert all(p.grad is not None for p in mod.parameters())

@@ -65,17 +65,19 @@ def _weights_fp8(weights, call: _Call, *, backward: bool) -> list[Quantized]:
     return [q for w in weights for q in materialize_quantized(w, call.recipe, backward=backward)]
 
 
-def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None):
-    """The wgrad product for ``run_wgrad``. Under a recipe both operands are quantized along the tokens
-    (the contraction) over the whole token range, so a tile may span two experts' tokens (a valid
-    quantization; per-group tiles would need the offsets on the host)."""
+def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
+                x_qt: Quantized | None = None):
+    """The wgrad product for ``run_wgrad``: ``x_TK`` without a recipe, else ``x_qt`` (x^T saved by
+    forward). Under a recipe both operands are quantized along the tokens (the contraction) over the
+    whole token range, so a tile may span two experts' tokens (a valid quantization; per-group tiles
+    would need the offsets on the host)."""
     out_dtype = dy_TN.dtype
     if recipe is None:
         def product(out):
             return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
     else:
+        assert x_qt is not None
         dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
-        x_qt = gg8.quantize_operand(x_TK, recipe, grad=False)[1]
 
         def product(out):
             return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out)
@@ -100,11 +102,11 @@ def _bias_gemm(dy_TN, offs_E, packed: bool):
     return gemm
 
 
-def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool, dy_qt=None):
+def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool, dy_qt=None, x_qt=None):
     gws: list[torch.Tensor | None] = [None] * len(weights)
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
-        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt),
+        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt),
                         fuse=call.fuse, deferred=deferred)
     if call.bias_grad:
         gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred)
@@ -120,21 +122,28 @@ class _GroupedLinearFunction(torch.autograd.Function):
             w_ENK = _weights_ENK(weights, call, backward=False)
             y_TN = gg.grouped_fprop(x_TK, w_ENK, offs_E, b_EN)
             del w_ENK  # transient: never saved, never cached
+            ctx.save_for_backward(x_TK, offs_E)
         else:  # [Note: fp8 gemm dispatch]
             w_qs = _weights_fp8(weights, call, backward=False)
-            x_q = gg8.quantize_operand(x_TK, call.recipe, grad=False)[0]
+            x_q, x_qt = gg8.quantize_operand(x_TK, call.recipe, grad=False)
             y_TN = gg8.grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype)
             del w_qs, x_q
+            ctx.save_for_backward(*gg8.saved_tensors(x_qt), offs_E)  # wgrad reads only x^T, in fp8
+            ctx.x_meta = gg8.saved_meta(x_qt)
         del b_EN
-        ctx.save_for_backward(x_TK, offs_E)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weights, ctx.biases, ctx.call = weights, biases, call
         return y_TN
 
     @staticmethod
     def backward(ctx, dy_TN):
-        x_TK, offs_E = ctx.saved_tensors
         weights, biases, call = ctx.weights, ctx.biases, ctx.call
+        x_TK = x_qt = None
+        if call.recipe is None:
+            x_TK, offs_E = ctx.saved_tensors
+        else:
+            *x_saved, offs_E = ctx.saved_tensors
+            x_qt = gg8.from_saved(x_saved, ctx.x_meta)
         dy_TN = dy_TN.contiguous()
         dx_TK = dy_qt = None
         if ctx.needs_input_grad[0]:
@@ -152,9 +161,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return (dx_TK, None, None, *nones)
         if call.delay:
             call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True,
-                                                  dy_qt=dy_qt))
+                                                  dy_qt=dy_qt, x_qt=x_qt))
             return (dx_TK, None, None, *nones)
-        gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False, dy_qt=dy_qt)
+        gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False, dy_qt=dy_qt,
+                                  x_qt=x_qt)
         return (dx_TK, None, None, *gws, *gbs)
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.fp8.emulate import dequantize_weights
-from distwgrad.fp8.quantize import dequantize
+from distwgrad.fp8.quantize import Quantized, dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe
 from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
@@ -64,18 +64,15 @@ def _one_group(t_TX: torch.Tensor) -> torch.Tensor:
     return torch.full((1,), t_TX.shape[0], dtype=torch.int32, device=t_TX.device)
 
 
-def _fprop(x_TK, weight, bias, recipe: Recipe | None) -> torch.Tensor:
-    if recipe is None:
-        (w_NK,) = materialize_weight_for_forward([weight])
-        return F.linear(x_TK, w_NK, _materialize_bias(bias))
-    # [Note: fp8 gemm dispatch]: the FP8 kernels where they apply, else fp32 of the dequantized operands.
+def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe) -> torch.Tensor:
+    """[Note: fp8 gemm dispatch]: the FP8 kernels where they apply, else fp32 of the dequantized operands."""
     w_qs = materialize_quantized(weight, recipe, backward=False)
     b = _materialize_bias(bias)
-    x_q = gg8.quantize_operand(x_TK, recipe, grad=False)[0]
     if gg8.fp8_kernels_accept([x_q], w_qs):
-        return gg8.grouped_fprop_fp8(x_q, w_qs, _one_group(x_TK), None if b is None else b[None], x_TK.dtype)
+        return gg8.grouped_fprop_fp8(x_q, w_qs, _one_group(x_q.data), None if b is None else b[None],
+                                     x_q.orig_dtype)
     w_NK = dequantize_weights(w_qs, packed=False)
-    return F.linear(dequantize(x_q, dtype=torch.float32), w_NK, None if b is None else b.float()).to(x_TK.dtype)
+    return F.linear(dequantize(x_q, dtype=torch.float32), w_NK, None if b is None else b.float()).to(x_q.orig_dtype)
 
 
 def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
@@ -90,11 +87,12 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
 
-def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None) -> torch.Tensor:
+def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> torch.Tensor:
+    """``x_TK`` without a recipe, else ``x_qt`` (x^T quantized, saved by forward)."""
     if recipe is None:
         return wgrad_mm(dy_TN, x_TK, out)
+    assert x_qt is not None
     dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
-    x_qt = gg8.quantize_operand(x_TK, recipe, grad=False)[1]
     if gg8.fp8_kernels_accept([dy_qt, x_qt]):
         dW = gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=None if out is None else [out])
         return dW[0].to(dy_TN.dtype) if out is None else out
@@ -103,12 +101,12 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None) -> torch.Tensor:
 
 
 def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, call: _Call, deferred: bool, dy_qt=None):
+                  bias: torch.Tensor | None, call: _Call, deferred: bool, dy_qt=None, x_qt=None):
     """One contribution to the weight (and bias) gradient; returns what autograd gets."""
     gw = gb = None
     if call.weight_grad:
-        (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt)], fuse=call.fuse,
-                          deferred=deferred)
+        (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt, x_qt)],
+                          fuse=call.fuse, deferred=deferred)
     if call.bias_grad:
         assert bias is not None
         (gb,) = run_wgrad([bias], lambda t: [dy_TN.sum(0) if t[0] is None else t[0].add_(dy_TN.sum(0))],
@@ -119,16 +117,28 @@ def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, weight, bias, call: _Call):
-        y_TN = _fprop(x_TK, weight, bias, call.recipe)  # the materialized weight is transient
-        ctx.save_for_backward(x_TK)
+        if call.recipe is None:  # the materialized weight is transient
+            (w_NK,) = materialize_weight_for_forward([weight])
+            y_TN = F.linear(x_TK, w_NK, _materialize_bias(bias))
+            del w_NK
+            ctx.save_for_backward(x_TK)
+        else:
+            x_q, x_qt = gg8.quantize_operand(x_TK, call.recipe, grad=False)
+            y_TN = _fprop_fp8(x_q, weight, bias, call.recipe)
+            ctx.save_for_backward(*gg8.saved_tensors(x_qt))  # wgrad reads only x^T, in fp8
+            ctx.x_meta = gg8.saved_meta(x_qt)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weight, ctx.bias, ctx.call = weight, bias, call
         return y_TN
 
     @staticmethod
     def backward(ctx, dy_TN):
-        (x_TK,) = ctx.saved_tensors
         weight, bias, call = ctx.weight, ctx.bias, ctx.call
+        x_TK = x_qt = None
+        if call.recipe is None:
+            (x_TK,) = ctx.saved_tensors
+        else:
+            x_qt = gg8.from_saved(ctx.saved_tensors, ctx.x_meta)
         dx_TK = dy_qt = None
         if ctx.needs_input_grad[0]:
             dy_q = None
@@ -138,9 +148,10 @@ class _LinearFunction(torch.autograd.Function):
         if not (call.weight_grad or call.bias_grad):
             return dx_TK, None, None, None
         if call.delay:
-            call.store.put(lambda: _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=True, dy_qt=dy_qt))
+            call.store.put(lambda: _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=True, dy_qt=dy_qt,
+                                                 x_qt=x_qt))
             return dx_TK, None, None, None
-        gw, gb = _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=False, dy_qt=dy_qt)
+        gw, gb = _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=False, dy_qt=dy_qt, x_qt=x_qt)
         return dx_TK, gw, gb, None
 
 

@@ -43,7 +43,7 @@ from distwgrad.fp8.recipe import Recipe
 from distwgrad.ops import grouped_gemm as gg
 
 __all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8",
-           "fp8_kernels_accept"]
+           "fp8_kernels_accept", "saved_tensors", "saved_meta", "from_saved"]
 
 
 def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool) -> tuple[Quantized, Quantized]:
@@ -53,6 +53,22 @@ def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool) -> tuple
         from distwgrad.kernels import quantize as kq
         return kq.quantize_rowwise_and_columnwise(x_MK.contiguous(), recipe, grad=grad)
     return reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
+
+
+def saved_tensors(q: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors of ``q`` for ``ctx.save_for_backward``; the rest is :func:`saved_meta`. Under a recipe
+    the modules save x^T quantized (what wgrad reads, 1 byte per element) instead of x: backward never
+    quantizes x a second time."""
+    return q.data, q.scale_inv
+
+
+def saved_meta(q: Quantized) -> tuple:
+    return q.block, q.orig_dtype, q.shape
+
+
+def from_saved(tensors: Sequence[torch.Tensor], meta: tuple) -> Quantized:
+    data, scale_inv = tensors
+    return Quantized(data, scale_inv, *meta)
 
 
 def _act_block(q: Quantized) -> int | None:
