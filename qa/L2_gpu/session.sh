@@ -8,7 +8,8 @@
 #   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
 #   only), gemm_fp8_sweep (every FP8 tile candidate: the FP8 tables are untuned), quant_sweep
-#   (quantize tuning candidates), train_fp8 (the FP8 job alone).
+#   (quantize tuning candidates), train_fp8 (the FP8 job alone). GEMM_SWEEP_ARGS (e.g. "--gemm-recipes
+#   per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
 # machine with the package index:
@@ -46,7 +47,7 @@ for step in $STEPS; do
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
-                      --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
+                      ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
     quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
                    --json "$OUT_DIR/quant_sweep.json" ;;
     bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
