@@ -80,6 +80,22 @@ __all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
 
 _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _wgrad_kernel
 
+# [Note: fp8 wgrad edges]
+# A wgrad chunk that straddles a group edge must zero the other group's tokens, in registers (a TMA box
+# cannot stop at a group's end, and its innermost offset, here the token, must be 16-byte aligned).
+# How the TMA path arranges that, per recipe (the EDGES constexpr; tuning constants, measured by
+# ``qa/bench/fp8.py --gemm-sweep``, which also times the alternatives):
+# - "edges" (0): masked head and tail chunks around an unmasked pipelined loop over the full chunks.
+#   The head and tail run outside the pipeline, each waiting out a full TMA round trip.
+# - "loop" (1): one pipelined loop, every chunk masked (both operands in registers, then to the MMA).
+# - "loop_a" (2): as "loop" but masks dy^T only: x^T goes from shared memory straight to the MMA. Exact
+#   when the other group's x^T tokens are finite (0 * finite = 0). Per-tensor only, where it holds for
+#   every tensor our quantizers produce: a non-finite input gives the whole tensor a NaN scale, which
+#   makes every non-empty group's output NaN anyway. fp8 NaN data under a finite scale (a foreign
+#   producer) would reach the neighbouring group's wgrad as NaN: loud, but not the owner's alone.
+WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
+_EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
+
 # ---------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------
@@ -178,18 +194,20 @@ def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n,
 @triton.jit
 def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col0, rows_m, cols_n, N, K, acc,
                          stride_asc, stride_bsc, MASKED: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, MASK_B: tl.constexpr = True):
     """The same chunk by TMA (rows past N or K and tokens past T arrive as zeros); MASKED zeroes the
     tokens outside [lo, hi) in registers: other groups' data, which may even be NaN (a poisoned tile).
-    Pointer loads here would need a [BLOCK, BLOCK_K] tensor of 64-bit addresses per operand and, masked
-    along the contiguous dim, could not vectorize: the sm_90 build spilled."""
+    MASK_B=False masks dy^T only (see [Note: fp8 wgrad edges]). Pointer loads here would need a [BLOCK,
+    BLOCK_K] tensor of 64-bit addresses per operand and, masked along the contiguous dim, could not
+    vectorize: the sm_90 build spilled."""
     a = a_desc.load([row0, t0])
     b = b_desc.load([col0, t0])
     if MASKED:
         ts = t0 + tl.arange(0, BLOCK_K)
         t_ok = (ts >= lo) & (ts < hi)
         a = tl.where(t_ok[None, :], a, tl.zeros_like(a))
-        b = tl.where(t_ok[None, :], b, tl.zeros_like(b))
+        if MASK_B:
+            b = tl.where(t_ok[None, :], b, tl.zeros_like(b))
     return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
                              stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST)
 
@@ -212,7 +230,7 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       stride_asn, stride_asc, stride_bsk, stride_bsc,
                       stride_oe, stride_on, stride_ok, stride_o,
                       BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
-                      USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                      USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EDGES: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
     b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
@@ -229,7 +247,14 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
     # Chunks on the global BLOCK_K (= L) grid; an empty group visits none (a masked chunk would still
     # multiply zeros by its tile's scales, and a NaN scale of another group's tile would leak in).
     first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
-    if USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
+    if USE_TMA and EDGES != 0:  # one pipelined loop, every chunk masked ([Note: fp8 wgrad edges])
+        if not BLOCKWISE:  # no scale grid: start at the group, rounded down to 16 tokens (TMA offsets)
+            first = tl.where(end > start, (start // 16) * 16, end)
+        for t0 in range(first, end, BLOCK_K):
+            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
+                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
+                                       True, BLOCKWISE, BLOCK_K, UPCAST, EDGES == 1)
+    elif USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
         body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
         body_hi = (end // BLOCK_K) * BLOCK_K
         if first < start:                            # head: the group starts mid-chunk
@@ -324,6 +349,14 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
     return out
 
 
+def _edges(block: int) -> int:
+    mode = WGRAD_EDGES["blockwise" if block else "per_tensor"]
+    if mode not in _EDGE_CODES or (block and mode == "loop_a"):
+        raise ValueError(f"grouped_wgrad_fp8: WGRAD_EDGES mode {mode!r} is not one of {sorted(_EDGE_CODES)} "
+                         f"(loop_a: per-tensor only)")
+    return _EDGE_CODES[mode]
+
+
 def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma):
     """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to."""
     N, T = a_NT.shape
@@ -351,7 +384,8 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         sas[0], sas[1], sbs[0], sbs[1],
         so[0], so[1], so[2], offs_E.stride(0),
         BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
-        PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(), EDGES=_edges(block),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

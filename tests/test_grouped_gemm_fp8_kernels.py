@@ -24,6 +24,7 @@ realistic shapes and print the worst error/bound ratios (for the provisional Hop
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -226,6 +227,39 @@ def _case_wgrad_blockwise():
     _run_wgrad(pb, "acc", config=_cfg(block_m=64, block_n=16))
 
 
+@contextlib.contextmanager
+def _edge_mode(recipe: str, mode: str):
+    """Runs the block with ``WGRAD_EDGES[recipe] = mode`` ([Note: fp8 wgrad edges])."""
+    k = _kernels()
+    key = "per_tensor" if recipe == "per_tensor" else "blockwise"
+    old = k.WGRAD_EDGES[key]
+    k.WGRAD_EDGES[key] = mode
+    try:
+        yield
+    finally:
+        k.WGRAD_EDGES[key] = old
+
+
+EDGE_MODES = {"per_tensor": ("edges", "loop", "loop_a"), "blockwise": ("edges", "loop")}
+
+
+def _case_wgrad_edge_modes():
+    """Every TMA edge arrangement of the wgrad kernel gives the oracle's result: mid-tile group starts,
+    an empty group, a group inside one chunk, one spanning several, offsets past T."""
+    for recipe, modes in EDGE_MODES.items():
+        probs = [_problem(*SHAPE_TMA, recipe, splits=[0, 100, 20, 168]), _problem(*SHAPE_TMA, recipe, seed=7),
+                 _problem(*SHAPE_TMA, recipe, offs=torch.tensor([10, 10, 200, 400], dtype=torch.int32))]
+        for mode in modes:
+            with _edge_mode(recipe, mode):
+                for i, pb in enumerate(probs):
+                    _run_wgrad(pb, "fresh", use_tma=True)
+                    _run_wgrad(pb, "acc", use_tma=True, config=_cfg(add_mode="atomic") if i else None)
+    k = _kernels()
+    with pytest.raises(ValueError, match="loop_a"), _edge_mode("blockwise", "loop_a"):
+        _run_wgrad(_problem(*SHAPE_TMA, "blockwise"), "fresh", use_tma=True)
+    assert k.WGRAD_EDGES["blockwise"] in EDGE_MODES["blockwise"]
+
+
 def _case_edges():
     k = _kernels()
     T, E, K, N = SHAPE_TMA
@@ -369,6 +403,7 @@ _INTERPRETER_CASES = {
     "wgrad_per_tensor": _case_wgrad_per_tensor,
     "wgrad_blockwise": _case_wgrad_blockwise,
     "edges": _case_edges,
+    "wgrad_edge_modes": _case_wgrad_edge_modes,
     "nan_propagation": _case_nan_propagation,
     "custom_ops": _case_custom_ops,
     "interpreter_fp8_dot": _case_interpreter_fp8_dot,
@@ -422,12 +457,33 @@ def test_bench_grouped_gemm_smoke(tmp_path):
         assert r["impl"] == "bf16" or r["worst"] <= 1
 
 
+@pytest.mark.interpret
+def test_bench_gemm_sweep_smoke(tmp_path):
+    """``--gemm-sweep`` times every candidate tile config, wgrad also under every edge arrangement
+    ([Note: fp8 wgrad edges]; loop_a per-tensor only), dgrad on the dispatcher's N-contiguous weight."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, os.path.join(_ROOT, "qa", "bench", "fp8.py"), "--device", "cpu", "--shape", "64x64",
+           "--benchmarks", "grouped_gemm", "--gemm-shapes", "2,64,64,48", "--reps", "1", "--gemm-sweep",
+           "--gemm-ops", "wgrad", "dgrad", "--json", str(out)]
+    proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    impls = [r["impl"] for r in json.loads(out.read_text()) if "@" in r["impl"]]
+    loads = [c for c in CF.WGRAD_CANDIDATES if c.add_mode == "load"]
+    for recipe, modes in EDGE_MODES.items():
+        got = {i.split("/edges=")[1] for i in impls if i.startswith(f"fp8_{recipe}@") and "/edges=" in i}
+        assert got == set(modes), (recipe, got)
+        assert sum(i.startswith(f"fp8_{recipe}@") for i in impls) == len(loads) * len(modes)
+        assert sum(i.startswith(f"fp8_{recipe}_wT@") for i in impls) == len(CF.RAGGED_CANDIDATES)
+
+
 # ---- the GPU build without a GPU: sm_90a compile of the default variants (ptxas ships with triton) -----
 
 _MOE = dict(E=8, T=32768, K=4096, N=14336)
 
 
-def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0):
+def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0, edges: int = 0):
     """ASTSource of one kernel variant at the first MoE shape with the JIT's specializations (unit strides
     constant, 16-divisible ints and all pointers hinted), as a launch on CUDA tensors would build it."""
     from triton.compiler import ASTSource
@@ -445,7 +501,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
                     stride_asn=sc(T), stride_asc=1, stride_bsk=sc(T), stride_bsc=1, stride_oe=N * K, stride_on=K,
                     stride_ok=1, stride_o=1,
                     a_desc=f"tensordesc<{grad}[{bm}, {bk}]>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>")
-        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False)
+        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False, EDGES=edges)
     else:
         fn, nospec = k._fp8_ragged_kernel, ("T", "E")
         Kc, No = (K, N) if op == "fprop" else (N, K)       # contraction, output features
@@ -484,6 +540,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
 @pytest.mark.parametrize("variant", [
     "fprop/128/tma", "fprop/0/tma", "fprop/128/ptr", "dgrad/128/tma", "dgrad/0/tma", "dgrad/128/tma/kn",
     "wgrad/128/tma/add3", "wgrad/0/tma/add0", "wgrad/128/ptr/add1",
+    "wgrad/0/tma/loop/add3", "wgrad/0/tma/loop_a/add3", "wgrad/128/tma/loop/add3",
 ])
 def test_compiles_for_sm90(variant):
     """The GPU path of the default configs compiles for Hopper (sm_90a) and runs its products on fp8
@@ -491,7 +548,8 @@ def test_compiles_for_sm90(variant):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     op, block, load, *rest = variant.split("/")
-    src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest,
+    edges = next((_kernels()._EDGE_CODES[r] for r in rest if r.startswith("loop")), 0)
+    src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest, edges=edges,
                                   add_mode=int(rest[-1][3:]) if rest and rest[-1].startswith("add") else 0)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -618,8 +676,23 @@ def test_gpu_dgrad_weight_layouts(recipe):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("use_tma", [None, False])
-def test_gpu_wgrad_foreign_nan_masked(use_tma):
+@pytest.mark.parametrize("recipe,mode", [(r, m) for r, ms in EDGE_MODES.items() for m in ms])
+def test_gpu_wgrad_edge_modes(recipe, mode):
+    """Each TMA edge arrangement on the GPU, ~128 tokens per group (most chunks straddle an edge)."""
+    T, E, K, N = 8192, 64, 512, 384
+    gen = torch.Generator().manual_seed(1)
+    src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
+           torch.randn(T, N, generator=gen))
+    pb = _problem(T, E, K, N, recipe, src=src, device="cuda", seed=3)
+    with _edge_mode(recipe, mode):
+        for m in ("fresh", "acc", "acc_list"):
+            _run_wgrad(pb, m, use_tma=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("use_tma,mode", [(None, "edges"), (None, "loop"), (False, "edges")])
+def test_gpu_wgrad_foreign_nan_masked(use_tma, mode):
     """fp8 NaN data under a finite scale (our quantizers never emit it, other producers may): only the
     group owning the token sees it, also when another group's chunk covers the token, i.e. both operands
     are masked. GPU only: the interpreter's fp8 -> fp32 cast turns NaN into finite values."""
@@ -627,7 +700,8 @@ def test_gpu_wgrad_foreign_nan_masked(use_tma):
     pb = _problem(T, E, K, N, "blockwise", splits=[100, 0, 100, 88], device="cuda")
     pb.x_qt.data[3, 90] = float("nan")     # token 90 is group 0's; chunk [0, 128) also serves group 2
     pb.dy_qt.data[4, 110] = float("nan")   # token 110 is group 2's; the same chunk serves group 0
-    dw = _run_wgrad(pb, "fresh", use_tma=use_tma)
+    with _edge_mode("blockwise", mode):
+        dw = _run_wgrad(pb, "fresh", use_tma=use_tma)
     # Group 0's NaN is in column 3 (x), group 2's in row 4 (dy); each reaches only its own group.
     rows_but_4 = torch.arange(pb.N, device=dw.device) != 4
     cols_but_3 = torch.arange(pb.K, device=dw.device) != 3

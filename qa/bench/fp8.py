@@ -304,9 +304,9 @@ def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None
     return {"fp8": lambda: F._wgrad(*args, out=main, **kw)}
 
 
-def _gemm_check(op: str, p: dict, q: dict, config=None) -> float:
-    """Worst error/bound ratio of the fp8 result (with ``config``, else the default) against the oracle,
-    which is cached in ``q``; AssertionError if out of bound."""
+def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8") -> float:
+    """Worst error/bound ratio of ``impl``'s fp8 result (with ``config``, else the default) against the
+    oracle, which is cached in ``q``; AssertionError if out of bound."""
     from distwgrad.testing import reference_fp8 as RF
     offs = p["offs"]
     T, K, N = p["x"].shape[0], p["x"].shape[1], p["dy"].shape[1]
@@ -328,9 +328,9 @@ def _gemm_check(op: str, p: dict, q: dict, config=None) -> float:
     exp, S, addend, kw = q[("oracle", op)]
     n = int(offs[-1])
     if op in ("fprop", "dgrad"):  # rows at or past offs_E[-1] are unwritten
-        got, exp, S = _fp8_calls(op, p, q, None, config)["fp8"]()[:n], exp[:n], S[:n]
+        got, exp, S = _fp8_calls(op, p, q, None, config)[impl]()[:n], exp[:n], S[:n]
     else:
-        got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config)["fp8"]()
+        got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config)[impl]()
     res = RF.check(got, exp, S, addend=addend, mma_rel=RF.HOPPER_MMA_REL if p["x"].is_cuda else 0.0, **kw)
     if not res["ok"]:
         raise AssertionError(f"fp8 grouped {op} (config {config}): result out of bound, not timing it: {res}")
@@ -344,22 +344,43 @@ def _gemm_row(args: argparse.Namespace, shape: tuple, op: str, impl: str, ms: fl
 
 
 def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
+    """One row per candidate tile config of ``op``; wgrad also per edge arrangement of the TMA path
+    ([Note: fp8 wgrad edges] in kernels/grouped_gemm_fp8.py), the label's ``/edges=...``."""
     from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
+    from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
     rows = []
-    for cfg in CF.RAGGED_CANDIDATES if op in ("fprop", "dgrad") else CF.WGRAD_CANDIDATES:
+    impl = "fp8_wT" if op == "dgrad" else "fp8"  # dgrad: the N-contiguous weight the dispatcher passes
+    recipe = "blockwise" if block else "per_tensor"
+    wgrad = op not in ("fprop", "dgrad")
+    modes = [m for m in F._EDGE_CODES if not (block and m == "loop_a")] if wgrad else [None]
+    for cfg in CF.WGRAD_CANDIDATES if wgrad else CF.RAGGED_CANDIDATES:
         if op != "wgrad_accumulate" and cfg.add_mode != "load":
             continue
-        try:
-            worst = _gemm_check(op, p, q, cfg)
-            ms = time_ms(_fp8_calls(op, p, q, main, config=cfg)["fp8"], args.device, args.reps)
-        except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
-            print(f"  sweep {op} {shape} {name} {cfg.short()}: {exc!r}"[:400], flush=True)
-            continue
-        rows.append(_gemm_row(args, shape, op, f"fp8_{name}@{CF.with_block_k(cfg, block).short()}", ms,
-                              vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+        for mode in modes:
+            label = f"{impl.replace('fp8', f'fp8_{name}')}@{CF.with_block_k(cfg, block).short()}"
+            label += f"/edges={mode}" if mode else ""
+            try:
+                with _overriding_item(F.WGRAD_EDGES, recipe, mode or F.WGRAD_EDGES[recipe]):
+                    worst = _gemm_check(op, p, q, cfg, impl=impl)
+                    ms = time_ms(_fp8_calls(op, p, q, main, config=cfg)[impl], args.device, args.reps)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
+                print(f"  sweep {op} {shape} {label}: {exc!r}"[:400], flush=True)
+                continue
+            rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
     return rows
+
+
+@contextlib.contextmanager
+def _overriding_item(table: dict, key: str, value: object) -> Iterator[None]:
+    """``table[key] = value`` for the duration of the block."""
+    old = table[key]
+    table[key] = value
+    try:
+        yield
+    finally:
+        table[key] = old
 
 
 def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
