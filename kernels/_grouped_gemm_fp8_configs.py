@@ -4,20 +4,22 @@ Same scheme as the bf16 kernels (``_grouped_gemm_configs``): a fixed table, no `
 benchmark runs cannot happen inside a CUDA-graph capture and would add into an accumulating ``out``
 repeatedly). Configs reuse ``TileConfig``; the FP8 kernels support ``add_mode`` "load" and "atomic".
 
-UNTUNED. The kernels run and pass their tests on an H200 with these defaults (docs/benchmarks.md has
-their speed), but no candidate below has been timed against another, so no value cites a sweep (house
-style rule 17 asks for one); they are starting points, to be replaced from ``qa/bench/fp8.py
---gemm-sweep`` on an H200. What they rest on:
-- the bf16 sweeps (H200, 2026-11-29, docs/benchmarks/grouped_gemm.md): fp8 elements are half the bytes,
-  so BLOCK_K = 128 moves the bytes of bf16's BLOCK_K = 64 per pipeline stage; the blockwise recipe forces
-  it anyway (one K step = one scale block);
+TUNED on an H200 (2026-11-29, triton 3.6; ``qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep`` on
+the two large MoE shapes, E, T, K, N = 8, 32768, 4096, 14336 and 64, 65536, 7168, 2048, i.e. ~4096 and
+~1024 tokens per group; JSON in docs/benchmarks/fp8_gemm_sweep_h200.json). ``pick`` cites the numbers
+(ratios to our bf16 kernels at the same shape, run to run noise a few percent). The third MoE shape (~128
+tokens per group) was not swept: below 1024 tokens per group the picks keep the 128-row tiles. What the
+candidates rest on:
+- the bf16 sweeps (H200, docs/benchmarks/grouped_gemm.md): fp8 elements are half the bytes, so BLOCK_K =
+  128 moves the bytes of bf16's BLOCK_K = 64 per pipeline stage; the blockwise recipe forces it anyway
+  (one K step = one scale block);
 - an sm_90a build without a GPU (triton 3.9 + its ptxas, JIT specializations emulated, first MoE shape;
   the recipe behind ``test_compiles_for_sm90``), registers/thread and spill bytes at 128x128x128/w8/s4:
   fprop/dgrad 231-236 (blockwise) and 165 (per-tensor), no spills; wgrad 170-186 (per-tensor), 255 with
   24-32 B of spills (blockwise, accumulating). Every K step of the blockwise path holds a second fp32
   accumulator (the step's dot before scaling): 128x256/w8 and 256x128/w8 spilled 88-250 B in fprop and
-  more in wgrad, 128x128/w4 (blockwise) 296-592 B; 64x128/w4/s4-5 built without spills everywhere.
-  The masked pointer-load fallback (unaligned layouts) spills in wgrad blockwise (~340-420 B).
+  more in wgrad, and ran at 0.5-0.8x of 128x128 on the GPU; 64x128/w4/s4-5 built without spills
+  everywhere. The masked pointer-load fallback (unaligned layouts) spills in wgrad blockwise (~340-420 B).
 
 Legend (kernel view) as in ``_grouped_gemm_configs``: fprop/dgrad tile ragged token rows x features,
 wgrad tiles the fixed [N, K] output and reduces over each group's tokens.
@@ -63,11 +65,25 @@ def with_block_k(cfg: TileConfig, block: int) -> TileConfig:
     return cfg
 
 
-def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None) -> TileConfig:
-    """Config for ``op`` in ("fprop", "dgrad", "wgrad"); ``block`` the scale block (0: per-tensor)."""
-    # 128x128x128/w8/s4 everywhere: spill-free in fprop/dgrad and per-tensor wgrad (see above).
-    if op == "wgrad" and accumulate:  # bf16: "atomic" beat "load" at every shape (round 2)
-        cfg = TileConfig(128, 128, 128, num_warps=8, num_stages=4, add_mode="atomic")
-    else:
+def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None,
+         tokens_per_group: float = 0.0) -> TileConfig:
+    """Config for ``op`` in ("fprop", "dgrad", "wgrad"); ``block`` the scale block (0: per-tensor);
+    ``tokens_per_group`` T / E (known on the host without a sync)."""
+    if op not in ("fprop", "dgrad", "wgrad"):
+        raise ValueError(f"pick: op must be 'fprop', 'dgrad' or 'wgrad', got {op!r}")
+    if op == "wgrad":
+        # 64x128/w4/s4, both recipes. Fresh, vs bf16: per-tensor 1.08 / 0.70 (128x128/w8: 1.11 / 0.64),
+        # blockwise 0.82 / 0.58 (128x128/w8: 0.63 / 0.44). Accumulating, "atomic" vs "load": per-tensor
+        # 1.15 / 0.91 vs 1.08 / 0.80, blockwise 0.87 / 0.77 vs 0.84 / 0.68.
+        cfg = TileConfig(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic" if accumulate else "load")
+    elif not block and tokens_per_group >= 1024:
+        # per-tensor fprop 1.43 / 1.41 (128x128/w8/s4: 1.24 / 1.31; 128x256: 1.26 / 1.37), dgrad on the
+        # N-contiguous weight 1.41 / 1.33 (128x128: 1.25 / 1.20). 256 rows need groups that fill them.
+        cfg = TileConfig(256, 128, 128, num_warps=8, num_stages=3)
+    elif block:
+        # blockwise fprop 0.97 / 1.06, dgrad 0.97 / 0.95 at s3 (s4: 0.96 / 1.02, 0.95 / 0.95); the wider
+        # tiles spill (above) and ran at 0.5-0.8x of these.
+        cfg = TileConfig(128, 128, 128, num_warps=8, num_stages=3)
+    else:  # per-tensor, small groups: not swept; the spill-free 128x128 tile
         cfg = TileConfig(128, 128, 128, num_warps=8, num_stages=4)
     return _fit(with_block_k(cfg, block), 1, smem_limit)

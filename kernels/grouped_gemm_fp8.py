@@ -6,10 +6,9 @@ wgrad, TMA and pointer paths, NaN masking, CUDA graphs; worst error/bound ratio 
 ``reference_fp8.HOPPER_MMA_REL``) and under the interpreter, and the modules use them on CUDA through
 ``distwgrad.ops.grouped_gemm_fp8`` ([Note: fp8 gemm dispatch]). dgrad reading the weight with the
 contraction (N) strided runs 4-5x slower than an N-contiguous copy on Hopper (its fp8 MMA takes B only
-K-major, so every B tile is transposed in registers): the dispatcher passes the copy. Open: the tile
-tables in ``_grouped_gemm_fp8_configs.py`` are untuned (``python qa/bench/fp8.py --benchmarks
-grouped_gemm --gemm-sweep`` has not run on a GPU), and the wgrad kernels trail bf16 at small groups
-(docs/benchmarks.md).
+K-major, so every B tile is transposed in registers): the dispatcher passes the copy. The tile table
+(``_grouped_gemm_fp8_configs.py``) comes from an H200 sweep; the wgrad kernels still trail bf16 at ~1024
+tokens per group and the blockwise recipe runs at ~1.0x of bf16 (docs/benchmarks.md).
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
@@ -93,6 +92,10 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 #   every tensor our quantizers produce: a non-finite input gives the whole tensor a NaN scale, which
 #   makes every non-empty group's output NaN anyway. fp8 NaN data under a finite scale (a foreign
 #   producer) would reach the neighbouring group's wgrad as NaN: loud, but not the owner's alone.
+# Measured (H200, 2026-11-29, docs/benchmarks/fp8_gemm_sweep_h200.json, ~4096 and ~1024 tokens per
+# group): "edges" wins at every config and shape. "loop" ran at 0.35-0.75x of it, "loop_a" at 0.6-0.97x:
+# the register round trip of a masked operand on every step costs more than two unpipelined chunks.
+# The alternatives stay (tested) for other GPUs and Triton versions.
 WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 
@@ -301,10 +304,12 @@ def _resolve_tma(requested: bool | None, eligible: bool, device: torch.device, o
     return requested
 
 
-def _config(op: str, config, block: int, accumulate: bool, device: torch.device):
+def _config(op: str, config, block: int, accumulate: bool, device: torch.device, tokens_per_group: float = 0.0):
+    """``config``, else the table's pick for ``op`` ("grouped_fprop_fp8", ...)."""
     if config is None:
         config = _cfg.INTERPRETER if _interpreting() else _cfg.pick(
-            op, block=block, accumulate=accumulate, smem_limit=_device_info(device)[1])
+            op.removeprefix("grouped_").removesuffix("_fp8"), block=block, accumulate=accumulate,
+            smem_limit=_device_info(device)[1], tokens_per_group=tokens_per_group)
     config = _cfg.with_block_k(config, block)
     if config.block_k < 32 or config.add_mode not in _cfg.ADD_MODES:
         raise ValueError(f"{op}: fp8 configs need block_k >= 32 and add_mode in {_cfg.ADD_MODES}, got "
@@ -319,7 +324,7 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
     E, _, N = b_EKN.shape
     if T == 0 or N == 0 or E == 0:
         return out
-    cfg = _config(op, config, block, False, a.device)
+    cfg = _config(op, config, block, False, a.device, T / E)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     sb = b_EKN.stride()
     b_k_inner = sb[1] == 1 and sb[2] != 1

@@ -490,7 +490,8 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     k = _kernels()
     from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
     E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
-    cfg = CF.pick(op, block=block, accumulate=add_mode > 0, smem_limit=232448)  # H100/H200 opt-in smem
+    cfg = CF.pick(op, block=block, accumulate=add_mode > 0, smem_limit=232448,  # H100/H200 opt-in smem
+                  tokens_per_group=T / E)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad = "fp8e5" if not block else "fp8e4nv"          # per-tensor gradients are e5m2
     sc = lambda n: -(-n // (block or 1)) if block else 16  # scale strides (any value when per-tensor)
@@ -621,6 +622,24 @@ def test_checks_name_the_bad_argument():
     if not _INTERPRETED:
         with pytest.raises(ValueError, match=r"need CUDA tensors \(or TRITON_INTERPRET=1\)"):
             k.grouped_fprop_fp8(pb.x_q, w, offs)
+
+
+def test_default_picks(monkeypatch):
+    """The launchers' default configs are the tuned table's (the launcher names map onto pick's ops):
+    accumulating wgrad sends fp32 atomics, per-tensor fprop/dgrad take 256-row tiles only for large groups."""
+    pytest.importorskip("triton")
+    k = _kernels()
+    monkeypatch.setattr(k, "_interpreting", lambda: False)
+    cpu = torch.device("cpu")
+    acc = k._config("grouped_wgrad_fp8", None, 0, True, cpu)
+    assert (acc.block_m, acc.block_n, acc.add_mode) == (64, 128, "atomic")
+    assert k._config("grouped_wgrad_fp8", None, 128, False, cpu).add_mode == "load"
+    assert k._config("grouped_fprop_fp8", None, 0, False, cpu, 4096.0).block_m == 256
+    assert k._config("grouped_dgrad_fp8", None, 0, False, cpu, 128.0).block_m == 128
+    assert k._config("grouped_fprop_fp8", None, 128, False, cpu, 4096.0).block_m == 128  # blockwise: spills
+    from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
+    with pytest.raises(ValueError, match="op must be"):
+        CF.pick("grouped_fprop_fp8", block=0, accumulate=False, smem_limit=None)
 
 
 # ---- GPU (bf16 sources quantized to fp8, realistic shapes) ------------------------------------------
