@@ -48,6 +48,8 @@ RAGGED_CANDIDATES = (
     _T(256, 128, 128, num_warps=8, num_stages=3), _T(128, 128, 128, num_warps=8, num_stages=5),
     _T(128, 128, 128, group_m=16, num_warps=8, num_stages=4),
     _T(128, 128, 128, group_m=4, num_warps=8, num_stages=4),
+    _T(256, 128, 128, num_warps=8, num_stages=4), _T(256, 128, 128, group_m=16, num_warps=8, num_stages=3),
+    _T(128, 256, 128, num_warps=8, num_stages=4),
 )
 WGRAD_CANDIDATES = (  # "load" configs serve the fresh wgrad too; the benchmark times the others accumulating
     _T(128, 128, 128, num_warps=8, num_stages=4), _T(64, 128, 128, num_warps=4, num_stages=4),
