@@ -6,6 +6,7 @@ Run on a GPU machine from the repository root::
     PYTHONPATH=. python qa/bench/fp8.py --ops per_tensor --impls triton  # a subset
     PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --impls eager   # smoke test
     PYTHONPATH=. python qa/bench/fp8.py --benchmarks quantize --quant-sweep --json q.json  # + every tuning
+    PYTHONPATH=. python qa/bench/fp8.py --benchmarks quantize --cuda-graph  # device time, no launch cost
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --benchmarks quantize \
         --impls triton --quant-sweep --reps 1                                          # smoke test
     PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --json gg.json       # FP8 vs bf16 grouped GEMM
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--benchmarks", nargs="+", default=None,
                    help="row producers to run (default all): quantize, grouped_gemm")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time CUDA-graph replays (triton.testing.do_bench_cudagraph): the kernels' device time "
+                        "without the host's launch cost; rows get timing='cuda_graph'")
     p.add_argument("--quant-sweep", action="store_true",
                    help="quantize: also time every candidate tuning in distwgrad.kernels.quantize.SWEEP")
     _add_gemm_args(p)
@@ -97,10 +101,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+CUDA_GRAPH = False  # --cuda-graph
+
+
 def time_ms(fn: Callable[[], object], device: str, reps: int) -> float:
     """Median milliseconds of ``fn()``: Triton's do_bench on CUDA, a wall-clock loop on CPU."""
     if device.startswith("cuda"):
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
+        if CUDA_GRAPH:  # device time of back-to-back replays, without the host's launch cost
+            return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
         return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()
     samples = []
@@ -142,7 +151,7 @@ def _row(op: str, args: argparse.Namespace, impl: str, nbytes: int, ms: float,
     gbps = nbytes / (ms * 1e-3) / 1e9
     return {"op": op, "shape": f"{args.M}x{args.N}", "impl": impl, "gbps": round(gbps, 2), "ms": round(ms, 4),
             "frac_of_copy": None if not copy_gbps else round(gbps / copy_gbps, 3), "device": args.device_name,
-            **extra}
+            "timing": "cuda_graph" if CUDA_GRAPH else "do_bench", **extra}
 
 
 def bench_copy(args: argparse.Namespace) -> Row:
@@ -431,6 +440,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or pass --device cpu for a smoke test")
     args.device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    global CUDA_GRAPH
+    CUDA_GRAPH = args.cuda_graph
     copy = bench_copy(args)
     rows = [copy]
     for bench in BENCHMARKS:
