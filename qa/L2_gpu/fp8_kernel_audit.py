@@ -93,7 +93,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _record(op: str, got, ref, offs_E: torch.Tensor, shapes: list) -> None:
     got = torch.stack(list(got)) if isinstance(got, (list, tuple)) else got
     ref = torch.stack(list(ref)) if isinstance(ref, (list, tuple)) else ref
-    RECORDS.append({"op": op, "rel": _rel(got, ref), "shapes": shapes,
+    scale = float(ref.double().nan_to_num().abs().max().clamp_min(1e-30))
+    rel_max = float((got.double() - ref.double()).nan_to_num().abs().max()) / scale
+    RECORDS.append({"op": op, "rel": _rel(got, ref), "rel_max": rel_max, "shapes": shapes,
                     "splits": torch.diff(offs_E.long(), prepend=offs_E.new_zeros(1).long()).tolist()})
 
 
@@ -148,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(RECORDS)} calls audited (quantizations, fp8 GEMMs); worst relative difference {worst['rel']:.3g} "
           f"({worst['op']}, "
           f"splits {worst['splits']}); {len(flagged)} above {args.flag}")
+    worst_max = max(RECORDS, key=lambda r: r.get("rel_max", 0.0))
+    print(f"worst max-norm difference relative to the largest element: {worst_max.get('rel_max', 0.0):.3g} "
+          f"({worst_max['op']}, splits {worst_max['splits']})")
     for r in flagged[:20]:
         print("FLAGGED", json.dumps(r))
     if args.json:
