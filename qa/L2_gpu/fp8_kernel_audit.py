@@ -131,13 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flag", type=float, default=2e-2, help="relative difference that marks a call")
     p.add_argument("--json", default=None, help="write every call's record here")
     p.add_argument("--reference-quantize", action="store_true", help="the job quantizes with the torch reference")
-    p.add_argument("--emulate-gemm", action="store_true", help="the job runs the emulated FP8 products")
+    p.add_argument("--emulate-gemm", nargs="?", const="fprop,dgrad,wgrad", default="",
+                   help="the job runs these FP8 products emulated (comma-separated; bare flag: all three)")
+    p.add_argument("--first-picks", action="store_true",
+                   help="the kernels use the first, untuned tile table (128x128x128/w8/s4, 'load') instead of "
+                        "the tuned one: bisects a difference between the two")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not ops.gg.kernels_available(torch.zeros(1)):
         raise SystemExit("needs a GPU (or, slowly, DISTWGRAD_KERNELS_ON_CPU=1 TRITON_INTERPRET=1 on CPU)")
+    emulated = {op for op in args.emulate_gemm.split(",") if op}
+    if emulated - {"fprop", "dgrad", "wgrad"}:
+        p.error(f"--emulate-gemm takes fprop, dgrad, wgrad; got {args.emulate_gemm!r}")
     for name in ("grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"):
-        _wrap(name, args.emulate_gemm)
+        _wrap(name, name.split("_")[1] in emulated)
+    if args.first_picks:
+        from distwgrad.kernels import _grouped_gemm_fp8_configs as cfg
+        first = cfg.TileConfig(128, 128, 128, num_warps=8, num_stages=4)
+        cfg.pick = lambda op, *, block, **kw: cfg.with_block_k(first, block)
     _wrap_quantizers(args.reference_quantize)
     sys.argv = ["train", "--steps", str(args.steps), "--recipe", args.recipe, "--no-progress", "--device", device,
                 "--out", f"/tmp/fp8_audit_{args.recipe}"]

@@ -8,7 +8,8 @@
 #   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
 #   only), gemm_fp8_sweep (every FP8 tile candidate: the FP8 tables are untuned), quant_sweep
-#   (quantize tuning candidates), train_fp8 (the FP8 job alone). GEMM_SWEEP_ARGS (e.g. "--gemm-recipes
+#   (quantize tuning candidates), train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py
+#   and its bisect variants). GEMM_SWEEP_ARGS (e.g. "--gemm-recipes
 #   per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
@@ -56,6 +57,12 @@ for step in $STEPS; do
                         --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
     bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
+    fp8_audit)  # every FP8 GEMM/quantization of the job vs emulation, then one bisect run per variant
+      for v in "" "--first-picks" "--emulate-gemm wgrad" "--emulate-gemm dgrad" "--emulate-gemm fprop"; do
+        run "fp8_audit${v:+ $v}" python3 qa/L2_gpu/fp8_kernel_audit.py --recipe fp8_blockwise --steps 8 $v
+        python3 -c "import json; print('loss', [round(x, 4) for x in json.load(open(
+          '/tmp/fp8_audit_fp8_blockwise/report.json'))['loss']])" | tee -a "$LOG"
+      done ;;
     train_fp8) run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
                  --no-progress --out /tmp/train_fp8
                cp /tmp/train_fp8/report.json "$OUT_DIR/train_fp8_report.json" 2>/dev/null ;;
