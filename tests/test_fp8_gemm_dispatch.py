@@ -208,3 +208,17 @@ def test_each_operand_is_quantized_once(module, delay, monkeypatch):
     mod.backward_dw()
     assert calls["quantize_operand"] == 2
     assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_audit_tool_checks_its_arguments():
+    """qa/L2_gpu/fp8_kernel_audit.py (GPU tool): a bad product name is refused before anything runs, and
+    without a GPU (and without the interpreter route) it says what it needs instead of auditing nothing."""
+    tool = os.path.join(_ROOT, "qa", "L2_gpu", "fp8_kernel_audit.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISTWGRAD_KERNELS_ON_CPU", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    bad = subprocess.run([sys.executable, tool, "--emulate-gemm", "fprop,matmul"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--emulate-gemm takes fprop, dgrad, wgrad; got 'fprop,matmul'" in bad.stderr
+    if not torch.cuda.is_available():
+        cpu = subprocess.run([sys.executable, tool], env=env, capture_output=True, text=True, timeout=120)
+        assert cpu.returncode != 0 and "needs a GPU" in cpu.stderr

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import runpy
 import sys
+import tempfile
 
 import torch
 
@@ -136,13 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-picks", action="store_true",
                    help="the kernels use the first, untuned tile table (128x128x128/w8/s4, 'load') instead of "
                         "the tuned one: bisects a difference between the two")
+    p.add_argument("--out", default=None, help="the job's output folder (default: fp8_audit_<recipe> in the "
+                                              "temporary directory)")
     args = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not ops.gg.kernels_available(torch.zeros(1)):
-        raise SystemExit("needs a GPU (or, slowly, DISTWGRAD_KERNELS_ON_CPU=1 TRITON_INTERPRET=1 on CPU)")
     emulated = {op for op in args.emulate_gemm.split(",") if op}
     if emulated - {"fprop", "dgrad", "wgrad"}:
         p.error(f"--emulate-gemm takes fprop, dgrad, wgrad; got {args.emulate_gemm!r}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not ops.gg.kernels_available(torch.zeros(1)):
+        raise SystemExit("needs a GPU (or, slowly, DISTWGRAD_KERNELS_ON_CPU=1 TRITON_INTERPRET=1 on CPU)")
+    out = args.out or os.path.join(tempfile.gettempdir(), f"fp8_audit_{args.recipe}")
     for name in ("grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"):
         _wrap(name, name.split("_")[1] in emulated)
     if args.first_picks:
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.pick = lambda op, *, block, **kw: cfg.with_block_k(first, block)
     _wrap_quantizers(args.reference_quantize)
     sys.argv = ["train", "--steps", str(args.steps), "--recipe", args.recipe, "--no-progress", "--device", device,
-                "--out", f"/tmp/fp8_audit_{args.recipe}"]
+                "--out", out]
     with contextlib.suppress(SystemExit):
         runpy.run_module("distwgrad.launch.train", run_name="__main__")
     if not RECORDS:

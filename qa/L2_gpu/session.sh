@@ -59,9 +59,10 @@ for step in $STEPS; do
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
     fp8_audit)  # every FP8 GEMM/quantization of the job vs emulation, then one bisect run per variant
       for v in "" "--first-picks" "--emulate-gemm wgrad" "--emulate-gemm dgrad" "--emulate-gemm fprop"; do
-        run "fp8_audit${v:+ $v}" python3 qa/L2_gpu/fp8_kernel_audit.py --recipe fp8_blockwise --steps 8 $v
+        run "fp8_audit${v:+ $v}" python3 qa/L2_gpu/fp8_kernel_audit.py --recipe fp8_blockwise --steps 8 $v \
+          --out /tmp/fp8_audit
         python3 -c "import json; print('loss', [round(x, 4) for x in json.load(open(
-          '/tmp/fp8_audit_fp8_blockwise/report.json'))['loss']])" | tee -a "$LOG"
+          '/tmp/fp8_audit/report.json'))['loss']])" | tee -a "$LOG"
       done ;;
     train_fp8) run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
                  --no-progress --out /tmp/train_fp8
