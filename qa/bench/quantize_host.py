@@ -1,0 +1,65 @@
+"""Host cost per call of the FP8 quantize kernels' Python entry points, the GPU launch stubbed out.
+
+The quantize kernels take ~100 µs of device time at 8192 x 16384 on an H200, so the host's share (argument
+checks, the ``torch.library.custom_op`` dispatch, output allocation) decides whether a launch-bound
+caller waits on the CPU (docs/benchmarks.md). This times that share on any machine: the Triton kernels
+are replaced by no-ops, and the public functions are compared with the custom op's implementation called
+directly (what a bypass of the dispatcher would cost). CPU under ``TRITON_INTERPRET=1`` (the kernels'
+device checks accept CPU tensors there)::
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/quantize_host.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from distwgrad.fp8.recipe import BlockwiseScaling
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _us_per_call(fn: Callable[[], object], calls: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    from distwgrad.kernels import quantize as kq
+    for name in ("_amax_kernel", "_cast_per_tensor_kernel", "_quantize_rows_kernel", "_quantize_blocks_kernel",
+                 "_quantize_rowcol_kernel"):
+        setattr(kq, name, _NoLaunch())
+    x = torch.randn(256, 512, device=args.device)
+    e4m3 = torch.float8_e4m3fn
+    rows = {
+        "quantize_per_tensor": lambda: kq.quantize_per_tensor(x, e4m3),
+        "quantize_blockwise 1x128": lambda: kq.quantize_blockwise(x, (1, 128), e4m3),
+        "  its custom op's implementation, called directly": lambda: kq._blockwise_op._init_fn(x, 1, 128, e4m3, True),
+        "quantize_rowwise_and_columnwise": lambda: kq.quantize_rowwise_and_columnwise(x, BlockwiseScaling()),
+        "  two output allocations (torch.empty)": lambda: (torch.empty(x.shape, dtype=e4m3, device=x.device),
+                                                           torch.empty(256, 4, device=x.device)),
+    }
+    result = {name: _us_per_call(fn, args.calls) for name, fn in rows.items()}
+    for name, us in result.items():
+        print(f"{name:52s} {us:8.1f} µs/call")
+    return result
+
+
+if __name__ == "__main__":
+    main()
