@@ -595,6 +595,21 @@ def test_reference_is_device_independent():
                 assert_same(k, r, f"rowcol {rec}")
 
 
+@pytest.mark.interpret
+def test_host_cost_bench_smoke():
+    """qa/bench/quantize_host.py runs (launches stubbed) and reports every entry point per call."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, str(REPO / "qa" / "bench" / "quantize_host.py"), "--calls", "5",
+                           "--device", "cpu"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("quantize_per_tensor", "quantize_blockwise 1x128", "called directly",
+                 "quantize_rowwise_and_columnwise"):
+        line = next(ln for ln in proc.stdout.splitlines() if name in ln)
+        assert float(line.split()[-2]) > 0, line
+
+
 if __name__ == "__main__":
     # Interpreter entry point (see the module docstring): python tests/test_fp8_quantize.py CASE
     if os.environ.get("TRITON_INTERPRET") != "1":
