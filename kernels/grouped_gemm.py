@@ -49,6 +49,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _grouped_gemm_configs as _cfg
+from ._dispatch import call
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_wgrad import _mma, _swizzle, _wgrad_kernel, _wgrad_persistent_kernel
 
@@ -344,10 +345,12 @@ def _wgrad(dy_TN, x_TK, offs_E, out=None, *, config=None, use_tma=None):
 # ---------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("distwgrad::grouped_fprop", mutates_args=())
-def _fprop_op(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+def _fprop_impl(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
               bias_EN: torch.Tensor | None) -> torch.Tensor:
     return _fprop(x_TK, w_ENK, offs_E, bias_EN)
+
+
+_fprop_op = torch.library.custom_op("distwgrad::grouped_fprop", _fprop_impl, mutates_args=())
 
 
 @_fprop_op.register_fake
@@ -356,9 +359,11 @@ def _(x_TK, w_ENK, offs_E, bias_EN):
     return x_TK.new_empty(x_TK.shape[0], w_ENK.shape[1])
 
 
-@torch.library.custom_op("distwgrad::grouped_dgrad", mutates_args=())
-def _dgrad_op(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def _dgrad_impl(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return _dgrad(dy_TN, w_ENK, offs_E)
+
+
+_dgrad_op = torch.library.custom_op("distwgrad::grouped_dgrad", _dgrad_impl, mutates_args=())
 
 
 @_dgrad_op.register_fake
@@ -367,9 +372,11 @@ def _(dy_TN, w_ENK, offs_E):
     return dy_TN.new_empty(dy_TN.shape[0], w_ENK.shape[2])
 
 
-@torch.library.custom_op("distwgrad::grouped_wgrad", mutates_args=())
-def _wgrad_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def _wgrad_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return _wgrad(dy_TN, x_TK, offs_E)
+
+
+_wgrad_op = torch.library.custom_op("distwgrad::grouped_wgrad", _wgrad_impl, mutates_args=())
 
 
 @_wgrad_op.register_fake
@@ -378,9 +385,11 @@ def _(dy_TN, x_TK, offs_E):
     return dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1])
 
 
-@torch.library.custom_op("distwgrad::grouped_wgrad_accumulate", mutates_args=("out",))
-def _wgrad_acc_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, out: torch.Tensor) -> None:
+def _wgrad_acc_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, out: torch.Tensor) -> None:
     _wgrad(dy_TN, x_TK, offs_E, out)
+
+
+_wgrad_acc_op = torch.library.custom_op("distwgrad::grouped_wgrad_accumulate", _wgrad_acc_impl, mutates_args=("out",))
 
 
 @_wgrad_acc_op.register_fake
@@ -388,10 +397,13 @@ def _(dy_TN, x_TK, offs_E, out):
     _check_wgrad(dy_TN, x_TK, offs_E, out)
 
 
-@torch.library.custom_op("distwgrad::grouped_wgrad_accumulate_list", mutates_args=("out",))
-def _wgrad_acc_list_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
+def _wgrad_acc_list_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
                        out: list[torch.Tensor]) -> None:
     _wgrad(dy_TN, x_TK, offs_E, out)
+
+
+_wgrad_acc_list_op = torch.library.custom_op(
+    "distwgrad::grouped_wgrad_accumulate_list", _wgrad_acc_list_impl, mutates_args=("out",))
 
 
 @_wgrad_acc_list_op.register_fake
@@ -413,13 +425,13 @@ def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
         ``[T, N]`` in x's dtype (rows at or past ``offs_E[-1]`` unwritten).
     """
     _check_fprop(x_TK, w_ENK, offs_E, bias_EN)
-    return torch.ops.distwgrad.grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    return call(torch.ops.distwgrad.grouped_fprop, _fprop_impl, x_TK, w_ENK, offs_E, bias_EN)
 
 
 def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """``dx_TK[g] = dy_TN[g] @ w_ENK[e]`` for every group; arguments as in :func:`grouped_fprop`."""
     _check_dgrad(dy_TN, w_ENK, offs_E)
-    return torch.ops.distwgrad.grouped_dgrad(dy_TN, w_ENK, offs_E)
+    return call(torch.ops.distwgrad.grouped_dgrad, _dgrad_impl, dy_TN, w_ENK, offs_E)
 
 
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
@@ -438,9 +450,10 @@ def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
     """
     _check_wgrad(dy_TN, x_TK, offs_E, out)
     if out is None:
-        return torch.ops.distwgrad.grouped_wgrad(dy_TN, x_TK, offs_E)
+        return call(torch.ops.distwgrad.grouped_wgrad, _wgrad_impl, dy_TN, x_TK, offs_E)
     if isinstance(out, torch.Tensor):
-        torch.ops.distwgrad.grouped_wgrad_accumulate(dy_TN, x_TK, offs_E, out)
+        call(torch.ops.distwgrad.grouped_wgrad_accumulate, _wgrad_acc_impl, dy_TN, x_TK, offs_E, out, mutated=(3,))
     else:
-        torch.ops.distwgrad.grouped_wgrad_accumulate_list(dy_TN, x_TK, offs_E, list(out))
+        call(torch.ops.distwgrad.grouped_wgrad_accumulate_list, _wgrad_acc_list_impl, dy_TN, x_TK, offs_E, list(out),
+             mutated=(3,))
     return out

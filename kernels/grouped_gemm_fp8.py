@@ -71,6 +71,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from distwgrad.fp8.quantize import Quantized
 
 from . import _grouped_gemm_fp8_configs as _cfg
+from ._dispatch import call
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_wgrad
 from ._grouped_wgrad import _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
 from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table
@@ -435,10 +436,12 @@ def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tm
 # ---------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("distwgrad::grouped_fprop_fp8", mutates_args=())
-def _fprop_op(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+def _fprop_impl(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
               offs_E: torch.Tensor, bias_EN: torch.Tensor | None, block: int, out_dtype: torch.dtype) -> torch.Tensor:
     return _fprop(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype)
+
+
+_fprop_op = torch.library.custom_op("distwgrad::grouped_fprop_fp8", _fprop_impl, mutates_args=())
 
 
 @_fprop_op.register_fake
@@ -447,10 +450,12 @@ def _(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype):
     return x.new_empty(x.shape[0], w.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("distwgrad::grouped_dgrad_fp8", mutates_args=())
-def _dgrad_op(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
+def _dgrad_impl(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
               offs_E: torch.Tensor, block: int, out_dtype: torch.dtype) -> torch.Tensor:
     return _dgrad(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
+
+
+_dgrad_op = torch.library.custom_op("distwgrad::grouped_dgrad_fp8", _dgrad_impl, mutates_args=())
 
 
 @_dgrad_op.register_fake
@@ -459,10 +464,12 @@ def _(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype):
     return dy.new_empty(dy.shape[0], w.shape[2], dtype=out_dtype)
 
 
-@torch.library.custom_op("distwgrad::grouped_wgrad_fp8", mutates_args=())
-def _wgrad_op(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor, x_t_scale_inv: torch.Tensor,
+def _wgrad_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor, x_t_scale_inv: torch.Tensor,
               offs_E: torch.Tensor, block: int) -> torch.Tensor:
     return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block)
+
+
+_wgrad_op = torch.library.custom_op("distwgrad::grouped_wgrad_fp8", _wgrad_impl, mutates_args=())
 
 
 @_wgrad_op.register_fake
@@ -471,10 +478,13 @@ def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block):
     return dy_t.new_empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("distwgrad::grouped_wgrad_fp8_accumulate", mutates_args=("out",))
-def _wgrad_acc_op(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
+def _wgrad_acc_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
                   x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor) -> None:
     _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+
+
+_wgrad_acc_op = torch.library.custom_op(
+    "distwgrad::grouped_wgrad_fp8_accumulate", _wgrad_acc_impl, mutates_args=("out",))
 
 
 @_wgrad_acc_op.register_fake
@@ -482,11 +492,14 @@ def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out):
     _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
 
 
-@torch.library.custom_op("distwgrad::grouped_wgrad_fp8_accumulate_list", mutates_args=("out",))
-def _wgrad_acc_list_op(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
+def _wgrad_acc_list_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
                        x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int,
                        out: list[torch.Tensor]) -> None:
     _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+
+
+_wgrad_acc_list_op = torch.library.custom_op(
+    "distwgrad::grouped_wgrad_fp8_accumulate_list", _wgrad_acc_list_impl, mutates_args=("out",))
 
 
 @_wgrad_acc_list_op.register_fake
@@ -542,7 +555,7 @@ def grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch
     x, x_s, block = _act("grouped_fprop_fp8", "x_q", x_q)
     w, w_s = _weights("grouped_fprop_fp8", w_qs, block)
     _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
-    return torch.ops.distwgrad.grouped_fprop_fp8(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype)
+    return call(torch.ops.distwgrad.grouped_fprop_fp8, _fprop_impl, x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype)
 
 
 def grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor,
@@ -552,7 +565,7 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor,
     dy, dy_s, block = _act("grouped_dgrad_fp8", "dy_q", dy_q)
     w, w_s = _weights("grouped_dgrad_fp8", w_qs, block)
     _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
-    return torch.ops.distwgrad.grouped_dgrad_fp8(dy, dy_s, w, w_s, offs_E, block, out_dtype)
+    return call(torch.ops.distwgrad.grouped_dgrad_fp8, _dgrad_impl, dy, dy_s, w, w_s, offs_E, block, out_dtype)
 
 
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
@@ -578,10 +591,11 @@ def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
     _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
     ops = torch.ops.distwgrad
     if out is None:
-        return ops.grouped_wgrad_fp8(dy_t, dy_s, x_t, x_s, offs_E, block)
+        return call(ops.grouped_wgrad_fp8, _wgrad_impl, dy_t, dy_s, x_t, x_s, offs_E, block)
     if isinstance(out, torch.Tensor):
-        ops.grouped_wgrad_fp8_accumulate(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+        call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out, mutated=(6,))
     else:
-        ops.grouped_wgrad_fp8_accumulate_list(dy_t, dy_s, x_t, x_s, offs_E, block, list(out))
+        call(ops.grouped_wgrad_fp8_accumulate_list, _wgrad_acc_list_impl, dy_t, dy_s, x_t, x_s, offs_E, block,
+             list(out), mutated=(6,))
     return out
 

@@ -61,6 +61,8 @@ import triton.language as tl
 from distwgrad.fp8.quantize import Quantized, transpose_quantized
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
 
+from ._dispatch import call
+
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
 # Tuning. Every value here only moves speed: each element's arithmetic is the same for any tiling.
@@ -76,7 +78,8 @@ AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one
 BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
 ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
 ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
-ROWCOL_CHUNK = 128        # whole 128x128 tile, one read: 2180 vs 1045 for 64-column chunks (two reads)
+ROWCOL_PACK = True        # x^T's bytes packed into words before the transpose ([Note: packed transpose])
+ROWCOL_CHUNK = 128        # byte kernel: whole 128x128 tile, one read: 2180 vs 1045 for 64-column chunks (two reads)
 ROWCOL_WARPS = 8          # with the cap below: 2180 vs 4 warps 1913 (210 regs, 2/SM), 8 uncapped 1607,
 ROWCOL_MAXNREG = 128      # 16 warps 1260; register cap (Triton ``maxnreg``): 8 warps fit 128 without spills
 
@@ -106,11 +109,13 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
-        dict(ROWCOL_CHUNK=64, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),    # two reads, 152 regs
+        dict(ROWCOL_PACK=True, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_PACK=True, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),
+        dict(ROWCOL_PACK=True, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
+        dict(ROWCOL_PACK=True, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),
+        dict(ROWCOL_PACK=False, ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_PACK=False, ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
+        dict(ROWCOL_PACK=False, ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
     ],
 }
 
@@ -145,17 +150,35 @@ def _inf_if_nan(amax):
 
 @triton.jit
 def _scale_from_amax(amax, NUM: tl.constexpr, POW2: tl.constexpr):
-    """The reference's ``compute_scale``, op for op; NUM = fp8_max * 2**-margin (exact in fp32)."""
-    safe = tl.where(amax == 0.0, 1.0, amax)  # amax == 0 is overwritten below; avoids a 1/0 warning
-    s = tl.math.div_rn(NUM + tl.zeros_like(safe), safe)
-    s = tl.where(s > _FLT_MAX, _FLT_MAX, s)
-    s = tl.where(s < _FLT_MIN_NORMAL, _FLT_MIN_NORMAL, s)
+    """The reference's ``compute_scale``: op for op, or for power-of-two scales by exponent arithmetic
+    that gives the same bits ([Note: power-of-two scales without division]); NUM = fp8_max * 2**-margin
+    (exact in fp32). ``amax`` is >= 0 or NaN-free +inf (``_inf_if_nan``)."""
     if POW2:
-        s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        a = amax.to(tl.int32, bitcast=True)
+        num = (NUM + tl.zeros_like(amax)).to(tl.int32, bitcast=True)  # constant-folded
+        e = (num >> 23) - (a >> 23) + 127 - ((a & 0x7FFFFF) > (num & 0x7FFFFF)).to(tl.int32)
+        e = tl.where((a >> 23) == 0, 254, tl.minimum(tl.maximum(e, 1), 254))
+        s = (e << 23).to(tl.float32, bitcast=True)
+    else:
+        safe = tl.where(amax == 0.0, 1.0, amax)  # amax == 0 is overwritten below; avoids a 1/0 warning
+        s = tl.math.div_rn(NUM + tl.zeros_like(safe), safe)
+        s = tl.where(s > _FLT_MAX, _FLT_MAX, s)
+        s = tl.where(s < _FLT_MIN_NORMAL, _FLT_MIN_NORMAL, s)
     s = tl.where(amax == 0.0, 1.0, s)
     # NaN for a non-finite amax, made from it (inf - inf): a NaN global constexpr would fail Triton's
     # "global changed since compile" check, as NaN != NaN.
     return tl.where(tl.abs(amax) <= _FLT_MAX, s, amax - amax)
+
+
+@triton.jit
+def _inverse(scale, POW2: tl.constexpr):
+    """``scale_inv = 1 / scale`` as the reference computes it (IEEE division, ``tl.math.div_rn``); a
+    power-of-two scale 2**k inverts exactly to 2**-k, built from the exponent (2**-127 is subnormal)."""
+    if POW2:
+        e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        inv = tl.where(e == 254, 0x400000, (254 - e) << 23).to(tl.float32, bitcast=True)
+        return tl.where(scale == scale, inv, scale)  # NaN stays NaN
+    return tl.math.div_rn(1.0 + tl.zeros_like(scale), scale)
 
 
 @triton.jit
@@ -237,7 +260,7 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP
     scale = _scale_from_amax(amax, NUM, POW2)
     q = _to_fp8_bits(x.to(tl.float32) * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
-    s_inv = tl.math.div_rn(1.0 + tl.zeros_like(scale), scale)
+    s_inv = _inverse(scale, POW2)
     tl.store(s_inv_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, s_inv)
 
 
@@ -257,7 +280,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8:
     scale_T = _row_scales(x_TL, NUM, POW2)
     q_TL = _to_fp8_bits(x_TL.to(tl.float32) * scale_T[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
     tl.store(q_ptr + offs, q_TL, mask=mask)
-    s_inv_T = tl.math.div_rn(1.0 + tl.zeros_like(scale_T), scale_T)
+    s_inv_T = _inverse(scale_T, POW2)
     tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, s_inv_T, mask=mask_m)
 
 
@@ -277,7 +300,7 @@ def _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M,
     tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
              _to_fp8_bits(xt_CL * scale_C[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST),
              mask=mask_n[:, None] & mask_m[None, :])
-    tl.store(st_inv_ptr + offs_n * st_col, tl.math.div_rn(1.0 + tl.zeros_like(scale_C), scale_C), mask=mask_n)
+    tl.store(st_inv_ptr + offs_n * st_col, _inverse(scale_C, POW2), mask=mask_n)
 
 
 @triton.jit
@@ -324,8 +347,80 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
             x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(q_ptr + rows + offs_n[None, :],
                      _to_fp8_bits(x_LC * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-    tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, tl.math.div_rn(1.0 + tl.zeros_like(scale_L), scale_L),
+    tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2),
              mask=mask_m)
+
+
+@triton.jit
+def _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, m_R, offs_n, mask_n, M, N, pid_n, NUM: tl.constexpr,
+                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
+                 HW_CAST: tl.constexpr, POW2: tl.constexpr, L: tl.constexpr):
+    """Rows ``m_R`` of an [., L] tile of x: loaded, stored as quantized 1xL row tiles, returned as loaded."""
+    mask_R = m_R < M
+    rows = m_R.to(tl.int64)[:, None] * N
+    mask = mask_R[:, None] & mask_n[None, :]
+    x_RL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0)
+    xf_RL = x_RL.to(tl.float32)
+    scale_R = _row_scales(xf_RL, NUM, POW2)
+    tl.store(q_ptr + rows + offs_n[None, :],
+             _to_fp8_bits(xf_RL * scale_R[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+    tl.store(s_inv_ptr + m_R * tl.cdiv(N, L) + pid_n, _inverse(scale_R, POW2),
+             mask=mask_R)
+    return x_RL
+
+
+@triton.jit
+def _column_byte(x_RL, scale_L, SHIFT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                 MANT: tl.constexpr, EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr):
+    """x quantized with its column's scale, as one byte of a uint32 word, shifted into place."""
+    q = _to_fp8_bits(x_RL.to(tl.float32) * scale_L[None, :], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+    return q.to(tl.uint32) << SHIFT
+
+
+@triton.jit
+def _quantize_rowcol_packed_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, M4, N, NUM: tl.constexpr,
+                                   FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                                   EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
+                                   L: tl.constexpr):
+    """As ``_quantize_rowcol_kernel`` (CHUNK == L), with x^T's bytes packed into words before the transpose.
+
+    [Note: packed transpose] The fp8 bytes of x^T must change hands between threads: a thread holds
+    consecutive columns of a row of x, x^T's store wants consecutive rows of a column. Moved one byte at
+    a time through shared memory, that exchange is what limits the one-byte-per-element kernel. Here the
+    [L, L] tile is loaded as four interleaved [L/4, L] slices, slice k holding rows 4w + k (w = 0..L/4-1):
+    element (w, n) of the four slices are the four x^T bytes ``qt[n, 4w : 4w + 4]``, so the thread that
+    holds them packs them into one uint32 (little-endian, as the GPU and the interpreter's CPU store
+    it) with register arithmetic only. The [L/4, L] word tile is then stored transposed into x^T viewed
+    as int32 words, so the exchange moves 4-byte words, a quarter of the operations. The row tiles are
+    quantized slice by slice on the way (each slice's rows are whole 1xL row tiles). Needs M % 4 == 0
+    (x^T's rows are whole words); the launcher uses the byte kernel otherwise. ``M4 = M // 4`` (x^T's
+    row stride in words) comes as an argument, so that Triton sees its divisibility and the word
+    stores are 16-byte vectors (a mask ``4 * w < M`` hides that from its alignment analysis).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * L + tl.arange(0, L)
+    mask_n = offs_n < N
+    w_W = pid_m * (L // 4) + tl.arange(0, L // 4)  # words of x^T's rows = rows 4w + k of x, k = 0..3
+    x0 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
+                      EMIN_BIASED, HW_CAST, POW2, L)
+    x1 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W + 1, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
+                      EMIN_BIASED, HW_CAST, POW2, L)
+    x2 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W + 2, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
+                      EMIN_BIASED, HW_CAST, POW2, L)
+    x3 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W + 3, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
+                      EMIN_BIASED, HW_CAST, POW2, L)
+    a_WL = _max_nan(_max_nan(tl.abs(x0).to(tl.float32), tl.abs(x1).to(tl.float32)),
+                    _max_nan(tl.abs(x2).to(tl.float32), tl.abs(x3).to(tl.float32)))
+    scale_L = _scale_from_amax(_inf_if_nan(tl.reduce(a_WL, 0, _max_nan)), NUM, POW2)
+    word_WL = (_column_byte(x0, scale_L, 0, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+               | _column_byte(x1, scale_L, 8, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+               | _column_byte(x2, scale_L, 16, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+               | _column_byte(x3, scale_L, 24, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST))
+    tl.store(qt_ptr + offs_n.to(tl.int64)[None, :] * M4 + w_W[:, None], word_WL.to(tl.int32, bitcast=True),
+             mask=(w_W < M4)[:, None] & mask_n[None, :])
+    tl.store(st_inv_ptr + offs_n * tl.cdiv(M, L) + pid_m, _inverse(scale_L, POW2),
+             mask=mask_n)
 
 
 def _interpreting() -> bool:
@@ -360,8 +455,7 @@ def _fmt_args(dtype: torch.dtype, margin: int = 0) -> dict:
                 EMIN_BIASED=fmt.min_normal_exp + 127, HW_CAST=not _interpreting())
 
 
-@torch.library.custom_op("distwgrad::fp8_quantize_per_tensor", mutates_args=())
-def _per_tensor_op(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
+def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
                    margin: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=False)
     n = x.numel()
@@ -380,13 +474,15 @@ def _per_tensor_op(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtyp
     return data, scale_inv
 
 
+_per_tensor_op = torch.library.custom_op("distwgrad::fp8_quantize_per_tensor", _per_tensor_impl, mutates_args=())
+
+
 @_per_tensor_op.register_fake
 def _(x, amax, dtype, margin):
     return torch.empty_like(x, dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("distwgrad::fp8_quantize_blockwise", mutates_args=())
-def _blockwise_op(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dtype,
+def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dtype,
                   power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=True)
     bm, bn = _check_block((block_m, block_n))
@@ -406,14 +502,16 @@ def _blockwise_op(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dtyp
     return data, scale_inv
 
 
+_blockwise_op = torch.library.custom_op("distwgrad::fp8_quantize_blockwise", _blockwise_impl, mutates_args=())
+
+
 @_blockwise_op.register_fake
 def _(x, block_m, block_n, dtype, power_of_two):
     grid = (-(-x.shape[0] // block_m), -(-x.shape[1] // block_n))
     return torch.empty_like(x, dtype=dtype), x.new_empty(grid, dtype=torch.float32)
 
 
-@torch.library.custom_op("distwgrad::fp8_quantize_rowwise_and_columnwise", mutates_args=())
-def _rowcol_op(x: torch.Tensor, tile: int, dtype: torch.dtype,
+def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
                power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=True)
     _, L = _check_block((1, tile))
@@ -422,12 +520,20 @@ def _rowcol_op(x: torch.Tensor, tile: int, dtype: torch.dtype,
     scale_inv = torch.empty((M, triton.cdiv(N, L)), dtype=torch.float32, device=x.device)
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
-    if M * N > 0:
-        _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
+    grid = (triton.cdiv(M, L), triton.cdiv(N, L))
+    if M * N > 0 and ROWCOL_PACK and M % 4 == 0 and L >= 4:  # [Note: packed transpose]
+        _quantize_rowcol_packed_kernel[grid](
+            x, data.view(torch.uint8), scale_inv, data_t.view(torch.int32), scale_inv_t, M, M // 4, N,
+            POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG, **_fmt_args(dtype))
+    elif M * N > 0:
+        _quantize_rowcol_kernel[grid](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
             POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
             **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
+
+
+_rowcol_op = torch.library.custom_op("distwgrad::fp8_quantize_rowwise_and_columnwise", _rowcol_impl, mutates_args=())
 
 
 @_rowcol_op.register_fake
@@ -445,7 +551,7 @@ def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tens
     of ``compute_amax(shard)`` over the shard group); it is read on the device, never synced.
     """
     fp8_format(dtype)
-    data, scale_inv = torch.ops.distwgrad.fp8_quantize_per_tensor(x, amax, dtype, margin)
+    data, scale_inv = call(torch.ops.distwgrad.fp8_quantize_per_tensor, _per_tensor_impl, x, amax, dtype, margin)
     return Quantized(data, scale_inv, None, x.dtype, x.shape)
 
 
@@ -454,7 +560,8 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dty
     """Kernel version of ``distwgrad.fp8.quantize.quantize_blockwise``; blocks must be powers of two."""
     fp8_format(dtype)
     bm, bn = _check_block(block)
-    data, scale_inv = torch.ops.distwgrad.fp8_quantize_blockwise(x, bm, bn, dtype, power_of_two)
+    data, scale_inv = call(torch.ops.distwgrad.fp8_quantize_blockwise, _blockwise_impl, x, bm, bn, dtype,
+                           power_of_two)
     return Quantized(data, scale_inv, (bm, bn), x.dtype, x.shape)
 
 
@@ -468,8 +575,8 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
     dtype = recipe.dtype_for(grad=grad)
     if isinstance(recipe, BlockwiseScaling):
         L = recipe.act_block[1]
-        data, s_inv, data_t, s_inv_t = torch.ops.distwgrad.fp8_quantize_rowwise_and_columnwise(
-            x, L, dtype, recipe.power_of_two)
+        data, s_inv, data_t, s_inv_t = call(torch.ops.distwgrad.fp8_quantize_rowwise_and_columnwise, _rowcol_impl,
+                                             x, L, dtype, recipe.power_of_two)
         return (Quantized(data, s_inv, (1, L), x.dtype, x.shape),
                 Quantized(data_t, s_inv_t, (1, L), x.dtype, torch.Size((x.shape[1], x.shape[0]))))
     if isinstance(recipe, PerTensorScaling):

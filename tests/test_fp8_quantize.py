@@ -475,7 +475,9 @@ def case_blockwise(device: str, big: bool) -> None:
 
 def case_rowcol(device: str, big: bool) -> None:
     kq = _kernels()
-    shapes = [(8192 + 7, 4096 + 65), (4096, 7168)] if big else [(1, 1), (40, 70), (64, 32), (65, 33)]
+    # M % 4 == 0 takes the packed kernel ([Note: packed transpose]), other M the byte kernel
+    shapes = [(8192 + 7, 4096 + 65), (4096, 7168), (4096 + 4, 2048 + 3)] if big else \
+        [(1, 1), (40, 70), (64, 32), (65, 33), (36, 97)]
     L = 128 if big else 32
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -486,15 +488,49 @@ def case_rowcol(device: str, big: bool) -> None:
                 for pow2 in (True, False):
                     rec = BlockwiseScaling(act_block=(1, L), weight_block=(L, L), dtype=f8, power_of_two=pow2)
                     ref = quantize_rowwise_and_columnwise(x, rec)
-                    for chunk in (kq.ROWCOL_CHUNK, L // 4) if pow2 else (kq.ROWCOL_CHUNK,):
-                        with _tuning(kq, ROWCOL_CHUNK=chunk):
+                    # the packed kernel (M % 4 == 0) and the byte kernel, whole tile or in chunks
+                    tunings = [dict(ROWCOL_PACK=True), dict(ROWCOL_PACK=False, ROWCOL_CHUNK=L)]
+                    tunings += [dict(ROWCOL_PACK=False, ROWCOL_CHUNK=L // 4)] if pow2 else []
+                    for tuning in tunings:
+                        with _tuning(kq, **tuning):
                             got = kq.quantize_rowwise_and_columnwise(x, rec)
                         for k, r in zip(got, ref, strict=True):
-                            assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2} chunk={chunk}")
+                            assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2} {tuning}")
             rec = PerTensorScaling(margin=1)
             for k, r in zip(kq.quantize_rowwise_and_columnwise(x, rec, grad=True),
                             quantize_rowwise_and_columnwise(x, rec, grad=True), strict=True):
                 assert_same(k, r, f"{shape} per-tensor")
+
+
+def _amax_grid() -> torch.Tensor:
+    """fp32 amaxes at every exponent (subnormals too), with the mantissas around each fp8 format's max
+    mantissa (where fl(fp8_max / amax) changes exponent), plus 0, +inf, NaN and random values."""
+    mant = torch.tensor([0, 1, 0x3FFFFF, 0x400000, 0x400001, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF])
+    bits = ((torch.arange(0, 255) << 23)[:, None] + mant).flatten()
+    bits = torch.cat([bits, torch.randint(0, 0x7F800000, (512,), generator=torch.Generator().manual_seed(3)),
+                      torch.tensor([0x7F800000, 0x7FC00000])])
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def case_pow2_scales(device: str, big: bool) -> None:
+    """Power-of-two scales come from exponent arithmetic, not division ([Note: power-of-two scales
+    without division]): every amax of ``_amax_grid`` (one per 1x32 row tile, one per column of x^T)
+    gives the reference's scale and scale_inv bits, in each kernel that takes blockwise scales."""
+    kq = _kernels()
+    amax = _amax_grid()
+    x = amax[:, None] * torch.linspace(1.0, -0.25, 32)  # each row's amax is its first element
+    x = torch.cat([x, torch.zeros(-x.shape[0] % 32, 32)])  # whole 32x32 blocks, M % 4 == 0
+    xd = _on(x, device)
+    for f8 in FP8S:
+        for block in ((1, 32), (32, 32)):
+            assert_same(kq.quantize_blockwise(xd, block, f8), quantize_blockwise(x, block, f8), f"{f8} {block}")
+        rec = BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), dtype=f8)
+        xt = _on(x.t().contiguous(), device)  # x's rows are the column tiles here
+        for pack in (True, False):
+            with _tuning(kq, ROWCOL_PACK=pack):
+                got = kq.quantize_rowwise_and_columnwise(xt, rec)
+            for k, r in zip(got, quantize_rowwise_and_columnwise(x.t().contiguous(), rec), strict=True):
+                assert_same(k, r, f"{f8} rowcol pack={pack}")
 
 
 def case_sweep(device: str, big: bool) -> None:
@@ -510,7 +546,8 @@ def case_sweep(device: str, big: bool) -> None:
     assert set(kq.SWEEP) == set(ops), sorted(kq.SWEEP)
     reference = SimpleNamespace(quantize_per_tensor=quantize_per_tensor, quantize_blockwise=quantize_blockwise,
                                 quantize_rowwise_and_columnwise=quantize_rowwise_and_columnwise)
-    x = _on(wide_range((4096 + 65, 2048 + 3) if big else (130, 200), torch.bfloat16, seed=7), device)
+    # M % 4 == 0, so the packed rowcol candidates run the packed kernel ([Note: packed transpose])
+    x = _on(wide_range((4096 + 68, 2048 + 3) if big else (132, 200), torch.bfloat16, seed=7), device)
     for op, candidates in kq.SWEEP.items():
         ref = ops[op](reference, x)  # on the kernel's device, as in case_rowcol
         for cand in candidates:
@@ -546,10 +583,32 @@ def case_opcheck(device: str, big: bool) -> None:
     torch.library.opcheck(ops.fp8_quantize_blockwise, (x, 1, 16, E4M3, True))
     torch.library.opcheck(ops.fp8_quantize_blockwise, (x, 16, 16, E5M2, False))
     torch.library.opcheck(ops.fp8_quantize_rowwise_and_columnwise, (x, 16, E4M3, True))
+    # [Note: custom op bypass]: eager calls run the implementation directly (same bits as the op); fake
+    # tensors, the profiler and torch.compile see the op
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from distwgrad.kernels._dispatch import direct_call_ok
+    kq = _kernels()
+    assert direct_call_ok((x,))
+    direct = kq.quantize_blockwise(x, (1, 16), E4M3)
+    data, s_inv = ops.fp8_quantize_blockwise(x, 1, 16, E4M3, True)
+    assert bits_equal(direct.data.cpu(), data.cpu()) and bits_equal(direct.scale_inv.cpu(), s_inv.cpu())
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        assert not direct_call_ok((fx,))
+        q = kq.quantize_blockwise(fx, (1, 16), E4M3)
+        assert q.data.shape == x.shape and q.scale_inv.shape == (33, 3)
+    with torch.profiler.profile() as prof:
+        assert not direct_call_ok((x,))
+        kq.quantize_rowwise_and_columnwise(x, BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16)))
+    assert any(e.name == "distwgrad::fp8_quantize_rowwise_and_columnwise" for e in prof.events())
+    compiled = torch.compile(lambda t: kq.quantize_blockwise(t, (1, 16), E4M3).data, fullgraph=True,
+                             backend="aot_eager")
+    assert bits_equal(compiled(x).cpu(), direct.data.cpu())
 
 
 KERNEL_CASES = {f.__name__[5:]: f for f in (case_rounding, case_per_tensor, case_nonfinite, case_blockwise,
-                                               case_rowcol, case_sweep, case_checks, case_opcheck)}
+                                               case_rowcol, case_pow2_scales, case_sweep, case_checks, case_opcheck)}
 
 
 @pytest.mark.interpret

@@ -234,6 +234,24 @@ def _case_custom_ops():
     ref_acc = k.grouped_wgrad(dy, x, offs, out=m.clone())
     torch.testing.assert_close(acc, ref_acc, rtol=0, atol=0)
     torch.testing.assert_close(torch.stack(bufs), ref_acc, rtol=0, atol=0)
+    # [Note: custom op bypass]: eager calls run the implementation directly, with the same bits as the op
+    # and the op's version-counter bump of the buffer it adds into; under FakeTensorMode the op runs.
+    from distwgrad.kernels._dispatch import direct_call_ok
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    assert direct_call_ok((x, w, offs, [m]))
+    torch.testing.assert_close(k.grouped_fprop(x, w, offs, b), ops.grouped_fprop(x, w, offs, b), rtol=0, atol=0)
+    via_op = m.clone()
+    ops.grouped_wgrad_accumulate(dy, x, offs, via_op)
+    direct, bufs = m.clone(), list(m.clone())
+    versions = direct._version, [t._version for t in bufs]
+    k.grouped_wgrad(dy, x, offs, out=direct)
+    k.grouped_wgrad(dy, x, offs, out=bufs)
+    torch.testing.assert_close(direct, via_op, rtol=0, atol=0)
+    assert direct._version > versions[0] and all(t._version > v for t, v in zip(bufs, versions[1]))
+    with FakeTensorMode() as mode:
+        fx, fw, foffs = (mode.from_tensor(t) for t in (x, w, offs))
+        assert not direct_call_ok((fx,))
+        assert k.grouped_fprop(fx, fw, foffs).shape == (x.shape[0], w.shape[1])
 
 
 _INTERPRETER_CASES = {

@@ -8,7 +8,7 @@
 #   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
 #   only), gemm_fp8_sweep (every FP8 tile candidate: the FP8 tables are untuned), quant_sweep
-#   (quantize tuning candidates), train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py
+#   (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays), train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py
 #   and its bisect variants). GEMM_SWEEP_ARGS (e.g. "--gemm-recipes
 #   per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
@@ -49,6 +49,8 @@ for step in $STEPS; do
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
                       ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
+    quant_graph) run quant_graph python3 qa/bench/fp8.py --benchmarks quantize --cuda-graph \
+                   --json "$OUT_DIR/quantize_cuda_graph.json" ;;
     quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
                    --json "$OUT_DIR/quant_sweep.json" ;;
     bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \

@@ -3,9 +3,10 @@
 The quantize kernels take ~100 µs of device time at 8192 x 16384 on an H200, so the host's share (argument
 checks, the ``torch.library.custom_op`` dispatch, output allocation) decides whether a launch-bound
 caller waits on the CPU (docs/benchmarks.md). This times that share on any machine: the Triton kernels
-are replaced by no-ops, and the public functions are compared with the custom op's implementation called
-directly (what a bypass of the dispatcher would cost). CPU under ``TRITON_INTERPRET=1`` (the kernels'
-device checks accept CPU tensors there)::
+are replaced by no-ops, and the public functions (which call the custom op's implementation directly in
+plain eager mode, [Note: custom op bypass] in kernels/_dispatch.py) are compared with the same work
+through the ``torch.ops`` dispatcher and with the implementation alone. CPU under ``TRITON_INTERPRET=1``
+(the kernels' device checks accept CPU tensors there)::
 
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/quantize_host.py
 """
@@ -43,14 +44,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = p.parse_args(argv)
     from distwgrad.kernels import quantize as kq
     for name in ("_amax_kernel", "_cast_per_tensor_kernel", "_quantize_rows_kernel", "_quantize_blocks_kernel",
-                 "_quantize_rowcol_kernel"):
+                 "_quantize_rowcol_kernel", "_quantize_rowcol_packed_kernel"):
         setattr(kq, name, _NoLaunch())
     x = torch.randn(256, 512, device=args.device)
     e4m3 = torch.float8_e4m3fn
     rows = {
         "quantize_per_tensor": lambda: kq.quantize_per_tensor(x, e4m3),
         "quantize_blockwise 1x128": lambda: kq.quantize_blockwise(x, (1, 128), e4m3),
-        "  its custom op's implementation, called directly": lambda: kq._blockwise_op._init_fn(x, 1, 128, e4m3, True),
+        "  the same through the custom op (torch.ops)": lambda: torch.ops.distwgrad.fp8_quantize_blockwise(
+            x, 1, 128, e4m3, True),
+        "  the custom op's implementation alone": lambda: kq._blockwise_impl(x, 1, 128, e4m3, True),
         "quantize_rowwise_and_columnwise": lambda: kq.quantize_rowwise_and_columnwise(x, BlockwiseScaling()),
         "  two output allocations (torch.empty)": lambda: (torch.empty(x.shape, dtype=e4m3, device=x.device),
                                                            torch.empty(256, 4, device=x.device)),
