@@ -52,6 +52,7 @@ Partial edge blocks are masked: masked lanes load 0 and are never stored.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -71,27 +72,29 @@ __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_co
 # bit-exact first). The machine's run-to-run noise was +-15-30% (the same 128x128 config measured 2682
 # and 3837 GB/s in one process), so only differences well beyond that moved a default.
 # Registers below: ptxas -v for sm_90a, Triton 3.9, bf16 input; "k/SM" = programs resident per SM.
-PER_TENSOR_BLOCK = 8192   # elements per program (and per amax loop step): 2294; 4096: 2429, 16384: 2196
+PER_TENSOR_BLOCK = 4096   # elements per program (and amax loop step): 2429, 2432 (two sweeps); 8192: 2294, 2321
 PER_TENSOR_WARPS = 4      # cast 39 regs (12/SM), amax 94 regs (5/SM); 8 warps 2275
 PER_TENSOR_REVERSE = True  # cast pass last block first (L2 reuse after the amax pass): 2294 vs 2284
 AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one address (~8 per SM)
 BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
 ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
 ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
-ROWCOL_PACK = True        # x^T's bytes packed into words before the transpose ([Note: packed transpose])
-ROWCOL_CHUNK = 128        # byte kernel: whole 128x128 tile, one read: 2180 vs 1045 for 64-column chunks (two reads)
-ROWCOL_WARPS = 8          # with the cap below: 2180 vs 4 warps 1913 (210 regs, 2/SM), 8 uncapped 1607,
-ROWCOL_MAXNREG = 128      # 16 warps 1260; register cap (Triton ``maxnreg``): 8 warps fit 128 without spills
+ROWCOL_STAGES = 0         # 0: one tile per program; >= 1: persistent, pipelined ([Note: pipelined rows + columns])
+ROWCOL_PROGRAMS_PER_SM = 2  # persistent grid: programs per SM
+ROWCOL_CHUNK = 128        # one tile per program: the whole 128x128 tile, one read (64-column chunks, two
+ROWCOL_WARPS = 8          # reads: 1045 GB/s); 8 warps with the register cap below (111 regs, 2/SM): 2914
+ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 16 warps 1989. Register cap: Triton ``maxnreg``.
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
 # timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
 # per program and per-scale redundancy; the first of each list is the default.
 SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
     "per_tensor": [
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=False),
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),    # amax 55 regs
         dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
+        dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=False),
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),    # amax 55 regs
+        dict(PER_TENSOR_BLOCK=2048, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
         dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),
         dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=16, PER_TENSOR_REVERSE=True),
     ],
@@ -109,13 +112,14 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_PACK=True, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_PACK=True, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),
-        dict(ROWCOL_PACK=True, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
-        dict(ROWCOL_PACK=True, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),
-        dict(ROWCOL_PACK=False, ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_PACK=False, ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
-        dict(ROWCOL_PACK=False, ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
+        dict(ROWCOL_STAGES=0, ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_STAGES=0, ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
+        # persistent (sm_90a, Triton 3.9: registers, shared memory): 128 regs, 33 KB (2/SM)
+        dict(ROWCOL_STAGES=2, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_STAGES=3, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),  # 65 KB
+        dict(ROWCOL_STAGES=4, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),  # 97 KB
+        dict(ROWCOL_STAGES=2, ROWCOL_PROGRAMS_PER_SM=1, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),  # 203 regs
+        dict(ROWCOL_STAGES=2, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 255 regs
     ],
 }
 
@@ -304,41 +308,54 @@ def _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M,
 
 
 @triton.jit
+def _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n, NUM: tl.constexpr,
+                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
+                 HW_CAST: tl.constexpr, POW2: tl.constexpr, L: tl.constexpr):
+    """Tile (pid_m, pid_n), [L, L], loaded once and held for both: x's 1xL row tiles and x^T's."""
+    offs_m = pid_m * L + tl.arange(0, L)
+    mask_m = offs_m < M
+    rows = offs_m.to(tl.int64)[:, None] * N
+    offs_n = pid_n * L + tl.arange(0, L)
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    x_LL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0)
+    xf_LL = x_LL.to(tl.float32)
+    scale_L = _row_scales(xf_LL, NUM, POW2)
+    tl.store(q_ptr + rows + offs_n[None, :],
+             _to_fp8_bits(xf_LL * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+    tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2), mask=mask_m)
+    # scale_inv_t[n, pid_m] = st_inv_ptr[n * cdiv(M, L) + pid_m]
+    _rowcol_columns(x_LL, offs_m, mask_m, offs_n, offs_n < N, qt_ptr, st_inv_ptr + pid_m, M, tl.cdiv(M, L), NUM,
+                    FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
+
+
+@triton.jit
 def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
                             FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                             EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
                             L: tl.constexpr, CHUNK: tl.constexpr):
     """An [L, L] tile of x per program: the 1xL row tiles of x (along N) and of x^T (along M).
 
-    CHUNK == L: the tile is loaded once and held in registers for both. CHUNK < L: [L, CHUNK] column
-    chunks (C below), visited twice: pass 1 quantizes the columns (``_rowcol_columns``) and
-    accumulates the row amaxes; pass 2 reloads each chunk (a cache hit) and quantizes the rows.
+    CHUNK == L: the tile is loaded once and held in registers for both (``_rowcol_tile``). CHUNK < L:
+    [L, CHUNK] column chunks (C below), visited twice: pass 1 quantizes the columns
+    (``_rowcol_columns``) and accumulates the row amaxes; pass 2 reloads each chunk (a cache hit) and
+    quantizes the rows.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * L + tl.arange(0, L)
-    mask_m = offs_m < M
-    rows = offs_m.to(tl.int64)[:, None] * N
-    st_inv_ptr += pid_m  # scale_inv_t[n, pid_m] = st_inv_ptr[n * cdiv(M, L) + pid_m]
-    st_col = tl.cdiv(M, L)
     if CHUNK == L:
-        offs_n = pid_n * L + tl.arange(0, L)
-        mask = mask_m[:, None] & (offs_n < N)[None, :]
-        x_LL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0)
-        xf_LL = x_LL.to(tl.float32)
-        scale_L = _row_scales(xf_LL, NUM, POW2)
-        tl.store(q_ptr + rows + offs_n[None, :],
-                 _to_fp8_bits(xf_LL * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-        _rowcol_columns(x_LL, offs_m, mask_m, offs_n, offs_n < N, qt_ptr, st_inv_ptr, M, st_col, NUM, FP8,
-                        FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
+        _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n, NUM, FP8, FP8_MAX, MANT,
+                     EMIN_BIASED, HW_CAST, POW2, L)
     else:
+        offs_m = pid_m * L + tl.arange(0, L)
+        mask_m = offs_m < M
+        rows = offs_m.to(tl.int64)[:, None] * N
         amax_L = tl.zeros([L], dtype=tl.float32)
         for c in tl.static_range(L // CHUNK):
             offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
             mask_n = offs_n < N
             x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-            _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M, st_col, NUM, FP8,
-                            FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
+            _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr + pid_m, M, tl.cdiv(M, L),
+                            NUM, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
             amax_L = _max_nan(amax_L, _absmax(x_LC, 1))
         scale_L = _scale_from_amax(_inf_if_nan(amax_L), NUM, POW2)
         for c in tl.static_range(L // CHUNK):
@@ -347,84 +364,39 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
             x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(q_ptr + rows + offs_n[None, :],
                      _to_fp8_bits(x_LC * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-    tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2),
-             mask=mask_m)
+        tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2), mask=mask_m)
 
 
 @triton.jit
-def _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, m_R, offs_n, mask_n, M, N, pid_n, NUM: tl.constexpr,
-                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                 HW_CAST: tl.constexpr, POW2: tl.constexpr, L: tl.constexpr):
-    """Rows ``m_R`` of an [., L] tile of x: loaded, stored as quantized 1xL row tiles, returned as loaded."""
-    mask_R = m_R < M
-    rows = m_R.to(tl.int64)[:, None] * N
-    mask = mask_R[:, None] & mask_n[None, :]
-    x_RL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0)
-    xf_RL = x_RL.to(tl.float32)
-    scale_R = _row_scales(xf_RL, NUM, POW2)
-    tl.store(q_ptr + rows + offs_n[None, :],
-             _to_fp8_bits(xf_RL * scale_R[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-    tl.store(s_inv_ptr + m_R * tl.cdiv(N, L) + pid_n, _inverse(scale_R, POW2),
-             mask=mask_R)
-    return x_RL
+def _quantize_rowcol_persistent_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
+                                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                                       EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
+                                       L: tl.constexpr, STAGES: tl.constexpr):
+    """``_rowcol_tile`` over the tiles pid, pid + programs, ... (M fastest), software-pipelined.
 
-
-@triton.jit
-def _column_byte(x_RL, scale_L, SHIFT: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                 MANT: tl.constexpr, EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr):
-    """x quantized with its column's scale, as one byte of a uint32 word, shifted into place."""
-    q = _to_fp8_bits(x_RL.to(tl.float32) * scale_L[None, :], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
-    return q.to(tl.uint32) << SHIFT
-
-
-@triton.jit
-def _quantize_rowcol_packed_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, M4, N, NUM: tl.constexpr,
-                                   FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
-                                   EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
-                                   L: tl.constexpr):
-    """As ``_quantize_rowcol_kernel`` (CHUNK == L), with x^T's bytes packed into words before the transpose.
-
-    [Note: packed transpose] The fp8 bytes of x^T must change hands between threads: a thread holds
-    consecutive columns of a row of x, x^T's store wants consecutive rows of a column. Moved one byte at
-    a time through shared memory, that exchange is what limits the one-byte-per-element kernel. Here the
-    [L, L] tile is loaded as four interleaved [L/4, L] slices, slice k holding rows 4w + k (w = 0..L/4-1):
-    element (w, n) of the four slices are the four x^T bytes ``qt[n, 4w : 4w + 4]``, so the thread that
-    holds them packs them into one uint32 (little-endian, as the GPU and the interpreter's CPU store
-    it) with register arithmetic only. The [L/4, L] word tile is then stored transposed into x^T viewed
-    as int32 words, so the exchange moves 4-byte words, a quarter of the operations. The row tiles are
-    quantized slice by slice on the way (each slice's rows are whole 1xL row tiles). Needs M % 4 == 0
-    (x^T's rows are whole words); the launcher uses the byte kernel otherwise. ``M4 = M // 4`` (x^T's
-    row stride in words) comes as an argument, so that Triton sees its divisibility and the word
-    stores are 16-byte vectors (a mask ``4 * w < M`` hides that from its alignment analysis).
+    [Note: pipelined rows + columns] With one tile per program, a program's loads are all in flight at
+    once and then nothing is until its next tile's program starts, so the SM's memory queue idles while
+    it computes (two programs per SM fit the registers). Looping over tiles with ``tl.range(...,
+    num_stages=STAGES)`` lets Triton prefetch the next tiles into shared memory (cp.async) while this
+    one is quantized; x^T's column path then reads x transposed straight from that buffer, which replaces
+    the byte-by-byte transpose of the quantized tile (sm_90a SASS: LDGSTS, no LDS.U8).
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_n = pid_n * L + tl.arange(0, L)
-    mask_n = offs_n < N
-    w_W = pid_m * (L // 4) + tl.arange(0, L // 4)  # words of x^T's rows = rows 4w + k of x, k = 0..3
-    x0 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
-                      EMIN_BIASED, HW_CAST, POW2, L)
-    x1 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W + 1, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
-                      EMIN_BIASED, HW_CAST, POW2, L)
-    x2 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W + 2, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
-                      EMIN_BIASED, HW_CAST, POW2, L)
-    x3 = _rowcol_rows(x_ptr, q_ptr, s_inv_ptr, 4 * w_W + 3, offs_n, mask_n, M, N, pid_n, NUM, FP8, FP8_MAX, MANT,
-                      EMIN_BIASED, HW_CAST, POW2, L)
-    a_WL = _max_nan(_max_nan(tl.abs(x0).to(tl.float32), tl.abs(x1).to(tl.float32)),
-                    _max_nan(tl.abs(x2).to(tl.float32), tl.abs(x3).to(tl.float32)))
-    scale_L = _scale_from_amax(_inf_if_nan(tl.reduce(a_WL, 0, _max_nan)), NUM, POW2)
-    word_WL = (_column_byte(x0, scale_L, 0, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
-               | _column_byte(x1, scale_L, 8, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
-               | _column_byte(x2, scale_L, 16, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
-               | _column_byte(x3, scale_L, 24, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST))
-    tl.store(qt_ptr + offs_n.to(tl.int64)[None, :] * M4 + w_W[:, None], word_WL.to(tl.int32, bitcast=True),
-             mask=(w_W < M4)[:, None] & mask_n[None, :])
-    tl.store(st_inv_ptr + offs_n * tl.cdiv(M, L) + pid_m, _inverse(scale_L, POW2),
-             mask=mask_n)
+    tiles_m = tl.cdiv(M, L)
+    for tile in tl.range(tl.program_id(0), tiles_m * tl.cdiv(N, L), tl.num_programs(0), num_stages=STAGES):
+        _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, tile % tiles_m, tile // tiles_m, NUM, FP8,
+                     FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2, L)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (persistent grids); 4 elsewhere, so that interpreted programs loop."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_input(x: torch.Tensor, *, two_d: bool) -> None:
@@ -521,10 +493,12 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, L), triton.cdiv(N, L))
-    if M * N > 0 and ROWCOL_PACK and M % 4 == 0 and L >= 4:  # [Note: packed transpose]
-        _quantize_rowcol_packed_kernel[grid](
-            x, data.view(torch.uint8), scale_inv, data_t.view(torch.int32), scale_inv_t, M, M // 4, N,
-            POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG, **_fmt_args(dtype))
+    if M * N > 0 and ROWCOL_STAGES:  # [Note: pipelined rows + columns]
+        programs = min(grid[0] * grid[1], ROWCOL_PROGRAMS_PER_SM * _num_sms(x.device))
+        _quantize_rowcol_persistent_kernel[(programs,)](
+            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
+            POW2=power_of_two, L=L, STAGES=ROWCOL_STAGES, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
+            **_fmt_args(dtype))
     elif M * N > 0:
         _quantize_rowcol_kernel[grid](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,

@@ -475,9 +475,7 @@ def case_blockwise(device: str, big: bool) -> None:
 
 def case_rowcol(device: str, big: bool) -> None:
     kq = _kernels()
-    # M % 4 == 0 takes the packed kernel ([Note: packed transpose]), other M the byte kernel
-    shapes = [(8192 + 7, 4096 + 65), (4096, 7168), (4096 + 4, 2048 + 3)] if big else \
-        [(1, 1), (40, 70), (64, 32), (65, 33), (36, 97)]
+    shapes = [(8192 + 7, 4096 + 65), (4096, 7168)] if big else [(1, 1), (40, 70), (64, 32), (65, 33), (100, 97)]
     L = 128 if big else 32
     for shape in shapes:
         for dtype in (torch.float32, torch.bfloat16):
@@ -488,9 +486,9 @@ def case_rowcol(device: str, big: bool) -> None:
                 for pow2 in (True, False):
                     rec = BlockwiseScaling(act_block=(1, L), weight_block=(L, L), dtype=f8, power_of_two=pow2)
                     ref = quantize_rowwise_and_columnwise(x, rec)
-                    # the packed kernel (M % 4 == 0) and the byte kernel, whole tile or in chunks
-                    tunings = [dict(ROWCOL_PACK=True), dict(ROWCOL_PACK=False, ROWCOL_CHUNK=L)]
-                    tunings += [dict(ROWCOL_PACK=False, ROWCOL_CHUNK=L // 4)] if pow2 else []
+                    # one tile per program, whole or in chunks, and the persistent pipelined kernel
+                    tunings = [dict(ROWCOL_STAGES=0, ROWCOL_CHUNK=L), dict(ROWCOL_STAGES=2)]
+                    tunings += [dict(ROWCOL_STAGES=0, ROWCOL_CHUNK=L // 4)] if pow2 else []
                     for tuning in tunings:
                         with _tuning(kq, **tuning):
                             got = kq.quantize_rowwise_and_columnwise(x, rec)
@@ -519,18 +517,18 @@ def case_pow2_scales(device: str, big: bool) -> None:
     kq = _kernels()
     amax = _amax_grid()
     x = amax[:, None] * torch.linspace(1.0, -0.25, 32)  # each row's amax is its first element
-    x = torch.cat([x, torch.zeros(-x.shape[0] % 32, 32)])  # whole 32x32 blocks, M % 4 == 0
+    x = torch.cat([x, torch.zeros(-x.shape[0] % 32, 32)])  # whole 32x32 blocks
     xd = _on(x, device)
     for f8 in FP8S:
         for block in ((1, 32), (32, 32)):
             assert_same(kq.quantize_blockwise(xd, block, f8), quantize_blockwise(x, block, f8), f"{f8} {block}")
         rec = BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), dtype=f8)
         xt = _on(x.t().contiguous(), device)  # x's rows are the column tiles here
-        for pack in (True, False):
-            with _tuning(kq, ROWCOL_PACK=pack):
+        for stages in (0, 2):
+            with _tuning(kq, ROWCOL_STAGES=stages):
                 got = kq.quantize_rowwise_and_columnwise(xt, rec)
             for k, r in zip(got, quantize_rowwise_and_columnwise(x.t().contiguous(), rec), strict=True):
-                assert_same(k, r, f"{f8} rowcol pack={pack}")
+                assert_same(k, r, f"{f8} rowcol stages={stages}")
 
 
 def case_sweep(device: str, big: bool) -> None:
@@ -546,8 +544,7 @@ def case_sweep(device: str, big: bool) -> None:
     assert set(kq.SWEEP) == set(ops), sorted(kq.SWEEP)
     reference = SimpleNamespace(quantize_per_tensor=quantize_per_tensor, quantize_blockwise=quantize_blockwise,
                                 quantize_rowwise_and_columnwise=quantize_rowwise_and_columnwise)
-    # M % 4 == 0, so the packed rowcol candidates run the packed kernel ([Note: packed transpose])
-    x = _on(wide_range((4096 + 68, 2048 + 3) if big else (132, 200), torch.bfloat16, seed=7), device)
+    x = _on(wide_range((4096 + 65, 2048 + 3) if big else (130, 200), torch.bfloat16, seed=7), device)
     for op, candidates in kq.SWEEP.items():
         ref = ops[op](reference, x)  # on the kernel's device, as in case_rowcol
         for cand in candidates:
@@ -585,9 +582,8 @@ def case_opcheck(device: str, big: bool) -> None:
     torch.library.opcheck(ops.fp8_quantize_rowwise_and_columnwise, (x, 16, E4M3, True))
     # [Note: custom op bypass]: eager calls run the implementation directly (same bits as the op); fake
     # tensors, the profiler and torch.compile see the op
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from distwgrad.kernels._dispatch import direct_call_ok
+    from torch._subclasses.fake_tensor import FakeTensorMode
     kq = _kernels()
     assert direct_call_ok((x,))
     direct = kq.quantize_blockwise(x, (1, 16), E4M3)
