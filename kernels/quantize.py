@@ -23,9 +23,11 @@ Kernels:
 Speed (H200: ~4.1 TB/s copy, 132 SMs at ~1.98 GHz). At copy bandwidth an SM must take ~4 bf16 elements
 per cycle while issuing at most 128 thread-instructions per cycle, so the per-element work must stay
 near ~10 instructions: a load's bf16 -> fp32 shift, one max.NaN (|x| folded in), one multiply, half a
-cvt (it converts two values) and byte packing. Per-scale work (two IEEE divisions and the clamps) is
-repeated by every thread that holds part of the scale's row or column, which is why the tilings
-matter. Per-tensor scaling needs the global amax before the first element can be cast, so x is read
+cvt (it converts two values) and byte packing. Per-scale work (the scale, its inverse and the
+clamps) is repeated by every thread that holds part of the scale's row or column, which is why the
+tilings matter, and why power-of-two scales skip the divisions (below): in the rows + columns kernel
+each thread computes ~40 scales, and the two IEEE divisions per scale were a third of its instructions
+(sm_90a SASS: 34 -> 24 instructions per element; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global amax before the first element can be cast, so x is read
 twice: holding x on chip until every program's amax is in would take a grid-wide barrier and room
 for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB of registers + ~30 MiB of shared memory + 50 MB
 of L2 on an H200). For bf16 -> fp8 that is 5 bytes moved per 3 of minimal traffic: a bound of 3/5 =
@@ -36,7 +38,17 @@ once, but it is another recipe, not this one.
 Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``):
 - the scale and ``scale_inv`` use ``tl.math.div_rn`` (IEEE division; Triton's ``/`` is approximate
   on NVIDIA) and the same clamps and mask as the reference, selected with ``tl.where`` (comparisons
-  with NaN are false, so no NaN-dropping min/max is involved);
+  with NaN are false, so no NaN-dropping min/max is involved); power-of-two scales use no division:
+- [Note: power-of-two scales without division] The reference takes ``s = fl(NUM / amax)``, clamps it
+  to [2**-126, FLT_MAX] and keeps its exponent. Write NUM = mn * 2**en and amax = ma * 2**ea with
+  mantissas in [1, 2). If mn >= ma the quotient lies in [1, 2) and cannot round up to 2 (it is at
+  most mn <= 2 - 2**-23, representable); if mn < ma it lies in (1/2, 1) and cannot round up to 1 (it
+  is at most 1 - 2**-24, representable). So fl(NUM / amax) has exponent en - ea - [mn < ma] exactly,
+  and the kernel computes that from the bits, clamped to [-126, 127] (a subnormal amax overflows the
+  quotient: 2**127); 0 and non-finite amaxes are handled as in the division path. ``scale_inv`` of
+  2**k is 2**-k (2**-127 is subnormal). Checked against the reference over every exponent, the
+  mantissas where the exponent changes and 20M random amaxes, and in the kernels by
+  ``case_pow2_scales`` of tests/test_fp8_quantize.py;
 - the amax reductions use the NaN-propagating max (``tl.max`` may drop NaN) and map a NaN result to
   +inf, as ``compute_amax`` does; a max picks one of its inputs, so reducing in bf16/fp16 is exact;
 - the fp32 -> fp8 cast (``_to_fp8_bits``) saturates to +-fp8_max and rounds to nearest even: on CUDA
@@ -52,7 +64,6 @@ Partial edge blocks are masked: masked lanes load 0 and are never stored.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -79,11 +90,9 @@ AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one
 BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
 ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
 ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
-ROWCOL_STAGES = 0         # 0: one tile per program; >= 1: persistent, pipelined ([Note: pipelined rows + columns])
-ROWCOL_PROGRAMS_PER_SM = 2  # persistent grid: programs per SM
-ROWCOL_CHUNK = 128        # one tile per program: the whole 128x128 tile, one read (64-column chunks, two
-ROWCOL_WARPS = 8          # reads: 1045 GB/s); 8 warps with the register cap below (111 regs, 2/SM): 2914
-ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 16 warps 1989. Register cap: Triton ``maxnreg``.
+ROWCOL_CHUNK = 128        # the whole 128x128 tile, one read (64-column chunks, two reads: 1045 GB/s);
+ROWCOL_WARPS = 8          # 8 warps with the register cap below (111 regs, 2/SM): 2914, 2723, 2763 (graph)
+ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
 # timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
@@ -112,14 +121,9 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_STAGES=0, ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_STAGES=0, ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),
-        # persistent (sm_90a, Triton 3.9: registers, shared memory): 128 regs, 33 KB (2/SM)
-        dict(ROWCOL_STAGES=2, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_STAGES=3, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),  # 65 KB
-        dict(ROWCOL_STAGES=4, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),  # 97 KB
-        dict(ROWCOL_STAGES=2, ROWCOL_PROGRAMS_PER_SM=1, ROWCOL_WARPS=8, ROWCOL_MAXNREG=None),  # 203 regs
-        dict(ROWCOL_STAGES=2, ROWCOL_PROGRAMS_PER_SM=2, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 255 regs
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),   # 210 regs (2/SM)
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
     ],
 }
 
@@ -367,36 +371,9 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
         tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2), mask=mask_m)
 
 
-@triton.jit
-def _quantize_rowcol_persistent_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
-                                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
-                                       EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
-                                       L: tl.constexpr, STAGES: tl.constexpr):
-    """``_rowcol_tile`` over the tiles pid, pid + programs, ... (M fastest), software-pipelined.
-
-    [Note: pipelined rows + columns] With one tile per program, a program's loads are all in flight at
-    once and then nothing is until its next tile's program starts, so the SM's memory queue idles while
-    it computes (two programs per SM fit the registers). Looping over tiles with ``tl.range(...,
-    num_stages=STAGES)`` lets Triton prefetch the next tiles into shared memory (cp.async) while this
-    one is quantized; x^T's column path then reads x transposed straight from that buffer, which replaces
-    the byte-by-byte transpose of the quantized tile (sm_90a SASS: LDGSTS, no LDS.U8).
-    """
-    tiles_m = tl.cdiv(M, L)
-    for tile in tl.range(tl.program_id(0), tiles_m * tl.cdiv(N, L), tl.num_programs(0), num_stages=STAGES):
-        _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, tile % tiles_m, tile // tiles_m, NUM, FP8,
-                     FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2, L)
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device (persistent grids); 4 elsewhere, so that interpreted programs loop."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_input(x: torch.Tensor, *, two_d: bool) -> None:
@@ -492,15 +469,8 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     scale_inv = torch.empty((M, triton.cdiv(N, L)), dtype=torch.float32, device=x.device)
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, L), triton.cdiv(N, L))
-    if M * N > 0 and ROWCOL_STAGES:  # [Note: pipelined rows + columns]
-        programs = min(grid[0] * grid[1], ROWCOL_PROGRAMS_PER_SM * _num_sms(x.device))
-        _quantize_rowcol_persistent_kernel[(programs,)](
-            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, STAGES=ROWCOL_STAGES, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
-            **_fmt_args(dtype))
-    elif M * N > 0:
-        _quantize_rowcol_kernel[grid](
+    if M * N > 0:
+        _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
             POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
             **_fmt_args(dtype))

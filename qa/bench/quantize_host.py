@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = p.parse_args(argv)
     from distwgrad.kernels import quantize as kq
     for name in ("_amax_kernel", "_cast_per_tensor_kernel", "_quantize_rows_kernel", "_quantize_blocks_kernel",
-                 "_quantize_rowcol_kernel", "_quantize_rowcol_persistent_kernel"):
+                 "_quantize_rowcol_kernel"):
         setattr(kq, name, _NoLaunch())
     x = torch.randn(256, 512, device=args.device)
     e4m3 = torch.float8_e4m3fn
