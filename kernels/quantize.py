@@ -23,17 +23,17 @@ Kernels:
 Speed (H200: ~4.1 TB/s copy, 132 SMs at ~1.98 GHz). At copy bandwidth an SM must take ~4 bf16 elements
 per cycle while issuing at most 128 thread-instructions per cycle, so the per-element work must stay
 near ~10 instructions: a load's bf16 -> fp32 shift, one max.NaN (|x| folded in), one multiply, half a
-cvt (it converts two values) and byte packing. Per-scale work (the scale, its inverse and the
-clamps) is repeated by every thread that holds part of the scale's row or column, which is why the
-tilings matter, and why power-of-two scales skip the divisions (below): in the rows + columns kernel
-each thread computes ~40 scales, and the two IEEE divisions per scale were a third of its instructions
-(sm_90a SASS: 34 -> 24 instructions per element; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global amax before the first element can be cast, so x is read
-twice: holding x on chip until every program's amax is in would take a grid-wide barrier and room
-for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB of registers + ~30 MiB of shared memory + 50 MB
-of L2 on an H200). For bf16 -> fp8 that is 5 bytes moved per 3 of minimal traffic: a bound of 3/5 =
-0.6 of copy on the minimal-traffic GB/s the benchmark reports; L2 hits of the reversed cast pass can
-only shave the re-read of the last few tens of MB. Delayed scaling (the previous step's amax) reads x
-once, but it is another recipe, not this one.
+cvt (it converts two values) and byte packing. Per-scale work (the scale, its inverse and the clamps) is
+repeated by every thread that holds part of the scale's row or column, which is why the tilings matter,
+and why power-of-two scales skip the divisions (below): in the rows + columns kernel each thread
+computes ~40 scales, and the two IEEE divisions per scale were a third of its instructions (sm_90a SASS:
+34 -> 24 instructions per element; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global
+amax before the first element can be cast, so x is read twice: holding x on chip until every program's
+amax is in would take a grid-wide barrier and room for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB
+of registers + ~30 MiB of shared memory + 50 MB of L2 on an H200). For bf16 -> fp8 that is 5 bytes moved
+per 3 of minimal traffic: a bound of 3/5 = 0.6 of copy on the minimal-traffic GB/s the benchmark
+reports; L2 hits of the reversed cast pass can only shave the re-read of the last few tens of MB.
+Delayed scaling (the previous step's amax) reads x once, but it is another recipe, not this one.
 
 Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``):
 - the scale and ``scale_inv`` use ``tl.math.div_rn`` (IEEE division; Triton's ``/`` is approximate
@@ -375,7 +375,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
 def _check_input(x: torch.Tensor, *, two_d: bool) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
@@ -405,7 +404,7 @@ def _fmt_args(dtype: torch.dtype, margin: int = 0) -> dict:
 
 
 def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
-                   margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     margin: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=False)
     n = x.numel()
     if amax is None:
@@ -432,7 +431,7 @@ def _(x, amax, dtype, margin):
 
 
 def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dtype,
-                  power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=True)
     bm, bn = _check_block((block_m, block_n))
     (M, N), grid = x.shape, (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn))
@@ -461,7 +460,7 @@ def _(x, block_m, block_n, dtype, power_of_two):
 
 
 def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
-               power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=True)
     _, L = _check_block((1, tile))
     M, N = x.shape
