@@ -6,7 +6,8 @@
 #   bash qa/L2_gpu/session.sh            # all steps
 #   STEPS="tests bench_gemm" bash qa/L2_gpu/session.sh
 #   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
-#   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), gemm_fp8 (FP8 grouped GEMM
+#   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), sweep_ragged (fprop/dgrad
+#   tile candidates), gemm_fp8 (FP8 grouped GEMM
 #   only), gemm_fp8_sweep (every FP8 tile candidate: the FP8 tables are untuned), quant_sweep
 #   (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays), train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py
 #   and its bisect variants). GEMM_SWEEP_ARGS (e.g. "--gemm-recipes
@@ -46,6 +47,8 @@ for step in $STEPS; do
              --timeout 150 --durations 12 ;;
     sweep_wgrad) run sweep_wgrad python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --sweep \
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
+    sweep_ragged) run sweep_ragged python3 qa/bench/grouped_gemm.py --ops fprop dgrad --sweep \
+                    --sweep-ops fprop dgrad --sweep-json "$OUT_DIR/sweep_ragged.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
                       ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
