@@ -92,6 +92,7 @@ ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 w
 ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
 ROWCOL_CHUNK = 128        # the whole 128x128 tile, one read (64-column chunks, two reads: 1045 GB/s);
 ROWCOL_WARPS = 8          # 8 warps with the register cap below (111 regs, 2/SM): 2914, 2723, 2763 (graph)
+ROWCOL_COMPACT_SCALES = False  # whole tile only; [Note: compact scales] (not yet timed)
 ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
@@ -121,9 +122,12 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),   # 210 regs (2/SM)
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 95 regs (1/SM)
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=False),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 206 regs (2/SM)
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 64 regs (1/SM)
+        # [Note: compact scales]: instructions per element (sm_90a) 24.5 -> 21 (8 warps), 19 -> 16 (4 warps)
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=True),
+        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=True),
     ],
 }
 
@@ -296,13 +300,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8:
 def _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M, st_col, NUM: tl.constexpr,
                     FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                     HW_CAST: tl.constexpr, POW2: tl.constexpr):
-    """The C columns of an [L, C] chunk of x are C rows of x^T, each one 1xL tile: quantized, stored.
-
-    ``tl.trans`` only relabels the layout; Triton moves the fp8 bytes through shared memory before the
-    store, so the stores to x^T are 16 contiguous bytes per thread like the others (TTGIR: one
-    ``convert_layout`` on the uint8 tile). Reduced in fp32 here: ptxas needs fewer registers than with
-    the reduction in bf16 (210 vs 255 at 4 warps).
-    """
+    """The C columns of an [L, C] chunk of x are C rows of x^T, each one 1xL tile: quantized, stored
+    (the chunked path of ``_quantize_rowcol_kernel``; the transpose as in ``_rowcol_tile``)."""
     xt_CL = tl.trans(x_LC).to(tl.float32)
     scale_C = _row_scales(xt_CL, NUM, POW2)
     tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
@@ -312,31 +311,81 @@ def _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M,
 
 
 @triton.jit
+def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM: tl.constexpr, POW2: tl.constexpr,
+                 COMPACT: tl.constexpr):
+    """Scales of a tile's row tiles (A) and column tiles (B) from their amaxes (NaN already +inf); the
+    inverses stored at ``s_inv_ptrs_A`` / ``s_inv_ptrs_B``.
+
+    [Note: compact scales] A reduction's result is replicated on every thread that held part of what
+    it reduced (8 threads per row and 32 per column of a 128x128 tile at 8 warps), and Triton computes
+    everything downstream in that layout: each thread derives ~20 scales and their inverses, ~4 of
+    the rows + columns kernel's 24 instructions per element (sm_90a). COMPACT routes the amaxes
+    through their ``scale_inv`` slots in global memory: a fresh load spreads them ~one per thread, the
+    scales are computed there and stored, loaded back in the layout the multiply needs, and the
+    inverses overwrite the slots (21 instructions per element). The barriers order each exchange (a
+    value may be held by two threads), which costs two round trips to L2 per tile; whether the
+    instructions saved outweigh that latency is for the benchmark (``SWEEP``). Same arithmetic per
+    scale, so the same bits; the slots are the outputs', so nothing is allocated. Triton's own layout
+    conversion would use shared memory, but it rematerializes the scale arithmetic in the replicated
+    layout instead (duplicating even a volatile load), so the values must come back through memory.
+    """
+    if COMPACT:
+        tl.store(s_inv_ptrs_A, amax_A, mask=mask_A)
+        tl.store(s_inv_ptrs_B, amax_B, mask=mask_B)
+        tl.debug_barrier()
+        sa = _scale_from_amax(tl.load(s_inv_ptrs_A, mask=mask_A, other=0.0), NUM, POW2)
+        sb = _scale_from_amax(tl.load(s_inv_ptrs_B, mask=mask_B, other=0.0), NUM, POW2)
+        tl.debug_barrier()
+        tl.store(s_inv_ptrs_A, sa, mask=mask_A)
+        tl.store(s_inv_ptrs_B, sb, mask=mask_B)
+        tl.debug_barrier()
+        scale_A = tl.load(s_inv_ptrs_A, mask=mask_A, other=1.0)
+        scale_B = tl.load(s_inv_ptrs_B, mask=mask_B, other=1.0)
+        tl.debug_barrier()
+        tl.store(s_inv_ptrs_A, _inverse(sa, POW2), mask=mask_A)
+        tl.store(s_inv_ptrs_B, _inverse(sb, POW2), mask=mask_B)
+    else:
+        scale_A = _scale_from_amax(amax_A, NUM, POW2)
+        scale_B = _scale_from_amax(amax_B, NUM, POW2)
+        tl.store(s_inv_ptrs_A, _inverse(scale_A, POW2), mask=mask_A)
+        tl.store(s_inv_ptrs_B, _inverse(scale_B, POW2), mask=mask_B)
+    return scale_A, scale_B
+
+
+@triton.jit
 def _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n, NUM: tl.constexpr,
                  FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                 HW_CAST: tl.constexpr, POW2: tl.constexpr, L: tl.constexpr):
-    """Tile (pid_m, pid_n), [L, L], loaded once and held for both: x's 1xL row tiles and x^T's."""
+                 HW_CAST: tl.constexpr, POW2: tl.constexpr, L: tl.constexpr, COMPACT: tl.constexpr):
+    """Tile (pid_m, pid_n), [L, L], loaded once and held for both: x's 1xL row tiles and x^T's.
+
+    ``tl.trans`` only relabels the layout; Triton moves x^T's fp8 bytes through shared memory before
+    the store, so the stores to x^T are 16 contiguous bytes per thread like the others (TTGIR: one
+    ``convert_layout`` on the uint8 tile).
+    """
     offs_m = pid_m * L + tl.arange(0, L)
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)[:, None] * N
     offs_n = pid_n * L + tl.arange(0, L)
-    mask = mask_m[:, None] & (offs_n < N)[None, :]
-    x_LL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0)
-    xf_LL = x_LL.to(tl.float32)
-    scale_L = _row_scales(xf_LL, NUM, POW2)
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    xf_LL = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    xt_LL = tl.trans(xf_LL)  # row j: column j of the tile
+    # scale_inv[m, pid_n] and scale_inv_t[n, pid_m]
+    scale_M, scale_N = _tile_scales(_inf_if_nan(_absmax(xf_LL, 1)), s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n,
+                                    mask_m, _inf_if_nan(_absmax(xt_LL, 1)),
+                                    st_inv_ptr + offs_n * tl.cdiv(M, L) + pid_m, mask_n, NUM, POW2, COMPACT)
     tl.store(q_ptr + rows + offs_n[None, :],
-             _to_fp8_bits(xf_LL * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-    tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2), mask=mask_m)
-    # scale_inv_t[n, pid_m] = st_inv_ptr[n * cdiv(M, L) + pid_m]
-    _rowcol_columns(x_LL, offs_m, mask_m, offs_n, offs_n < N, qt_ptr, st_inv_ptr + pid_m, M, tl.cdiv(M, L), NUM,
-                    FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
+             _to_fp8_bits(xf_LL * scale_M[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+    tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
+             _to_fp8_bits(xt_LL * scale_N[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST),
+             mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit
 def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
                             FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                             EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
-                            L: tl.constexpr, CHUNK: tl.constexpr):
+                            L: tl.constexpr, CHUNK: tl.constexpr, COMPACT: tl.constexpr):
     """An [L, L] tile of x per program: the 1xL row tiles of x (along N) and of x^T (along M).
 
     CHUNK == L: the tile is loaded once and held in registers for both (``_rowcol_tile``). CHUNK < L:
@@ -348,7 +397,7 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
     pid_n = tl.program_id(1)
     if CHUNK == L:
         _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n, NUM, FP8, FP8_MAX, MANT,
-                     EMIN_BIASED, HW_CAST, POW2, L)
+                     EMIN_BIASED, HW_CAST, POW2, L, COMPACT)
     else:
         offs_m = pid_m * L + tl.arange(0, L)
         mask_m = offs_m < M
@@ -471,8 +520,8 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     if M * N > 0:
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
-            **_fmt_args(dtype))
+            POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), COMPACT=ROWCOL_COMPACT_SCALES, num_warps=ROWCOL_WARPS,
+            maxnreg=ROWCOL_MAXNREG, **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
 
 

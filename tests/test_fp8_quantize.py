@@ -486,11 +486,14 @@ def case_rowcol(device: str, big: bool) -> None:
                 for pow2 in (True, False):
                     rec = BlockwiseScaling(act_block=(1, L), weight_block=(L, L), dtype=f8, power_of_two=pow2)
                     ref = quantize_rowwise_and_columnwise(x, rec)
-                    for chunk in (kq.ROWCOL_CHUNK, L // 4) if pow2 else (kq.ROWCOL_CHUNK,):
-                        with _tuning(kq, ROWCOL_CHUNK=chunk):
+                    # the whole tile, with and without compact scales ([Note: compact scales]); chunks
+                    tunings = [dict(ROWCOL_CHUNK=L, ROWCOL_COMPACT_SCALES=c) for c in (False, True)]
+                    tunings += [dict(ROWCOL_CHUNK=L // 4)] if pow2 else []
+                    for tuning in tunings:
+                        with _tuning(kq, **tuning):
                             got = kq.quantize_rowwise_and_columnwise(x, rec)
                         for k, r in zip(got, ref, strict=True):
-                            assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2} chunk={chunk}")
+                            assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2} {tuning}")
             rec = PerTensorScaling(margin=1)
             for k, r in zip(kq.quantize_rowwise_and_columnwise(x, rec, grad=True),
                             quantize_rowwise_and_columnwise(x, rec, grad=True), strict=True):
@@ -521,11 +524,12 @@ def case_pow2_scales(device: str, big: bool) -> None:
             assert_same(kq.quantize_blockwise(xd, block, f8), quantize_blockwise(x, block, f8), f"{f8} {block}")
         rec = BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), dtype=f8)
         xt = _on(x.t().contiguous(), device)  # x's rows are the column tiles here
-        for chunk in (32, 8):
-            with _tuning(kq, ROWCOL_CHUNK=chunk):
+        for tuning in (dict(ROWCOL_CHUNK=32, ROWCOL_COMPACT_SCALES=False),
+                       dict(ROWCOL_CHUNK=32, ROWCOL_COMPACT_SCALES=True), dict(ROWCOL_CHUNK=8)):
+            with _tuning(kq, **tuning):
                 got = kq.quantize_rowwise_and_columnwise(xt, rec)
             for k, r in zip(got, quantize_rowwise_and_columnwise(x.t().contiguous(), rec), strict=True):
-                assert_same(k, r, f"{f8} rowcol chunk={chunk}")
+                assert_same(k, r, f"{f8} rowcol {tuning}")
 
 
 def case_sweep(device: str, big: bool) -> None:
