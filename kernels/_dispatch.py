@@ -8,7 +8,8 @@ nothing for these ops but call the implementation, and that costs ~18 µs per ca
 the kernel's own device time at training shapes. So the public functions call the implementation
 directly when nothing could observe the difference, and go through the op otherwise:
 
-- torch.compile / export tracing (``torch.compiler.is_compiling()``): the op, so graphs keep one node;
+- torch.compile / export tracing (``torch.compiler.is_compiling()``) and ``torch.jit.trace``: the op,
+  so graphs keep one node;
 - an active TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) or a functorch transform: the op;
 - the autograd profiler on: the op, so traces name it (``distwgrad::...``);
 - any argument that is not a plain ``torch.Tensor`` (FakeTensor, FunctionalTensor, DTensor, ...): the op.
@@ -40,6 +41,8 @@ def _plain(args: Iterable[object]) -> bool:
 def direct_call_ok(args: Iterable[object]) -> bool:
     """True when calling a custom op's implementation directly is indistinguishable from the op."""
     if torch.compiler.is_compiling() or torch.autograd.profiler._is_profiler_enabled:
+        return False
+    if torch._C._get_tracing_state() is not None:  # torch.jit.trace
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
