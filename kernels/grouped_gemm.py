@@ -346,7 +346,7 @@ def _wgrad(dy_TN, x_TK, offs_E, out=None, *, config=None, use_tma=None):
 
 
 def _fprop_impl(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
-              bias_EN: torch.Tensor | None) -> torch.Tensor:
+                bias_EN: torch.Tensor | None) -> torch.Tensor:
     return _fprop(x_TK, w_ENK, offs_E, bias_EN)
 
 
@@ -398,7 +398,7 @@ def _(dy_TN, x_TK, offs_E, out):
 
 
 def _wgrad_acc_list_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
-                       out: list[torch.Tensor]) -> None:
+                         out: list[torch.Tensor]) -> None:
     _wgrad(dy_TN, x_TK, offs_E, out)
 
 

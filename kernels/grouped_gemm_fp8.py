@@ -437,7 +437,7 @@ def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tm
 
 
 def _fprop_impl(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-              offs_E: torch.Tensor, bias_EN: torch.Tensor | None, block: int, out_dtype: torch.dtype) -> torch.Tensor:
+                offs_E: torch.Tensor, bias_EN: torch.Tensor | None, block: int, out_dtype: torch.dtype) -> torch.Tensor:
     return _fprop(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype)
 
 
@@ -451,7 +451,7 @@ def _(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype):
 
 
 def _dgrad_impl(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-              offs_E: torch.Tensor, block: int, out_dtype: torch.dtype) -> torch.Tensor:
+                offs_E: torch.Tensor, block: int, out_dtype: torch.dtype) -> torch.Tensor:
     return _dgrad(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
 
 
@@ -465,7 +465,7 @@ def _(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype):
 
 
 def _wgrad_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor, x_t_scale_inv: torch.Tensor,
-              offs_E: torch.Tensor, block: int) -> torch.Tensor:
+                offs_E: torch.Tensor, block: int) -> torch.Tensor:
     return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block)
 
 
@@ -479,7 +479,7 @@ def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block):
 
 
 def _wgrad_acc_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
-                  x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor) -> None:
+                    x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor) -> None:
     _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
 
 
@@ -493,8 +493,8 @@ def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out):
 
 
 def _wgrad_acc_list_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
-                       x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int,
-                       out: list[torch.Tensor]) -> None:
+                         x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int,
+                         out: list[torch.Tensor]) -> None:
     _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
 
 
