@@ -7,11 +7,10 @@
 #   STEPS="tests bench_gemm" bash qa/L2_gpu/session.sh
 #   GPU_TESTS="tests/test_gpu_modules.py ..." limits the tests step to those paths.
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), sweep_ragged (fprop/dgrad
-#   tile candidates), gemm_fp8 (FP8 grouped GEMM
-#   only), gemm_fp8_sweep (every FP8 tile candidate: the FP8 tables are untuned), quant_sweep
-#   (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays), train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py
-#   and its bisect variants). GEMM_SWEEP_ARGS (e.g. "--gemm-recipes
-#   per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
+#   tile candidates), gemm_fp8 (FP8 grouped GEMM only), gemm_fp8_sweep (every FP8 tile candidate),
+#   quant_sweep (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays),
+#   train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants).
+#   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
 # machine with the package index:
