@@ -9,7 +9,8 @@
 #   Extra steps (tuning): sweep_wgrad (accumulating wgrad tile candidates), sweep_ragged (fprop/dgrad
 #   tile candidates), gemm_fp8 (FP8 grouped GEMM only), gemm_fp8_sweep (every FP8 tile candidate),
 #   quant_sweep (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays),
-#   train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants).
+#   train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
+#   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
@@ -76,6 +77,11 @@ for step in $STEPS; do
            run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
              --no-progress --out /tmp/train_fp8
            cp /tmp/train_fp8/report.json "$OUT_DIR/train_fp8_report.json" 2>/dev/null ;;
+    multi_gpu)  # two GPUs (nvidia-h200-x2): the job and megatron-core's real schedule over NCCL, sharded
+      run train_2gpu torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --steps 30 --check-parity \
+        --no-progress --out /tmp/train_2gpu
+      cp /tmp/train_2gpu/report.json "$OUT_DIR/train_2gpu_report.json" 2>/dev/null
+      run megatron_2gpu torchrun --standalone --nproc-per-node 2 qa/L2_gpu/megatron_real_schedule.py ;;
     *) echo "unknown step: $step" >&2; RESULT[$step]="unknown" ;;
   esac
 done
