@@ -100,7 +100,7 @@ RAGGED_CANDIDATES = (
     _T(128, 128, 64, num_warps=4, num_stages=3),
     # Round 5 (not yet timed): 64-row tiles again for ~128 tokens per expert, where a 128-row tile is
     # often half empty. Round 1 timed them when the E=128 rows were host-bound (docs/benchmarks/
-    # grouped_gemm.md, "Host-bound?"); sm_90a, Triton 3.9: 168 regs (64x256, w4), no spills.
+    # grouped_gemm.md, "Host-bound?").
     _T(64, 256, 64, num_warps=4, num_stages=4), _T(64, 128, 64, num_warps=4, num_stages=4),
 )
 WGRAD_CANDIDATES = (

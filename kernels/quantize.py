@@ -16,9 +16,9 @@ Kernels:
   one scale per row.
 - ``_quantize_rowcol_kernel``: both quantizations an activation (or gradient) needs, from one read of
   x: an [L, L] tile per program gives the 1xL row tiles of x (along N) and the 1xL tiles of x^T (along
-  M, one per column of the tile), the latter stored transposed as [N, M]. ``ROWCOL_CHUNK == L`` holds
-  the tile in registers; a smaller chunk visits it in column chunks twice (the second visit hits the
-  cache) with fewer registers but more per-scale work.
+  M, one per column of the tile), the latter stored transposed as [N, M]; the tile is held in registers
+  for both (visiting it twice in column chunks, the second visit a cache hit, ran at half the speed:
+  1045 vs 2180 GB/s on an H200, so that variant is gone).
 
 Speed (H200: ~4.1 TB/s copy, 132 SMs at ~1.98 GHz). At copy bandwidth an SM must take ~4 bf16 elements
 per cycle while issuing at most 128 thread-instructions per cycle, so the per-element work must stay
@@ -26,8 +26,9 @@ near ~10 instructions: a load's bf16 -> fp32 shift, one max.NaN (|x| folded in),
 cvt (it converts two values) and byte packing. Per-scale work (the scale, its inverse and the clamps) is
 repeated by every thread that holds part of the scale's row or column, which is why the tilings matter,
 and why power-of-two scales skip the divisions (below): in the rows + columns kernel each thread
-computes ~40 scales, and the two IEEE divisions per scale were a third of its instructions (sm_90a SASS:
-34 -> 24 instructions per element; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global
+computes ~40 scales, and the two IEEE divisions per scale are a third of its instructions (sm_90a SASS,
+``qa/bench/quantize_sass.py``: 34.6 instructions per element with divisions, the ``power_of_two=False``
+build, 24.4 without; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global
 amax before the first element can be cast, so x is read twice: holding x on chip until every program's
 amax is in would take a grid-wide barrier and room for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB
 of registers + ~30 MiB of shared memory + 50 MB of L2 on an H200). For bf16 -> fp8 that is 5 bytes moved
@@ -46,9 +47,9 @@ Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``):
   is at most 1 - 2**-24, representable). So fl(NUM / amax) has exponent en - ea - [mn < ma] exactly,
   and the kernel computes that from the bits, clamped to [-126, 127] (a subnormal amax overflows the
   quotient: 2**127); 0 and non-finite amaxes are handled as in the division path. ``scale_inv`` of
-  2**k is 2**-k (2**-127 is subnormal). Checked against the reference over every exponent, the
-  mantissas where the exponent changes and 20M random amaxes, and in the kernels by
-  ``case_pow2_scales`` of tests/test_fp8_quantize.py;
+  2**k is 2**-k (2**-127 is subnormal). Checked in the kernels against the reference over every
+  exponent, the mantissas where the exponent changes, 0, inf, NaN and random amaxes
+  (``case_pow2_scales`` of tests/test_fp8_quantize.py);
 - the amax reductions use the NaN-propagating max (``tl.max`` may drop NaN) and map a NaN result to
   +inf, as ``compute_amax`` does; a max picks one of its inputs, so reducing in bf16/fp16 is exact;
 - the fp32 -> fp8 cast (``_to_fp8_bits``) saturates to +-fp8_max and rounds to nearest even: on CUDA
@@ -90,8 +91,8 @@ AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one
 BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
 ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
 ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
-ROWCOL_CHUNK = 128        # the whole 128x128 tile, one read (64-column chunks, two reads: 1045 GB/s);
-ROWCOL_WARPS = 8          # 8 warps with the register cap below (111 regs, 2/SM): 2914, 2723, 2763 (graph)
+ROWCOL_WARPS = 8          # one 128x128 tile per program; 8 warps with the register cap below (111 regs,
+                          # 2/SM): 2914, 2723, 2763 (graph)
 ROWCOL_COMPACT_SCALES = False  # whole tile only; [Note: compact scales] (not yet timed)
 ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
 
@@ -122,12 +123,13 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=False),
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 206 regs (2/SM)
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 64 regs (1/SM)
-        # [Note: compact scales]: instructions per element (sm_90a) 24.5 -> 21 (8 warps), 19 -> 16 (4 warps)
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=True),
-        dict(ROWCOL_CHUNK=128, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=True),
+        dict(ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=False),
+        dict(ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 206 regs (2/SM)
+        dict(ROWCOL_WARPS=16, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 64 regs (1/SM)
+        # [Note: compact scales]: instructions per element 24.4 -> 21.2 (8 warps), 19.0 -> 16.0 (4 warps)
+        # (qa/bench/quantize_sass.py)
+        dict(ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=True),
+        dict(ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=True),
     ],
 }
 
@@ -297,37 +299,24 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8:
 
 
 @triton.jit
-def _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr, M, st_col, NUM: tl.constexpr,
-                    FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                    HW_CAST: tl.constexpr, POW2: tl.constexpr):
-    """The C columns of an [L, C] chunk of x are C rows of x^T, each one 1xL tile: quantized, stored
-    (the chunked path of ``_quantize_rowcol_kernel``; the transpose as in ``_rowcol_tile``)."""
-    xt_CL = tl.trans(x_LC).to(tl.float32)
-    scale_C = _row_scales(xt_CL, NUM, POW2)
-    tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
-             _to_fp8_bits(xt_CL * scale_C[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST),
-             mask=mask_n[:, None] & mask_m[None, :])
-    tl.store(st_inv_ptr + offs_n * st_col, _inverse(scale_C, POW2), mask=mask_n)
-
-
-@triton.jit
 def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM: tl.constexpr, POW2: tl.constexpr,
                  COMPACT: tl.constexpr):
     """Scales of a tile's row tiles (A) and column tiles (B) from their amaxes (NaN already +inf); the
     inverses stored at ``s_inv_ptrs_A`` / ``s_inv_ptrs_B``.
 
-    [Note: compact scales] A reduction's result is replicated on every thread that held part of what
-    it reduced (8 threads per row and 32 per column of a 128x128 tile at 8 warps), and Triton computes
-    everything downstream in that layout: each thread derives ~20 scales and their inverses, ~4 of
-    the rows + columns kernel's 24 instructions per element (sm_90a). COMPACT routes the amaxes
-    through their ``scale_inv`` slots in global memory: a fresh load spreads them ~one per thread, the
-    scales are computed there and stored, loaded back in the layout the multiply needs, and the
-    inverses overwrite the slots (21 instructions per element). The barriers order each exchange (a
-    value may be held by two threads), which costs two round trips to L2 per tile; whether the
-    instructions saved outweigh that latency is for the benchmark (``SWEEP``). Same arithmetic per
-    scale, so the same bits; the slots are the outputs', so nothing is allocated. Triton's own layout
-    conversion would use shared memory, but it rematerializes the scale arithmetic in the replicated
-    layout instead (duplicating even a volatile load), so the values must come back through memory.
+    [Note: compact scales] A reduction's result is replicated on every thread that held part of what it
+    reduced (8 threads per row and 32 per column of a 128x128 tile at 8 warps), and Triton computes
+    everything downstream in that layout: each thread derives ~20 scales and their inverses, ~3 of the
+    rows + columns kernel's 24.4 instructions per element (sm_90a, ``qa/bench/quantize_sass.py``).
+    COMPACT routes the amaxes through their ``scale_inv`` slots in global memory: a fresh load spreads
+    them ~one per thread, the scales are computed there and stored, loaded back in the layout the
+    multiply needs, and the inverses overwrite the slots (21.2 instructions per element). The barriers
+    order each exchange (a value may be held by two threads), which costs two round trips to L2 per
+    tile; whether the instructions saved outweigh that latency is for the benchmark (``SWEEP``). Same
+    arithmetic per scale, so the same bits; the slots are the outputs', so nothing is allocated.
+    Triton's own layout conversion would use shared memory, but it rematerializes the scale arithmetic
+    in the replicated layout instead (duplicating even a volatile load), so the values must come back
+    through memory.
     """
     if COMPACT:
         tl.store(s_inv_ptrs_A, amax_A, mask=mask_A)
@@ -353,15 +342,19 @@ def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM
 
 
 @triton.jit
-def _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n, NUM: tl.constexpr,
-                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                 HW_CAST: tl.constexpr, POW2: tl.constexpr, L: tl.constexpr, COMPACT: tl.constexpr):
-    """Tile (pid_m, pid_n), [L, L], loaded once and held for both: x's 1xL row tiles and x^T's.
+def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
+                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                            EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
+                            L: tl.constexpr, COMPACT: tl.constexpr):
+    """An [L, L] tile of x per program, loaded once and held for both: x's 1xL row tiles (along N) and
+    x^T's (along M).
 
     ``tl.trans`` only relabels the layout; Triton moves x^T's fp8 bytes through shared memory before
     the store, so the stores to x^T are 16 contiguous bytes per thread like the others (TTGIR: one
     ``convert_layout`` on the uint8 tile).
     """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_m = pid_m * L + tl.arange(0, L)
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)[:, None] * N
@@ -379,45 +372,6 @@ def _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n
     tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
              _to_fp8_bits(xt_LL * scale_N[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST),
              mask=mask_n[:, None] & mask_m[None, :])
-
-
-@triton.jit
-def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
-                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
-                            EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
-                            L: tl.constexpr, CHUNK: tl.constexpr, COMPACT: tl.constexpr):
-    """An [L, L] tile of x per program: the 1xL row tiles of x (along N) and of x^T (along M).
-
-    CHUNK == L: the tile is loaded once and held in registers for both (``_rowcol_tile``). CHUNK < L:
-    [L, CHUNK] column chunks (C below), visited twice: pass 1 quantizes the columns
-    (``_rowcol_columns``) and accumulates the row amaxes; pass 2 reloads each chunk (a cache hit) and
-    quantizes the rows.
-    """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if CHUNK == L:
-        _rowcol_tile(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, pid_m, pid_n, NUM, FP8, FP8_MAX, MANT,
-                     EMIN_BIASED, HW_CAST, POW2, L, COMPACT)
-    else:
-        offs_m = pid_m * L + tl.arange(0, L)
-        mask_m = offs_m < M
-        rows = offs_m.to(tl.int64)[:, None] * N
-        amax_L = tl.zeros([L], dtype=tl.float32)
-        for c in tl.static_range(L // CHUNK):
-            offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
-            mask_n = offs_n < N
-            x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-            _rowcol_columns(x_LC, offs_m, mask_m, offs_n, mask_n, qt_ptr, st_inv_ptr + pid_m, M, tl.cdiv(M, L),
-                            NUM, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST, POW2)
-            amax_L = _max_nan(amax_L, _absmax(x_LC, 1))
-        scale_L = _scale_from_amax(_inf_if_nan(amax_L), NUM, POW2)
-        for c in tl.static_range(L // CHUNK):
-            offs_n = pid_n * L + c * CHUNK + tl.arange(0, CHUNK)
-            mask = mask_m[:, None] & (offs_n < N)[None, :]
-            x_LC = tl.load(x_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows + offs_n[None, :],
-                     _to_fp8_bits(x_LC * scale_L[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-        tl.store(s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n, _inverse(scale_L, POW2), mask=mask_m)
 
 
 def _interpreting() -> bool:
@@ -520,8 +474,8 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     if M * N > 0:
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, CHUNK=min(L, ROWCOL_CHUNK), COMPACT=ROWCOL_COMPACT_SCALES, num_warps=ROWCOL_WARPS,
-            maxnreg=ROWCOL_MAXNREG, **_fmt_args(dtype))
+            POW2=power_of_two, L=L, COMPACT=ROWCOL_COMPACT_SCALES, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
+            **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
 
 

@@ -486,10 +486,8 @@ def case_rowcol(device: str, big: bool) -> None:
                 for pow2 in (True, False):
                     rec = BlockwiseScaling(act_block=(1, L), weight_block=(L, L), dtype=f8, power_of_two=pow2)
                     ref = quantize_rowwise_and_columnwise(x, rec)
-                    # the whole tile, with and without compact scales ([Note: compact scales]); chunks
-                    tunings = [dict(ROWCOL_CHUNK=L, ROWCOL_COMPACT_SCALES=c) for c in (False, True)]
-                    tunings += [dict(ROWCOL_CHUNK=L // 4)] if pow2 else []
-                    for tuning in tunings:
+                    # with and without compact scales ([Note: compact scales])
+                    for tuning in (dict(ROWCOL_COMPACT_SCALES=False), dict(ROWCOL_COMPACT_SCALES=True)):
                         with _tuning(kq, **tuning):
                             got = kq.quantize_rowwise_and_columnwise(x, rec)
                         for k, r in zip(got, ref, strict=True):
@@ -524,8 +522,7 @@ def case_pow2_scales(device: str, big: bool) -> None:
             assert_same(kq.quantize_blockwise(xd, block, f8), quantize_blockwise(x, block, f8), f"{f8} {block}")
         rec = BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), dtype=f8)
         xt = _on(x.t().contiguous(), device)  # x's rows are the column tiles here
-        for tuning in (dict(ROWCOL_CHUNK=32, ROWCOL_COMPACT_SCALES=False),
-                       dict(ROWCOL_CHUNK=32, ROWCOL_COMPACT_SCALES=True), dict(ROWCOL_CHUNK=8)):
+        for tuning in (dict(ROWCOL_COMPACT_SCALES=False), dict(ROWCOL_COMPACT_SCALES=True)):
             with _tuning(kq, **tuning):
                 got = kq.quantize_rowwise_and_columnwise(xt, rec)
             for k, r in zip(got, quantize_rowwise_and_columnwise(x.t().contiguous(), rec), strict=True):
@@ -664,6 +661,24 @@ def test_host_cost_bench_smoke():
                  "quantize_rowwise_and_columnwise"):
         line = next(ln for ln in proc.stdout.splitlines() if name in ln)
         assert float(line.split()[-2]) > 0, line
+
+
+def test_sm90_build_of_the_rows_and_columns_kernel():
+    """qa/bench/quantize_sass.py builds the kernel for sm_90a (no GPU needed): no spills, and the compact
+    scales ([Note: compact scales]) issue fewer instructions per element, which is their point."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO / "qa" / "bench"))
+    try:
+        import quantize_sass
+    finally:
+        sys.path.remove(str(REPO / "qa" / "bench"))
+    try:
+        r = quantize_sass.main(["--only", "rowcol w8 maxnreg128 (default)", "rowcol w8 maxnreg128 compact"])
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    plain, compact = r["rowcol w8 maxnreg128 (default)"], r["rowcol w8 maxnreg128 compact"]
+    assert plain["spill_bytes"] == compact["spill_bytes"] == 0
+    assert compact["per_element"] < plain["per_element"], (plain["per_element"], compact["per_element"])
 
 
 if __name__ == "__main__":
