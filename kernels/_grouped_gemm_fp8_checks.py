@@ -90,3 +90,13 @@ def _check_runnable(op: str, t: torch.Tensor) -> None:
                          f"distwgrad.testing.reference_fp8 computes the same products with torch")
 
 
+
+
+def _check_split(op: str, block: int, split_accumulator: object) -> None:
+    """``split_accumulator`` is a bool, and False only under per-tensor scaling: the blockwise recipe
+    promotes every scale block by construction (each block's dot is scaled before it is added)."""
+    if not isinstance(split_accumulator, bool):
+        raise TypeError(f"{op}: split_accumulator must be a bool, got {split_accumulator!r}")
+    if block and not split_accumulator:
+        raise ValueError(f"{op}: split_accumulator=False applies to per-tensor scaling only; the 1x{block} "
+                         f"blockwise recipe promotes every {block}-deep block to fp32 by construction")

@@ -68,9 +68,10 @@ def with_block_k(cfg: TileConfig, block: int) -> TileConfig:
 
 
 def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None,
-         tokens_per_group: float = 0.0) -> TileConfig:
+         tokens_per_group: float = 0.0, split_accumulator: bool = True) -> TileConfig:
     """Config for ``op`` in ("fprop", "dgrad", "wgrad"); ``block`` the scale block (0: per-tensor);
-    ``tokens_per_group`` T / E (known on the host without a sync)."""
+    ``tokens_per_group`` T / E (known on the host without a sync); ``split_accumulator`` False (per-tensor
+    only) frees the second accumulator's registers ([Note: fp8 split accumulator])."""
     if op not in ("fprop", "dgrad", "wgrad"):
         raise ValueError(f"pick: op must be 'fprop', 'dgrad' or 'wgrad', got {op!r}")
     if op == "wgrad":
@@ -78,6 +79,11 @@ def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None,
         # blockwise 0.82 / 0.58 (128x128/w8: 0.63 / 0.44). Accumulating, "atomic" vs "load": per-tensor
         # 1.15 / 0.91 vs 1.08 / 0.80, blockwise 0.87 / 0.77 vs 0.84 / 0.68.
         cfg = TileConfig(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic" if accumulate else "load")
+    elif not block and not split_accumulator and tokens_per_group >= 1024:
+        # per-tensor without the split accumulator (one fp32 accumulator: 128 registers at 128x256/w8),
+        # docs/benchmarks/fp8_gemm_sweep_split_acc_h200.json: fprop 1.84 / 1.80 (256x128/s3: 1.77 / 1.67;
+        # 128x128/s3: 1.73 / 1.68), dgrad on the N-contiguous weight 2.02 / 1.88 (256x128/s3: 1.86 / 1.73).
+        cfg = TileConfig(128, 256, 128, num_warps=8, num_stages=3)
     elif not block and tokens_per_group >= 1024:
         # per-tensor fprop 1.43 / 1.41 (128x128/w8/s4: 1.24 / 1.31; 128x256: 1.26 / 1.37), dgrad on the
         # N-contiguous weight 1.41 / 1.33 (128x128: 1.25 / 1.20). 256 rows need groups that fill them.

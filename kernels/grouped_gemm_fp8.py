@@ -72,7 +72,7 @@ from distwgrad.fp8.quantize import Quantized
 
 from . import _grouped_gemm_fp8_configs as _cfg
 from ._dispatch import call
-from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_wgrad
+from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
 from ._grouped_wgrad import _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
 from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table
 
@@ -98,6 +98,19 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 # the register round trip of a masked operand on every step costs more than two unpipelined chunks.
 # The alternatives stay (tested) for other GPUs and Triton versions.
 WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
+
+# [Note: fp8 split accumulator]
+# Hopper's fp8 tensor cores add each 32-deep product into the accumulator with ~13 explicit mantissa
+# bits, not fp32's 23 (DeepSeek-V3 report, Sec. 3.3.2). ``split_accumulator=True`` (every default here)
+# starts a fresh partial sum every BLOCK_K = 128 products and adds it to an fp32 accumulator
+# (``max_num_imprecise_acc=BLOCK_K``): the error stays that of a 128-deep sum. False accumulates the
+# whole contraction in the tensor cores (Triton's default for fp8 on sm_90): no second accumulator,
+# so wider tiles fit the registers and each step saves an add, at an error that grows with the depth
+# (``reference_fp8.hopper_mma_rel``). TransformerEngine's per-tensor recipes make the same trade per
+# GEMM (``use_split_accumulator``: False for fprop, True for dgrad and wgrad); our ``PerTensorScaling``
+# exposes it as ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` and keeps True for all
+# three by default. The blockwise recipe scales every block's dot before adding it, so it always splits.
+# On CPU (interpreter or emulation) products are exact fp32 either way.
 _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 
 # ---------------------------------------------------------------------------------------------------
@@ -106,9 +119,11 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 
 
 @triton.jit
-def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                SPLIT_ACC: tl.constexpr):
     """acc + a @ b: blockwise, the step's own dot times the outer product of its row/column scales;
-    per-tensor, straight into acc (scaled after the loop), promoted to fp32 every BLOCK_K. UPCAST (the
+    per-tensor, straight into acc (scaled after the loop), promoted to fp32 every BLOCK_K with SPLIT_ACC,
+    else never ([Note: fp8 split accumulator]). UPCAST (the
     interpreter only, whose fp8 dot mis-decodes e5m2 subnormals): fp32 operands, exact for every finite
     fp8 value; the interpreter's fp32 dot is a plain fp32 matmul whatever ``input_precision`` says."""
     if UPCAST:
@@ -116,7 +131,9 @@ def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.conste
         b = b.to(tl.float32)
     if BLOCKWISE:
         return acc + tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
-    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    if SPLIT_ACC:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit(do_not_specialize=["T", "E"])
@@ -128,7 +145,7 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
                        BLOCKWISE: tl.constexpr, B_K_INNER: tl.constexpr, HAS_BIAS: tl.constexpr,
                        USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       BLOCK_E: tl.constexpr):
+                       BLOCK_E: tl.constexpr, SPLIT_ACC: tl.constexpr):
     """out[t, :N] = a[t, :K] @ B_e[:K, :N] for the tokens t of group e (K: the contraction, N: the output
     features). B_e is read through strides (b_ptr) or a 3-D descriptor, [E, N, K] if B_K_INNER else
     [E, K, N]. Blockwise scales: a_s[t, kb] and b_s[e, kb, n // BLOCK_K] (strides bsk, bsn)."""
@@ -170,7 +187,7 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
             kb = k0 // BLOCK_K
             a_s = tl.load(as_ptrs + kb * stride_ask, mask=rows_ok, other=0.0)
             b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=cols_ok, other=0.0)
-        acc = _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K, UPCAST)
+        acc = _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     if not BLOCKWISE:
         acc = acc * tl.load(as_ptr) * tl.load(bs_ptr + e64 * stride_bse)
     if HAS_BIAS:
@@ -183,7 +200,8 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
 @triton.jit
 def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n, N, K, acc,
                      stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
-                     BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                     BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                     SPLIT_ACC: tl.constexpr):
     """Tokens [t0, t0 + BLOCK_K) of one L-aligned chunk, those outside [lo, hi) masked to zero."""
     ts = t0 + tl.arange(0, BLOCK_K)
     t_ok = (ts >= lo) & (ts < hi)
@@ -192,13 +210,14 @@ def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n,
     b = tl.load(b_ptr + cols_n.to(tl.int64)[:, None] * stride_bk + ts[None, :] * stride_bt,
                 mask=(cols_n < K)[:, None] & t_ok[None, :], other=0.0)
     return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
-                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST)
+                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
 
 
 @triton.jit
 def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col0, rows_m, cols_n, N, K, acc,
                          stride_asc, stride_bsc, MASKED: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, MASK_B: tl.constexpr = True):
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_ACC: tl.constexpr,
+                         MASK_B: tl.constexpr = True):
     """The same chunk by TMA (rows past N or K and tokens past T arrive as zeros); MASKED zeroes the
     tokens outside [lo, hi) in registers: other groups' data, which may even be NaN (a poisoned tile).
     MASK_B=False masks dy^T only (see [Note: fp8 wgrad edges]). Pointer loads here would need a [BLOCK,
@@ -213,18 +232,19 @@ def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col
         if MASK_B:
             b = tl.where(t_ok[None, :], b, tl.zeros_like(b))
     return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
-                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST)
+                             stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
 
 
 @triton.jit
 def _wgrad_fp8_scaled(a, b, acc, as_ptrs, bs_ptrs, c, rows_m, cols_n, N, K, stride_asc, stride_bsc,
-                      BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                      BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                      SPLIT_ACC: tl.constexpr):
     a_s = None
     b_s = None
     if BLOCKWISE:  # token tile c: one scale per row of dy^T (out-feature) and per row of x^T (in-feature)
         a_s = tl.load(as_ptrs + c * stride_asc, mask=rows_m < N, other=0.0)
         b_s = tl.load(bs_ptrs + c * stride_bsc, mask=cols_n < K, other=0.0)
-    return _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K, UPCAST)
+    return _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -235,7 +255,8 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       stride_oe, stride_on, stride_ok, stride_o,
                       BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
                       USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EDGES: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      SPLIT_ACC: tl.constexpr):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
     b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
     deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases."""
@@ -257,27 +278,27 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
         for t0 in range(first, end, BLOCK_K):
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       True, BLOCKWISE, BLOCK_K, UPCAST, EDGES == 1)
+                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC, EDGES == 1)
     elif USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
         body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
         body_hi = (end // BLOCK_K) * BLOCK_K
         if first < start:                            # head: the group starts mid-chunk
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, first, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       True, BLOCKWISE, BLOCK_K, UPCAST)
+                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
         for t0 in range(body_lo, body_hi, BLOCK_K):
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       False, BLOCKWISE, BLOCK_K, UPCAST)
+                                       False, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
         if (body_hi < end) & (body_hi >= body_lo):   # tail, unless the head chunk already held it
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, body_hi, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       True, BLOCKWISE, BLOCK_K, UPCAST)
+                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     else:
         for t0 in range(first, end, BLOCK_K):
             acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, start, end, rows_m, cols_n, N, K,
                                    acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
-                                   BLOCKWISE, BLOCK_K, UPCAST)
+                                   BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale
         acc = acc * tl.where(end > start, tl.load(as_ptr), 1.0) * tl.where(end > start, tl.load(bs_ptr), 1.0)
     base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
@@ -305,12 +326,13 @@ def _resolve_tma(requested: bool | None, eligible: bool, device: torch.device, o
     return requested
 
 
-def _config(op: str, config, block: int, accumulate: bool, device: torch.device, tokens_per_group: float = 0.0):
+def _config(op: str, config, block: int, accumulate: bool, device: torch.device, tokens_per_group: float = 0.0,
+            split_acc: bool = True):
     """``config``, else the table's pick for ``op`` ("grouped_fprop_fp8", ...)."""
     if config is None:
         config = _cfg.INTERPRETER if _interpreting() else _cfg.pick(
             op.removeprefix("grouped_").removesuffix("_fp8"), block=block, accumulate=accumulate,
-            smem_limit=_device_info(device)[1], tokens_per_group=tokens_per_group)
+            smem_limit=_device_info(device)[1], tokens_per_group=tokens_per_group, split_accumulator=split_acc)
     config = _cfg.with_block_k(config, block)
     if config.block_k < 32 or config.add_mode not in _cfg.ADD_MODES:
         raise ValueError(f"{op}: fp8 configs need block_k >= 32 and add_mode in {_cfg.ADD_MODES}, got "
@@ -318,14 +340,15 @@ def _config(op: str, config, block: int, accumulate: bool, device: torch.device,
     return config
 
 
-def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, op: str, config, use_tma):
+def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, op: str, config, use_tma,
+                   split_acc: bool = True):
     """out[g] = a[g] @ b_EKN[e] for every group: a [T, K] fp8, b_EKN [E, K, N] (any strides), the
     contraction K; blockwise scales a_s [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]."""
     T, K = a.shape
     E, _, N = b_EKN.shape
     if T == 0 or N == 0 or E == 0:
         return out
-    cfg = _config(op, config, block, False, a.device, T / E)
+    cfg = _config(op, config, block, False, a.device, T / E, split_acc)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     sb = b_EKN.stride()
     b_k_inner = sb[1] == 1 and sb[2] != 1
@@ -351,7 +374,8 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
         out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
         BLOCKWISE=block > 0, B_K_INNER=b_k_inner, HAS_BIAS=bias_EN is not None, USE_TMA=tma,
         UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        BLOCK_E=max(16, triton.next_power_of_2(E)), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_E=max(16, triton.next_power_of_2(E)), SPLIT_ACC=split_acc, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -363,14 +387,15 @@ def _edges(block: int) -> int:
     return _EDGE_CODES[mode]
 
 
-def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma):
+def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma,
+                  split_acc: bool = True):
     """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to."""
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    cfg = _config("grouped_wgrad_fp8", config, block, accumulate, a_NT.device)
+    cfg = _config("grouped_wgrad_fp8", config, block, accumulate, a_NT.device, split_acc=split_acc)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     eligible = (T > 0 and _aligned(a_NT, [a_NT.stride(0)], a_NT.stride(1))
                 and _aligned(b_KT, [b_KT.stride(0)], b_KT.stride(1)))
@@ -392,33 +417,40 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
         PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(), EDGES=_edges(block),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---- the three products on raw tensors (config and use_tma are for tests and benchmarks) -----------
 
 
-def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, use_tma=None, out=None):
+def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, use_tma=None, out=None,
+           split_accumulator: bool = True):
     """``out``: a preallocated [T, N] output in ``out_dtype`` (tests poison it), else a fresh one."""
     _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
+    _check_split("grouped_fprop_fp8", block, split_accumulator)
     _check_runnable("grouped_fprop_fp8", x)
     y = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device) if out is None else out
     return _launch_ragged(x, x_s, w.transpose(1, 2), w_s.transpose(1, 2) if block else w_s, offs_E, bias_EN, y,
-                          block=block, op="grouped_fprop_fp8", config=config, use_tma=use_tma)
+                          block=block, op="grouped_fprop_fp8", config=config, use_tma=use_tma,
+                          split_acc=split_accumulator)
 
 
-def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=None, out=None):
+def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=None, out=None,
+           split_accumulator: bool = True):
     _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
+    _check_split("grouped_dgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_dgrad_fp8", dy)
     dx = torch.empty(dy.shape[0], w.shape[2], dtype=out_dtype, device=dy.device) if out is None else out
     return _launch_ragged(dy, dy_s, w, w_s, offs_E, None, dx, block=block, op="grouped_dgrad_fp8",
-                          config=config, use_tma=use_tma)
+                          config=config, use_tma=use_tma, split_acc=split_accumulator)
 
 
-def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tma=None):
+def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tma=None,
+           split_accumulator: bool = True):
     _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+    _check_split("grouped_wgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_wgrad_fp8", dy_t)
-    kw = dict(block=block, config=config, use_tma=use_tma)
+    kw = dict(block=block, config=config, use_tma=use_tma, split_acc=split_accumulator)
     args = (dy_t, dy_s, x_t, x_s, offs_E)
     if out is None:
         dW = torch.empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32, device=dy_t.device)
@@ -437,50 +469,57 @@ def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tm
 
 
 def _fprop_impl(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                offs_E: torch.Tensor, bias_EN: torch.Tensor | None, block: int, out_dtype: torch.dtype) -> torch.Tensor:
-    return _fprop(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype)
+                offs_E: torch.Tensor, bias_EN: torch.Tensor | None, block: int, out_dtype: torch.dtype,
+                split_accumulator: bool = True) -> torch.Tensor:
+    return _fprop(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype,
+                  split_accumulator=split_accumulator)
 
 
 _fprop_op = torch.library.custom_op("distwgrad::grouped_fprop_fp8", _fprop_impl, mutates_args=())
 
 
 @_fprop_op.register_fake
-def _(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype):
+def _(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype, split_accumulator=True):
     _check_ragged("grouped_fprop_fp8", x, x_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, bias_EN)
+    _check_split("grouped_fprop_fp8", block, split_accumulator)
     return x.new_empty(x.shape[0], w.shape[1], dtype=out_dtype)
 
 
 def _dgrad_impl(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                offs_E: torch.Tensor, block: int, out_dtype: torch.dtype) -> torch.Tensor:
-    return _dgrad(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
+                offs_E: torch.Tensor, block: int, out_dtype: torch.dtype,
+                split_accumulator: bool = True) -> torch.Tensor:
+    return _dgrad(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, split_accumulator=split_accumulator)
 
 
 _dgrad_op = torch.library.custom_op("distwgrad::grouped_dgrad_fp8", _dgrad_impl, mutates_args=())
 
 
 @_dgrad_op.register_fake
-def _(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype):
+def _(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, split_accumulator=True):
     _check_ragged("grouped_dgrad_fp8", dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
+    _check_split("grouped_dgrad_fp8", block, split_accumulator)
     return dy.new_empty(dy.shape[0], w.shape[2], dtype=out_dtype)
 
 
 def _wgrad_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor, x_t_scale_inv: torch.Tensor,
-                offs_E: torch.Tensor, block: int) -> torch.Tensor:
-    return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block)
+                offs_E: torch.Tensor, block: int, split_accumulator: bool = True) -> torch.Tensor:
+    return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, split_accumulator=split_accumulator)
 
 
 _wgrad_op = torch.library.custom_op("distwgrad::grouped_wgrad_fp8", _wgrad_impl, mutates_args=())
 
 
 @_wgrad_op.register_fake
-def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block):
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, split_accumulator=True):
     _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, None)
+    _check_split("grouped_wgrad_fp8", block, split_accumulator)
     return dy_t.new_empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32)
 
 
 def _wgrad_acc_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
-                    x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor) -> None:
-    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+                    x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor,
+                    split_accumulator: bool = True) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator)
 
 
 _wgrad_acc_op = torch.library.custom_op(
@@ -488,14 +527,15 @@ _wgrad_acc_op = torch.library.custom_op(
 
 
 @_wgrad_acc_op.register_fake
-def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out):
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=True):
     _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+    _check_split("grouped_wgrad_fp8", block, split_accumulator)
 
 
 def _wgrad_acc_list_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
                          x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int,
-                         out: list[torch.Tensor]) -> None:
-    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+                         out: list[torch.Tensor], split_accumulator: bool = True) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator)
 
 
 _wgrad_acc_list_op = torch.library.custom_op(
@@ -503,8 +543,9 @@ _wgrad_acc_list_op = torch.library.custom_op(
 
 
 @_wgrad_acc_list_op.register_fake
-def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out):
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=True):
     _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+    _check_split("grouped_wgrad_fp8", block, split_accumulator)
 
 
 def _act(op: str, name: str, q) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -538,7 +579,7 @@ def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch.Tensor | None = None,
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.bfloat16, *, split_accumulator: bool = True) -> torch.Tensor:
     """``y_TN[g] = deq(x)[g] @ deq(w_e)^T (+ bias_EN[e])`` for the tokens g of every group e.
 
     Args:
@@ -548,6 +589,9 @@ def grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch
         offs_E: ``[E]`` int32 end offsets on the same device (never read on the host).
         bias_EN: optional ``[E, N]`` bf16/fp16/fp32 bias, added in fp32.
         out_dtype: bf16 (default), fp16 or fp32.
+        split_accumulator: promote the tensor cores' partial sums to fp32 every L (128) products
+            (default); False lets Hopper accumulate the whole contraction at its reduced fp8 precision
+            (faster; per-tensor scaling only). [Note: fp8 split accumulator].
 
     Returns:
         ``[T, N]`` in ``out_dtype`` (rows at or past ``offs_E[-1]`` unwritten).
@@ -555,21 +599,26 @@ def grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch
     x, x_s, block = _act("grouped_fprop_fp8", "x_q", x_q)
     w, w_s = _weights("grouped_fprop_fp8", w_qs, block)
     _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
-    return call(torch.ops.distwgrad.grouped_fprop_fp8, _fprop_impl, x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype)
+    _check_split("grouped_fprop_fp8", block, split_accumulator)
+    return call(torch.ops.distwgrad.grouped_fprop_fp8, _fprop_impl, x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype,
+                split_accumulator)
 
 
 def grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor,
-                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.bfloat16, *, split_accumulator: bool = True) -> torch.Tensor:
     """``dx_TK[g] = deq(dy)[g] @ deq(w_e)``; ``dy_q`` ``[T, N]`` per-tensor or 1xL tiles along N, the
-    weights as in :func:`grouped_fprop_fp8` (forward layout; block (nb, kb) serves contraction block nb)."""
+    weights as in :func:`grouped_fprop_fp8` (forward layout; block (nb, kb) serves contraction block nb),
+    ``split_accumulator`` as there."""
     dy, dy_s, block = _act("grouped_dgrad_fp8", "dy_q", dy_q)
     w, w_s = _weights("grouped_dgrad_fp8", w_qs, block)
     _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
-    return call(torch.ops.distwgrad.grouped_dgrad_fp8, _dgrad_impl, dy, dy_s, w, w_s, offs_E, block, out_dtype)
+    _check_split("grouped_dgrad_fp8", block, split_accumulator)
+    return call(torch.ops.distwgrad.grouped_dgrad_fp8, _dgrad_impl, dy, dy_s, w, w_s, offs_E, block, out_dtype,
+                split_accumulator)
 
 
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
-                      out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, split_accumulator: bool = True):
     """``dW_e = deq(dy)[g]^T @ deq(x)[g]`` summed over the tokens g of each group e.
 
     Args:
@@ -579,6 +628,7 @@ def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
         out: None for a fresh fp32 ``[E, N, K]`` (zeros for an empty group); or fp32 buffers to ADD into
             (``main_grad``): a stacked ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors sharing
             shape and strides (an empty group adds nothing).
+        split_accumulator: as in :func:`grouped_fprop_fp8` (the contraction is each group's tokens).
 
     Returns:
         The fresh tensor, or ``out`` itself.
@@ -589,13 +639,15 @@ def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
         raise ValueError(f"grouped_wgrad_fp8: dy_qt and x_qt must share one recipe, got blocks {dy_qt.block} "
                          f"and {x_qt.block}")
     _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
-    ops = torch.ops.distwgrad
+    _check_split("grouped_wgrad_fp8", block, split_accumulator)
+    ops, split = torch.ops.distwgrad, split_accumulator
     if out is None:
-        return call(ops.grouped_wgrad_fp8, _wgrad_impl, dy_t, dy_s, x_t, x_s, offs_E, block)
+        return call(ops.grouped_wgrad_fp8, _wgrad_impl, dy_t, dy_s, x_t, x_s, offs_E, block, split)
     if isinstance(out, torch.Tensor):
-        call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out, mutated=(6,))
+        call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out, split,
+             mutated=(6,))
     else:
         call(ops.grouped_wgrad_fp8_accumulate_list, _wgrad_acc_list_impl, dy_t, dy_s, x_t, x_s, offs_E, block,
-             list(out), mutated=(6,))
+             list(out), split, mutated=(6,))
     return out
 

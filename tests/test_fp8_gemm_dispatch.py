@@ -210,6 +210,56 @@ def test_each_operand_is_quantized_once(module, delay, monkeypatch):
     assert all(p.grad is not None for p in mod.parameters())
 
 
+@pytest.mark.parametrize("module", ["grouped", "linear"])
+def test_modules_pass_each_gemms_accumulation(module, monkeypatch):
+    """The recipe's per-GEMM ``MMParams`` reach the FP8 GEMM dispatchers: fprop off, dgrad and wgrad on
+    (TransformerEngine's current-scaling choice), and every default on."""
+    from distwgrad.fp8 import MMParams, PerTensorScaling, fp8_autocast
+    from distwgrad.nn import GroupedLinear, Linear
+    from distwgrad.ops import grouped_gemm_fp8 as gg8
+    seen: dict[str, list] = {"fprop": [], "dgrad": [], "wgrad": []}
+    for gemm in seen:
+        fn = getattr(gg8, f"grouped_{gemm}_fp8")
+
+        def spy(*a, _fn=fn, _gemm=gemm, **kw):
+            seen[_gemm].append(kw["split_accumulator"])
+            return _fn(*a, **kw)
+        monkeypatch.setattr(gg8, f"grouped_{gemm}_fp8", spy)
+    monkeypatch.setattr(gg8, "fp8_kernels_accept", lambda *a, **k: True)  # take the kernel branch...
+    from distwgrad.kernels import grouped_gemm_fp8 as K
+    for gemm in seen:  # ...whose kernels are replaced by the emulation, so CPU runs without Triton
+        monkeypatch.setattr(K, f"grouped_{gemm}_fp8", _emulating(gemm))
+    for recipe, want in ((PerTensorScaling(fp8_gemm_fprop=MMParams(False)), [False, True, True]),
+                         (PerTensorScaling(), [True, True, True])):
+        for v in seen.values():
+            v.clear()
+        torch.manual_seed(0)
+        x = torch.randn(24, 64, requires_grad=True)
+        mod = GroupedLinear(2, 64, 32) if module == "grouped" else Linear(64, 32)
+        with fp8_autocast(recipe):
+            y = mod(x, [10, 14]) if module == "grouped" else mod(x)
+        y.sum().backward()
+        assert [seen[g] for g in ("fprop", "dgrad", "wgrad")] == [[w] for w in want], (recipe, seen)
+
+
+def _emulating(gemm: str):
+    """A stand-in for the kernel ``grouped_<gemm>_fp8`` computing the product with the FP8 oracle."""
+    from distwgrad.testing import reference_fp8 as RF
+
+    def run(*a, split_accumulator, **kw):
+        assert isinstance(split_accumulator, bool)
+        if gemm == "wgrad":
+            out = kw.pop("out", None)
+            res = RF.grouped_wgrad_fp8(*a, **kw)
+            if out is None:
+                return res
+            for o, r in zip(out, res):
+                o.add_(r)
+            return out
+        return getattr(RF, f"grouped_{gemm}_fp8")(*a, **kw)
+    return run
+
+
 def test_audit_tool_checks_its_arguments():
     """qa/L2_gpu/fp8_kernel_audit.py (GPU tool): a bad product name is refused before anything runs, and
     without a GPU (and without the interpreter route) it says what it needs instead of auditing nothing."""

@@ -100,6 +100,24 @@ def test_per_tensor_recipe_rejects(kwargs, match):
         PerTensorScaling(**kwargs)
 
 
+def test_split_accumulator_per_gemm():
+    """Every GEMM splits by default; a per-tensor recipe may turn it off per GEMM (TransformerEngine's
+    MMParams); blockwise always splits; bad values and names are refused by name."""
+    from distwgrad.fp8 import MMParams, split_accumulator
+    assert all(split_accumulator(PerTensorScaling(), g) for g in ("fprop", "dgrad", "wgrad"))
+    assert all(split_accumulator(BlockwiseScaling(), g) for g in ("fprop", "dgrad", "wgrad"))
+    te_like = PerTensorScaling(fp8_gemm_fprop=MMParams(use_split_accumulator=False))
+    assert [split_accumulator(te_like, g) for g in ("fprop", "dgrad", "wgrad")] == [False, True, True]
+    with pytest.raises(ValueError, match="fp8_gemm_dgrad must be an MMParams, got False"):
+        PerTensorScaling(fp8_gemm_dgrad=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="use_split_accumulator must be a bool, got 0"):
+        MMParams(0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gemm must be one of .* got 'bwd'"):
+        split_accumulator(te_like, "bwd")
+    with pytest.raises(TypeError, match="got None"):
+        split_accumulator(None, "fprop")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(act_block=(2, 128)), r"act_block.*\(2, 128\)"),
     (dict(act_block=(1, 8)), r"act_block.*\(1, 8\)"),

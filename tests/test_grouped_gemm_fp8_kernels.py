@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
-from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
+from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.testing import reference_fp8 as RF
 
 _HERE = os.path.abspath(__file__)
@@ -46,6 +46,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {
     "per_tensor": PerTensorScaling(),
+    # no fp32 promotion in any GEMM ([Note: fp8 split accumulator]); the same operands as per_tensor
+    "per_tensor_fast": PerTensorScaling(**{f"fp8_gemm_{g}": MMParams(False) for g in ("fprop", "dgrad", "wgrad")}),
     "blockwise": BlockwiseScaling(),
     "blockwise32": BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), power_of_two=False),
 }
@@ -94,7 +96,7 @@ def _problem(T, E, K, N, recipe: str, *, seed=0, splits=None, device="cpu", offs
     offs = _offsets(T, E, gen, splits) if offs is None else offs
     return types.SimpleNamespace(T=T, E=E, K=K, N=N, x_q=x_q, x_qt=x_qt, dy_q=dy_q, dy_qt=dy_qt, wq=wq,
                                  block=0 if x_q.block is None else x_q.block[1], offs=offs.to(device),
-                                 device=device)
+                                 device=device, split={g: split_accumulator(r, g) for g in ("fprop", "dgrad", "wgrad")})
 
 
 def _weight_form(pb, form: str):
@@ -108,8 +110,9 @@ def _weight_form(pb, form: str):
     return data, scales
 
 
-def _check(what, ours, expected, S, *, depth, out_dtype, device, addend=None):
-    mma_rel = RF.HOPPER_MMA_REL if device == "cuda" else 0.0
+def _check(what, ours, expected, S, *, depth, out_dtype, device, addend=None, split=True):
+    """``split``: the kernel promoted every 128 products (else its imprecise depth is the contraction)."""
+    mma_rel = RF.hopper_mma_rel(128 if split else depth) if device == "cuda" else 0.0
     res = RF.check(ours, expected, S, depth=depth, out_dtype=out_dtype, mma_rel=mma_rel, addend=addend)
     assert res["ok"], f"{what}: {res}"
     WORST[what] = res["worst"]
@@ -123,7 +126,7 @@ def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", con
     w, w_s = k._weights(op, w_in, pb.block)
     rows, depth = (pb.N, pb.K) if fprop else (pb.K, pb.N)
     out = torch.full((pb.T, rows), float("nan"), dtype=out_dtype, device=pb.device)
-    kw = dict(config=config, use_tma=use_tma, out=out)
+    kw = dict(config=config, use_tma=use_tma, out=out, split_accumulator=pb.split[op])
     if fprop:
         k._fprop(a_q.data, a_q.scale_inv, w, w_s, pb.offs, bias, pb.block, out_dtype, **kw)
         ref = lambda **a: RF.grouped_fprop_fp8(a_q, w_in, pb.offs, bias, **a)
@@ -131,9 +134,10 @@ def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", con
         k._dgrad(a_q.data, a_q.scale_inv, w, w_s, pb.offs, pb.block, out_dtype, **kw)
         ref = lambda **a: RF.grouped_dgrad_fp8(a_q, w_in, pb.offs, **a)
     n = min(max(int(pb.offs[-1]), 0), pb.T) if pb.E else 0
-    tag = f"{op} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} {form} {out_dtype} tma={use_tma}"
+    tag = (f"{op} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} {form} {out_dtype} tma={use_tma}"
+           f"{'' if pb.split[op] else ' no-split'}")
     _check(tag, out[:n], ref(out_dtype=torch.float32)[:n], ref(absolute=True)[:n], depth=depth,
-           out_dtype=out_dtype, device=pb.device)
+           out_dtype=out_dtype, device=pb.device, split=pb.split[op])
     assert bool(out[n:].isnan().all()), f"{tag}: rows at or past offs_E[-1] were written"
     return out
 
@@ -145,22 +149,25 @@ def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0):
     raw = (pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs)
     exp = RF.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs)
     S = RF.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, absolute=True)
-    tag = f"wgrad_{mode} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} cfg={config} tma={use_tma}"
+    split = pb.split["wgrad"]
+    tag = (f"wgrad_{mode} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} cfg={config} tma={use_tma}"
+           f"{'' if split else ' no-split'}")
     m = torch.randn(pb.E, pb.N, pb.K, generator=torch.Generator().manual_seed(seed)).to(pb.device)
     if mode == "fresh":
         got = torch.full((pb.E, pb.N, pb.K), float("nan"), device=pb.device)
-        k._launch_wgrad(*raw, got, block=pb.block, accumulate=False, table=None, config=config, use_tma=use_tma)
+        k._launch_wgrad(*raw, got, block=pb.block, accumulate=False, table=None, config=config, use_tma=use_tma,
+                        split_acc=split)
         addend = None
     elif mode == "acc":
-        got = k._wgrad(*raw, pb.block, m.clone(), config=config, use_tma=use_tma)
+        got = k._wgrad(*raw, pb.block, m.clone(), config=config, use_tma=use_tma, split_accumulator=split)
         exp, addend = m.double() + exp.double(), m
     else:  # separate buffers at unrelated addresses, each a strided view (row stride K + 3)
         bufs = [torch.zeros(pb.N, pb.K + 3, device=pb.device)[:, :pb.K] for _ in range(pb.E)]
         for e in range(pb.E):
             bufs[e].copy_(m[e])
-        k._wgrad(*raw, pb.block, bufs, config=config, use_tma=use_tma)
+        k._wgrad(*raw, pb.block, bufs, config=config, use_tma=use_tma, split_accumulator=split)
         got, exp, addend = torch.stack(bufs), m.double() + exp.double(), m
-    _check(tag, got, exp, S, depth=pb.T, out_dtype=torch.float32, device=pb.device, addend=addend)
+    _check(tag, got, exp, S, depth=pb.T, out_dtype=torch.float32, device=pb.device, addend=addend, split=split)
     return got
 
 
@@ -189,6 +196,21 @@ def _ragged_cases(recipe: str):
 
 def _case_ragged_per_tensor():
     _ragged_cases("per_tensor")
+
+
+def _case_no_split_accumulator():
+    """SPLIT_ACC=False builds and computes the same products (the interpreter's dot is exact fp32 either
+    way: this pins the plumbing, the GPU tests the precision); blockwise refuses it by name."""
+    pb = _problem(*SHAPE_TMA, "per_tensor_fast", splits=[0, 100, 20, 168])
+    for op in ("fprop", "dgrad"):
+        _run_ragged(op, pb, use_tma=True, form="stacked")
+    _run_wgrad(pb, "acc", use_tma=True)
+    _run_wgrad(pb, "fresh", use_tma=False)
+    k, bw = _kernels(), _problem(*SHAPE_TMA, "blockwise")
+    with pytest.raises(ValueError, match="split_accumulator=False applies to per-tensor scaling only"):
+        k.grouped_fprop_fp8(bw.x_q, bw.wq, bw.offs, split_accumulator=False)
+    with pytest.raises(TypeError, match="split_accumulator must be a bool"):
+        k.grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, split_accumulator=0)
 
 
 def _case_ragged_blockwise():
@@ -361,8 +383,9 @@ def _case_e5m2_subnormals():
 def _case_custom_ops():
     """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
     k = _kernels()
-    for recipe in ("per_tensor", "blockwise"):
+    for recipe in ("per_tensor", "per_tensor_fast", "blockwise"):
         pb = _problem(96, 3, 160, 144, recipe, seed=8)
+        sp = () if recipe != "per_tensor_fast" else (False,)  # the schema's default is True
         (w, w_s), b = _weight_form(pb, "stacked"), torch.randn(3, 144)
         x, xs, dy, dys = pb.x_q.data, pb.x_q.scale_inv, pb.dy_q.data, pb.dy_q.scale_inv
         raw_t = (pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs, pb.block)
@@ -372,18 +395,19 @@ def _case_custom_ops():
         # torch does not implement for CPU float8 ("mul_cpu_reduced_float"); mutation and aliasing are
         # covered by the fake-tensor and AOT-dispatch checks, and by the compile comparison below.
         check = lambda op, args: torch.library.opcheck(op, args, test_utils=_OPCHECK_UTILS)
-        check(ops.grouped_fprop_fp8.default, (x, xs, w, w_s, pb.offs, b, pb.block, torch.float32))
-        check(ops.grouped_dgrad_fp8.default, (dy, dys, w, w_s, pb.offs, pb.block, torch.bfloat16))
-        check(ops.grouped_wgrad_fp8.default, raw_t)
-        check(ops.grouped_wgrad_fp8_accumulate.default, (*raw_t, m.clone()))
-        check(ops.grouped_wgrad_fp8_accumulate_list.default, (*raw_t, list(m.clone())))
+        check(ops.grouped_fprop_fp8.default, (x, xs, w, w_s, pb.offs, b, pb.block, torch.float32, *sp))
+        check(ops.grouped_dgrad_fp8.default, (dy, dys, w, w_s, pb.offs, pb.block, torch.bfloat16, *sp))
+        check(ops.grouped_wgrad_fp8.default, (*raw_t, *sp))
+        check(ops.grouped_wgrad_fp8_accumulate.default, (*raw_t, m.clone(), *sp))
+        check(ops.grouped_wgrad_fp8_accumulate_list.default, (*raw_t, list(m.clone()), *sp))
 
         def step(acc, bufs, pb=pb, b=b):
-            y = k.grouped_fprop_fp8(pb.x_q, pb.wq, pb.offs, b)
-            dx = k.grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, torch.float32)
-            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=acc)
-            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs)
-            return y, dx, k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs)
+            y = k.grouped_fprop_fp8(pb.x_q, pb.wq, pb.offs, b, split_accumulator=pb.split["fprop"])
+            dx = k.grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, torch.float32, split_accumulator=pb.split["dgrad"])
+            kw = dict(split_accumulator=pb.split["wgrad"])
+            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=acc, **kw)
+            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs, **kw)
+            return y, dx, k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, **kw)
 
         eager = step(m.clone(), list(m.clone()))
         acc, bufs = m.clone(), list(m.clone())
@@ -402,6 +426,7 @@ _INTERPRETER_CASES = {
     "ragged_blockwise": _case_ragged_blockwise,
     "wgrad_per_tensor": _case_wgrad_per_tensor,
     "wgrad_blockwise": _case_wgrad_blockwise,
+    "no_split_accumulator": _case_no_split_accumulator,
     "edges": _case_edges,
     "wgrad_edge_modes": _case_wgrad_edge_modes,
     "nan_propagation": _case_nan_propagation,
@@ -483,7 +508,8 @@ def test_bench_gemm_sweep_smoke(tmp_path):
 _MOE = dict(E=8, T=32768, K=4096, N=14336)
 
 
-def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0, edges: int = 0):
+def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0, edges: int = 0,
+                 split: bool = True):
     """ASTSource of one kernel variant at the first MoE shape with the JIT's specializations (unit strides
     constant, 16-divisible ints and all pointers hinted), as a launch on CUDA tensors would build it."""
     from triton.compiler import ASTSource
@@ -491,7 +517,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
     E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
     cfg = CF.pick(op, block=block, accumulate=add_mode > 0, smem_limit=232448,  # H100/H200 opt-in smem
-                  tokens_per_group=T / E)
+                  tokens_per_group=T / E, split_accumulator=split)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad = "fp8e5" if not block else "fp8e4nv"          # per-tensor gradients are e5m2
     sc = lambda n: -(-n // (block or 1)) if block else 16  # scale strides (any value when per-tensor)
@@ -517,7 +543,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
                     stride_biasn=1, stride_o=1, a_desc=f"tensordesc<{a_dt}[{bm}, {bk}]>",
                     b_desc=f"tensordesc<fp8e4nv[1, {bn}, {bk}]>" if kin else f"tensordesc<fp8e4nv[1, {bk}, {bn}]>")
         consts = dict(BLOCKWISE=block > 0, B_K_INNER=kin, HAS_BIAS=op == "fprop", BLOCK_E=16)
-    consts.update(USE_TMA=tma, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m)
+    consts.update(USE_TMA=tma, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, SPLIT_ACC=split)
     if not tma:
         consts.update(a_desc=None, b_desc=None)
     if consts.get("HAS_BIAS") is False:
@@ -542,6 +568,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     "fprop/128/tma", "fprop/0/tma", "fprop/128/ptr", "dgrad/128/tma", "dgrad/0/tma", "dgrad/128/tma/kn",
     "wgrad/128/tma/add3", "wgrad/0/tma/add0", "wgrad/128/ptr/add1",
     "wgrad/0/tma/loop/add3", "wgrad/0/tma/loop_a/add3", "wgrad/128/tma/loop/add3",
+    "fprop/0/tma/nosplit", "dgrad/0/tma/kn/nosplit", "wgrad/0/tma/add3/nosplit",
 ])
 def test_compiles_for_sm90(variant):
     """The GPU path of the default configs compiles for Hopper (sm_90a) and runs its products on fp8
@@ -550,8 +577,9 @@ def test_compiles_for_sm90(variant):
     from triton.backends.compiler import GPUTarget
     op, block, load, *rest = variant.split("/")
     edges = next((_kernels()._EDGE_CODES[r] for r in rest if r.startswith("loop")), 0)
-    src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest, edges=edges,
-                                  add_mode=int(rest[-1][3:]) if rest and rest[-1].startswith("add") else 0)
+    add = next((int(r[3:]) for r in rest if r.startswith("add")), 0)
+    src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest, edges=edges, add_mode=add,
+                                  split="nosplit" not in rest)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
@@ -637,6 +665,8 @@ def test_default_picks(monkeypatch):
     assert k._config("grouped_fprop_fp8", None, 0, False, cpu, 4096.0).block_m == 256
     assert k._config("grouped_dgrad_fp8", None, 0, False, cpu, 128.0).block_m == 128
     assert k._config("grouped_fprop_fp8", None, 128, False, cpu, 4096.0).block_m == 128  # blockwise: spills
+    fast = k._config("grouped_dgrad_fp8", None, 0, False, cpu, 4096.0, split_acc=False)  # one accumulator
+    assert (fast.block_m, fast.block_n, fast.num_stages) == (128, 256, 3)
     from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
     with pytest.raises(ValueError, match="op must be"):
         CF.pick("grouped_fprop_fp8", block=0, accumulate=False, smem_limit=None)
@@ -649,7 +679,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
+@pytest.mark.parametrize("recipe", ["per_tensor", "per_tensor_fast", "blockwise"])
 @pytest.mark.parametrize("T,E,K,N,use_tma", [
     (4096, 8, 1024, 1536, None),     # TMA on Hopper
     (4096, 8, 1024, 1536, False),    # masked pointer loads

@@ -20,15 +20,18 @@ from distwgrad.fp8.recipe import (
     FP8_DTYPES,
     BlockwiseScaling,
     Fp8Format,
+    MMParams,
     PerTensorScaling,
     Recipe,
     current_recipe,
     fp8_autocast,
     fp8_format,
+    split_accumulator,
 )
 
 __all__ = [
-    "PerTensorScaling", "BlockwiseScaling", "Recipe", "fp8_autocast", "current_recipe",
+    "PerTensorScaling", "BlockwiseScaling", "MMParams", "Recipe", "split_accumulator", "fp8_autocast",
+    "current_recipe",
     "Fp8Format", "fp8_format", "FP8_DTYPES",
     "Quantized", "compute_amax", "compute_scale", "quantize_per_tensor", "quantize_blockwise",
     "quantize_rowwise_and_columnwise", "dequantize", "transpose_quantized", "fp8_matmul_reference",

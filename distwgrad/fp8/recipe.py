@@ -32,7 +32,7 @@ import torch
 
 __all__ = [
     "Fp8Format", "fp8_format", "FP8_DTYPES",
-    "PerTensorScaling", "BlockwiseScaling", "Recipe",
+    "MMParams", "PerTensorScaling", "BlockwiseScaling", "Recipe", "split_accumulator",
     "fp8_autocast", "current_recipe",
 ]
 
@@ -77,6 +77,27 @@ def fp8_format(dtype: torch.dtype) -> Fp8Format:
 
 
 @dataclass(frozen=True)
+class MMParams:
+    """How one FP8 GEMM accumulates (TransformerEngine's name and field).
+
+    Args:
+        use_split_accumulator: promote the tensor cores' partial sums to an fp32 accumulator every 128
+            products (True), or let Hopper accumulate the whole contraction at its reduced fp8-MMA
+            precision (~13 mantissa bits; faster). [Note: fp8 split accumulator] in
+            ``distwgrad/kernels/grouped_gemm_fp8.py``. CPU emulation is exact fp32 either way.
+    """
+
+    use_split_accumulator: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_split_accumulator, bool):
+            raise ValueError(f"MMParams.use_split_accumulator must be a bool, got {self.use_split_accumulator!r}")
+
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+@dataclass(frozen=True)
 class PerTensorScaling:
     """Current (just-in-time) per-tensor scaling.
 
@@ -91,11 +112,18 @@ class PerTensorScaling:
             gradients, 2 mantissa bits); E4M3FN is allowed.
         margin: extra headroom in powers of two, ``0 <= margin <= 16``; the scaled amax lands at
             ``fp8_max / 2**margin``.
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: accumulation of each GEMM (``MMParams``). All
+            split (full fp32 promotion every 128 products) by default. TransformerEngine's
+            ``Float8CurrentScaling`` defaults fprop to ``MMParams(use_split_accumulator=False)``; pass
+            that here for the same trade (a faster fprop whose error grows with K).
     """
 
     fwd_dtype: torch.dtype = torch.float8_e4m3fn
     grad_dtype: torch.dtype = torch.float8_e5m2
     margin: int = 0
+    fp8_gemm_fprop: MMParams = MMParams()
+    fp8_gemm_dgrad: MMParams = MMParams()
+    fp8_gemm_wgrad: MMParams = MMParams()
 
     def __post_init__(self) -> None:
         for name in ("fwd_dtype", "grad_dtype"):
@@ -104,6 +132,10 @@ class PerTensorScaling:
                 raise ValueError(f"PerTensorScaling.{name} must be one of {list(FP8_DTYPES)}, got {value!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 16:
             raise ValueError(f"PerTensorScaling.margin must be an int in [0, 16], got {self.margin!r}")
+        for gemm in GEMMS:
+            value = getattr(self, f"fp8_gemm_{gemm}")
+            if not isinstance(value, MMParams):
+                raise ValueError(f"PerTensorScaling.fp8_gemm_{gemm} must be an MMParams, got {value!r}")
 
     def dtype_for(self, *, grad: bool) -> torch.dtype:
         """The format for a gradient (``grad=True``) or a forward tensor."""
@@ -170,6 +202,19 @@ class BlockwiseScaling:
 
 
 Recipe = PerTensorScaling | BlockwiseScaling
+
+
+def split_accumulator(recipe: Recipe, gemm: str) -> bool:
+    """Whether ``gemm`` ("fprop", "dgrad" or "wgrad") promotes its partial sums every 128 products under
+    ``recipe``: the recipe's ``MMParams`` for per-tensor scaling, always for blockwise scaling (every
+    block's dot is scaled before it is added)."""
+    if gemm not in GEMMS:
+        raise ValueError(f"split_accumulator: gemm must be one of {GEMMS}, got {gemm!r}")
+    if isinstance(recipe, PerTensorScaling):
+        return getattr(recipe, f"fp8_gemm_{gemm}").use_split_accumulator
+    if isinstance(recipe, BlockwiseScaling):
+        return True
+    raise TypeError(f"split_accumulator: expected a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
 
 _ACTIVE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("distwgrad_fp8_recipe", default=None)
 

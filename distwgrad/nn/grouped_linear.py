@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from distwgrad.fp8.quantize import Quantized
-from distwgrad.fp8.recipe import Recipe, current_recipe
+from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm as gg
@@ -80,7 +80,8 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt:
         dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
 
         def product(out):
-            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out)
+            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out,
+                                         split_accumulator=split_accumulator(recipe, "wgrad"))
 
     def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
         if targets[0] is None:
@@ -126,7 +127,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         else:  # [Note: fp8 gemm dispatch]
             w_qs = _weights_fp8(weights, call, backward=False)
             x_q, x_qt = gg8.quantize_operand(x_TK, call.recipe, grad=False)
-            y_TN = gg8.grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype)
+            y_TN = gg8.grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype,
+                                         split_accumulator=split_accumulator(call.recipe, "fprop"))
             del w_qs, x_q
             ctx.save_for_backward(*gg8.saved_tensors(x_qt), offs_E)  # wgrad reads only x^T, in fp8
             ctx.x_meta = gg8.saved_meta(x_qt)
@@ -154,7 +156,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             else:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
                 w_qs = _weights_fp8(weights, call, backward=True)
                 dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
-                dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype)
+                dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype,
+                                              split_accumulator=split_accumulator(call.recipe, "dgrad"))
                 del dy_q, w_qs
         nones = (None,) * (len(weights) + len(biases))
         if not (call.weight_grad or call.bias_grad):

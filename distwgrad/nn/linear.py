@@ -24,7 +24,7 @@ from torch import nn
 
 from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, dequantize
-from distwgrad.fp8.recipe import Recipe, current_recipe
+from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm_fp8 as gg8
@@ -70,7 +70,7 @@ def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe) -> torch.Tensor:
     b = _materialize_bias(bias)
     if gg8.fp8_kernels_accept([x_q], w_qs):
         return gg8.grouped_fprop_fp8(x_q, w_qs, _one_group(x_q.data), None if b is None else b[None],
-                                     x_q.orig_dtype)
+                                     x_q.orig_dtype, split_accumulator=split_accumulator(recipe, "fprop"))
     w_NK = dequantize_weights(w_qs, packed=False)
     return F.linear(dequantize(x_q, dtype=torch.float32), w_NK, None if b is None else b.float()).to(x_q.orig_dtype)
 
@@ -82,7 +82,8 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision.
     w_qs = materialize_quantized(weight, recipe, backward=True)
     if gg8.fp8_kernels_accept([dy_q], w_qs):
-        return gg8.grouped_dgrad_fp8(dy_q, w_qs, _one_group(dy_TN), dy_TN.dtype)
+        return gg8.grouped_dgrad_fp8(dy_q, w_qs, _one_group(dy_TN), dy_TN.dtype,
+                                     split_accumulator=split_accumulator(recipe, "dgrad"))
     w_NK = dequantize_weights(w_qs, packed=False)
     return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
@@ -94,7 +95,8 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> to
     assert x_qt is not None
     dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
     if gg8.fp8_kernels_accept([dy_qt, x_qt]):
-        dW = gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=None if out is None else [out])
+        dW = gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=None if out is None else [out],
+                                   split_accumulator=split_accumulator(recipe, "wgrad"))
         return dW[0].to(dy_TN.dtype) if out is None else out
     dW_NK = dequantize(dy_qt, dtype=torch.float32).mm(dequantize(x_qt, dtype=torch.float32).t())
     return dW_NK.to(dy_TN.dtype) if out is None else out.add_(dW_NK)

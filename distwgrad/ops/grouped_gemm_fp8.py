@@ -9,6 +9,9 @@ Legend: E experts (groups), T tokens, K in-features, N out-features; ``offs_E`` 
     grouped_dgrad_fp8(dy_q, w_qs, offs_E, out_dtype)           dx_TK[g]  = deq(dy)[g] @ deq(w_e)
     grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=None)           dW_ENK[e] = deq(dy)[g]^T @ deq(x)[g]
 
+Each also takes ``split_accumulator`` (the recipe's ``MMParams`` for that GEMM, from
+``distwgrad.fp8.recipe.split_accumulator``): it reaches the kernels; emulation is exact fp32 either way.
+
 ``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``).
 A fresh wgrad is fp32 (the caller casts); with ``out`` (fp32 ``[E, N, K]`` or a list of E ``[N, K]``) the
 product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
@@ -108,34 +111,37 @@ def _contraction_contiguous(w_qs: Sequence[Quantized]) -> tuple[torch.Tensor, to
 
 
 def grouped_fprop_fp8(x_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
-                      bias_EN: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                      bias_EN: torch.Tensor | None, out_dtype: torch.dtype, *,
+                      split_accumulator: bool = True) -> torch.Tensor:
     """``y_TN`` in ``out_dtype`` (bias added in fp32); see the module docstring."""
     if fp8_kernels_accept([x_q], w_qs):
         from distwgrad.kernels import grouped_gemm_fp8 as k
-        return k.grouped_fprop_fp8(x_q, list(w_qs), offs_E, bias_EN, out_dtype)
+        return k.grouped_fprop_fp8(x_q, list(w_qs), offs_E, bias_EN, out_dtype, split_accumulator=split_accumulator)
     x_TK = dequantize(x_q, dtype=torch.float32)
     bias = None if bias_EN is None else bias_EN.float()
     return gg.grouped_fprop(x_TK, _emulated_weights(w_qs), offs_E, bias).to(out_dtype)
 
 
 def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
+                      out_dtype: torch.dtype, *, split_accumulator: bool = True) -> torch.Tensor:
     """``dx_TK`` in ``out_dtype``; see the module docstring."""
     if fp8_kernels_accept([dy_q], w_qs):
         from distwgrad.kernels import grouped_gemm_fp8 as k
-        return k.grouped_dgrad_fp8(dy_q, _contraction_contiguous(w_qs), offs_E, out_dtype)
+        return k.grouped_dgrad_fp8(dy_q, _contraction_contiguous(w_qs), offs_E, out_dtype,
+                                   split_accumulator=split_accumulator)
     dy_TN = dequantize(dy_q, dtype=torch.float32)
     return gg.grouped_dgrad(dy_TN, _emulated_weights(w_qs), offs_E).to(out_dtype)
 
 
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor, *,
-                      out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, split_accumulator: bool = True):
     """A fresh fp32 ``[E, N, K]``, or the product added into ``out``; see the module docstring."""
     if fp8_kernels_accept([dy_qt, x_qt]):
         from distwgrad.kernels import grouped_gemm_fp8 as k
+        kw = dict(split_accumulator=split_accumulator)
         if out is not None and not gg.all_fp32(out):  # the fused add is into fp32 only
-            return gg.add_per_group(out, k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E))
-        return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out)
+            return gg.add_per_group(out, k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, **kw))
+        return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, **kw)
     dy_TN = dequantize(dy_qt, dtype=torch.float32).t().contiguous()
     x_TK = dequantize(x_qt, dtype=torch.float32).t().contiguous()
     return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)

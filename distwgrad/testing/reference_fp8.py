@@ -21,7 +21,9 @@ stores, RNE would be 2^-8), ``tiny`` the output format's smallest subnormal plus
 ``mma_rel`` the extra error of the MMA unit: 0 in the interpreter (numpy fp32), ``HOPPER_MMA_REL`` on
 GPUs, whose fp8 tensor cores add into a ~22-bit (13 explicit mantissa bits) accumulator inside each
 promotion interval (DeepSeek-V3 report, Sec. 3.3.2): at most ~4 truncating steps of 2^-13 per 128-deep
-interval, bounded here by 16 * 2^-13 = 2^-9 of S. Set from that argument before any GPU run; on an H200
+interval, bounded here by 16 * 2^-13 = 2^-9 of S (``hopper_mma_rel(128)``; without the promotion,
+``split_accumulator=False``, the truncating steps run over the whole contraction: ``hopper_mma_rel(depth)``
+scales the same allowance by depth / 128). Set from that argument before any GPU run; on an H200
 (2026-11-29) the worst error/bound ratio over every GPU test was 0.32 (fprop/dgrad, bf16 outputs; wgrad
 0.02-0.09): the bound holds with margin. A loose ``atol`` would hide a wrong scale; this bound does
 not: a wrong tile scale errs by O(|partial sum|) >> gamma_n S, and a NaN where the oracle has none fails.
@@ -39,10 +41,19 @@ from distwgrad.fp8.quantize import Quantized, dequantize
 from distwgrad.testing.reference import group_ranges
 
 __all__ = ["dequantize_weights", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8",
-           "HOPPER_MMA_REL", "error_bound", "check"]
+           "HOPPER_MMA_REL", "hopper_mma_rel", "error_bound", "check"]
 
 U32 = 2.0**-24
 HOPPER_MMA_REL = 2.0**-9
+
+
+def hopper_mma_rel(imprecise_depth: int) -> float:
+    """``mma_rel`` of a Hopper fp8 MMA whose partial sums run ``imprecise_depth`` products deep before an
+    fp32 promotion: 128 with the split accumulator (``HOPPER_MMA_REL``), the contraction length without
+    it. Four truncating 32-deep steps of 2^-13 per 128 products, with a 4x margin, as above."""
+    if imprecise_depth < 1:
+        raise ValueError(f"hopper_mma_rel: imprecise_depth must be >= 1, got {imprecise_depth}")
+    return HOPPER_MMA_REL * max(1.0, imprecise_depth / 128)
 _U_OUT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-7}
 _TINY = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}
 

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from distwgrad.fp8 import quantize as ref
-from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
+from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.fp8.weights import quantize_weight
 
 E4M3 = torch.float8_e4m3fn
@@ -248,7 +248,10 @@ def bench_quantize(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
 
 GEMM_SHAPES = ((8, 32768, 4096, 14336), (64, 65536, 7168, 2048), (128, 16384, 2048, 768))  # E, T, K, N
 GEMM_OPS = ("fprop", "dgrad", "wgrad", "wgrad_accumulate")
-GEMM_RECIPES = {"per_tensor": PerTensorScaling(), "blockwise": BlockwiseScaling()}
+_FAST = MMParams(use_split_accumulator=False)
+GEMM_RECIPES = {"per_tensor": PerTensorScaling(), "blockwise": BlockwiseScaling(),
+                # every GEMM without the split accumulator ([Note: fp8 split accumulator])
+                "per_tensor_fast": PerTensorScaling(fp8_gemm_fprop=_FAST, fp8_gemm_dgrad=_FAST, fp8_gemm_wgrad=_FAST)}
 
 
 def _add_gemm_args(p: argparse.ArgumentParser) -> None:
@@ -285,7 +288,8 @@ def _fp8_operands(p: dict, recipe) -> dict:
     wq = [quantize_weight(w, recipe)[0] for w in p["w"].unbind(0)]
     w = (torch.stack([q.data for q in wq]), torch.stack([q.scale_inv for q in wq]))  # stacked: no copy per call
     w_t = (w[0].transpose(1, 2).contiguous().transpose(1, 2), w[1])  # same values, N contiguous
-    return {"x_q": x_q, "x_qt": x_qt, "dy_q": dy_q, "dy_qt": dy_qt, "w": w, "w_t": w_t, "wq": wq}
+    return {"x_q": x_q, "x_qt": x_qt, "dy_q": dy_q, "dy_qt": dy_qt, "w": w, "w_t": w_t, "wq": wq,
+            "split": {g: split_accumulator(recipe, g) for g in ("fprop", "dgrad", "wgrad")}}
 
 
 def _bf16_call(op: str, p: dict, main: torch.Tensor):
@@ -300,6 +304,7 @@ def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None
     """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
+    kw["split_accumulator"] = q["split"]["wgrad" if op.startswith("wgrad") else op]
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if op == "fprop":
         return {"fp8": lambda: F._fprop(q["x_q"].data, q["x_q"].scale_inv, *q["w"], offs, None, block, bf, **kw)}
@@ -340,7 +345,9 @@ def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8") -> fl
         got, exp, S = _fp8_calls(op, p, q, None, config)[impl]()[:n], exp[:n], S[:n]
     else:
         got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config)[impl]()
-    res = RF.check(got, exp, S, addend=addend, mma_rel=RF.HOPPER_MMA_REL if p["x"].is_cuda else 0.0, **kw)
+    split = q["split"]["wgrad" if op.startswith("wgrad") else op]
+    mma_rel = RF.hopper_mma_rel(128 if split else kw["depth"]) if p["x"].is_cuda else 0.0
+    res = RF.check(got, exp, S, addend=addend, mma_rel=mma_rel, **kw)
     if not res["ok"]:
         raise AssertionError(f"fp8 grouped {op} (config {config}): result out of bound, not timing it: {res}")
     return res["worst"]
