@@ -93,7 +93,6 @@ ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 w
 ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
 ROWCOL_WARPS = 8          # one 128x128 tile per program; 8 warps with the register cap below (111 regs,
                           # 2/SM): 2914, 2723, 2763 (graph)
-ROWCOL_COMPACT_SCALES = False  # whole tile only; [Note: compact scales] (not yet timed)
 ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
@@ -123,13 +122,9 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=False),
-        dict(ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 206 regs (2/SM)
-        dict(ROWCOL_WARPS=16, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=False),  # 64 regs (1/SM)
-        # [Note: compact scales]: instructions per element 24.4 -> 21.2 (8 warps), 19.0 -> 16.0 (4 warps)
-        # (qa/bench/quantize_sass.py)
-        dict(ROWCOL_WARPS=8, ROWCOL_MAXNREG=128, ROWCOL_COMPACT_SCALES=True),
-        dict(ROWCOL_WARPS=4, ROWCOL_MAXNREG=None, ROWCOL_COMPACT_SCALES=True),
+        dict(ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 206 regs (2/SM)
+        dict(ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 64 regs (1/SM)
     ],
 }
 
@@ -299,45 +294,23 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8:
 
 
 @triton.jit
-def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM: tl.constexpr, POW2: tl.constexpr,
-                 COMPACT: tl.constexpr):
+def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM: tl.constexpr, POW2: tl.constexpr):
     """Scales of a tile's row tiles (A) and column tiles (B) from their amaxes (NaN already +inf); the
     inverses stored at ``s_inv_ptrs_A`` / ``s_inv_ptrs_B``.
 
     [Note: compact scales] A reduction's result is replicated on every thread that held part of what it
     reduced (8 threads per row and 32 per column of a 128x128 tile at 8 warps), and Triton computes
     everything downstream in that layout: each thread derives ~20 scales and their inverses, ~3 of the
-    rows + columns kernel's 24.4 instructions per element (sm_90a, ``qa/bench/quantize_sass.py``).
-    COMPACT routes the amaxes through their ``scale_inv`` slots in global memory: a fresh load spreads
-    them ~one per thread, the scales are computed there and stored, loaded back in the layout the
-    multiply needs, and the inverses overwrite the slots (21.2 instructions per element). The barriers
-    order each exchange (a value may be held by two threads), which costs two round trips to L2 per
-    tile; whether the instructions saved outweigh that latency is for the benchmark (``SWEEP``). Same
-    arithmetic per scale, so the same bits; the slots are the outputs', so nothing is allocated.
-    Triton's own layout conversion would use shared memory, but it rematerializes the scale arithmetic
-    in the replicated layout instead (duplicating even a volatile load), so the values must come back
-    through memory.
+    rows + columns kernel's 24.4 sm_90a instructions per element. A variant routed the amaxes through
+    their ``scale_inv`` slots in global memory (one scale per thread, then loaded back in the multiply's
+    layout; Triton's own layout conversion rematerializes the arithmetic instead): 21.2 instructions per
+    element, but its barriers and two L2 round trips per tile made it 2.0-2.4x slower on an H200
+    (1036-1266 vs 2510 GB/s, 2026-11-29), so the replicated form stays.
     """
-    if COMPACT:
-        tl.store(s_inv_ptrs_A, amax_A, mask=mask_A)
-        tl.store(s_inv_ptrs_B, amax_B, mask=mask_B)
-        tl.debug_barrier()
-        sa = _scale_from_amax(tl.load(s_inv_ptrs_A, mask=mask_A, other=0.0), NUM, POW2)
-        sb = _scale_from_amax(tl.load(s_inv_ptrs_B, mask=mask_B, other=0.0), NUM, POW2)
-        tl.debug_barrier()
-        tl.store(s_inv_ptrs_A, sa, mask=mask_A)
-        tl.store(s_inv_ptrs_B, sb, mask=mask_B)
-        tl.debug_barrier()
-        scale_A = tl.load(s_inv_ptrs_A, mask=mask_A, other=1.0)
-        scale_B = tl.load(s_inv_ptrs_B, mask=mask_B, other=1.0)
-        tl.debug_barrier()
-        tl.store(s_inv_ptrs_A, _inverse(sa, POW2), mask=mask_A)
-        tl.store(s_inv_ptrs_B, _inverse(sb, POW2), mask=mask_B)
-    else:
-        scale_A = _scale_from_amax(amax_A, NUM, POW2)
-        scale_B = _scale_from_amax(amax_B, NUM, POW2)
-        tl.store(s_inv_ptrs_A, _inverse(scale_A, POW2), mask=mask_A)
-        tl.store(s_inv_ptrs_B, _inverse(scale_B, POW2), mask=mask_B)
+    scale_A = _scale_from_amax(amax_A, NUM, POW2)
+    scale_B = _scale_from_amax(amax_B, NUM, POW2)
+    tl.store(s_inv_ptrs_A, _inverse(scale_A, POW2), mask=mask_A)
+    tl.store(s_inv_ptrs_B, _inverse(scale_B, POW2), mask=mask_B)
     return scale_A, scale_B
 
 
@@ -345,7 +318,7 @@ def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM
 def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
                             FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                             EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
-                            L: tl.constexpr, COMPACT: tl.constexpr):
+                            L: tl.constexpr):
     """An [L, L] tile of x per program, loaded once and held for both: x's 1xL row tiles (along N) and
     x^T's (along M).
 
@@ -366,7 +339,7 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
     # scale_inv[m, pid_n] and scale_inv_t[n, pid_m]
     scale_M, scale_N = _tile_scales(_inf_if_nan(_absmax(xf_LL, 1)), s_inv_ptr + offs_m * tl.cdiv(N, L) + pid_n,
                                     mask_m, _inf_if_nan(_absmax(xt_LL, 1)),
-                                    st_inv_ptr + offs_n * tl.cdiv(M, L) + pid_m, mask_n, NUM, POW2, COMPACT)
+                                    st_inv_ptr + offs_n * tl.cdiv(M, L) + pid_m, mask_n, NUM, POW2)
     tl.store(q_ptr + rows + offs_n[None, :],
              _to_fp8_bits(xf_LL * scale_M[:, None], FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
     tl.store(qt_ptr + offs_n.to(tl.int64)[:, None] * M + offs_m[None, :],
@@ -474,7 +447,7 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     if M * N > 0:
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, COMPACT=ROWCOL_COMPACT_SCALES, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
+            POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
             **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
 

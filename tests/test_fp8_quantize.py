@@ -504,12 +504,9 @@ def case_rowcol(device: str, big: bool) -> None:
                 for pow2 in (True, False):
                     rec = BlockwiseScaling(act_block=(1, L), weight_block=(L, L), dtype=f8, power_of_two=pow2)
                     ref = quantize_rowwise_and_columnwise(x, rec)
-                    # with and without compact scales ([Note: compact scales])
-                    for tuning in (dict(ROWCOL_COMPACT_SCALES=False), dict(ROWCOL_COMPACT_SCALES=True)):
-                        with _tuning(kq, **tuning):
-                            got = kq.quantize_rowwise_and_columnwise(x, rec)
-                        for k, r in zip(got, ref, strict=True):
-                            assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2} {tuning}")
+                    got = kq.quantize_rowwise_and_columnwise(x, rec)
+                    for k, r in zip(got, ref, strict=True):
+                        assert_same(k, r, f"{shape} {dtype} {f8} pow2={pow2}")
             rec = PerTensorScaling(margin=1)
             for k, r in zip(kq.quantize_rowwise_and_columnwise(x, rec, grad=True),
                             quantize_rowwise_and_columnwise(x, rec, grad=True), strict=True):
@@ -540,11 +537,9 @@ def case_pow2_scales(device: str, big: bool) -> None:
             assert_same(kq.quantize_blockwise(xd, block, f8), quantize_blockwise(x, block, f8), f"{f8} {block}")
         rec = BlockwiseScaling(act_block=(1, 32), weight_block=(32, 32), dtype=f8)
         xt = _on(x.t().contiguous(), device)  # x's rows are the column tiles here
-        for tuning in (dict(ROWCOL_COMPACT_SCALES=False), dict(ROWCOL_COMPACT_SCALES=True)):
-            with _tuning(kq, **tuning):
-                got = kq.quantize_rowwise_and_columnwise(xt, rec)
-            for k, r in zip(got, quantize_rowwise_and_columnwise(x.t().contiguous(), rec), strict=True):
-                assert_same(k, r, f"{f8} rowcol {tuning}")
+        got = kq.quantize_rowwise_and_columnwise(xt, rec)
+        for k, r in zip(got, quantize_rowwise_and_columnwise(x.t().contiguous(), rec), strict=True):
+            assert_same(k, r, f"{f8} rowcol")
 
 
 def case_sweep(device: str, big: bool) -> None:
@@ -682,8 +677,9 @@ def test_host_cost_bench_smoke():
 
 
 def test_sm90_build_of_the_rows_and_columns_kernel():
-    """qa/bench/quantize_sass.py builds the kernel for sm_90a (no GPU needed): no spills, and the compact
-    scales ([Note: compact scales]) issue fewer instructions per element, which is their point."""
+    """qa/bench/quantize_sass.py builds the kernel for sm_90a (no GPU needed): no spills, and power-of-two
+    scales ([Note: power-of-two scales without division]) issue fewer instructions per element than the
+    scales that divide, which is their point."""
     pytest.importorskip("triton")
     sys.path.insert(0, str(REPO / "qa" / "bench"))
     try:
@@ -691,12 +687,12 @@ def test_sm90_build_of_the_rows_and_columns_kernel():
     finally:
         sys.path.remove(str(REPO / "qa" / "bench"))
     try:
-        r = quantize_sass.main(["--only", "rowcol w8 maxnreg128 (default)", "rowcol w8 maxnreg128 compact"])
+        r = quantize_sass.main(["--only", "rowcol w8 maxnreg128 (default)", "rowcol w8 maxnreg128, divisions"])
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    plain, compact = r["rowcol w8 maxnreg128 (default)"], r["rowcol w8 maxnreg128 compact"]
-    assert plain["spill_bytes"] == compact["spill_bytes"] == 0
-    assert compact["per_element"] < plain["per_element"], (plain["per_element"], compact["per_element"])
+    pow2, div = r["rowcol w8 maxnreg128 (default)"], r["rowcol w8 maxnreg128, divisions"]
+    assert pow2["spill_bytes"] == 0, pow2  # (the dividing build spills a little at this register cap)
+    assert pow2["per_element"] < div["per_element"], (pow2["per_element"], div["per_element"])
 
 
 if __name__ == "__main__":

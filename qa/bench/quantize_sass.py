@@ -43,12 +43,10 @@ def variants() -> dict[str, tuple]:
     from distwgrad.kernels import quantize as kq
     rowcol = dict(_E4M3, POW2=True, L=128)
     return {
-        "rowcol w8 maxnreg128 (default)": (kq._quantize_rowcol_kernel, dict(rowcol, COMPACT=False), 8, 128, 128 * 128),
-        "rowcol w8 maxnreg128, divisions": (kq._quantize_rowcol_kernel, dict(rowcol, POW2=False, COMPACT=False), 8,
+        "rowcol w8 maxnreg128 (default)": (kq._quantize_rowcol_kernel, rowcol, 8, 128, 128 * 128),
+        "rowcol w8 maxnreg128, divisions": (kq._quantize_rowcol_kernel, dict(rowcol, POW2=False), 8,
                                              128, 128 * 128),  # power_of_two=False: the scales need IEEE divisions
-        "rowcol w4": (kq._quantize_rowcol_kernel, dict(rowcol, COMPACT=False), 4, None, 128 * 128),
-        "rowcol w8 maxnreg128 compact": (kq._quantize_rowcol_kernel, dict(rowcol, COMPACT=True), 8, 128, 128 * 128),
-        "rowcol w4 compact": (kq._quantize_rowcol_kernel, dict(rowcol, COMPACT=True), 4, None, 128 * 128),
+        "rowcol w4": (kq._quantize_rowcol_kernel, rowcol, 4, None, 128 * 128),
         "rows 1x128, 32 rows w4": (kq._quantize_rows_kernel, dict(_E4M3, POW2=True, TILE_M=32, L=128), 4, None,
                                    32 * 128),
         "blocks 128x128 w8": (kq._quantize_blocks_kernel, dict(_E4M3, POW2=True, BLOCK_M=128, BLOCK_N=128), 8, None,
