@@ -98,11 +98,12 @@ RAGGED_CANDIDATES = (
     _T(128, 256, 64, num_warps=8, num_stages=3), _T(128, 256, 64, num_warps=8, num_stages=4),
     _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
     _T(128, 128, 64, num_warps=4, num_stages=3),
-    # Round 5 (not yet timed): 64-row tiles again for ~128 tokens per expert, where a 128-row tile is
-    # often half empty. Round 1 timed them when the E=128 rows were host-bound (docs/benchmarks/
-    # grouped_gemm.md, "Host-bound?").
-    _T(64, 256, 64, num_warps=4, num_stages=4), _T(64, 128, 64, num_warps=4, num_stages=4),
 )
+# Round 5 (H200, 2026-11-29, docs/benchmarks/grouped_gemm_ragged_sweep_round5_h200.json) timed 64-row
+# tiles again for ~128 tokens per expert, where a 128-row tile is often half empty, now that the E=128
+# rows are no longer host-bound: 64x256x64/w4/s4 and 64x128x64/w4/s4 ran at 286-293 and 288-289 TFLOP/s
+# there vs 310-325 for the 128-row tiles (that shape is bound by reading every expert's weights, not
+# by MMA rows), and 0.6-0.95x elsewhere; dropped.
 WGRAD_CANDIDATES = (
     _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
     _T(128, 256, 64, num_warps=8, num_stages=4), _T(128, 128, 64, num_warps=4, num_stages=3),
