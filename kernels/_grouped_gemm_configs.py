@@ -37,9 +37,7 @@ class TileConfig:
     there); with it, ``subtile`` = 2 writes the tile in two column halves and ``warp_specialize`` asks
     Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise).
     ``tma=False`` keeps masked pointer loads where TMA descriptors would apply (an explicit ``use_tma``
-    argument of the launcher wins). ``stagger_ns`` > 0 (accumulating wgrad, GPU only) delays each
-    program of the first wave by a different fraction of that many nanoseconds ([Note: staggered
-    wgrad] in kernels/_grouped_wgrad.py)."""
+    argument of the launcher wins)."""
 
     block_m: int
     block_n: int
@@ -52,7 +50,6 @@ class TileConfig:
     subtile: int = 1
     warp_specialize: bool = False
     tma: bool = True
-    stagger_ns: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -76,15 +73,12 @@ class TileConfig:
                              f"need persistent > 0")
         if self.persistent and self.add_mode == "prefetch":
             raise ValueError("TileConfig: the persistent wgrad kernel has no add_mode 'prefetch'")
-        if not isinstance(self.stagger_ns, int) or not 0 <= self.stagger_ns <= 1_000_000:
-            raise ValueError(f"TileConfig.stagger_ns must be an int in [0, 1e6] (nanoseconds), got {self.stagger_ns!r}")
 
     def short(self) -> str:
         mode = "" if self.add_mode == "load" else f"/{self.add_mode}"
         pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
                                                + ("/ws" if self.warp_specialize else ""))
         pers += "" if self.tma else "/ptr"
-        pers += f"/st{self.stagger_ns // 1000}us" if self.stagger_ns else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
                 f"/s{self.num_stages}{mode}{pers}")
 
@@ -138,19 +132,6 @@ WGRAD_ACC_CANDIDATES = (
     _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
     _T(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
     _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1, warp_specialize=True),
-    # Round 6: the best of each kind with the first wave staggered ([Note: staggered wgrad]).
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", stagger_ns=4000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", stagger_ns=8000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", stagger_ns=16000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", stagger_ns=8000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, stagger_ns=8000),
-    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", stagger_ns=8000),
-    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", stagger_ns=16000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", persistent=2, subtile=2, stagger_ns=8000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", persistent=2, subtile=2, stagger_ns=16000),
-    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="tma_add", persistent=1, subtile=2, stagger_ns=8000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", persistent=2, stagger_ns=8000),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", persistent=2, stagger_ns=16000),
 )
 
 

@@ -26,19 +26,6 @@ once); ``warp_specialize=True`` passes ``warp_specialize`` to the tile loop's ``
 splits producer and consumer warps; only where ``tl.range`` takes the argument). ``flatten=True`` is not
 offered: Triton flattens loop nests on Blackwell only (tritonbench, "AutoWS matmul kernels on Hopper").
 Empty groups run no main-loop step and skip the reduction; a fresh output still gets its zeros.
-
-[Note: staggered wgrad]
-Why is the accumulating wgrad's fp32 traffic not hidden even when two or three programs share an SM, or
-when the reduction is asynchronous? Every tile of a group has the same work, and all programs of the
-first wave start together: they run their main loops together (the memory system idle but for operand
-loads) and send their tiles' fp32 read-modify-writes together (the tensor cores idle, the next tiles'
-operand loads queued behind the reductions). Each slot's successor starts when it ends, so the lockstep
-persists for the whole launch. ``TileConfig.stagger_ns`` breaks it once: program p of the first wave
-(p < the resident slots; every program of the persistent kernel) first sleeps ``frac(p / phi) *
-stagger_ns`` nanoseconds (``nanosleep``; Fibonacci hashing spreads the phases evenly), which costs at
-most one such delay per slot and spreads the reductions over the tile period. Numerics are unchanged:
-the same tiles, the same single addend per element. GPU only (inline PTX): the launcher passes 0 in
-the interpreter.
 """
 
 import triton
@@ -55,15 +42,6 @@ def _mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _stagger(slot, STAGGER_NS: tl.constexpr):
-    """Sleeps frac(slot / phi) * STAGGER_NS nanoseconds ([Note: staggered wgrad]); nothing if 0."""
-    if STAGGER_NS > 0:
-        ns = ((slot.to(tl.int64) & 65535) * 40503 & 65535) * STAGGER_NS // 65536  # 40503 = 2^16 / phi
-        tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [ns.to(tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -158,23 +136,19 @@ def _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
-                  T, N, K, num_slots,
+                  T, N, K,
                   stride_dt, stride_dn, stride_xt, stride_xk,
                   stride_oe, stride_on, stride_ok, stride_o,
                   ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, STAGGER_NS: tl.constexpr):
+                  GROUP_M: tl.constexpr):
     """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
     output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
     fresh output; 1-4 add into fp32 ``out``: 1 loads the old tile after the main loop, 2 before it
     (the read streams under the MMAs, held in registers), 3 sends fp32 reductions to L2 (no round trip;
     still deterministic: every element receives exactly one addend), 4 does the same with one bulk
-    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only). The first
-    ``num_slots`` programs sleep first when STAGGER_NS > 0 ([Note: staggered wgrad])."""
-    if STAGGER_NS > 0:
-        if tl.program_id(0) < num_slots:
-            _stagger(tl.program_id(0), STAGGER_NS)
+    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only)."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if end == start:
@@ -264,12 +238,10 @@ def _wgrad_persistent_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, 
                              ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                              UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                             STAGGER_NS: tl.constexpr):
+                             GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """``_wgrad_kernel``'s tiles (same order, same ADD_MODE values except 2, which this kernel lacks)
     taken ``num_programs`` apart by each of ``num_programs`` programs; SUBTILE 1 or 2 column parts per
     epilogue. [Note: persistent wgrad]"""
-    _stagger(tl.program_id(0), STAGGER_NS)
     num_tiles = E * tl.cdiv(N, BLOCK_M) * tl.cdiv(K, BLOCK_N)
     if WARP_SPECIALIZE:  # a separate loop: tl.range takes warp_specialize= only in newer Triton
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=True):

@@ -261,13 +261,12 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     args = (dy_desc, x_desc, out_desc, dy_TN, x_TK, out if table is None else table, offs_E, T, N, K)
     strides = (dy_TN.stride(0), dy_TN.stride(1), x_TK.stride(0), x_TK.stride(1),
                so[0], so[1], so[2], offs_E.stride(0))
-    stagger = config.stagger_ns if add_mode and not _interpreting() else 0  # [Note: staggered wgrad]
     meta = dict(ADD_MODE=add_mode, PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=upcast,
                 PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-                STAGGER_NS=stagger, num_warps=config.num_warps, num_stages=config.num_stages)
+                num_warps=config.num_warps, num_stages=config.num_stages)
     num_tiles = E * triton.cdiv(N, bm) * triton.cdiv(K, bn)
     if not config.persistent:
-        _wgrad_kernel[(num_tiles,)](*args, _first_wave(config, dy_TN) if stagger else 0, *strides, **meta)
+        _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
         return
     if config.warp_specialize and not _RANGE_WARP_SPECIALIZE:
         raise ValueError(f"grouped_wgrad: {config.short()} asks for warp specialization, which "
@@ -275,14 +274,6 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     programs = min(num_tiles, _num_sms(dy_TN.device) * config.persistent)
     _wgrad_persistent_kernel[(programs,)](*args, E, programs, *strides, SUBTILE=config.subtile,
                                           WARP_SPECIALIZE=config.warp_specialize, **meta)
-
-
-def _first_wave(config, dy_TN: torch.Tensor) -> int:
-    """Programs resident at once (estimated from shared memory, at most 4 per SM): the ones a staggered
-    launch delays ([Note: staggered wgrad])."""
-    smem = _device_info(dy_TN.device)[1] or 232448
-    per_sm = max(1, min(4, smem // (_cfg.smem_bytes(config, dy_TN.element_size()) + 8192)))
-    return _num_sms(dy_TN.device) * per_sm
 
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:
