@@ -26,6 +26,9 @@ once); ``warp_specialize=True`` passes ``warp_specialize`` to the tile loop's ``
 splits producer and consumer warps; only where ``tl.range`` takes the argument). ``flatten=True`` is not
 offered: Triton flattens loop nests on Blackwell only (tritonbench, "AutoWS matmul kernels on Hopper").
 Empty groups run no main-loop step and skip the reduction; a fresh output still gets its zeros.
+Neither this kernel nor delaying each first-wave program by a different few microseconds, so that the
+programs' reductions would not all fall together (round 6 in docs/benchmarks/grouped_gemm.md), beat the
+one-tile-per-program kernel beyond the run-to-run noise on an H200.
 """
 
 import triton

@@ -7,8 +7,9 @@ wgrad, TMA and pointer paths, NaN masking, CUDA graphs; worst error/bound ratio 
 ``distwgrad.ops.grouped_gemm_fp8`` ([Note: fp8 gemm dispatch]). dgrad reading the weight with the
 contraction (N) strided runs 4-5x slower than an N-contiguous copy on Hopper (its fp8 MMA takes B only
 K-major, so every B tile is transposed in registers): the dispatcher passes the copy. The tile table
-(``_grouped_gemm_fp8_configs.py``) comes from an H200 sweep; the wgrad kernels still trail bf16 at ~1024
-tokens per group and the blockwise recipe runs at ~1.0x of bf16 (docs/benchmarks.md).
+(``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps; per-tensor fprop/dgrad run 1.40-1.48x of bf16
+with the split accumulator and 1.76-1.98x without it ([Note: fp8 split accumulator]), the wgrad kernels
+still trail bf16 at ~1024 tokens per group and the blockwise recipe runs at ~1.0x (docs/benchmarks.md).
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
