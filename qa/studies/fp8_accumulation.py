@@ -73,7 +73,8 @@ def _groups(offs_E: torch.Tensor):
 def make_products(bits: int):
     """The three products of ``distwgrad.ops.grouped_gemm_fp8`` (blockwise operands) under the model."""
 
-    def fprop(x_q, w_qs, offs_E, bias_EN, out_dtype):
+    def fprop(x_q, w_qs, offs_E, bias_EN, out_dtype, split_accumulator=True):
+        del split_accumulator  # blockwise operands: every 128-deep block is promoted anyway
         x, xs = _values(x_q), x_q.scale_inv.float()
         K = x.shape[1]
         y = torch.zeros(x.shape[0], w_qs[0].shape[0])
@@ -87,7 +88,8 @@ def make_products(bits: int):
                 y[s:t] += bias_EN[e].float()
         return y.to(out_dtype)
 
-    def dgrad(dy_q, w_qs, offs_E, out_dtype):
+    def dgrad(dy_q, w_qs, offs_E, out_dtype, split_accumulator=True):
+        del split_accumulator
         dy, dys = _values(dy_q), dy_q.scale_inv.float()
         N, K = w_qs[0].shape
         dx = torch.zeros(dy.shape[0], K)
@@ -99,7 +101,8 @@ def make_products(bits: int):
                                                                        _block_scales(ws[nb], K))
         return dx.to(out_dtype)
 
-    def wgrad(dy_qt, x_qt, offs_E, *, out=None):
+    def wgrad(dy_qt, x_qt, offs_E, *, out=None, split_accumulator=True):
+        del split_accumulator
         a, a_s = _values(dy_qt), dy_qt.scale_inv.float()
         b, b_s = _values(x_qt), x_qt.scale_inv.float()
         res = torch.zeros(offs_E.numel(), a.shape[0], b.shape[0])
@@ -134,13 +137,13 @@ def noisy_products(rel: float, seed: int):
     def ragged(fn):
         return lambda *a, **k: (lambda y: (y.float() + noise(y)).to(y.dtype))(fn(*a, **k))
 
-    def wgrad(*a, out=None):
+    def wgrad(*a, out=None, **k):
         if out is None:
-            dW = real[2](*a)
+            dW = real[2](*a, **k)
             return dW + noise(dW)
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
         before = [o.clone() for o in outs]
-        real[2](*a, out=out)
+        real[2](*a, out=out, **k)
         for o, b in zip(outs, before, strict=True):
             o.add_(noise(o - b))
         return out
