@@ -94,6 +94,9 @@ ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
 ROWCOL_WARPS = 8          # one 128x128 tile per program; 8 warps with the register cap below (111 regs,
                           # 2/SM): 2914, 2723, 2763 (graph)
 ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
+ROWCOL_GLUON = True       # the Gluon kernel where it applies ([Note: rows and columns without a transpose]):
+ROWCOL_GLUON_COMPACT = True  # 3096 / 3107 (graph) vs 2505 / 2536 for the Triton kernel; COMPACT (each
+                          # scale computed once) vs 2781 without
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
 # timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
@@ -122,9 +125,13 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        dict(ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 206 regs (2/SM)
-        dict(ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 64 regs (1/SM)
+        # Gluon, sm_90a SASS instructions per element (qa/bench/quantize_sass.py): 18.1 compact, 24.6 not;
+        # the Triton kernel (ROWCOL_GLUON=False): 24.4 at 8 warps
+        dict(ROWCOL_GLUON=True, ROWCOL_GLUON_COMPACT=True),
+        dict(ROWCOL_GLUON=True, ROWCOL_GLUON_COMPACT=False),
+        dict(ROWCOL_GLUON=False, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
+        dict(ROWCOL_GLUON=False, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 206 regs (2/SM)
+        dict(ROWCOL_GLUON=False, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 64 regs (1/SM)
     ],
 }
 
@@ -164,7 +171,7 @@ def _scale_from_amax(amax, NUM: tl.constexpr, POW2: tl.constexpr):
     (exact in fp32). ``amax`` is >= 0 or NaN-free +inf (``_inf_if_nan``)."""
     if POW2:
         a = amax.to(tl.int32, bitcast=True)
-        num = (NUM + tl.zeros_like(amax)).to(tl.int32, bitcast=True)  # constant-folded
+        num = tl.cast(NUM, tl.float32).to(tl.int32, bitcast=True)  # a constant
         e = (num >> 23) - (a >> 23) + 127 - ((a & 0x7FFFFF) > (num & 0x7FFFFF)).to(tl.int32)
         e = tl.where((a >> 23) == 0, 254, tl.minimum(tl.maximum(e, 1), 254))
         s = (e << 23).to(tl.float32, bitcast=True)
@@ -186,8 +193,10 @@ def _inverse(scale, POW2: tl.constexpr):
     if POW2:
         e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
         inv = tl.where(e == 254, 0x400000, (254 - e) << 23).to(tl.float32, bitcast=True)
-        return tl.where(scale == scale, inv, scale)  # NaN stays NaN
-    return tl.math.div_rn(1.0 + tl.zeros_like(scale), scale)
+        inv = tl.where(scale == scale, inv, scale)  # NaN stays NaN
+    else:  # (an else, not an early return: Gluon callers must not build this branch)
+        inv = tl.math.div_rn(1.0 + tl.zeros_like(scale), scale)
+    return inv
 
 
 @triton.jit
@@ -444,12 +453,29 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     scale_inv = torch.empty((M, triton.cdiv(N, L)), dtype=torch.float32, device=x.device)
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
-    if M * N > 0:
+    if M * N > 0 and _gluon_rowcol(x, L, power_of_two):
+        from . import _quantize_rowcol_gluon as kg
+        kg.rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
+            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
+            NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], COMPACT=ROWCOL_GLUON_COMPACT,
+            num_warps=kg.NUM_WARPS.value)
+    elif M * N > 0:
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
             POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
             **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
+
+
+def _gluon_rowcol(x: torch.Tensor, L: int, power_of_two: bool) -> bool:
+    """Whether the Gluon rows + columns kernel takes this call ([Note: rows and columns without a
+    transpose]): asked for (``ROWCOL_GLUON``), available, and its preconditions hold (the 128 tile,
+    power-of-two scales, M a multiple of 4, compute capability 9 or newer)."""
+    if not ROWCOL_GLUON or not x.is_cuda or _interpreting():
+        return False
+    from . import _quantize_rowcol_gluon as kg
+    return (kg.AVAILABLE and L == kg.L and power_of_two and x.shape[0] % 4 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 _rowcol_op = torch.library.custom_op("distwgrad::fp8_quantize_rowwise_and_columnwise", _rowcol_impl, mutates_args=())

@@ -542,6 +542,34 @@ def case_pow2_scales(device: str, big: bool) -> None:
             assert_same(k, r, f"{f8} rowcol")
 
 
+GLUON_SETTINGS = [dict(ROWCOL_GLUON=True, ROWCOL_GLUON_COMPACT=c) for c in (True, False)]
+
+
+def case_rowcol_gluon(device: str, big: bool) -> None:
+    """The Gluon rows + columns kernel ([Note: rows and columns without a transpose]) in each setting:
+    the reference's bits on whole and partial tiles, both formats, bf16 and fp32 input, amaxes at every
+    exponent along rows and along columns, and non-finite values. Where it does not apply (CPU, the
+    interpreter, M off its row grid) the Triton kernel answers, which this case then checks instead."""
+    kq = _kernels()
+    grid = _amax_grid()
+    grid = grid[: grid.numel() // 8 * 8] if big else grid[::24][:64]
+    g = grid[:, None] * torch.linspace(1.0, -0.25, 128)     # each row's amax: its first element
+    gt = torch.cat([g.t(), g.t()], 1)                       # the same amaxes down the columns
+    odd = wide_range((8192 + 8, 4096 + 65) if big else (40, 136), torch.bfloat16, seed=11)
+    odd[3, 5], odd[17, 130] = float("nan"), float("inf")   # one NaN row/column tile, one inf
+    xs = [g, gt, odd, wide_range((4096, 7168) if big else (64, 256), torch.float32, seed=12)]
+    for tuning in GLUON_SETTINGS if device == "cuda" else GLUON_SETTINGS[:1]:  # CPU: one Triton fallback
+        with _tuning(kq, **tuning):
+            for x in xs:
+                xd = _on(x, device)
+                for f8 in FP8S:
+                    rec = BlockwiseScaling(dtype=f8)  # 1x128, power-of-two scales: the kernel's case
+                    got = kq.quantize_rowwise_and_columnwise(xd, rec)
+                    ref = quantize_rowwise_and_columnwise(xd, rec)
+                    for k, r in zip(got, ref, strict=True):
+                        assert_same(k, r, f"{tuning} {tuple(x.shape)} {x.dtype} {f8}")
+
+
 def case_sweep(device: str, big: bool) -> None:
     """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/fp8.py --quant-sweep``) on
     a shape that is no multiple of any tile: same bits as the reference, op by op."""
@@ -615,7 +643,8 @@ def case_opcheck(device: str, big: bool) -> None:
 
 
 KERNEL_CASES = {f.__name__[5:]: f for f in (case_rounding, case_per_tensor, case_nonfinite, case_blockwise,
-                                               case_rowcol, case_pow2_scales, case_sweep, case_checks, case_opcheck)}
+                                             case_rowcol, case_rowcol_gluon, case_pow2_scales, case_sweep,
+                                             case_checks, case_opcheck)}
 
 
 @pytest.mark.interpret

@@ -40,9 +40,14 @@ def _tools() -> tuple[str, str]:
 def variants() -> dict[str, tuple]:
     """name -> (kernel, constexprs, num_warps, maxnreg, elements per program); bf16 input, e4m3 output,
     power-of-two scales, L = 128 (the blockwise recipe's defaults)."""
+    from distwgrad.kernels import _quantize_rowcol_gluon as kg
     from distwgrad.kernels import quantize as kq
     rowcol = dict(_E4M3, POW2=True, L=128)
-    return {
+    gluon = {} if not kg.AVAILABLE else {  # [Note: rows and columns without a transpose]
+        f"rowcol gluon{', compact scales' if c else ''}": (
+            kg.rowcol_kernel, dict(NUM=448.0, FP8=tl.float8e4nv, COMPACT=c), kg.NUM_WARPS.value, None, 128 * 128)
+        for c in (True, False)}
+    return {**gluon,
         "rowcol w8 maxnreg128 (default)": (kq._quantize_rowcol_kernel, rowcol, 8, 128, 128 * 128),
         "rowcol w8 maxnreg128, divisions": (kq._quantize_rowcol_kernel, dict(rowcol, POW2=False), 8,
                                              128, 128 * 128),  # power_of_two=False: the scales need IEEE divisions
@@ -62,11 +67,14 @@ def measure(fn, consts: dict, num_warps: int, maxnreg: int | None, elements: int
         if name in consts:
             sig[name] = "constexpr"
             continue
-        sig[name] = ("*bf16" if name == "x_ptr" else "*u8" if name in ("q_ptr", "qt_ptr") else "*fp32"
-                     if name.endswith("_ptr") else "i32")
+        sig[name] = ("*bf16" if name == "x_ptr" else "*u8" if name in ("q_ptr", "qt_ptr") else "*i32"
+                     if name == "qt32_ptr" else "*fp32" if name.endswith("_ptr") else "i32")
         attrs[(i,)] = [["tt.divisibility", 16]]
     options = dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # the Gluon rows + columns kernel
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    kernel = triton.compile(source(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
