@@ -724,6 +724,30 @@ def test_sm90_build_of_the_rows_and_columns_kernel():
     assert pow2["per_element"] < div["per_element"], (pow2["per_element"], div["per_element"])
 
 
+def test_sm90_build_of_the_gluon_rows_and_columns_kernel():
+    """[Note: rows and columns without a transpose]: the Gluon kernel builds for sm_90a without a single
+    byte-wise shared-memory load and issues fewer instructions per element than the Triton kernel; the
+    compact scales fewer still."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _quantize_rowcol_gluon as kg
+    if not kg.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    sys.path.insert(0, str(REPO / "qa" / "bench"))
+    try:
+        import quantize_sass
+    finally:
+        sys.path.remove(str(REPO / "qa" / "bench"))
+    names = ["rowcol w8 maxnreg128 (default)", "rowcol gluon", "rowcol gluon, compact scales"]
+    try:
+        r = quantize_sass.main(["--only", *names])
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    triton_k, plain, compact = (r[n] for n in names)
+    assert plain["ops"]["LDS.U8"] == compact["ops"]["LDS.U8"] == 0 < triton_k["ops"]["LDS.U8"]
+    assert compact["spill_bytes"] == 0, compact
+    assert compact["per_element"] < plain["per_element"] and compact["per_element"] < triton_k["per_element"]
+
+
 if __name__ == "__main__":
     # Interpreter entry point (see the module docstring): python tests/test_fp8_quantize.py CASE
     if os.environ.get("TRITON_INTERPRET") != "1":
