@@ -665,6 +665,28 @@ def test_kernel_launchers_reject_cpu_tensors():
         kq.quantize_per_tensor(torch.ones(4), E4M3)
 
 
+def test_gluon_rows_and_columns_only_where_it_is_exact(monkeypatch):
+    """The Gluon kernel takes a call only under its preconditions (128 tile, power-of-two scales, M a
+    multiple of 4: x^T is written in 4-byte words; sm_90+, not interpreted); anything else must reach the
+    Triton kernel, never a Gluon launch on a shape it would write wrongly."""
+    pytest.importorskip("triton")
+    kq = _kernels()
+    from distwgrad.kernels import _quantize_rowcol_gluon as kg
+    monkeypatch.setattr(kq, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda_like = lambda m: SimpleNamespace(is_cuda=True, shape=(m, 256), device="cuda:0")
+    assert kq._gluon_rowcol(cuda_like(256), 128, True) == kg.AVAILABLE
+    assert not kq._gluon_rowcol(cuda_like(258), 128, True)                   # M % 4 != 0
+    assert not kq._gluon_rowcol(cuda_like(256), 64, True)                    # another tile
+    assert not kq._gluon_rowcol(cuda_like(256), 128, False)                  # dividing scales
+    assert not kq._gluon_rowcol(SimpleNamespace(is_cuda=False, shape=(256, 256)), 128, True)
+    monkeypatch.setattr(kq, "ROWCOL_GLUON", False)
+    assert not kq._gluon_rowcol(cuda_like(256), 128, True)
+    monkeypatch.setattr(kq, "ROWCOL_GLUON", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert not kq._gluon_rowcol(cuda_like(256), 128, True)                   # before Hopper
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
