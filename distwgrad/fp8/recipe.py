@@ -216,6 +216,7 @@ def split_accumulator(recipe: Recipe, gemm: str) -> bool:
         return True
     raise TypeError(f"split_accumulator: expected a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
 
+
 _ACTIVE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("distwgrad_fp8_recipe", default=None)
 
 
