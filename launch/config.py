@@ -22,7 +22,7 @@ from distwgrad.models import MoEGPTConfig
 
 __all__ = ["TrainConfig", "RECIPES", "DEVICES", "build_parser", "parse_args"]
 
-RECIPES = ("none", "fp8_per_tensor", "fp8_blockwise")  # precision recipes (launch/train.py: _RECIPES)
+RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")  # launch/train.py: _RECIPES
 DEVICES = ("auto", "cpu", "cuda")
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
 

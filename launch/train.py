@@ -57,7 +57,7 @@ from tqdm import tqdm
 import distwgrad
 from distwgrad.checkpoint import CheckpointError, full_tensor, load_checkpoint, save_checkpoint
 from distwgrad.data import MarkovCorpus
-from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
+from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling, fp8_autocast
 from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
@@ -80,6 +80,8 @@ PARITY_WEIGHT_RTOL = 1e-6  # max |w - w_ref| / max |w_ref| after the optimizer s
 _RECIPES = {
     "none": contextlib.nullcontext,
     "fp8_per_tensor": lambda: fp8_autocast(PerTensorScaling()),
+    # TransformerEngine's Float8CurrentScaling accumulation: fprop without the split accumulator
+    "fp8_per_tensor_te": lambda: fp8_autocast(PerTensorScaling(fp8_gemm_fprop=MMParams(False))),
     "fp8_blockwise": lambda: fp8_autocast(BlockwiseScaling()),
 }
 
@@ -138,7 +140,7 @@ def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatch
     targets), deferred wgrads drained; returns the loss (token mean, summed over microbatches), detached.
     The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer."""
     total = torch.zeros((), device=tokens_BS.device)
-    if recipe == "fp8_per_tensor":
+    if recipe.startswith("fp8_per_tensor"):
         sync_weight_amax(model)  # one amax all-reduce for every sharded weight of the step
     for mb in tokens_BS.chunk(microbatches):
         with _RECIPES[recipe]():

@@ -221,11 +221,28 @@ def test_a_step_leaves_no_autograd_history():
         opt.zero_grad()
 
 
+def test_every_recipe_has_its_autocast():
+    """Each ``--recipe`` opens the FP8 recipe it names; ``fp8_per_tensor_te`` is per-tensor scaling with
+    TransformerEngine's accumulation (fprop without the split accumulator, dgrad and wgrad with it)."""
+    from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, current_recipe, split_accumulator
+    train, config = _launch("train"), _launch("config")
+    assert set(train._RECIPES) == set(config.RECIPES)
+    seen = {}
+    for name in config.RECIPES:
+        with train._RECIPES[name]():
+            seen[name] = current_recipe()
+    assert seen["none"] is None and isinstance(seen["fp8_blockwise"], BlockwiseScaling)
+    assert isinstance(seen["fp8_per_tensor"], PerTensorScaling)
+    assert [split_accumulator(seen["fp8_per_tensor_te"], g) for g in ("fprop", "dgrad", "wgrad")] == [False, True, True]
+    assert all(split_accumulator(seen["fp8_per_tensor"], g) for g in ("fprop", "dgrad", "wgrad"))
+
+
 def test_config_validates_and_names_the_values():
     config = _launch("config")
     with pytest.raises(ValueError, match=r"global_batch=10 is not divisible by microbatches=4"):
         config.TrainConfig(global_batch=10, microbatches=4)
-    with pytest.raises(ValueError, match=r"recipe='fp8' must be one of \('none', 'fp8_per_tensor', 'fp8_blockwise'\)"):
+    with pytest.raises(ValueError, match=r"recipe='fp8' must be one of \('none', 'fp8_per_tensor', "
+                                         r"'fp8_per_tensor_te', 'fp8_blockwise'\)"):
         config.TrainConfig(recipe="fp8")
     with pytest.raises(ValueError, match=r"world size \* microbatches = 3 \* 2 = 6"):
         config.TrainConfig().check_world_size(3)

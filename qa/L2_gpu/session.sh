@@ -10,7 +10,7 @@
 #   tile candidates), gemm_fp8 (FP8 grouped GEMM only), gemm_fp8_sweep (every FP8 tile candidate),
 #   quant_sweep (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays),
 #   quant_gluon (qa/L2_gpu/rowcol_gluon_check.py: the Gluon rows + columns quantize, repeated and timed),
-#   train_fp8 (the FP8 job alone), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
+#   train_fp8 (the FP8 job alone), train_fp8_te (per-tensor FP8 with and without TE's fprop accumulation), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
 #   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
@@ -74,6 +74,12 @@ for step in $STEPS; do
     train_fp8) run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
                  --no-progress --out /tmp/train_fp8
                cp /tmp/train_fp8/report.json "$OUT_DIR/train_fp8_report.json" 2>/dev/null ;;
+    train_fp8_te)  # per-tensor FP8, split accumulator against TransformerEngine's fprop choice
+      for r in fp8_per_tensor fp8_per_tensor_te; do
+        run "train_$r" python3 -m distwgrad.launch.train --steps 20 --recipe $r --check-parity --no-progress \
+          --out "/tmp/train_$r"
+        cp "/tmp/train_$r/report.json" "$OUT_DIR/train_${r}_report.json" 2>/dev/null
+      done ;;
     train) run train_bf16 python3 -m distwgrad.launch.train --steps 50 --check-parity --no-progress --out /tmp/train_bf16
            cp /tmp/train_bf16/report.json "$OUT_DIR/train_bf16_report.json" 2>/dev/null
            run train_fp8 python3 -m distwgrad.launch.train --steps 20 --recipe fp8_blockwise --check-parity \
