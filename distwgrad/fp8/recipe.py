@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ __all__ = [
     "Fp8Format", "fp8_format", "FP8_DTYPES",
     "MMParams", "PerTensorScaling", "BlockwiseScaling", "Recipe", "split_accumulator",
     "fp8_autocast", "current_recipe",
+    "Format", "Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling",
 ]
 
 
@@ -204,6 +206,58 @@ class BlockwiseScaling:
 Recipe = PerTensorScaling | BlockwiseScaling
 
 
+# [Note: TransformerEngine's fp8_autocast]
+# A TransformerEngine user swaps ``import transformer_engine.pytorch as te`` for ``import distwgrad.nn as
+# te`` and ``from transformer_engine.common import recipe`` for ``from distwgrad.fp8 import recipe``; their
+# FP8 tests then call ``te.fp8_autocast(enabled=..., fp8_recipe=recipe.Float8CurrentScaling(...))``. So
+# ``fp8_autocast`` also takes TE's keywords (and TE's positional ``enabled``), and TE's recipe names are
+# factories of our recipes, with TE's defaults: ``Float8CurrentScaling()`` is per-tensor current scaling
+# whose fprop runs without the split accumulator (TE's choice; our ``PerTensorScaling()`` keeps it),
+# ``Float8BlockScaling()`` the blockwise recipe. What we do not implement is refused by name:
+# ``DelayedScaling`` (amax history), ``calibrating``, ``fp8_group``, E5M2-only or hybrid blockwise formats.
+
+
+class Format(enum.Enum):
+    """TransformerEngine's FP8 formats: (forward dtype, gradient dtype)."""
+
+    E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
+    E5M2 = (torch.float8_e5m2, torch.float8_e5m2)
+    HYBRID = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def Float8CurrentScaling(fp8_format: Format = Format.HYBRID,  # noqa: N802 - TransformerEngine's name
+                         fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False),
+                         fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True),
+                         fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True),
+                         fp8_dpa: bool = False, fp8_mha: bool = False) -> PerTensorScaling:
+    """TransformerEngine's current-scaling recipe, with its defaults, as a ``PerTensorScaling``
+    ([Note: TransformerEngine's fp8_autocast])."""
+    if not isinstance(fp8_format, Format):
+        raise ValueError(f"Float8CurrentScaling: fp8_format must be a Format, got {fp8_format!r}")
+    if fp8_dpa or fp8_mha:
+        raise ValueError(f"Float8CurrentScaling: fp8_dpa={fp8_dpa}, fp8_mha={fp8_mha}: distwgrad has no "
+                         f"attention; both must be False")
+    fwd, grad = fp8_format.value
+    return PerTensorScaling(fwd_dtype=fwd, grad_dtype=grad, fp8_gemm_fprop=fp8_gemm_fprop,
+                            fp8_gemm_dgrad=fp8_gemm_dgrad, fp8_gemm_wgrad=fp8_gemm_wgrad)
+
+
+def Float8BlockScaling(fp8_format: Format = Format.E4M3) -> BlockwiseScaling:  # noqa: N802
+    """TransformerEngine's blockwise recipe (1x128 activation and gradient tiles, 128x128 weight
+    blocks, E4M3, power-of-two scales) as a ``BlockwiseScaling``."""
+    if fp8_format is not Format.E4M3:
+        raise ValueError(f"Float8BlockScaling: fp8_format must be Format.E4M3 (one format for every tensor; "
+                         f"the tiles give gradients their range), got {fp8_format!r}")
+    return BlockwiseScaling()
+
+
+def DelayedScaling(*args, **kwargs):  # noqa: N802 - TransformerEngine's name
+    """Refused: delayed scaling keeps an amax history; use ``Float8CurrentScaling`` (per-tensor current
+    scaling) or ``Float8BlockScaling``."""
+    raise NotImplementedError("DelayedScaling is not implemented: distwgrad's recipes scale from the current "
+                              "tensor (no amax history); use Float8CurrentScaling() or Float8BlockScaling()")
+
+
 def split_accumulator(recipe: Recipe, gemm: str) -> bool:
     """Whether ``gemm`` ("fprop", "dgrad" or "wgrad") promotes its partial sums every 128 products under
     ``recipe``: the recipe's ``MMParams`` for per-tensor scaling, always for blockwise scaling (every
@@ -220,8 +274,13 @@ def split_accumulator(recipe: Recipe, gemm: str) -> bool:
 _ACTIVE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("distwgrad_fp8_recipe", default=None)
 
 
+_UNSET = object()
+
+
 @contextlib.contextmanager
-def fp8_autocast(recipe: Recipe | None) -> Iterator[Recipe | None]:
+def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: bool | None = None,
+                 fp8_recipe: Recipe | None = None, calibrating: bool = False,
+                 fp8_group: object = None) -> Iterator[Recipe | None]:
     """Makes ``recipe`` the active FP8 recipe inside the ``with`` block (``None``: FP8 off).
 
     Nested blocks restore the outer recipe on exit. The recipe lives in a ``ContextVar``: it is per
@@ -229,18 +288,48 @@ def fp8_autocast(recipe: Recipe | None) -> Iterator[Recipe | None]:
     on a device thread). Modules must read ``current_recipe()`` in forward and carry it into backward
     themselves (e.g. on the autograd ``ctx``).
 
+    TransformerEngine's form works too ([Note: TransformerEngine's fp8_autocast]):
+    ``fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling())``, ``fp8_autocast(False)``, and
+    ``fp8_autocast()`` (FP8 on with the default ``PerTensorScaling()``).
+
     Args:
-        recipe: a ``PerTensorScaling``, a ``BlockwiseScaling`` or ``None``.
+        recipe: a ``PerTensorScaling``, a ``BlockwiseScaling`` or ``None``; a bool is TransformerEngine's
+            positional ``enabled``.
+        enabled: False turns FP8 off whatever the recipe; True with no recipe uses ``PerTensorScaling()``.
+        fp8_recipe: TransformerEngine's name for ``recipe`` (give one of the two).
+        calibrating, fp8_group: TransformerEngine's; only their defaults (False, None) are supported.
 
     Raises:
-        TypeError: ``recipe`` is something else.
+        TypeError: a recipe of another type.
+        ValueError: ``recipe`` and ``fp8_recipe`` both given, or an ``fp8_group``.
+        NotImplementedError: ``calibrating=True``.
     """
+    if isinstance(recipe, bool):  # TransformerEngine's positional ``enabled``
+        if enabled is not None:
+            raise ValueError(f"fp8_autocast: enabled given twice ({recipe!r} and enabled={enabled!r})")
+        enabled = bool(recipe)
+        recipe = _UNSET
+    if fp8_recipe is not None:
+        if recipe is not _UNSET:
+            raise ValueError(f"fp8_autocast: give the recipe once, as recipe or fp8_recipe; got {recipe!r} "
+                             f"and {fp8_recipe!r}")
+        recipe = fp8_recipe
+    if calibrating:
+        raise NotImplementedError("fp8_autocast: calibrating=True collects amaxes for delayed scaling; "
+                                  "distwgrad's recipes scale from the current tensor and keep no amax history")
+    if fp8_group is not None:
+        raise ValueError("fp8_autocast: fp8_group is not supported: a sharded weight reduces its amax over "
+                         "its own shard group, and activation scales are per rank (docs/fp8.md)")
+    if enabled is False:
+        recipe = None
+    elif recipe is _UNSET or (enabled and recipe is None):  # TransformerEngine: enabled=True by default
+        recipe = PerTensorScaling()
     if recipe is not None and not isinstance(recipe, PerTensorScaling | BlockwiseScaling):
         raise TypeError("fp8_autocast expects a PerTensorScaling, a BlockwiseScaling or None, "
                         f"got {recipe!r}")
-    token = _ACTIVE.set(recipe)
+    token = _ACTIVE.set(recipe)  # type: ignore[arg-type]
     try:
-        yield recipe
+        yield recipe  # type: ignore[misc]
     finally:
         _ACTIVE.reset(token)
 

@@ -1,7 +1,9 @@
-"""Modules: ``Linear`` and ``GroupedLinear`` (MoE experts), TransformerEngine-compatible."""
+"""Modules: ``Linear`` and ``GroupedLinear`` (MoE experts), TransformerEngine-compatible; ``fp8_autocast``
+here as in ``transformer_engine.pytorch`` ([Note: TransformerEngine's fp8_autocast])."""
 
+from distwgrad.fp8.recipe import fp8_autocast
 from distwgrad.nn.embedding import Embedding
 from distwgrad.nn.grouped_linear import GroupedLinear
 from distwgrad.nn.linear import Linear
 
-__all__ = ["Linear", "GroupedLinear", "Embedding"]
+__all__ = ["Linear", "GroupedLinear", "Embedding", "fp8_autocast"]
