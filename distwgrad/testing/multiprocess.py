@@ -197,6 +197,10 @@ def _child_main(rank, world_size, init_method, backend, device, timeout, stack_p
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout + _PG_SLACK_S))
+        # Every rank finishes connecting before any runs ``fn``: a rank whose ``fn`` returns at once
+        # would otherwise tear its connections down while a slower peer's gloo is still building its
+        # mesh, and that peer would fail in init ("Connection closed by peer") instead of in ``fn``.
+        dist.barrier()
         report = (True, fn(rank, world_size, *args, **kwargs))
     except BaseException:  # report everything, SystemExit and KeyboardInterrupt included
         report = (False, traceback.format_exc())
