@@ -25,6 +25,8 @@ Triton 3.6 in every run, so it is not offered.
 Taken when the tile is 128 (the recipes' default), the scales are powers of two, M is a multiple of 4
 (x^T rows are written in 4-byte words), the device is a CUDA GPU of compute capability 9 or newer and
 this Triton has Gluon; otherwise, and in the interpreter (which does not run Gluon), the Triton kernel.
+Gluon is experimental and its API moves between Triton releases: if this kernel does not build, the
+first call warns once and every call takes the Triton kernel (``quantize._launch_gluon_rowcol``).
 """
 
 from __future__ import annotations

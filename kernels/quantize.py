@@ -66,10 +66,12 @@ Partial edge blocks are masked: masked lanes load 0 and are never stored.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 
 from distwgrad.fp8.quantize import Quantized, transpose_quantized
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
@@ -453,18 +455,41 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     scale_inv = torch.empty((M, triton.cdiv(N, L)), dtype=torch.float32, device=x.device)
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
-    if M * N > 0 and _gluon_rowcol(x, L, power_of_two):
-        from . import _quantize_rowcol_gluon as kg
-        kg.rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
-            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
-            NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], COMPACT=ROWCOL_GLUON_COMPACT,
-            num_warps=kg.NUM_WARPS.value)
+    if M * N > 0 and _gluon_rowcol(x, L, power_of_two) and _launch_gluon_rowcol(x, data, scale_inv, data_t,
+                                                                                 scale_inv_t, dtype):
+        pass
     elif M * N > 0:
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
             POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
             **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
+
+
+_GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here, once it failed
+
+
+def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool:
+    """Launches the Gluon rows + columns kernel; False (and one warning) if this Triton cannot build it
+    (Gluon is experimental and its API moves between releases): the caller then runs the Triton kernel,
+    which computes the same bits."""
+    global _GLUON_FAILED
+    if _GLUON_FAILED is not None:
+        return False
+    from . import _quantize_rowcol_gluon as kg
+    M, N = x.shape
+    try:
+        kg.rowcol_kernel[(triton.cdiv(M, kg.L), triton.cdiv(N, kg.L))](
+            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
+            NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], COMPACT=ROWCOL_GLUON_COMPACT,
+            num_warps=kg.NUM_WARPS.value)
+    except CompilationError as exc:
+        _GLUON_FAILED = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon rows + columns FP8 quantize kernel does not build with triton "
+                      f"{triton.__version__}; using the Triton kernel (same bits, slower): {_GLUON_FAILED[:400]}",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def _gluon_rowcol(x: torch.Tensor, L: int, power_of_two: bool) -> bool:

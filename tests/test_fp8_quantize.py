@@ -570,6 +570,43 @@ def case_rowcol_gluon(device: str, big: bool) -> None:
                         assert_same(k, r, f"{tuning} {tuple(x.shape)} {x.dtype} {f8}")
 
 
+def case_gluon_fallback(device: str, big: bool) -> None:
+    """A Triton whose Gluon cannot build the rows + columns kernel: one warning, then the Triton kernel,
+    the reference's bits, and no further attempt."""
+    import warnings
+
+    from distwgrad.kernels import _quantize_rowcol_gluon as kg
+    from triton.compiler.errors import CompilationError
+    kq = _kernels()
+
+    class _Unbuildable(CompilationError):
+        def __init__(self):
+            Exception.__init__(self, "no such Gluon API")
+            self.message = "no such Gluon API"
+
+    calls = []
+
+    def launch(*a, **k):
+        calls.append(1)
+        raise _Unbuildable()
+    saved = kq._gluon_rowcol, kg.rowcol_kernel, kq._GLUON_FAILED
+    kq._gluon_rowcol, kq._GLUON_FAILED = (lambda *a: True), None
+    kg.rowcol_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    try:
+        x = _on(wide_range((64, 256), torch.bfloat16, seed=13), device)
+        rec = BlockwiseScaling(act_block=(1, 128), weight_block=(128, 128))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                for k, r in zip(kq.quantize_rowwise_and_columnwise(x, rec), quantize_rowwise_and_columnwise(x, rec),
+                                strict=True):
+                    assert_same(k, r, "Triton fallback")
+        assert len(calls) == 1 and "no such Gluon API" in (kq._GLUON_FAILED or "")
+        assert sum("does not build" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    finally:
+        kq._gluon_rowcol, kg.rowcol_kernel, kq._GLUON_FAILED = saved
+
+
 def case_sweep(device: str, big: bool) -> None:
     """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/fp8.py --quant-sweep``) on
     a shape that is no multiple of any tile: same bits as the reference, op by op."""
@@ -643,8 +680,8 @@ def case_opcheck(device: str, big: bool) -> None:
 
 
 KERNEL_CASES = {f.__name__[5:]: f for f in (case_rounding, case_per_tensor, case_nonfinite, case_blockwise,
-                                             case_rowcol, case_rowcol_gluon, case_pow2_scales, case_sweep,
-                                             case_checks, case_opcheck)}
+                                             case_rowcol, case_rowcol_gluon, case_gluon_fallback, case_pow2_scales,
+                                             case_sweep, case_checks, case_opcheck)}
 
 
 @pytest.mark.interpret
