@@ -455,10 +455,8 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     scale_inv = torch.empty((M, triton.cdiv(N, L)), dtype=torch.float32, device=x.device)
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
-    if M * N > 0 and _gluon_rowcol(x, L, power_of_two) and _launch_gluon_rowcol(x, data, scale_inv, data_t,
-                                                                                 scale_inv_t, dtype):
-        pass
-    elif M * N > 0:
+    if M * N > 0 and not (_gluon_rowcol(x, L, power_of_two)
+                          and _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype)):
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
             POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
