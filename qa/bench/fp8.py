@@ -300,11 +300,16 @@ def _bf16_call(op: str, p: dict, main: torch.Tensor):
             "wgrad_accumulate": lambda: G.grouped_wgrad(dy, x, offs, out=main)}[op]
 
 
+def _split(q: dict, op: str) -> bool:
+    """Whether ``op`` (a GEMM_OPS name) runs with the split accumulator under the operands' recipe."""
+    return q["split"]["wgrad" if op.startswith("wgrad") else op]
+
+
 def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None) -> dict:
     """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
-    kw["split_accumulator"] = q["split"]["wgrad" if op.startswith("wgrad") else op]
+    kw["split_accumulator"] = _split(q, op)
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if op == "fprop":
         return {"fp8": lambda: F._fprop(q["x_q"].data, q["x_q"].scale_inv, *q["w"], offs, None, block, bf, **kw)}
@@ -345,8 +350,7 @@ def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8") -> fl
         got, exp, S = _fp8_calls(op, p, q, None, config)[impl]()[:n], exp[:n], S[:n]
     else:
         got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config)[impl]()
-    split = q["split"]["wgrad" if op.startswith("wgrad") else op]
-    mma_rel = RF.hopper_mma_rel(128 if split else kw["depth"]) if p["x"].is_cuda else 0.0
+    mma_rel = RF.hopper_mma_rel(128 if _split(q, op) else kw["depth"]) if p["x"].is_cuda else 0.0
     res = RF.check(got, exp, S, addend=addend, mma_rel=mma_rel, **kw)
     if not res["ok"]:
         raise AssertionError(f"fp8 grouped {op} (config {config}): result out of bound, not timing it: {res}")
