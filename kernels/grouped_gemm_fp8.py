@@ -62,11 +62,13 @@ this down.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distwgrad.fp8.quantize import Quantized
@@ -113,6 +115,20 @@ WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 # three by default. The blockwise recipe scales every block's dot before adding it, so it always splits.
 # On CPU (interpreter or emulation) products are exact fp32 either way.
 _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
+
+# fprop / dgrad with promotion (per-tensor split accumulator, blockwise) through the Gluon kernel where it
+# applies ([Note: promotion under the next MMA] in _grouped_gemm_fp8_gluon.py); False: the Triton kernel.
+# H200, two runs (2026-11-29, docs/benchmarks/fp8_gemm_gluon_h200*.json), vs our bf16 kernels, Gluon |
+# Triton: blockwise fprop 1.34-1.29 | 0.94-0.92 (K 4096), 1.43-1.36 | 1.00-1.03 (K 7168); dgrad 1.50-1.45
+# | 0.94 (contraction 14336), 1.10-1.01 | 0.93-0.87 (2048). Per-tensor fprop 1.41-1.37 | 1.42-1.39 (4096),
+# 1.54-1.46 | 1.38 (7168); dgrad 1.54-1.55 | 1.43-1.41 (14336), 1.19-1.08 | 1.34-1.23 (2048): the
+# per-tensor Triton kernel's 256-row tile wins short contractions, where a 128x128 tile's pipeline fill
+# and epilogue weigh more (a persistent Gluon variant, the ring running across tiles, ran at 1.12-1.24x
+# and was dropped). Hence the minimum contraction per recipe for the default dispatch:
+RAGGED_GLUON = True
+RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 0}
+RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
+_GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here (then the Triton kernel runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -341,10 +357,53 @@ def _config(op: str, config, block: int, accumulate: bool, device: torch.device,
     return config
 
 
+def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: bool, tma_k_inner: bool) -> bool:
+    """Whether the Gluon kernel can take this fprop / dgrad ([Note: promotion under the next MMA]): a
+    Hopper GPU (wgmma is sm_90a only) and a Triton with Gluon, a promoting accumulation (per-tensor split
+    or 128-blockwise), TMA-aligned operands with B's contraction innermost, and experts stacked so that B
+    is a 2-D ``[E * N, K]`` view. ``_launch_ragged`` takes it when it can, unless ``RAGGED_GLUON`` is off,
+    the contraction is shorter than ``RAGGED_GLUON_MIN_DEPTH`` of the recipe, a config was given, or it
+    failed to build here."""
+    if not (tma_k_inner and a.is_cuda) or _interpreting():
+        return False
+    from . import _grouped_gemm_fp8_gluon as kg
+    E, _, N = b_EKN.shape
+    sb = b_EKN.stride()
+    return (kg.AVAILABLE and (block == kg.BLOCK if block else split_acc) and (E <= 1 or sb[0] == N * sb[2])
+            and torch.cuda.get_device_capability(a.device)[0] == 9)
+
+
+def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias) -> bool:
+    """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
+    experimental and its API moves between releases): the caller then runs the Triton kernel."""
+    global _GLUON_FAILED
+    from . import _grouped_gemm_fp8_gluon as kg
+    T, K = a.shape
+    E, _, N = b_EKN.shape
+    L = kg.BLOCK
+    b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
+    try:
+        kg.ragged_kernel[((triton.cdiv(T, L) + E) * triton.cdiv(N, L),)](
+            kg.descriptor(a, (L, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
+            T, E, N, K, N,
+            sas[0], sas[1], sbs[0], sbs[1], sbs[2],
+            out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
+            BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
+            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=kg.NUM_WARPS)
+    except CompilationError as exc:
+        _GLUON_FAILED = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon FP8 grouped GEMM kernel does not build with triton {triton.__version__}; "
+                      f"using the Triton kernel (same products, slower): {_GLUON_FAILED[:400]}",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
 def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, op: str, config, use_tma,
-                   split_acc: bool = True):
+                   split_acc: bool = True, gluon: bool | None = None):
     """out[g] = a[g] @ b_EKN[e] for every group: a [T, K] fp8, b_EKN [E, K, N] (any strides), the
-    contraction K; blockwise scales a_s [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]."""
+    contraction K; blockwise scales a_s [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]. ``gluon``:
+    None picks ([Note: promotion under the next MMA]), True requires the Gluon kernel, False the Triton one."""
     T, K = a.shape
     E, _, N = b_EKN.shape
     if T == 0 or N == 0 or E == 0:
@@ -356,6 +415,20 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
     a_ok = K > 0 and _aligned(a, [a.stride(0)], a.stride(1))
     b_ok = _aligned(b_EKN, [sb[0], sb[2]], sb[1]) if b_k_inner else _aligned(b_EKN, [sb[0], sb[1]], sb[2])
     tma = _resolve_tma(use_tma, a_ok and b_ok, a.device, op)
+    sas = a_s.stride() if block else (0, 0)
+    sbs = bs_EKN.stride() if block else (bs_EKN.stride(0), 0, 0)
+    sbias = bias_EN.stride() if bias_EN is not None else (0, 0)
+    applies = _gluon_ragged(a, b_EKN, block, split_acc, tma and b_k_inner)
+    if gluon and not applies:
+        raise ValueError(f"{op}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, TMA-aligned "
+                         f"operands with the contraction innermost, stacked weights and a promoting accumulation; "
+                         f"got block={block}, split_accumulator={split_acc}, tma={tma}, weight strides {tuple(sb)}")
+    preferred = RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH["blockwise" if block else "per_tensor"]
+    if gluon or (gluon is None and applies and config is None and preferred and _GLUON_FAILED is None):
+        if _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias):
+            return out
+        if gluon:
+            raise RuntimeError(f"{op}: gluon=True, but the Gluon kernel does not build here: {_GLUON_FAILED}")
     a_desc = b_desc = None
     if tma:
         a_desc = TensorDescriptor(a, [T, K], [a.stride(0), 1], [bm, bk])
@@ -363,9 +436,6 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
             b_desc = TensorDescriptor(b_EKN, [E, N, K], [sb[0], sb[2], 1], [1, bn, bk])
         else:
             b_desc = TensorDescriptor(b_EKN, [E, K, N], [sb[0], sb[1], 1], [1, bk, bn])
-    sas = a_s.stride() if block else (0, 0)
-    sbs = bs_EKN.stride() if block else (bs_EKN.stride(0), 0, 0)
-    sbias = bias_EN.stride() if bias_EN is not None else (0, 0)
     grid = ((triton.cdiv(T, bm) + E) * triton.cdiv(N, bn),)
     _fp8_ragged_kernel[grid](
         a_desc, b_desc, a, b_EKN, a_s, bs_EKN, out, bias_EN, offs_E,
@@ -425,7 +495,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
 
 
 def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, use_tma=None, out=None,
-           split_accumulator: bool = True):
+           split_accumulator: bool = True, gluon: bool | None = None):
     """``out``: a preallocated [T, N] output in ``out_dtype`` (tests poison it), else a fresh one."""
     _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
     _check_split("grouped_fprop_fp8", block, split_accumulator)
@@ -433,17 +503,17 @@ def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, us
     y = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device) if out is None else out
     return _launch_ragged(x, x_s, w.transpose(1, 2), w_s.transpose(1, 2) if block else w_s, offs_E, bias_EN, y,
                           block=block, op="grouped_fprop_fp8", config=config, use_tma=use_tma,
-                          split_acc=split_accumulator)
+                          split_acc=split_accumulator, gluon=gluon)
 
 
 def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=None, out=None,
-           split_accumulator: bool = True):
+           split_accumulator: bool = True, gluon: bool | None = None):
     _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
     _check_split("grouped_dgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_dgrad_fp8", dy)
     dx = torch.empty(dy.shape[0], w.shape[2], dtype=out_dtype, device=dy.device) if out is None else out
     return _launch_ragged(dy, dy_s, w, w_s, offs_E, None, dx, block=block, op="grouped_dgrad_fp8",
-                          config=config, use_tma=use_tma, split_acc=split_accumulator)
+                          config=config, use_tma=use_tma, split_acc=split_accumulator, gluon=gluon)
 
 
 def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tma=None,

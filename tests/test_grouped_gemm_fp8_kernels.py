@@ -118,15 +118,17 @@ def _check(what, ours, expected, S, *, depth, out_dtype, device, addend=None, sp
     WORST[what] = res["worst"]
 
 
-def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", config=None, use_tma=None):
-    """One fprop or dgrad launch on a NaN-poisoned output, checked against the oracle."""
+def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", config=None, use_tma=None,
+                gluon=None):
+    """One fprop or dgrad launch on a NaN-poisoned output, checked against the oracle; ``gluon`` as the
+    launchers take it ([Note: promotion under the next MMA])."""
     k = _kernels()
     fprop = op == "fprop"
     a_q, w_in = (pb.x_q if fprop else pb.dy_q), _weight_form(pb, form)
     w, w_s = k._weights(op, w_in, pb.block)
     rows, depth = (pb.N, pb.K) if fprop else (pb.K, pb.N)
     out = torch.full((pb.T, rows), float("nan"), dtype=out_dtype, device=pb.device)
-    kw = dict(config=config, use_tma=use_tma, out=out, split_accumulator=pb.split[op])
+    kw = dict(config=config, use_tma=use_tma, out=out, split_accumulator=pb.split[op], gluon=gluon)
     if fprop:
         k._fprop(a_q.data, a_q.scale_inv, w, w_s, pb.offs, bias, pb.block, out_dtype, **kw)
         ref = lambda **a: RF.grouped_fprop_fp8(a_q, w_in, pb.offs, bias, **a)
@@ -135,7 +137,7 @@ def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", con
         ref = lambda **a: RF.grouped_dgrad_fp8(a_q, w_in, pb.offs, **a)
     n = min(max(int(pb.offs[-1]), 0), pb.T) if pb.E else 0
     tag = (f"{op} T={pb.T} E={pb.E} K={pb.K} N={pb.N} block={pb.block} {form} {out_dtype} tma={use_tma}"
-           f"{'' if pb.split[op] else ' no-split'}")
+           f"{'' if pb.split[op] else ' no-split'}{'' if gluon is None else f' gluon={gluon}'}")
     _check(tag, out[:n], ref(out_dtype=torch.float32)[:n], ref(absolute=True)[:n], depth=depth,
            out_dtype=out_dtype, device=pb.device, split=pb.split[op])
     assert bool(out[n:].isnan().all()), f"{tag}: rows at or past offs_E[-1] were written"
@@ -380,6 +382,49 @@ def _case_e5m2_subnormals():
     _run_wgrad(pb, "fresh", use_tma=True)
 
 
+def _case_gluon_fallback():
+    """A Triton whose Gluon cannot build the promoting fprop / dgrad kernel: one warning, then the Triton
+    kernel (checked against the oracle), no further attempt; ``gluon=True`` then fails by name."""
+    import warnings
+
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from triton.compiler.errors import CompilationError
+    k = _kernels()
+
+    class _Unbuildable(CompilationError):
+        def __init__(self):
+            Exception.__init__(self, "no such Gluon API")
+            self.message = "no such Gluon API"
+
+    calls = []
+
+    def launch(*a, **kw):
+        calls.append(1)
+        raise _Unbuildable()
+    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, k._GLUON_FAILED, k.RAGGED_GLUON_MIN_DEPTH
+    k._gluon_ragged, k._GLUON_FAILED = (lambda *a: True), None
+    k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
+    kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    kg.descriptor = lambda t, block_shape: None
+    try:
+        T, E, K, N = SHAPE_TMA
+        pb = _problem(T, E, K, N, "per_tensor", seed=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for op in ("fprop", "dgrad", "fprop"):
+                _run_ragged(op, pb, form="kn" if op == "dgrad" else "stacked", use_tma=True)
+        assert len(calls) == 1 and "no such Gluon API" in (k._GLUON_FAILED or "")
+        assert sum("does not build" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+        try:
+            _run_ragged("fprop", pb, form="stacked", use_tma=True, gluon=True)
+        except RuntimeError as exc:
+            assert "gluon=True, but the Gluon kernel does not build here" in str(exc), exc
+        else:
+            raise AssertionError("gluon=True after a failed build must raise")
+    finally:
+        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, k._GLUON_FAILED, k.RAGGED_GLUON_MIN_DEPTH = saved
+
+
 def _case_custom_ops():
     """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
     k = _kernels()
@@ -431,6 +476,7 @@ _INTERPRETER_CASES = {
     "wgrad_edge_modes": _case_wgrad_edge_modes,
     "nan_propagation": _case_nan_propagation,
     "custom_ops": _case_custom_ops,
+    "gluon_fallback": _case_gluon_fallback,
     "interpreter_fp8_dot": _case_interpreter_fp8_dot,
     "e5m2_subnormals": _case_e5m2_subnormals,
 }
@@ -593,6 +639,107 @@ def test_compiles_for_sm90(variant):
     assert "mma.sync" not in ptx, f"{variant}: fell back to mma.sync"
 
 
+def _sm90_gluon_ptxas(blockwise: bool, a_dt: str) -> tuple[str, str]:
+    """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
+    L = kg.BLOCK
+    lay = {d: gl.NVMMASharedLayout.get_default_for([L, L], getattr(gl, d)) for d in ("float8e4nv", "float8e5")}
+    ty = {"float8e4nv": "fp8e4nv", "float8e5": "fp8e5"}
+    vals = dict(a_desc=f"tensordesc<{ty[a_dt]}[{L},{L}],{lay[a_dt]!r}>",
+                b_desc=f"tensordesc<fp8e4nv[{L},{L}],{lay['float8e4nv']!r}>",
+                as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*bf16", bias_ptr="*bf16", offs_ptr="*i32",
+                T=T, E=E, N=N, K=K, W_ROWS=N, stride_ast=K // L, stride_ask=1, stride_bse=(N // L) * (K // L),
+                stride_bsk=N // L, stride_bsn=1, stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
+    consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=kg.NUM_WARPS)
+    sig, attrs = {}, {}
+    fn = kg.ragged_kernel
+    for i, name in enumerate(fn.arg_names):
+        v = vals.get(name)
+        if name in consts:
+            sig[name] = "constexpr"
+        elif isinstance(v, str):
+            sig[name] = v
+            attrs.update({(i,): [["tt.divisibility", 16]]} if v.startswith("*") else {})
+        elif v == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in ("T", "E") else {})
+    kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=kg.NUM_WARPS))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bin_dir, n))), None)
+    if ptxas is None:
+        pytest.skip(f"no ptxas under {bin_dir}")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True)
+    if info.returncode != 0:
+        if "Unsupported .version" in info.stderr:
+            pytest.skip(f"this ptxas is older than the PTX: {info.stderr[:200]}")
+        raise AssertionError(info.stderr)
+    return kernel.asm["ptx"], info.stderr
+
+
+@pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3"])
+def test_gluon_kernel_keeps_the_mma_pipeline(variant):
+    """[Note: promotion under the next MMA]: the Gluon kernel builds for sm_90a with fp8 wgmma, waits
+    for all but the newest MMA group in the loop (``wait_group 1``, once per step), and ptxas neither
+    serializes the wgmmas (C7514: a non-wgmma instruction reading an in-flight accumulator; C7512:
+    registers) nor spills."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    if not kg.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    recipe, a_ty = variant.split("/")
+    ptx, info = _sm90_gluon_ptxas(recipe == "blockwise", {"e4m3": "float8e4nv", "e5m2": "float8e5"}[a_ty])
+    assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_ty}.e4m3" in ptx, "no fp8 wgmma"
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
+    assert " 0 bytes spill stores" in info, info
+
+
+def test_gluon_kernel_only_where_it_applies(monkeypatch):
+    """``_gluon_ragged``: Hopper only (wgmma), promoting accumulations only (no-split keeps the Triton
+    kernel's wide tile), 128 blocks, B K-inner and stacked; never in the interpreter or off CUDA."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    k = _kernels()
+    monkeypatch.setattr(k, "_interpreting", lambda: False)
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    a = SimpleNamespace(is_cuda=True, device="cuda:0")
+    w = torch.empty(4, 256, 512)                       # [E, N, K]
+    b = w.transpose(1, 2)                              # fprop's B: [E, K, N], K inner, a [E * N, K] view
+    assert k._gluon_ragged(a, b, 0, True, True) == kg.AVAILABLE
+    assert k._gluon_ragged(a, b, 128, True, True) == kg.AVAILABLE
+    assert not k._gluon_ragged(a, b, 0, False, True)                     # no split: the Triton kernel
+    assert not k._gluon_ragged(a, b, 32, True, True)                     # 32-blocks
+    assert not k._gluon_ragged(a, b, 0, True, False)                     # no TMA or B N-inner
+    assert k._gluon_ragged(a, torch.empty(4, 256, 640)[:, :, :512].transpose(1, 2), 0, True, True) == kg.AVAILABLE
+    assert not k._gluon_ragged(a, torch.empty(4, 300, 512)[:, :256].transpose(1, 2), 0, True, True)  # gaps
+    assert not k._gluon_ragged(SimpleNamespace(is_cuda=False, device="cpu"), b, 0, True, True)
+    cap[0] = (10, 0)
+    assert not k._gluon_ragged(a, b, 0, True, True)                      # Blackwell: no wgmma
+    monkeypatch.setattr(k, "_interpreting", lambda: True)
+    cap[0] = (9, 0)
+    assert not k._gluon_ragged(a, b, 0, True, True)
+
+
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------
 
 
@@ -697,6 +844,42 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
     _run_ragged("dgrad", pb, form="kn", use_tma=use_tma)
     for mode in ("fresh", "acc", "acc_list"):
         _run_wgrad(pb, mode, use_tma=use_tma)
+    print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
+@pytest.mark.parametrize("T,E,K,N", [
+    (4096, 8, 1024, 1536),     # 8 K steps (fprop) / 12 (dgrad): even counts
+    (2048, 5, 384, 1040),      # 3 steps (odd), N off the 128 grid
+    (1024, 3, 128, 256),       # one step: the loop and the tail never run
+    (1024, 4, 256, 128),       # two steps: the tail only
+    (8192, 64, 512, 384),      # ~128 tokens per group, random splits with empty groups
+    (1000, 1, 208, 144),       # one group; K ends inside a step (TMA's zero fill), T off the tile
+])
+def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N):
+    """[Note: promotion under the next MMA]: the Gluon kernel against the oracle (bound with the
+    128-deep Hopper term) and against the Triton kernel: the same bits (the same 128-deep partial sums,
+    added and scaled in the same order; blockwise too in every GPU run so far, asserted per-tensor)."""
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    gen = torch.Generator().manual_seed(T + K)
+    src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
+           torch.randn(T, N, generator=gen))
+    pb = _problem(T, E, K, N, recipe, src=src, device="cuda", seed=K)
+    bias = torch.randn(E, N, device="cuda", dtype=torch.bfloat16)
+    n = int(pb.offs[-1])
+    for op, form in (("fprop", "stacked"), ("dgrad", "kn")):
+        b = bias if op == "fprop" else None
+        ours = _run_ragged(op, pb, bias=b, form=form, gluon=True)
+        triton_k = _run_ragged(op, pb, bias=b, form=form, gluon=False)
+        same = (ours[:n] == triton_k[:n]) | (ours[:n].isnan() & triton_k[:n].isnan())
+        print(f"gluon vs triton {op} {recipe} T={T} E={E} K={K} N={N}: {int((~same).sum())} of {same.numel()} "
+              f"differ, max |diff| {float((ours[:n].float() - triton_k[:n].float()).abs().max()):.3g}")
+        if recipe == "per_tensor":
+            assert bool(same.all()), f"{op}: the Gluon and Triton kernels differ"
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 

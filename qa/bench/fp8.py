@@ -33,7 +33,9 @@ lists the row producers (``--benchmarks`` picks some by name); a new benchmark i
 against our bf16 one (``distwgrad.kernels.grouped_gemm``) at the three MoE shapes (E, T, K, N), ops fprop,
 dgrad, wgrad (fresh: bf16 writes bf16, fp8 writes fp32) and wgrad_accumulate (into an fp32 main_grad),
 per recipe. Rows: ``op`` ("gg_" + op), ``shape`` "E,T,K,N", ``impl`` ("bf16", "fp8_<recipe>", for dgrad
-also "fp8_<recipe>_wT": the weight as a transposed copy, N contiguous), ``ms``, ``tflops`` (2*T*N*K / time
+also "fp8_<recipe>_wT": the weight as a transposed copy, N contiguous; on a GPU, for the recipes that
+promote, also "..._triton": the Triton kernel where the default dispatch takes the Gluon one, [Note:
+promotion under the next MMA]), ``ms``, ``tflops`` (2*T*N*K / time
 for every op), ``vs_bf16`` (bf16 time / this time: > 1 is faster), ``worst`` (largest error/bound ratio
 of the pre-timing check against ``distwgrad.testing.reference_fp8``; a failed check raises). Timed: the
 GEMM alone on pre-quantized operands and stacked fp8 weights (quantization is ``bench_quantize``'s).
@@ -260,6 +262,8 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm-ops", nargs="+", choices=GEMM_OPS, default=list(GEMM_OPS))
     g.add_argument("--gemm-recipes", nargs="+", choices=sorted(GEMM_RECIPES), default=sorted(GEMM_RECIPES))
     g.add_argument("--gemm-sweep", action="store_true", help="also time every candidate fp8 tile config")
+    g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
+                   help="also time the Gluon fprop/dgrad kernel at these ring depths (the sweep does 3-6)")
 
 
 def _bench_name(bench: Callable) -> str:
@@ -305,25 +309,36 @@ def _split(q: dict, op: str) -> bool:
     return q["split"]["wgrad" if op.startswith("wgrad") else op]
 
 
-def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None) -> dict:
-    """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers."""
+def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None, gluon: bool | None = None,
+               variants: bool = True) -> dict:
+    """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers;
+    ``gluon`` to fprop / dgrad ([Note: promotion under the next MMA]). With neither, on a GPU, a recipe
+    that promotes also gets "<impl>_triton": the Triton kernel where the default takes the Gluon one."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
     kw["split_accumulator"] = _split(q, op)
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
+    if (variants and op in ("fprop", "dgrad") and gluon is None and config is None and p["x"].is_cuda
+            and (block or kw["split_accumulator"])):
+        triton_k = _fp8_calls(op, p, q, main, gluon=False)
+        return {**_fp8_calls(op, p, q, main, variants=False), **{f"{k}_triton": v for k, v in triton_k.items()}}
+    if gluon is not None:
+        kw["gluon"] = gluon
     if op == "fprop":
         return {"fp8": lambda: F._fprop(q["x_q"].data, q["x_q"].scale_inv, *q["w"], offs, None, block, bf, **kw)}
     if op == "dgrad":
         dy, dy_s = q["dy_q"].data, q["dy_q"].scale_inv
-        return {"fp8": lambda: F._dgrad(dy, dy_s, *q["w"], offs, block, bf, **kw),
-                "fp8_wT": lambda: F._dgrad(dy, dy_s, *q["w_t"], offs, block, bf, **kw)}
+        calls = {"fp8_wT": lambda: F._dgrad(dy, dy_s, *q["w_t"], offs, block, bf, **kw)}
+        if not gluon:  # the Gluon kernel takes the N-contiguous weight only
+            calls["fp8"] = lambda: F._dgrad(dy, dy_s, *q["w"], offs, block, bf, **kw)
+        return calls
     args = (q["dy_qt"].data, q["dy_qt"].scale_inv, q["x_qt"].data, q["x_qt"].scale_inv, offs, block)
     if op == "wgrad":
         return {"fp8": lambda: F._wgrad(*args, **kw)}
     return {"fp8": lambda: F._wgrad(*args, out=main, **kw)}
 
 
-def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8") -> float:
+def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8", gluon: bool | None = None) -> float:
     """Worst error/bound ratio of ``impl``'s fp8 result (with ``config``, else the default) against the
     oracle, which is cached in ``q``; AssertionError if out of bound."""
     from distwgrad.testing import reference_fp8 as RF
@@ -347,9 +362,9 @@ def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8") -> fl
     exp, S, addend, kw = q[("oracle", op)]
     n = int(offs[-1])
     if op in ("fprop", "dgrad"):  # rows at or past offs_E[-1] are unwritten
-        got, exp, S = _fp8_calls(op, p, q, None, config)[impl]()[:n], exp[:n], S[:n]
+        got, exp, S = _fp8_calls(op, p, q, None, config, gluon)[impl]()[:n], exp[:n], S[:n]
     else:
-        got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config)[impl]()
+        got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config, gluon)[impl]()
     mma_rel = RF.hopper_mma_rel(128 if _split(q, op) else kw["depth"]) if p["x"].is_cuda else 0.0
     res = RF.check(got, exp, S, addend=addend, mma_rel=mma_rel, **kw)
     if not res["ok"]:
@@ -389,7 +404,40 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
                 print(f"  sweep {op} {shape} {label}: {exc!r}"[:400], flush=True)
                 continue
             rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+    return rows + _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, (3, 4, 5, 6))
+
+
+def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]:
+    """One row per ring depth of the Gluon promoting kernel ([Note: promotion under the next MMA]),
+    label "fp8_<recipe>[_wT]@gluon/s<stages>"; none where it does not apply."""
+    from distwgrad.kernels import grouped_gemm_fp8 as F
+    block = 0 if q["x_q"].block is None else q["x_q"].block[1]
+    if op not in ("fprop", "dgrad") or not args.device.startswith("cuda") or not (block or _split(q, op)):
+        return []
+    impl = "fp8_wT" if op == "dgrad" else "fp8"
+    rows = []
+    for n in stages:
+        label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/s{n}"
+        try:
+            with _overriding_attr(F, "RAGGED_GLUON_STAGES", n):
+                worst = _gemm_check(op, p, q, impl=impl, gluon=True)
+                ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a depth that fails to build or to check is a result too
+            print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
+            continue
+        rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
     return rows
+
+
+@contextlib.contextmanager
+def _overriding_attr(obj: object, name: str, value: object) -> Iterator[None]:
+    """``obj.name = value`` for the duration of the block."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
 
 
 @contextlib.contextmanager
@@ -416,13 +464,15 @@ def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
             bf16_ms = time_ms(_bf16_call(op, p, main), args.device, args.reps)
             rows.append(_gemm_row(args, shape, op, "bf16", bf16_ms, vs_bf16=1.0))
             for name, q in qs.items():
-                worst = _gemm_check(op, p, q)
                 for impl, fn in _fp8_calls(op, p, q, main).items():
+                    worst = _gemm_check(op, p, q, impl=impl)
                     ms = time_ms(fn, args.device, args.reps)
                     rows.append(_gemm_row(args, shape, op, impl.replace("fp8", f"fp8_{name}"), ms,
                                           vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
                 if args.gemm_sweep:
                     rows += _gemm_sweep(args, shape, op, p, q, name, bf16_ms)
+                elif args.gluon_stages:
+                    rows += _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, args.gluon_stages)
                 q.pop(("oracle", op), None)  # benchmark-sized oracles are GBs
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -1,0 +1,236 @@
+"""FP8 fprop / dgrad over ragged token groups in Gluon, for the accumulations that promote every 128
+products (the per-tensor recipe with ``split_accumulator=True`` and the blockwise recipe): the same
+products as ``grouped_gemm_fp8._fp8_ragged_kernel``, with the tensor cores' partial sums added to the
+fp32 accumulator while the next step's MMAs run.
+
+[Note: promotion under the next MMA]
+Each 128-deep step ends in ``acc += partial`` (times the step's scales, blockwise). Triton lowers that
+add right after the step's wgmma, so every step waits for its MMAs to finish (``wgmma.wait_group 0``;
+with ``max_num_imprecise_acc`` ptxas reports "wgmma.mma_async instructions are serialized", C7514):
+the tensor cores idle through the add and the next step's issue. On an H200 that kept the promoting
+per-tensor kernels at 1.40-1.48x of our bf16 kernels and the blockwise ones at ~1.0x, against 1.76-1.98x
+for the per-tensor kernel that accumulates inside the tensor cores ([Note: fp8 split accumulator]).
+Here, per K step ``k``:
+
+    cur = wgmma(a[k], b[k], use_acc=False)      # async: step k's 128-deep partial, fresh registers
+    wgmma.wait_group 1                          # every MMA but `cur` done: `prev` (step k-1) is final
+    refill the stage step k-1 read              # its MMA is done, so TMA may overwrite it
+    acc += prev (* a_s[k-1] b_s[k-1])           # fp32, on the CUDA cores, while `cur` runs
+    prev = cur
+
+Three fp32 tiles live per thread (acc, prev, cur): 192 registers at 128x128 over two warpgroups (64 x
+128 each), which is why the tile is 128x128 (a 256-wide tile would need 384). Operands come through a
+ring of NUM_STAGES shared-memory stages filled by TMA (one mbarrier per stage). The numbers are those
+of the Triton kernel: the same 128-deep partial sums, added in the same order, scaled the same way
+(bit-identical in every GPU test, both recipes).
+ptxas serializes all wgmmas of a kernel (C7514) as soon as it cannot prove that a register read by a
+non-wgmma instruction is not being written by an MMA in flight, so the loop is shaped for its analysis:
+step 0 is peeled (one step is in flight at the loop head on every path), two steps per iteration (the
+partials alternate between two register sets: no phi copy of an in-flight tile at the back edge), the
+last partial is added inside each branch of the odd/even tail, and each step's MMA takes ``acc`` as its
+(ignored, ``use_acc=False``) input so that LLVM cannot sink the previous add below the issue.
+``test_gluon_kernel_keeps_the_mma_pipeline`` builds it for sm_90a and fails on any of those messages.
+Measured (H200, docs/benchmarks.md): blockwise fprop/dgrad 1.01-1.50x our bf16 kernels against
+0.87-1.03x for the Triton kernel; per-tensor 1.08-1.55x against 1.23-1.43x, ahead for contractions
+above 4096 only (``grouped_gemm_fp8.RAGGED_GLUON_MIN_DEPTH``). A persistent variant (one program per
+SM, the ring running across tiles) ran at 1.12-1.24x and was dropped.
+
+Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
+(wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost
+and its experts stacked so that ``[E * N, K]`` is a 2-D view (B's tile rows past an expert's N read the
+next expert or TMA's zero fill, and only feed output columns that the store masks), blockwise tiles of
+128 with BLOCK_N = BLOCK_K = 128 (one weight scale per step).
+Legend as in ``grouped_gemm_fp8``: T tokens, K the contraction, N output features, E groups.
+"""
+
+from __future__ import annotations
+
+try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernel serves every call
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed triton
+    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+
+# TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
+_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+
+__all__ = ["AVAILABLE", "BLOCK", "NUM_WARPS", "ragged_kernel", "descriptor"]
+
+AVAILABLE = gluon is not None
+BLOCK = 128                      # BLOCK_M = BLOCK_N = BLOCK_K (see the register count above)
+NUM_WARPS = 8                    # two warpgroups, 64 rows each
+
+
+def descriptor(t, block_shape):
+    """A Gluon TMA descriptor of 2-D ``t`` (unit inner stride) with the default swizzle for its tiles."""
+    dt = {"torch.float8_e4m3fn": gl.float8e4nv, "torch.float8_e5m2": gl.float8e5}[str(t.dtype)]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dt)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
+
+
+def _define():
+    from ._grouped_wgrad import _swizzle
+
+    @gluon.jit
+    def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """``grouped_gemm._find_group`` with explicit layouts and without a scan (Gluon has ``cumsum`` only
+        from Triton 3.7): (group, tile within it, first token, tokens, total tiles) for tile ``pid``,
+        offsets clamped into [0, T]. Group e holds tile pid when the tiles of groups 0..e sum past pid,
+        so e counts the groups j whose inclusive sums stay <= pid; the sums come 16 groups at a time
+        as row sums of a [16, BLOCK_E] lower-triangular selection."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+        eidx = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, lay))
+        ends = gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0)
+        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
+        ends = gl.minimum(gl.maximum(ends, 0), T)
+        starts = gl.minimum(gl.maximum(starts, 0), T)
+        sizes = gl.maximum(ends - starts, 0)
+        tiles = gl.cdiv(sizes, BLOCK_M) * tiles_n
+        e = pid * 0
+        for j0 in gl.static_range(0, BLOCK_E, 16):
+            js = j0 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+            inclusive = gl.sum(gl.where(eidx[None, :] <= js[:, None], tiles[None, :], 0), axis=1)
+            e += gl.sum((inclusive <= pid).to(gl.int32), axis=0)
+        local = pid - gl.sum(gl.where(eidx < e, tiles, 0), axis=0)
+        start = gl.sum(gl.where(eidx == e, starts, 0), axis=0)
+        size = gl.sum(gl.where(eidx == e, sizes, 0), axis=0)
+        return e, local, start, size, gl.sum(tiles, axis=0)
+
+    @gluon.jit
+    def _issue(a_desc, b_desc, ready, a_bufs, b_bufs, step, row0, brow0, pred, NUM_STAGES: gl.constexpr):
+        """TMA loads of K step ``step`` into its stage (nothing if not ``pred``)."""
+        s = step % NUM_STAGES
+        k0 = step * a_desc.block_type.shape[1]
+        bar = ready.index(s)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+        _tma_load(a_desc, [row0, k0], bar, a_bufs.index(s), pred=pred)
+        _tma_load(b_desc, [brow0, k0], bar, b_bufs.index(s), pred=pred)
+
+    @gluon.jit
+    def _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc, prev, prev_as, prev_bs, as_ptrs,
+              bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
+              NUM_STAGES: gl.constexpr):
+        """K step ``k``: issue its MMAs, then add step k-1's partial ``prev`` into ``acc`` while they run.
+        Returns (acc, this step's partial, its row scales, its weight scale); the partial is still in
+        flight: only the next step's wait makes it readable."""
+        s = k % NUM_STAGES
+        if BLOCKWISE:  # loaded now, used at the next step: a whole MMA step to arrive
+            cur_as = gl.load(as_ptrs + k * stride_ask, mask=rows_ok, other=0.0)
+            cur_bs = gl.load(bs_base + k * stride_bsk)
+        else:
+            cur_as = prev_as
+            cur_bs = prev_bs
+        mbarrier.wait(ready.index(s), (k // NUM_STAGES) & 1)
+        # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
+        # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
+        cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
+        cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
+        # step k-1's MMAs are done: its stage takes step k + NUM_STAGES - 1
+        _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k + NUM_STAGES - 1, row0, brow0, k + NUM_STAGES - 1 < n_k,
+               NUM_STAGES)
+        if BLOCKWISE:
+            acc = acc + prev * (prev_as[:, None] * prev_bs)
+        else:
+            acc = acc + prev
+        return acc, cur, cur_as, cur_bs
+
+    @gluon.jit
+    def _last(acc, prev, prev_as, prev_bs, BLOCKWISE: gl.constexpr):
+        """acc plus the last step's partial, once its MMAs are done."""
+        prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+        if BLOCKWISE:
+            return acc + prev * (prev_as[:, None] * prev_bs)
+        return acc + prev
+
+    @gluon.jit(do_not_specialize=["T", "E"])
+    def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
+                      T, E, N, K, W_ROWS,
+                      stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
+                      stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
+                      BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
+        ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+        row_lay: gl.constexpr = gl.SliceLayout(1, mma)
+        col_lay: gl.constexpr = gl.SliceLayout(0, mma)
+
+        pid = gl.program_id(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E,
+                                                   num_warps)
+        if pid < total:
+            pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
+            row0 = start + pid_m * BLOCK_M
+            col0 = pid_n * BLOCK_N
+            brow0 = e * W_ROWS + col0
+            rows = row0 + gl.arange(0, BLOCK_M, layout=row_lay)
+            cols = col0 + gl.arange(0, BLOCK_N, layout=col_lay)
+            rows_ok = rows < start + size
+            cols_ok = cols < N
+            e64 = e.to(gl.int64)
+
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(ready.index(i), count=1)
+            n_k = gl.cdiv(K, BLOCK_K)  # >= 1 (the host takes this kernel only for K > 0)
+            for i in gl.static_range(NUM_STAGES):
+                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, row0, brow0, i < n_k, NUM_STAGES)
+
+            # blockwise: row scales of the step (a_s[rows, kb]) and the weight block's scale (one per step:
+            # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
+            as_ptrs = as_ptr + rows.to(gl.int64) * stride_ast
+            bs_base = bs_ptr + e64 * stride_bse + (col0 // BLOCK_K) * stride_bsn
+            if BLOCKWISE:
+                prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
+                prev_bs = gl.load(bs_base)
+            else:
+                prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
+                prev_bs = gl.load(bs_base, mask=False, other=0.0)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            # Step 0 outside the loop, so that one step's MMAs are in flight at the loop's head on every
+            # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
+            # then two steps per iteration, so that the partials alternate between two register sets
+            # without a copy ([Note: promotion under the next MMA]).
+            mbarrier.wait(ready.index(0), 0)
+            prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+            prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
+            for k in range(1, n_k - 1, 2):
+                acc, cur, cur_as, cur_bs = _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
+                                                 prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask,
+                                                 stride_bsk, mma, BLOCKWISE, NUM_STAGES)
+                acc, prev, prev_as, prev_bs = _step(k + 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k,
+                                                    acc, cur, cur_as, cur_bs, as_ptrs, bs_base, rows_ok,
+                                                    stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES)
+            # the last partial is added in each branch: no in-flight accumulator may cross the merge
+            if n_k % 2 == 0:  # one step left
+                acc, prev, prev_as, prev_bs = _step(n_k - 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0,
+                                                    n_k, acc, prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok,
+                                                    stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES)
+                acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
+            else:
+                acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.invalidate(ready.index(i))
+            if not BLOCKWISE:
+                acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
+            if HAS_BIAS:
+                bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
+                acc = acc + bias.to(gl.float32)[None, :]
+            o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+            gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+    return ragged_kernel
+
+
+ragged_kernel = _define() if AVAILABLE else None
