@@ -7,9 +7,12 @@ wgrad, TMA and pointer paths, NaN masking, CUDA graphs; worst error/bound ratio 
 ``distwgrad.ops.grouped_gemm_fp8`` ([Note: fp8 gemm dispatch]). dgrad reading the weight with the
 contraction (N) strided runs 4-5x slower than an N-contiguous copy on Hopper (its fp8 MMA takes B only
 K-major, so every B tile is transposed in registers): the dispatcher passes the copy. The tile table
-(``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps; per-tensor fprop/dgrad run 1.40-1.48x of bf16
-with the split accumulator and 1.76-1.98x without it ([Note: fp8 split accumulator]), the wgrad kernels
-still trail bf16 at ~1024 tokens per group and the blockwise recipe runs at ~1.0x (docs/benchmarks.md).
+(``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. With promotion (per-tensor split accumulator,
+blockwise), fprop/dgrad of long contractions run in a Gluon kernel on Hopper that adds each 128-deep
+partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``, [Note: promotion under the next
+MMA]; the same bits; ``RAGGED_GLUON*`` below): per-tensor 1.41-1.62x of bf16 with the split
+accumulator, 1.75-1.94x without it ([Note: fp8 split accumulator]), blockwise 1.17-1.46x (~1.0x in the
+Triton kernel); the wgrad kernels still trail bf16 at ~1024 tokens per group (docs/benchmarks.md).
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
@@ -118,15 +121,17 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 
 # fprop / dgrad with promotion (per-tensor split accumulator, blockwise) through the Gluon kernel where it
 # applies ([Note: promotion under the next MMA] in _grouped_gemm_fp8_gluon.py); False: the Triton kernel.
-# H200, two runs (2026-11-29, docs/benchmarks/fp8_gemm_gluon_h200*.json), vs our bf16 kernels, Gluon |
-# Triton: blockwise fprop 1.34-1.29 | 0.94-0.92 (K 4096), 1.43-1.36 | 1.00-1.03 (K 7168); dgrad 1.50-1.45
-# | 0.94 (contraction 14336), 1.10-1.01 | 0.93-0.87 (2048). Per-tensor fprop 1.41-1.37 | 1.42-1.39 (4096),
-# 1.54-1.46 | 1.38 (7168); dgrad 1.54-1.55 | 1.43-1.41 (14336), 1.19-1.08 | 1.34-1.23 (2048): the
-# per-tensor Triton kernel's 256-row tile wins short contractions, where a 128x128 tile's pipeline fill
-# and epilogue weigh more (a persistent Gluon variant, the ring running across tiles, ran at 1.12-1.24x
-# and was dropped). Hence the minimum contraction per recipe for the default dispatch:
+# H200 (2026-11-29, docs/benchmarks/fp8_gemm_gluon_h200*.json and the record fp8_h200.json), vs our bf16
+# kernels, Gluon | Triton, by contraction depth: blockwise fprop 1.29-1.34 | 0.92-0.95 (4096), 1.34-1.43 |
+# 1.00-1.03 (7168), 1.13 | 1.09 (2048, 128 tokens per group); dgrad 1.45-1.50 | 0.94-0.98 (14336),
+# 1.01-1.17 | 0.87-0.99 (2048), 0.66 | 0.83 (768). Per-tensor fprop 1.37-1.41 | 1.39-1.45 (4096), 1.44-1.54
+# | 1.38-1.40 (7168), 1.36 | 1.38 (2048); dgrad 1.54-1.62 | 1.41-1.47 (14336), 1.08-1.39 | 1.23-1.41
+# (2048), 1.00 | 1.00 (768). Short contractions favour the Triton kernel (its 256-row per-tensor tile;
+# a 128x128 tile's pipeline fill and epilogue weigh more there); a persistent Gluon variant, the ring
+# running across tiles, ran at 1.12-1.24x and was dropped. Hence the shortest contraction, per recipe,
+# that the default dispatch gives the Gluon kernel:
 RAGGED_GLUON = True
-RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 0}
+RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 2048}
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
 _GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here (then the Triton kernel runs)
 

@@ -740,6 +740,32 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
     assert not k._gluon_ragged(a, b, 0, True, True)
 
 
+@pytest.mark.parametrize("block,K,gluon,expected", [
+    (0, 4096, None, "triton"), (0, 7168, None, "gluon"), (128, 768, None, "triton"), (128, 2048, None, "gluon"),
+    (0, 7168, False, "triton"), (0, 4096, True, "gluon"),
+])
+def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, gluon, expected):
+    """``RAGGED_GLUON_MIN_DEPTH``: where the Gluon kernel can run, the default dispatch gives it the
+    contractions it measured faster on (per-tensor above 4096, blockwise from 2048); ``gluon=`` overrides."""
+    pytest.importorskip("triton")
+    k = _kernels()
+    taken = []
+    monkeypatch.setattr(k, "_gluon_ragged", lambda *a: True)
+    monkeypatch.setattr(k, "_launch_gluon_ragged", lambda *a: taken.append("gluon") or True)
+    monkeypatch.setattr(k, "_fp8_ragged_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: taken.append("triton"))})())
+    monkeypatch.setattr(k, "_GLUON_FAILED", None)
+    T, E, N = 256, 2, 256
+    a = torch.zeros(T, K, dtype=E4M3)
+    b = torch.zeros(E, N, K, dtype=E4M3).transpose(1, 2)
+    scales = (torch.ones(T, K // 128), torch.ones(E, K // 128, N // 128)) if block else (torch.ones(()), torch.ones(E))
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    out = torch.empty(T, N, dtype=torch.bfloat16)
+    k._launch_ragged(a, scales[0], b, scales[1], offs, None, out, block=block, op="grouped_fprop_fp8", config=None,
+                     use_tma=True, gluon=gluon)
+    assert taken == [expected]
+
+
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------
 
 
