@@ -594,6 +594,14 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
         consts.update(a_desc=None, b_desc=None)
     if consts.get("HAS_BIAS") is False:
         consts["bias_ptr"] = None
+    sig, attrs = _specialize(fn, vals, consts, nospec)
+    return ASTSource(fn, sig, consts, attrs), cfg, (a_dt if op != "wgrad" else grad)
+
+
+def _specialize(fn, vals: dict, consts: dict, nospec) -> tuple[dict, dict]:
+    """(signature, attributes) of ``fn`` as the JIT would build them for arguments ``vals`` (type strings
+    for pointers and descriptors, ints otherwise): unit ints become constants and 16-divisible ones get
+    the divisibility hint, except the ``nospec`` names; ``consts`` (updated in place) are constexprs."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         v = vals.get(name)
@@ -607,7 +615,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
         else:
             sig[name] = "i32"
             attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in nospec else {})
-    return ASTSource(fn, sig, consts, attrs), cfg, (a_dt if op != "wgrad" else grad)
+    return sig, attrs
 
 
 @pytest.mark.parametrize("variant", [
@@ -659,20 +667,8 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str) -> tuple[str, str]:
                 T=T, E=E, N=N, K=K, W_ROWS=N, stride_ast=K // L, stride_ask=1, stride_bse=(N // L) * (K // L),
                 stride_bsk=N // L, stride_bsn=1, stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
     consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=kg.NUM_WARPS)
-    sig, attrs = {}, {}
     fn = kg.ragged_kernel
-    for i, name in enumerate(fn.arg_names):
-        v = vals.get(name)
-        if name in consts:
-            sig[name] = "constexpr"
-        elif isinstance(v, str):
-            sig[name] = v
-            attrs.update({(i,): [["tt.divisibility", 16]]} if v.startswith("*") else {})
-        elif v == 1:
-            sig[name], consts[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in ("T", "E") else {})
+    sig, attrs = _specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=kg.NUM_WARPS))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
