@@ -56,11 +56,10 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 # TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
 
-__all__ = ["AVAILABLE", "BLOCK", "NUM_WARPS", "ragged_kernel", "descriptor"]
+__all__ = ["AVAILABLE", "BLOCK", "ragged_kernel", "descriptor"]
 
 AVAILABLE = gluon is not None
-BLOCK = 128                      # BLOCK_M = BLOCK_N = BLOCK_K (see the register count above)
-NUM_WARPS = 8                    # two warpgroups, 64 rows each
+BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) per 64 rows
 
 
 def descriptor(t, block_shape):

@@ -132,6 +132,7 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 # that the default dispatch gives the Gluon kernel:
 RAGGED_GLUON = True
 RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 2048}
+RAGGED_GLUON_BLOCK_M = 128  # rows per program (128: two warpgroups; 64: one, several programs per SM)
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
 _GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here (then the Triton kernel runs)
 
@@ -385,16 +386,16 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     from . import _grouped_gemm_fp8_gluon as kg
     T, K = a.shape
     E, _, N = b_EKN.shape
-    L = kg.BLOCK
+    L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
     try:
-        kg.ragged_kernel[((triton.cdiv(T, L) + E) * triton.cdiv(N, L),)](
-            kg.descriptor(a, (L, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
+        kg.ragged_kernel[((triton.cdiv(T, bm) + E) * triton.cdiv(N, L),)](
+            kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
             T, E, N, K, N,
             sas[0], sas[1], sbs[0], sbs[1], sbs[2],
             out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
-            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=kg.NUM_WARPS)
+            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon FP8 grouped GEMM kernel does not build with triton {triton.__version__}; "

@@ -647,8 +647,9 @@ def test_compiles_for_sm90(variant):
     assert "mma.sync" not in ptx, f"{variant}: fell back to mma.sync"
 
 
-def _sm90_gluon_ptxas(blockwise: bool, a_dt: str) -> tuple[str, str]:
-    """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape."""
+def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128) -> tuple[str, str]:
+    """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
+    ``block_m`` rows (one warpgroup per 64)."""
     import subprocess
     import tempfile
 
@@ -659,18 +660,19 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str) -> tuple[str, str]:
     from triton.experimental.gluon._runtime import GluonASTSource
     E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
     L = kg.BLOCK
-    lay = {d: gl.NVMMASharedLayout.get_default_for([L, L], getattr(gl, d)) for d in ("float8e4nv", "float8e5")}
+    a_lay = gl.NVMMASharedLayout.get_default_for([block_m, L], getattr(gl, a_dt))
+    b_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e4nv)
     ty = {"float8e4nv": "fp8e4nv", "float8e5": "fp8e5"}
-    vals = dict(a_desc=f"tensordesc<{ty[a_dt]}[{L},{L}],{lay[a_dt]!r}>",
-                b_desc=f"tensordesc<fp8e4nv[{L},{L}],{lay['float8e4nv']!r}>",
+    vals = dict(a_desc=f"tensordesc<{ty[a_dt]}[{block_m},{L}],{a_lay!r}>",
+                b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
                 as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*bf16", bias_ptr="*bf16", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K, W_ROWS=N, stride_ast=K // L, stride_ask=1, stride_bse=(N // L) * (K // L),
                 stride_bsk=N // L, stride_bsn=1, stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
-    consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=kg.NUM_WARPS)
+    consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=block_m // 16)
     fn = kg.ragged_kernel
     sig, attrs = _specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=kg.NUM_WARPS))
+                            options=dict(num_warps=block_m // 16))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
                   if os.path.exists(os.path.join(bin_dir, n))), None)
@@ -689,7 +691,8 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str) -> tuple[str, str]:
     return kernel.asm["ptx"], info.stderr
 
 
-@pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3"])
+@pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",
+                                     "blockwise/e4m3/64"])
 def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     """[Note: promotion under the next MMA]: the Gluon kernel builds for sm_90a with fp8 wgmma, waits
     for all but the newest MMA group in the loop (``wait_group 1``, once per step), and ptxas neither
@@ -699,8 +702,9 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     if not kg.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    recipe, a_ty = variant.split("/")
-    ptx, info = _sm90_gluon_ptxas(recipe == "blockwise", {"e4m3": "float8e4nv", "e5m2": "float8e5"}[a_ty])
+    recipe, a_ty, *rows = variant.split("/")
+    ptx, info = _sm90_gluon_ptxas(recipe == "blockwise", {"e4m3": "float8e4nv", "e5m2": "float8e5"}[a_ty],
+                                  int(rows[0]) if rows else 128)
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_ty}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
@@ -871,6 +875,7 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("block_m", [128, 64])
 @pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
 @pytest.mark.parametrize("T,E,K,N", [
     (4096, 8, 1024, 1536),     # 8 K steps (fprop) / 12 (dgrad): even counts
@@ -880,13 +885,14 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
     (8192, 64, 512, 384),      # ~128 tokens per group, random splits with empty groups
     (1000, 1, 208, 144),       # one group; K ends inside a step (TMA's zero fill), T off the tile
 ])
-def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N):
+def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, block_m, monkeypatch):
     """[Note: promotion under the next MMA]: the Gluon kernel against the oracle (bound with the
     128-deep Hopper term) and against the Triton kernel: the same bits (the same 128-deep partial sums,
     added and scaled in the same order; blockwise too in every GPU run so far, asserted per-tensor)."""
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_BLOCK_M", block_m)
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))
@@ -898,7 +904,8 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N):
         ours = _run_ragged(op, pb, bias=b, form=form, gluon=True)
         triton_k = _run_ragged(op, pb, bias=b, form=form, gluon=False)
         same = (ours[:n] == triton_k[:n]) | (ours[:n].isnan() & triton_k[:n].isnan())
-        print(f"gluon vs triton {op} {recipe} T={T} E={E} K={K} N={N}: {int((~same).sum())} of {same.numel()} "
+        print(f"gluon m{block_m} vs triton {op} {recipe} T={T} E={E} K={K} N={N}: "
+              f"{int((~same).sum())} of {same.numel()} "
               f"differ, max |diff| {float((ours[:n].float() - triton_k[:n].float()).abs().max()):.3g}")
         if recipe == "per_tensor":
             assert bool(same.all()), f"{op}: the Gluon and Triton kernels differ"

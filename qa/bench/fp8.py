@@ -263,7 +263,8 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm-recipes", nargs="+", choices=sorted(GEMM_RECIPES), default=sorted(GEMM_RECIPES))
     g.add_argument("--gemm-sweep", action="store_true", help="also time every candidate fp8 tile config")
     g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
-                   help="also time the Gluon fprop/dgrad kernel at these ring depths (the sweep does 3-6)")
+                   help="also time the Gluon fprop/dgrad kernel at these ring depths, 128- and 64-row tiles "
+                        "(the sweep does 3-6)")
 
 
 def _bench_name(bench: Callable) -> str:
@@ -408,24 +409,27 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 
 
 def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]:
-    """One row per ring depth of the Gluon promoting kernel ([Note: promotion under the next MMA]),
-    label "fp8_<recipe>[_wT]@gluon/s<stages>"; none where it does not apply."""
+    """One row per tile height (128 rows, two warpgroups; 64, one) and ring depth of the Gluon promoting
+    kernel ([Note: promotion under the next MMA]), label "fp8_<recipe>[_wT]@gluon/m<rows>/s<stages>"; none
+    where it does not apply."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if op not in ("fprop", "dgrad") or not args.device.startswith("cuda") or not (block or _split(q, op)):
         return []
     impl = "fp8_wT" if op == "dgrad" else "fp8"
     rows = []
-    for n in stages:
-        label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/s{n}"
-        try:
-            with _overriding_attr(F, "RAGGED_GLUON_STAGES", n):
-                worst = _gemm_check(op, p, q, impl=impl, gluon=True)
-                ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
-        except Exception as exc:  # noqa: BLE001 - a depth that fails to build or to check is a result too
-            print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
-            continue
-        rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+    for bm in (128, 64):
+        for n in stages:
+            label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/m{bm}/s{n}"
+            try:
+                with _overriding_attr(F, "RAGGED_GLUON_STAGES", n), _overriding_attr(F, "RAGGED_GLUON_BLOCK_M", bm):
+                    worst = _gemm_check(op, p, q, impl=impl, gluon=True)
+                    ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
+                print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
+                continue
+            rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3),
+                                  worst=round(worst, 4)))
     return rows
 
 
