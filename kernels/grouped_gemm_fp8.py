@@ -132,7 +132,8 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 # that the default dispatch gives the Gluon kernel:
 RAGGED_GLUON = True
 RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 2048}
-RAGGED_GLUON_BLOCK_M = 128  # rows per program (128: two warpgroups; 64: one, several programs per SM)
+RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, two programs per SM) ran
+#                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
 _GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here (then the Triton kernel runs)
 
