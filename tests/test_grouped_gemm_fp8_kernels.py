@@ -899,16 +899,17 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, block_m, monkeypatch):
     pb = _problem(T, E, K, N, recipe, src=src, device="cuda", seed=K)
     bias = torch.randn(E, N, device="cuda", dtype=torch.bfloat16)
     n = int(pb.offs[-1])
-    for op, form in (("fprop", "stacked"), ("dgrad", "kn")):
+    for op, form, dt in (("fprop", "stacked", torch.bfloat16), ("dgrad", "kn", torch.bfloat16),
+                         ("fprop", "stacked", torch.float32), ("dgrad", "kn", torch.float16)):
         b = bias if op == "fprop" else None
-        ours = _run_ragged(op, pb, bias=b, form=form, gluon=True)
-        triton_k = _run_ragged(op, pb, bias=b, form=form, gluon=False)
+        ours = _run_ragged(op, pb, bias=b, form=form, out_dtype=dt, gluon=True)
+        triton_k = _run_ragged(op, pb, bias=b, form=form, out_dtype=dt, gluon=False)
         same = (ours[:n] == triton_k[:n]) | (ours[:n].isnan() & triton_k[:n].isnan())
-        print(f"gluon m{block_m} vs triton {op} {recipe} T={T} E={E} K={K} N={N}: "
+        print(f"gluon m{block_m} vs triton {op} {dt} {recipe} T={T} E={E} K={K} N={N}: "
               f"{int((~same).sum())} of {same.numel()} "
               f"differ, max |diff| {float((ours[:n].float() - triton_k[:n].float()).abs().max()):.3g}")
         if recipe == "per_tensor":
-            assert bool(same.all()), f"{op}: the Gluon and Triton kernels differ"
+            assert bool(same.all()), f"{op} {dt}: the Gluon and Triton kernels differ"
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 
