@@ -11,6 +11,7 @@ Run on a GPU machine from the repository root::
         --impls triton --quant-sweep --reps 1                                          # smoke test
     PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --json gg.json       # FP8 vs bf16 grouped GEMM
     PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep         # + every fp8 tile config
+    PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --gluon-stages 3 4 5  # + Gluon kernel depths
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --benchmarks grouped_gemm \
         --gemm-shapes 2,64,64,48 --reps 1                                               # smoke test
 
