@@ -20,10 +20,10 @@ Here, per K step ``k``:
 
 Three fp32 tiles live per thread (acc, prev, cur): 192 registers at 128x128 over two warpgroups (64 x
 128 each), which is why the tile is 128x128 (a 256-wide tile would need 384); 64x128 over one warpgroup
-(two programs per SM) is the other choice (``grouped_gemm_fp8.RAGGED_GLUON_BLOCK_M``), measured slower. Operands come through a
-ring of NUM_STAGES shared-memory stages filled by TMA (one mbarrier per stage). The numbers are those
-of the Triton kernel: the same 128-deep partial sums, added in the same order, scaled the same way
-(bit-identical in every GPU test, both recipes).
+(two programs per SM) is the other choice (``grouped_gemm_fp8.RAGGED_GLUON_BLOCK_M``), measured slower.
+Operands come through a ring of NUM_STAGES shared-memory stages filled by TMA (one mbarrier per
+stage). The numbers are those of the Triton kernel: the same 128-deep partial sums, added in the same
+order, scaled the same way (bit-identical in every GPU test, both recipes).
 ptxas serializes all wgmmas of a kernel (C7514) as soon as it cannot prove that a register read by a
 non-wgmma instruction is not being written by an MMA in flight, so the loop is shaped for its analysis:
 step 0 is peeled (one step is in flight at the loop head on every path), two steps per iteration (the
