@@ -46,6 +46,10 @@ Legend as in ``grouped_gemm_fp8``: T tokens, K the contraction, N output feature
 
 from __future__ import annotations
 
+import inspect
+
+import triton.language as tl
+
 try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernel serves every call
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -56,8 +60,12 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 # TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
 _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+# ``gl.warp_specialize``: a list of (function, args) pairs in newer Tritons; before, (default_args,
+# default_partition, worker_args, worker_partitions, ...)
+_WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(
+    iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")
 
-__all__ = ["AVAILABLE", "BLOCK", "ragged_kernel", "descriptor"]
+__all__ = ["AVAILABLE", "BLOCK", "ragged_kernel", "ragged_ws_kernel", "descriptor"]
 
 AVAILABLE = gluon is not None
 BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) per 64 rows
@@ -112,10 +120,11 @@ def _define():
     @gluon.jit
     def _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc, prev, prev_as, prev_bs, as_ptrs,
               bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
-              NUM_STAGES: gl.constexpr):
+              NUM_STAGES: gl.constexpr, empty=None, WS: gl.constexpr = False):
         """K step ``k``: issue its MMAs, then add step k-1's partial ``prev`` into ``acc`` while they run.
         Returns (acc, this step's partial, its row scales, its weight scale); the partial is still in
-        flight: only the next step's wait makes it readable."""
+        flight: only the next step's wait makes it readable. Step k-1's stage is then free: refilled here,
+        or, warp-specialized (WS), handed back to the producer through ``empty``."""
         s = k % NUM_STAGES
         if BLOCKWISE:  # loaded now, used at the next step: a whole MMA step to arrive
             cur_as = gl.load(as_ptrs + k * stride_ask, mask=rows_ok, other=0.0)
@@ -129,8 +138,11 @@ def _define():
         cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
         cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
         # step k-1's MMAs are done: its stage takes step k + NUM_STAGES - 1
-        _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k + NUM_STAGES - 1, row0, brow0, k + NUM_STAGES - 1 < n_k,
-               NUM_STAGES)
+        if WS:
+            mbarrier.arrive(empty.index((k - 1) % NUM_STAGES), count=1)
+        else:
+            _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k + NUM_STAGES - 1, row0, brow0,
+                   k + NUM_STAGES - 1 < n_k, NUM_STAGES)
         if BLOCKWISE:
             acc = acc + prev * (prev_as[:, None] * prev_bs)
         else:
@@ -144,6 +156,68 @@ def _define():
         if BLOCKWISE:
             return acc + prev * (prev_as[:, None] * prev_bs)
         return acc + prev
+
+    @gluon.jit
+    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols, rows_ok,
+                 cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
+                 stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
+                 BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
+        """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
+        stages arrive through ``ready``; WS: hand each finished stage back through ``empty``."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        row_lay: gl.constexpr = gl.SliceLayout(1, mma)
+        # blockwise: row scales of the step (a_s[rows, kb]) and the weight block's scale (one per step:
+        # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
+        as_ptrs = as_ptr + rows.to(gl.int64) * stride_ast
+        bs_base = bs_ptr + e64 * stride_bse + (col0 // BLOCK_K) * stride_bsn
+        if BLOCKWISE:
+            prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
+            prev_bs = gl.load(bs_base)
+        else:
+            prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
+            prev_bs = gl.load(bs_base, mask=False, other=0.0)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        # Step 0 outside the loop, so that one step's MMAs are in flight at the loop's head on every
+        # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
+        # then two steps per iteration, so that the partials alternate between two register sets
+        # without a copy ([Note: promotion under the next MMA]).
+        mbarrier.wait(ready.index(0), 0)
+        prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
+                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+        prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
+        for k in range(1, n_k - 1, 2):
+            acc, cur, cur_as, cur_bs = _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
+                                             prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask,
+                                             stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
+            acc, prev, prev_as, prev_bs = _step(k + 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k,
+                                                acc, cur, cur_as, cur_bs, as_ptrs, bs_base, rows_ok,
+                                                stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
+        # the last partial is added in each branch: no in-flight accumulator may cross the merge
+        if n_k % 2 == 0:  # one step left
+            acc, prev, prev_as, prev_bs = _step(n_k - 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0,
+                                                n_k, acc, prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok,
+                                                stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
+            acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
+        else:
+            acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
+        if not BLOCKWISE:
+            acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
+            acc = acc + bias.to(gl.float32)[None, :]
+        o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES: gl.constexpr):
+        """The warp-specialized kernel's TMA warp: step k waits until the consumers hand its stage back
+        (a fresh mbarrier counts as released for the first round), then loads it."""
+        for k in range(n_k):
+            s = k % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((k // NUM_STAGES) & 1) ^ 1)
+            _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k, row0, brow0, True, NUM_STAGES)
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
@@ -186,51 +260,72 @@ def _define():
             for i in gl.static_range(NUM_STAGES):
                 _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, row0, brow0, i < n_k, NUM_STAGES)
 
-            # blockwise: row scales of the step (a_s[rows, kb]) and the weight block's scale (one per step:
-            # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
-            as_ptrs = as_ptr + rows.to(gl.int64) * stride_ast
-            bs_base = bs_ptr + e64 * stride_bse + (col0 // BLOCK_K) * stride_bsn
-            if BLOCKWISE:
-                prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
-                prev_bs = gl.load(bs_base)
-            else:
-                prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
-                prev_bs = gl.load(bs_base, mask=False, other=0.0)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            # Step 0 outside the loop, so that one step's MMAs are in flight at the loop's head on every
-            # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
-            # then two steps per iteration, so that the partials alternate between two register sets
-            # without a copy ([Note: promotion under the next MMA]).
-            mbarrier.wait(ready.index(0), 0)
-            prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
-                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
-            prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
-            for k in range(1, n_k - 1, 2):
-                acc, cur, cur_as, cur_bs = _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
-                                                 prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask,
-                                                 stride_bsk, mma, BLOCKWISE, NUM_STAGES)
-                acc, prev, prev_as, prev_bs = _step(k + 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k,
-                                                    acc, cur, cur_as, cur_bs, as_ptrs, bs_base, rows_ok,
-                                                    stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES)
-            # the last partial is added in each branch: no in-flight accumulator may cross the merge
-            if n_k % 2 == 0:  # one step left
-                acc, prev, prev_as, prev_bs = _step(n_k - 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0,
-                                                    n_k, acc, prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok,
-                                                    stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES)
-                acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
-            else:
-                acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
+            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols, rows_ok,
+                     cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
+                     stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS,
+                     NUM_STAGES, False)
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.invalidate(ready.index(i))
-            if not BLOCKWISE:
-                acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
-            if HAS_BIAS:
-                bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
-                acc = acc + bias.to(gl.float32)[None, :]
-            o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-            gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
-    return ragged_kernel
+    @gluon.jit(do_not_specialize=["T", "E"])
+    def ragged_ws_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
+                         T, E, N, K, W_ROWS,
+                         stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
+                         stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
+                         BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                         BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """``ragged_kernel`` warp-specialized: one extra warp issues the TMA loads and the MMA warps only
+        wait on mbarriers (``ragged_kernel``'s MMA warps issue them, behind CTA-wide barriers)."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+        pid = gl.program_id(0)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E,
+                                                   num_warps)
+        if pid >= total:
+            return
+        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
+        row0 = start + pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        brow0 = e * W_ROWS + col0
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        rows_ok = rows < start + size
+        cols_ok = cols < N
+        e64 = e.to(gl.int64)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        n_k = gl.cdiv(K, BLOCK_K)  # >= 1 (the host takes this kernel only for K > 0)
+        # (the argument tuples are written out in each call: a tuple variable would turn the constexprs
+        # in it into tensors)
+        if _WS_PAIRS:
+            gl.warp_specialize([
+                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols,
+                            rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask,
+                            stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn,
+                            mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True)),
+                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES)),
+            ], [1], [24])
+        else:
+            gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows,
+                                cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask,
+                                stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase,
+                                stride_biasn, mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True), _consume,
+                               (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES),
+                               [_produce], [1], [24])
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+    return ragged_kernel, ragged_ws_kernel
 
 
-ragged_kernel = _define() if AVAILABLE else None
+ragged_kernel, ragged_ws_kernel = _define() if AVAILABLE else (None, None)

@@ -135,7 +135,8 @@ RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 2048}
 RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, two programs per SM) ran
 #                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
-_GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here (then the Triton kernel runs)
+RAGGED_GLUON_WS = False  # the warp-specialized variant (a TMA warp; the MMA warps wait on mbarriers only)
+_GLUON_FAILED: dict[str, str] = {}  # Gluon kernel -> why it did not build here (then the Triton kernel runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -383,14 +384,16 @@ def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: b
 def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias) -> bool:
     """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
     experimental and its API moves between releases): the caller then runs the Triton kernel."""
-    global _GLUON_FAILED
     from . import _grouped_gemm_fp8_gluon as kg
     T, K = a.shape
     E, _, N = b_EKN.shape
     L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
+    name = "ragged_ws_kernel" if RAGGED_GLUON_WS else "ragged_kernel"
+    if name in _GLUON_FAILED:
+        return False
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
     try:
-        kg.ragged_kernel[((triton.cdiv(T, bm) + E) * triton.cdiv(N, L),)](
+        getattr(kg, name)[((triton.cdiv(T, bm) + E) * triton.cdiv(N, L),)](
             kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
             T, E, N, K, N,
             sas[0], sas[1], sbs[0], sbs[1], sbs[2],
@@ -398,9 +401,9 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
             BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
     except CompilationError as exc:
-        _GLUON_FAILED = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon FP8 grouped GEMM kernel does not build with triton {triton.__version__}; "
-                      f"using the Triton kernel (same products, slower): {_GLUON_FAILED[:400]}",
+        _GLUON_FAILED[name] = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon FP8 grouped GEMM kernel ({name}) does not build with triton {triton.__version__}; "
+                      f"using the Triton kernel (same products, slower): {_GLUON_FAILED[name][:400]}",
                       RuntimeWarning, stacklevel=4)
         return False
     return True
@@ -431,7 +434,7 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
                          f"operands with the contraction innermost, stacked weights and a promoting accumulation; "
                          f"got block={block}, split_accumulator={split_acc}, tma={tma}, weight strides {tuple(sb)}")
     preferred = RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH["blockwise" if block else "per_tensor"]
-    if gluon or (gluon is None and applies and config is None and preferred and _GLUON_FAILED is None):
+    if gluon or (gluon is None and applies and config is None and preferred):
         if _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias):
             return out
         if gluon:

@@ -401,8 +401,9 @@ def _case_gluon_fallback():
     def launch(*a, **kw):
         calls.append(1)
         raise _Unbuildable()
-    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, k._GLUON_FAILED, k.RAGGED_GLUON_MIN_DEPTH
-    k._gluon_ragged, k._GLUON_FAILED = (lambda *a: True), None
+    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
+    k._gluon_ragged = lambda *a: True
+    k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
     kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
     kg.descriptor = lambda t, block_shape: None
@@ -413,7 +414,7 @@ def _case_gluon_fallback():
             warnings.simplefilter("always")
             for op in ("fprop", "dgrad", "fprop"):
                 _run_ragged(op, pb, form="kn" if op == "dgrad" else "stacked", use_tma=True)
-        assert len(calls) == 1 and "no such Gluon API" in (k._GLUON_FAILED or "")
+        assert len(calls) == 1 and "no such Gluon API" in k._GLUON_FAILED.get("ragged_kernel", "")
         assert sum("does not build" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
         try:
             _run_ragged("fprop", pb, form="stacked", use_tma=True, gluon=True)
@@ -422,7 +423,9 @@ def _case_gluon_fallback():
         else:
             raise AssertionError("gluon=True after a failed build must raise")
     finally:
-        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, k._GLUON_FAILED, k.RAGGED_GLUON_MIN_DEPTH = saved
+        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
+        k._GLUON_FAILED.clear()
+        k._GLUON_FAILED.update(failed)
 
 
 def _case_custom_ops():
@@ -647,9 +650,9 @@ def test_compiles_for_sm90(variant):
     assert "mma.sync" not in ptx, f"{variant}: fell back to mma.sync"
 
 
-def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128) -> tuple[str, str]:
+def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool = False) -> tuple[str, str]:
     """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
-    ``block_m`` rows (one warpgroup per 64)."""
+    ``block_m`` rows (one warpgroup per 64); ``ws``: the warp-specialized variant."""
     import subprocess
     import tempfile
 
@@ -669,7 +672,7 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128) -> tuple[s
                 T=T, E=E, N=N, K=K, W_ROWS=N, stride_ast=K // L, stride_ask=1, stride_bse=(N // L) * (K // L),
                 stride_bsk=N // L, stride_bsn=1, stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
     consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=block_m // 16)
-    fn = kg.ragged_kernel
+    fn = kg.ragged_ws_kernel if ws else kg.ragged_kernel
     sig, attrs = _specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=block_m // 16))
@@ -692,23 +695,25 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128) -> tuple[s
 
 
 @pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",
-                                     "blockwise/e4m3/64"])
+                                     "blockwise/e4m3/64", "per_tensor/e4m3/ws", "blockwise/e4m3/ws"])
 def test_gluon_kernel_keeps_the_mma_pipeline(variant):
-    """[Note: promotion under the next MMA]: the Gluon kernel builds for sm_90a with fp8 wgmma, waits
-    for all but the newest MMA group in the loop (``wait_group 1``, once per step), and ptxas neither
-    serializes the wgmmas (C7514: a non-wgmma instruction reading an in-flight accumulator; C7512:
-    registers) nor spills."""
+    """[Note: promotion under the next MMA]: the Gluon kernels (128- and 64-row tiles, warp-specialized)
+    build for sm_90a with fp8 wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``,
+    once per step), and ptxas neither serializes the wgmmas (C7514: a non-wgmma instruction reading an
+    in-flight accumulator; C7512: registers) nor spills."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     if not kg.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    recipe, a_ty, *rows = variant.split("/")
+    recipe, a_ty, *rest = variant.split("/")
     ptx, info = _sm90_gluon_ptxas(recipe == "blockwise", {"e4m3": "float8e4nv", "e5m2": "float8e5"}[a_ty],
-                                  int(rows[0]) if rows else 128)
+                                  64 if "64" in rest else 128, ws="ws" in rest)
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_ty}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
+    if "ws" in rest:  # the MMA warps get the registers, the TMA warp gives them back
+        assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
 
 
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
@@ -754,7 +759,7 @@ def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, gluon, expec
     monkeypatch.setattr(k, "_launch_gluon_ragged", lambda *a: taken.append("gluon") or True)
     monkeypatch.setattr(k, "_fp8_ragged_kernel", type("K", (), {"__getitem__": lambda self, grid: (
         lambda *a, **kw: taken.append("triton"))})())
-    monkeypatch.setattr(k, "_GLUON_FAILED", None)
+    monkeypatch.setattr(k, "_GLUON_FAILED", {})
     T, E, N = 256, 2, 256
     a = torch.zeros(T, K, dtype=E4M3)
     b = torch.zeros(E, N, K, dtype=E4M3).transpose(1, 2)
@@ -875,7 +880,7 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_m", [128, 64])
+@pytest.mark.parametrize("variant", ["m128", "m64", "ws"])
 @pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
 @pytest.mark.parametrize("T,E,K,N", [
     (4096, 8, 1024, 1536),     # 8 K steps (fprop) / 12 (dgrad): even counts
@@ -885,14 +890,15 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
     (8192, 64, 512, 384),      # ~128 tokens per group, random splits with empty groups
     (1000, 1, 208, 144),       # one group; K ends inside a step (TMA's zero fill), T off the tile
 ])
-def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, block_m, monkeypatch):
+def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
     """[Note: promotion under the next MMA]: the Gluon kernel against the oracle (bound with the
     128-deep Hopper term) and against the Triton kernel: the same bits (the same 128-deep partial sums,
     added and scaled in the same order; blockwise too in every GPU run so far, asserted per-tensor)."""
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_BLOCK_M", block_m)
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_BLOCK_M", 64 if variant == "m64" else 128)
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_WS", variant == "ws")  # warp-specialized
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))
@@ -905,7 +911,7 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, block_m, monkeypatch):
         ours = _run_ragged(op, pb, bias=b, form=form, out_dtype=dt, gluon=True)
         triton_k = _run_ragged(op, pb, bias=b, form=form, out_dtype=dt, gluon=False)
         same = (ours[:n] == triton_k[:n]) | (ours[:n].isnan() & triton_k[:n].isnan())
-        print(f"gluon m{block_m} vs triton {op} {dt} {recipe} T={T} E={E} K={K} N={N}: "
+        print(f"gluon {variant} vs triton {op} {dt} {recipe} T={T} E={E} K={K} N={N}: "
               f"{int((~same).sum())} of {same.numel()} "
               f"differ, max |diff| {float((ours[:n].float() - triton_k[:n].float()).abs().max()):.3g}")
         if recipe == "per_tensor":

@@ -410,20 +410,21 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 
 
 def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]:
-    """One row per tile height (128 rows, two warpgroups; 64, one) and ring depth of the Gluon promoting
-    kernel ([Note: promotion under the next MMA]), label "fp8_<recipe>[_wT]@gluon/m<rows>/s<stages>"; none
-    where it does not apply."""
+    """One row per variant (128-row tiles, two warpgroups; 64, one; 128 warp-specialized) and ring depth
+    of the Gluon promoting kernel ([Note: promotion under the next MMA]), label
+    "fp8_<recipe>[_wT]@gluon/<m128|m64|ws>/s<stages>"; none where it does not apply."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if op not in ("fprop", "dgrad") or not args.device.startswith("cuda") or not (block or _split(q, op)):
         return []
     impl = "fp8_wT" if op == "dgrad" else "fp8"
     rows = []
-    for bm in (128, 64):
+    for variant, bm, ws in (("m128", 128, False), ("m64", 64, False), ("ws", 128, True)):
         for n in stages:
-            label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/m{bm}/s{n}"
+            label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}"
             try:
-                with _overriding_attr(F, "RAGGED_GLUON_STAGES", n), _overriding_attr(F, "RAGGED_GLUON_BLOCK_M", bm):
+                with _overriding_attr(F, "RAGGED_GLUON_STAGES", n), _overriding_attr(F, "RAGGED_GLUON_BLOCK_M", bm), \
+                        _overriding_attr(F, "RAGGED_GLUON_WS", ws):
                     worst = _gemm_check(op, p, q, impl=impl, gluon=True)
                     ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
