@@ -31,10 +31,16 @@ partials alternate between two register sets: no phi copy of an in-flight tile a
 last partial is added inside each branch of the odd/even tail, and each step's MMA takes ``acc`` as its
 (ignored, ``use_acc=False``) input so that LLVM cannot sink the previous add below the issue.
 ``test_gluon_kernel_keeps_the_mma_pipeline`` builds it for sm_90a and fails on any of those messages.
-Measured (H200, docs/benchmarks.md): blockwise fprop/dgrad 1.01-1.50x our bf16 kernels against
-0.87-1.03x for the Triton kernel; per-tensor 1.08-1.55x against 1.23-1.43x, ahead for contractions
-above 4096 only (``grouped_gemm_fp8.RAGGED_GLUON_MIN_DEPTH``). A persistent variant (one program per
-SM, the ring running across tiles) ran at 1.12-1.24x and was dropped.
+``ragged_ws_kernel`` is the same loop warp-specialized (the default): one extra warp issues the TMA
+loads, so the MMA warps only wait on the stages' ``ready`` mbarriers and hand each finished stage back
+through an ``empty`` one (one partition barrier per step, where ``ragged_kernel``'s MMA warps pass three
+CTA-wide barriers around their own TMA issue); the MMA warps get the registers (``setmaxnreg`` 240, the
+TMA warp 24). It ran 1.02-1.06x the speed of ``ragged_kernel`` in every measured cell.
+Measured (H200, docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs our bf16 kernels:
+``ragged_kernel`` 0.99-1.51x blockwise and 1.06-1.62x per-tensor, ``ragged_ws_kernel`` 1.17-1.47x and
+1.26-1.62x (one run), the Triton kernel 0.85-1.03x and 1.20-1.49x; short per-tensor contractions stay
+with the Triton kernel (``grouped_gemm_fp8.RAGGED_GLUON_MIN_DEPTH``). A persistent variant (one program
+per SM, the ring running across tiles) ran at 1.12-1.24x and was dropped.
 
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
 (wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost

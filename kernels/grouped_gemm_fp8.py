@@ -128,14 +128,20 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 # | 1.38-1.40 (7168), 1.36 | 1.38 (2048); dgrad 1.54-1.62 | 1.41-1.47 (14336), 1.08-1.39 | 1.23-1.41
 # (2048), 1.00 | 1.00 (768). Short contractions favour the Triton kernel (its 256-row per-tensor tile;
 # a 128x128 tile's pipeline fill and epilogue weigh more there); a persistent Gluon variant, the ring
-# running across tiles, ran at 1.12-1.24x and was dropped. Hence the shortest contraction, per recipe,
-# that the default dispatch gives the Gluon kernel:
+# running across tiles, ran at 1.12-1.24x and was dropped. Hence (with the warp-specialized variant
+# below) the shortest contraction, per recipe, that the default dispatch gives the Gluon kernel:
 RAGGED_GLUON = True
-RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4097, "blockwise": 2048}
+RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4096, "blockwise": 2048}
 RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, two programs per SM) ran
 #                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
-RAGGED_GLUON_WS = False  # the warp-specialized variant (a TMA warp; the MMA warps wait on mbarriers only)
+# Warp-specialized (one TMA warp; the MMA warps wait on mbarriers only, one partition barrier per step
+# instead of three CTA-wide ones around the TMA issue): 1.02-1.06x the speed of the plain Gluon kernel in
+# every cell of docs/benchmarks/fp8_gemm_gluon_ws_h200.json (per-tensor fprop 1.46 / 1.54 vs 1.39 / 1.46,
+# dgrad 1.62 / 1.26 vs 1.53 / 1.19; blockwise fprop 1.38 / 1.42 vs 1.31 / 1.37, dgrad 1.47 / 1.17 vs 1.44 /
+# 1.12), ahead of the Triton kernel's 1.41 at the 4096-deep per-tensor fprop in that run, hence the
+# per-tensor threshold 4096 (one run; the plain Gluon kernel tied there in three).
+RAGGED_GLUON_WS = True
 _GLUON_FAILED: dict[str, str] = {}  # Gluon kernel -> why it did not build here (then the Triton kernel runs)
 
 # ---------------------------------------------------------------------------------------------------

@@ -401,11 +401,13 @@ def _case_gluon_fallback():
     def launch(*a, **kw):
         calls.append(1)
         raise _Unbuildable()
-    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
+    saved = (k._gluon_ragged, kg.ragged_kernel, kg.ragged_ws_kernel, kg.descriptor, dict(k._GLUON_FAILED),
+             k.RAGGED_GLUON_MIN_DEPTH)
     k._gluon_ragged = lambda *a: True
     k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
-    kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    kg.ragged_kernel = kg.ragged_ws_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    name = "ragged_ws_kernel" if k.RAGGED_GLUON_WS else "ragged_kernel"
     kg.descriptor = lambda t, block_shape: None
     try:
         T, E, K, N = SHAPE_TMA
@@ -414,7 +416,7 @@ def _case_gluon_fallback():
             warnings.simplefilter("always")
             for op in ("fprop", "dgrad", "fprop"):
                 _run_ragged(op, pb, form="kn" if op == "dgrad" else "stacked", use_tma=True)
-        assert len(calls) == 1 and "no such Gluon API" in k._GLUON_FAILED.get("ragged_kernel", "")
+        assert len(calls) == 1 and "no such Gluon API" in k._GLUON_FAILED.get(name, ""), k._GLUON_FAILED
         assert sum("does not build" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
         try:
             _run_ragged("fprop", pb, form="stacked", use_tma=True, gluon=True)
@@ -423,7 +425,7 @@ def _case_gluon_fallback():
         else:
             raise AssertionError("gluon=True after a failed build must raise")
     finally:
-        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
+        k._gluon_ragged, kg.ragged_kernel, kg.ragged_ws_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
         k._GLUON_FAILED.clear()
         k._GLUON_FAILED.update(failed)
 
@@ -746,12 +748,12 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
 
 
 @pytest.mark.parametrize("block,K,gluon,expected", [
-    (0, 4096, None, "triton"), (0, 7168, None, "gluon"), (128, 768, None, "triton"), (128, 2048, None, "gluon"),
-    (0, 7168, False, "triton"), (0, 4096, True, "gluon"),
+    (0, 2048, None, "triton"), (0, 4096, None, "gluon"), (128, 768, None, "triton"), (128, 2048, None, "gluon"),
+    (0, 7168, False, "triton"), (0, 2048, True, "gluon"),
 ])
 def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, gluon, expected):
     """``RAGGED_GLUON_MIN_DEPTH``: where the Gluon kernel can run, the default dispatch gives it the
-    contractions it measured faster on (per-tensor above 4096, blockwise from 2048); ``gluon=`` overrides."""
+    contractions it measured faster on (per-tensor from 4096, blockwise from 2048); ``gluon=`` overrides."""
     pytest.importorskip("triton")
     k = _kernels()
     taken = []
