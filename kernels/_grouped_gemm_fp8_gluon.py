@@ -90,8 +90,8 @@ def _define():
     @gluon.jit
     def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                     num_warps: gl.constexpr):
-        """``grouped_gemm._find_group`` with explicit layouts and without a scan (Gluon has ``cumsum`` only
-        from Triton 3.7): (group, tile within it, first token, tokens, total tiles) for tile ``pid``,
+        """``grouped_gemm._find_group`` with explicit layouts and without a scan (Triton 3.6's Gluon has no
+        ``cumsum``): (group, tile within it, first token, tokens, total tiles) for tile ``pid``,
         offsets clamped into [0, T]. Group e holds tile pid when the tiles of groups 0..e sum past pid,
         so e counts the groups j whose inclusive sums stay <= pid; the sums come 16 groups at a time
         as row sums of a [16, BLOCK_E] lower-triangular selection."""
