@@ -225,6 +225,18 @@ def _define():
             mbarrier.wait(empty.index(s), ((k // NUM_STAGES) & 1) ^ 1)
             _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k, row0, brow0, True, NUM_STAGES)
 
+    @gluon.jit
+    def _tile(e, local, start, size, N, W_ROWS, mma: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+        """Where group e's tile ``local`` lies: (its first row, first column, first row of B, rows, columns,
+        row mask, column mask, e as int64), the vectors in the MMA layout's slices."""
+        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
+        row0 = start + pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        return row0, col0, e * W_ROWS + col0, rows, cols, rows < start + size, cols < N, e.to(gl.int64)
+
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
                       T, E, N, K, W_ROWS,
@@ -239,24 +251,12 @@ def _define():
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
-        row_lay: gl.constexpr = gl.SliceLayout(1, mma)
-        col_lay: gl.constexpr = gl.SliceLayout(0, mma)
-
         pid = gl.program_id(0)
-        tiles_n = gl.cdiv(N, BLOCK_N)
-        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E,
-                                                   num_warps)
+        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, gl.cdiv(N, BLOCK_N), BLOCK_M,
+                                                   BLOCK_E, num_warps)
         if pid < total:
-            pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
-            row0 = start + pid_m * BLOCK_M
-            col0 = pid_n * BLOCK_N
-            brow0 = e * W_ROWS + col0
-            rows = row0 + gl.arange(0, BLOCK_M, layout=row_lay)
-            cols = col0 + gl.arange(0, BLOCK_N, layout=col_lay)
-            rows_ok = rows < start + size
-            cols_ok = cols < N
-            e64 = e.to(gl.int64)
-
+            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, local, start, size, N, W_ROWS, mma,
+                                                                        GROUP_M, BLOCK_M, BLOCK_N)
             a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
             b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
             ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -288,20 +288,12 @@ def _define():
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
         pid = gl.program_id(0)
-        tiles_n = gl.cdiv(N, BLOCK_N)
-        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E,
-                                                   num_warps)
+        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, gl.cdiv(N, BLOCK_N), BLOCK_M,
+                                                   BLOCK_E, num_warps)
         if pid >= total:
             return
-        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
-        row0 = start + pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        brow0 = e * W_ROWS + col0
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        rows_ok = rows < start + size
-        cols_ok = cols < N
-        e64 = e.to(gl.int64)
+        row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, local, start, size, N, W_ROWS, mma, GROUP_M,
+                                                                    BLOCK_M, BLOCK_N)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
