@@ -31,16 +31,16 @@ partials alternate between two register sets: no phi copy of an in-flight tile a
 last partial is added inside each branch of the odd/even tail, and each step's MMA takes ``acc`` as its
 (ignored, ``use_acc=False``) input so that LLVM cannot sink the previous add below the issue.
 ``test_gluon_kernel_keeps_the_mma_pipeline`` builds it for sm_90a and fails on any of those messages.
-``ragged_ws_kernel`` is the same loop warp-specialized (the default): one extra warp issues the TMA
-loads, so the MMA warps only wait on the stages' ``ready`` mbarriers and hand each finished stage back
-through an ``empty`` one (one partition barrier per step, where ``ragged_kernel``'s MMA warps pass three
-CTA-wide barriers around their own TMA issue); the MMA warps get the registers (``setmaxnreg`` 240, the
-TMA warp 24). It ran 1.02-1.06x the speed of ``ragged_kernel`` in every measured cell.
+``ragged_kernel(..., WS=True)`` (the default) runs the same loop warp-specialized: one extra warp issues
+the TMA loads, so the MMA warps only wait on the stages' ``ready`` mbarriers and hand each finished stage
+back through an ``empty`` one (one partition barrier per step, where with WS=False the MMA warps pass
+three CTA-wide barriers around their own TMA issue); the MMA warps get the registers (``setmaxnreg``
+240, the TMA warp 24). It ran 1.02-1.06x the speed of WS=False in every measured cell.
 Measured (H200, docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs our bf16 kernels:
-``ragged_kernel`` 0.99-1.51x blockwise and 1.06-1.62x per-tensor, ``ragged_ws_kernel`` 1.17-1.47x and
-1.26-1.62x (one run), the Triton kernel 0.85-1.03x and 1.20-1.49x; short per-tensor contractions stay
-with the Triton kernel (``grouped_gemm_fp8.RAGGED_GLUON_MIN_DEPTH``). A persistent variant (one program
-per SM, the ring running across tiles) ran at 1.12-1.24x and was dropped.
+WS=False 0.99-1.51x blockwise and 1.06-1.62x per-tensor, WS=True 1.17-1.47x and 1.26-1.62x (one run),
+the Triton kernel 0.85-1.03x and 1.20-1.49x; short per-tensor contractions stay with the Triton kernel
+(``grouped_gemm_fp8.RAGGED_GLUON_MIN_DEPTH``). A persistent variant (one program per SM, the ring
+running across tiles) ran at 1.12-1.24x and was dropped.
 
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
 (wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost
@@ -71,7 +71,7 @@ _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_
 _WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(
     iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")
 
-__all__ = ["AVAILABLE", "BLOCK", "ragged_kernel", "ragged_ws_kernel", "descriptor"]
+__all__ = ["AVAILABLE", "BLOCK", "ragged_kernel", "descriptor"]
 
 AVAILABLE = gluon is not None
 BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) per 64 rows
@@ -243,45 +243,11 @@ def _define():
                       stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                       BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
         """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
-        ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, BLOCK_N, 32])
-        pid = gl.program_id(0)
-        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, gl.cdiv(N, BLOCK_N), BLOCK_M,
-                                                   BLOCK_E, num_warps)
-        if pid < total:
-            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, local, start, size, N, W_ROWS, mma,
-                                                                        GROUP_M, BLOCK_M, BLOCK_N)
-            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(ready.index(i), count=1)
-            n_k = gl.cdiv(K, BLOCK_K)  # >= 1 (the host takes this kernel only for K > 0)
-            for i in gl.static_range(NUM_STAGES):
-                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, row0, brow0, i < n_k, NUM_STAGES)
-
-            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols, rows_ok,
-                     cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
-                     stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS,
-                     NUM_STAGES, False)
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.invalidate(ready.index(i))
-
-    @gluon.jit(do_not_specialize=["T", "E"])
-    def ragged_ws_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
-                         T, E, N, K, W_ROWS,
-                         stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
-                         stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
-                         BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                         BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """``ragged_kernel`` warp-specialized: one extra warp issues the TMA loads and the MMA warps only
-        wait on mbarriers (``ragged_kernel``'s MMA warps issue them, behind CTA-wide barriers)."""
+        ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. WS: warp-specialized,
+        one extra warp issues the TMA loads and the MMA warps only wait on mbarriers (else the MMA warps
+        issue them, behind CTA-wide barriers)."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -297,33 +263,43 @@ def _define():
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
         n_k = gl.cdiv(K, BLOCK_K)  # >= 1 (the host takes this kernel only for K > 0)
-        # (the argument tuples are written out in each call: a tuple variable would turn the constexprs
-        # in it into tensors)
-        if _WS_PAIRS:
-            gl.warp_specialize([
-                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols,
-                            rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask,
-                            stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn,
-                            mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True)),
-                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES)),
-            ], [1], [24])
-        else:
-            gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows,
+        if WS:
+            empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.init(empty.index(i), count=1)
+            # (the argument tuples are written out in each call: a tuple variable would turn the constexprs
+            # in it into tensors)
+            if _WS_PAIRS:
+                gl.warp_specialize([
+                    (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows,
                                 cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask,
                                 stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase,
-                                stride_biasn, mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True), _consume,
-                               (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES),
-                               [_produce], [1], [24])
+                                stride_biasn, mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True)),
+                    (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES)),
+                ], [1], [24])
+            else:
+                gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows,
+                                    cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
+                                    stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
+                                    stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True),
+                                   _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k,
+                                              NUM_STAGES), [_produce], [1], [24])
+            for i in gl.static_range(NUM_STAGES):
+                mbarrier.invalidate(empty.index(i))
+        else:
+            for i in gl.static_range(NUM_STAGES):
+                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, row0, brow0, i < n_k, NUM_STAGES)
+            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols, rows_ok,
+                     cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
+                     stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS,
+                     NUM_STAGES, False)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(empty.index(i))
 
-    return ragged_kernel, ragged_ws_kernel
+    return ragged_kernel
 
 
-ragged_kernel, ragged_ws_kernel = _define() if AVAILABLE else (None, None)
+ragged_kernel = _define() if AVAILABLE else None

@@ -142,7 +142,7 @@ RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0
 # 1.12), ahead of the Triton kernel's 1.41 at the 4096-deep per-tensor fprop in that run, hence the
 # per-tensor threshold 4096 (one run; the plain Gluon kernel tied there in three).
 RAGGED_GLUON_WS = True
-_GLUON_FAILED: dict[str, str] = {}  # Gluon kernel -> why it did not build here (then the Triton kernel runs)
+_GLUON_FAILED: dict[str, str] = {}  # "ws" / "plain" -> why it did not build here (then the Triton kernel runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -394,21 +394,23 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     T, K = a.shape
     E, _, N = b_EKN.shape
     L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
-    name = "ragged_ws_kernel" if RAGGED_GLUON_WS else "ragged_kernel"
+    name = "ws" if RAGGED_GLUON_WS else "plain"
     if name in _GLUON_FAILED:
         return False
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
     try:
-        getattr(kg, name)[((triton.cdiv(T, bm) + E) * triton.cdiv(N, L),)](
+        kg.ragged_kernel[((triton.cdiv(T, bm) + E) * triton.cdiv(N, L),)](
             kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
             T, E, N, K, N,
             sas[0], sas[1], sbs[0], sbs[1], sbs[2],
             out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
-            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
+            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, WS=RAGGED_GLUON_WS,
+            num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED[name] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon FP8 grouped GEMM kernel ({name}) does not build with triton {triton.__version__}; "
+        warnings.warn(f"the Gluon FP8 grouped GEMM kernel (WS={RAGGED_GLUON_WS}) does not build with triton "
+                      f"{triton.__version__}; "
                       f"using the Triton kernel (same products, slower): {_GLUON_FAILED[name][:400]}",
                       RuntimeWarning, stacklevel=4)
         return False

@@ -401,13 +401,12 @@ def _case_gluon_fallback():
     def launch(*a, **kw):
         calls.append(1)
         raise _Unbuildable()
-    saved = (k._gluon_ragged, kg.ragged_kernel, kg.ragged_ws_kernel, kg.descriptor, dict(k._GLUON_FAILED),
-             k.RAGGED_GLUON_MIN_DEPTH)
+    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
     k._gluon_ragged = lambda *a: True
     k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
-    kg.ragged_kernel = kg.ragged_ws_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
-    name = "ragged_ws_kernel" if k.RAGGED_GLUON_WS else "ragged_kernel"
+    kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    name = "ws" if k.RAGGED_GLUON_WS else "plain"
     kg.descriptor = lambda t, block_shape: None
     try:
         T, E, K, N = SHAPE_TMA
@@ -425,7 +424,7 @@ def _case_gluon_fallback():
         else:
             raise AssertionError("gluon=True after a failed build must raise")
     finally:
-        k._gluon_ragged, kg.ragged_kernel, kg.ragged_ws_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
+        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
         k._GLUON_FAILED.clear()
         k._GLUON_FAILED.update(failed)
 
@@ -674,7 +673,8 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
                 T=T, E=E, N=N, K=K, W_ROWS=N, stride_ast=K // L, stride_ask=1, stride_bse=(N // L) * (K // L),
                 stride_bsk=N // L, stride_bsn=1, stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
     consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=block_m // 16)
-    fn = kg.ragged_ws_kernel if ws else kg.ragged_kernel
+    fn = kg.ragged_kernel
+    consts["WS"] = ws
     sig, attrs = _specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=block_m // 16))
