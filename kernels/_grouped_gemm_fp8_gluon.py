@@ -114,9 +114,9 @@ def _define():
         return e, local, start, size, gl.sum(tiles, axis=0)
 
     @gluon.jit
-    def _issue(a_desc, b_desc, ready, a_bufs, b_bufs, step, row0, brow0, pred, NUM_STAGES: gl.constexpr):
-        """TMA loads of K step ``step`` into its stage (nothing if not ``pred``)."""
-        s = step % NUM_STAGES
+    def _issue(a_desc, b_desc, ready, a_bufs, b_bufs, step, g, row0, brow0, pred, NUM_STAGES: gl.constexpr):
+        """TMA loads of K step ``step`` into the stage of the ring's step ``g`` (nothing if not ``pred``)."""
+        s = g % NUM_STAGES
         k0 = step * a_desc.block_type.shape[1]
         bar = ready.index(s)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
@@ -124,30 +124,32 @@ def _define():
         _tma_load(b_desc, [brow0, k0], bar, b_bufs.index(s), pred=pred)
 
     @gluon.jit
-    def _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc, prev, prev_as, prev_bs, as_ptrs,
-              bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
+    def _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc, prev, prev_as, prev_bs,
+              as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
               NUM_STAGES: gl.constexpr, empty=None, WS: gl.constexpr = False):
         """K step ``k``: issue its MMAs, then add step k-1's partial ``prev`` into ``acc`` while they run.
         Returns (acc, this step's partial, its row scales, its weight scale); the partial is still in
         flight: only the next step's wait makes it readable. Step k-1's stage is then free: refilled here,
-        or, warp-specialized (WS), handed back to the producer through ``empty``."""
-        s = k % NUM_STAGES
+        or, warp-specialized (WS), handed back to the producer through ``empty``. ``base``: the ring's
+        step count before this tile's step 0 (persistent programs run the ring across tiles)."""
+        g = base + k
+        s = g % NUM_STAGES
         if BLOCKWISE:  # loaded now, used at the next step: a whole MMA step to arrive
             cur_as = gl.load(as_ptrs + k * stride_ask, mask=rows_ok, other=0.0)
             cur_bs = gl.load(bs_base + k * stride_bsk)
         else:
             cur_as = prev_as
             cur_bs = prev_bs
-        mbarrier.wait(ready.index(s), (k // NUM_STAGES) & 1)
+        mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
         # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
         # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
         cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
         cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
         # step k-1's MMAs are done: its stage takes step k + NUM_STAGES - 1
         if WS:
-            mbarrier.arrive(empty.index((k - 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(empty.index((g - 1) % NUM_STAGES), count=1)
         else:
-            _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k + NUM_STAGES - 1, row0, brow0,
+            _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k + NUM_STAGES - 1, g + NUM_STAGES - 1, row0, brow0,
                    k + NUM_STAGES - 1 < n_k, NUM_STAGES)
         if BLOCKWISE:
             acc = acc + prev * (prev_as[:, None] * prev_bs)
@@ -164,12 +166,13 @@ def _define():
         return acc + prev
 
     @gluon.jit
-    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols, rows_ok,
-                 cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
+    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
+                 rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
                  stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
                  BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
         """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
-        stages arrive through ``ready``; WS: hand each finished stage back through ``empty``."""
+        stages arrive through ``ready``, the tile's step 0 in the ring's step ``base``; WS: hand each
+        finished stage back through ``empty``."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -189,25 +192,28 @@ def _define():
         # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
         # then two steps per iteration, so that the partials alternate between two register sets
         # without a copy ([Note: promotion under the next MMA]).
-        mbarrier.wait(ready.index(0), 0)
-        prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
+        s0 = base % NUM_STAGES
+        mbarrier.wait(ready.index(s0), (base // NUM_STAGES) & 1)
+        prev = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
         for k in range(1, n_k - 1, 2):
-            acc, cur, cur_as, cur_bs = _step(k, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
+            acc, cur, cur_as, cur_bs = _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
                                              prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask,
                                              stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
-            acc, prev, prev_as, prev_bs = _step(k + 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k,
+            acc, prev, prev_as, prev_bs = _step(k + 1, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k,
                                                 acc, cur, cur_as, cur_bs, as_ptrs, bs_base, rows_ok,
                                                 stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
         # the last partial is added in each branch: no in-flight accumulator may cross the merge
         if n_k % 2 == 0:  # one step left
-            acc, prev, prev_as, prev_bs = _step(n_k - 1, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0,
+            acc, prev, prev_as, prev_bs = _step(n_k - 1, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0,
                                                 n_k, acc, prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok,
                                                 stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
         else:
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
+        if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
+            mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
         if not BLOCKWISE:
             acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
         if HAS_BIAS:
@@ -217,25 +223,93 @@ def _define():
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
     @gluon.jit
-    def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES: gl.constexpr):
-        """The warp-specialized kernel's TMA warp: step k waits until the consumers hand its stage back
-        (a fresh mbarrier counts as released for the first round), then loads it."""
-        for k in range(n_k):
-            s = k % NUM_STAGES
-            mbarrier.wait(empty.index(s), ((k // NUM_STAGES) & 1) ^ 1)
-            _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k, row0, brow0, True, NUM_STAGES)
+    def _group(offs_ptr, stride_o, T, e):
+        """Group e's first token and token count, offsets clamped into [0, T] (as ``_find_group``)."""
+        end = gl.minimum(gl.maximum(gl.load(offs_ptr + e * stride_o), 0), T)
+        start = gl.minimum(gl.maximum(gl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
+        return start, gl.maximum(end - start, 0)
+
+    @gluon.jit
+    def _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M: gl.constexpr):
+        """The group holding ``tile`` (>= ``first``, the first tile of group e, and < the total):
+        (group, its first tile, first token, tokens), walking forward from group e. A program's tiles
+        only grow, so over its whole life the walk reads each group's offsets once or twice."""
+        start, size = _group(offs_ptr, stride_o, T, e)
+        n = gl.cdiv(size, BLOCK_M) * tiles_n
+        while first + n <= tile:
+            first += n
+            e += 1
+            start, size = _group(offs_ptr, stride_o, T, e)
+            n = gl.cdiv(size, BLOCK_M) * tiles_n
+        return e, first, start, size
+
+    @gluon.jit
+    def _origin(e, local, start, size, N, W_ROWS, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """Group e's tile ``local``: its first row, first column and first row of B."""
+        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
+        col0 = pid_n * BLOCK_N
+        return start + pid_m * BLOCK_M, col0, e * W_ROWS + col0
 
     @gluon.jit
     def _tile(e, local, start, size, N, W_ROWS, mma: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr):
-        """Where group e's tile ``local`` lies: (its first row, first column, first row of B, rows, columns,
-        row mask, column mask, e as int64), the vectors in the MMA layout's slices."""
-        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
-        row0 = start + pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
+        """``_origin`` plus (rows, columns, row mask, column mask, e as int64), the vectors in the MMA
+        layout's slices."""
+        row0, col0, brow0 = _origin(e, local, start, size, N, W_ROWS, GROUP_M, BLOCK_M, BLOCK_N)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        return row0, col0, e * W_ROWS + col0, rows, cols, rows < start + size, cols < N, e.to(gl.int64)
+        return row0, col0, brow0, rows, cols, rows < start + size, cols < N, e.to(gl.int64)
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e, first, pid,
+                 total, nprog, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """The warp-specialized kernel's TMA warp, over the program's tiles pid, pid + nprog, ... < total:
+        ring step g waits until the consumers hand its stage back (a fresh mbarrier counts as released for
+        the first round), then loads it; the next tile's loads start as soon as stages come free, under
+        the consumers' last steps and epilogue."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        base = pid * 0
+        for tile in range(pid, total, nprog):
+            e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, gl.cdiv(N, BLOCK_N), BLOCK_M)
+            row0, col0, brow0 = _origin(e, tile - first, start, size, N, W_ROWS, GROUP_M, BLOCK_M, BLOCK_N)
+            for k in range(n_k):
+                g = base + k
+                mbarrier.wait(empty.index(g % NUM_STAGES), ((g // NUM_STAGES) & 1) ^ 1)
+                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, k, g, row0, brow0, True, NUM_STAGES)
+            base += n_k
+
+    @gluon.jit
+    def _consume_tiles(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e,
+                       first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
+                       stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
+                       GROUP_M: gl.constexpr, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       NUM_STAGES: gl.constexpr):
+        """The warp-specialized kernel's MMA warps over the same tiles as ``_produce``, in the same order."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        base = pid * 0
+        for tile in range(pid, total, nprog):
+            e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, gl.cdiv(N, BLOCK_N), BLOCK_M)
+            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N, W_ROWS,
+                                                                        mma, GROUP_M, BLOCK_M, BLOCK_N)
+            _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
+                     rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
+                     stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
+                     HAS_BIAS, NUM_STAGES, True)
+            base += n_k
+
+    @gluon.jit
+    def _total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """The tiles of all groups (``_find_group``'s last value, without the search)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        eidx = gl.arange(0, BLOCK_E, layout=lay)
+        ends = gl.minimum(gl.maximum(gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0), 0), T)
+        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
+        starts = gl.minimum(gl.maximum(starts, 0), T)
+        return gl.sum(gl.cdiv(gl.maximum(ends - starts, 0), BLOCK_M) * tiles_n, axis=0)
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
@@ -243,7 +317,8 @@ def _define():
                       stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                       BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
+                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr, PERSISTENT: gl.constexpr,
+                      num_warps: gl.constexpr):
         """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
         ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. WS: warp-specialized,
         one extra warp issues the TMA loads and the MMA warps only wait on mbarriers (else the MMA warps
@@ -254,12 +329,17 @@ def _define():
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
         pid = gl.program_id(0)
-        e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, gl.cdiv(N, BLOCK_N), BLOCK_M,
-                                                   BLOCK_E, num_warps)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        if PERSISTENT:  # tiles pid, pid + grid, ...: each program walks a group cursor forward from group 0
+            total = _total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M, BLOCK_E, num_warps)
+            e = pid * 0
+            first = e
+        else:  # one tile per program: found by a search (a walk from group 0 would cost E dependent loads)
+            e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E,
+                                                       num_warps)
+            first = pid - local
         if pid >= total:
             return
-        row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, local, start, size, N, W_ROWS, mma, GROUP_M,
-                                                                    BLOCK_M, BLOCK_N)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -267,6 +347,7 @@ def _define():
             mbarrier.init(ready.index(i), count=1)
         n_k = gl.cdiv(K, BLOCK_K)  # >= 1 (the host takes this kernel only for K > 0)
         if WS:
+            nprog = gl.num_programs(0)  # not persistent: the grid covers every tile, pid is the program's only one
             empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.init(empty.index(i), count=1)
@@ -274,28 +355,32 @@ def _define():
             # in it into tensors)
             if _WS_PAIRS:
                 gl.warp_specialize([
-                    (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows,
-                                cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask,
-                                stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase,
-                                stride_biasn, mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True)),
-                    (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, NUM_STAGES)),
+                    (_consume_tiles, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
+                                      n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
+                                      stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
+                                      stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES)),
+                    (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
+                                e, first, pid, total, nprog, GROUP_M, NUM_STAGES)),
                 ], [1], [24])
             else:
-                gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows,
-                                    cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
+                gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
+                                    n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
                                     stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
-                                    stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS, NUM_STAGES, True),
-                                   _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, row0, brow0, n_k,
-                                              NUM_STAGES), [_produce], [1], [24])
+                                    stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES),
+                                   _consume_tiles,
+                                   (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
+                                    n_k, e, first, pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [24])
             for i in gl.static_range(NUM_STAGES):
                 mbarrier.invalidate(empty.index(i))
         else:
+            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, local, start, size, N, W_ROWS, mma,
+                                                                        GROUP_M, BLOCK_M, BLOCK_N)
             for i in gl.static_range(NUM_STAGES):
-                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, row0, brow0, i < n_k, NUM_STAGES)
-            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, row0, brow0, n_k, e64, col0, rows, cols, rows_ok,
-                     cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
-                     stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS,
-                     NUM_STAGES, False)
+                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, i, row0, brow0, i < n_k, NUM_STAGES)
+            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, 0, row0, brow0, n_k, e64, col0, rows, cols,
+                     rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
+                     stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
+                     HAS_BIAS, NUM_STAGES, False)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
 

@@ -80,7 +80,7 @@ from . import _grouped_gemm_fp8_configs as _cfg
 from ._dispatch import call
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
 from ._grouped_wgrad import _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
-from .grouped_gemm import _device_info, _find_group, _interpreting, _ptr_table
+from .grouped_gemm import _device_info, _find_group, _interpreting, _num_sms, _ptr_table
 
 __all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
 
@@ -121,28 +121,35 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 
 # fprop / dgrad with promotion (per-tensor split accumulator, blockwise) through the Gluon kernel where it
 # applies ([Note: promotion under the next MMA] in _grouped_gemm_fp8_gluon.py); False: the Triton kernel.
-# H200 (2026-11-29, docs/benchmarks/fp8_gemm_gluon_h200*.json and the record fp8_h200.json), vs our bf16
-# kernels, Gluon | Triton, by contraction depth: blockwise fprop 1.29-1.34 | 0.92-0.95 (4096), 1.34-1.43 |
-# 1.00-1.03 (7168), 1.13 | 1.09 (2048, 128 tokens per group); dgrad 1.45-1.50 | 0.94-0.98 (14336),
-# 1.01-1.17 | 0.87-0.99 (2048), 0.66 | 0.83 (768). Per-tensor fprop 1.37-1.41 | 1.39-1.45 (4096), 1.44-1.54
-# | 1.38-1.40 (7168), 1.36 | 1.38 (2048); dgrad 1.54-1.62 | 1.41-1.47 (14336), 1.08-1.39 | 1.23-1.41
-# (2048), 1.00 | 1.00 (768). Short contractions favour the Triton kernel (its 256-row per-tensor tile;
-# a 128x128 tile's pipeline fill and epilogue weigh more there); a persistent Gluon variant, the ring
-# running across tiles, ran at 1.12-1.24x and was dropped. Hence (with the warp-specialized variant
-# below) the shortest contraction, per recipe, that the default dispatch gives the Gluon kernel:
+# H200, vs our bf16 kernels in the same process, (E, contraction): persistent warp-specialized Gluon |
+# warp-specialized Gluon, one program per tile | Triton, docs/benchmarks/fp8_gemm_gluon_persistent_h200.json:
+#   per-tensor fprop  1.58 | 1.47 | 1.43 (8, 4096)    1.76 | 1.55 | 1.42 (64, 7168)   0.80 | 0.56 | 1.33 (128, 2048)
+#   per-tensor dgrad  1.70 | 1.64 | 1.43 (8, 14336)   1.49 | 1.15 | 1.36 (64, 2048)   1.00 | 0.62 | 0.97 (128, 768)
+#   blockwise fprop   1.44 | 1.35 | 0.94              1.62 | 1.47 | 1.04              1.16 | 0.49 | 0.63
+#   blockwise dgrad   1.69 | 1.48 | 0.93              1.40 | 1.14 | 0.95              0.89 | 0.62 | 0.80
+# (E=128 calls take 0.15-0.3 ms and moved by up to 2x between runs; the previous runs, the non-persistent
+# kernels only: fp8_gemm_gluon_h200*.json, fp8_gemm_gluon_ws_h200.json.) Hence the default dispatch: the
+# Gluon kernel for blockwise from 768-deep contractions (the shallowest measured) and for per-tensor from
+# 2048 with >= 1024 tokens per group (T / E): with ~128 the Triton kernel won the 2048-deep fprop (its
+# 128x128 tile there is the Gluon kernel's, so the difference is schedule, not shape; not understood yet).
 RAGGED_GLUON = True
-RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 4096, "blockwise": 2048}
+RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 2048, "blockwise": 768}
+RAGGED_GLUON_MIN_TOKENS_PER_GROUP = {"per_tensor": 1024, "blockwise": 0}
 RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, two programs per SM) ran
 #                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
-RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.98-1.09x
+RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.87-1.03x
+#                          (persistent: fp8_gemm_gluon_persistent_h200.json)
 # Warp-specialized (one TMA warp; the MMA warps wait on mbarriers only, one partition barrier per step
 # instead of three CTA-wide ones around the TMA issue): 1.02-1.06x the speed of the plain Gluon kernel in
-# every cell of docs/benchmarks/fp8_gemm_gluon_ws_h200.json (per-tensor fprop 1.46 / 1.54 vs 1.39 / 1.46,
-# dgrad 1.62 / 1.26 vs 1.53 / 1.19; blockwise fprop 1.38 / 1.42 vs 1.31 / 1.37, dgrad 1.47 / 1.17 vs 1.44 /
-# 1.12), ahead of the Triton kernel's 1.41 at the 4096-deep per-tensor fprop in that run, hence the
-# per-tensor threshold 4096 (one run; the plain Gluon kernel tied there in three).
+# every cell of docs/benchmarks/fp8_gemm_gluon_ws_h200.json.
 RAGGED_GLUON_WS = True
-_GLUON_FAILED: dict[str, str] = {}  # "ws" / "plain" -> why it did not build here (then the Triton kernel runs)
+# Persistent (warp-specialized only): one program per SM over tiles pid, pid + #SMs, ...; the TMA warp
+# loads the next tile's first stages under the MMA warps' last steps and epilogue, where a fresh program
+# starts with an empty ring: 1.04-1.29x the non-persistent kernel at the large shapes (table above), most
+# where a tile has few K steps (the 2048-deep dgrad). An earlier persistent variant without the TMA warp
+# (its MMA warps issued the next tile's loads only after their epilogue) ran at 1.12-1.24x bf16 and was dropped.
+RAGGED_GLUON_PERSISTENT = True
+_GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "plain") -> why it did not build here
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -376,8 +383,8 @@ def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: b
     Hopper GPU (wgmma is sm_90a only) and a Triton with Gluon, a promoting accumulation (per-tensor split
     or 128-blockwise), TMA-aligned operands with B's contraction innermost, and experts stacked so that B
     is a 2-D ``[E * N, K]`` view. ``_launch_ragged`` takes it when it can, unless ``RAGGED_GLUON`` is off,
-    the contraction is shorter than ``RAGGED_GLUON_MIN_DEPTH`` of the recipe, a config was given, or it
-    failed to build here."""
+    the contraction is shorter than ``RAGGED_GLUON_MIN_DEPTH`` of the recipe or the groups are smaller
+    than ``RAGGED_GLUON_MIN_TOKENS_PER_GROUP`` on average, a config was given, or it failed to build here."""
     if not (tma_k_inner and a.is_cuda) or _interpreting():
         return False
     from . import _grouped_gemm_fp8_gluon as kg
@@ -394,22 +401,24 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     T, K = a.shape
     E, _, N = b_EKN.shape
     L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
-    name = "ws" if RAGGED_GLUON_WS else "plain"
+    persistent = RAGGED_GLUON_WS and RAGGED_GLUON_PERSISTENT
+    name = ("ws_persistent" if persistent else "ws") if RAGGED_GLUON_WS else "plain"
     if name in _GLUON_FAILED:
         return False
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
+    tiles = (triton.cdiv(T, bm) + E) * triton.cdiv(N, L)  # >= the tiles of any split (offsets stay on device)
     try:
-        kg.ragged_kernel[((triton.cdiv(T, bm) + E) * triton.cdiv(N, L),)](
+        kg.ragged_kernel[(min(tiles, _num_sms(a.device)) if persistent else tiles,)](
             kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
             T, E, N, K, N,
             sas[0], sas[1], sbs[0], sbs[1], sbs[2],
             out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
             BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, WS=RAGGED_GLUON_WS,
-            num_warps=bm // 16)
+            PERSISTENT=persistent, num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED[name] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon FP8 grouped GEMM kernel (WS={RAGGED_GLUON_WS}) does not build with triton "
+        warnings.warn(f"the Gluon FP8 grouped GEMM kernel ({name}) does not build with triton "
                       f"{triton.__version__}; "
                       f"using the Triton kernel (same products, slower): {_GLUON_FAILED[name][:400]}",
                       RuntimeWarning, stacklevel=4)
@@ -441,7 +450,9 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
         raise ValueError(f"{op}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, TMA-aligned "
                          f"operands with the contraction innermost, stacked weights and a promoting accumulation; "
                          f"got block={block}, split_accumulator={split_acc}, tma={tma}, weight strides {tuple(sb)}")
-    preferred = RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH["blockwise" if block else "per_tensor"]
+    recipe = "blockwise" if block else "per_tensor"
+    preferred = (RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH[recipe]
+                 and T >= RAGGED_GLUON_MIN_TOKENS_PER_GROUP[recipe] * E)
     if gluon or (gluon is None and applies and config is None and preferred):
         if _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias):
             return out

@@ -401,12 +401,14 @@ def _case_gluon_fallback():
     def launch(*a, **kw):
         calls.append(1)
         raise _Unbuildable()
-    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
+    saved = (k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH,
+             k.RAGGED_GLUON_MIN_TOKENS_PER_GROUP)
     k._gluon_ragged = lambda *a: True
     k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
+    k.RAGGED_GLUON_MIN_TOKENS_PER_GROUP = {"per_tensor": 0, "blockwise": 0}  # and its small groups
     kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
-    name = "ws" if k.RAGGED_GLUON_WS else "plain"
+    name = ("ws_persistent" if k.RAGGED_GLUON_PERSISTENT else "ws") if k.RAGGED_GLUON_WS else "plain"
     kg.descriptor = lambda t, block_shape: None
     try:
         T, E, K, N = SHAPE_TMA
@@ -424,7 +426,8 @@ def _case_gluon_fallback():
         else:
             raise AssertionError("gluon=True after a failed build must raise")
     finally:
-        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
+        (k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH,
+         k.RAGGED_GLUON_MIN_TOKENS_PER_GROUP) = saved
         k._GLUON_FAILED.clear()
         k._GLUON_FAILED.update(failed)
 
@@ -651,9 +654,11 @@ def test_compiles_for_sm90(variant):
     assert "mma.sync" not in ptx, f"{variant}: fell back to mma.sync"
 
 
-def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool = False) -> tuple[str, str]:
+def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool = False,
+                      persistent: bool = False) -> tuple[str, str]:
     """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
-    ``block_m`` rows (one warpgroup per 64); ``ws``: the warp-specialized variant."""
+    ``block_m`` rows (one warpgroup per 64); ``ws``: the warp-specialized variant, ``persistent`` its
+    persistent form."""
     import subprocess
     import tempfile
 
@@ -675,6 +680,7 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
     consts = dict(BLOCKWISE=blockwise, HAS_BIAS=True, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=block_m // 16)
     fn = kg.ragged_kernel
     consts["WS"] = ws
+    consts["PERSISTENT"] = persistent
     sig, attrs = _specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=block_m // 16))
@@ -697,10 +703,11 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
 
 
 @pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",
-                                     "blockwise/e4m3/64", "per_tensor/e4m3/ws", "blockwise/e4m3/ws"])
+                                     "blockwise/e4m3/64", "per_tensor/e4m3/ws", "blockwise/e4m3/ws",
+                                     "per_tensor/e4m3/ws/persistent", "blockwise/e4m3/ws/persistent"])
 def test_gluon_kernel_keeps_the_mma_pipeline(variant):
-    """[Note: promotion under the next MMA]: the Gluon kernels (128- and 64-row tiles, warp-specialized)
-    build for sm_90a with fp8 wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``,
+    """[Note: promotion under the next MMA]: the Gluon kernels (128- and 64-row tiles, warp-specialized,
+    persistent) build for sm_90a with fp8 wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``,
     once per step), and ptxas neither serializes the wgmmas (C7514: a non-wgmma instruction reading an
     in-flight accumulator; C7512: registers) nor spills."""
     pytest.importorskip("triton")
@@ -709,7 +716,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
         pytest.skip("this Triton has no Gluon")
     recipe, a_ty, *rest = variant.split("/")
     ptx, info = _sm90_gluon_ptxas(recipe == "blockwise", {"e4m3": "float8e4nv", "e5m2": "float8e5"}[a_ty],
-                                  64 if "64" in rest else 128, ws="ws" in rest)
+                                  64 if "64" in rest else 128, ws="ws" in rest, persistent="persistent" in rest)
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_ty}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
@@ -747,13 +754,16 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
     assert not k._gluon_ragged(a, b, 0, True, True)
 
 
-@pytest.mark.parametrize("block,K,gluon,expected", [
-    (0, 2048, None, "triton"), (0, 4096, None, "gluon"), (128, 768, None, "triton"), (128, 2048, None, "gluon"),
-    (0, 7168, False, "triton"), (0, 2048, True, "gluon"),
+@pytest.mark.parametrize("block,K,T,gluon,expected", [
+    (0, 1024, 2048, None, "triton"), (0, 2048, 2048, None, "gluon"), (0, 4096, 2048, None, "gluon"),
+    (0, 2048, 1536, None, "triton"), (0, 7168, 256, None, "triton"),  # per-tensor: < 1024 tokens per group
+    (128, 512, 2048, None, "triton"), (128, 768, 2048, None, "gluon"), (128, 2048, 256, None, "gluon"),
+    (0, 7168, 2048, False, "triton"), (0, 1024, 256, True, "gluon"),
 ])
-def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, gluon, expected):
-    """``RAGGED_GLUON_MIN_DEPTH``: where the Gluon kernel can run, the default dispatch gives it the
-    contractions it measured faster on (per-tensor from 4096, blockwise from 2048); ``gluon=`` overrides."""
+def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, T, gluon, expected):
+    """``RAGGED_GLUON_MIN_DEPTH`` and ``RAGGED_GLUON_MIN_TOKENS_PER_GROUP``: where the Gluon kernel can
+    run, the default dispatch gives it what it measured faster on (per-tensor from 2048-deep contractions
+    with >= 1024 tokens per group, blockwise from 768); ``gluon=`` overrides."""
     pytest.importorskip("triton")
     k = _kernels()
     taken = []
@@ -762,15 +772,49 @@ def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, gluon, expec
     monkeypatch.setattr(k, "_fp8_ragged_kernel", type("K", (), {"__getitem__": lambda self, grid: (
         lambda *a, **kw: taken.append("triton"))})())
     monkeypatch.setattr(k, "_GLUON_FAILED", {})
-    T, E, N = 256, 2, 256
+    E, N = 2, 256
     a = torch.zeros(T, K, dtype=E4M3)
     b = torch.zeros(E, N, K, dtype=E4M3).transpose(1, 2)
     scales = (torch.ones(T, K // 128), torch.ones(E, K // 128, N // 128)) if block else (torch.ones(()), torch.ones(E))
-    offs = torch.tensor([128, 256], dtype=torch.int32)
+    offs = torch.tensor([T // 2, T], dtype=torch.int32)
     out = torch.empty(T, N, dtype=torch.bfloat16)
     k._launch_ragged(a, scales[0], b, scales[1], offs, None, out, block=block, op="grouped_fprop_fp8", config=None,
                      use_tma=True, gluon=gluon)
     assert taken == [expected]
+
+
+@pytest.mark.parametrize("ws,persistent,T,grid", [
+    (True, True, 4096, 132),                 # (32 + 2) * 8 = 272 tiles at most: one program per SM
+    (True, True, 256, (2 + 2) * 8),          # fewer tiles than SMs: one program per tile
+    (True, False, 4096, (32 + 2) * 8),       # not persistent: a program for every possible tile
+    (False, True, 4096, (32 + 2) * 8),       # persistent needs the TMA warp: the plain kernel ignores it
+])
+def test_gluon_launch_grid(monkeypatch, ws, persistent, T, grid):
+    """``_launch_gluon_ragged``: the persistent kernel gets min(bound on the tiles, SMs) programs (the
+    offsets stay on the device, so the host bounds the tiles by cdiv(T, 128) + E row tiles per column),
+    the others one per possible tile; the variant's flags reach the kernel."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    if not kg.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    k = _kernels()
+    launched = []
+    monkeypatch.setattr(kg, "ragged_kernel", type("K", (), {"__getitem__": lambda self, g: (
+        lambda *a, **kw: launched.append((g, kw)))})())
+    monkeypatch.setattr(kg, "descriptor", lambda t, block: None)
+    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(k, "RAGGED_GLUON_WS", ws)
+    monkeypatch.setattr(k, "RAGGED_GLUON_PERSISTENT", persistent)
+    monkeypatch.setattr(k, "_GLUON_FAILED", {})
+    E, K, N = 2, 256, 1024
+    a = torch.zeros(T, K, dtype=E4M3)
+    b = torch.zeros(E, N, K, dtype=E4M3).transpose(1, 2)
+    offs = torch.tensor([T // 2, T], dtype=torch.int32)
+    out = torch.empty(T, N, dtype=torch.bfloat16)
+    assert k._launch_gluon_ragged(a, torch.ones(()), b, torch.ones(E), offs, None, out, 0, (0, 0), (1, 0, 0), (0, 0))
+    (g, kw), = launched
+    assert g == (grid,)
+    assert kw["WS"] is ws and kw["PERSISTENT"] is (ws and persistent)
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------
@@ -882,7 +926,7 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["m128", "m64", "ws"])
+@pytest.mark.parametrize("variant", ["m128", "m64", "ws", "ws_persistent"])
 @pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
 @pytest.mark.parametrize("T,E,K,N", [
     (4096, 8, 1024, 1536),     # 8 K steps (fprop) / 12 (dgrad): even counts
@@ -900,7 +944,8 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     monkeypatch.setattr(_kernels(), "RAGGED_GLUON_BLOCK_M", 64 if variant == "m64" else 128)
-    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_WS", variant == "ws")  # warp-specialized
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_WS", variant.startswith("ws"))  # warp-specialized
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_PERSISTENT", variant == "ws_persistent")
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))

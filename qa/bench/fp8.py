@@ -257,6 +257,11 @@ GEMM_RECIPES = {"per_tensor": PerTensorScaling(), "blockwise": BlockwiseScaling(
                 "per_tensor_fast": PerTensorScaling(fp8_gemm_fprop=_FAST, fp8_gemm_dgrad=_FAST, fp8_gemm_wgrad=_FAST)}
 
 
+# the Gluon promoting kernel's variants: (rows per tile, warp-specialized, persistent)
+GLUON_VARIANTS = {"m128": (128, False, False), "m64": (64, False, False), "ws": (128, True, False),
+                  "ws_persistent": (128, True, True)}
+
+
 def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("grouped_gemm: FP8 vs bf16 grouped GEMM")
     g.add_argument("--gemm-shapes", nargs="+", default=None, help="E,T,K,N each (default: the three MoE shapes)")
@@ -266,6 +271,8 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
                    help="also time the Gluon fprop/dgrad kernel at these ring depths, 128- and 64-row tiles "
                         "(the sweep does 3-6)")
+    g.add_argument("--gluon-variants", nargs="+", choices=sorted(GLUON_VARIANTS), default=sorted(GLUON_VARIANTS),
+                   help="which Gluon kernel variants --gluon-stages times")
 
 
 def _bench_name(bench: Callable) -> str:
@@ -410,21 +417,23 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 
 
 def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]:
-    """One row per variant (128-row tiles, two warpgroups; 64, one; 128 warp-specialized) and ring depth
-    of the Gluon promoting kernel ([Note: promotion under the next MMA]), label
-    "fp8_<recipe>[_wT]@gluon/<m128|m64|ws>/s<stages>"; none where it does not apply."""
+    """One row per variant (``GLUON_VARIANTS``, those of ``--gluon-variants``) and ring depth of the Gluon
+    promoting kernel ([Note: promotion under the next MMA]), label "fp8_<recipe>[_wT]@gluon/<variant>/s<stages>";
+    none where it does not apply."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if op not in ("fprop", "dgrad") or not args.device.startswith("cuda") or not (block or _split(q, op)):
         return []
     impl = "fp8_wT" if op == "dgrad" else "fp8"
     rows = []
-    for variant, bm, ws in (("m128", 128, False), ("m64", 64, False), ("ws", 128, True)):
+    for variant in getattr(args, "gluon_variants", None) or sorted(GLUON_VARIANTS):
+        bm, ws, persistent = GLUON_VARIANTS[variant]
         for n in stages:
             label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}"
             try:
                 with _overriding_attr(F, "RAGGED_GLUON_STAGES", n), _overriding_attr(F, "RAGGED_GLUON_BLOCK_M", bm), \
-                        _overriding_attr(F, "RAGGED_GLUON_WS", ws):
+                        _overriding_attr(F, "RAGGED_GLUON_WS", ws), \
+                        _overriding_attr(F, "RAGGED_GLUON_PERSISTENT", persistent):
                     worst = _gemm_check(op, p, q, impl=impl, gluon=True)
                     ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
