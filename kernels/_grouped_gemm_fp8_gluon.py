@@ -31,16 +31,19 @@ partials alternate between two register sets: no phi copy of an in-flight tile a
 last partial is added inside each branch of the odd/even tail, and each step's MMA takes ``acc`` as its
 (ignored, ``use_acc=False``) input so that LLVM cannot sink the previous add below the issue.
 ``test_gluon_kernel_keeps_the_mma_pipeline`` builds it for sm_90a and fails on any of those messages.
-``ragged_kernel(..., WS=True)`` (the default) runs the same loop warp-specialized: one extra warp issues
-the TMA loads, so the MMA warps only wait on the stages' ``ready`` mbarriers and hand each finished stage
-back through an ``empty`` one (one partition barrier per step, where with WS=False the MMA warps pass
-three CTA-wide barriers around their own TMA issue); the MMA warps get the registers (``setmaxnreg``
-240, the TMA warp 24). It ran 1.02-1.06x the speed of WS=False in every measured cell.
+``ragged_kernel(..., WS=True)`` runs the same loop warp-specialized: one extra warp issues the TMA
+loads, so the MMA warps only wait on the stages' ``ready`` mbarriers and hand each finished stage back
+through an ``empty`` one (one partition barrier per step, where with WS=False the MMA warps pass three
+CTA-wide barriers around their own TMA issue); the MMA warps get the registers (``setmaxnreg`` 240, the
+TMA warp 24). It ran 1.02-1.06x the speed of WS=False in every measured cell.
+``PERSISTENT=True`` (with WS; the default) launches one program per SM over tiles pid, pid + grid, ...:
+both partitions walk the same group cursor forward (``_cursor``), the ring's step count runs on across
+tiles (``base``), and the MMA warps hand the last step's stage back before their epilogue, so the next
+tile's first stages load under this tile's last steps and epilogue instead of after a fresh program's
+launch: 1.04-1.29x the one-program-per-tile kernel at the large MoE shapes, most at few K steps per tile.
 Measured (H200, docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs our bf16 kernels:
-WS=False 0.99-1.51x blockwise and 1.06-1.62x per-tensor, WS=True 1.17-1.47x and 1.26-1.62x (one run),
-the Triton kernel 0.85-1.03x and 1.20-1.49x; short per-tensor contractions stay with the Triton kernel
-(``grouped_gemm_fp8.RAGGED_GLUON_MIN_DEPTH``). A persistent variant (one program per SM, the ring
-running across tiles) ran at 1.12-1.24x and was dropped.
+persistent 1.44-1.76x per-tensor and 1.40-1.69x blockwise, one program per tile 1.15-1.64x and
+1.14-1.48x, the Triton kernel 1.36-1.43x and 0.93-1.04x (one run, fp8_gemm_gluon_persistent_h200.json).
 
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
 (wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost
@@ -322,7 +325,9 @@ def _define():
         """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
         ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. WS: warp-specialized,
         one extra warp issues the TMA loads and the MMA warps only wait on mbarriers (else the MMA warps
-        issue them, behind CTA-wide barriers)."""
+        issue them, behind CTA-wide barriers). PERSISTENT (needs WS): programs loop over tiles pid,
+        pid + grid, ... (else the grid covers every tile and each program runs its pid's)."""
+        gl.static_assert(WS or not PERSISTENT, "the persistent kernel is the warp-specialized one")
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]

@@ -127,14 +127,14 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 #   per-tensor dgrad  1.70 | 1.64 | 1.43 (8, 14336)   1.49 | 1.15 | 1.36 (64, 2048)   1.00 | 0.62 | 0.97 (128, 768)
 #   blockwise fprop   1.44 | 1.35 | 0.94              1.62 | 1.47 | 1.04              1.16 | 0.49 | 0.63
 #   blockwise dgrad   1.69 | 1.48 | 0.93              1.40 | 1.14 | 0.95              0.89 | 0.62 | 0.80
-# (E=128 calls take 0.15-0.3 ms and moved by up to 2x between runs; the previous runs, the non-persistent
-# kernels only: fp8_gemm_gluon_h200*.json, fp8_gemm_gluon_ws_h200.json.) Hence the default dispatch: the
-# Gluon kernel for blockwise from 768-deep contractions (the shallowest measured) and for per-tensor from
-# 2048 with >= 1024 tokens per group (T / E): with ~128 the Triton kernel won the 2048-deep fprop (its
-# 128x128 tile there is the Gluon kernel's, so the difference is schedule, not shape; not understood yet).
+# E=128 calls take 0.11-0.3 ms and their times are bimodal: the same kernel ran 0.11 or 0.21 ms in one
+# process (fp8_gemm_gluon_persistent_e128_h200.json: two more runs, per-tensor fprop 1.49 / 1.50 vs Triton
+# 1.34 / 1.35, dgrad 1.10 / 1.11 vs 0.97 / 0.99; blockwise fprop 0.77 / 1.43 vs 0.96 / 1.07, dgrad 1.05 /
+# 1.07 vs 0.80 / 0.82). Earlier runs of the non-persistent kernels: fp8_gemm_gluon_h200*.json,
+# fp8_gemm_gluon_ws_h200.json. Hence the default dispatch: the Gluon kernel from 768-deep contractions,
+# both recipes (the shallowest measured; it won there in every run), the Triton kernel below.
 RAGGED_GLUON = True
-RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 2048, "blockwise": 768}
-RAGGED_GLUON_MIN_TOKENS_PER_GROUP = {"per_tensor": 1024, "blockwise": 0}
+RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 768, "blockwise": 768}
 RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, two programs per SM) ran
 #                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.87-1.03x
@@ -383,8 +383,8 @@ def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: b
     Hopper GPU (wgmma is sm_90a only) and a Triton with Gluon, a promoting accumulation (per-tensor split
     or 128-blockwise), TMA-aligned operands with B's contraction innermost, and experts stacked so that B
     is a 2-D ``[E * N, K]`` view. ``_launch_ragged`` takes it when it can, unless ``RAGGED_GLUON`` is off,
-    the contraction is shorter than ``RAGGED_GLUON_MIN_DEPTH`` of the recipe or the groups are smaller
-    than ``RAGGED_GLUON_MIN_TOKENS_PER_GROUP`` on average, a config was given, or it failed to build here."""
+    the contraction is shorter than ``RAGGED_GLUON_MIN_DEPTH`` of the recipe, a config was given, or it
+    failed to build here."""
     if not (tma_k_inner and a.is_cuda) or _interpreting():
         return False
     from . import _grouped_gemm_fp8_gluon as kg
@@ -450,9 +450,7 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
         raise ValueError(f"{op}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, TMA-aligned "
                          f"operands with the contraction innermost, stacked weights and a promoting accumulation; "
                          f"got block={block}, split_accumulator={split_acc}, tma={tma}, weight strides {tuple(sb)}")
-    recipe = "blockwise" if block else "per_tensor"
-    preferred = (RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH[recipe]
-                 and T >= RAGGED_GLUON_MIN_TOKENS_PER_GROUP[recipe] * E)
+    preferred = RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH["blockwise" if block else "per_tensor"]
     if gluon or (gluon is None and applies and config is None and preferred):
         if _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias):
             return out

@@ -401,12 +401,10 @@ def _case_gluon_fallback():
     def launch(*a, **kw):
         calls.append(1)
         raise _Unbuildable()
-    saved = (k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH,
-             k.RAGGED_GLUON_MIN_TOKENS_PER_GROUP)
+    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
     k._gluon_ragged = lambda *a: True
     k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
-    k.RAGGED_GLUON_MIN_TOKENS_PER_GROUP = {"per_tensor": 0, "blockwise": 0}  # and its small groups
     kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
     name = ("ws_persistent" if k.RAGGED_GLUON_PERSISTENT else "ws") if k.RAGGED_GLUON_WS else "plain"
     kg.descriptor = lambda t, block_shape: None
@@ -426,8 +424,7 @@ def _case_gluon_fallback():
         else:
             raise AssertionError("gluon=True after a failed build must raise")
     finally:
-        (k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH,
-         k.RAGGED_GLUON_MIN_TOKENS_PER_GROUP) = saved
+        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
         k._GLUON_FAILED.clear()
         k._GLUON_FAILED.update(failed)
 
@@ -755,15 +752,13 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
 
 
 @pytest.mark.parametrize("block,K,T,gluon,expected", [
-    (0, 1024, 2048, None, "triton"), (0, 2048, 2048, None, "gluon"), (0, 4096, 2048, None, "gluon"),
-    (0, 2048, 1536, None, "triton"), (0, 7168, 256, None, "triton"),  # per-tensor: < 1024 tokens per group
+    (0, 512, 2048, None, "triton"), (0, 768, 2048, None, "gluon"), (0, 4096, 256, None, "gluon"),
     (128, 512, 2048, None, "triton"), (128, 768, 2048, None, "gluon"), (128, 2048, 256, None, "gluon"),
-    (0, 7168, 2048, False, "triton"), (0, 1024, 256, True, "gluon"),
+    (0, 7168, 2048, False, "triton"), (0, 512, 256, True, "gluon"),
 ])
 def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, T, gluon, expected):
-    """``RAGGED_GLUON_MIN_DEPTH`` and ``RAGGED_GLUON_MIN_TOKENS_PER_GROUP``: where the Gluon kernel can
-    run, the default dispatch gives it what it measured faster on (per-tensor from 2048-deep contractions
-    with >= 1024 tokens per group, blockwise from 768); ``gluon=`` overrides."""
+    """``RAGGED_GLUON_MIN_DEPTH``: where the Gluon kernel can run, the default dispatch gives it the
+    contractions it measured faster on (from 768 deep, both recipes); ``gluon=`` overrides."""
     pytest.importorskip("triton")
     k = _kernels()
     taken = []
