@@ -55,66 +55,19 @@ Legend as in ``grouped_gemm_fp8``: T tokens, K the contraction, N output feature
 
 from __future__ import annotations
 
-import inspect
-
-import triton.language as tl
-
-try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernel serves every call
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the installed triton
-    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
-
-# TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
-_tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-# ``gl.warp_specialize``: a list of (function, args) pairs in newer Tritons; before, (default_args,
-# default_partition, worker_args, worker_partitions, ...)
-_WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(
-    iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")
+from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
+from ._gluon_tiles import define as _define_tiles
+from ._gluon_tiles import tma_load as _tma_load
 
 __all__ = ["AVAILABLE", "BLOCK", "ragged_kernel", "descriptor"]
 
-AVAILABLE = gluon is not None
 BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) per 64 rows
 
 
-def descriptor(t, block_shape):
-    """A Gluon TMA descriptor of 2-D ``t`` (unit inner stride) with the default swizzle for its tiles."""
-    dt = {"torch.float8_e4m3fn": gl.float8e4nv, "torch.float8_e5m2": gl.float8e5}[str(t.dtype)]
-    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), dt)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
-
-
 def _define():
-    from ._grouped_wgrad import _swizzle
-
-    @gluon.jit
-    def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """``grouped_gemm._find_group`` with explicit layouts and without a scan (Triton 3.6's Gluon has no
-        ``cumsum``): (group, tile within it, first token, tokens, total tiles) for tile ``pid``,
-        offsets clamped into [0, T]. Group e holds tile pid when the tiles of groups 0..e sum past pid,
-        so e counts the groups j whose inclusive sums stay <= pid; the sums come 16 groups at a time
-        as row sums of a [16, BLOCK_E] lower-triangular selection."""
-        lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-        eidx = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, lay))
-        ends = gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0)
-        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
-        ends = gl.minimum(gl.maximum(ends, 0), T)
-        starts = gl.minimum(gl.maximum(starts, 0), T)
-        sizes = gl.maximum(ends - starts, 0)
-        tiles = gl.cdiv(sizes, BLOCK_M) * tiles_n
-        e = pid * 0
-        for j0 in gl.static_range(0, BLOCK_E, 16):
-            js = j0 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
-            inclusive = gl.sum(gl.where(eidx[None, :] <= js[:, None], tiles[None, :], 0), axis=1)
-            e += gl.sum((inclusive <= pid).to(gl.int32), axis=0)
-        local = pid - gl.sum(gl.where(eidx < e, tiles, 0), axis=0)
-        start = gl.sum(gl.where(eidx == e, starts, 0), axis=0)
-        size = gl.sum(gl.where(eidx == e, sizes, 0), axis=0)
-        return e, local, start, size, gl.sum(tiles, axis=0)
+    t = _define_tiles()
+    _find_group, _total_tiles, _cursor, _origin, _tile = t.find_group, t.total_tiles, t.cursor, t.origin, t.tile
 
     @gluon.jit
     def _issue(a_desc, b_desc, ready, a_bufs, b_bufs, step, g, row0, brow0, pred, NUM_STAGES: gl.constexpr):
@@ -226,45 +179,6 @@ def _define():
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
     @gluon.jit
-    def _group(offs_ptr, stride_o, T, e):
-        """Group e's first token and token count, offsets clamped into [0, T] (as ``_find_group``)."""
-        end = gl.minimum(gl.maximum(gl.load(offs_ptr + e * stride_o), 0), T)
-        start = gl.minimum(gl.maximum(gl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
-        return start, gl.maximum(end - start, 0)
-
-    @gluon.jit
-    def _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M: gl.constexpr):
-        """The group holding ``tile`` (>= ``first``, the first tile of group e, and < the total):
-        (group, its first tile, first token, tokens), walking forward from group e. A program's tiles
-        only grow, so over its whole life the walk reads each group's offsets once or twice."""
-        start, size = _group(offs_ptr, stride_o, T, e)
-        n = gl.cdiv(size, BLOCK_M) * tiles_n
-        while first + n <= tile:
-            first += n
-            e += 1
-            start, size = _group(offs_ptr, stride_o, T, e)
-            n = gl.cdiv(size, BLOCK_M) * tiles_n
-        return e, first, start, size
-
-    @gluon.jit
-    def _origin(e, local, start, size, N, W_ROWS, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr):
-        """Group e's tile ``local``: its first row, first column and first row of B."""
-        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
-        col0 = pid_n * BLOCK_N
-        return start + pid_m * BLOCK_M, col0, e * W_ROWS + col0
-
-    @gluon.jit
-    def _tile(e, local, start, size, N, W_ROWS, mma: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):
-        """``_origin`` plus (rows, columns, row mask, column mask, e as int64), the vectors in the MMA
-        layout's slices."""
-        row0, col0, brow0 = _origin(e, local, start, size, N, W_ROWS, GROUP_M, BLOCK_M, BLOCK_N)
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        return row0, col0, brow0, rows, cols, rows < start + size, cols < N, e.to(gl.int64)
-
-    @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e, first, pid,
                  total, nprog, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The warp-specialized kernel's TMA warp, over the program's tiles pid, pid + nprog, ... < total:
@@ -302,17 +216,6 @@ def _define():
                      stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
                      HAS_BIAS, NUM_STAGES, True)
             base += n_k
-
-    @gluon.jit
-    def _total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                     num_warps: gl.constexpr):
-        """The tiles of all groups (``_find_group``'s last value, without the search)."""
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        eidx = gl.arange(0, BLOCK_E, layout=lay)
-        ends = gl.minimum(gl.maximum(gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0), 0), T)
-        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
-        starts = gl.minimum(gl.maximum(starts, 0), T)
-        return gl.sum(gl.cdiv(gl.maximum(ends - starts, 0), BLOCK_M) * tiles_n, axis=0)
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,

@@ -41,11 +41,13 @@ import collections
 import functools
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _grouped_gemm_configs as _cfg
@@ -58,6 +60,11 @@ __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 _ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
 # tl.range(..., warp_specialize=) exists in newer Triton only; TileConfig.warp_specialize needs it
 _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+# fprop / dgrad through the persistent warp-specialized Gluon kernel on Hopper where it applies
+# ([Note: persistent warp-specialized grouped GEMM] in _grouped_gemm_gluon.py); False: the Triton kernel.
+RAGGED_GLUON = True
+RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
+_GLUON_FAILED: dict[str, str] = {}  # "ragged" -> why the Gluon kernel did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels (fprop/dgrad; the wgrad kernels and the shared tile helpers are in _grouped_wgrad.py)
@@ -189,13 +196,70 @@ def _elem_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma):
-    """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]."""
+def _gluon_ragged(a: torch.Tensor, w_ENK: torch.Tensor, out: torch.Tensor, w_trans: bool) -> bool:
+    """Whether the Gluon kernel can take this fprop / dgrad: a Hopper GPU (wgmma) and a Triton with
+    Gluon, bf16 or fp16 operands and output of one dtype, TMA-aligned operands, stacked experts, and for
+    dgrad a contraction (the weight's rows) that is a multiple of its BLOCK_K. ``_launch_ragged`` takes it
+    when it can, unless ``RAGGED_GLUON`` is off, a config was given, or it failed to build here."""
+    if not a.is_cuda or _interpreting() or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from . import _grouped_gemm_gluon as kg
+    E, w_rows, _ = w_ENK.shape
+    sw = w_ENK.stride()
+    return (kg.AVAILABLE and w_ENK.dtype == a.dtype == out.dtype and a.shape[1] > 0
+            and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
+            and (E == 1 or sw[0] == w_rows * sw[1]) and (w_trans or w_rows % kg.BLOCK_K == 0)
+            and torch.cuda.get_device_capability(a.device)[0] == 9)
+
+
+def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
+    """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
+    experimental and its API moves between releases): the caller then runs the Triton kernel."""
+    from . import _grouped_gemm_gluon as kg
+    if "ragged" in _GLUON_FAILED:
+        return False
+    T, K = a.shape
+    E, w_rows, w_cols = w_ENK.shape
+    N = out.shape[1]
+    bm, bn, bk = kg.BLOCK_M, kg.BLOCK_N, kg.BLOCK_K
+    w2 = w_ENK.as_strided((E * w_rows, w_cols), (w_ENK.stride(1), 1))
+    tiles = (triton.cdiv(T, bm) + E) * triton.cdiv(N, bn)  # >= the tiles of any split (offsets stay on device)
+    bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
+    try:
+        kg.ragged_kernel[(min(tiles, _num_sms(a.device)),)](
+            kg.descriptor(a, (bm, bk)), kg.descriptor(w2, (bn, bk) if w_trans else (bk, bn)), out, bias_EN, offs_E,
+            T, E, N, K, w_rows, out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
+            W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, GROUP_M=8, BLOCK_E=max(16, triton.next_power_of_2(E)),
+            NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
+    except CompilationError as exc:
+        _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon grouped GEMM kernel does not build with triton {triton.__version__}; using the "
+                      f"Triton kernel (same products): {_GLUON_FAILED['ragged'][:400]}", RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma, gluon: bool | None = None):
+    """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]. ``gluon``:
+    None picks (the Gluon kernel where it applies, unless a config or ``use_tma=False`` was given),
+    True requires it, False runs the Triton kernel."""
     T, K = a.shape
     E, w_rows, w_cols = w_ENK.shape
     N = out.shape[1]
     if T == 0 or N == 0 or E == 0:
         return out
+    applies = _gluon_ragged(a, w_ENK, out, w_trans)
+    what = "grouped_fprop" if w_trans else "grouped_dgrad"
+    if gluon and not applies:
+        raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, bf16 or "
+                         f"fp16 TMA-aligned operands of one dtype, stacked weights and (dgrad) weight rows a "
+                         f"multiple of 64; got {a.dtype} on {a.device}, weight {tuple(w_ENK.shape)} strides "
+                         f"{tuple(w_ENK.stride())}")
+    if gluon or (gluon is None and applies and RAGGED_GLUON and config is None and use_tma is not False):
+        if _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans):
+            return out
+        if gluon:
+            raise RuntimeError(f"{what}: gluon=True, but the Gluon kernel does not build here: {_GLUON_FAILED}")
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
@@ -207,7 +271,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     sw = w_ENK.stride()
     eligible = (K > 0 and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
                 and (E == 1 or sw[0] == w_rows * sw[1]) and (w_trans or w_rows % bk == 0))
-    tma = _resolve_tma(use_tma, eligible, a.device, "grouped_fprop" if w_trans else "grouped_dgrad")
+    tma = _resolve_tma(use_tma, eligible, a.device, what)
     a_desc = w_desc = None
     if tma:
         a_desc = TensorDescriptor(a, [T, K], [a.stride(0), 1], [bm, bk])

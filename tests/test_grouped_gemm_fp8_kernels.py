@@ -38,6 +38,7 @@ import torch
 from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.testing import reference_fp8 as RF
+from distwgrad.testing.sm90 import ptxas_report, specialize
 
 _HERE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
@@ -598,28 +599,8 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
         consts.update(a_desc=None, b_desc=None)
     if consts.get("HAS_BIAS") is False:
         consts["bias_ptr"] = None
-    sig, attrs = _specialize(fn, vals, consts, nospec)
+    sig, attrs = specialize(fn, vals, consts, nospec)
     return ASTSource(fn, sig, consts, attrs), cfg, (a_dt if op != "wgrad" else grad)
-
-
-def _specialize(fn, vals: dict, consts: dict, nospec) -> tuple[dict, dict]:
-    """(signature, attributes) of ``fn`` as the JIT would build them for arguments ``vals`` (type strings
-    for pointers and descriptors, ints otherwise): unit ints become constants and 16-divisible ones get
-    the divisibility hint, except the ``nospec`` names; ``consts`` (updated in place) are constexprs."""
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        v = vals.get(name)
-        if name in consts:
-            sig[name] = "constexpr"
-        elif isinstance(v, str):
-            sig[name] = v
-            attrs.update({(i,): [["tt.divisibility", 16]]} if v.startswith("*") else {})
-        elif v == 1 and name not in nospec:
-            sig[name], consts[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in nospec else {})
-    return sig, attrs
 
 
 @pytest.mark.parametrize("variant", [
@@ -656,9 +637,6 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
     """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
     ``block_m`` rows (one warpgroup per 64); ``ws``: the warp-specialized variant, ``persistent`` its
     persistent form."""
-    import subprocess
-    import tempfile
-
     import triton
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     from triton.backends.compiler import GPUTarget
@@ -678,25 +656,18 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
     fn = kg.ragged_kernel
     consts["WS"] = ws
     consts["PERSISTENT"] = persistent
-    sig, attrs = _specialize(fn, vals, consts, ("T", "E"))
+    sig, attrs = specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=block_m // 16))
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
-                  if os.path.exists(os.path.join(bin_dir, n))), None)
-    if ptxas is None:
-        pytest.skip(f"no ptxas under {bin_dir}")
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(kernel.asm["ptx"])
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True)
-    if info.returncode != 0:
-        if "Unsupported .version" in info.stderr:
-            pytest.skip(f"this ptxas is older than the PTX: {info.stderr[:200]}")
-        raise AssertionError(info.stderr)
-    return kernel.asm["ptx"], info.stderr
+    report = ptxas_report(kernel.asm["ptx"])
+    if report is None:
+        pytest.skip("this Triton ships no ptxas")
+    rc, info = report
+    if rc != 0:
+        if "Unsupported .version" in info:
+            pytest.skip(f"this ptxas is older than the PTX: {info[:200]}")
+        raise AssertionError(info)
+    return kernel.asm["ptx"], info
 
 
 @pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",

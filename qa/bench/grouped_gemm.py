@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-json", default=None, help="write the sweep's rows here")
     p.add_argument("--sweep-rep", type=int, default=50, help="do_bench repetition time in the sweep, ms")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    p.add_argument("--triton-rows", action="store_true",
+                   help="fprop/dgrad: also time the Triton kernel where the default runs the Gluon one (impl "
+                        "'distwgrad_triton')")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test, TRITON_INTERPRET=1)")
@@ -184,6 +187,23 @@ def _launch_ours(op, p, out, config=None, use_tma=None):
     return out
 
 
+def _runs_gluon(op: str, p: Problem) -> bool:
+    """Whether the default dispatch runs this fprop/dgrad in the Gluon kernel."""
+    if op not in ("fprop", "dgrad"):
+        return False
+    a = p.x if op == "fprop" else p.dy
+    out = a.new_empty(0, p.N if op == "fprop" else p.K)
+    return G.RAGGED_GLUON and G._gluon_ragged(a, p.w, out, op == "fprop")
+
+
+def _triton_kernel(op: str, p: Problem) -> torch.Tensor:
+    """fprop/dgrad through the Triton kernel (default config), where the default may run the Gluon one."""
+    a = p.x if op == "fprop" else p.dy
+    out = a.new_empty(p.T, p.N if op == "fprop" else p.K)
+    return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=op == "fprop", config=None, use_tma=None,
+                            gluon=False)
+
+
 def time_ms(fn, args, rep=None) -> float:
     import triton
     fn()
@@ -247,7 +267,10 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                 print(f"check {op:17s} {shape}: {'PASS' if res['ok'] else 'FAIL'}  "
                       f"fro {res['fro']['ours']:.3e} <= {res['fro']['bound']:.3e}  "
                       f"max {res['max']['ours']:.3e} <= {res['max']['bound']:.3e}", flush=True)
-            for name, fn in impls_for(op, p).items():
+            impls = impls_for(op, p)
+            if args.triton_rows and op in ("fprop", "dgrad"):
+                impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
+            for name, fn in impls.items():
                 try:
                     ms = time_ms(fn, args)
                 except Exception as exc:  # noqa: BLE001 - a peer that refuses a layout is reported
@@ -256,7 +279,7 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                 row = dict(op=op, shape=list(shape), impl=name, tflops=p.flops / ms / 1e9, ms=ms, device=dev,
                            timing="cuda_graph" if args.cuda_graph else "do_bench")
                 if name == "distwgrad":
-                    row["config"] = default_config(op, p).short()
+                    row["config"] = "gluon" if _runs_gluon(op, p) else default_config(op, p).short()
                 rows.append(row)
                 print(f"  {op:17s} {str(shape):26s} {name:17s} {row['tflops']:7.1f} TFLOP/s  {ms:8.3f} ms",
                       flush=True)

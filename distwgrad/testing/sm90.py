@@ -1,0 +1,49 @@
+"""Building Hopper (sm_90a) kernels on a machine without a GPU, for tests that inspect what the
+compiler made of them: the PTX (which instructions, how many waits) and ptxas's report (registers,
+spills, and its warnings, e.g. C7514 "wgmma.mma_async instructions are serialized"). Triton ships a
+ptxas; when it accepts newer PTX than the one that runs the GPU kernels, this one is what a test can use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+
+def specialize(fn, vals: dict, consts: dict, nospec) -> tuple[dict, dict]:
+    """(signature, attributes) of ``fn`` as the JIT would build them for arguments ``vals`` (type strings
+    for pointers and descriptors, ints otherwise): unit ints become constants and 16-divisible ones get
+    the divisibility hint, except the ``nospec`` names; ``consts`` (updated in place) are constexprs."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = vals.get(name)
+        if name in consts:
+            sig[name] = "constexpr"
+        elif isinstance(v, str):
+            sig[name] = v
+            attrs.update({(i,): [["tt.divisibility", 16]]} if v.startswith("*") else {})
+        elif v == 1 and name not in nospec:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            if not isinstance(v, int):
+                raise TypeError(f"specialize: argument {name!r} needs a type string or an int, got {v!r}")
+            sig[name] = "i32"
+            attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in nospec else {})
+    return sig, attrs
+
+
+def ptxas_report(ptx: str) -> tuple[int, str] | None:
+    """(return code, ptxas -v messages) of assembling ``ptx`` for sm_90a; None if Triton ships no ptxas."""
+    import triton
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next((os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
+                  if os.path.exists(os.path.join(bin_dir, n))), None)
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True)
+    return info.returncode, info.stderr

@@ -1,0 +1,128 @@
+"""What the Gluon grouped GEMM kernels share (bf16 in ``_grouped_gemm_gluon.py``, FP8 in
+``_grouped_gemm_fp8_gluon.py``): the Gluon imports and the portability shims, and where a program's
+output tiles lie over ragged token groups whose offsets stay on the device.
+
+Tiles are ordered group-major: group e owns cdiv(tokens_e, BLOCK_M) * cdiv(N, BLOCK_N) consecutive tile
+numbers, swizzled in bands of GROUP_M rows inside the group (``_grouped_wgrad._swizzle``). A program that
+runs one tile finds its group by a search (``find_group``); a persistent program, whose tiles pid,
+pid + grid, ... only grow, walks a cursor forward instead (``cursor``): over its whole life it reads each
+group's offsets once or twice, where a search per tile would reduce over every group each time.
+Offsets are clamped into [0, T] and a decreasing offset gives an empty group, as in
+``grouped_gemm._find_group`` (the launchers check offsets where they can without a device sync).
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import triton.language as tl
+
+try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernels serve every call
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed triton
+    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+
+AVAILABLE = gluon is not None
+# TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
+tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+# ``gl.warp_specialize``: a list of (function, args) pairs in newer Tritons; before, (default_args,
+# default_partition, worker_args, worker_partitions, ...)
+WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(
+    iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")
+
+_GL_DTYPES = {"torch.float8_e4m3fn": "float8e4nv", "torch.float8_e5m2": "float8e5", "torch.bfloat16": "bfloat16",
+              "torch.float16": "float16"}
+
+
+def descriptor(t, block_shape):
+    """A Gluon TMA descriptor of 2-D ``t`` (unit inner stride) with the default swizzle for its tiles."""
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, _GL_DTYPES[str(t.dtype)]))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
+
+
+def define() -> SimpleNamespace:
+    """The tile helpers as Gluon functions (defined on call: Gluon may be missing)."""
+    from ._grouped_wgrad import _swizzle
+
+    @gluon.jit
+    def find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """``grouped_gemm._find_group`` with explicit layouts and without a scan (Triton 3.6's Gluon has no
+        ``cumsum``): (group, tile within it, first token, tokens, total tiles) for tile ``pid``.
+        Group e holds tile pid when the tiles of groups 0..e sum past pid, so e counts the groups j
+        whose inclusive sums stay <= pid; the sums come 16 groups at a time as row sums of a
+        [16, BLOCK_E] lower-triangular selection."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+        eidx = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, lay))
+        ends = gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0)
+        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
+        ends = gl.minimum(gl.maximum(ends, 0), T)
+        starts = gl.minimum(gl.maximum(starts, 0), T)
+        sizes = gl.maximum(ends - starts, 0)
+        tiles = gl.cdiv(sizes, BLOCK_M) * tiles_n
+        e = pid * 0
+        for j0 in gl.static_range(0, BLOCK_E, 16):
+            js = j0 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
+            inclusive = gl.sum(gl.where(eidx[None, :] <= js[:, None], tiles[None, :], 0), axis=1)
+            e += gl.sum((inclusive <= pid).to(gl.int32), axis=0)
+        local = pid - gl.sum(gl.where(eidx < e, tiles, 0), axis=0)
+        start = gl.sum(gl.where(eidx == e, starts, 0), axis=0)
+        size = gl.sum(gl.where(eidx == e, sizes, 0), axis=0)
+        return e, local, start, size, gl.sum(tiles, axis=0)
+
+    @gluon.jit
+    def total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """The tiles of all groups (``find_group``'s last value, without the search)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        eidx = gl.arange(0, BLOCK_E, layout=lay)
+        ends = gl.minimum(gl.maximum(gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0), 0), T)
+        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
+        starts = gl.minimum(gl.maximum(starts, 0), T)
+        return gl.sum(gl.cdiv(gl.maximum(ends - starts, 0), BLOCK_M) * tiles_n, axis=0)
+
+    @gluon.jit
+    def group(offs_ptr, stride_o, T, e):
+        """Group e's first token and token count."""
+        end = gl.minimum(gl.maximum(gl.load(offs_ptr + e * stride_o), 0), T)
+        start = gl.minimum(gl.maximum(gl.load(offs_ptr + (e - 1) * stride_o, mask=e > 0, other=0), 0), T)
+        return start, gl.maximum(end - start, 0)
+
+    @gluon.jit
+    def cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M: gl.constexpr):
+        """The group holding ``tile`` (>= ``first``, the first tile of group e, and < the total):
+        (group, its first tile, first token, tokens), walking forward from group e."""
+        start, size = group(offs_ptr, stride_o, T, e)
+        n = gl.cdiv(size, BLOCK_M) * tiles_n
+        while first + n <= tile:
+            first += n
+            e += 1
+            start, size = group(offs_ptr, stride_o, T, e)
+            n = gl.cdiv(size, BLOCK_M) * tiles_n
+        return e, first, start, size
+
+    @gluon.jit
+    def origin(e, local, start, size, N, W_ROWS, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+        """Group e's tile ``local``: its first row, first column and first row of B (``e * W_ROWS`` plus
+        the first column: the weight's output rows, stacked per group)."""
+        pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
+        col0 = pid_n * BLOCK_N
+        return start + pid_m * BLOCK_M, col0, e * W_ROWS + col0
+
+    @gluon.jit
+    def tile(e, local, start, size, N, W_ROWS, mma: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+        """``origin`` plus (rows, columns, row mask, column mask, e as int64), the vectors in the slices of
+        the MMA layout ``mma``."""
+        row0, col0, brow0 = origin(e, local, start, size, N, W_ROWS, GROUP_M, BLOCK_M, BLOCK_N)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        return row0, col0, brow0, rows, cols, rows < start + size, cols < N, e.to(gl.int64)
+
+    return SimpleNamespace(find_group=find_group, total_tiles=total_tiles, group=group, cursor=cursor,
+                           origin=origin, tile=tile)
