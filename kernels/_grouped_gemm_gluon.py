@@ -12,7 +12,12 @@ tile's first stages while the MMA warps finish this tile's last steps and its ep
 one-program-per-tile kernel starts every tile with an empty ring. In the FP8 kernels the same schedule
 ran 1.04-1.29x the one-program-per-tile kernel ([Note: promotion under the next MMA]).
 The products are those of the Triton kernel: the same tiles of the same operands, accumulated in fp32 by
-the same wgmma instructions in the same K order (whether the bits agree is what the GPU test reports).
+the same wgmma instructions in the same K order: the same bits in every GPU test (bf16 and fp16, 5
+shapes, fprop and dgrad). Measured on an H200 it ran 0.82-0.98x the speed of the Triton kernel at the
+three MoE shapes (docs/benchmarks.md), so it is opt-in (``grouped_gemm.RAGGED_GLUON``): without a
+promotion there is no per-step work to hide, persistence saves only the ring's fill, and its 128x256 tile
+pads ~128-token groups where the Triton configs shrink the tile. Left to try: the epilogue through shared
+memory and a TMA store, a second consumer pair (one tile's epilogue under the other's MMAs).
 
 Preconditions (``grouped_gemm._gluon_ragged`` checks them): a Hopper GPU (wgmma), a Triton with Gluon,
 bf16 or fp16 operands, TMA-aligned, the weight's experts stacked as a 2-D view; dgrad's contraction (the

@@ -33,6 +33,8 @@ Loads: Hopper TMA tensor descriptors when layouts allow (16-byte aligned base an
 inner stride; for dgrad also N a multiple of BLOCK_K, so a reduction step never crosses into the next
 expert's weight), else masked pointer loads (any strides). The results are the same. wgrad's last,
 partial token block always takes the masked path, because a descriptor cannot stop at a group's end.
+On Hopper, fprop/dgrad can also run in a persistent warp-specialized Gluon kernel (``RAGGED_GLUON``,
+off by default: measured slower than the Triton kernel; same bits).
 ``TRITON_INTERPRET=1`` runs everything on CPU tensors; there bf16 operands are upcast to fp32 first
 (the interpreter's bf16 ``tl.dot`` multiplies bit patterns).
 """
@@ -61,8 +63,12 @@ _ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig
 # tl.range(..., warp_specialize=) exists in newer Triton only; TileConfig.warp_specialize needs it
 _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 # fprop / dgrad through the persistent warp-specialized Gluon kernel on Hopper where it applies
-# ([Note: persistent warp-specialized grouped GEMM] in _grouped_gemm_gluon.py); False: the Triton kernel.
-RAGGED_GLUON = True
+# ([Note: persistent warp-specialized grouped GEMM] in _grouped_gemm_gluon.py); False (the default): the
+# Triton kernel. Measured against it in one process (H200, docs/benchmarks/grouped_gemm_gluon_h200.json,
+# one run): fprop 0.94 / 0.98 / 0.92x, dgrad 0.98 / 0.91 / 0.82x at the three MoE shapes, the same bits in
+# every GPU test. The promotion-free bf16 loop has no per-step work to hide, so persistence only saves the
+# ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
+RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 _GLUON_FAILED: dict[str, str] = {}  # "ragged" -> why the Gluon kernel did not build here (then Triton runs)
 
@@ -241,8 +247,8 @@ def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
 
 def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma, gluon: bool | None = None):
     """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]. ``gluon``:
-    None picks (the Gluon kernel where it applies, unless a config or ``use_tma=False`` was given),
-    True requires it, False runs the Triton kernel."""
+    None picks (the Gluon kernel if ``RAGGED_GLUON`` and it applies, unless a config or ``use_tma=False``
+    was given), True requires it, False runs the Triton kernel."""
     T, K = a.shape
     E, w_rows, w_cols = w_ENK.shape
     N = out.shape[1]
