@@ -143,7 +143,8 @@ def _define():
         else:
             prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
             prev_bs = gl.load(bs_base, mask=False, other=0.0)
-        # the epilogue's loads are issued now, so that their latency passes under the MMAs
+        # the epilogue's loads are issued now, so that their latency passes under the MMAs (no measurable
+        # change on an H200, docs/benchmarks/fp8_gemm_epilogue_loads_h200.json; it costs nothing either)
         if not BLOCKWISE:
             a_scale = gl.load(as_ptr)
             b_scale = gl.load(bs_ptr + e64 * stride_bse)
