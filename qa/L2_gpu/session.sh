@@ -11,7 +11,9 @@
 #   quant_sweep (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays),
 #   quant_gluon (qa/L2_gpu/rowcol_gluon_check.py: the Gluon rows + columns quantize, repeated and timed),
 #   train_fp8 (the FP8 job alone), train_fp8_te (per-tensor FP8 with and without TE's fprop accumulation), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
-#   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL).
+#   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL),
+#   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
+#   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
@@ -50,6 +52,11 @@ for step in $STEPS; do
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     sweep_ragged) run sweep_ragged python3 qa/bench/grouped_gemm.py --ops fprop dgrad --sweep \
                     --sweep-ops fprop dgrad --sweep-json "$OUT_DIR/sweep_ragged.json" ;;
+    gemm_gluon) run gemm_gluon python3 qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows \
+                  --json "$OUT_DIR/grouped_gemm_gluon.json" ;;
+    gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \
+                      --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants ws ws_persistent \
+                      --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
                       ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;

@@ -6,6 +6,7 @@ Run on a GPU machine from the repository root::
     PYTHONPATH=. python qa/bench/grouped_gemm.py --json out.json --plot out.png
     PYTHONPATH=. python qa/bench/grouped_gemm.py --sweep --sweep-json sweep.json   # + every candidate config
     PYTHONPATH=. python qa/bench/grouped_gemm.py --shapes 8,4096,512,1024 --ops fprop   # a subset
+    PYTHONPATH=. python qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows   # Gluon vs Triton
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/grouped_gemm.py --device cpu --shapes 3,64,32,48   # smoke
 
 Ops (FLOPs 2*T*N*K for all; ``E, T, K, N`` = experts, tokens, in-features, out-features):
@@ -73,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-json", default=None, help="write the sweep's rows here")
     p.add_argument("--sweep-rep", type=int, default=50, help="do_bench repetition time in the sweep, ms")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
+    p.add_argument("--gluon", action="store_true",
+                   help="fprop/dgrad: the 'distwgrad' rows run the opt-in Gluon kernel (grouped_gemm.RAGGED_GLUON)")
     p.add_argument("--triton-rows", action="store_true",
                    help="fprop/dgrad: also time the Triton kernel where the default runs the Gluon one (impl "
                         "'distwgrad_triton')")
@@ -392,6 +395,7 @@ def main(argv=None) -> int:
     import triton
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    G.RAGGED_GLUON = G.RAGGED_GLUON or args.gluon
     rows, sweep_rows, ok = run(args)
     print(summarize(rows))
     if "wgrad_accumulate" in args.ops:
