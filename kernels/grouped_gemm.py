@@ -254,15 +254,16 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     N = out.shape[1]
     if T == 0 or N == 0 or E == 0:
         return out
-    applies = _gluon_ragged(a, w_ENK, out, w_trans)
     what = "grouped_fprop" if w_trans else "grouped_dgrad"
-    if gluon and not applies:
-        raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, bf16 or "
-                         f"fp16 TMA-aligned operands of one dtype, stacked weights and (dgrad) weight rows a "
-                         f"multiple of 64; got {a.dtype} on {a.device}, weight {tuple(w_ENK.shape)} strides "
-                         f"{tuple(w_ENK.stride())}")
-    if gluon or (gluon is None and applies and RAGGED_GLUON and config is None and use_tma is not False):
-        if _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans):
+    # (the predicate only when the Gluon kernel is wanted: it costs host time on every call)
+    if gluon if gluon is not None else (RAGGED_GLUON and config is None and use_tma is not False):
+        applies = _gluon_ragged(a, w_ENK, out, w_trans)
+        if gluon and not applies:
+            raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, "
+                             f"bf16 or fp16 TMA-aligned operands of one dtype, stacked weights and (dgrad) weight "
+                             f"rows a multiple of 64; got {a.dtype} on {a.device}, weight {tuple(w_ENK.shape)} "
+                             f"strides {tuple(w_ENK.stride())}")
+        if applies and _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans):
             return out
         if gluon:
             raise RuntimeError(f"{what}: gluon=True, but the Gluon kernel does not build here: {_GLUON_FAILED}")

@@ -438,6 +438,20 @@ def test_gluon_dispatch(monkeypatch, kw, expected):
     assert taken == [expected]
 
 
+def test_gluon_required_where_it_cannot_run():
+    """``gluon=True`` off Hopper (here: CPU tensors) fails by name instead of running another kernel."""
+    pytest.importorskip("triton")
+    k = _kernels()
+    x, w = torch.zeros(64, 128), torch.zeros(2, 96, 128)
+    with pytest.raises(ValueError, match=r"grouped_dgrad: gluon=True, but the Gluon kernel needs .* got "
+                                         r"torch.float32 on cpu, weight \(2, 96, 128\)"):
+        k._launch_ragged(torch.zeros(64, 96), w, torch.tensor([32, 64], dtype=torch.int32), None,
+                         torch.empty(64, 128), w_trans=False, config=None, use_tma=None, gluon=True)
+    with pytest.raises(ValueError, match=r"grouped_fprop: gluon=True"):
+        k._launch_ragged(x, w, torch.tensor([32, 64], dtype=torch.int32), None, torch.empty(64, 96), w_trans=True,
+                         config=None, use_tma=None, gluon=True)
+
+
 def test_gluon_launch_and_fallback(monkeypatch):
     """``_launch_gluon_ragged``: min(bound on the tiles, SMs) programs over the stacked weight's 2-D view
     (fprop: B tiles [BLOCK_N, BLOCK_K]; dgrad: [BLOCK_K, BLOCK_N]); a Triton that cannot build the kernel
