@@ -143,13 +143,9 @@ def _define():
         else:
             prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
             prev_bs = gl.load(bs_base, mask=False, other=0.0)
-        # the epilogue's loads are issued now, so that their latency passes under the MMAs (no measurable
-        # change on an H200, docs/benchmarks/fp8_gemm_epilogue_loads_h200.json; it costs nothing either)
-        if not BLOCKWISE:
-            a_scale = gl.load(as_ptr)
-            b_scale = gl.load(bs_ptr + e64 * stride_bse)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
+        # (the epilogue's loads stay in the epilogue: issued before the loop they made no measurable
+        # difference on an H200, docs/benchmarks/fp8_gemm_epilogue_loads_h200.json, and the bias, live
+        # across the loop, made the blockwise kernel spill)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         # Step 0 outside the loop, so that one step's MMAs are in flight at the loop's head on every
         # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
@@ -178,8 +174,9 @@ def _define():
         if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
             mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
         if not BLOCKWISE:
-            acc = acc * a_scale * b_scale
+            acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
         if HAS_BIAS:
+            bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
             acc = acc + bias.to(gl.float32)[None, :]
         o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
