@@ -42,6 +42,7 @@ from distwgrad.fp8 import (
     roundtrip_error_bound,
     transpose_quantized,
 )
+from distwgrad.testing.stubs import StubKernel
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8S = (E4M3, E5M2)
@@ -586,12 +587,12 @@ def case_gluon_fallback(device: str, big: bool) -> None:
 
     calls = []
 
-    def launch(*a, **k):
+    def launch(grid, *a, **k):
         calls.append(1)
         raise _Unbuildable()
     saved = kq._gluon_rowcol, kg.rowcol_kernel, kq._GLUON_FAILED
     kq._gluon_rowcol, kq._GLUON_FAILED = (lambda *a: True), None
-    kg.rowcol_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    kg.rowcol_kernel = StubKernel(launch)
     try:
         x = _on(wide_range((64, 256), torch.bfloat16, seed=13), device)
         rec = BlockwiseScaling(act_block=(1, 128), weight_block=(128, 128))

@@ -39,6 +39,7 @@ from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quan
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.testing import reference_fp8 as RF
 from distwgrad.testing.sm90 import ptxas_report, specialize
+from distwgrad.testing.stubs import StubKernel
 
 _HERE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
@@ -399,14 +400,14 @@ def _case_gluon_fallback():
 
     calls = []
 
-    def launch(*a, **kw):
+    def launch(grid, *a, **kw):
         calls.append(1)
         raise _Unbuildable()
     saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
     k._gluon_ragged = lambda *a: True
     k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
-    kg.ragged_kernel = type("K", (), {"__getitem__": lambda self, grid: launch})()
+    kg.ragged_kernel = StubKernel(launch)
     name = ("ws_persistent" if k.RAGGED_GLUON_PERSISTENT else "ws") if k.RAGGED_GLUON_WS else "plain"
     kg.descriptor = lambda t, block_shape: None
     try:
@@ -735,8 +736,7 @@ def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, T, gluon, ex
     taken = []
     monkeypatch.setattr(k, "_gluon_ragged", lambda *a: True)
     monkeypatch.setattr(k, "_launch_gluon_ragged", lambda *a: taken.append("gluon") or True)
-    monkeypatch.setattr(k, "_fp8_ragged_kernel", type("K", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **kw: taken.append("triton"))})())
+    monkeypatch.setattr(k, "_fp8_ragged_kernel", StubKernel(lambda grid, *a, **kw: taken.append("triton")))
     monkeypatch.setattr(k, "_GLUON_FAILED", {})
     E, N = 2, 256
     a = torch.zeros(T, K, dtype=E4M3)
@@ -765,8 +765,7 @@ def test_gluon_launch_grid(monkeypatch, ws, persistent, T, grid):
         pytest.skip("this Triton has no Gluon")
     k = _kernels()
     launched = []
-    monkeypatch.setattr(kg, "ragged_kernel", type("K", (), {"__getitem__": lambda self, g: (
-        lambda *a, **kw: launched.append((g, kw)))})())
+    monkeypatch.setattr(kg, "ragged_kernel", StubKernel(lambda g, *a, **kw: launched.append((g, kw))))
     monkeypatch.setattr(kg, "descriptor", lambda t, block: None)
     monkeypatch.setattr(k, "_num_sms", lambda device: 132)
     monkeypatch.setattr(k, "RAGGED_GLUON_WS", ws)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from distwgrad.testing import reference as R
+from distwgrad.testing.stubs import StubKernel
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -427,8 +428,7 @@ def test_gluon_dispatch(monkeypatch, kw, expected):
     taken = []
     monkeypatch.setattr(k, "_gluon_ragged", lambda *a: True)
     monkeypatch.setattr(k, "_launch_gluon_ragged", lambda *a: taken.append("gluon") or True)
-    monkeypatch.setattr(k, "_ragged_m_kernel", type("K", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **kw: taken.append("triton"))})())
+    monkeypatch.setattr(k, "_ragged_m_kernel", StubKernel(lambda grid, *a, **kw: taken.append("triton")))
     monkeypatch.setattr(k, "RAGGED_GLUON", not kw.pop("off", False))
     if kw.get("config") == "cfg":
         kw["config"] = C.INTERPRETER
@@ -466,8 +466,7 @@ def test_gluon_launch_and_fallback(monkeypatch):
     monkeypatch.setattr(kg, "descriptor", lambda t, block: blocks.append((tuple(t.shape), block)))
     monkeypatch.setattr(k, "_num_sms", lambda device: 132)
     monkeypatch.setattr(k, "_GLUON_FAILED", {})
-    monkeypatch.setattr(kg, "ragged_kernel", type("K", (), {"__getitem__": lambda self, g: (
-        lambda *a, **kw: launched.append((g, kw)))})())
+    monkeypatch.setattr(kg, "ragged_kernel", StubKernel(lambda g, *a, **kw: launched.append((g, kw))))
     bf = torch.bfloat16
     T, E, K, N = 8192, 4, 512, 1024
     x, w, offs = torch.zeros(T, K, dtype=bf), torch.zeros(E, N, K, dtype=bf), torch.tensor([0, 4096, 6000, T])
@@ -479,9 +478,9 @@ def test_gluon_launch_and_fallback(monkeypatch):
     assert kw1["W_TRANS"] and not kw2["W_TRANS"]
     assert blocks == [((T, K), (128, 64)), ((E * N, K), (256, 64)), ((512, N), (128, 64)), ((E * N, K), (64, 256))]
 
-    def unbuildable(*a, **kw):
+    def unbuildable(grid, *a, **kw):
         raise CompilationError("", None, "no such Gluon API")
-    monkeypatch.setattr(kg, "ragged_kernel", type("K", (), {"__getitem__": lambda self, g: unbuildable})())
+    monkeypatch.setattr(kg, "ragged_kernel", StubKernel(unbuildable))
     with pytest.warns(RuntimeWarning, match="does not build"):
         assert not k._launch_gluon_ragged(x, w, offs.int(), None, torch.empty(T, N, dtype=bf), True)
     assert "no such Gluon API" in k._GLUON_FAILED["ragged"]
