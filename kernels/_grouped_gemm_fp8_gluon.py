@@ -122,16 +122,14 @@ def _define():
         return acc + prev
 
     @gluon.jit
-    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
-                 rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
-                 stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
-                 BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
-        """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
-        stages arrive through ``ready``, the tile's step 0 in the ring's step ``base``; WS: hand each
-        finished stage back through ``empty``."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    def _begin(a_bufs, b_bufs, ready, base, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast, stride_bse,
+               stride_bsn, mma: gl.constexpr, BLOCKWISE: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """A tile's step 0 (in the ring's step ``base``): waits for its stage and issues its MMAs into fresh
+        registers. Returns (the partial, in flight; its row scales; its weight scale; the row-scale
+        pointers and the weight-scale base of the tile's later steps)."""
+        BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
         row_lay: gl.constexpr = gl.SliceLayout(1, mma)
         # blockwise: row scales of the step (a_s[rows, kb]) and the weight block's scale (one per step:
         # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
@@ -143,19 +141,26 @@ def _define():
         else:
             prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
             prev_bs = gl.load(bs_base, mask=False, other=0.0)
-        # (the epilogue's loads stay in the epilogue: issued before the loop they made no measurable
-        # difference on an H200, docs/benchmarks/fp8_gemm_epilogue_loads_h200.json, and the bias, live
-        # across the loop, made the blockwise kernel spill)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-        # Step 0 outside the loop, so that one step's MMAs are in flight at the loop's head on every
-        # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
-        # then two steps per iteration, so that the partials alternate between two register sets
-        # without a copy ([Note: promotion under the next MMA]).
         s0 = base % NUM_STAGES
         mbarrier.wait(ready.index(s0), (base // NUM_STAGES) & 1)
         prev = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
+        return prev, prev_as, prev_bs, as_ptrs, bs_base
+
+    @gluon.jit
+    def _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev, prev_as, prev_bs,
+                    as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, WS: gl.constexpr):
+        """Steps 1 .. n_k - 1 of a tile whose step 0 (``_begin``) is in flight as ``prev``: the tile's fp32
+        sum, every MMA of it done ([Note: promotion under the next MMA])."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        # Step 0 is outside the loop, so that one step's MMAs are in flight at the loop's head on every
+        # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
+        # then two steps per iteration, so that the partials alternate between two register sets
+        # without a copy ([Note: promotion under the next MMA]).
         for k in range(1, n_k - 1, 2):
             acc, cur, cur_as, cur_bs = _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
                                              prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask,
@@ -171,8 +176,15 @@ def _define():
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
         else:
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
-        if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
-            mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
+        return acc
+
+    @gluon.jit
+    def _finish(acc, e64, rows, cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse, stride_ot,
+                stride_on, stride_biase, stride_biasn, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """A tile's epilogue: per-tensor scales, bias, the store (masked to the group's rows and N)."""
+        # (the epilogue's loads stay here: issued before the MMA loop they made no measurable difference
+        # on an H200, docs/benchmarks/fp8_gemm_epilogue_loads_h200.json, and the bias, live across the
+        # loop, made the blockwise kernel spill)
         if not BLOCKWISE:
             acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
         if HAS_BIAS:
@@ -180,6 +192,24 @@ def _define():
             acc = acc + bias.to(gl.float32)[None, :]
         o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+    @gluon.jit
+    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
+                 rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
+                 stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
+                 BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
+        """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
+        stages arrive through ``ready``, the tile's step 0 in the ring's step ``base``; WS: hand each
+        finished stage back through ``empty``."""
+        prev, prev_as, prev_bs, as_ptrs, bs_base = _begin(a_bufs, b_bufs, ready, base, e64, col0, rows, rows_ok,
+                                                          as_ptr, bs_ptr, stride_ast, stride_bse, stride_bsn, mma,
+                                                          BLOCKWISE, NUM_STAGES)
+        acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev, prev_as,
+                          prev_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, WS)
+        if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
+            mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
+        _finish(acc, e64, rows, cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse, stride_ot,
+                stride_on, stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e, first, pid,
