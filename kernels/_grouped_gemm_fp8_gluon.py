@@ -45,6 +45,19 @@ Measured (H200, docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs 
 persistent 1.44-1.76x per-tensor and 1.40-1.69x blockwise, one program per tile 1.15-1.64x and
 1.14-1.48x, the Triton kernel 1.36-1.43x and 0.93-1.04x (one run, fp8_gemm_gluon_persistent_h200.json).
 
+[Note: the next tile's first step under the epilogue]
+``OVERLAP=True`` (persistent only) moves each tile's epilogue after the next tile's step 0 is issued: the
+MMA warps would otherwise leave the tensor cores idle from the tile's last MMA (drained by the final
+``wait_group 0``) through the scale, bias and store instructions until the next step 0 is issued, a
+fixed cost per tile that weighs most where tiles have few K steps (16 in the 2048-deep dgrad). The loop
+over tiles has its head between a tile's last MMA and the next one's first, where nothing is in flight
+(an in-flight step 0 carried across the back edge made ptxas serialize every wgmma, C7514): each
+iteration issues its tile's step 0, runs the previous tile's epilogue (the first iteration's covers no
+rows), then the rest of its steps; the epilogue after the loop is the last tile's. Only the epilogue's
+scalars (first row, first column, the group's end row, the group) cross the loop; the row and column
+vectors are rebuilt. At the boundary the registers hold the finished sum and the new step's partial,
+two of the loop's three tiles.
+
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
 (wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost
 and its experts stacked so that ``[E * N, K]`` is a 2-D view (B's tile rows past an expert's N read the
@@ -194,6 +207,20 @@ def _define():
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
     @gluon.jit
+    def _finish_at(acc, e64, row0, col0, row_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse, stride_ot,
+                   stride_on, stride_biase, stride_biasn, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
+                   HAS_BIAS: gl.constexpr):
+        """``_finish`` of the tile at (row0, col0) whose group ends at row ``row_end`` (nothing stored
+        if row_end <= row0), its row and column vectors rebuilt here rather than kept live across the
+        next tile's MMAs."""
+        BLOCK_M: gl.constexpr = acc.type.shape[0]
+        BLOCK_N: gl.constexpr = acc.type.shape[1]
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        _finish(acc, e64, rows, cols, rows < row_end, cols < N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse,
+                stride_ot, stride_on, stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
+
+    @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
                  rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
                  stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
@@ -235,20 +262,50 @@ def _define():
                        first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
                        stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
                        GROUP_M: gl.constexpr, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       NUM_STAGES: gl.constexpr):
-        """The warp-specialized kernel's MMA warps over the same tiles as ``_produce``, in the same order."""
+                       NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+        """The warp-specialized kernel's MMA warps over the same tiles as ``_produce``, in the same order.
+        OVERLAP ([Note: the next tile's first step under the epilogue]): each tile's epilogue runs after
+        the next tile's step 0 is issued."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        tiles_n = gl.cdiv(N, BLOCK_N)
         base = pid * 0
-        for tile in range(pid, total, nprog):
-            e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, gl.cdiv(N, BLOCK_N), BLOCK_M)
-            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N, W_ROWS,
-                                                                        mma, GROUP_M, BLOCK_M, BLOCK_N)
-            _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
-                     rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
-                     stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
-                     HAS_BIAS, NUM_STAGES, True)
-            base += n_k
+        if OVERLAP:
+            # the loop's head lies between a tile's last MMA and the next tile's first, so that no MMA is in
+            # flight there; the epilogue of each tile runs in the next iteration, after that tile's step 0
+            # is issued (the first iteration's epilogue stores nothing: its row range is empty)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            p_row0 = pid * 0
+            p_col0 = p_row0
+            p_end = p_row0
+            p_e64 = p_row0.to(gl.int64)
+            for tile in range(pid, total, nprog):
+                e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
+                row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
+                                                                            W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
+                prev, prev_as, prev_bs, as_ptrs, bs_base = _begin(a_bufs, b_bufs, ready, base, e64, col0, rows,
+                                                                  rows_ok, as_ptr, bs_ptr, stride_ast, stride_bse,
+                                                                  stride_bsn, mma, BLOCKWISE, NUM_STAGES)
+                _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse,
+                           stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
+                acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev,
+                                  prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma,
+                                  BLOCKWISE, NUM_STAGES, True)
+                mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
+                base += n_k
+                p_row0, p_col0, p_end, p_e64 = row0, col0, start + size, e64
+            _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse,
+                       stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
+        else:
+            for tile in range(pid, total, nprog):
+                e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
+                row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
+                                                                            W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
+                _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
+                         rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
+                         stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
+                         HAS_BIAS, NUM_STAGES, True)
+                base += n_k
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
@@ -257,13 +314,14 @@ def _define():
                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                       BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                       BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr, PERSISTENT: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      OVERLAP: gl.constexpr, num_warps: gl.constexpr):
         """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
         ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. WS: warp-specialized,
         one extra warp issues the TMA loads and the MMA warps only wait on mbarriers (else the MMA warps
         issue them, behind CTA-wide barriers). PERSISTENT (needs WS): programs loop over tiles pid,
         pid + grid, ... (else the grid covers every tile and each program runs its pid's)."""
         gl.static_assert(WS or not PERSISTENT, "the persistent kernel is the warp-specialized one")
+        gl.static_assert(PERSISTENT or not OVERLAP, "the look-ahead runs across a persistent program's tiles")
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -299,7 +357,8 @@ def _define():
                     (_consume_tiles, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
                                       n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
                                       stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
-                                      stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES)),
+                                      stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES,
+                                      OVERLAP)),
                     (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
                                 e, first, pid, total, nprog, GROUP_M, NUM_STAGES)),
                 ], [1], [24])
@@ -307,7 +366,7 @@ def _define():
                 gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
                                     n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
                                     stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
-                                    stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES),
+                                    stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES, OVERLAP),
                                    _consume_tiles,
                                    (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
                                     n_k, e, first, pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [24])

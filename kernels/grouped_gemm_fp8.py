@@ -150,7 +150,11 @@ RAGGED_GLUON_WS = True
 # where a tile has few K steps (the 2048-deep dgrad). An earlier persistent variant without the TMA warp
 # (its MMA warps issued the next tile's loads only after their epilogue) ran at 1.12-1.24x bf16 and was dropped.
 RAGGED_GLUON_PERSISTENT = True
-_GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "plain") -> why it did not build here
+# Persistent only: each tile's epilogue after the next tile's first MMAs are issued ([Note: the next
+# tile's first step under the epilogue] in _grouped_gemm_fp8_gluon.py).
+RAGGED_GLUON_OVERLAP = False
+_GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
+#                                     did not build here
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -403,7 +407,8 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     E, _, N = b_EKN.shape
     L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
     persistent = RAGGED_GLUON_WS and RAGGED_GLUON_PERSISTENT
-    name = ("ws_persistent" if persistent else "ws") if RAGGED_GLUON_WS else "plain"
+    overlap = persistent and RAGGED_GLUON_OVERLAP
+    name = ("ws_persistent" + "_overlap" * overlap if persistent else "ws") if RAGGED_GLUON_WS else "plain"
     if name in _GLUON_FAILED:
         return False
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
@@ -416,7 +421,7 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
             out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
             BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, WS=RAGGED_GLUON_WS,
-            PERSISTENT=persistent, num_warps=bm // 16)
+            PERSISTENT=persistent, OVERLAP=overlap, num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED[name] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon FP8 grouped GEMM kernel ({name}) does not build with triton "

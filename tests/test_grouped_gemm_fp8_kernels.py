@@ -408,7 +408,9 @@ def _case_gluon_fallback():
     k._GLUON_FAILED.clear()
     k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
     kg.ragged_kernel = StubKernel(launch)
-    name = ("ws_persistent" if k.RAGGED_GLUON_PERSISTENT else "ws") if k.RAGGED_GLUON_WS else "plain"
+    persistent = k.RAGGED_GLUON_PERSISTENT and k.RAGGED_GLUON_WS
+    name = (("ws_persistent" + "_overlap" * k.RAGGED_GLUON_OVERLAP if persistent else "ws")
+            if k.RAGGED_GLUON_WS else "plain")
     kg.descriptor = lambda t, block_shape: None
     try:
         T, E, K, N = SHAPE_TMA
@@ -634,10 +636,10 @@ def test_compiles_for_sm90(variant):
 
 
 def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool = False,
-                      persistent: bool = False) -> tuple[str, str]:
+                      persistent: bool = False, overlap: bool = False) -> tuple[str, str]:
     """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
     ``block_m`` rows (one warpgroup per 64); ``ws``: the warp-specialized variant, ``persistent`` its
-    persistent form."""
+    persistent form, ``overlap`` that with the next tile's step 0 under each epilogue."""
     import triton
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     from triton.backends.compiler import GPUTarget
@@ -657,6 +659,7 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
     fn = kg.ragged_kernel
     consts["WS"] = ws
     consts["PERSISTENT"] = persistent
+    consts["OVERLAP"] = overlap
     sig, attrs = specialize(fn, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=block_m // 16))
@@ -673,11 +676,13 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
 
 @pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",
                                      "blockwise/e4m3/64", "per_tensor/e4m3/ws", "blockwise/e4m3/ws",
-                                     "per_tensor/e4m3/ws/persistent", "blockwise/e4m3/ws/persistent"])
+                                     "per_tensor/e4m3/ws/persistent", "blockwise/e4m3/ws/persistent",
+                                     "per_tensor/e4m3/ws/persistent/overlap", "per_tensor/e5m2/ws/persistent/overlap",
+                                     "blockwise/e4m3/ws/persistent/overlap"])
 def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     """[Note: promotion under the next MMA]: the Gluon kernels (128- and 64-row tiles, warp-specialized,
-    persistent) build for sm_90a with fp8 wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``,
-    once per step), and ptxas neither serializes the wgmmas (C7514: a non-wgmma instruction reading an
+    persistent, and that with each epilogue after the next tile's step 0) build for sm_90a with fp8
+    wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``, once per step), and ptxas neither serializes the wgmmas (C7514: a non-wgmma instruction reading an
     in-flight accumulator; C7512: registers) nor spills."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
@@ -685,9 +690,13 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
         pytest.skip("this Triton has no Gluon")
     recipe, a_ty, *rest = variant.split("/")
     ptx, info = _sm90_gluon_ptxas(recipe == "blockwise", {"e4m3": "float8e4nv", "e5m2": "float8e5"}[a_ty],
-                                  64 if "64" in rest else 128, ws="ws" in rest, persistent="persistent" in rest)
+                                  64 if "64" in rest else 128, ws="ws" in rest, persistent="persistent" in rest,
+                                  overlap="overlap" in rest)
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_ty}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    if "overlap" in rest:  # the next tile's step 0 is issued before this tile's stores
+        first_mma, first_store = ptx.index("wgmma.mma_async"), ptx.index("st.global")
+        assert first_mma < first_store, "the epilogue's stores come before the next tile's first MMA"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
     if "ws" in rest:  # the MMA warps get the registers, the TMA warp gives them back
@@ -780,6 +789,7 @@ def test_gluon_launch_grid(monkeypatch, ws, persistent, T, grid):
     (g, kw), = launched
     assert g == (grid,)
     assert kw["WS"] is ws and kw["PERSISTENT"] is (ws and persistent)
+    assert kw["OVERLAP"] is (ws and persistent and k.RAGGED_GLUON_OVERLAP)
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------
@@ -891,7 +901,7 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["m128", "m64", "ws", "ws_persistent"])
+@pytest.mark.parametrize("variant", ["m128", "m64", "ws", "ws_persistent", "ws_persistent_overlap"])
 @pytest.mark.parametrize("recipe", ["per_tensor", "blockwise"])
 @pytest.mark.parametrize("T,E,K,N", [
     (4096, 8, 1024, 1536),     # 8 K steps (fprop) / 12 (dgrad): even counts
@@ -910,7 +920,8 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     monkeypatch.setattr(_kernels(), "RAGGED_GLUON_BLOCK_M", 64 if variant == "m64" else 128)
     monkeypatch.setattr(_kernels(), "RAGGED_GLUON_WS", variant.startswith("ws"))  # warp-specialized
-    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_PERSISTENT", variant == "ws_persistent")
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_PERSISTENT", variant.startswith("ws_persistent"))
+    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_OVERLAP", variant.endswith("overlap"))
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))

@@ -55,7 +55,7 @@ for step in $STEPS; do
     gemm_gluon) run gemm_gluon python3 qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows \
                   --json "$OUT_DIR/grouped_gemm_gluon.json" ;;
     gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \
-                      --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants ws ws_persistent \
+                      --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants ws_persistent ws_persistent_overlap \
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \

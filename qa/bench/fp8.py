@@ -257,9 +257,10 @@ GEMM_RECIPES = {"per_tensor": PerTensorScaling(), "blockwise": BlockwiseScaling(
                 "per_tensor_fast": PerTensorScaling(fp8_gemm_fprop=_FAST, fp8_gemm_dgrad=_FAST, fp8_gemm_wgrad=_FAST)}
 
 
-# the Gluon promoting kernel's variants: (rows per tile, warp-specialized, persistent)
-GLUON_VARIANTS = {"m128": (128, False, False), "m64": (64, False, False), "ws": (128, True, False),
-                  "ws_persistent": (128, True, True)}
+# the Gluon promoting kernel's variants: (rows per tile, warp-specialized, persistent, epilogue after the next
+# tile's step 0)
+GLUON_VARIANTS = {"m128": (128, False, False, False), "m64": (64, False, False, False), "ws": (128, True, False, False),
+                  "ws_persistent": (128, True, True, False), "ws_persistent_overlap": (128, True, True, True)}
 
 
 def _add_gemm_args(p: argparse.ArgumentParser) -> None:
@@ -427,13 +428,14 @@ def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]
     impl = "fp8_wT" if op == "dgrad" else "fp8"
     rows = []
     for variant in getattr(args, "gluon_variants", None) or sorted(GLUON_VARIANTS):
-        bm, ws, persistent = GLUON_VARIANTS[variant]
+        bm, ws, persistent, overlap = GLUON_VARIANTS[variant]
         for n in stages:
             label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}"
             try:
                 with _overriding_attr(F, "RAGGED_GLUON_STAGES", n), _overriding_attr(F, "RAGGED_GLUON_BLOCK_M", bm), \
                         _overriding_attr(F, "RAGGED_GLUON_WS", ws), \
-                        _overriding_attr(F, "RAGGED_GLUON_PERSISTENT", persistent):
+                        _overriding_attr(F, "RAGGED_GLUON_PERSISTENT", persistent), \
+                        _overriding_attr(F, "RAGGED_GLUON_OVERLAP", overlap):
                     worst = _gemm_check(op, p, q, impl=impl, gluon=True)
                     ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
             except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
