@@ -682,8 +682,9 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
 def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     """[Note: promotion under the next MMA]: the Gluon kernels (128- and 64-row tiles, warp-specialized,
     persistent, and that with each epilogue after the next tile's step 0) build for sm_90a with fp8
-    wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``, once per step), and ptxas neither serializes the wgmmas (C7514: a non-wgmma instruction reading an
-    in-flight accumulator; C7512: registers) nor spills."""
+    wgmma, wait for all but the newest MMA group in the loop (``wait_group 1``, once per step), and ptxas
+    neither serializes the wgmmas (C7514: a non-wgmma instruction reading an in-flight accumulator;
+    C7512: registers) nor spills."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     if not kg.AVAILABLE:
