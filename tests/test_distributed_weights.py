@@ -6,7 +6,9 @@ combines them in the order the weights reduce ([Note: contribution accounting] i
 per microbatch, ``sum over ranks / world``, added to the step's gradient. With 2 ranks that order is
 exact (a two-term sum is commutative and dividing by 2 is exact), so 2-rank comparisons are bit-exact.
 With 3 ranks gloo's summation order of three terms is its own and ``/3`` rounds, so 3-rank comparisons
-allow 4 fp32 ulps at the gradient's magnitude.
+allow 4 fp32 ulps at the gradient's magnitude. The 2-rank sweep also runs with CUDA tensors over NCCL
+where two GPUs are present (``gpu``-marked): the reference then runs on the same GPU, so the same
+argument makes it bit-exact there too.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ pytestmark = pytest.mark.distributed
 K, N, B = 8, 10, 8  # in-features, out-features (10 rows: uneven on 3 ranks), tokens per rank
 
 
-def _full_params(seed=0):
+def _full_params(seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return {
+    full = {
         "w0": torch.randn(N, K, generator=g) * 0.3, "b0": torch.randn(N, generator=g) * 0.1,
         "w1": torch.randn(N, N, generator=g) * 0.3, "b1": torch.randn(N, generator=g) * 0.1,
         "w2": torch.randn(N, N, generator=g) * 0.3, "b2": torch.randn(N, generator=g) * 0.1,
     }
+    return {k: v.to(device) for k, v in full.items()}
 
 
 def _wrap(kind, t, policy, async_reduce=False):
@@ -55,7 +58,8 @@ def _build(case, full):
 
 
 def _reference(case, full):
-    ref = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.Linear(N, N), torch.nn.Linear(N, N))
+    ref = torch.nn.Sequential(torch.nn.Linear(K, N), torch.nn.Linear(N, N), torch.nn.Linear(N, N)).to(
+        case.get("device", "cpu"))
     names = [("w0", "b0"), ("w1", "b1"), ("w1", "b1") if case["tied"] else ("w2", "b2")]
     params = {k: torch.nn.Parameter(v.clone()) for k, v in full.items()}
     for layer, (w, b) in zip(ref, names):
@@ -96,7 +100,8 @@ def _local_rows(p):
 
 
 def _parity_case(case, rank, world):
-    full = _full_params()
+    dev = case.get("device", "cpu")
+    full = _full_params(device=dev)
     model = _build(case, full)
     ref, ref_params = _reference(case, full)
     ours = dict(zip(ref_params, [model[0].weight, model[0].bias, model[1].weight, model[1].bias,
@@ -106,7 +111,7 @@ def _parity_case(case, rank, world):
     exact = world == 2
     for step in range(3):
         g = torch.Generator().manual_seed(100 + step)
-        xs = [torch.randn(B, K, generator=g) for _ in range(world)]
+        xs = [torch.randn(B, K, generator=g).to(dev) for _ in range(world)]
         ref_grads, ref_losses = _reference_step(case, ref, ref_params, xs, world)
         loss_sum = 0.0
         for microbatch in torch.chunk(xs[rank], case["microbatches"]):
@@ -166,6 +171,13 @@ def _policy_matches_order(case):
 def test_parity_two_ranks_bit_exact():
     cases = [c for c in _cases() if _policy_matches_order(c)]
     run_distributed(_parity_rank, 2, cases, timeout=300)
+
+
+@pytest.mark.gpu
+def test_parity_two_ranks_bit_exact_over_nccl():
+    """The 2-rank sweep with CUDA tensors, over NCCL (skipped with fewer than two GPUs)."""
+    cases = [dict(c, device="cuda") for c in _cases() if _policy_matches_order(c)]
+    run_distributed(_parity_rank, 2, cases, timeout=300, device="cuda")
 
 
 def test_parity_three_ranks_uneven_shards():

@@ -99,7 +99,8 @@ def test_recipe_is_carried_into_backward():
 
 def _gather_case(case, rank, world):
     recipe, rows = case["recipe"], case["rows"]
-    full = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    full = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1)).to(case.get("device", "cpu"),
+                                                                                 torch.bfloat16)
     w = ShardedWeight.from_full(full)
     before = w.bytes_gathered
     (q,) = materialize_quantized(w, recipe, backward=False)
@@ -137,6 +138,8 @@ def _packed_case(recipe, rank, world):
 
 
 def _gather_rank(rank, world, cases):
+    if cases[0].get("device", "cpu") != "cpu":
+        return for_each_case(cases, _gather_case, rank, world)
     packed = for_each_case([c["recipe"] for c in cases[::2]], _packed_case, rank, world)
     return for_each_case(cases, _gather_case, rank, world) + packed
 
@@ -148,6 +151,17 @@ def test_fp8_all_gather_moves_fp8_bytes_and_equals_full_quantization(world):
     cases = [dict(recipe=r, rows=rows) for r in (PerTensorScaling(), block) for rows in (64, 50)]
     ratios = run_distributed(_gather_rank, world, cases, timeout=120)
     assert all(r <= 0.55 for per_rank in ratios for r in per_rank if r is not None)
+
+
+@pytest.mark.distributed
+@pytest.mark.gpu
+def test_fp8_all_gather_over_nccl():
+    """The same gathers with CUDA shards over NCCL (skipped with fewer than two GPUs): the quantize
+    kernels on each shard, FP8 bytes through NCCL, the result equal to quantizing the full weight."""
+    block = BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16))
+    cases = [dict(recipe=r, rows=rows, device="cuda") for r in (PerTensorScaling(), block) for rows in (64, 50)]
+    ratios = run_distributed(_gather_rank, 2, cases, timeout=120, device="cuda")
+    assert all(r <= 0.55 for per_rank in ratios for r in per_rank)
 
 
 def _amax_rank(rank, world):

@@ -253,11 +253,11 @@ def test_bad_splits_and_inputs():
 
 def _sharded_case(case, rank, world):
     """3 optimizer steps of sharded experts vs the single-process oracle on the global batch."""
-    packed, delay = case["packed"], case["delay"]
+    packed, delay, dev = case["packed"], case["delay"], case.get("device", "cpu")
     g = torch.Generator().manual_seed(0)
-    full_w = torch.randn(E, 5, D, generator=g) * 0.3  # packed: 3 experts on 2 ranks -> 2 + 1 (uneven)
-    full_b = torch.randn(E, 5, generator=g) * 0.1
-    layer = GroupedLinear(E, D, 5, single_grouped_weight=packed, delay_wgrad_compute=delay)
+    full_w = (torch.randn(E, 5, D, generator=g) * 0.3).to(dev)  # packed: 3 experts on 2 ranks -> 2 + 1 (uneven)
+    full_b = (torch.randn(E, 5, generator=g) * 0.1).to(dev)
+    layer = GroupedLinear(E, D, 5, single_grouped_weight=packed, delay_wgrad_compute=delay, device=dev)
     if packed:
         layer.weight = ShardedWeight.from_full(full_w)
         layer.bias = distwgrad.ReplicatedWeight.from_full(full_b)
@@ -265,14 +265,14 @@ def _sharded_case(case, rank, world):
         for e in range(E):  # 5 rows per expert on 2 ranks -> 3 + 2 (uneven)
             setattr(layer, f"weight{e}", ShardedWeight.from_full(full_w[e]))
             setattr(layer, f"bias{e}", distwgrad.ReplicatedWeight.from_full(full_b[e]))
-    oracle = torch.nn.ModuleList(torch.nn.Linear(D, 5) for _ in range(E))
+    oracle = torch.nn.ModuleList(torch.nn.Linear(D, 5) for _ in range(E)).to(dev)
     for e, lin in enumerate(oracle):
         lin.weight.data.copy_(full_w[e])
         lin.bias.data.copy_(full_b[e])
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     for step in range(3):
         gs = torch.Generator().manual_seed(10 + step)
-        xs = [torch.randn(9, D, generator=gs) for _ in range(world)]
+        xs = [torch.randn(9, D, generator=gs).to(dev) for _ in range(world)]
         splits = [[2, 0, 7], [4, 4, 1]]
         layer(xs[rank], splits[rank]).tanh().square().mean().backward()
         layer.backward_dw()
@@ -309,6 +309,15 @@ def _sharded_rank(rank, world, cases):
 def test_sharded_experts_match_single_process_after_three_steps():
     cases = [dict(packed=p, delay=d) for p, d in itertools.product([False, True], [False, True])]
     assert run_distributed(_sharded_rank, 2, cases, timeout=300) == [[True] * 4] * 2
+
+
+@pytest.mark.distributed
+@pytest.mark.gpu
+def test_sharded_experts_over_nccl():
+    """The same with CUDA tensors over NCCL (skipped with fewer than two GPUs): the CUDA grouped GEMM
+    path, and the oracle on the same GPU."""
+    cases = [dict(packed=p, delay=d, device="cuda") for p, d in itertools.product([False, True], [False, True])]
+    assert run_distributed(_sharded_rank, 2, cases, timeout=300, device="cuda") == [[True] * 4] * 2
 
 
 def test_transformer_engine_constructor_and_forward_conventions():
