@@ -37,7 +37,8 @@ class TileConfig:
     there); with it, ``subtile`` = 2 writes the tile in two column halves and ``warp_specialize`` asks
     Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise).
     ``tma=False`` keeps masked pointer loads where TMA descriptors would apply (an explicit ``use_tma``
-    argument of the launcher wins)."""
+    argument of the launcher wins). ``l2_prefetch`` (accumulating wgrad, GPU) prefetches the old fp32 tile
+    into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py)."""
 
     block_m: int
     block_n: int
@@ -50,6 +51,7 @@ class TileConfig:
     subtile: int = 1
     warp_specialize: bool = False
     tma: bool = True
+    l2_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -71,6 +73,9 @@ class TileConfig:
         if not self.persistent and (self.subtile != 1 or self.warp_specialize):
             raise ValueError(f"TileConfig: subtile={self.subtile} and warp_specialize={self.warp_specialize} "
                              f"need persistent > 0")
+        if self.l2_prefetch and (self.block_n < 32 or self.add_mode == "prefetch"):
+            raise ValueError(f"TileConfig: l2_prefetch needs block_n >= 32 (one 128-byte line) and an add_mode "
+                             f"other than 'prefetch', got block_n={self.block_n}, add_mode={self.add_mode!r}")
         if self.persistent and self.add_mode == "prefetch":
             raise ValueError("TileConfig: the persistent wgrad kernel has no add_mode 'prefetch'")
 
@@ -78,7 +83,7 @@ class TileConfig:
         mode = "" if self.add_mode == "load" else f"/{self.add_mode}"
         pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
                                                + ("/ws" if self.warp_specialize else ""))
-        pers += "" if self.tma else "/ptr"
+        pers += ("" if self.tma else "/ptr") + ("/l2pf" if self.l2_prefetch else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
                 f"/s{self.num_stages}{mode}{pers}")
 
@@ -132,6 +137,14 @@ WGRAD_ACC_CANDIDATES = (
     _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
     _T(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
     _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1, warp_specialize=True),
+    # Round 7: the old tile prefetched into L2 under the main loop ([Note: L2 prefetch of the accumulated
+    # tile]), on the picks of rounds 2-4 at each shape.
+    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", l2_prefetch=True),
+    _T(128, 128, 32, num_warps=4, num_stages=4, l2_prefetch=True),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", l2_prefetch=True),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", l2_prefetch=True),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False, l2_prefetch=True),
+    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", persistent=2, subtile=2, l2_prefetch=True),
 )
 
 

@@ -29,6 +29,14 @@ Empty groups run no main-loop step and skip the reduction; a fresh output still 
 Neither this kernel nor delaying each first-wave program by a different few microseconds, so that the
 programs' reductions would not all fall together (round 6 in docs/benchmarks/grouped_gemm.md), beat the
 one-tile-per-program kernel beyond the run-to-run noise on an H200.
+
+[Note: L2 prefetch of the accumulated tile]
+Accumulating into ``main_grad`` reads each fp32 output tile once, after the tile's main loop (add_mode
+"load"), or sends it to L2 as a reduction ("atomic", "tma_add") that L2 must first fetch from HBM: either
+way the tile's HBM read starts when the MMAs are done. ``TileConfig.l2_prefetch`` issues, before the main
+loop, one L2 prefetch per 128-byte line of the tile (``prefetch.global.L2::evict_last``: no registers,
+no reply awaited), so the read streams from HBM while the MMAs run and the epilogue finds the lines in
+L2. The numbers are unchanged (a prefetch moves no data into the result).
 """
 
 import triton
@@ -132,6 +140,20 @@ def _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE: tl.constexpr):
     return base
 
 
+@triton.jit
+def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[Note: L2 prefetch of the accumulated tile] One ``prefetch.global.L2::evict_last`` per 128-byte line
+    of the fp32 output tile at (row0, col0) (rows and columns clamped into the output: a prefetch is a
+    hint, but it should name memory that exists). GPU only (inline PTX)."""
+    gl_lines: tl.constexpr = BLOCK_N // 32  # 32 fp32 per line along K (the contiguous dimension)
+    tl.static_assert(gl_lines >= 1, "the L2 prefetch needs tiles of >= 32 columns")
+    rows = tl.minimum(row0 + tl.arange(0, BLOCK_M), N - 1)
+    cols = tl.minimum(col0 + tl.arange(0, gl_lines) * 32, K - 1)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # One program per tile
 # ---------------------------------------------------------------------------------------------------
@@ -145,13 +167,15 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
                   ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr):
+                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
     """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
     output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
     fresh output; 1-4 add into fp32 ``out``: 1 loads the old tile after the main loop, 2 before it
     (the read streams under the MMAs, held in registers), 3 sends fp32 reductions to L2 (no round trip;
     still deterministic: every element receives exactly one addend), 4 does the same with one bulk
-    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only)."""
+    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only). L2_PREFETCH
+    (accumulating modes): the old tile is prefetched into L2 before the main loop ([Note: L2 prefetch of
+    the accumulated tile])."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if end == start:
@@ -159,6 +183,8 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
+    if L2_PREFETCH and ADD_MODE != 0:
+        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
     o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
     mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
     if ADD_MODE == 2:
@@ -210,9 +236,12 @@ def _wgrad_persistent_tile(tile, dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_p
                            ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                            UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           SUBTILE: tl.constexpr):
+                           SUBTILE: tl.constexpr, L2_PREFETCH: tl.constexpr):
     e, pid_m, pid_n, start, end = _wgrad_tile_at(tile, offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N,
                                                  GROUP_M)
+    if L2_PREFETCH and ADD_MODE != 0:
+        _prefetch_out_tile(_wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE), pid_m * BLOCK_M, pid_n * BLOCK_N, N,
+                           K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
     # An empty group runs no step (acc stays 0): no branch around the main loop, which keeps the loop
     # nest simple for the pipeliner and the warp specializer.
     acc = _wgrad_mainloop(dy_desc, x_desc, dy_ptr, x_ptr, start, end, pid_m, pid_n, N, K, stride_dt,
@@ -241,7 +270,8 @@ def _wgrad_persistent_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, 
                              ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                              UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                             GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                             L2_PREFETCH: tl.constexpr = False):
     """``_wgrad_kernel``'s tiles (same order, same ADD_MODE values except 2, which this kernel lacks)
     taken ``num_programs`` apart by each of ``num_programs`` programs; SUBTILE 1 or 2 column parts per
     epilogue. [Note: persistent wgrad]"""
@@ -251,10 +281,10 @@ def _wgrad_persistent_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, 
             _wgrad_persistent_tile(tile, dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, T, N,
                                    K, stride_dt, stride_dn, stride_xt, stride_xk, stride_oe, stride_on,
                                    stride_ok, stride_o, ADD_MODE, PTR_TABLE, USE_TMA, UPCAST, PRECISION,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE)
+                                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, L2_PREFETCH)
     else:
         for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
             _wgrad_persistent_tile(tile, dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, T, N,
                                    K, stride_dt, stride_dn, stride_xt, stride_xk, stride_oe, stride_on,
                                    stride_ok, stride_o, ADD_MODE, PTR_TABLE, USE_TMA, UPCAST, PRECISION,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE)
+                                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, L2_PREFETCH)

@@ -334,6 +334,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                so[0], so[1], so[2], offs_E.stride(0))
     meta = dict(ADD_MODE=add_mode, PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=upcast,
                 PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+                L2_PREFETCH=config.l2_prefetch and add_mode != 0 and not _interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages)
     num_tiles = E * triton.cdiv(N, bm) * triton.cdiv(K, bn)
     if not config.persistent:

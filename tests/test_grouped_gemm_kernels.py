@@ -382,6 +382,45 @@ def test_gluon_kernel_keeps_the_mma_pipeline(op):
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
 
 
+@pytest.mark.parametrize("mode", ["load", "atomic", "tma_add"])
+def test_wgrad_l2_prefetch_builds_for_sm90(mode):
+    """[Note: L2 prefetch of the accumulated tile]: with ``l2_prefetch`` the accumulating wgrad kernel
+    (E=64 pick: 128x128x32, 4 warps) issues one ``prefetch.global.L2::evict_last`` per 128-byte line of its
+    fp32 tile (128 rows x 4 lines over 128 threads: 4 each) before its first MMA; without it, none."""
+    triton = pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_wgrad as kw
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from distwgrad.testing.sm90 import specialize
+    add = {"load": 1, "atomic": 3, "tma_add": 4}[mode]
+    bm, bn, bk = 128, 128, 32
+    T, K, N = 65536, 7168, 2048  # the E=64 MoE shape
+    counts = {}
+    for prefetch in (False, True):
+        vals = dict(dy_desc=f"tensordesc<bf16[{bk}, {bm}]>", x_desc=f"tensordesc<bf16[{bk}, {bn}]>",
+                    out_desc=f"tensordesc<fp32[1, {bm}, {bn}]>" if add == 4 else None, dy_ptr="*bf16",
+                    x_ptr="*bf16", out_ptr="*fp32", offs_ptr="*i32", T=T, N=N, K=K, stride_dt=N, stride_dn=1,
+                    stride_xt=K, stride_xk=1, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
+        consts = dict(ADD_MODE=add, PTR_TABLE=False, USE_TMA=True, UPCAST=False, PRECISION="tf32", BLOCK_M=bm,
+                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, L2_PREFETCH=prefetch)
+        if add != 4:
+            consts["out_desc"] = None
+        sig, attrs = specialize(kw._wgrad_kernel, {k: v for k, v in vals.items() if v is not None}, consts, ("T",))
+        try:
+            kernel = triton.compile(ASTSource(kw._wgrad_kernel, sig, consts, attrs),
+                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+        except RuntimeError as exc:
+            if "ptxas" in str(exc) and "not found" in str(exc):
+                pytest.skip(f"no ptxas: {exc}")
+            raise
+        ptx = kernel.asm["ptx"]
+        counts[prefetch] = ptx.count("prefetch.global.L2::evict_last")
+        if prefetch:
+            assert ptx.index("prefetch.global.L2::evict_last") < ptx.index("wgmma.mma_async"), "prefetch after MMAs"
+    assert counts == {False: 0, True: 4}, counts
+
+
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
     """``_gluon_ragged``: Hopper (wgmma), bf16/fp16 of one dtype, TMA-aligned, stacked experts, dgrad's
     contraction a multiple of BLOCK_K (no step across two experts); never in the interpreter."""
@@ -557,6 +596,18 @@ def test_gpu_wgrad_add_modes(mode):
     from distwgrad.kernels._grouped_gemm_configs import TileConfig
     cfg = TileConfig(128, 128, 32, num_warps=8 if mode == "prefetch" else 4, num_stages=4, add_mode=mode)
     for T, E, K, N in ((4096, 8, 1024, 1536), (3000, 5, 1000, 1304)):
+        _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, config=cfg, ops=("wgrad_acc", "wgrad_acc_list"))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode", ["load", "atomic", "tma_add"])
+def test_gpu_wgrad_l2_prefetch(mode):
+    """[Note: L2 prefetch of the accumulated tile]: the same sums with the prefetch, on the tile grid and
+    off it (the prefetch addresses clamp into the output)."""
+    from distwgrad.kernels._grouped_gemm_configs import TileConfig
+    cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode=mode, l2_prefetch=True)
+    for T, E, K, N in ((4096, 8, 1024, 1536), (3000, 5, 1000, 1304), (300, 64, 256, 384)):
         _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, config=cfg, ops=("wgrad_acc", "wgrad_acc_list"))
 
 

@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep-ops", nargs="+", choices=OPS, default=list(OPS), help="ops to sweep (default all)")
     p.add_argument("--sweep-json", default=None, help="write the sweep's rows here")
     p.add_argument("--sweep-rep", type=int, default=50, help="do_bench repetition time in the sweep, ms")
+    p.add_argument("--sweep-match", nargs="+", default=None,
+                   help="sweep only the candidates whose short name contains one of these (e.g. /l2pf); the "
+                        "default config is always timed")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--gluon", action="store_true",
                    help="fprop/dgrad: the 'distwgrad' rows run the opt-in Gluon kernel (grouped_gemm.RAGGED_GLUON)")
@@ -236,6 +239,10 @@ def sweep(op: str, p: Problem, args, exp) -> list[dict]:
     """Every candidate config (TMA as the layout allows) plus the pointer path of the default config."""
     cands = {"fprop": C.RAGGED_CANDIDATES, "dgrad": C.RAGGED_CANDIDATES, "wgrad": C.WGRAD_CANDIDATES,
              "wgrad_accumulate": C.WGRAD_ACC_CANDIDATES}[op]
+    match = getattr(args, "sweep_match", None)
+    cands = [c for c in cands if not match or any(m in c.short() for m in match)]
+    if match:
+        cands.append(default_config(op, p))
     runs = [(c, None) for c in cands] + [(default_config(op, p), False)]
     rows = []
     for cfg, tma in runs:
