@@ -151,8 +151,12 @@ RAGGED_GLUON_WS = True
 # (its MMA warps issued the next tile's loads only after their epilogue) ran at 1.12-1.24x bf16 and was dropped.
 RAGGED_GLUON_PERSISTENT = True
 # Persistent only: each tile's epilogue after the next tile's first MMAs are issued ([Note: the next
-# tile's first step under the epilogue] in _grouped_gemm_fp8_gluon.py).
-RAGGED_GLUON_OVERLAP = False
+# tile's first step under the epilogue] in _grouped_gemm_fp8_gluon.py). H200, one run at 78ec11e
+# (docs/benchmarks/fp8_gemm_gluon_overlap_h200.json), TFLOP/s with | without, (E, contraction):
+#   per-tensor fprop 1073 | 1048 (8, 4096)   1137 | 1085 (64, 7168); dgrad 1187 | 1192 (8, 14336)   892 | 859 (64, 2048)
+#   blockwise fprop   979 |  953             1018 |  991;             dgrad 1099 | 1082               840 | 838
+# (1.00-1.05x; the E=128 cells are bimodal in both, as above).
+RAGGED_GLUON_OVERLAP = True
 _GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
 #                                     did not build here
 
