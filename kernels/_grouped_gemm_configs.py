@@ -196,13 +196,17 @@ def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: 
         # w4/s4/tma_add 421 vs atomic 397 (the second run in which tma_add led at 1024); 128/expert:
         # pointer loads 91 vs TMA 80 (a group's ~4 token steps do not amortize the descriptor loads).
         # "tma_add" falls back to "atomic" where it cannot run (lists of buffers, odd strides).
+        # Round 7 (docs/benchmarks/grouped_gemm_wgrad_sweep_round7_h200.json, one run), the old tile
+        # prefetched into L2 under the main loop: 128/expert 115 vs 91 TFLOP/s (the fp32 traffic caps
+        # that shape at 127), 1024: 398-409 vs 431-434 (so not there), 4096: 639 vs 601 / 623 (within
+        # that run's spread of the same config; not taken).
         tokens_per_group = num_tokens / max(num_groups, 1)
         if big:
             cfg = TileConfig(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic")
         elif tokens_per_group >= 512:
             cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add")
         else:
-            cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False)
+            cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False, l2_prefetch=True)
     elif big:  # 256x128x64/w8/s3 676 vs 128x256x64/w8/s4 664, 128x128x32/w4/s4 626
         cfg = TileConfig(256, 128, 64, num_warps=8, num_stages=3)
     else:      # 1024/expert: 128x128x32/w4/s4 601 vs 128x128x64/w4/s3 580; 128/expert: 246 vs 184

@@ -601,12 +601,13 @@ def test_gpu_wgrad_add_modes(mode):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode", ["load", "atomic", "tma_add"])
+@pytest.mark.parametrize("mode", ["load", "atomic", "tma_add", "atomic/ptr"])
 def test_gpu_wgrad_l2_prefetch(mode):
     """[Note: L2 prefetch of the accumulated tile]: the same sums with the prefetch, on the tile grid and
-    off it (the prefetch addresses clamp into the output)."""
+    off it (the prefetch addresses clamp into the output); "atomic/ptr" is the small-group default."""
     from distwgrad.kernels._grouped_gemm_configs import TileConfig
-    cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode=mode, l2_prefetch=True)
+    cfg = TileConfig(128, 128, 32, num_warps=4, num_stages=4, add_mode=mode.split("/")[0], tma="ptr" not in mode,
+                     l2_prefetch=True)
     for T, E, K, N in ((4096, 8, 1024, 1536), (3000, 5, 1000, 1304), (300, 64, 256, 384)):
         _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, config=cfg, ops=("wgrad_acc", "wgrad_acc_list"))
 
