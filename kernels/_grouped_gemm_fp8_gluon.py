@@ -319,7 +319,9 @@ def _define():
         ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. WS: warp-specialized,
         one extra warp issues the TMA loads and the MMA warps only wait on mbarriers (else the MMA warps
         issue them, behind CTA-wide barriers). PERSISTENT (needs WS): programs loop over tiles pid,
-        pid + grid, ... (else the grid covers every tile and each program runs its pid's)."""
+        pid + grid, ... (else the grid covers every tile and each program runs its pid's). OVERLAP (needs
+        PERSISTENT): each tile's epilogue after the next tile's step 0 ([Note: the next tile's first step
+        under the epilogue])."""
         gl.static_assert(WS or not PERSISTENT, "the persistent kernel is the warp-specialized one")
         gl.static_assert(PERSISTENT or not OVERLAP, "the look-ahead runs across a persistent program's tiles")
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
