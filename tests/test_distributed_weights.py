@@ -185,11 +185,11 @@ def test_parity_three_ranks_uneven_shards():
     run_distributed(_parity_rank, 3, cases, timeout=300)
 
 
-def _async_overlap_rank(rank, world):
+def _async_overlap_rank(rank, world, dev="cpu"):
     """An async reduction is in flight after backward and lands in main_grad when the step ends."""
-    w = ShardedWeight.from_full(torch.ones(N, K), async_reduce=True)
+    w = ShardedWeight.from_full(torch.ones(N, K, device=dev), async_reduce=True)
     lin = Linear(K, N, bias=False, weight=w)
-    lin(torch.ones(2, K)).sum().backward()
+    lin(torch.ones(2, K, device=dev)).sum().backward()
     assert len(w._inflight) == 1 and (not hasattr(w, "main_grad") or not w.main_grad.any())
     assert distwgrad.finalize_model_grads([lin]) == 1 and not w._inflight
     return torch.equal(w.grad, torch.full_like(w, 2.0)) and torch.equal(w.main_grad, w.grad)
@@ -201,16 +201,16 @@ def test_async_reductions_land_at_the_end_of_the_step():
 
 # --- accounting and errors -----------------------------------------------------------------------------
 
-def _missing_backward_dw_rank(rank, world):
-    w = ShardedWeight.from_full(torch.randn(N, K, generator=torch.Generator().manual_seed(0)))
+def _missing_backward_dw_rank(rank, world, dev="cpu"):
+    w = ShardedWeight.from_full(torch.randn(N, K, generator=torch.Generator().manual_seed(0)).to(dev))
     model = torch.nn.Sequential(Linear(K, N, bias=False, weight=w, delay_wgrad_compute=True))
-    model(torch.randn(3, K)).sum().backward()
+    model(torch.randn(3, K, device=dev)).sum().backward()
     with pytest.raises(distwgrad.MissingContributionError, match=r"never drained.*Linear '0'.*1 queued"):
         distwgrad.finalize_model_grads([model])
     model[0].backward_dw()
     assert distwgrad.finalize_model_grads([model]) == 1
     # A forward whose backward never ran is a missing contribution too.
-    model(torch.randn(3, K))
+    model(torch.randn(3, K, device=dev))
     with pytest.raises(distwgrad.MissingContributionError, match=r"0.weight: 1 of 1"):
         distwgrad.finalize_model_grads([model])
     return True
@@ -220,8 +220,8 @@ def test_finalize_refuses_missing_contributions():
     assert run_distributed(_missing_backward_dw_rank, 2, timeout=120) == [True, True]
 
 
-def _shape_mismatch_rank(rank, world):
-    full = torch.zeros(N + rank, K)
+def _shape_mismatch_rank(rank, world, dev="cpu"):
+    full = torch.zeros(N + rank, K, device=dev)
     with pytest.raises(ValueError, match=r"ranks disagree on the full tensor.*\(10, 8\).*\(11, 8\)"):
         ShardedWeight.from_full(full)
     return True
@@ -247,9 +247,9 @@ def test_uneven_shards_gather_exactly():
     assert run_distributed(_uneven_layout_rank, 3, timeout=120) == [(4, 3), (4, 3), (2, 3)]
 
 
-def _fp32_reduction_rank(rank, world):
+def _fp32_reduction_rank(rank, world, dev="cpu"):
     """bf16 weights reduce in fp32: the sum of two bf16 wgrads that bf16 cannot hold survives."""
-    w = ShardedWeight.from_full(torch.zeros(2, 1, dtype=torch.bfloat16))
+    w = ShardedWeight.from_full(torch.zeros(2, 1, dtype=torch.bfloat16, device=dev))
     buf = w.grad_buffer()
     assert buf.dtype == torch.float32 and buf.shape == (2, 1)
     w.expect_contribution()
@@ -264,8 +264,8 @@ def test_reduction_runs_in_fp32():
     assert run_distributed(_fp32_reduction_rank, 2, timeout=120) == [True, True]
 
 
-def _token_scaling_rank(rank, world):
-    w = ReplicatedWeight.from_full(torch.zeros(3))
+def _token_scaling_rank(rank, world, dev="cpu"):
+    w = ReplicatedWeight.from_full(torch.zeros(3, device=dev))
     w.expect_contribution()
     w.grad_buffer().fill_(float(rank + 1))  # per-rank SUM of per-token grads
     w.finalize_group_grads([w.grad_buffer()])
@@ -280,13 +280,13 @@ def test_num_tokens_scaling_matches_megatron():
         assert got == expected.tolist()
 
 
-def _per_group_scaling_rank(rank, world):
+def _per_group_scaling_rank(rank, world, dev="cpu"):
     """Token scaling uses each weight's own group: a world-group weight and a one-rank-group weight."""
     import torch.distributed as dist
 
     solo_groups = [dist.new_group([r]) for r in range(world)]
-    a = ReplicatedWeight.from_full(torch.zeros(2))
-    b = ReplicatedWeight.from_full(torch.zeros(2), group=solo_groups[rank])
+    a = ReplicatedWeight.from_full(torch.zeros(2, device=dev))
+    b = ReplicatedWeight.from_full(torch.zeros(2, device=dev), group=solo_groups[rank])
     for w in (b, a):  # b first: the first weight's group must not decide for the others
         w.expect_contribution()
         w.grad_buffer().fill_(1.0)
@@ -298,6 +298,22 @@ def _per_group_scaling_rank(rank, world):
 def test_num_tokens_scaling_is_per_group():
     # a: (1 + 1) / 8 tokens over 2 ranks; b: 1 / 4 tokens on its own rank.
     assert run_distributed(_per_group_scaling_rank, 2, timeout=120) == [([0.25, 0.25], [0.25, 0.25])] * 2
+
+
+def _accounting_rank(rank, world, dev):
+    """The accounting and reduction checks above on one device, in one spawn."""
+    return [_async_overlap_rank(rank, world, dev), _missing_backward_dw_rank(rank, world, dev),
+            _shape_mismatch_rank(rank, world, dev), _fp32_reduction_rank(rank, world, dev),
+            _token_scaling_rank(rank, world, dev), _per_group_scaling_rank(rank, world, dev)]
+
+
+@pytest.mark.gpu
+def test_accounting_and_reductions_over_nccl():
+    """With CUDA tensors over NCCL (skipped with fewer than two GPUs): async reductions land at the end
+    of the step, missing contributions are refused, ranks disagreeing on shapes fail on every rank,
+    reductions run in fp32, token scaling per group; the same results as on gloo."""
+    want = [True, True, True, True, (torch.full((3,), 3.0) * (2 / 5) / 2).tolist(), ([0.25, 0.25], [0.25, 0.25])]
+    assert run_distributed(_accounting_rank, 2, "cuda", timeout=180, device="cuda") == [want] * 2
 
 
 def test_activation_checkpointing_counts_each_use_once():

@@ -164,7 +164,7 @@ def test_fp8_all_gather_over_nccl():
     assert all(r <= 0.55 for per_rank in ratios for r in per_rank)
 
 
-def _amax_rank(rank, world):
+def _amax_rank(rank, world, dev="cpu"):
     from distwgrad.weights import _comm
 
     calls = []
@@ -172,21 +172,21 @@ def _amax_rank(rank, world):
     _comm.all_reduce_max = lambda t, g: (calls.append(t.numel()), original(t, g))[1]
     try:
         torch.manual_seed(rank)  # different data per rank; weights identical (from_full)
-        full = [torch.randn(32, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        full = [torch.randn(32, 32, generator=torch.Generator().manual_seed(i)).to(dev) for i in range(3)]
         model = torch.nn.Sequential(*[Linear(32, 32, bias=False, weight=ShardedWeight.from_full(f)) for f in full])
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):
             calls.clear()
             assert sync_weight_amax(model) == 3
             with fp8_autocast(PerTensorScaling()):
-                model(torch.randn(4, 32)).square().sum().backward()
+                model(torch.randn(4, 32).to(dev)).square().sum().backward()
             distwgrad.finalize_model_grads([model])
             assert calls == [3], calls  # one all-reduce of 3 amaxes for the step, none per weight
             opt.step()
             opt.zero_grad()
         # Without the per-step sync a stale amax falls back to one all-reduce per weight, counted.
         with fp8_autocast(PerTensorScaling()):
-            model(torch.randn(4, 32))
+            model(torch.randn(4, 32).to(dev))
         return [getattr(p, "amax_allreduces", 0) for p in model.parameters()]
     finally:
         _comm.all_reduce_max = original
@@ -197,14 +197,14 @@ def test_one_amax_all_reduce_per_step():
     assert run_distributed(_amax_rank, 2, timeout=120) == [[1, 1, 1]] * 2
 
 
-def _train(recipe, rank, steps=50):
+def _train(recipe, rank, steps=50, dev="cpu"):
     g = torch.Generator().manual_seed(0)
-    w0 = ShardedWeight.from_full(torch.randn(64, 32, generator=g) * 0.2)
-    w1 = ShardedWeight.from_full(torch.randn(8, 64, generator=g) * 0.2)
+    w0 = ShardedWeight.from_full((torch.randn(64, 32, generator=g) * 0.2).to(dev))
+    w1 = ShardedWeight.from_full((torch.randn(8, 64, generator=g) * 0.2).to(dev))
     model = torch.nn.Sequential(Linear(32, 64, bias=False, weight=w0), torch.nn.Tanh(),
                                 Linear(64, 8, bias=False, weight=w1))
-    target = torch.randn(32, 8, generator=g)
-    inputs = torch.randn(32, 32, generator=g)
+    target = torch.randn(32, 8, generator=g).to(dev)
+    inputs = torch.randn(32, 32, generator=g).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
@@ -221,9 +221,9 @@ def _train(recipe, rank, steps=50):
     return losses
 
 
-def _parity_rank(rank, world):
-    return [_train(None, rank), _train(PerTensorScaling(), rank),
-            _train(BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16)), rank)]
+def _parity_rank(rank, world, dev="cpu"):
+    return [_train(None, rank, dev=dev), _train(PerTensorScaling(), rank, dev=dev),
+            _train(BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16)), rank, dev=dev)]
 
 
 @pytest.mark.distributed
@@ -234,10 +234,25 @@ def test_fp8_training_tracks_fp32_over_50_steps():
     initialisation (small weights, o ~ t) |o|^2 ~ L0. So each step's FP8 loss must lie within
     2*eps*sqrt(L*L0) + eps^2*L0 of the fp32 loss L, and FP8 must train: the last loss below 1% of the
     first."""
+    _check_fp8_tracks_fp32(run_distributed(_parity_rank, 2, timeout=300))
+
+
+def _check_fp8_tracks_fp32(per_rank_losses):
+    """``test_fp8_training_tracks_fp32_over_50_steps``'s bound on each rank's (fp32, per-tensor,
+    blockwise) losses."""
     eps = 2.0**-4
-    for fp32, per_tensor, blockwise in run_distributed(_parity_rank, 2, timeout=300):
+    for fp32, per_tensor, blockwise in per_rank_losses:
         l0 = fp32[0]
         for fp8 in (per_tensor, blockwise):
             for a, b in zip(fp8, fp32):
                 assert abs(a - b) <= 2 * eps * (b * l0) ** 0.5 + eps**2 * l0, (a, b)
             assert fp8[-1] < 0.01 * fp8[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.gpu
+def test_fp8_amax_and_training_over_nccl():
+    """With CUDA tensors over NCCL (skipped with fewer than two GPUs): one amax all-reduce per step for
+    all weights, and FP8 training (the quantize and FP8 GEMM kernels) within the same bound of fp32."""
+    assert run_distributed(_amax_rank, 2, "cuda", timeout=180, device="cuda") == [[1, 1, 1]] * 2
+    _check_fp8_tracks_fp32(run_distributed(_parity_rank, 2, "cuda", timeout=300, device="cuda"))
