@@ -57,6 +57,10 @@ WGRAD_CANDIDATES = (  # "load" configs serve the fresh wgrad too; the benchmark 
     _T(128, 128, 128, num_warps=8, num_stages=4, add_mode="atomic"),
     _T(128, 128, 128, num_warps=8, num_stages=3, add_mode="atomic"),
     _T(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic"),
+    # the old tile prefetched into L2 under the main loop (bf16: 115 vs 91 TFLOP/s at ~128 tokens per
+    # expert, docs/benchmarks/grouped_gemm.md round 7)
+    _T(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic", l2_prefetch=True),
+    _T(128, 128, 128, num_warps=8, num_stages=4, add_mode="atomic", l2_prefetch=True),
 )
 
 

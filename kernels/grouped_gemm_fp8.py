@@ -80,7 +80,7 @@ from distwgrad.fp8.quantize import Quantized
 from . import _grouped_gemm_fp8_configs as _cfg
 from ._dispatch import call
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
-from ._grouped_wgrad import _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
+from ._grouped_wgrad import _prefetch_out_tile, _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
 from .grouped_gemm import _device_info, _find_group, _interpreting, _num_sms, _ptr_table
 
 __all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
@@ -303,14 +303,19 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
                       USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EDGES: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      SPLIT_ACC: tl.constexpr):
+                      SPLIT_ACC: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
     b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
-    deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases."""
+    deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases.
+    L2_PREFETCH (accumulating): the old tile prefetched into L2 before the main loop ([Note: L2 prefetch
+    of the accumulated tile] in _grouped_wgrad.py)."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if end == start:
             return
+    base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
+    if L2_PREFETCH and ADD_MODE != 0:
+        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     as_ptrs = as_ptr + rows_m.to(tl.int64) * stride_asn      # blockwise only
@@ -348,7 +353,6 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                                    BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale
         acc = acc * tl.where(end > start, tl.load(as_ptr), 1.0) * tl.where(end > start, tl.load(bs_ptr), 1.0)
-    base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
     _wgrad_write(acc, None, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok,
                  ADD_MODE, BLOCK_M, BLOCK_N)
 
@@ -525,7 +529,8 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
         PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(), EDGES=_edges(block),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, L2_PREFETCH=cfg.l2_prefetch and accumulate and not _interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---- the three products on raw tensors (config and use_tma are for tests and benchmarks) -----------

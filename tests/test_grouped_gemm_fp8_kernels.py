@@ -563,7 +563,7 @@ _MOE = dict(E=8, T=32768, K=4096, N=14336)
 
 
 def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0, edges: int = 0,
-                 split: bool = True):
+                 split: bool = True, l2_prefetch: bool = False):
     """ASTSource of one kernel variant at the first MoE shape with the JIT's specializations (unit strides
     constant, 16-divisible ints and all pointers hinted), as a launch on CUDA tensors would build it."""
     from triton.compiler import ASTSource
@@ -582,7 +582,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
                     stride_asn=sc(T), stride_asc=1, stride_bsk=sc(T), stride_bsc=1, stride_oe=N * K, stride_on=K,
                     stride_ok=1, stride_o=1,
                     a_desc=f"tensordesc<{grad}[{bm}, {bk}]>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>")
-        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False, EDGES=edges)
+        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False, EDGES=edges, L2_PREFETCH=l2_prefetch)
     else:
         fn, nospec = k._fp8_ragged_kernel, ("T", "E")
         Kc, No = (K, N) if op == "fprop" else (N, K)       # contraction, output features
@@ -611,6 +611,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     "wgrad/128/tma/add3", "wgrad/0/tma/add0", "wgrad/128/ptr/add1",
     "wgrad/0/tma/loop/add3", "wgrad/0/tma/loop_a/add3", "wgrad/128/tma/loop/add3",
     "fprop/0/tma/nosplit", "dgrad/0/tma/kn/nosplit", "wgrad/0/tma/add3/nosplit",
+    "wgrad/0/tma/add3/l2pf", "wgrad/128/ptr/add3/l2pf",
 ])
 def test_compiles_for_sm90(variant):
     """The GPU path of the default configs compiles for Hopper (sm_90a) and runs its products on fp8
@@ -621,7 +622,7 @@ def test_compiles_for_sm90(variant):
     edges = next((_kernels()._EDGE_CODES[r] for r in rest if r.startswith("loop")), 0)
     add = next((int(r[3:]) for r in rest if r.startswith("add")), 0)
     src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest, edges=edges, add_mode=add,
-                                  split="nosplit" not in rest)
+                                  split="nosplit" not in rest, l2_prefetch="l2pf" in rest)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
@@ -633,6 +634,12 @@ def test_compiles_for_sm90(variant):
     a_ty = {"fp8e4nv": "e4m3", "fp8e5": "e5m2"}[a_dt]
     assert f".f32.{a_ty}.e4m3" in ptx and "wgmma.mma_async" in ptx, f"{variant}: no fp8 wgmma"
     assert "mma.sync" not in ptx, f"{variant}: fell back to mma.sync"
+    # [Note: L2 prefetch of the accumulated tile]: one prefetch per 128-byte line of the fp32 tile, before
+    # the first MMA, only where asked for
+    lines = cfg.block_m * (cfg.block_n // 32) // (32 * cfg.num_warps)
+    assert ptx.count("prefetch.global.L2::evict_last") == (lines if "l2pf" in rest else 0), variant
+    if "l2pf" in rest:
+        assert ptx.index("prefetch.global.L2::evict_last") < ptx.index("wgmma.mma_async"), variant
 
 
 def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool = False,

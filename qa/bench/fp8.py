@@ -269,6 +269,9 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm-ops", nargs="+", choices=GEMM_OPS, default=list(GEMM_OPS))
     g.add_argument("--gemm-recipes", nargs="+", choices=sorted(GEMM_RECIPES), default=sorted(GEMM_RECIPES))
     g.add_argument("--gemm-sweep", action="store_true", help="also time every candidate fp8 tile config")
+    g.add_argument("--gemm-sweep-match", nargs="+", default=None,
+                   help="sweep only the candidates whose short name contains one of these (e.g. /l2pf), with the "
+                        "default wgrad edge arrangement")
     g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
                    help="also time the Gluon fprop/dgrad kernel at these ring depths, 128- and 64-row tiles "
                         "(the sweep does 3-6)")
@@ -399,9 +402,12 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
     impl = "fp8_wT" if op == "dgrad" else "fp8"  # dgrad: the N-contiguous weight the dispatcher passes
     recipe = "blockwise" if block else "per_tensor"
     wgrad = op not in ("fprop", "dgrad")
-    modes = [m for m in F._EDGE_CODES if not (block and m == "loop_a")] if wgrad else [None]
+    match = getattr(args, "gemm_sweep_match", None)
+    modes = [m for m in F._EDGE_CODES if not (block and m == "loop_a")] if wgrad and not match else [None]
     for cfg in CF.WGRAD_CANDIDATES if wgrad else CF.RAGGED_CANDIDATES:
         if op != "wgrad_accumulate" and cfg.add_mode != "load":
+            continue
+        if match and not any(m in cfg.short() for m in match):
             continue
         for mode in modes:
             label = f"{impl.replace('fp8', f'fp8_{name}')}@{CF.with_block_k(cfg, block).short()}"
