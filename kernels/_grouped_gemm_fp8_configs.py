@@ -82,7 +82,11 @@ def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None,
         # 64x128/w4/s4, both recipes. Fresh, vs bf16: per-tensor 1.08 / 0.70 (128x128/w8: 1.11 / 0.64),
         # blockwise 0.82 / 0.58 (128x128/w8: 0.63 / 0.44). Accumulating, "atomic" vs "load": per-tensor
         # 1.15 / 0.91 vs 1.08 / 0.80, blockwise 0.87 / 0.77 vs 0.84 / 0.68.
-        cfg = TileConfig(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic" if accumulate else "load")
+        # Accumulating at < 512 tokens per group, the old tile prefetched into L2 under the main loop
+        # (docs/benchmarks/fp8_wgrad_l2pf_h200.json, one run): ~128/expert per-tensor 67 vs 59 TFLOP/s,
+        # blockwise 64 vs 56; ~1024/expert 367 vs 376 and 314 vs 314 (so not there).
+        cfg = TileConfig(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic" if accumulate else "load",
+                         l2_prefetch=accumulate and tokens_per_group < 512)
     elif not block and not split_accumulator and tokens_per_group >= 1024:
         # per-tensor without the split accumulator (one fp32 accumulator: 128 registers at 128x256/w8),
         # docs/benchmarks/fp8_gemm_sweep_split_acc_h200.json: fprop 1.84 / 1.80 (256x128/s3: 1.77 / 1.67;

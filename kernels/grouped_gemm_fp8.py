@@ -507,7 +507,8 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    cfg = _config("grouped_wgrad_fp8", config, block, accumulate, a_NT.device, split_acc=split_acc)
+    cfg = _config("grouped_wgrad_fp8", config, block, accumulate, a_NT.device, tokens_per_group=T / E,
+                  split_acc=split_acc)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     eligible = (T > 0 and _aligned(a_NT, [a_NT.stride(0)], a_NT.stride(1))
                 and _aligned(b_KT, [b_KT.stride(0)], b_KT.stride(1)))
