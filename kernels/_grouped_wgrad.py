@@ -145,10 +145,10 @@ def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl
     """[Note: L2 prefetch of the accumulated tile] One ``prefetch.global.L2::evict_last`` per 128-byte line
     of the fp32 output tile at (row0, col0) (rows and columns clamped into the output: a prefetch is a
     hint, but it should name memory that exists). GPU only (inline PTX)."""
-    gl_lines: tl.constexpr = BLOCK_N // 32  # 32 fp32 per line along K (the contiguous dimension)
-    tl.static_assert(gl_lines >= 1, "the L2 prefetch needs tiles of >= 32 columns")
+    LINES: tl.constexpr = BLOCK_N // 32  # 32 fp32 per line along K (the contiguous dimension)
+    tl.static_assert(LINES >= 1, "the L2 prefetch needs tiles of >= 32 columns")
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_M), N - 1)
-    cols = tl.minimum(col0 + tl.arange(0, gl_lines) * 32, K - 1)
+    cols = tl.minimum(col0 + tl.arange(0, LINES) * 32, K - 1)
     ptrs = base + rows.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
     tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
