@@ -11,7 +11,8 @@
 #   quant_sweep (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays),
 #   quant_gluon (qa/L2_gpu/rowcol_gluon_check.py: the Gluon rows + columns quantize, repeated and timed),
 #   train_fp8 (the FP8 job alone), train_fp8_te (per-tensor FP8 with and without TE's fprop accumulation), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
-#   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL),
+#   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL, and the multi-rank
+#   tests that run over NCCL: pytest -m gpu -k nccl),
 #   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
 #   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
@@ -93,6 +94,7 @@ for step in $STEPS; do
              --no-progress --out /tmp/train_fp8
            cp /tmp/train_fp8/report.json "$OUT_DIR/train_fp8_report.json" 2>/dev/null ;;
     multi_gpu)  # two GPUs (nvidia-h200-x2): the job and megatron-core's real schedule over NCCL, sharded
+      run nccl_tests python3 -m pytest tests -m gpu -k nccl -q -p no:cacheprovider -rf --tb=short --timeout 280
       run train_2gpu torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --steps 30 --check-parity \
         --no-progress --out /tmp/train_2gpu
       cp /tmp/train_2gpu/report.json "$OUT_DIR/train_2gpu_report.json" 2>/dev/null
