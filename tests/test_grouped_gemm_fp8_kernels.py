@@ -39,7 +39,7 @@ from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quan
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.testing import reference_fp8 as RF
 from distwgrad.testing.sm90 import ptxas_report, specialize
-from distwgrad.testing.stubs import StubKernel
+from distwgrad.testing.stubs import StubKernel, record_ragged_dispatch
 
 _HERE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
@@ -750,10 +750,7 @@ def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, T, gluon, ex
     contractions it measured faster on (from 768 deep, both recipes); ``gluon=`` overrides."""
     pytest.importorskip("triton")
     k = _kernels()
-    taken = []
-    monkeypatch.setattr(k, "_gluon_ragged", lambda *a: True)
-    monkeypatch.setattr(k, "_launch_gluon_ragged", lambda *a: taken.append("gluon") or True)
-    monkeypatch.setattr(k, "_fp8_ragged_kernel", StubKernel(lambda grid, *a, **kw: taken.append("triton")))
+    taken = record_ragged_dispatch(monkeypatch, k, "_fp8_ragged_kernel")
     monkeypatch.setattr(k, "_GLUON_FAILED", {})
     E, N = 2, 256
     a = torch.zeros(T, K, dtype=E4M3)

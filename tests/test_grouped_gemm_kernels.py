@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from distwgrad.testing import reference as R
-from distwgrad.testing.stubs import StubKernel
+from distwgrad.testing.stubs import StubKernel, record_ragged_dispatch
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -485,10 +485,7 @@ def test_gluon_dispatch(monkeypatch, kw, expected):
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_configs as C
     k = _kernels()
-    taken = []
-    monkeypatch.setattr(k, "_gluon_ragged", lambda *a: True)
-    monkeypatch.setattr(k, "_launch_gluon_ragged", lambda *a: taken.append("gluon") or True)
-    monkeypatch.setattr(k, "_ragged_m_kernel", StubKernel(lambda grid, *a, **kw: taken.append("triton")))
+    taken = record_ragged_dispatch(monkeypatch, k, "_ragged_m_kernel")
     monkeypatch.setattr(k, "RAGGED_GLUON", not kw.pop("off", False))
     if kw.get("config") == "cfg":
         kw["config"] = C.INTERPRETER

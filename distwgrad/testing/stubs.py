@@ -16,3 +16,18 @@ class StubKernel:
 
     def __getitem__(self, grid) -> Callable:
         return functools.partial(self._launch, grid)
+
+
+def record_ragged_dispatch(monkeypatch, kernels, triton_kernel: str) -> list[str]:
+    """Makes ``kernels`` (a grouped-GEMM kernel module) record which fprop/dgrad kernel its dispatcher
+    picks instead of running one: the Gluon kernel always applies and "launches" as ``"gluon"``, the
+    Triton kernel named ``triton_kernel`` as ``"triton"``. Returns the list the choices land in."""
+    taken: list[str] = []
+
+    def launch_gluon(*args) -> bool:
+        taken.append("gluon")
+        return True
+    monkeypatch.setattr(kernels, "_gluon_ragged", lambda *a: True)
+    monkeypatch.setattr(kernels, "_launch_gluon_ragged", launch_gluon)
+    monkeypatch.setattr(kernels, triton_kernel, StubKernel(lambda grid, *a, **kw: taken.append("triton")))
+    return taken
