@@ -56,7 +56,20 @@ iteration issues its tile's step 0, runs the previous tile's epilogue (the first
 rows), then the rest of its steps; the epilogue after the loop is the last tile's. Only the epilogue's
 scalars (first row, first column, the group's end row, the group) cross the loop; the row and column
 vectors are rebuilt. At the boundary the registers hold the finished sum and the new step's partial,
-two of the loop's three tiles.
+two of the loop's three tiles. The per-tensor scales are loaded when a tile starts and carried to its
+epilogue (``_tile_scales``): loaded in the epilogue, their L2 round trip stalled the MMA warps between
+the next tile's step 0 and step 1 (Nsight Compute on an H200: the scale multiplies among the MMA
+warps' most-sampled stalls); carried, per-tensor fprop/dgrad ran 1.015-1.035x (one interleaved A/B
+run, ``qa/bench/gemm_profile.py --fp8-ab``, docs/benchmarks.md).
+
+[Note: blockwise scales two steps ahead]
+The blockwise promotion multiplies step k's partial by its rows' activation scales and its weight
+block's scale. Loaded at step k and used at step k+1 (one MMA step, ~0.5 us, to arrive), they still
+stalled the promotion's multiply (the most-sampled stall of the MMA warps in the blockwise fprop,
+Nsight Compute on an H200). Each step now loads step k+1's scales, used at step k+2 (``_step``; step 0
+and step 1's in ``_begin``): three more registers, no spill at 168 (Triton 3.6) and 1.02-1.06x on the
+blockwise fprop/dgrad at the two large MoE shapes in the same A/B run. Values and order of the
+arithmetic are unchanged, so are the bits.
 
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
 (wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost
@@ -94,21 +107,24 @@ def _define():
 
     @gluon.jit
     def _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc, prev, prev_as, prev_bs,
-              as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
-              NUM_STAGES: gl.constexpr, empty=None, WS: gl.constexpr = False):
+              cur_as, cur_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr,
+              BLOCKWISE: gl.constexpr, NUM_STAGES: gl.constexpr, empty=None, WS: gl.constexpr = False):
         """K step ``k``: issue its MMAs, then add step k-1's partial ``prev`` into ``acc`` while they run.
-        Returns (acc, this step's partial, its row scales, its weight scale); the partial is still in
-        flight: only the next step's wait makes it readable. Step k-1's stage is then free: refilled here,
-        or, warp-specialized (WS), handed back to the producer through ``empty``. ``base``: the ring's
-        step count before this tile's step 0 (persistent programs run the ring across tiles)."""
+        Blockwise scales: ``prev_as``/``prev_bs`` are step k-1's, ``cur_as``/``cur_bs`` step k's (loaded a
+        step ago); step k+1's are loaded here. Returns (acc, this step's partial, its row scales, its
+        weight scale, step k+1's row scales and weight scale); the partial is still in flight: only the
+        next step's wait makes it readable. Step k-1's stage is then free: refilled here, or,
+        warp-specialized (WS), handed back to the producer through ``empty``. ``base``: the ring's step
+        count before this tile's step 0 (persistent programs run the ring across tiles)."""
         g = base + k
         s = g % NUM_STAGES
-        if BLOCKWISE:  # loaded now, used at the next step: a whole MMA step to arrive
-            cur_as = gl.load(as_ptrs + k * stride_ask, mask=rows_ok, other=0.0)
-            cur_bs = gl.load(bs_base + k * stride_bsk)
+        if BLOCKWISE:  # [Note: blockwise scales two steps ahead]
+            nxt_ok = k + 1 < n_k
+            nxt_as = gl.load(as_ptrs + (k + 1) * stride_ask, mask=rows_ok & nxt_ok, other=0.0)
+            nxt_bs = gl.load(bs_base + (k + 1) * stride_bsk, mask=nxt_ok, other=0.0)
         else:
-            cur_as = prev_as
-            cur_bs = prev_bs
+            nxt_as = cur_as
+            nxt_bs = cur_bs
         mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
         # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
         # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
@@ -124,7 +140,7 @@ def _define():
             acc = acc + prev * (prev_as[:, None] * prev_bs)
         else:
             acc = acc + prev
-        return acc, cur, cur_as, cur_bs
+        return acc, cur, cur_as, cur_bs, nxt_as, nxt_bs
 
     @gluon.jit
     def _last(acc, prev, prev_as, prev_bs, BLOCKWISE: gl.constexpr):
@@ -135,11 +151,12 @@ def _define():
         return acc + prev
 
     @gluon.jit
-    def _begin(a_bufs, b_bufs, ready, base, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast, stride_bse,
-               stride_bsn, mma: gl.constexpr, BLOCKWISE: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _begin(a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast, stride_ask,
+               stride_bse, stride_bsk, stride_bsn, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
+               NUM_STAGES: gl.constexpr):
         """A tile's step 0 (in the ring's step ``base``): waits for its stage and issues its MMAs into fresh
-        registers. Returns (the partial, in flight; its row scales; its weight scale; the row-scale
-        pointers and the weight-scale base of the tile's later steps)."""
+        registers. Returns (the partial, in flight; its row scales; its weight scale; step 1's row scales
+        and weight scale; the row-scale pointers and the weight-scale base of the tile's later steps)."""
         BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
         BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -151,20 +168,24 @@ def _define():
         if BLOCKWISE:
             prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
             prev_bs = gl.load(bs_base)
+            nxt_as = gl.load(as_ptrs + stride_ask, mask=rows_ok & (n_k > 1), other=0.0)
+            nxt_bs = gl.load(bs_base + stride_bsk, mask=n_k > 1, other=0.0)
         else:
             prev_as = gl.zeros([BLOCK_M], gl.float32, row_lay)
             prev_bs = gl.load(bs_base, mask=False, other=0.0)
+            nxt_as = prev_as
+            nxt_bs = prev_bs
         s0 = base % NUM_STAGES
         mbarrier.wait(ready.index(s0), (base // NUM_STAGES) & 1)
         prev = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
-        return prev, prev_as, prev_bs, as_ptrs, bs_base
+        return prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base
 
     @gluon.jit
     def _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev, prev_as, prev_bs,
-                    as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, WS: gl.constexpr):
+                    nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr,
+                    BLOCKWISE: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
         """Steps 1 .. n_k - 1 of a tile whose step 0 (``_begin``) is in flight as ``prev``: the tile's fp32
         sum, every MMA of it done ([Note: promotion under the next MMA])."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -175,31 +196,42 @@ def _define():
         # then two steps per iteration, so that the partials alternate between two register sets
         # without a copy ([Note: promotion under the next MMA]).
         for k in range(1, n_k - 1, 2):
-            acc, cur, cur_as, cur_bs = _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc,
-                                             prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask,
-                                             stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
-            acc, prev, prev_as, prev_bs = _step(k + 1, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k,
-                                                acc, cur, cur_as, cur_bs, as_ptrs, bs_base, rows_ok,
-                                                stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
+            acc, cur, cur_as, cur_bs, nxt_as, nxt_bs = _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0,
+                                                             brow0, n_k, acc, prev, prev_as, prev_bs, nxt_as, nxt_bs,
+                                                             as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma,
+                                                             BLOCKWISE, NUM_STAGES, empty, WS)
+            acc, prev, prev_as, prev_bs, nxt_as, nxt_bs = _step(k + 1, base, a_desc, b_desc, ready, a_bufs, b_bufs,
+                                                                row0, brow0, n_k, acc, cur, cur_as, cur_bs, nxt_as,
+                                                                nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask,
+                                                                stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
         # the last partial is added in each branch: no in-flight accumulator may cross the merge
         if n_k % 2 == 0:  # one step left
-            acc, prev, prev_as, prev_bs = _step(n_k - 1, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0,
-                                                n_k, acc, prev, prev_as, prev_bs, as_ptrs, bs_base, rows_ok,
-                                                stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
+            acc, prev, prev_as, prev_bs, nxt_as, nxt_bs = _step(n_k - 1, base, a_desc, b_desc, ready, a_bufs, b_bufs,
+                                                                row0, brow0, n_k, acc, prev, prev_as, prev_bs, nxt_as,
+                                                                nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask,
+                                                                stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS)
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
         else:
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
         return acc
 
     @gluon.jit
-    def _finish(acc, e64, rows, cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse, stride_ot,
-                stride_on, stride_biase, stride_biasn, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """A tile's epilogue: per-tensor scales, bias, the store (masked to the group's rows and N)."""
-        # (the epilogue's loads stay here: issued before the MMA loop they made no measurable difference
-        # on an H200, docs/benchmarks/fp8_gemm_epilogue_loads_h200.json, and the bias, live across the
-        # loop, made the blockwise kernel spill)
+    def _tile_scales(as_ptr, bs_ptr, e64, stride_bse, BLOCKWISE: gl.constexpr):
+        """Per-tensor: the activation's scale and group e's weight scale, loaded when the tile starts so
+        that its epilogue does not wait on them ([Note: the next tile's first step under the epilogue]);
+        blockwise (scales applied per step): no loads, ones."""
+        if BLOCKWISE:
+            return gl.load(as_ptr, mask=False, other=1.0), gl.load(bs_ptr, mask=False, other=1.0)
+        return gl.load(as_ptr), gl.load(bs_ptr + e64 * stride_bse)
+
+    @gluon.jit
+    def _finish(acc, e64, rows, cols, rows_ok, cols_ok, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
+                stride_biase, stride_biasn, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """A tile's epilogue: per-tensor scales (``_tile_scales``), bias, the store (masked to the group's
+        rows and N)."""
+        # (the bias stays here: live across the MMA loop, it made the blockwise kernel spill)
         if not BLOCKWISE:
-            acc = acc * gl.load(as_ptr) * gl.load(bs_ptr + e64 * stride_bse)
+            acc = acc * a_scale * b_scale
         if HAS_BIAS:
             bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
             acc = acc + bias.to(gl.float32)[None, :]
@@ -207,9 +239,8 @@ def _define():
         gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
     @gluon.jit
-    def _finish_at(acc, e64, row0, col0, row_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse, stride_ot,
-                   stride_on, stride_biase, stride_biasn, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
-                   HAS_BIAS: gl.constexpr):
+    def _finish_at(acc, e64, row0, col0, row_end, N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
+                   stride_biase, stride_biasn, mma: gl.constexpr, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
         """``_finish`` of the tile at (row0, col0) whose group ends at row ``row_end`` (nothing stored
         if row_end <= row0), its row and column vectors rebuilt here rather than kept live across the
         next tile's MMAs."""
@@ -217,8 +248,8 @@ def _define():
         BLOCK_N: gl.constexpr = acc.type.shape[1]
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        _finish(acc, e64, rows, cols, rows < row_end, cols < N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse,
-                stride_ot, stride_on, stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
+        _finish(acc, e64, rows, cols, rows < row_end, cols < N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot,
+                stride_on, stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
 
     @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
@@ -228,15 +259,17 @@ def _define():
         """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
         stages arrive through ``ready``, the tile's step 0 in the ring's step ``base``; WS: hand each
         finished stage back through ``empty``."""
-        prev, prev_as, prev_bs, as_ptrs, bs_base = _begin(a_bufs, b_bufs, ready, base, e64, col0, rows, rows_ok,
-                                                          as_ptr, bs_ptr, stride_ast, stride_bse, stride_bsn, mma,
-                                                          BLOCKWISE, NUM_STAGES)
+        a_scale, b_scale = _tile_scales(as_ptr, bs_ptr, e64, stride_bse, BLOCKWISE)
+        prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
+            a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast, stride_ask,
+            stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
         acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev, prev_as,
-                          prev_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma, BLOCKWISE, NUM_STAGES, WS)
+                          prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma, BLOCKWISE,
+                          NUM_STAGES, WS)
         if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
             mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
-        _finish(acc, e64, rows, cols, rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse, stride_ot,
-                stride_on, stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
+        _finish(acc, e64, rows, cols, rows_ok, cols_ok, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
+                stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e, first, pid,
@@ -279,23 +312,25 @@ def _define():
             p_col0 = p_row0
             p_end = p_row0
             p_e64 = p_row0.to(gl.int64)
+            p_as, p_bs = _tile_scales(as_ptr, bs_ptr, p_e64, stride_bse, True)  # ones: nothing stored first
             for tile in range(pid, total, nprog):
                 e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
                 row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
                                                                             W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
-                prev, prev_as, prev_bs, as_ptrs, bs_base = _begin(a_bufs, b_bufs, ready, base, e64, col0, rows,
-                                                                  rows_ok, as_ptr, bs_ptr, stride_ast, stride_bse,
-                                                                  stride_bsn, mma, BLOCKWISE, NUM_STAGES)
-                _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse,
-                           stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
+                t_as, t_bs = _tile_scales(as_ptr, bs_ptr, e64, stride_bse, BLOCKWISE)
+                prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
+                    a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast,
+                    stride_ask, stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
+                _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
+                           stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev,
-                                  prev_as, prev_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma,
-                                  BLOCKWISE, NUM_STAGES, True)
+                                  prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk,
+                                  mma, BLOCKWISE, NUM_STAGES, True)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
                 base += n_k
-                p_row0, p_col0, p_end, p_e64 = row0, col0, start + size, e64
-            _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_bse,
-                       stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
+                p_row0, p_col0, p_end, p_e64, p_as, p_bs = row0, col0, start + size, e64, t_as, t_bs
+            _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
+                       stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
         else:
             for tile in range(pid, total, nprog):
                 e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
