@@ -1,0 +1,197 @@
+"""Where the grouped GEMM kernels' time goes on a GPU: the bf16 fprop/dgrad kernels (Triton, and the
+Gluon kernel with one or two consumer partitions) timed side by side with torch._grouped_mm and a dense
+mm of the same FLOPs, and a handful of launches for Nsight Compute to read the hardware counters of.
+
+    python qa/bench/gemm_profile.py --json out.json                    # timings, ratios, bit checks
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \\
+        python qa/bench/gemm_profile.py --ncu                            # one launch of each target
+
+Every Gluon variant's output is compared with the Triton kernel's bit for bit before it is timed (the
+same wgmma products in the same K order)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grouped_gemm import make_problem  # noqa: E402  (the bench's problems: same seeds, same splits)
+
+from distwgrad.kernels import grouped_gemm as G  # noqa: E402
+
+SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 7168, 2048)]
+
+
+def _bf16_impls(op: str, p) -> dict:
+    a = p.x if op == "fprop" else p.dy
+    out_cols = p.N if op == "fprop" else p.K
+    w_trans = op == "fprop"
+
+    def ours(gluon: bool, consumers: int = 1):
+        out = torch.empty(p.T, out_cols, device=a.device, dtype=a.dtype)
+
+        def call():
+            G.RAGGED_GLUON_CONSUMERS = consumers
+            return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
+                                    gluon=gluon)
+        return call
+    gmm = torch._grouped_mm
+    impls = {"triton": ours(False), "gluon_c1": ours(True, 1), "gluon_c2": ours(True, 2)}
+    if op == "fprop":
+        impls["torch_grouped_mm"] = lambda: gmm(p.x, p.w.transpose(-2, -1), offs=p.offs, out_dtype=p.x.dtype)
+        impls["dense"] = lambda: torch.mm(p.x, p.w[0].t())
+    else:
+        impls["torch_grouped_mm"] = lambda: gmm(p.dy, p.w, offs=p.offs, out_dtype=p.x.dtype)
+        impls["dense"] = lambda: torch.mm(p.dy, p.w[0])
+    return impls
+
+
+def _fp8_targets(shape) -> dict:
+    """FP8 fprop (blockwise) and dgrad (per-tensor) through the default (Gluon) kernels, pre-quantized."""
+    import fp8 as B
+    from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
+    p = B._gemm_problem(*shape, "cuda")
+    out = {}
+    for name, recipe, op in (("fp8_blockwise_fprop", BlockwiseScaling(), "fprop"),
+                             ("fp8_per_tensor_dgrad", PerTensorScaling(), "dgrad")):
+        q = B._fp8_operands(p, recipe)
+        calls = B._fp8_calls(op, p, q, None, variants=False)
+        out[name] = next(iter(calls.values()))
+    return out
+
+
+def time_all(args) -> list[dict]:
+    from triton.testing import do_bench
+    rows = []
+    for shape in SHAPES:
+        p = make_problem(*shape, "cuda")
+        for op in ("fprop", "dgrad"):
+            impls = _bf16_impls(op, p)
+            ref = impls["triton"]().clone()
+            for name in ("gluon_c1", "gluon_c2"):
+                got = impls[name]()
+                same = bool(torch.equal(got, ref))
+                print(f"{op} {shape} {name}: bit-exact vs the Triton kernel: {same}", flush=True)
+                if not same:
+                    raise SystemExit(f"{name} differs from the Triton kernel at {op} {shape}: "
+                                     f"max |diff| {(got.float() - ref.float()).abs().max().item():.3e}")
+            del ref, got
+            for rep in range(args.repeats):
+                for name, fn in impls.items():
+                    ms = do_bench(fn, warmup=25, rep=args.rep)
+                    rows.append({"op": op, "shape": list(shape), "impl": name, "repeat": rep,
+                                 "tflops": 2.0 * p.T * p.N * p.K / ms / 1e9})
+        del p
+        torch.cuda.empty_cache()
+    G.RAGGED_GLUON_CONSUMERS = 1
+    by = {}
+    for r in rows:
+        by.setdefault((r["op"], tuple(r["shape"])), {}).setdefault(r["impl"], []).append(r["tflops"])
+    for (op, shape), d in by.items():
+        gm = max(d["torch_grouped_mm"])
+        cells = "  ".join(f"{k} {max(v):6.1f} ({max(v) / gm:.2f}x)" for k, v in d.items())
+        print(f"{op:6} {','.join(map(str, shape)):24} {cells}")
+    return rows
+
+
+def ncu_targets(only: list[str] | None) -> None:
+    """Warm every target up (compile, tune), then one launch of each between cudaProfilerStart/Stop,
+    each in an NVTX range named after it; ``only``: the targets whose names contain one of these."""
+    targets = {}
+    if not only or any(o.startswith("bf16") for o in only):
+        p = make_problem(*SHAPES[0], "cuda")
+        for op in ("fprop", "dgrad"):
+            impls = _bf16_impls(op, p)
+            for name in ("triton", "gluon_c1", "gluon_c2", "torch_grouped_mm", "dense"):
+                targets[f"bf16_{op}_e8_{name}"] = impls[name]
+    if not only or any(o.startswith("fp8") for o in only):
+        targets["fp8_blockwise_fprop_e8"] = _fp8_targets(SHAPES[0])["fp8_blockwise_fprop"]
+        targets["fp8_per_tensor_dgrad_e64"] = _fp8_targets(SHAPES[1])["fp8_per_tensor_dgrad"]
+    targets = {k: v for k, v in targets.items() if not only or any(o in k for o in only)}
+    for name, fn in targets.items():
+        if "gluon_c2" in name:
+            fn()
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name, fn in targets.items():
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("profiled:", ", ".join(targets), flush=True)
+
+
+def fp8_ab(args) -> list[dict]:
+    """The FP8 fprop/dgrad through today's Gluon kernel and through ``--fp8-ab``'s (another build of the
+    same kernel, a module of ``distwgrad.kernels``), interleaved in one process; bit-identical outputs
+    required."""
+    import importlib
+
+    import fp8 as B
+    from triton.testing import do_bench
+
+    from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    other = importlib.import_module(f"distwgrad.kernels.{args.fp8_ab}").ragged_kernel
+    ours = kg.ragged_kernel
+    rows = []
+    for shape in SHAPES:
+        p = B._gemm_problem(*shape, "cuda")
+        for rname, recipe in (("per_tensor", PerTensorScaling()), ("blockwise", BlockwiseScaling())):
+            q = B._fp8_operands(p, recipe)
+            for op in ("fprop", "dgrad"):
+                fn = next(iter(B._fp8_calls(op, p, q, None, variants=False).values()))
+                kg.ragged_kernel = other
+                ref = fn().clone()
+                kg.ragged_kernel = ours
+                got = fn()
+                if not torch.equal(got, ref):
+                    raise SystemExit(f"{op} {rname} {shape}: the two kernels differ")
+                del ref, got
+                t = {"new": [], args.fp8_ab: []}
+                for _ in range(args.repeats):
+                    for name, k in (("new", ours), (args.fp8_ab, other)):
+                        kg.ragged_kernel = k
+                        t[name].append(do_bench(fn, warmup=25, rep=args.rep))
+                kg.ragged_kernel = ours
+                flops = 2.0 * shape[1] * shape[2] * shape[3]
+                for name, ms in t.items():
+                    rows.append({"op": op, "shape": list(shape), "recipe": rname, "impl": name,
+                                 "tflops": flops / min(ms) / 1e9, "tflops_all": [flops / m / 1e9 for m in ms]})
+                a, b = flops / min(t["new"]) / 1e9, flops / min(t[args.fp8_ab]) / 1e9
+                print(f"{op:5} {rname:10} {','.join(map(str, shape)):22} new {a:7.1f}  {args.fp8_ab} {b:7.1f}  "
+                      f"new/other {a / b:.3f}", flush=True)
+            del q
+        del p
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ncu", action="store_true", help="launch each target once for Nsight Compute")
+    ap.add_argument("--targets", nargs="+", default=None, help="with --ncu: only targets containing one of these")
+    ap.add_argument("--fp8-ab", default=None, metavar="MODULE",
+                    help="time the FP8 Gluon kernel against distwgrad.kernels.MODULE's build of it instead")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="timing passes over the impls (interleaved)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    args = ap.parse_args()
+    if args.ncu:
+        ncu_targets(args.targets)
+        return
+    rows = fp8_ab(args) if args.fp8_ab else time_all(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
