@@ -118,13 +118,6 @@ def _define():
         count before this tile's step 0 (persistent programs run the ring across tiles)."""
         g = base + k
         s = g % NUM_STAGES
-        if BLOCKWISE:  # [Note: blockwise scales two steps ahead]
-            nxt_ok = k + 1 < n_k
-            nxt_as = gl.load(as_ptrs + (k + 1) * stride_ask, mask=rows_ok & nxt_ok, other=0.0)
-            nxt_bs = gl.load(bs_base + (k + 1) * stride_bsk, mask=nxt_ok, other=0.0)
-        else:
-            nxt_as = cur_as
-            nxt_bs = cur_bs
         mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
         # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
         # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
@@ -138,8 +131,15 @@ def _define():
                    k + NUM_STAGES - 1 < n_k, NUM_STAGES)
         if BLOCKWISE:
             acc = acc + prev * (prev_as[:, None] * prev_bs)
+            # [Note: blockwise scales two steps ahead]: after the add, into the registers of step k-1's
+            # scales (no copy at the loop's back edge, which would wait for the load)
+            nxt_ok = k + 1 < n_k
+            nxt_as = gl.load(as_ptrs + (k + 1) * stride_ask, mask=rows_ok & nxt_ok, other=0.0)
+            nxt_bs = gl.load(bs_base + (k + 1) * stride_bsk, mask=nxt_ok, other=0.0)
         else:
             acc = acc + prev
+            nxt_as = cur_as
+            nxt_bs = cur_bs
         return acc, cur, cur_as, cur_bs, nxt_as, nxt_bs
 
     @gluon.jit
@@ -225,35 +225,31 @@ def _define():
         return gl.load(as_ptr), gl.load(bs_ptr + e64 * stride_bse)
 
     @gluon.jit
-    def _finish(acc, e64, rows, cols, rows_ok, cols_ok, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
-                stride_biase, stride_biasn, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """A tile's epilogue: per-tensor scales (``_tile_scales``), bias, the store (masked to the group's
-        rows and N)."""
+    def _finish(acc, e64, row0, col0, row_end, N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
+                stride_biase, stride_biasn, mma: gl.constexpr, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """The epilogue of the tile at (row0, col0) whose group ends at row ``row_end`` (nothing stored if
+        row_end <= row0): per-tensor scales (``_tile_scales``), bias, and the store, masked to the
+        group's rows and N ([Note: the epilogue's wide stores])."""
+        BLOCK_M: gl.constexpr = acc.type.shape[0]
+        BLOCK_N: gl.constexpr = acc.type.shape[1]
         # (the bias stays here: live across the MMA loop, it made the blockwise kernel spill)
         if not BLOCKWISE:
             acc = acc * a_scale * b_scale
         if HAS_BIAS:
-            bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
+            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+            bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols < N, other=0.0)
             acc = acc + bias.to(gl.float32)[None, :]
+        WARPS: gl.constexpr = mma.warps_per_cta[0]
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
         o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-        gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+        gl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
-    def _finish_at(acc, e64, row0, col0, row_end, N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
-                   stride_biase, stride_biasn, mma: gl.constexpr, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """``_finish`` of the tile at (row0, col0) whose group ends at row ``row_end`` (nothing stored
-        if row_end <= row0), its row and column vectors rebuilt here rather than kept live across the
-        next tile's MMAs."""
-        BLOCK_M: gl.constexpr = acc.type.shape[0]
-        BLOCK_N: gl.constexpr = acc.type.shape[1]
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        _finish(acc, e64, rows, cols, rows < row_end, cols < N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot,
-                stride_on, stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
-
-    @gluon.jit
-    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
-                 rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
+    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, rows_ok,
+                 row_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
                  stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
                  BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
         """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
@@ -268,8 +264,8 @@ def _define():
                           NUM_STAGES, WS)
         if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
             mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
-        _finish(acc, e64, rows, cols, rows_ok, cols_ok, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
-                stride_biase, stride_biasn, BLOCKWISE, HAS_BIAS)
+        _finish(acc, e64, row0, col0, row_end, N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
+                stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e, first, pid,
@@ -321,7 +317,7 @@ def _define():
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
                     a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast,
                     stride_ask, stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
-                _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
+                _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
                            stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk,
@@ -329,15 +325,15 @@ def _define():
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
                 base += n_k
                 p_row0, p_col0, p_end, p_e64, p_as, p_bs = row0, col0, start + size, e64, t_as, t_bs
-            _finish_at(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
+            _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
                        stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
         else:
             for tile in range(pid, total, nprog):
                 e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
                 row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
                                                                             W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
-                _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, cols,
-                         rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
+                _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, rows_ok,
+                         start + size, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
                          stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
                          HAS_BIAS, NUM_STAGES, True)
                 base += n_k
@@ -414,8 +410,8 @@ def _define():
                                                                         GROUP_M, BLOCK_M, BLOCK_N)
             for i in gl.static_range(NUM_STAGES):
                 _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, i, row0, brow0, i < n_k, NUM_STAGES)
-            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, 0, row0, brow0, n_k, e64, col0, rows, cols,
-                     rows_ok, cols_ok, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
+            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, 0, row0, brow0, n_k, e64, col0, rows, rows_ok,
+                     start + size, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
                      stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
                      HAS_BIAS, NUM_STAGES, False)
         for i in gl.static_range(NUM_STAGES):

@@ -129,9 +129,9 @@ def ncu_targets(only: list[str] | None) -> None:
 
 
 def fp8_ab(args) -> list[dict]:
-    """The FP8 fprop/dgrad through today's Gluon kernel and through ``--fp8-ab``'s (another build of the
-    same kernel, a module of ``distwgrad.kernels``), interleaved in one process; bit-identical outputs
-    required."""
+    """The FP8 fprop/dgrad through today's Gluon kernel and through each ``--fp8-ab`` module's (other
+    builds of the same kernel, modules of ``distwgrad.kernels``), interleaved in one process (the best of
+    ``--repeats`` timings each); bit-identical outputs required."""
     import importlib
 
     import fp8 as B
@@ -139,8 +139,8 @@ def fp8_ab(args) -> list[dict]:
 
     from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
-    other = importlib.import_module(f"distwgrad.kernels.{args.fp8_ab}").ragged_kernel
-    ours = kg.ragged_kernel
+    kernels = {"new": kg.ragged_kernel}
+    kernels.update({m: importlib.import_module(f"distwgrad.kernels.{m}").ragged_kernel for m in args.fp8_ab})
     rows = []
     for shape in SHAPES:
         p = B._gemm_problem(*shape, "cuda")
@@ -148,26 +148,27 @@ def fp8_ab(args) -> list[dict]:
             q = B._fp8_operands(p, recipe)
             for op in ("fprop", "dgrad"):
                 fn = next(iter(B._fp8_calls(op, p, q, None, variants=False).values()))
-                kg.ragged_kernel = other
-                ref = fn().clone()
-                kg.ragged_kernel = ours
-                got = fn()
-                if not torch.equal(got, ref):
-                    raise SystemExit(f"{op} {rname} {shape}: the two kernels differ")
-                del ref, got
-                t = {"new": [], args.fp8_ab: []}
+                outs = {}
+                for name, k in kernels.items():
+                    kg.ragged_kernel = k
+                    outs[name] = fn().clone()
+                for name, out in outs.items():
+                    if not torch.equal(out, outs["new"]):
+                        raise SystemExit(f"{op} {rname} {shape}: {name} and today's kernel differ")
+                del outs
+                t = {name: [] for name in kernels}
                 for _ in range(args.repeats):
-                    for name, k in (("new", ours), (args.fp8_ab, other)):
+                    for name, k in kernels.items():
                         kg.ragged_kernel = k
                         t[name].append(do_bench(fn, warmup=25, rep=args.rep))
-                kg.ragged_kernel = ours
+                kg.ragged_kernel = kernels["new"]
                 flops = 2.0 * shape[1] * shape[2] * shape[3]
+                best = {name: flops / min(ms) / 1e9 for name, ms in t.items()}
                 for name, ms in t.items():
                     rows.append({"op": op, "shape": list(shape), "recipe": rname, "impl": name,
-                                 "tflops": flops / min(ms) / 1e9, "tflops_all": [flops / m / 1e9 for m in ms]})
-                a, b = flops / min(t["new"]) / 1e9, flops / min(t[args.fp8_ab]) / 1e9
-                print(f"{op:5} {rname:10} {','.join(map(str, shape)):22} new {a:7.1f}  {args.fp8_ab} {b:7.1f}  "
-                      f"new/other {a / b:.3f}", flush=True)
+                                 "tflops": best[name], "tflops_all": [flops / m / 1e9 for m in ms]})
+                cells = "  ".join(f"{name} {v:7.1f} ({best['new'] / v:.3f})" for name, v in best.items())
+                print(f"{op:5} {rname:10} {','.join(map(str, shape)):22} {cells}", flush=True)
             del q
         del p
         torch.cuda.empty_cache()
@@ -178,8 +179,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ncu", action="store_true", help="launch each target once for Nsight Compute")
     ap.add_argument("--targets", nargs="+", default=None, help="with --ncu: only targets containing one of these")
-    ap.add_argument("--fp8-ab", default=None, metavar="MODULE",
-                    help="time the FP8 Gluon kernel against distwgrad.kernels.MODULE's build of it instead")
+    ap.add_argument("--fp8-ab", nargs="+", default=None, metavar="MODULE",
+                    help="time the FP8 Gluon kernel against distwgrad.kernels.MODULE's builds of it instead "
+                         "(new/other ratios in parentheses)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=2, help="timing passes over the impls (interleaved)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
