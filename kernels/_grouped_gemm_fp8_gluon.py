@@ -66,10 +66,22 @@ run, ``qa/bench/gemm_profile.py --fp8-ab``, docs/benchmarks.md).
 The blockwise promotion multiplies step k's partial by its rows' activation scales and its weight
 block's scale. Loaded at step k and used at step k+1 (one MMA step, ~0.5 us, to arrive), they still
 stalled the promotion's multiply (the most-sampled stall of the MMA warps in the blockwise fprop,
-Nsight Compute on an H200). Each step now loads step k+1's scales, used at step k+2 (``_step``; step 0
-and step 1's in ``_begin``): three more registers, no spill at 168 (Triton 3.6) and 1.02-1.06x on the
-blockwise fprop/dgrad at the two large MoE shapes in the same A/B run. Values and order of the
-arithmetic are unchanged, so are the bits.
+Nsight Compute on an H200). Each step now loads step k+1's scales, used at step k+2 (``_step``, after
+its add, into the registers that step k-1's scales leave; step 0 and step 1's in ``_begin``): three
+more registers, no spill at 168 (Triton 3.6), and 1.02-1.06x on the blockwise fprop/dgrad at the two
+large MoE shapes in one A/B run (loaded before the add, which left a register copy at the loop's back
+edge waiting on the load: 1.00-1.02x less). Values and order of the arithmetic are unchanged, so are
+the bits.
+
+[Note: the epilogue's wide stores]
+In the MMA layout a thread holds pairs of adjacent columns, so a direct store writes 4 bytes (two
+bf16) per instruction: 32 store instructions per thread per 128x128 tile, which filled the store
+queue (Nsight Compute: "lg_throttle" among the MMA warps' top stalls in the 2048-deep dgrad). The
+epilogue converts the tile to a layout of 8 consecutive columns per thread (``gl.convert_layout``,
+through shared memory) and stores 16-byte rows: 8 instructions per thread, as the Triton kernels'
+epilogues do. One A/B run on an H200, interleaved in one process (``qa/bench/gemm_profile.py
+--fp8-ab``): 1.04-1.20x at the two large MoE shapes, most in the 2048-deep dgrad (per-tensor 1046 vs
+871 TFLOP/s). The staging buffer (32 KB in bf16) fits beside the four 32 KB stages.
 
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
 (wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost

@@ -16,8 +16,12 @@ the same wgmma instructions in the same K order: the same bits in every GPU test
 shapes, fprop and dgrad). Measured on an H200 it ran 0.82-0.98x the speed of the Triton kernel at the
 three MoE shapes (docs/benchmarks.md), so it is opt-in (``grouped_gemm.RAGGED_GLUON``): without a
 promotion there is no per-step work to hide, persistence saves only the ring's fill, and its 128x256 tile
-pads ~128-token groups where the Triton configs shrink the tile. Left to try: the epilogue through shared
-memory and a TMA store, a second consumer pair (one tile's epilogue under the other's MMAs).
+pads ~128-token groups where the Triton configs shrink the tile. Tried and removed: each of the two
+warpgroups in a partition of its own (commit 0458b3f), 1.00-1.04x of this kernel and still below the
+Triton one. Left to try: 16-byte stores. The Triton kernel's epilogue goes through shared memory and
+stores 16-byte rows (``st.global.v4``); this one stores 4-byte pairs straight from the MMA layout, which
+in the FP8 Gluon kernel cost 4-20% ([Note: the epilogue's wide stores] there). Its 64 KB staging
+buffer would need a ring of three stages.
 
 Preconditions (``grouped_gemm._gluon_ragged`` checks them): a Hopper GPU (wgmma), a Triton with Gluon,
 bf16 or fp16 operands, TMA-aligned, the weight's experts stacked as a 2-D view; dgrad's contraction (the
@@ -47,13 +51,10 @@ def _define():
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid, total,
-                 nprog, W_TRANS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CONSUMERS: gl.constexpr = 1):
+                 nprog, W_TRANS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The TMA warp: ring step g waits until the MMA warps hand its stage back (a fresh mbarrier counts
-        as released for the first round), then loads A's [BLOCK_M, BLOCK_K] (as CONSUMERS row blocks) and
-        B's tile into it."""
-        CM: gl.constexpr = a_desc.block_type.shape[0]
-        BM: gl.constexpr = CM * CONSUMERS
+        as released for the first round), then loads A's [BLOCK_M, BLOCK_K] and B's tile into it."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0] if W_TRANS else b_desc.block_type.shape[1]
         e = pid * 0
@@ -67,9 +68,8 @@ def _define():
                 s = g % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                for w in gl.static_range(CONSUMERS):
-                    _tma_load(a_desc, [row0 + w * CM, k * BK], bar, a_bufs.index(s * CONSUMERS + w))
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [row0, k * BK], bar, a_bufs.index(s))
                 if W_TRANS:  # fprop: W_e's output rows, the contraction inner
                     _tma_load(b_desc, [brow0, k * BK], bar, b_bufs.index(s))
                 else:  # dgrad: W_e's contraction rows (never past the expert: W_ROWS % BK == 0), outputs inner
@@ -79,63 +79,50 @@ def _define():
     @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid, total,
                  nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
-                 W_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 SLICE: gl.constexpr = 0, CONSUMERS: gl.constexpr = 1):
-        """MMA warps over the producer's tiles, in the same order: the K loop, then the epilogue (bias, cast,
-        masked store) while the producer already fills the ring for the next tile. With CONSUMERS > 1
-        ([Note: one consumer per 64 rows]) these warps own rows SLICE * CM .. (SLICE + 1) * CM of each
-        tile, CM = BLOCK_M / CONSUMERS, and every consumer hands each stage back."""
-        CM: gl.constexpr = a_desc.block_type.shape[0]
-        BM: gl.constexpr = CM * CONSUMERS
+                 W_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """The MMA warps over the producer's tiles, in the same order: the K loop, then the epilogue
+        (bias, cast, masked store) while the producer already fills the ring for the next tile."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
         BN: gl.constexpr = b_desc.block_type.shape[0] if W_TRANS else b_desc.block_type.shape[1]
         e = pid * 0
         first = e
         base = e
         for tile in range(pid, total, nprog):
             e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, gl.cdiv(N, BN), BM)
-            row0, col0, brow0 = _origin(e, tile - first, start, size, N, W_ROWS, GROUP_M, BM, BN)
-            acc = gl.zeros([CM, BN], gl.float32, mma)
+            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N, W_ROWS,
+                                                                        mma, GROUP_M, BM, BN)
+            acc = gl.zeros([BM, BN], gl.float32, mma)
             for k in range(n_k):
                 g = base + k
                 s = g % NUM_STAGES
                 mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
-                a_s = a_bufs.index(s * CONSUMERS + SLICE)
                 if W_TRANS:
-                    acc = warpgroup_mma(a_s, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
                 else:
-                    acc = warpgroup_mma(a_s, b_bufs.index(s), acc, is_async=True)
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 if k > 0:  # step k-1's MMAs are done: its stage goes back to the producer
                     mbarrier.arrive(empty.index((g - 1) % NUM_STAGES), count=1)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
             base += n_k
-            rows = row0 + SLICE * CM + gl.arange(0, CM, layout=gl.SliceLayout(1, mma))
-            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-            cols_ok = cols < N
             if HAS_BIAS:
-                bias = gl.load(bias_ptr + e.to(gl.int64) * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
+                bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
                 acc = acc + bias.to(gl.float32)[None, :]
             o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-            gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < start + size)[:, None] & cols_ok[None, :])
+            gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, out_ptr, bias_ptr, offs_ptr, T, E, N, K, W_ROWS,
                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                       W_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr, CONSUMERS: gl.constexpr = 1):
+                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
         """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e, B_e = W_e^T (fprop, ``W_TRANS``: b_desc
         over the stacked [E * W_ROWS, K] weight, W_ROWS = N) or W_e (dgrad: b_desc over [E * W_ROWS, N],
-        W_ROWS = K); [Note: persistent warp-specialized grouped GEMM]. CONSUMERS = 1: the launch's
-        num_warps (BLOCK_M / 16) run the MMAs of whole tiles; 2: ``num_warps`` = 4 and each of two
-        warpgroups, in a partition of its own, owns 64 rows of every tile ([Note: one consumer per 64
-        rows]); a_desc's box is then one consumer's rows."""
-        CM: gl.constexpr = a_desc.block_type.shape[0]  # rows per consumer
-        BM: gl.constexpr = CM * CONSUMERS
+        W_ROWS = K); [Note: persistent warp-specialized grouped GEMM]."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0] if W_TRANS else b_desc.block_type.shape[1]
-        gl.static_assert(CONSUMERS == 1 or (num_warps == 4 and CM == 64),
-                         "CONSUMERS > 1: one warpgroup (num_warps = 4) per 64 rows")
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN, 16])
         pid = gl.program_id(0)
@@ -145,44 +132,31 @@ def _define():
         nprog = gl.num_programs(0)
         B0: gl.constexpr = b_desc.block_type.shape[0]
         B1: gl.constexpr = b_desc.block_type.shape[1]
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES * CONSUMERS, CM, BK], a_desc.layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BM, BK], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, B0, B1], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer hands the stage back
+            mbarrier.init(empty.index(i), count=1)
         n_k = gl.cdiv(K, BK)  # >= 1 (the host takes this kernel only for K > 0)
         # (the argument tuples are written out in each call: a tuple variable would turn the constexprs in
         # it into tensors)
-        if CONSUMERS == 1:
-            if _WS_PAIRS:
-                gl.warp_specialize([
-                    (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
-                                pid, total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase,
-                                stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES)),
-                    (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
-                                pid, total, nprog, W_TRANS, GROUP_M, NUM_STAGES)),
-                ], [1], [24])
-            else:
-                gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
-                                    n_k, pid, total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase,
-                                    stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES),
-                                   _consume,
-                                   (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
-                                    n_k, pid, total, nprog, W_TRANS, GROUP_M, NUM_STAGES), [_produce], [1], [24])
-        else:
-            gl.static_assert(_WS_PAIRS and CONSUMERS == 2, "CONSUMERS is 1 or 2 (2: the list form of warp_specialize)")
+        if _WS_PAIRS:
             gl.warp_specialize([
-                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
-                            pid, total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase,
-                            stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES, 0, CONSUMERS)),
-                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
-                            pid, total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase,
-                            stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES, 1, CONSUMERS)),
-                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
-                            pid, total, nprog, W_TRANS, GROUP_M, NUM_STAGES, CONSUMERS)),
-            ], [4, 1], [232, 24])
+                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid,
+                            total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase, stride_biasn, mma,
+                            W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES)),
+                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid,
+                            total, nprog, W_TRANS, GROUP_M, NUM_STAGES)),
+            ], [1], [24])
+        else:
+            gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
+                                pid, total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase,
+                                stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES),
+                               _consume,
+                               (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
+                                pid, total, nprog, W_TRANS, GROUP_M, NUM_STAGES), [_produce], [1], [24])
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))

@@ -70,7 +70,6 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
 RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
-RAGGED_GLUON_CONSUMERS = 1  # 1: one 8-warp partition runs each 128-row tile; 2: one warpgroup per 64 rows
 _GLUON_FAILED: dict[str, str] = {}  # "ragged" -> why the Gluon kernel did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,17 +228,15 @@ def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
     E, w_rows, w_cols = w_ENK.shape
     N = out.shape[1]
     bm, bn, bk = kg.BLOCK_M, kg.BLOCK_N, kg.BLOCK_K
-    consumers = RAGGED_GLUON_CONSUMERS
     w2 = w_ENK.as_strided((E * w_rows, w_cols), (w_ENK.stride(1), 1))
     tiles = (triton.cdiv(T, bm) + E) * triton.cdiv(N, bn)  # >= the tiles of any split (offsets stay on device)
     bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
     try:
         kg.ragged_kernel[(min(tiles, _num_sms(a.device)),)](
-            kg.descriptor(a, (bm // consumers, bk)), kg.descriptor(w2, (bn, bk) if w_trans else (bk, bn)), out,
-            bias_EN, offs_E,
+            kg.descriptor(a, (bm, bk)), kg.descriptor(w2, (bn, bk) if w_trans else (bk, bn)), out, bias_EN, offs_E,
             T, E, N, K, w_rows, out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
             W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, GROUP_M=8, BLOCK_E=max(16, triton.next_power_of_2(E)),
-            NUM_STAGES=RAGGED_GLUON_STAGES, CONSUMERS=consumers, num_warps=bm // 16 if consumers == 1 else 4)
+            NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon grouped GEMM kernel does not build with triton {triton.__version__}; using the "

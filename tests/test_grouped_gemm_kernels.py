@@ -336,14 +336,12 @@ class _OnCuda:
         return getattr(self._t, name)
 
 
-@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_gluon_kernel_keeps_the_mma_pipeline(op, consumers):
+def test_gluon_kernel_keeps_the_mma_pipeline(op):
     """[Note: persistent warp-specialized grouped GEMM]: the Gluon kernel builds for sm_90a with bf16
-    wgmma at 128x256 per program (m64n256k16: two warpgroups, in one partition or, with two consumers,
-    one per partition), waits for all but the newest MMA group in each consumer's loop, ptxas neither
-    serializes the wgmmas (C7514/C7512) nor spills, and the MMA warps take the registers from the TMA
-    warp (setmaxnreg). dgrad's B is N-inner (wgmma's transposed-B flag set)."""
+    wgmma at 128x256 per program (m64n256k16: two warpgroups), waits for all but the newest MMA group in
+    its loop, ptxas neither serializes the wgmmas (C7514/C7512) nor spills, and the MMA warps take the
+    registers from the TMA warp (setmaxnreg). dgrad's B is N-inner (wgmma's transposed-B flag set)."""
     triton = pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_gluon as kg
     if not kg.AVAILABLE:
@@ -356,20 +354,17 @@ def test_gluon_kernel_keeps_the_mma_pipeline(op, consumers):
     w_trans = op == "fprop"
     bm, bn, bk = kg.BLOCK_M, kg.BLOCK_N, kg.BLOCK_K
     b_shape = [bn, bk] if w_trans else [bk, bn]
-    am = bm // consumers  # A's rows per TMA box: one box per consumer
-    a_lay = gl.NVMMASharedLayout.get_default_for([am, bk], gl.bfloat16)
+    a_lay = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
     b_lay = gl.NVMMASharedLayout.get_default_for(b_shape, gl.bfloat16)
     T, E, K, N = 32768, 8, 4096, 14336
-    vals = dict(a_desc=f"tensordesc<bf16[{am},{bk}],{a_lay!r}>",
+    vals = dict(a_desc=f"tensordesc<bf16[{bm},{bk}],{a_lay!r}>",
                 b_desc=f"tensordesc<bf16[{b_shape[0]},{b_shape[1]}],{b_lay!r}>",
                 out_ptr="*bf16", bias_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K, W_ROWS=N if w_trans else K,
                 stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
-    nw = bm // 16 if consumers == 1 else 4
-    consts = dict(W_TRANS=w_trans, HAS_BIAS=w_trans, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=nw,
-                  CONSUMERS=consumers)
+    consts = dict(W_TRANS=w_trans, HAS_BIAS=w_trans, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=bm // 16)
     sig, attrs = specialize(kg.ragged_kernel, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(kg.ragged_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=nw))
+                            options=dict(num_warps=bm // 16))
     ptx = kernel.asm["ptx"]
     report = ptxas_report(ptx)
     if report is None:
@@ -381,7 +376,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(op, consumers):
     mma = [line.strip() for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert mma and all("m64n256k16.f32.bf16.bf16" in m for m in mma), mma[:1]
     assert all(m.endswith(f"1, 1, 0, {0 if w_trans else 1};") for m in mma), mma[:1]  # B K-inner / N-inner
-    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == consumers, "one wait per K step and consumer"
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 1, "one wait per K step, one MMA group in flight"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
@@ -569,7 +564,6 @@ def test_gpu_bf16(T, E, K, N, use_tma):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("consumers", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,E,K,N", [
     (4096, 8, 1024, 1536),     # several tiles per program (persistent), 16 K steps
@@ -578,17 +572,15 @@ def test_gpu_bf16(T, E, K, N, use_tma):
     (2048, 1, 64, 256),        # one group, one K step
     (3000, 256, 64, 128),      # E = 256: the cursor walks over many empty and tiny groups
 ])
-def test_gpu_gluon_kernel(T, E, K, N, dtype, consumers, monkeypatch):
+def test_gpu_gluon_kernel(T, E, K, N, dtype):
     """[Note: persistent warp-specialized grouped GEMM]: fprop (with bias) and dgrad through the Gluon
-    kernel (one MMA partition per tile, or one per 64 rows: [Note: one consumer per 64 rows]) against
-    the oracle (NaN-poisoned outputs, rows past the last offset unwritten) and against the Triton
-    kernel; the same products in the same K order, so the bits are expected to agree (the mismatch
-    count is printed, then asserted)."""
+    kernel against the oracle (NaN-poisoned outputs, rows past the last offset unwritten) and against
+    the Triton kernel; the same products in the same K order, so the bits are expected to agree (the
+    mismatch count is printed, then asserted)."""
     from distwgrad.kernels import _grouped_gemm_gluon as kg
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    monkeypatch.setattr(k, "RAGGED_GLUON_CONSUMERS", consumers)
     d = _inputs(T, E, K, N, dtype, "cuda", seed=T + E)
     x, w, dy, b, offs = d["x"], d["w"], d["dy"], d["b"], d["offs"]
     n = int(offs[-1])
@@ -603,7 +595,7 @@ def test_gpu_gluon_kernel(T, E, K, N, dtype, consumers, monkeypatch):
         _check(f"gluon {op} T={T} E={E} K={K} N={N} {dtype}", runs[True], ref, oracle)
         assert bool(runs[True][n:].isnan().all()), f"{op}: rows past offs_E[-1] were written"
         diffs[op] = int((runs[True][:n] != runs[False][:n]).sum())
-    print(f"gluon ({consumers} consumers) vs triton T={T} E={E} K={K} N={N} {dtype}: differing elements {diffs}")
+    print(f"gluon vs triton T={T} E={E} K={K} N={N} {dtype}: differing elements {diffs}")
     assert diffs == {"fprop": 0, "dgrad": 0}, diffs
 
 

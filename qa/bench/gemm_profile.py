@@ -1,8 +1,10 @@
 """Where the grouped GEMM kernels' time goes on a GPU: the bf16 fprop/dgrad kernels (Triton, and the
-Gluon kernel with one or two consumer partitions) timed side by side with torch._grouped_mm and a dense
-mm of the same FLOPs, and a handful of launches for Nsight Compute to read the hardware counters of.
+opt-in Gluon kernel) timed side by side with torch._grouped_mm and a dense mm of the same FLOPs, the
+FP8 Gluon kernel against other builds of it (``--fp8-ab``), and a handful of launches for Nsight
+Compute to read the hardware counters of (``--ncu``; ``ncu_hotspots.py`` summarises the report).
 
     python qa/bench/gemm_profile.py --json out.json                    # timings, ratios, bit checks
+    python qa/bench/gemm_profile.py --fp8-ab MODULE ...                # A/B of FP8 kernel builds
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \\
         python qa/bench/gemm_profile.py --ncu                            # one launch of each target
@@ -32,16 +34,12 @@ def _bf16_impls(op: str, p) -> dict:
     out_cols = p.N if op == "fprop" else p.K
     w_trans = op == "fprop"
 
-    def ours(gluon: bool, consumers: int = 1):
+    def ours(gluon: bool):
         out = torch.empty(p.T, out_cols, device=a.device, dtype=a.dtype)
-
-        def call():
-            G.RAGGED_GLUON_CONSUMERS = consumers
-            return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
-                                    gluon=gluon)
-        return call
+        return lambda: G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
+                                        gluon=gluon)
     gmm = torch._grouped_mm
-    impls = {"triton": ours(False), "gluon_c1": ours(True, 1), "gluon_c2": ours(True, 2)}
+    impls = {"triton": ours(False), "gluon": ours(True)}
     if op == "fprop":
         impls["torch_grouped_mm"] = lambda: gmm(p.x, p.w.transpose(-2, -1), offs=p.offs, out_dtype=p.x.dtype)
         impls["dense"] = lambda: torch.mm(p.x, p.w[0].t())
@@ -73,7 +71,7 @@ def time_all(args) -> list[dict]:
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
             ref = impls["triton"]().clone()
-            for name in ("gluon_c1", "gluon_c2"):
+            for name in ("gluon",):
                 got = impls[name]()
                 same = bool(torch.equal(got, ref))
                 print(f"{op} {shape} {name}: bit-exact vs the Triton kernel: {same}", flush=True)
@@ -88,7 +86,6 @@ def time_all(args) -> list[dict]:
                                  "tflops": 2.0 * p.T * p.N * p.K / ms / 1e9})
         del p
         torch.cuda.empty_cache()
-    G.RAGGED_GLUON_CONSUMERS = 1
     by = {}
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {}).setdefault(r["impl"], []).append(r["tflops"])
@@ -107,15 +104,13 @@ def ncu_targets(only: list[str] | None) -> None:
         p = make_problem(*SHAPES[0], "cuda")
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
-            for name in ("triton", "gluon_c1", "gluon_c2", "torch_grouped_mm", "dense"):
+            for name in ("triton", "gluon", "torch_grouped_mm", "dense"):
                 targets[f"bf16_{op}_e8_{name}"] = impls[name]
     if not only or any(o.startswith("fp8") for o in only):
         targets["fp8_blockwise_fprop_e8"] = _fp8_targets(SHAPES[0])["fp8_blockwise_fprop"]
         targets["fp8_per_tensor_dgrad_e64"] = _fp8_targets(SHAPES[1])["fp8_per_tensor_dgrad"]
     targets = {k: v for k, v in targets.items() if not only or any(o in k for o in only)}
     for name, fn in targets.items():
-        if "gluon_c2" in name:
-            fn()
         fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
