@@ -10,10 +10,10 @@ K-major, so every B tile is transposed in registers): the dispatcher passes the 
 (``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. With promotion (per-tensor split accumulator,
 blockwise), fprop/dgrad of contractions from 768 run in a persistent warp-specialized Gluon kernel on
 Hopper that adds each 128-deep partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``,
-[Note: promotion under the next MMA]; the same bits; ``RAGGED_GLUON*`` below): per-tensor 1.47-1.80x of
-bf16 with the split accumulator at the two large MoE shapes across the recent runs, 1.63-1.98x without it
-([Note: fp8 split accumulator]), blockwise 1.32-1.64x (~0.88-1.0x in the Triton kernel); the wgrad kernels
-still trail bf16 at ~1024 tokens per group (docs/benchmarks.md).
+[Note: promotion under the next MMA]; the same bits; ``RAGGED_GLUON*`` below): per-tensor 1.75-1.84x of
+bf16 with the split accumulator at the two large MoE shapes in the latest record, 1.74-1.89x without it
+([Note: fp8 split accumulator]), blockwise 1.55-1.60x (~0.93-0.99x in the Triton kernel); the wgrad
+kernels still trail bf16 at ~1024 tokens per group (docs/benchmarks.md).
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
