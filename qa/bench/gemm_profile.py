@@ -22,9 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grouped_gemm import make_problem  # noqa: E402  (the bench's problems: same seeds, same splits)
-
 from distwgrad.kernels import grouped_gemm as G  # noqa: E402
+from grouped_gemm import make_problem  # noqa: E402  (the bench's problems: same seeds, same splits)
 
 SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 7168, 2048)]
 
@@ -52,6 +51,7 @@ def _bf16_impls(op: str, p) -> dict:
 def _fp8_targets(shape) -> dict:
     """FP8 fprop (blockwise) and dgrad (per-tensor) through the default (Gluon) kernels, pre-quantized."""
     import fp8 as B
+
     from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
     p = B._gemm_problem(*shape, "cuda")
     out = {}
@@ -110,7 +110,7 @@ def ncu_targets(only: list[str] | None) -> None:
         targets["fp8_blockwise_fprop_e8"] = _fp8_targets(SHAPES[0])["fp8_blockwise_fprop"]
         targets["fp8_per_tensor_dgrad_e64"] = _fp8_targets(SHAPES[1])["fp8_per_tensor_dgrad"]
     targets = {k: v for k, v in targets.items() if not only or any(o in k for o in only)}
-    for name, fn in targets.items():
+    for fn in targets.values():
         fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
@@ -130,10 +130,10 @@ def fp8_ab(args) -> list[dict]:
     import importlib
 
     import fp8 as B
+    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     from triton.testing import do_bench
 
     from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     kernels = {"new": kg.ragged_kernel}
     kernels.update({m: importlib.import_module(f"distwgrad.kernels.{m}").ragged_kernel for m in args.fp8_ab})
     rows = []

@@ -1,0 +1,72 @@
+"""The GPU profiling tools of ``qa/bench`` on the CPU: ``gemm_profile.py`` starts (its runs need a GPU),
+and ``ncu_hotspots.py`` reads Nsight Compute's CSV pages as ncu 2025 writes them (the shapes below are
+those of a real report of the FP8 kernel, trimmed): headline metrics per kernel, stall reasons as
+shares, the SASS lines with the most stall samples first."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, "qa", "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+DETAILS = '''==PROF== Connected to process
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","ms","1.94"
+"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","56.09"
+"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Frequency","hz","3,199,460,309.12"
+'''
+RAW = '''"ID","Kernel Name","smsp__pcsamp_warps_issue_stalled_barrier","smsp__pcsamp_warps_issue_stalled_barrier_not_issued","smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_wait"
+"","","","","",""
+"0","ragged_kernel","60","55","30","10"
+'''
+SOURCE = '''"Kernel Name","ragged_kernel",""
+"Address","Source","Warp Stall Sampling (All Samples)"
+"0x7f00","      LDC R1, c[0x0][0x28]","10"
+"0x7f10","      NOP","1,200"
+"0x7f20","@!P0  BRA 0x7f80","790"
+'''
+
+
+def test_ncu_hotspots_reads_the_pages():
+    h = _load("ncu_hotspots")
+    details = h.parse_csv(DETAILS)
+    assert len(details) == 3 and details[0]["Kernel Name"] == "ragged_kernel"
+    source = h.parse_csv(SOURCE, source_page=True)
+    assert [r["Address"] for r in source] == ["0x7f00", "0x7f10", "0x7f20"]
+    lines = h.summary(details, h.parse_csv(RAW), source, top=2)
+    text = "\n".join(lines)
+    assert "== 0 ragged_kernel" in text and "Duration [ms]: 1.94" in text
+    assert "DRAM Frequency" not in text  # not a headline metric
+    # shares of the sampled stall reasons (the "_not_issued" subsets are not counted twice)
+    assert "stall samples (all warps): barrier 60.0%, long_scoreboard 30.0%, wait 10.0%" in text
+    top = [line for line in lines if "%  0x" in line]
+    assert len(top) == 2 and "NOP" in top[0] and "BRA" in top[1]  # most samples first, "1,200" read as 1200
+    assert top[0].strip().startswith("60.0%") and top[1].strip().startswith("39.5%")
+
+
+def test_ncu_hotspots_reads_stalls_of_one_kernel_only():
+    h = _load("ncu_hotspots")
+    two = h.parse_csv(DETAILS + DETAILS.splitlines()[-1].replace('"0","1"', '"1","1"', 1))
+    lines = h.summary(two, h.parse_csv(RAW), h.parse_csv(SOURCE, source_page=True))
+    assert lines[0].startswith("2 kernels in the report") and not any("stall samples" in x for x in lines)
+
+
+def test_gemm_profile_help():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, os.path.join(_ROOT, "qa", "bench", "gemm_profile.py"), "--help"],
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--fp8-ab" in proc.stdout and "--ncu" in proc.stdout, proc.stderr[-3000:]
