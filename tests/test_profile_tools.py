@@ -22,16 +22,16 @@ def _load(name: str):
     return mod
 
 
-DETAILS = '''==PROF== Connected to process
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","ms","1.94"
-"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Compute (SM) Throughput","%","56.09"
-"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Frequency","hz","3,199,460,309.12"
-'''
-RAW = '''"ID","Kernel Name","smsp__pcsamp_warps_issue_stalled_barrier","smsp__pcsamp_warps_issue_stalled_barrier_not_issued","smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_wait"
-"","","","","",""
-"0","ragged_kernel","60","55","30","10"
-'''
+_HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+         '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+_ROW = ('"0","1","python3","127.0.0.1","ragged_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0",'
+        '"GPU Speed Of Light Throughput",')
+DETAILS = "\n".join(["==PROF== Connected to process", _HEAD, _ROW + '"Duration","ms","1.94"',
+                     _ROW + '"Compute (SM) Throughput","%","56.09"',
+                     _ROW + '"DRAM Frequency","hz","3,199,460,309.12"']) + "\n"
+_STALL = "smsp__pcsamp_warps_issue_stalled_"
+RAW = "\n".join([f'"ID","Kernel Name","{_STALL}barrier","{_STALL}barrier_not_issued","{_STALL}long_scoreboard",'
+                 f'"{_STALL}wait"', '"","","","","",""', '"0","ragged_kernel","60","55","30","10"']) + "\n"
 SOURCE = '''"Kernel Name","ragged_kernel",""
 "Address","Source","Warp Stall Sampling (All Samples)"
 "0x7f00","      LDC R1, c[0x0][0x28]","10"

@@ -67,7 +67,8 @@ def summary(details: list[dict], raw: list[dict] | None = None, source: list[dic
         total = sum(_num(r.get(key)) for r in source) or 1.0
         out.append(f"   top {top} of {len(source)} SASS lines by '{key}' (total {total:.0f}):")
         for r in sorted(source, key=lambda r: _num(r.get(key)), reverse=True)[:top]:
-            out.append(f"   {100 * _num(r.get(key)) / total:5.1f}%  {r.get('Address', '')}  {r.get('Source', '')[:110]}")
+            share = 100 * _num(r.get(key)) / total
+            out.append(f"   {share:5.1f}%  {r.get('Address', '')}  {r.get('Source', '')[:110]}")
     return out
 
 
