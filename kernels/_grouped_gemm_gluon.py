@@ -13,15 +13,17 @@ one-program-per-tile kernel starts every tile with an empty ring. In the FP8 ker
 ran 1.04-1.29x the one-program-per-tile kernel ([Note: promotion under the next MMA]).
 The products are those of the Triton kernel: the same tiles of the same operands, accumulated in fp32 by
 the same wgmma instructions in the same K order: the same bits in every GPU test (bf16 and fp16, 5
-shapes, fprop and dgrad). Measured on an H200 it ran 0.82-0.98x the speed of the Triton kernel at the
-three MoE shapes (docs/benchmarks.md), so it is opt-in (``grouped_gemm.RAGGED_GLUON``): without a
+shapes, fprop and dgrad). Measured on an H200 with 4-byte stores it ran 0.82-0.98x the speed of the
+Triton kernel at the three MoE shapes (docs/benchmarks.md), and with 16-byte stores (below) no faster than
+it at the two large ones, so it is opt-in (``grouped_gemm.RAGGED_GLUON``): without a
 promotion there is no per-step work to hide, persistence saves only the ring's fill, and its 128x256 tile
-pads ~128-token groups where the Triton configs shrink the tile. Tried and removed: each of the two
-warpgroups in a partition of its own (commit 0458b3f), 1.00-1.04x of this kernel and still below the
-Triton one. Left to try: 16-byte stores. The Triton kernel's epilogue goes through shared memory and
-stores 16-byte rows (``st.global.v4``); this one stores 4-byte pairs straight from the MMA layout, which
-in the FP8 Gluon kernel cost 4-20% ([Note: the epilogue's wide stores] there). Its 64 KB staging
-buffer would need a ring of three stages.
+pads ~128-token groups where the Triton configs shrink the tile. The epilogue stores 16-byte rows through
+a layout conversion (``WIDE_STORES``, ``grouped_gemm.RAGGED_GLUON_WIDE_STORES``; [Note: the epilogue's
+wide stores] in ``_grouped_gemm_fp8_gluon.py``), as the Triton kernel's does: 1.00-1.15x of storing the
+MMA layout's 4-byte pairs and 0.96-1.02x of the Triton kernel at the two large MoE shapes (one run,
+docs/benchmarks/gemm_profile_wide_stores_h200.json); its staging buffer fits beside the four stages
+(229,444 bytes of shared memory in all). Tried and removed: each of the two warpgroups in a partition of
+its own (commit 0458b3f), 1.00-1.04x of this kernel with narrow stores and below the Triton one.
 
 Preconditions (``grouped_gemm._gluon_ragged`` checks them): a Hopper GPU (wgmma), a Triton with Gluon,
 bf16 or fp16 operands, TMA-aligned, the weight's experts stacked as a 2-D view; dgrad's contraction (the
@@ -79,7 +81,8 @@ def _define():
     @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid, total,
                  nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
-                 W_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+                 W_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 WIDE_STORES: gl.constexpr):
         """The MMA warps over the producer's tiles, in the same order: the K loop, then the epilogue
         (bias, cast, masked store) while the producer already fills the ring for the next tile."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -109,14 +112,23 @@ def _define():
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
                 acc = acc + bias.to(gl.float32)[None, :]
-            o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-            gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+            if WIDE_STORES:  # [Note: the epilogue's wide stores] in _grouped_gemm_fp8_gluon.py
+                WARPS: gl.constexpr = mma.warps_per_cta[0]
+                st: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
+                out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
+                srows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
+                scols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, st))
+                o_ptrs = out_ptr + srows.to(gl.int64)[:, None] * stride_ot + scols[None, :] * stride_on
+                gl.store(o_ptrs, out, mask=(srows < start + size)[:, None] & (scols < N)[None, :])
+            else:
+                o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+                gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, out_ptr, bias_ptr, offs_ptr, T, E, N, K, W_ROWS,
                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                       W_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      NUM_STAGES: gl.constexpr, num_warps: gl.constexpr, WIDE_STORES: gl.constexpr = False):
         """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e, B_e = W_e^T (fprop, ``W_TRANS``: b_desc
         over the stacked [E * W_ROWS, K] weight, W_ROWS = N) or W_e (dgrad: b_desc over [E * W_ROWS, N],
         W_ROWS = K); [Note: persistent warp-specialized grouped GEMM]."""
@@ -146,14 +158,14 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid,
                             total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase, stride_biasn, mma,
-                            W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES)),
+                            W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES, WIDE_STORES)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid,
                             total, nprog, W_TRANS, GROUP_M, NUM_STAGES)),
             ], [1], [24])
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
                                 pid, total, nprog, out_ptr, bias_ptr, stride_ot, stride_on, stride_biase,
-                                stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES),
+                                stride_biasn, mma, W_TRANS, HAS_BIAS, GROUP_M, NUM_STAGES, WIDE_STORES),
                                _consume,
                                (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
                                 pid, total, nprog, W_TRANS, GROUP_M, NUM_STAGES), [_produce], [1], [24])

@@ -70,6 +70,7 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
 RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
+RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
 _GLUON_FAILED: dict[str, str] = {}  # "ragged" -> why the Gluon kernel did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
             kg.descriptor(a, (bm, bk)), kg.descriptor(w2, (bn, bk) if w_trans else (bk, bn)), out, bias_EN, offs_E,
             T, E, N, K, w_rows, out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
             W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, GROUP_M=8, BLOCK_E=max(16, triton.next_power_of_2(E)),
-            NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
+            NUM_STAGES=RAGGED_GLUON_STAGES, WIDE_STORES=RAGGED_GLUON_WIDE_STORES, num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon grouped GEMM kernel does not build with triton {triton.__version__}; using the "

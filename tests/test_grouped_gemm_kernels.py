@@ -15,6 +15,7 @@ so an unwritten tile fails; splits are random and include empty groups.
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -336,12 +337,14 @@ class _OnCuda:
         return getattr(self._t, name)
 
 
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_gluon_kernel_keeps_the_mma_pipeline(op):
+def test_gluon_kernel_keeps_the_mma_pipeline(op, wide):
     """[Note: persistent warp-specialized grouped GEMM]: the Gluon kernel builds for sm_90a with bf16
     wgmma at 128x256 per program (m64n256k16: two warpgroups), waits for all but the newest MMA group in
     its loop, ptxas neither serializes the wgmmas (C7514/C7512) nor spills, and the MMA warps take the
-    registers from the TMA warp (setmaxnreg). dgrad's B is N-inner (wgmma's transposed-B flag set)."""
+    registers from the TMA warp (setmaxnreg). dgrad's B is N-inner (wgmma's transposed-B flag set).
+    ``wide``: the epilogue stores 16-byte rows (``st.global.v4``) and its staging fits beside the ring."""
     triton = pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_gluon as kg
     if not kg.AVAILABLE:
@@ -361,7 +364,8 @@ def test_gluon_kernel_keeps_the_mma_pipeline(op):
                 b_desc=f"tensordesc<bf16[{b_shape[0]},{b_shape[1]}],{b_lay!r}>",
                 out_ptr="*bf16", bias_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K, W_ROWS=N if w_trans else K,
                 stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
-    consts = dict(W_TRANS=w_trans, HAS_BIAS=w_trans, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=bm // 16)
+    consts = dict(W_TRANS=w_trans, HAS_BIAS=w_trans, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=bm // 16,
+                  WIDE_STORES=wide)
     sig, attrs = specialize(kg.ragged_kernel, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(kg.ragged_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=bm // 16))
@@ -380,6 +384,9 @@ def test_gluon_kernel_keeps_the_mma_pipeline(op):
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
+    stores = re.findall(r"st\.global[.\w]*", ptx)
+    assert stores and all((".v4." in st) == wide for st in stores), sorted(set(stores))
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
 
 
 def test_wgrad_l2_prefetch_only_where_it_was_measured_faster():
@@ -564,6 +571,7 @@ def test_gpu_bf16(T, E, K, N, use_tma):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,E,K,N", [
     (4096, 8, 1024, 1536),     # several tiles per program (persistent), 16 K steps
@@ -572,7 +580,7 @@ def test_gpu_bf16(T, E, K, N, use_tma):
     (2048, 1, 64, 256),        # one group, one K step
     (3000, 256, 64, 128),      # E = 256: the cursor walks over many empty and tiny groups
 ])
-def test_gpu_gluon_kernel(T, E, K, N, dtype):
+def test_gpu_gluon_kernel(T, E, K, N, dtype, wide, monkeypatch):
     """[Note: persistent warp-specialized grouped GEMM]: fprop (with bias) and dgrad through the Gluon
     kernel against the oracle (NaN-poisoned outputs, rows past the last offset unwritten) and against
     the Triton kernel; the same products in the same K order, so the bits are expected to agree (the
@@ -581,6 +589,7 @@ def test_gpu_gluon_kernel(T, E, K, N, dtype):
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
+    monkeypatch.setattr(k, "RAGGED_GLUON_WIDE_STORES", wide)
     d = _inputs(T, E, K, N, dtype, "cuda", seed=T + E)
     x, w, dy, b, offs = d["x"], d["w"], d["dy"], d["b"], d["offs"]
     n = int(offs[-1])
@@ -595,7 +604,7 @@ def test_gpu_gluon_kernel(T, E, K, N, dtype):
         _check(f"gluon {op} T={T} E={E} K={K} N={N} {dtype}", runs[True], ref, oracle)
         assert bool(runs[True][n:].isnan().all()), f"{op}: rows past offs_E[-1] were written"
         diffs[op] = int((runs[True][:n] != runs[False][:n]).sum())
-    print(f"gluon vs triton T={T} E={E} K={K} N={N} {dtype}: differing elements {diffs}")
+    print(f"gluon (wide stores: {wide}) vs triton T={T} E={E} K={K} N={N} {dtype}: differing elements {diffs}")
     assert diffs == {"fprop": 0, "dgrad": 0}, diffs
 
 

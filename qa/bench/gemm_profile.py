@@ -33,12 +33,16 @@ def _bf16_impls(op: str, p) -> dict:
     out_cols = p.N if op == "fprop" else p.K
     w_trans = op == "fprop"
 
-    def ours(gluon: bool):
+    def ours(gluon: bool, wide: bool = True):
         out = torch.empty(p.T, out_cols, device=a.device, dtype=a.dtype)
-        return lambda: G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
-                                        gluon=gluon)
+
+        def call():
+            G.RAGGED_GLUON_WIDE_STORES = wide
+            return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
+                                    gluon=gluon)
+        return call
     gmm = torch._grouped_mm
-    impls = {"triton": ours(False), "gluon": ours(True)}
+    impls = {"triton": ours(False), "gluon": ours(True), "gluon_narrow_stores": ours(True, False)}
     if op == "fprop":
         impls["torch_grouped_mm"] = lambda: gmm(p.x, p.w.transpose(-2, -1), offs=p.offs, out_dtype=p.x.dtype)
         impls["dense"] = lambda: torch.mm(p.x, p.w[0].t())
@@ -71,7 +75,7 @@ def time_all(args) -> list[dict]:
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
             ref = impls["triton"]().clone()
-            for name in ("gluon",):
+            for name in ("gluon", "gluon_narrow_stores"):
                 got = impls[name]()
                 same = bool(torch.equal(got, ref))
                 print(f"{op} {shape} {name}: bit-exact vs the Triton kernel: {same}", flush=True)
@@ -86,6 +90,7 @@ def time_all(args) -> list[dict]:
                                  "tflops": 2.0 * p.T * p.N * p.K / ms / 1e9})
         del p
         torch.cuda.empty_cache()
+    G.RAGGED_GLUON_WIDE_STORES = True
     by = {}
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {}).setdefault(r["impl"], []).append(r["tflops"])
@@ -104,7 +109,7 @@ def ncu_targets(only: list[str] | None) -> None:
         p = make_problem(*SHAPES[0], "cuda")
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
-            for name in ("triton", "gluon", "torch_grouped_mm", "dense"):
+            for name in ("triton", "gluon", "gluon_narrow_stores", "torch_grouped_mm", "dense"):
                 targets[f"bf16_{op}_e8_{name}"] = impls[name]
     if not only or any(o.startswith("fp8") for o in only):
         targets["fp8_blockwise_fprop_e8"] = _fp8_targets(SHAPES[0])["fp8_blockwise_fprop"]
