@@ -14,7 +14,10 @@
 #   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL, and the multi-rank
 #   tests that run over NCCL: pytest -m gpu -k nccl),
 #   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
-#   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel).
+#   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel),
+#   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / Gluon / grouped_mm / dense side by side),
+#   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
+#   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
@@ -72,6 +75,14 @@ for step in $STEPS; do
                         --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
     bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
+    gemm_profile) run gemm_profile python3 qa/bench/gemm_profile.py --json "$OUT_DIR/gemm_profile.json" ;;
+    ncu)  # Nsight Compute: one report per target (NCU_TARGETS), summarised; the reports come back too
+      export PATH="$PATH:/usr/local/cuda/bin"
+      for t in ${NCU_TARGETS:-fp8_blockwise_fprop_e8 fp8_per_tensor_dgrad_e64 bf16_fprop_e8_triton}; do
+        run "ncu_$t" ncu --profile-from-start off --clock-control none --set full --import-source no \
+          -k regex:ragged -o "$OUT_DIR/$t" python3 qa/bench/gemm_profile.py --ncu --targets "$t"
+        python3 qa/bench/ncu_hotspots.py "$OUT_DIR/$t.ncu-rep" --top 30 >"$OUT_DIR/$t.txt" 2>&1
+      done ;;
     fp8_audit)  # every FP8 GEMM/quantization of the job vs emulation, then one bisect run per variant
       for v in "" "--first-picks" "--emulate-gemm wgrad" "--emulate-gemm dgrad" "--emulate-gemm fprop"; do
         run "fp8_audit${v:+ $v}" python3 qa/L2_gpu/fp8_kernel_audit.py --recipe fp8_blockwise --steps 8 $v \
