@@ -53,16 +53,19 @@ def _bf16_impls(op: str, p) -> dict:
 
 
 def _fp8_targets(shape) -> dict:
-    """FP8 fprop (blockwise) and dgrad (per-tensor) through the default (Gluon) kernels, pre-quantized."""
+    """FP8 fprop (blockwise), dgrad and accumulating wgrad (per-tensor) through the default kernels,
+    pre-quantized."""
     import fp8 as B
 
     from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
     p = B._gemm_problem(*shape, "cuda")
+    main = torch.zeros(shape[0], shape[3], shape[2], device="cuda")
     out = {}
     for name, recipe, op in (("fp8_blockwise_fprop", BlockwiseScaling(), "fprop"),
-                             ("fp8_per_tensor_dgrad", PerTensorScaling(), "dgrad")):
+                             ("fp8_per_tensor_dgrad", PerTensorScaling(), "dgrad"),
+                             ("fp8_per_tensor_wgrad_acc", PerTensorScaling(), "wgrad_accumulate")):
         q = B._fp8_operands(p, recipe)
-        calls = B._fp8_calls(op, p, q, None, variants=False)
+        calls = B._fp8_calls(op, p, q, main, variants=False)
         out[name] = next(iter(calls.values()))
     return out
 
@@ -105,15 +108,21 @@ def ncu_targets(only: list[str] | None) -> None:
     """Warm every target up (compile, tune), then one launch of each between cudaProfilerStart/Stop,
     each in an NVTX range named after it; ``only``: the targets whose names contain one of these."""
     targets = {}
-    if not only or any(o.startswith("bf16") for o in only):
+    if not only or any(o.startswith("bf16") and not o.startswith("bf16_wgrad") for o in only):
         p = make_problem(*SHAPES[0], "cuda")
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
             for name in ("triton", "gluon", "gluon_narrow_stores", "torch_grouped_mm", "dense"):
                 targets[f"bf16_{op}_e8_{name}"] = impls[name]
+    if only and any(o.startswith("bf16_wgrad_acc") for o in only):
+        p64 = make_problem(*SHAPES[1], "cuda")
+        main = torch.zeros(p64.E, p64.N, p64.K, device="cuda")
+        targets["bf16_wgrad_acc_e64"] = lambda: G.grouped_wgrad(p64.dy, p64.x, p64.offs, out=main)
     if not only or any(o.startswith("fp8") for o in only):
         targets["fp8_blockwise_fprop_e8"] = _fp8_targets(SHAPES[0])["fp8_blockwise_fprop"]
-        targets["fp8_per_tensor_dgrad_e64"] = _fp8_targets(SHAPES[1])["fp8_per_tensor_dgrad"]
+        fp8_e64 = _fp8_targets(SHAPES[1])
+        targets["fp8_per_tensor_dgrad_e64"] = fp8_e64["fp8_per_tensor_dgrad"]
+        targets["fp8_per_tensor_wgrad_acc_e64"] = fp8_e64["fp8_per_tensor_wgrad_acc"]
     targets = {k: v for k, v in targets.items() if not only or any(o in k for o in only)}
     for fn in targets.values():
         fn()
