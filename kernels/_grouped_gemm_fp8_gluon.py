@@ -46,21 +46,21 @@ persistent 1.44-1.76x per-tensor and 1.40-1.69x blockwise, one program per tile 
 1.14-1.48x, the Triton kernel 1.36-1.43x and 0.93-1.04x (one run, fp8_gemm_gluon_persistent_h200.json).
 
 [Note: the next tile's first step under the epilogue]
-``OVERLAP=True`` (persistent only) moves each tile's epilogue after the next tile's step 0 is issued: the
-MMA warps would otherwise leave the tensor cores idle from the tile's last MMA (drained by the final
+``OVERLAP=True`` (persistent only) moves each tile's epilogue after the next tile's step 0 is issued:
+the MMA warps would otherwise leave the tensor cores idle from the tile's last MMA (drained by the final
 ``wait_group 0``) through the scale, bias and store instructions until the next step 0 is issued, a
 fixed cost per tile that weighs most where tiles have few K steps (16 in the 2048-deep dgrad). The loop
 over tiles has its head between a tile's last MMA and the next one's first, where nothing is in flight
 (an in-flight step 0 carried across the back edge made ptxas serialize every wgmma, C7514): each
 iteration issues its tile's step 0, runs the previous tile's epilogue (the first iteration's covers no
 rows), then the rest of its steps; the epilogue after the loop is the last tile's. Only the epilogue's
-scalars (first row, first column, the group's end row, the group) cross the loop; the row and column
-vectors are rebuilt. At the boundary the registers hold the finished sum and the new step's partial,
-two of the loop's three tiles. The per-tensor scales are loaded when a tile starts and carried to its
-epilogue (``_tile_scales``): loaded in the epilogue, their L2 round trip stalled the MMA warps between
-the next tile's step 0 and step 1 (Nsight Compute on an H200: the scale multiplies among the MMA
-warps' most-sampled stalls); carried, per-tensor fprop/dgrad ran 1.015-1.035x (one interleaved A/B
-run, ``qa/bench/gemm_profile.py --fp8-ab``, docs/benchmarks.md).
+scalars (first row, first column, the group's end row, the group; per-tensor, its two scales) cross the
+loop; the row and column vectors are rebuilt. At the boundary the registers hold the finished sum and
+the new step's partial, two of the loop's three tiles. The per-tensor scales are loaded when a tile
+starts and carried to its epilogue (``_tile_scales``): loaded in the epilogue, their L2 round trip
+stalled the MMA warps between the next tile's step 0 and step 1 (Nsight Compute on an H200: the scale
+multiplies among the MMA warps' most-sampled stalls); carried, per-tensor fprop/dgrad ran 1.015-1.035x
+(one interleaved A/B run, ``qa/bench/gemm_profile.py --fp8-ab``, docs/benchmarks.md).
 
 [Note: blockwise scales two steps ahead]
 The blockwise promotion multiplies step k's partial by its rows' activation scales and its weight
@@ -330,7 +330,7 @@ def _define():
                     a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast,
                     stride_ask, stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
                 _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
-                           stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
+                        stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk,
                                   mma, BLOCKWISE, NUM_STAGES, True)
@@ -338,7 +338,7 @@ def _define():
                 base += n_k
                 p_row0, p_col0, p_end, p_e64, p_as, p_bs = row0, col0, start + size, e64, t_as, t_bs
             _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
-                       stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
+                    stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
         else:
             for tile in range(pid, total, nprog):
                 e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
