@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -709,6 +710,9 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     assert " 0 bytes spill stores" in info, info
     if "ws" in rest:  # the MMA warps get the registers, the TMA warp gives them back
         assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
+    # [Note: the epilogue's wide stores]: every output store writes 16 bytes (8 bf16 of one row)
+    stores = re.findall(r"st\.global[.\w]*", ptx)
+    assert stores and all(".v4." in st for st in stores), sorted(set(stores))
 
 
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
