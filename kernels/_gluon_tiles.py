@@ -124,5 +124,22 @@ def define() -> SimpleNamespace:
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         return row0, col0, brow0, rows, cols, rows < start + size, cols < N, e.to(gl.int64)
 
+    @gluon.jit
+    def store_rows(out_ptr, acc, row0, col0, row_end, N, stride_ot, stride_on, mma: gl.constexpr):
+        """The epilogue's store of the fp32 tile ``acc`` (MMA layout ``mma``) at (row0, col0), cast to the
+        output's dtype, rows from ``row_end`` and columns from N masked off: converted (through shared
+        memory) to 8 consecutive columns per thread, so that each store writes 16 bytes of one row
+        ([Note: the epilogue's wide stores] in ``_grouped_gemm_fp8_gluon.py``)."""
+        BLOCK_M: gl.constexpr = acc.type.shape[0]
+        BLOCK_N: gl.constexpr = acc.type.shape[1]
+        WARPS: gl.constexpr = mma.warps_per_cta[0]
+        TN: gl.constexpr = 32 if BLOCK_N >= 256 else BLOCK_N // 8  # threads of a warp along one row
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [WARPS, 1], [1, 0])
+        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+        o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+        gl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
     return SimpleNamespace(find_group=find_group, total_tiles=total_tiles, group=group, cursor=cursor,
-                           origin=origin, tile=tile)
+                           origin=origin, tile=tile, store_rows=store_rows)

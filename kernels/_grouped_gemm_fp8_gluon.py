@@ -106,6 +106,7 @@ BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) 
 def _define():
     t = _define_tiles()
     _find_group, _total_tiles, _cursor, _origin, _tile = t.find_group, t.total_tiles, t.cursor, t.origin, t.tile
+    _store_rows = t.store_rows
 
     @gluon.jit
     def _issue(a_desc, b_desc, ready, a_bufs, b_bufs, step, g, row0, brow0, pred, NUM_STAGES: gl.constexpr):
@@ -242,7 +243,6 @@ def _define():
         """The epilogue of the tile at (row0, col0) whose group ends at row ``row_end`` (nothing stored if
         row_end <= row0): per-tensor scales (``_tile_scales``), bias, and the store, masked to the
         group's rows and N ([Note: the epilogue's wide stores])."""
-        BLOCK_M: gl.constexpr = acc.type.shape[0]
         BLOCK_N: gl.constexpr = acc.type.shape[1]
         # (the bias stays here: live across the MMA loop, it made the blockwise kernel spill)
         if not BLOCKWISE:
@@ -251,13 +251,7 @@ def _define():
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
             bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols < N, other=0.0)
             acc = acc + bias.to(gl.float32)[None, :]
-        WARPS: gl.constexpr = mma.warps_per_cta[0]
-        st: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-        out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-        o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-        gl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        _store_rows(out_ptr, acc, row0, col0, row_end, N, stride_ot, stride_on, mma)
 
     @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, rows_ok,

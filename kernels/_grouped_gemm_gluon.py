@@ -49,7 +49,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 
 def _define():
     t = _define_tiles()
-    _cursor, _origin, _tile, _total_tiles = t.cursor, t.origin, t.tile, t.total_tiles
+    _cursor, _origin, _tile, _total_tiles, _store_rows = t.cursor, t.origin, t.tile, t.total_tiles, t.store_rows
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, pid, total,
@@ -113,13 +113,7 @@ def _define():
                 bias = gl.load(bias_ptr + e64 * stride_biase + cols * stride_biasn, mask=cols_ok, other=0.0)
                 acc = acc + bias.to(gl.float32)[None, :]
             if WIDE_STORES:  # [Note: the epilogue's wide stores] in _grouped_gemm_fp8_gluon.py
-                WARPS: gl.constexpr = mma.warps_per_cta[0]
-                st: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WARPS, 1], [1, 0])
-                out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), st)
-                srows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, st))
-                scols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, st))
-                o_ptrs = out_ptr + srows.to(gl.int64)[:, None] * stride_ot + scols[None, :] * stride_on
-                gl.store(o_ptrs, out, mask=(srows < start + size)[:, None] & (scols < N)[None, :])
+                _store_rows(out_ptr, acc, row0, col0, start + size, N, stride_ot, stride_on, mma)
             else:
                 o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
                 gl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
