@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distwgrad.kernels import grouped_gemm as G  # noqa: E402
-from grouped_gemm import make_problem  # noqa: E402  (the bench's problems: same seeds, same splits)
+from grouped_gemm import impls_for, make_problem  # noqa: E402  (the bench's problems and peers)
 
 SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 7168, 2048)]
 
@@ -41,15 +41,9 @@ def _bf16_impls(op: str, p) -> dict:
             return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
                                     gluon=gluon)
         return call
-    gmm = torch._grouped_mm
-    impls = {"triton": ours(False), "gluon": ours(True), "gluon_narrow_stores": ours(True, False)}
-    if op == "fprop":
-        impls["torch_grouped_mm"] = lambda: gmm(p.x, p.w.transpose(-2, -1), offs=p.offs, out_dtype=p.x.dtype)
-        impls["dense"] = lambda: torch.mm(p.x, p.w[0].t())
-    else:
-        impls["torch_grouped_mm"] = lambda: gmm(p.dy, p.w, offs=p.offs, out_dtype=p.x.dtype)
-        impls["dense"] = lambda: torch.mm(p.dy, p.w[0])
-    return impls
+    peers = impls_for(op, p)
+    return {"triton": ours(False), "gluon": ours(True), "gluon_narrow_stores": ours(True, False),
+            "torch_grouped_mm": peers["torch_grouped_mm"], "dense": peers["dense"]}
 
 
 def _fp8_targets(shape) -> dict:
