@@ -29,6 +29,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 AVAILABLE = gluon is not None
 # TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
 tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+# CTA-wide (in a warp-specialized partition: partition-wide) barrier: ``gl.barrier`` in newer Tritons
+thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
 # ``gl.warp_specialize``: a list of (function, args) pairs in newer Tritons; before, (default_args,
 # default_partition, worker_args, worker_partitions, ...)
 WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(

@@ -93,6 +93,8 @@ Legend as in ``grouped_gemm_fp8``: T tokens, K the contraction, N output feature
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
@@ -423,7 +425,9 @@ def _define():
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
 
-    return ragged_kernel
+    return SimpleNamespace(ragged_kernel=ragged_kernel, begin=_begin, accumulate=_accumulate)
 
 
-ragged_kernel = _define() if AVAILABLE else None
+# the kernel, and the promoting loop that the FP8 wgrad kernel shares (``_grouped_wgrad_fp8_gluon``)
+parts = _define() if AVAILABLE else None
+ragged_kernel = parts.ragged_kernel if AVAILABLE else None

@@ -157,6 +157,12 @@ RAGGED_GLUON_PERSISTENT = True
 #   blockwise fprop   979 |  953             1018 |  991;             dgrad 1099 | 1082               840 | 838
 # (1.00-1.05x; the E=128 cells are bimodal in both, as above).
 RAGGED_GLUON_OVERLAP = True
+# per-tensor wgrad (split accumulator) through the Gluon kernel that promotes under the next MMA where it
+# applies ([Note: fp8 wgrad under the next MMA] in _grouped_wgrad_fp8_gluon.py); False: the Triton kernel.
+WGRAD_GLUON = True
+WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
+WGRAD_GLUON_L2_PREFETCH = False   # accumulating: prefetch each old tile into L2 when its tile starts
+WGRAD_GLUON_STAGES = 4            # ring depth (32 KB per stage; >= 3)
 _GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
 #                                     did not build here
 
@@ -499,14 +505,61 @@ def _edges(block: int) -> int:
     return _EDGE_CODES[mode]
 
 
+def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> bool:
+    """Whether the Gluon wgrad kernel can take this call ([Note: fp8 wgrad under the next MMA]): a Hopper
+    GPU and a Triton with Gluon, per-tensor scaling with the split accumulator, TMA-aligned operands."""
+    if not (tma and a_NT.is_cuda and block == 0 and split_acc) or _interpreting():
+        return False
+    from . import _grouped_wgrad_fp8_gluon as kw
+    return kw.AVAILABLE and torch.cuda.get_device_capability(a_NT.device)[0] == 9
+
+
+def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table) -> bool:
+    """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
+    then runs the Triton kernel."""
+    from . import _grouped_wgrad_fp8_gluon as kw
+    if WGRAD_GLUON_ADD_MODE not in _ADD_MODES:
+        raise ValueError(f"grouped_wgrad_fp8: WGRAD_GLUON_ADD_MODE must be one of {sorted(_ADD_MODES)}, "
+                         f"got {WGRAD_GLUON_ADD_MODE!r}")
+    if "wgrad" in _GLUON_FAILED:
+        return False
+    try:
+        kw.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
+                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH, stages=WGRAD_GLUON_STAGES, num_sms=_num_sms(a_NT.device))
+    except CompilationError as exc:
+        _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon FP8 wgrad kernel does not build with triton {triton.__version__}; using the "
+                      f"Triton kernel (same products, slower): {_GLUON_FAILED['wgrad'][:400]}",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
 def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma,
-                  split_acc: bool = True):
-    """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to."""
+                  split_acc: bool = True, gluon: bool | None = None):
+    """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to.
+    ``gluon``: None picks ([Note: fp8 wgrad under the next MMA]: per-tensor, split accumulator, TMA, no
+    config given), True requires the Gluon kernel, False the Triton one."""
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
+    if gluon or (gluon is None and WGRAD_GLUON and config is None and use_tma is not False):
+        eligible = (T > 0 and _aligned(a_NT, [a_NT.stride(0)], a_NT.stride(1))
+                    and _aligned(b_KT, [b_KT.stride(0)], b_KT.stride(1)))
+        can = _gluon_wgrad(a_NT, block, split_acc, eligible)
+        if gluon and not can:
+            raise ValueError("grouped_wgrad_fp8: gluon=True needs a Hopper GPU, a Triton with Gluon, per-tensor "
+                             "scaling with the split accumulator and TMA-aligned operands (16-byte aligned base and "
+                             f"outer strides, T % 16 == 0); got block={block}, split_accumulator={split_acc}, "
+                             f"aligned={eligible}, device={a_NT.device}")
+        if can:
+            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table):
+                return
+            if gluon:
+                raise RuntimeError(f"grouped_wgrad_fp8: gluon=True, but the Gluon kernel does not build here: "
+                                   f"{_GLUON_FAILED['wgrad']}")
     cfg = _config("grouped_wgrad_fp8", config, block, accumulate, a_NT.device, tokens_per_group=T / E,
                   split_acc=split_acc)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -560,11 +613,11 @@ def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=N
 
 
 def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tma=None,
-           split_accumulator: bool = True):
+           split_accumulator: bool = True, gluon: bool | None = None):
     _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_wgrad_fp8", dy_t)
-    kw = dict(block=block, config=config, use_tma=use_tma, split_acc=split_accumulator)
+    kw = dict(block=block, config=config, use_tma=use_tma, split_acc=split_accumulator, gluon=gluon)
     args = (dy_t, dy_s, x_t, x_s, offs_E)
     if out is None:
         dW = torch.empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32, device=dy_t.device)

@@ -147,7 +147,7 @@ def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", con
     return out
 
 
-def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0):
+def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0, gluon=None):
     """wgrad fresh (into a NaN-poisoned fp32 output), accumulating into a stacked tensor, or into a list
     of strided buffers, checked against the oracle (plus the buffers' old values)."""
     k = _kernels()
@@ -161,16 +161,17 @@ def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0):
     if mode == "fresh":
         got = torch.full((pb.E, pb.N, pb.K), float("nan"), device=pb.device)
         k._launch_wgrad(*raw, got, block=pb.block, accumulate=False, table=None, config=config, use_tma=use_tma,
-                        split_acc=split)
+                        split_acc=split, gluon=gluon)
         addend = None
     elif mode == "acc":
-        got = k._wgrad(*raw, pb.block, m.clone(), config=config, use_tma=use_tma, split_accumulator=split)
+        got = k._wgrad(*raw, pb.block, m.clone(), config=config, use_tma=use_tma, split_accumulator=split,
+                       gluon=gluon)
         exp, addend = m.double() + exp.double(), m
     else:  # separate buffers at unrelated addresses, each a strided view (row stride K + 3)
         bufs = [torch.zeros(pb.N, pb.K + 3, device=pb.device)[:, :pb.K] for _ in range(pb.E)]
         for e in range(pb.E):
             bufs[e].copy_(m[e])
-        k._wgrad(*raw, pb.block, bufs, config=config, use_tma=use_tma, split_accumulator=split)
+        k._wgrad(*raw, pb.block, bufs, config=config, use_tma=use_tma, split_accumulator=split, gluon=gluon)
         got, exp, addend = torch.stack(bufs), m.double() + exp.double(), m
     _check(tag, got, exp, S, depth=pb.T, out_dtype=torch.float32, device=pb.device, addend=addend, split=split)
     return got
@@ -715,6 +716,60 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     assert stores and all(".v4." in st for st in stores), sorted(set(stores))
 
 
+@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2"])
+def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
+    """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
+    shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
+    (C7514, C7512) and no spill; the TMA warp fences its zeroing for the async proxy ([Note: a group's
+    edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
+    likewise into a stacked output)."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    mode, *rest = variant.split("/")
+    E, T, K, N, L = 64, 65536, 7168, 2048, kw.BLOCK
+    a_ty = "fp8e5" if "e5m2" in rest else "fp8e4nv"
+    a_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e5 if "e5m2" in rest else gl.float8e4nv)
+    b_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e4nv)
+    vals = dict(a_desc=f"tensordesc<{a_ty}[{L},{L}],{a_lay!r}>", b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
+                as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
+                T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
+    consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
+                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=4, num_warps=8)
+    sig, attrs = specialize(kw.wgrad_kernel, vals, consts, ("T",))
+    kernel = triton.compile(GluonASTSource(kw.wgrad_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=8))
+    ptx = kernel.asm["ptx"]
+    report = ptxas_report(ptx)
+    if report is None:
+        pytest.skip("this Triton ships no ptxas")
+    rc, info = report
+    if rc != 0:
+        if "Unsupported .version" in info:
+            pytest.skip(f"this ptxas is older than the PTX: {info[:200]}")
+        raise AssertionError(info)
+    a_name = "e5m2" if "e5m2" in rest else "e4m3"
+    assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
+    assert " 0 bytes spill stores" in info, info
+    assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx, "the zeroed edge chunk is not fenced for the MMA"
+    stores = re.findall(r"\bst\.global[.\w]*", ptx)
+    reductions = re.findall(r"\b(?:red|atom)\.global[.\w]*", ptx)
+    if mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
+        wide = "table" not in rest
+        assert not stores and reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
+    else:
+        assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
+    assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
+
+
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
     """``_gluon_ragged``: Hopper only (wgmma), promoting accumulations only (no-split keeps the Triton
     kernel's wide tile), 128 blocks, B K-inner and stacked; never in the interpreter or off CUDA."""
@@ -949,6 +1004,70 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
         if recipe == "per_tensor":
             assert bool(same.all()), f"{op} {dt}: the Gluon and Triton kernels differ"
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
+
+
+# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth)
+WGRAD_GLUON_VARIANTS = {"atomic": ("atomic", False, 4), "load": ("load", False, 4), "load_l2pf": ("load", True, 4),
+                        "atomic_s3": ("atomic", False, 3)}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", sorted(WGRAD_GLUON_VARIANTS))
+@pytest.mark.parametrize("T,E,K,N,splits", [
+    (4096, 8, 1024, 1536, None),            # ~512 tokens per group: head, body and tail chunks
+    (8192, 64, 512, 384, None),             # ~128 per group, about a third empty: mostly edge chunks
+    (2048, 5, 384, 1040, None),             # N off the 128 grid
+    (1008, 1, 208, 144, None),              # one group; T, K, N off the tile (TMA's zero fill)
+    (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # a group inside one chunk (head = tail), one exactly on it
+    (256, 2, 128, 128, [0, 256]),           # the first group empty, the second on the grid
+])
+def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
+    """[Note: fp8 wgrad under the next MMA]: the Gluon per-tensor wgrad against the oracle (fresh into a
+    NaN-poisoned output, accumulating into a stacked tensor and into a list of strided buffers) and
+    against the Triton kernel: the same bits (the same 128-token partial sums, added in the same order)."""
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    k = _kernels()
+    add, l2pf, stages = WGRAD_GLUON_VARIANTS[variant]
+    monkeypatch.setattr(k, "WGRAD_GLUON_ADD_MODE", add)
+    monkeypatch.setattr(k, "WGRAD_GLUON_L2_PREFETCH", l2pf)
+    monkeypatch.setattr(k, "WGRAD_GLUON_STAGES", stages)
+    gen = torch.Generator().manual_seed(T + K)
+    src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
+           torch.randn(T, N, generator=gen))
+    pb = _problem(T, E, K, N, "per_tensor", src=src, device="cuda", seed=K, splits=splits)
+    for mode in ("fresh", "acc", "acc_list"):
+        ours = _run_wgrad(pb, mode, gluon=True, seed=E)
+        triton_k = _run_wgrad(pb, mode, gluon=False, seed=E)
+        same = (ours == triton_k) | (ours.isnan() & triton_k.isnan())
+        print(f"gluon wgrad {variant} vs triton {mode} T={T} E={E} K={K} N={N}: {int((~same).sum())} of "
+              f"{same.numel()} differ, max |diff| {float((ours - triton_k).abs().max()):.3g}")
+        assert bool(same.all()), f"wgrad {mode}: the Gluon and Triton kernels differ"
+    print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gluon_wgrad_foreign_nan_masked():
+    """[Note: a group's edge chunks in shared memory]: fp8 NaN data of another group's token in a shared
+    chunk stays out of this group's wgrad, for either operand (the TMA warp zeroes both)."""
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    T, E, K, N = SHAPE_TMA
+    pb = _problem(T, E, K, N, "per_tensor", splits=[100, 0, 100, 88], device="cuda")
+    pb.x_qt.data[3, 90] = float("nan")     # token 90 is group 0's; chunk [0, 128) also serves group 2
+    pb.dy_qt.data[4, 110] = float("nan")   # token 110 is group 2's; the same chunk serves group 0
+    dw = torch.full((E, N, K), float("nan"), device="cuda")
+    _kernels()._launch_wgrad(pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs, dw,
+                             block=0, accumulate=False, table=None, config=None, use_tma=None, gluon=True)
+    rows_but_4 = torch.arange(pb.N, device=dw.device) != 4
+    cols_but_3 = torch.arange(pb.K, device=dw.device) != 3
+    assert bool(dw[0, :, 3].isnan().all()) and not bool(dw[2, :, 3][rows_but_4].isnan().any())
+    assert bool(dw[2, 4, :].isnan().all()) and not bool(dw[0, 4, :][cols_but_3].isnan().any())
+    assert bool((dw[1] == 0).all()), "the empty group's fresh output is zeros"
 
 
 @pytest.mark.gpu

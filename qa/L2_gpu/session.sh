@@ -15,6 +15,7 @@
 #   tests that run over NCCL: pytest -m gpu -k nccl),
 #   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
 #   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel),
+#   gemm_fp8_wgrad (per-tensor FP8 wgrad: the Gluon kernel's launch choices beside the Triton kernel),
 #   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / Gluon / grouped_mm / dense side by side),
 #   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
 #   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples).
@@ -61,6 +62,8 @@ for step in $STEPS; do
     gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \
                       --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants ws_persistent ws_persistent_overlap \
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
+    gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad \
+                      wgrad_accumulate --gemm-recipes per_tensor --gluon-wgrad --json "$OUT_DIR/gemm_fp8_wgrad.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
                       ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;

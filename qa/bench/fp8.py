@@ -275,6 +275,9 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
                    help="also time the Gluon fprop/dgrad kernel at these ring depths, 128- and 64-row tiles "
                         "(the sweep does 3-6)")
+    g.add_argument("--gluon-wgrad", action="store_true",
+                   help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
+                        "prefetch, ring depth)")
     g.add_argument("--gluon-variants", nargs="+", choices=sorted(GLUON_VARIANTS), default=sorted(GLUON_VARIANTS),
                    help="which Gluon kernel variants --gluon-stages times")
 
@@ -325,14 +328,15 @@ def _split(q: dict, op: str) -> bool:
 def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None, gluon: bool | None = None,
                variants: bool = True) -> dict:
     """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers;
-    ``gluon`` to fprop / dgrad ([Note: promotion under the next MMA]). With neither, on a GPU, a recipe
-    that promotes also gets "<impl>_triton": the Triton kernel where the default takes the Gluon one."""
+    ``gluon`` too ([Note: promotion under the next MMA]; wgrad: [Note: fp8 wgrad under the next MMA]). With
+    neither, on a GPU, a call the Gluon kernels take by default (fprop / dgrad that promote, per-tensor
+    wgrad with the split accumulator) also gets "<impl>_triton": the Triton kernel."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
     kw["split_accumulator"] = _split(q, op)
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
-    if (variants and op in ("fprop", "dgrad") and gluon is None and config is None and p["x"].is_cuda
-            and (block or kw["split_accumulator"])):
+    promoting = (block or kw["split_accumulator"]) if op in ("fprop", "dgrad") else not block and kw["split_accumulator"]
+    if variants and gluon is None and config is None and p["x"].is_cuda and promoting:
         triton_k = _fp8_calls(op, p, q, main, gluon=False)
         return {**_fp8_calls(op, p, q, main, variants=False), **{f"{k}_triton": v for k, v in triton_k.items()}}
     if gluon is not None:
@@ -423,6 +427,38 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
     return rows + _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, (3, 4, 5, 6))
 
 
+# the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, stages)
+GLUON_WGRAD_VARIANTS = {"atomic/s4": ("atomic", False, 4), "load/s4": ("load", False, 4),
+                        "atomic_l2pf/s4": ("atomic", True, 4), "load_l2pf/s4": ("load", True, 4),
+                        "atomic/s3": ("atomic", False, 3), "atomic/s5": ("atomic", False, 5)}
+
+
+def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
+    """One row per launch choice of the Gluon wgrad kernel (``GLUON_WGRAD_VARIANTS``; fresh wgrad: those
+    of the default add mode only, the add mode not applying), label "fp8_<recipe>@gluon/<variant>"; none
+    where it does not apply (blockwise, no split accumulator, CPU)."""
+    from distwgrad.kernels import grouped_gemm_fp8 as F
+    block = 0 if q["x_q"].block is None else q["x_q"].block[1]
+    if not op.startswith("wgrad") or not args.device.startswith("cuda") or block or not _split(q, op):
+        return []
+    main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
+    rows = []
+    for variant, (add, l2pf, stages) in GLUON_WGRAD_VARIANTS.items():
+        if op == "wgrad" and (add != F.WGRAD_GLUON_ADD_MODE or l2pf):
+            continue
+        label = f"fp8_{name}@gluon/{variant}"
+        try:
+            with _overriding_attr(F, "WGRAD_GLUON_ADD_MODE", add), _overriding_attr(F, "WGRAD_GLUON_L2_PREFETCH", l2pf), \
+                    _overriding_attr(F, "WGRAD_GLUON_STAGES", stages):
+                worst = _gemm_check(op, p, q, gluon=True)
+                ms = time_ms(_fp8_calls(op, p, q, main, gluon=True)["fp8"], args.device, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to build or to check is a result too
+            print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
+            continue
+        rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+    return rows
+
+
 def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]:
     """One row per variant (``GLUON_VARIANTS``, those of ``--gluon-variants``) and ring depth of the Gluon
     promoting kernel ([Note: promotion under the next MMA]), label "fp8_<recipe>[_wT]@gluon/<variant>/s<stages>";
@@ -496,6 +532,8 @@ def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
                     rows += _gemm_sweep(args, shape, op, p, q, name, bf16_ms)
                 elif args.gluon_stages:
                     rows += _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, args.gluon_stages)
+                if args.gluon_wgrad:
+                    rows += _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms)
                 q.pop(("oracle", op), None)  # benchmark-sized oracles are GBs
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()

@@ -1,0 +1,323 @@
+"""FP8 wgrad over ragged token groups in Gluon, per-tensor recipe with the split accumulator: the
+products of ``grouped_gemm_fp8._wgrad_fp8_kernel`` (``EDGES`` "edges"), with each 128-token partial sum
+added to the fp32 accumulator while the next chunk's MMAs run.
+
+[Note: fp8 wgrad under the next MMA]
+The Triton FP8 wgrad promotes every 128 tokens (``max_num_imprecise_acc``), and Triton waits for each
+chunk's MMAs before the add (``wgmma.wait_group 0``): Nsight Compute on an H200 found its tensor pipes
+34% busy at ~1024 tokens per group, with those waits among the most-sampled stalls. This kernel runs
+the fprop/dgrad Gluon kernel's promoting loop (``_grouped_gemm_fp8_gluon``, [Note: promotion under the
+next MMA]: the same functions) over wgrad tiles: a = dy^T [N, T], b = x^T [K, T], both fp8 with the
+tokens innermost; output tile [BLOCK_M of N, BLOCK_N of K] of group e, contracted over the group's tokens
+in chunks on the global 128-token grid (the Triton kernel's chunks, so the same partial sums in the same
+order: the same bits).
+
+Persistent and warp-specialized: one program per SM walks tiles pid, pid + grid, ... (group-major,
+``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition
+loads the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps run the loop and the epilogue
+(per-tensor scales, then store, load-add-store or fp32 reductions into ``out``, from 8 consecutive
+columns per thread). Each tile's epilogue runs after the next tile's first chunk is issued ([Note: the
+next tile's first step under the epilogue]).
+
+[Note: a group's edge chunks in shared memory]
+A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may
+even be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop at a group's edge, and
+the MMA reads its operands from shared memory, so the TMA warp zeroes them there: such a chunk's loads
+complete on the stage's ``landed`` mbarrier instead of ``ready``; the TMA warp waits for them, rewrites
+the other group's token columns of both operands as zeros (16 rows at a time, through registers),
+fences the writes for the async proxy, and then arrives on ``ready``. It does that one chunk later: after
+issuing the next chunk's loads, so that the edge chunk's round trip overlaps an issue instead of
+stalling the ring. At most one edge chunk waits at a time, and the MMA warps never wait on a chunk
+younger than the one the TMA warp is filling (the ring has >= 3 stages), so the delay cannot deadlock.
+Only a group's first and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group).
+
+Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
+TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
+output ``[E, N, K]`` or a table of per-group fp32 bases (``PTR_TABLE``).
+Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-features (x^T rows), E groups.
+"""
+
+from __future__ import annotations
+
+from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier
+from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
+from ._gluon_tiles import define as _define_tiles
+from ._gluon_tiles import thread_barrier as _thread_barrier
+from ._gluon_tiles import tma_load as _tma_load
+
+__all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor"]
+
+BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion interval)
+
+
+def _define():
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+    from . import _grouped_gemm_fp8_gluon as _fprop
+    from ._grouped_wgrad import _swizzle
+    t = _define_tiles()
+    _group = t.group
+    _begin, _accumulate = _fprop.parts.begin, _fprop.parts.accumulate
+
+    @gluon.jit
+    def _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """Tile ``tile``: (group, first row (of N), first column (of K), the group's first token and end,
+        the first chunk's token on the 128 grid, the chunks)."""
+        per_group = tiles_m * tiles_n
+        e = tile // per_group
+        pid_m, pid_n = _swizzle(tile % per_group, tiles_m, tiles_n, GROUP_M)
+        start, size = _group(offs_ptr, stride_o, T, e)
+        end = start + size
+        first = (start // BLOCK_K) * BLOCK_K
+        n_k = gl.where(size > 0, gl.cdiv(end - first, BLOCK_K), 0)
+        return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k
+
+    @gluon.jit
+    def _zero_outside(bufs, s, t0, lo, hi):
+        """Token columns of stage ``s`` (tokens t0 ..) outside [lo, hi) set to zero, 16 rows at a time."""
+        ROWS: gl.constexpr = bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = bufs.type.shape[2]
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])  # one warp: 4 rows x 128
+        ts = t0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lay))
+        keep = ((ts >= lo) & (ts < hi))[None, :]
+        for r in gl.static_range(0, ROWS, 16):
+            view = bufs.index(s).slice(r, 16)
+            v = view.load(lay)
+            view.store(gl.where(keep, v, gl.zeros_like(v)))
+
+    @gluon.jit
+    def _release_edge(a_bufs, b_bufs, ready, landed, s, lphase, t0, lo, hi):
+        """[Note: a group's edge chunks in shared memory] the edge chunk in stage ``s``: wait for its
+        loads, zero the other group's tokens, hand it to the MMA warps. ``lphase``: bit s is the parity
+        of stage s's ``landed``; returned flipped."""
+        mbarrier.wait(landed.index(s), (lphase >> s) & 1)
+        _zero_outside(a_bufs, s, t0, lo, hi)
+        _zero_outside(b_bufs, s, t0, lo, hi)
+        fence_async_shared()     # the MMA (async proxy) reads what these generic stores wrote
+        _thread_barrier()        # every lane's stores before the arrive
+        mbarrier.arrive(ready.index(s), count=1)
+        return lphase ^ (1 << s)
+
+    @gluon.jit
+    def _load(a_desc, b_desc, bar, a_buf, b_buf, row0, col0, t0, pred):
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+        _tma_load(a_desc, [row0, t0], bar, a_buf, pred=pred)
+        _tma_load(b_desc, [col0, t0], bar, b_buf, pred=pred)
+
+    @gluon.jit
+    def _produce(a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                 nprog, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+        """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
+        (a fresh mbarrier counts as released for the first round), then loads it; an edge chunk goes
+        through ``landed`` and is released one load later ([Note: a group's edge chunks in shared
+        memory])."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        tiles_m = gl.cdiv(N, BLOCK_M)
+        tiles_n = gl.cdiv(K, BLOCK_N)
+        g = pid * 0
+        lphase = g
+        pend = g - 1   # the ring step of the edge chunk waiting for its release (-1: none), its tokens, group
+        p_t0 = g
+        p_lo = g
+        p_hi = g
+        for tile in range(pid, total, nprog):
+            e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
+                                                          BLOCK_M, BLOCK_N, BLOCK_K)
+            for k in range(n_k):
+                s = g % NUM_STAGES
+                mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
+                t0 = first + k * BLOCK_K
+                edge = (t0 < start) | (t0 + BLOCK_K > end)
+                _load(a_desc, b_desc, ready.index(s), a_bufs.index(s), b_bufs.index(s), row0, col0, t0, ~edge)
+                _load(a_desc, b_desc, landed.index(s), a_bufs.index(s), b_bufs.index(s), row0, col0, t0, edge)
+                if pend >= 0:
+                    lphase = _release_edge(a_bufs, b_bufs, ready, landed, pend % NUM_STAGES, lphase, p_t0, p_lo,
+                                           p_hi)
+                pend = gl.where(edge, g, -1)
+                p_t0 = t0
+                p_lo = start
+                p_hi = end
+                g += 1
+        if pend >= 0:
+            lphase = _release_edge(a_bufs, b_bufs, ready, landed, pend % NUM_STAGES, lphase, p_t0, p_lo, p_hi)
+
+    @gluon.jit
+    def _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, WARPS: gl.constexpr, PTR_TABLE: gl.constexpr):
+        """One ``prefetch.global.L2::evict_last`` per 128-byte line of the fp32 output tile ([Note: L2
+        prefetch of the accumulated tile] in ``_grouped_wgrad``), rows and columns clamped into it."""
+        LINES: gl.constexpr = BLOCK_N // 32  # 32 fp32 per line
+        lay: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LINES, LINES], [WARPS, 1], [1, 0])
+        rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay)), N - 1)
+        cols = gl.minimum(col0 + gl.arange(0, LINES, layout=gl.SliceLayout(0, lay)) * 32, K - 1)
+        base = _base(out_ptr, e, stride_oe, PTR_TABLE)
+        ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
+        gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _base(out_ptr, e, stride_oe, PTR_TABLE: gl.constexpr):
+        """Group e's fp32 output: the stacked ``out_ptr`` at e, or entry e of the int64 table of bases."""
+        if PTR_TABLE:
+            base = gl.load(out_ptr + e).to(gl.pointer_type(gl.float32))
+        else:
+            base = out_ptr + e.to(gl.int64) * stride_oe
+        return base
+
+    @gluon.jit
+    def _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
+               mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr):
+        """The epilogue of the tile at (row0, col0) of group e: the per-tensor scales, then store (ADD_MODE
+        0), load-add-store (1) or fp32 reductions (3) of rows < ``n_rows`` (0: write nothing) and
+        columns < K, 8 consecutive columns per thread."""
+        BLOCK_M: gl.constexpr = acc.type.shape[0]
+        BLOCK_N: gl.constexpr = acc.type.shape[1]
+        WARPS: gl.constexpr = mma.warps_per_cta[0]
+        TN: gl.constexpr = BLOCK_N // 8
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TN, TN], [WARPS, 1], [1, 0])
+        val = gl.convert_layout(acc * a_scale * b_scale, st)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
+        base = _base(out_ptr, e, stride_oe, PTR_TABLE)
+        ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
+        mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
+        if ADD_MODE == 3:  # one addend per element: deterministic
+            gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
+        else:
+            if ADD_MODE == 1:
+                val = val + gl.load(ptrs, mask=mask, other=0.0)
+            gl.store(ptrs, val, mask=mask)
+
+    @gluon.jit
+    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
+                 as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma: gl.constexpr, GROUP_M: gl.constexpr,
+                 ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):
+        """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
+        its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing)."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        tiles_m = gl.cdiv(N, BLOCK_M)
+        tiles_n = gl.cdiv(K, BLOCK_N)
+        a_scale = gl.load(as_ptr)
+        b_scale = gl.load(bs_ptr)
+        zero = pid * 0
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))  # the loop's blockwise scale rows: unused
+        rows_ok = rows < 0
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        base = zero
+        p_e = zero
+        p_row0 = zero
+        p_col0 = zero
+        p_rows = zero      # rows the previous tile writes (0: nothing)
+        p_as = a_scale
+        p_bs = b_scale
+        for tile in range(pid, total, nprog):
+            e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
+                                                          BLOCK_M, BLOCK_N, BLOCK_K)
+            if L2_PREFETCH and ADD_MODE != 0:
+                if n_k > 0:
+                    _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M, BLOCK_N,
+                              mma.warps_per_cta[0], PTR_TABLE)
+            if n_k > 0:
+                prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
+                    a_bufs, b_bufs, ready, base, n_k, zero.to(gl.int64), zero, rows, rows_ok, as_ptr, bs_ptr,
+                    0, 0, 0, 0, 0, mma, False, NUM_STAGES)
+                _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok,
+                       mma, ADD_MODE, PTR_TABLE)
+                acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
+                                  prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
+                                  NUM_STAGES, True)
+                mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
+            else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
+                _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok,
+                       mma, ADD_MODE, PTR_TABLE)
+                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+            base += n_k
+            p_e = e
+            p_row0 = row0
+            p_col0 = col0
+            p_rows = gl.where(n_k > 0, N, 0)
+            if ADD_MODE == 0:  # a fresh output gets every tile, an empty group's too
+                p_rows = N + zero
+            p_as = gl.where(n_k > 0, a_scale, 1.0)
+            p_bs = gl.where(n_k > 0, b_scale, 1.0)
+        _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok, mma,
+               ADD_MODE, PTR_TABLE)
+
+    @gluon.jit(do_not_specialize=["T"])
+    def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
+                     stride_oe, stride_on, stride_ok, stride_o,
+                     ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
+                     GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+        """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
+        ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
+        load-add-store, 3 fp32 reductions; ``out_ptr`` the stacked output or, with PTR_TABLE, a table of
+        per-group bases."""
+        gl.static_assert(NUM_STAGES >= 3, "an edge chunk is released one load late: the ring needs 3 stages")
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        total = E * gl.cdiv(N, BLOCK_M) * gl.cdiv(K, BLOCK_N)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        landed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+            mbarrier.init(landed.index(i), count=1)
+        # (the argument tuples are written out in each call: a tuple variable would turn the constexprs in it
+        # into tensors)
+        if _WS_PAIRS:
+            gl.warp_specialize([
+                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                            nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma, GROUP_M, ADD_MODE,
+                            PTR_TABLE, L2_PREFETCH, NUM_STAGES)),
+                (_produce, (a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid,
+                            total, nprog, GROUP_M, NUM_STAGES)),
+            ], [1], [56])
+        else:
+            gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                                nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma, GROUP_M, ADD_MODE,
+                                PTR_TABLE, L2_PREFETCH, NUM_STAGES), _consume,
+                               (a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid,
+                                total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [56])
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+            mbarrier.invalidate(landed.index(i))
+
+    return wgrad_kernel
+
+
+wgrad_kernel = _define() if AVAILABLE else None
+
+
+def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
+           num_sms: int) -> None:
+    """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
+    ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
+    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. The caller checked the
+    preconditions (module docstring)."""
+    import triton
+
+    N, T = a_NT.shape
+    K = b_KT.shape[0]
+    E = offs_E.shape[0]
+    tiles = E * triton.cdiv(N, BLOCK) * triton.cdiv(K, BLOCK)
+    so = (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
+    wgrad_kernel[(min(tiles, num_sms),)](
+        descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
+        out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
+        ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
+        GROUP_M=8, NUM_STAGES=stages, num_warps=8)
