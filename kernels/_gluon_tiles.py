@@ -31,6 +31,8 @@ AVAILABLE = gluon is not None
 tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
 # CTA-wide (in a warp-specialized partition: partition-wide) barrier: ``gl.barrier`` in newer Tritons
 thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
+# a shared-memory view in another shape / layout: ``reinterpret`` in newer Tritons, ``_reinterpret`` before
+REINTERPRET = tl.constexpr(gl is not None and hasattr(gl.shared_memory_descriptor, "reinterpret"))
 # ``gl.warp_specialize``: a list of (function, args) pairs in newer Tritons; before, (default_args,
 # default_partition, worker_args, worker_partitions, ...)
 WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(

@@ -40,6 +40,7 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 from __future__ import annotations
 
 from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier
+from ._gluon_tiles import REINTERPRET as _REINTERPRET
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
 from ._gluon_tiles import thread_barrier as _thread_barrier
@@ -75,16 +76,27 @@ def _define():
 
     @gluon.jit
     def _zero_outside(bufs, s, t0, lo, hi):
-        """Token columns of stage ``s`` (tokens t0 ..) outside [lo, hi) set to zero, 16 rows at a time."""
+        """Token columns of stage ``s`` (tokens t0 ..) outside [lo, hi) set to zero ([Note: a group's edge
+        chunks in shared memory]), through an unswizzled view of its bytes: 16-byte accesses."""
         ROWS: gl.constexpr = bufs.type.shape[1]
         BLOCK_K: gl.constexpr = bufs.type.shape[2]
-        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])  # one warp: 4 rows x 128
-        ts = t0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, lay))
-        keep = ((ts >= lo) & (ts < hi))[None, :]
-        for r in gl.static_range(0, ROWS, 16):
-            view = bufs.index(s).slice(r, 16)
+        gl.static_assert(BLOCK_K == 128, "one 128-byte line per row (the 128-byte swizzle's unit)")
+        UNITS: gl.constexpr = ROWS * 8   # 16-byte units of the stage
+        CH: gl.constexpr = 64            # units per pass: two 16-byte vectors per lane (more spilled at 56 registers)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
+        if _REINTERPRET:
+            raw = bufs.index(s).reinterpret(bufs.dtype, [UNITS, 16], plain)
+        else:
+            raw = bufs.index(s)._reinterpret(bufs.dtype, [UNITS, 16], plain)
+        for u0 in gl.static_range(0, UNITS, CH):
+            u = u0 + gl.arange(0, CH, layout=gl.SliceLayout(1, lay))
+            r = u // 8
+            col = ((u % 8) ^ (r % 8)) * 16  # the unit's first token column: the swizzle is its own inverse
+            ts = t0 + col[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, lay))[None, :]
+            view = raw.slice(u0, CH)
             v = view.load(lay)
-            view.store(gl.where(keep, v, gl.zeros_like(v)))
+            view.store(gl.where((ts >= lo) & (ts < hi), v, gl.zeros_like(v)))
 
     @gluon.jit
     def _release_edge(a_bufs, b_bufs, ready, landed, s, lphase, t0, lo, hi):
