@@ -40,7 +40,8 @@ promotion under the next MMA]), ``ms``, ``tflops`` (2*T*N*K / time
 for every op), ``vs_bf16`` (bf16 time / this time: > 1 is faster), ``worst`` (largest error/bound ratio
 of the pre-timing check against ``distwgrad.testing.reference_fp8``; a failed check raises). Timed: the
 GEMM alone on pre-quantized operands and stacked fp8 weights (quantization is ``bench_quantize``'s).
-Routing as qa/bench/grouped_gemm.py: each token picks one expert uniformly at random, seed 0.
+Routing as qa/bench/grouped_gemm.py: each token picks one expert uniformly at random, seed 0 (``--gemm-routing
+balanced``: T // E tokens per group).
 """
 
 from __future__ import annotations
@@ -275,6 +276,9 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
                    help="also time the Gluon fprop/dgrad kernel at these ring depths, 128- and 64-row tiles "
                         "(the sweep does 3-6)")
+    g.add_argument("--gemm-routing", choices=("random", "balanced"), default="random",
+                   help="random: each token picks a group uniformly (seed 0); balanced: T // E tokens per group "
+                        "(with T // E a multiple of 128, no wgrad chunk straddles a group edge)")
     g.add_argument("--gluon-wgrad", action="store_true",
                    help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
                         "prefetch, ring depth)")
@@ -292,10 +296,15 @@ def gemm_flops(E: int, T: int, K: int, N: int) -> float:
     return 2.0 * T * N * K
 
 
-def _gemm_problem(E: int, T: int, K: int, N: int, device: str) -> dict:
+def _gemm_problem(E: int, T: int, K: int, N: int, device: str, routing: str = "random") -> dict:
+    """Operands and offsets; ``routing`` "balanced": T // E tokens per group (the rest to the last one)."""
     gen = torch.Generator().manual_seed(0)
-    expert = torch.multinomial(torch.ones(E), T, replacement=True, generator=gen)
-    offs = torch.bincount(expert, minlength=E).cumsum(0).to(torch.int32).to(device)
+    if routing == "balanced":
+        counts = torch.full((E,), T // E, dtype=torch.int64)
+        counts[-1] += T - counts.sum()
+    else:
+        counts = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32).to(device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float16  # interpreter: no bf16 stores
     r = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)
     return {"x": r(T, K), "w": r(E, N, K) * K ** -0.5, "dy": r(T, N), "offs": offs}
@@ -516,7 +525,7 @@ def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
     rows: list[Row] = []
     for shape in args.gemm_shapes:
         E, T, K, N = shape
-        p = _gemm_problem(E, T, K, N, args.device)
+        p = _gemm_problem(E, T, K, N, args.device, args.gemm_routing)
         qs = {name: _fp8_operands(p, GEMM_RECIPES[name]) for name in args.gemm_recipes}
         main = torch.zeros(E, N, K, device=args.device)
         for op in args.gemm_ops:
