@@ -21,10 +21,11 @@ import triton.language as tl
 try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernels serve every call
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed triton
-    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
 
 AVAILABLE = gluon is not None
 # TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
@@ -145,5 +146,44 @@ def define() -> SimpleNamespace:
         o_ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
         gl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
+    @gluon.jit
+    def zero_tokens(bufs, s, t0, lo, hi, WARPS: gl.constexpr):
+        """Zeroes the token columns outside [lo, hi) of stage ``s`` of a ring of [rows, 128] fp8 tiles
+        (tokens t0 .. t0 + 127, 128-byte swizzled, one 128-byte line per row): through a plain view of the
+        stage as [rows * 8, 4] int32, 16-byte unit u holding row u // 8's token columns ((u % 8) ^ (u // 8
+        % 8)) * 16 .. + 15 (the 128-byte swizzle is its own inverse), each word masked bytewise (little-
+        endian: byte b is token tok + b). One unit per thread per pass, over the ``WARPS`` warps."""
+        ROWS: gl.constexpr = bufs.type.shape[1]
+        gl.static_assert(bufs.type.shape[2] == 128, "one 128-byte line per row (the swizzle's unit)")
+        UNITS: gl.constexpr = ROWS * 8
+        CH: gl.constexpr = 32 * WARPS
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
+        if REINTERPRET:
+            raw = bufs.index(s).reinterpret(gl.int32, [UNITS, 4], plain)
+        else:
+            raw = bufs.index(s)._reinterpret(gl.int32, [UNITS, 4], plain)
+        w = gl.arange(0, 4, layout=gl.SliceLayout(0, lay))
+        for u0 in gl.static_range(0, UNITS, CH):
+            u = u0 + gl.arange(0, CH, layout=gl.SliceLayout(1, lay))
+            tok = t0 + ((u % 8) ^ (u // 8 % 8))[:, None] * 16 + w[None, :] * 4  # each word's first token
+            d = lo - tok  # leading bytes outside (<= 0: none, >= 4: all)
+            c = hi - tok  # bytes inside from the word's start (>= 4: all, <= 0: none)
+            head = gl.where(d <= 0, -1, gl.where(d >= 4, 0, -1 << (gl.minimum(gl.maximum(d, 1), 3) * 8)))
+            tail = gl.where(c >= 4, -1, gl.where(c <= 0, 0, (1 << (gl.minimum(gl.maximum(c, 1), 3) * 8)) - 1))
+            view = raw.slice(u0, CH)
+            view.store(view.load(lay) & (head & tail))
+
+    @gluon.jit
+    def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
+        """If stage ``s``'s chunk (tokens t0 .. t0 + 127) straddles the group's [lo, hi): the other tokens
+        of both operands zeroed (``zero_tokens``), fenced for the MMA (async proxy) and synchronized
+        over the partition's warps, whose MMAs read every thread's writes."""
+        if (t0 < lo) | (t0 + a_bufs.type.shape[2] > hi):
+            zero_tokens(a_bufs, s, t0, lo, hi, WARPS)
+            zero_tokens(b_bufs, s, t0, lo, hi, WARPS)
+            fence_async_shared()
+            thread_barrier()
+
     return SimpleNamespace(find_group=find_group, total_tiles=total_tiles, group=group, cursor=cursor,
-                           origin=origin, tile=tile, store_rows=store_rows)
+                           origin=origin, tile=tile, store_rows=store_rows, zero_edges=zero_edges)

@@ -14,8 +14,8 @@ order: the same bits).
 
 Persistent and warp-specialized: one program per SM walks tiles pid, pid + grid, ... (group-major,
 ``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition
-loads the chunks by TMA into a ring of NUM_STAGES stages, another zeroes the edge chunks' foreign tokens
-(below); the MMA warps run the loop and the epilogue
+loads the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps zero the edge chunks' foreign
+tokens (below), run the loop and the epilogue
 (per-tensor scales, then store, load-add-store or fp32 reductions into ``out``, from 8 consecutive
 columns per thread). Each tile's epilogue runs after the next tile's first chunk is issued ([Note: the
 next tile's first step under the epilogue]).
@@ -23,17 +23,17 @@ next tile's first step under the epilogue]).
 [Note: a group's edge chunks in shared memory]
 A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may
 even be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop at a group's edge, and
-the MMA reads its operands from shared memory, so they are zeroed there, by a second one-warp partition
-(``_fix``): the TMA warp loads such a chunk onto the stage's ``landed`` mbarrier instead of ``ready``
-and goes on; the edge warp waits for it, rewrites the other group's token columns of both operands as
-zeros, fences the writes for the async proxy and arrives on ``ready``. The rewrite goes through a plain
-(unswizzled) view of the stage's bytes, [rows * 8, 16], undoing the 128-byte swizzle in the index math
-(16-byte unit u of row u // 8 holds token columns ((u % 8) ^ (u // 8 % 8)) * 16 ...), so every access
-moves 16 bytes: through the swizzled layout Gluon lowered it to byte accesses. Only a group's first and
-last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128).
-Measured on an H200 (E=64, ~1024 tokens per group): with the zeroing in the TMA warp itself (it waited
-for each edge chunk's loads before issuing more) the MMA warps spent ~63% of their time waiting for
-stages (Nsight Compute), ~15-20 us per tile, and the kernel ran at half the Triton kernel's speed.
+the MMA reads its operands from shared memory, so they are zeroed there: the MMA warps, once the chunk
+has landed and before they issue its MMAs, rewrite the other group's token columns of both operands
+(``_gluon_tiles.zero_edges``, one 16-byte unit per thread per pass, the 128-byte swizzle undone in the
+index math), fence the writes for the async proxy and synchronize their warps. Only a group's first
+and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128); a last chunk
+is rewritten while the previous chunk's MMAs run.
+Two slower arrangements were measured on an H200 (E=64, ~1024 tokens per group; balanced routing, which
+has no edge chunks, ran 581 TFLOP/s fresh): a separate one-warp partition that zeroed the edge chunks
+(with the TMA warp, or beside it so that the TMA warp never waited) ran 185-188 TFLOP/s. One warp's
+bytewise mask arithmetic over 32 KB took ~8 us per edge chunk (Nsight Compute: the MMA warps waited
+for stages ~63% of the time).
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
@@ -44,10 +44,8 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 from __future__ import annotations
 
 from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier
-from ._gluon_tiles import REINTERPRET as _REINTERPRET
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
-from ._gluon_tiles import thread_barrier as _thread_barrier
 from ._gluon_tiles import tma_load as _tma_load
 
 __all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor"]
@@ -56,8 +54,6 @@ BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion inter
 
 
 def _define():
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
-
     from . import _grouped_gemm_fp8_gluon as _fprop
     from ._grouped_wgrad import _swizzle
     t = _define_tiles()
@@ -79,42 +75,16 @@ def _define():
         return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k
 
     @gluon.jit
-    def _zero_outside(bufs, s, t0, lo, hi):
-        """Token columns of stage ``s`` (tokens t0 ..) outside [lo, hi) set to zero ([Note: a group's edge
-        chunks in shared memory]), through an unswizzled view of its bytes: 16-byte accesses."""
-        ROWS: gl.constexpr = bufs.type.shape[1]
-        BLOCK_K: gl.constexpr = bufs.type.shape[2]
-        gl.static_assert(BLOCK_K == 128, "one 128-byte line per row (the 128-byte swizzle's unit)")
-        UNITS: gl.constexpr = ROWS * 8   # 16-byte units of the stage
-        CH: gl.constexpr = 64            # units per pass: two 16-byte vectors per lane (more spilled at 56 registers)
-        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        lay: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0])
-        if _REINTERPRET:
-            raw = bufs.index(s).reinterpret(bufs.dtype, [UNITS, 16], plain)
-        else:
-            raw = bufs.index(s)._reinterpret(bufs.dtype, [UNITS, 16], plain)
-        for u0 in gl.static_range(0, UNITS, CH):
-            u = u0 + gl.arange(0, CH, layout=gl.SliceLayout(1, lay))
-            r = u // 8
-            col = ((u % 8) ^ (r % 8)) * 16  # the unit's first token column: the swizzle is its own inverse
-            ts = t0 + col[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, lay))[None, :]
-            view = raw.slice(u0, CH)
-            v = view.load(lay)
-            view.store(gl.where((ts >= lo) & (ts < hi), v, gl.zeros_like(v)))
-
-    @gluon.jit
     def _load(a_desc, b_desc, bar, a_buf, b_buf, row0, col0, t0, pred):
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
         _tma_load(a_desc, [row0, t0], bar, a_buf, pred=pred)
         _tma_load(b_desc, [col0, t0], bar, b_buf, pred=pred)
 
     @gluon.jit
-    def _produce(a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                 nprog, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
+                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
-        (a fresh mbarrier counts as released for the first round), then loads it, onto ``ready``, or onto
-        ``landed`` for an edge chunk, which ``_fix`` then zeroes and releases ([Note: a group's edge
-        chunks in shared memory]). It never waits for a load."""
+        (a fresh mbarrier counts as released for the first round), then loads it."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -127,40 +97,8 @@ def _define():
             for k in range(n_k):
                 s = g % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
-                t0 = first + k * BLOCK_K
-                edge = (t0 < start) | (t0 + BLOCK_K > end)
-                _load(a_desc, b_desc, ready.index(s), a_bufs.index(s), b_bufs.index(s), row0, col0, t0, ~edge)
-                _load(a_desc, b_desc, landed.index(s), a_bufs.index(s), b_bufs.index(s), row0, col0, t0, edge)
-                g += 1
-
-    @gluon.jit
-    def _fix(a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
-             GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
-        """The edge warp over the same chunks as ``_produce``: each edge chunk, once its loads land, gets the
-        other group's tokens zeroed (both operands), fenced for the MMA (async proxy) and handed to the MMA
-        warps on ``ready`` ([Note: a group's edge chunks in shared memory]). Bit s of ``lphase``: the
-        parity of stage s's ``landed``."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        tiles_m = gl.cdiv(N, BLOCK_M)
-        tiles_n = gl.cdiv(K, BLOCK_N)
-        g = pid * 0
-        lphase = g
-        for tile in range(pid, total, nprog):
-            e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
-                                                          BLOCK_M, BLOCK_N, BLOCK_K)
-            for k in range(n_k):
-                t0 = first + k * BLOCK_K
-                if (t0 < start) | (t0 + BLOCK_K > end):
-                    s = g % NUM_STAGES
-                    mbarrier.wait(landed.index(s), (lphase >> s) & 1)
-                    _zero_outside(a_bufs, s, t0, start, end)
-                    _zero_outside(b_bufs, s, t0, start, end)
-                    fence_async_shared()     # the MMA (async proxy) reads what these generic stores wrote
-                    _thread_barrier()        # every lane's stores before the arrive
-                    mbarrier.arrive(ready.index(s), count=1)
-                    lphase = lphase ^ (1 << s)
+                _load(a_desc, b_desc, ready.index(s), a_bufs.index(s), b_bufs.index(s), row0, col0,
+                      first + k * BLOCK_K, True)
                 g += 1
 
     @gluon.jit
@@ -245,12 +183,12 @@ def _define():
             if n_k > 0:
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
                     a_bufs, b_bufs, ready, base, n_k, zero.to(gl.int64), zero, rows, rows_ok, as_ptr, bs_ptr,
-                    0, 0, 0, 0, 0, mma, False, NUM_STAGES)
+                    0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, True)
                 _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok,
                        mma, ADD_MODE, PTR_TABLE)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
-                                  NUM_STAGES, True)
+                                  NUM_STAGES, True, first, start, end, True)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
             else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
                 _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok,
@@ -290,11 +228,9 @@ def _define():
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        landed = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-            mbarrier.init(landed.index(i), count=1)
         # (the argument tuples are written out in each call: a tuple variable would turn the constexprs in it
         # into tensors)
         if _WS_PAIRS:
@@ -302,21 +238,18 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma, GROUP_M, ADD_MODE,
                             PTR_TABLE, L2_PREFETCH, NUM_STAGES)),
-                (_produce, (a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid,
-                            total, nprog, GROUP_M, NUM_STAGES)),
-                (_fix, (a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid,
-                        total, nprog, GROUP_M, NUM_STAGES)),
-            ], [1, 1], [56, 56])
-        else:  # older Gluon: the workers share one argument tuple
+                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                            nprog, GROUP_M, NUM_STAGES)),
+            ], [1], [40])
+        else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma, GROUP_M, ADD_MODE,
                                 PTR_TABLE, L2_PREFETCH, NUM_STAGES), _consume,
-                               (a_desc, b_desc, ready, empty, landed, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid,
-                                total, nprog, GROUP_M, NUM_STAGES), [_produce, _fix], [1, 1], [56, 56])
+                               (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                                nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
-            mbarrier.invalidate(landed.index(i))
 
     return wgrad_kernel
 
