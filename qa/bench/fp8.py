@@ -437,9 +437,9 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 
 
 # the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, stages)
-GLUON_WGRAD_VARIANTS = {"atomic/s4": ("atomic", False, 4), "load/s4": ("load", False, 4),
-                        "atomic_l2pf/s4": ("atomic", True, 4), "load_l2pf/s4": ("load", True, 4),
-                        "atomic/s3": ("atomic", False, 3), "atomic/s5": ("atomic", False, 5)}
+GLUON_WGRAD_VARIANTS = {"atomic/s4": ("atomic", False, 4), "atomic/s5": ("atomic", False, 5),
+                        "load/s5": ("load", False, 5), "atomic_l2pf/s4": ("atomic", True, 4),
+                        "atomic_l2pf/s5": ("atomic", True, 5), "load_l2pf/s5": ("load", True, 5)}
 
 
 def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
@@ -453,7 +453,7 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
     main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
     rows = []
     for variant, (add, l2pf, stages) in GLUON_WGRAD_VARIANTS.items():
-        if op == "wgrad" and (add != F.WGRAD_GLUON_ADD_MODE or l2pf):
+        if op == "wgrad" and (add != "atomic" or l2pf):  # a fresh output: no add mode, nothing to prefetch
             continue
         label = f"fp8_{name}@gluon/{variant}"
         try:
