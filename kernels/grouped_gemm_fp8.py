@@ -159,10 +159,13 @@ RAGGED_GLUON_PERSISTENT = True
 RAGGED_GLUON_OVERLAP = True
 # per-tensor wgrad (split accumulator) through the Gluon kernel that promotes under the next MMA where it
 # applies ([Note: fp8 wgrad under the next MMA] in _grouped_wgrad_fp8_gluon.py); False: the Triton kernel.
+# H200, one run (docs/benchmarks/fp8_wgrad_gluon_variants_h200.json), accumulating, TFLOP/s at (E=8, E=64):
+#   atomic s4 828 / 344, s5 844 / 466; load s5 874 / 457; atomic + L2 prefetch s4 874 / 410, s5 891 / 486;
+#   load + L2 prefetch s5 861 / 464 (the Triton kernel 695 / 375); fresh: s4 922 / 498, s5 941 / 530.
 WGRAD_GLUON = True
 WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
-WGRAD_GLUON_L2_PREFETCH = False   # accumulating: prefetch each old tile into L2 when its tile starts
-WGRAD_GLUON_STAGES = 4            # ring depth (32 KB per stage; >= 3)
+WGRAD_GLUON_L2_PREFETCH = True    # accumulating: each old tile prefetched into L2 when its tile starts
+WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside 32 KB of epilogue staging)
 _GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
 #                                     did not build here
 

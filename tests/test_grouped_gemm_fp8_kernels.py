@@ -716,7 +716,8 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     assert stores and all(".v4." in st for st in stores), sorted(set(stores))
 
 
-@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2"])
+@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
+                                     "atomic/l2pf/s5"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -740,7 +741,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
-                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=4, num_warps=8)
+                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4, num_warps=8)
     sig, attrs = specialize(kw.wgrad_kernel, vals, consts, ("T",))
     kernel = triton.compile(GluonASTSource(kw.wgrad_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=8))
@@ -768,6 +769,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     else:
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
     assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
 
 
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
@@ -1007,8 +1009,8 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
 
 
 # the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth)
-WGRAD_GLUON_VARIANTS = {"atomic": ("atomic", False, 4), "load": ("load", False, 4), "load_l2pf": ("load", True, 4),
-                        "atomic_s3": ("atomic", False, 3)}
+WGRAD_GLUON_VARIANTS = {"atomic_l2pf_s5": ("atomic", True, 5), "atomic": ("atomic", False, 4),
+                        "load": ("load", False, 4), "load_l2pf": ("load", True, 4), "atomic_s3": ("atomic", False, 3)}
 
 
 @pytest.mark.gpu
