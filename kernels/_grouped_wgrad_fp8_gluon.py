@@ -30,10 +30,9 @@ index math), fence the writes for the async proxy and synchronize their warps. O
 and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128); a last chunk
 is rewritten while the previous chunk's MMAs run.
 Two slower arrangements were measured on an H200 (E=64, ~1024 tokens per group; balanced routing, which
-has no edge chunks, ran 581 TFLOP/s fresh): a separate one-warp partition that zeroed the edge chunks
-(with the TMA warp, or beside it so that the TMA warp never waited) ran 185-188 TFLOP/s. One warp's
-bytewise mask arithmetic over 32 KB took ~8 us per edge chunk (Nsight Compute: the MMA warps waited
-for stages ~63% of the time).
+has no edge chunks, ran 581 TFLOP/s fresh): one warp zeroing the edge chunks, the TMA warp itself or a
+partition beside it, ran 185-210 TFLOP/s, ~8 us per edge chunk (Nsight Compute: the MMA warps waited
+for stages in ~63% of their samples); spread over the MMA warps, 498 (docs/benchmarks.md).
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32

@@ -1,6 +1,6 @@
 """FP8 grouped GEMMs for MoE: the three products over ragged token groups, scales applied in the kernel.
 
-STATUS (2026-11-29): every path passes its GPU tests on an H200 (``pytest -m gpu
+STATUS (2026-11-30): every path passes its GPU tests on an H200 (``pytest -m gpu
 tests/test_grouped_gemm_fp8_kernels.py``: fprop, dgrad in both weight layouts, fresh / stacked / list
 wgrad, TMA and pointer paths, NaN masking, CUDA graphs; worst error/bound ratio 0.32 with
 ``reference_fp8.HOPPER_MMA_REL``) and under the interpreter, and the modules use them on CUDA through
@@ -12,8 +12,10 @@ blockwise), fprop/dgrad of contractions from 768 run in a persistent warp-specia
 Hopper that adds each 128-deep partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``,
 [Note: promotion under the next MMA]; the same bits; ``RAGGED_GLUON*`` below): per-tensor 1.75-1.84x of
 bf16 with the split accumulator at the two large MoE shapes in the latest record, 1.74-1.89x without it
-([Note: fp8 split accumulator]), blockwise 1.55-1.60x (~0.93-0.99x in the Triton kernel); the wgrad
-kernels still trail bf16 at ~1024 tokens per group (docs/benchmarks.md).
+([Note: fp8 split accumulator]), blockwise 1.55-1.60x (~0.93-0.99x in the Triton kernel). Per-tensor wgrad
+with the split accumulator runs the same promotion in a Gluon kernel (``_grouped_wgrad_fp8_gluon.py``,
+[Note: fp8 wgrad under the next MMA]; the same bits; ``WGRAD_GLUON*`` below): 1.42-1.48x of bf16 at
+E=8, 0.92-1.10x at E=64 (1.24-1.35x the Triton kernel); blockwise wgrad trails bf16 (docs/benchmarks.md).
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.

@@ -32,6 +32,7 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -856,6 +857,136 @@ def test_gluon_launch_grid(monkeypatch, ws, persistent, T, grid):
     assert g == (grid,)
     assert kw["WS"] is ws and kw["PERSISTENT"] is (ws and persistent)
     assert kw["OVERLAP"] is (ws and persistent and k.RAGGED_GLUON_OVERLAP)
+
+
+def _wgrad_operands(T=256, E=2, K=128, N=256, block=0):
+    """fp8 dy^T [N, T], x^T [K, T], their scales and offsets for dispatch tests (no launch)."""
+    dy_t, x_t = torch.zeros(N, T, dtype=E4M3), torch.zeros(K, T, dtype=E4M3)
+    scales = ((torch.ones(N, T // 128), torch.ones(K, T // 128)) if block else (torch.ones(()), torch.ones(())))
+    return dy_t, scales[0], x_t, scales[1], torch.tensor([T // 2, T], dtype=torch.int32)
+
+
+def test_gluon_wgrad_only_where_it_applies(monkeypatch):
+    """``_gluon_wgrad``: Hopper only, per-tensor with the split accumulator, TMA-aligned operands; never in
+    the interpreter or off CUDA."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    k = _kernels()
+    monkeypatch.setattr(k, "_interpreting", lambda: False)
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    a = SimpleNamespace(is_cuda=True, device="cuda:0")
+    assert k._gluon_wgrad(a, 0, True, True) == kw.AVAILABLE
+    assert not k._gluon_wgrad(a, 128, True, True)      # blockwise: the Triton kernel
+    assert not k._gluon_wgrad(a, 0, False, True)       # no split accumulator
+    assert not k._gluon_wgrad(a, 0, True, False)       # not TMA-aligned
+    assert not k._gluon_wgrad(SimpleNamespace(is_cuda=False, device="cpu"), 0, True, True)
+    cap[0] = (10, 0)
+    assert not k._gluon_wgrad(a, 0, True, True)        # Blackwell: no wgmma
+    cap[0] = (9, 0)
+    monkeypatch.setattr(k, "_interpreting", lambda: True)
+    assert not k._gluon_wgrad(a, 0, True, True)
+
+
+@pytest.mark.parametrize("gluon,config,use_tma,block,expected", [
+    (None, None, None, 0, "gluon"), (False, None, None, 0, "triton"), (None, "cfg", None, 0, "triton"),
+    (None, None, False, 0, "triton"), (None, None, None, 128, "triton"), (True, None, None, 0, "gluon"),
+])
+def test_gluon_wgrad_dispatch(monkeypatch, gluon, config, use_tma, block, expected):
+    """``_launch_wgrad``: where the Gluon wgrad can run, the default takes it (``WGRAD_GLUON``) unless a
+    config is given, TMA is refused, or ``gluon=False``; blockwise stays on the Triton kernel."""
+    pytest.importorskip("triton")
+    k = _kernels()
+    taken = []
+    monkeypatch.setattr(k, "_gluon_wgrad", lambda a, blk, split, tma: blk == 0 and split and tma)
+    monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: taken.append("gluon") or True)
+    monkeypatch.setattr(k, "_wgrad_fp8_kernel", StubKernel(lambda grid, *a, **kw: taken.append("triton")))
+    monkeypatch.setattr(k, "_resolve_tma", lambda requested, eligible, device, op: False)
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(block=block)
+    out = torch.zeros(2, dy_t.shape[0], x_t.shape[0])
+    cfg = _cfg() if config else None
+    k._launch_wgrad(dy_t, dy_s, x_t, x_s, offs, out, block=block, accumulate=True, table=None, config=cfg,
+                    use_tma=use_tma, gluon=gluon)
+    assert taken == [expected]
+
+
+def test_gluon_wgrad_required_but_unavailable_names_why(monkeypatch):
+    """``gluon=True`` where the kernel cannot run: a ValueError that names the recipe, the split accumulator,
+    the alignment and the device; one that cannot build: a RuntimeError with the build error."""
+    pytest.importorskip("triton")
+    k = _kernels()
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands()
+    out = torch.zeros(2, dy_t.shape[0], x_t.shape[0])
+    with pytest.raises(ValueError, match=r"gluon=True needs a Hopper GPU.*block=0, split_accumulator=True, "
+                                         r"aligned=True, device=cpu"):
+        k._launch_wgrad(dy_t, dy_s, x_t, x_s, offs, out, block=0, accumulate=False, table=None, config=None,
+                        use_tma=None, gluon=True)
+    monkeypatch.setattr(k, "_gluon_wgrad", lambda *a: True)
+    monkeypatch.setattr(k, "_GLUON_FAILED", {"wgrad": "CompilationError: no such op"})
+    with pytest.raises(RuntimeError, match=r"does not build here: CompilationError: no such op"):
+        k._launch_wgrad(dy_t, dy_s, x_t, x_s, offs, out, block=0, accumulate=False, table=None, config=None,
+                        use_tma=None, gluon=True)
+
+
+def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
+    """A Triton whose Gluon cannot build the wgrad kernel: one RuntimeWarning naming the error, then the
+    Triton kernel, and no second attempt."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from triton.compiler.errors import CompilationError
+    k = _kernels()
+    calls, taken = [], []
+
+    def failing_launch(*a, **kws):
+        calls.append(1)
+        raise CompilationError("src", None, "no such op")
+    monkeypatch.setattr(kw, "launch", failing_launch)
+    monkeypatch.setattr(k, "_gluon_wgrad", lambda *a: True)
+    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(k, "_GLUON_FAILED", {})
+    monkeypatch.setattr(k, "_wgrad_fp8_kernel", StubKernel(lambda grid, *a, **kws: taken.append("triton")))
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands()
+    out = torch.zeros(2, dy_t.shape[0], x_t.shape[0])
+    launch = lambda: k._launch_wgrad(dy_t, dy_s, x_t, x_s, offs, out, block=0, accumulate=True, table=None,  # noqa: E731
+                                     config=None, use_tma=None)
+    with pytest.warns(RuntimeWarning, match=r"(?s)Gluon FP8 wgrad kernel does not build .*no such op"):
+        launch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch()                      # no second attempt, no second warning
+    assert calls == [1] and taken == ["triton", "triton"]
+
+
+@pytest.mark.parametrize("accumulate,table,tiles,grid", [(False, False, 2 * 2 * 1, 4), (True, True, 2 * 2 * 1, 4),
+                                                         (True, False, None, 132)])
+def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
+    """``_grouped_wgrad_fp8_gluon.launch``: min(tiles, SMs) programs; the module's launch choices
+    (``WGRAD_GLUON_*``) and the output form reach the kernel."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    k = _kernels()
+    launched = []
+    monkeypatch.setattr(kw, "wgrad_kernel", StubKernel(lambda g, *a, **kws: launched.append((g, a, kws))))
+    monkeypatch.setattr(kw, "descriptor", lambda t, block: None)
+    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(k, "_GLUON_FAILED", {})
+    N, K = (256, 128) if tiles else (4096, 4096)
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(N=N, K=K)
+    out = torch.zeros(2, N, K)
+    tbl = torch.zeros(2, dtype=torch.int64) if table else None
+    assert k._launch_gluon_wgrad(dy_t, dy_s, x_t, x_s, offs, out[0] if table else out, accumulate, tbl)
+    (g, args, kws), = launched
+    assert g == (grid,)
+    assert kws["ADD_MODE"] == (3 if accumulate else 0) and kws["PTR_TABLE"] is table
+    assert kws["L2_PREFETCH"] is (accumulate and k.WGRAD_GLUON_L2_PREFETCH)
+    assert kws["NUM_STAGES"] == k.WGRAD_GLUON_STAGES and kws["num_warps"] == 8
+    assert args[4] is (tbl if table else out)
+    strides = args[10:13]
+    assert strides == ((0, K, 1) if table else (N * K, K, 1))
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------

@@ -344,7 +344,8 @@ def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None
     offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
     kw["split_accumulator"] = _split(q, op)
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
-    promoting = (block or kw["split_accumulator"]) if op in ("fprop", "dgrad") else not block and kw["split_accumulator"]
+    split = kw["split_accumulator"]
+    promoting = (block or split) if op in ("fprop", "dgrad") else not block and split
     if variants and gluon is None and config is None and p["x"].is_cuda and promoting:
         triton_k = _fp8_calls(op, p, q, main, gluon=False)
         return {**_fp8_calls(op, p, q, main, variants=False), **{f"{k}_triton": v for k, v in triton_k.items()}}
@@ -457,7 +458,8 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
             continue
         label = f"fp8_{name}@gluon/{variant}"
         try:
-            with _overriding_attr(F, "WGRAD_GLUON_ADD_MODE", add), _overriding_attr(F, "WGRAD_GLUON_L2_PREFETCH", l2pf), \
+            with _overriding_attr(F, "WGRAD_GLUON_ADD_MODE", add), \
+                    _overriding_attr(F, "WGRAD_GLUON_L2_PREFETCH", l2pf), \
                     _overriding_attr(F, "WGRAD_GLUON_STAGES", stages):
                 worst = _gemm_check(op, p, q, gluon=True)
                 ms = time_ms(_fp8_calls(op, p, q, main, gluon=True)["fp8"], args.device, args.reps)
