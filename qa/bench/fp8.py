@@ -440,7 +440,8 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 # the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, stages)
 GLUON_WGRAD_VARIANTS = {"atomic/s4": ("atomic", False, 4), "atomic/s5": ("atomic", False, 5),
                         "load/s5": ("load", False, 5), "atomic_l2pf/s4": ("atomic", True, 4),
-                        "atomic_l2pf/s5": ("atomic", True, 5), "load_l2pf/s5": ("load", True, 5)}
+                        "atomic_l2pf/s5": ("atomic", True, 5), "load_l2pf/s5": ("load", True, 5),
+                        "atomic/s6": ("atomic", False, 6), "atomic_l2pf/s6": ("atomic", True, 6)}
 
 
 def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
