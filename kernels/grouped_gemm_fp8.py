@@ -163,7 +163,8 @@ RAGGED_GLUON_OVERLAP = True
 # applies ([Note: fp8 wgrad under the next MMA] in _grouped_wgrad_fp8_gluon.py); False: the Triton kernel.
 # H200, one run (docs/benchmarks/fp8_wgrad_gluon_variants_h200.json), accumulating, TFLOP/s at (E=8, E=64):
 #   atomic s4 828 / 344, s5 844 / 466; load s5 874 / 457; atomic + L2 prefetch s4 874 / 410, s5 891 / 486;
-#   load + L2 prefetch s5 861 / 464 (the Triton kernel 695 / 375); fresh: s4 922 / 498, s5 941 / 530.
+#   load + L2 prefetch s5 861 / 464 (the Triton kernel 695 / 375); fresh: s4 922 / 498, s5 941 / 530. Six
+#   stages (fp8_wgrad_gluon_stages_h200.json): atomic + L2 prefetch 886 / 490 vs s5 866 / 477, within noise.
 WGRAD_GLUON = True
 WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
 WGRAD_GLUON_L2_PREFETCH = True    # accumulating: each old tile prefetched into L2 when its tile starts
