@@ -74,12 +74,6 @@ def _define():
         return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k
 
     @gluon.jit
-    def _load(a_desc, b_desc, bar, a_buf, b_buf, row0, col0, t0, pred):
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        _tma_load(a_desc, [row0, t0], bar, a_buf, pred=pred)
-        _tma_load(b_desc, [col0, t0], bar, b_buf, pred=pred)
-
-    @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                  GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
@@ -96,8 +90,10 @@ def _define():
             for k in range(n_k):
                 s = g % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
-                _load(a_desc, b_desc, ready.index(s), a_bufs.index(s), b_bufs.index(s), row0, col0,
-                      first + k * BLOCK_K, True)
+                bar = ready.index(s)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, a_bufs.index(s))
+                _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, b_bufs.index(s))
                 g += 1
 
     @gluon.jit

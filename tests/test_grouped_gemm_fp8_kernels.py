@@ -650,11 +650,8 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
     """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
     ``block_m`` rows (one warpgroup per 64); ``ws``: the warp-specialized variant, ``persistent`` its
     persistent form, ``overlap`` that with the next tile's step 0 under each epilogue."""
-    import triton
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
     L = kg.BLOCK
     a_lay = gl.NVMMASharedLayout.get_default_for([block_m, L], getattr(gl, a_dt))
@@ -670,9 +667,19 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
     consts["WS"] = ws
     consts["PERSISTENT"] = persistent
     consts["OVERLAP"] = overlap
-    sig, attrs = specialize(fn, vals, consts, ("T", "E"))
+    _, ptx, info = _sm90_gluon_build(fn, vals, consts, ("T", "E"))
+    return ptx, info
+
+
+def _sm90_gluon_build(fn, vals: dict, consts: dict, nospec) -> tuple[object, str, str]:
+    """(compiled kernel, PTX, ptxas -v messages) of Gluon kernel ``fn`` for sm_90a with ``consts`` (its
+    ``num_warps`` among them); skips where this Triton ships no ptxas or one older than the PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig, attrs = specialize(fn, vals, consts, nospec)
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=block_m // 16))
+                            options=dict(num_warps=consts["num_warps"]))
     report = ptxas_report(kernel.asm["ptx"])
     if report is None:
         pytest.skip("this Triton ships no ptxas")
@@ -681,7 +688,7 @@ def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128, ws: bool =
         if "Unsupported .version" in info:
             pytest.skip(f"this ptxas is older than the PTX: {info[:200]}")
         raise AssertionError(info)
-    return kernel.asm["ptx"], info
+    return kernel, kernel.asm["ptx"], info
 
 
 @pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",
@@ -722,17 +729,14 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
-    (C7514, C7512) and no spill; the TMA warp fences its zeroing for the async proxy ([Note: a group's
-    edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
+    (C7514, C7512) and no spill; the MMA warps fence their zeroing of edge chunks for the async proxy
+    ([Note: a group's edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
     likewise into a stacked output)."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     mode, *rest = variant.split("/")
     E, T, K, N, L = 64, 65536, 7168, 2048, kw.BLOCK
     a_ty = "fp8e5" if "e5m2" in rest else "fp8e4nv"
@@ -743,18 +747,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
                   L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4, num_warps=8)
-    sig, attrs = specialize(kw.wgrad_kernel, vals, consts, ("T",))
-    kernel = triton.compile(GluonASTSource(kw.wgrad_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=8))
-    ptx = kernel.asm["ptx"]
-    report = ptxas_report(ptx)
-    if report is None:
-        pytest.skip("this Triton ships no ptxas")
-    rc, info = report
-    if rc != 0:
-        if "Unsupported .version" in info:
-            pytest.skip(f"this ptxas is older than the PTX: {info[:200]}")
-        raise AssertionError(info)
+    kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
@@ -773,6 +766,16 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
 
 
+def _pretend_hopper(monkeypatch, k):
+    """Makes kernel module ``k`` see a compiled (not interpreted) run on a GPU of capability ``cap[0]``
+    (Hopper until a test changes it); returns (a CUDA-tensor stand-in, cap)."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(k, "_interpreting", lambda: False)
+    cap = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    return SimpleNamespace(is_cuda=True, device="cuda:0"), cap
+
+
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
     """``_gluon_ragged``: Hopper only (wgmma), promoting accumulations only (no-split keeps the Triton
     kernel's wide tile), 128 blocks, B K-inner and stacked; never in the interpreter or off CUDA."""
@@ -781,10 +784,7 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
 
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     k = _kernels()
-    monkeypatch.setattr(k, "_interpreting", lambda: False)
-    cap = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
-    a = SimpleNamespace(is_cuda=True, device="cuda:0")
+    a, cap = _pretend_hopper(monkeypatch, k)
     w = torch.empty(4, 256, 512)                       # [E, N, K]
     b = w.transpose(1, 2)                              # fprop's B: [E, K, N], K inner, a [E * N, K] view
     assert k._gluon_ragged(a, b, 0, True, True) == kg.AVAILABLE
@@ -874,10 +874,7 @@ def test_gluon_wgrad_only_where_it_applies(monkeypatch):
 
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     k = _kernels()
-    monkeypatch.setattr(k, "_interpreting", lambda: False)
-    cap = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
-    a = SimpleNamespace(is_cuda=True, device="cuda:0")
+    a, cap = _pretend_hopper(monkeypatch, k)
     assert k._gluon_wgrad(a, 0, True, True) == kw.AVAILABLE
     assert not k._gluon_wgrad(a, 128, True, True)      # blockwise: the Triton kernel
     assert not k._gluon_wgrad(a, 0, False, True)       # no split accumulator
