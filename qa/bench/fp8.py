@@ -448,7 +448,6 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
     """One row per launch choice of the Gluon wgrad kernel (``GLUON_WGRAD_VARIANTS``; fresh wgrad: those
     of the default add mode only, the add mode not applying), label "fp8_<recipe>@gluon/<variant>"; none
     where it does not apply (blockwise, no split accumulator, CPU)."""
-    from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if not op.startswith("wgrad") or not args.device.startswith("cuda") or block or not _split(q, op):
         return []
@@ -457,25 +456,32 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
     for variant, (add, l2pf, stages) in GLUON_WGRAD_VARIANTS.items():
         if op == "wgrad" and (add != "atomic" or l2pf):  # a fresh output: no add mode, nothing to prefetch
             continue
-        label = f"fp8_{name}@gluon/{variant}"
-        try:
-            with _overriding_attr(F, "WGRAD_GLUON_ADD_MODE", add), \
-                    _overriding_attr(F, "WGRAD_GLUON_L2_PREFETCH", l2pf), \
-                    _overriding_attr(F, "WGRAD_GLUON_STAGES", stages):
-                worst = _gemm_check(op, p, q, gluon=True)
-                ms = time_ms(_fp8_calls(op, p, q, main, gluon=True)["fp8"], args.device, args.reps)
-        except Exception as exc:  # noqa: BLE001 - a variant that fails to build or to check is a result too
-            print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
-            continue
-        rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+        rows += _gluon_row(args, shape, op, p, q, f"fp8_{name}@gluon/{variant}", bf16_ms, "fp8", main,
+                           WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_L2_PREFETCH=l2pf, WGRAD_GLUON_STAGES=stages)
     return rows
+
+
+def _gluon_row(args, shape, op, p, q, label, bf16_ms, impl, main, **overrides) -> list[Row]:
+    """``impl``'s row through a Gluon kernel (``gluon=True``) with ``grouped_gemm_fp8``'s tuning constants
+    ``overrides`` set, checked against the oracle first; none (and a printed line) if it fails to build or
+    to check: a result too."""
+    from distwgrad.kernels import grouped_gemm_fp8 as F
+    try:
+        with contextlib.ExitStack() as stack:
+            for attr, value in overrides.items():
+                stack.enter_context(_overriding_attr(F, attr, value))
+            worst = _gemm_check(op, p, q, impl=impl, gluon=True)
+            ms = time_ms(_fp8_calls(op, p, q, main, gluon=True)[impl], args.device, args.reps)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
+        return []
+    return [_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4))]
 
 
 def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]:
     """One row per variant (``GLUON_VARIANTS``, those of ``--gluon-variants``) and ring depth of the Gluon
     promoting kernel ([Note: promotion under the next MMA]), label "fp8_<recipe>[_wT]@gluon/<variant>/s<stages>";
     none where it does not apply."""
-    from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     if op not in ("fprop", "dgrad") or not args.device.startswith("cuda") or not (block or _split(q, op)):
         return []
@@ -484,19 +490,9 @@ def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]
     for variant in getattr(args, "gluon_variants", None) or sorted(GLUON_VARIANTS):
         bm, ws, persistent, overlap = GLUON_VARIANTS[variant]
         for n in stages:
-            label = f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}"
-            try:
-                with _overriding_attr(F, "RAGGED_GLUON_STAGES", n), _overriding_attr(F, "RAGGED_GLUON_BLOCK_M", bm), \
-                        _overriding_attr(F, "RAGGED_GLUON_WS", ws), \
-                        _overriding_attr(F, "RAGGED_GLUON_PERSISTENT", persistent), \
-                        _overriding_attr(F, "RAGGED_GLUON_OVERLAP", overlap):
-                    worst = _gemm_check(op, p, q, impl=impl, gluon=True)
-                    ms = time_ms(_fp8_calls(op, p, q, None, gluon=True)[impl], args.device, args.reps)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
-                print(f"  {op} {shape} {label}: {exc!r}"[:400], flush=True)
-                continue
-            rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3),
-                                  worst=round(worst, 4)))
+            rows += _gluon_row(args, shape, op, p, q, f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}",
+                               bf16_ms, impl, None, RAGGED_GLUON_STAGES=n, RAGGED_GLUON_BLOCK_M=bm,
+                               RAGGED_GLUON_WS=ws, RAGGED_GLUON_PERSISTENT=persistent, RAGGED_GLUON_OVERLAP=overlap)
     return rows
 
 
