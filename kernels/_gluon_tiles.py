@@ -152,12 +152,30 @@ def define() -> SimpleNamespace:
         gl.store(o_ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
     @gluon.jit
-    def zero_tokens(bufs, s, t0, lo, hi, WARPS: gl.constexpr):
-        """Zeroes the token columns outside [lo, hi) of stage ``s`` of a ring of [rows, 128] fp8 tiles
-        (tokens t0 .. t0 + 127, 128-byte swizzled, one 128-byte line per row): through a plain view of the
-        stage as [rows * 8, 4] int32, 16-byte unit u holding row u // 8's token columns ((u % 8) ^ (u // 8
-        % 8)) * 16 .. + 15 (the 128-byte swizzle is its own inverse), each word masked bytewise (little-
-        endian: byte b is token tok + b). One unit per thread per pass, over the ``WARPS`` warps."""
+    def token_mask(t0, lo, hi, WARPS: gl.constexpr):
+        """The byte masks that keep tokens [lo, hi) of a chunk (tokens t0 .. t0 + 127) of [rows, 128] fp8,
+        128-byte swizzled, one 128-byte line per row, seen as [rows * 8, 4] int32: 16-byte unit u holds row
+        u // 8's token columns ((u % 8) ^ (u // 8 % 8)) * 16 .. + 15 (the swizzle is its own inverse), word w
+        of it tokens + 4 w .. + 3, byte b token + b (little-endian). One unit per thread: units u and
+        u + 32 * WARPS share their masks (32 * WARPS is a multiple of 64, the swizzle's period), so a pass's
+        masks serve every pass over both operands; computed once, they leave a load, an and and a store per
+        unit ([Note: a group's edge chunks in shared memory] in ``_grouped_wgrad_fp8_gluon``)."""
+        CH: gl.constexpr = 32 * WARPS
+        gl.static_assert(CH % 64 == 0, "a pass covers whole periods of the 128-byte swizzle")
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
+        u = gl.arange(0, CH, layout=gl.SliceLayout(1, lay))
+        w = gl.arange(0, 4, layout=gl.SliceLayout(0, lay))
+        tok = t0 + ((u % 8) ^ (u // 8 % 8))[:, None] * 16 + w[None, :] * 4  # each word's first token
+        d = lo - tok  # leading bytes outside (<= 0: none, >= 4: all)
+        c = hi - tok  # bytes inside from the word's start (>= 4: all, <= 0: none)
+        head = gl.where(d <= 0, -1, gl.where(d >= 4, 0, -1 << (gl.minimum(gl.maximum(d, 1), 3) * 8)))
+        tail = gl.where(c >= 4, -1, gl.where(c <= 0, 0, (1 << (gl.minimum(gl.maximum(c, 1), 3) * 8)) - 1))
+        return head & tail
+
+    @gluon.jit
+    def mask_tokens(bufs, s, mask, WARPS: gl.constexpr):
+        """Stage ``s`` of a ring of [rows, 128] fp8 chunks, through a plain [rows * 8, 4] int32 view, and-ed
+        with ``mask`` (``token_mask``) a pass of 32 * WARPS units at a time."""
         ROWS: gl.constexpr = bufs.type.shape[1]
         gl.static_assert(bufs.type.shape[2] == 128, "one 128-byte line per row (the swizzle's unit)")
         UNITS: gl.constexpr = ROWS * 8
@@ -168,25 +186,19 @@ def define() -> SimpleNamespace:
             raw = bufs.index(s).reinterpret(gl.int32, [UNITS, 4], plain)
         else:
             raw = bufs.index(s)._reinterpret(gl.int32, [UNITS, 4], plain)
-        w = gl.arange(0, 4, layout=gl.SliceLayout(0, lay))
         for u0 in gl.static_range(0, UNITS, CH):
-            u = u0 + gl.arange(0, CH, layout=gl.SliceLayout(1, lay))
-            tok = t0 + ((u % 8) ^ (u // 8 % 8))[:, None] * 16 + w[None, :] * 4  # each word's first token
-            d = lo - tok  # leading bytes outside (<= 0: none, >= 4: all)
-            c = hi - tok  # bytes inside from the word's start (>= 4: all, <= 0: none)
-            head = gl.where(d <= 0, -1, gl.where(d >= 4, 0, -1 << (gl.minimum(gl.maximum(d, 1), 3) * 8)))
-            tail = gl.where(c >= 4, -1, gl.where(c <= 0, 0, (1 << (gl.minimum(gl.maximum(c, 1), 3) * 8)) - 1))
             view = raw.slice(u0, CH)
-            view.store(view.load(lay) & (head & tail))
+            view.store(view.load(lay) & mask)
 
     @gluon.jit
     def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
         """If stage ``s``'s chunk (tokens t0 .. t0 + 127) straddles the group's [lo, hi): the other tokens
-        of both operands zeroed (``zero_tokens``), fenced for the MMA (async proxy) and synchronized
-        over the partition's warps, whose MMAs read every thread's writes."""
+        of both operands zeroed (``token_mask``, ``mask_tokens``), fenced for the MMA (async proxy) and
+        synchronized over the partition's warps, whose MMAs read every thread's writes."""
         if (t0 < lo) | (t0 + a_bufs.type.shape[2] > hi):
-            zero_tokens(a_bufs, s, t0, lo, hi, WARPS)
-            zero_tokens(b_bufs, s, t0, lo, hi, WARPS)
+            mask = token_mask(t0, lo, hi, WARPS)
+            mask_tokens(a_bufs, s, mask, WARPS)
+            mask_tokens(b_bufs, s, mask, WARPS)
             fence_async_shared()
             thread_barrier()
 

@@ -34,6 +34,22 @@ has no edge chunks, ran 581 TFLOP/s fresh): one warp zeroing the edge chunks, th
 partition beside it, ran 185-210 TFLOP/s, ~8 us per edge chunk (Nsight Compute: the MMA warps waited
 for stages in ~63% of their samples); spread over the MMA warps, 498 (docs/benchmarks.md).
 
+[Note: an epilogue partition]
+At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written,
+or read and written) about as long: written by the MMA warps, it stalls the tensor pipes between tiles
+(balanced routing, 4 stages, no prefetch: 393 TFLOP/s accumulating where the Triton kernel, two CTAs per
+SM, hides one CTA's epilogue under the other's MMAs, ran 501). With EPI_WARPS = 2 the MMA warps hand the
+scaled tile over in shared memory instead (``_hand_off``: wait until the previous tile has been read,
+store, arrive; ~0.5 us), and two epilogue warps (``_epilogue``) write it to global memory, EPI_ROWS rows
+at a time, while the MMA warps run the next tile. One 64 KB buffer: the handoff of tile i + 1 waits for
+the epilogue warps to have read tile i, a whole tile's MMAs later. Its layout swizzles 32-byte units over
+8 rows so that both the MMA layout's 8-byte stores and the epilogue's row-wise 16-byte loads are free of
+bank conflicts (``gl.bank_conflicts``: 0 and 0; unswizzled the stores take 4 wavefronts for 1).
+The epilogue warps share the TMA warp's warpgroup (3 of its 4 warps), so the MMA warps keep their 232
+registers; the shared memory is 5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the
+MMA warps' own epilogue goes away). Both partitions walk the same tiles and agree on which tiles write
+(``_writes``), so every handoff has its reader.
+
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
 output ``[E, N, K]`` or a table of per-group fp32 bases (``PTR_TABLE``).
@@ -50,6 +66,9 @@ from ._gluon_tiles import tma_load as _tma_load
 __all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor"]
 
 BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion interval)
+EPI_ROWS = 8   # rows of the handed-off tile the epilogue warps write per step ([Note: an epilogue partition])
+EPI_REGS = 40  # registers per epilogue thread: what the MMA warps' 232 leave in 64K (it shares the TMA warp's
+#                warpgroup)
 
 
 def _define():
@@ -144,10 +163,78 @@ def _define():
             gl.store(ptrs, val, mask=mask)
 
     @gluon.jit
+    def _writes(n_k, ADD_MODE: gl.constexpr):
+        """Whether a tile writes: a fresh output gets every tile (an empty group's zeros too); an
+        accumulating one only the tiles with tokens."""
+        if ADD_MODE == 0:
+            w = n_k >= 0
+        else:
+            w = n_k > 0
+        return w
+
+    @gluon.jit
+    def _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h):
+        """The MMA warps' side of [Note: an epilogue partition]: handoff h waits until the epilogue warps
+        have read handoff h - 1 (a fresh mbarrier counts as released for the first), stores the scaled
+        tile and signals it (the arrive follows a barrier of the partition: every warp's stores)."""
+        mbarrier.wait(c_free, (h & 1) ^ 1)
+        c_smem.store(acc * a_scale * b_scale)
+        mbarrier.arrive(c_ready, count=1)
+
+    @gluon.jit
+    def _epilogue(c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
+                  stride_oe, stride_on, stride_ok, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
+                  GROUP_M: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
+        """The epilogue warps over the program's tiles ([Note: an epilogue partition]): each handed-off tile
+        read from shared memory EPI_ROWS rows at a time, a warp per row of 4 columns per thread, and
+        stored (ADD_MODE 0), load-added (1) or reduced (3) into ``out``, rows < N and columns < K."""
+        BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+        tiles_m = gl.cdiv(N, BLOCK_M)
+        tiles_n = gl.cdiv(K, BLOCK_N)
+        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0])
+        h = pid * 0
+        for tile in range(pid, total, nprog):
+            e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
+                                                          BLOCK_M, BLOCK_N, BLOCK_M)
+            if _writes(n_k, ADD_MODE):
+                base = _base(out_ptr, e, stride_oe, PTR_TABLE)
+                cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+                mbarrier.wait(c_ready, h & 1)
+                for r in gl.static_range(0, BLOCK_M, EPI_ROWS):
+                    val = c_smem.slice(r, EPI_ROWS, dim=0).load(lay)
+                    rows = row0 + r + gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, lay))
+                    ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
+                    mask = (rows < N)[:, None] & (cols < K)[None, :]
+                    if ADD_MODE == 3:
+                        gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
+                    else:
+                        if ADD_MODE == 1:
+                            val = val + gl.load(ptrs, mask=mask, other=0.0)
+                        gl.store(ptrs, val, mask=mask)
+                mbarrier.arrive(c_free, count=1)
+                h += 1
+
+    @gluon.jit
+    def _flush(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, c_smem,
+               c_ready, c_free, h, mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
+               EPI_WARPS: gl.constexpr):
+        """The previous tile's epilogue from the MMA warps: handed off to the epilogue warps (EPI_WARPS > 0;
+        returns the next handoff's number) or written here."""
+        if EPI_WARPS > 0:
+            if n_rows > 0:
+                _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h)
+                h += 1
+        else:
+            _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, mma,
+                   ADD_MODE, PTR_TABLE)
+        return h
+
+    @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
-                 as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma: gl.constexpr, GROUP_M: gl.constexpr,
-                 ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
-                 NUM_STAGES: gl.constexpr):
+                 as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
+                 mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
+                 L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
         its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing)."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -168,9 +255,15 @@ def _define():
         p_rows = zero      # rows the previous tile writes (0: nothing)
         p_as = a_scale
         p_bs = b_scale
+        h = zero           # handoffs to the epilogue warps so far
+        # each tile's place is read one tile ahead: its offsets' loads run under the tile before, not
+        # between the two tiles' MMAs (the last tile reads its own again)
+        e, row0, col0, start, end, first, n_k = _tile(pid, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
+                                                      BLOCK_M, BLOCK_N, BLOCK_K)
         for tile in range(pid, total, nprog):
-            e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
-                                                          BLOCK_M, BLOCK_N, BLOCK_K)
+            e1, row1, col1, start1, end1, first1, n_k1 = _tile(gl.minimum(tile + nprog, total - 1), offs_ptr,
+                                                               stride_o, T, tiles_m, tiles_n, GROUP_M, BLOCK_M,
+                                                               BLOCK_N, BLOCK_K)
             if L2_PREFETCH and ADD_MODE != 0:
                 if n_k > 0:
                     _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M, BLOCK_N,
@@ -179,15 +272,15 @@ def _define():
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
                     a_bufs, b_bufs, ready, base, n_k, zero.to(gl.int64), zero, rows, rows_ok, as_ptr, bs_ptr,
                     0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, True)
-                _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok,
-                       mma, ADD_MODE, PTR_TABLE)
+                h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
+                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
                                   NUM_STAGES, True, first, start, end, True)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
             else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
-                _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok,
-                       mma, ADD_MODE, PTR_TABLE)
+                h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
+                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
                 acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             base += n_k
             p_e = e
@@ -198,14 +291,22 @@ def _define():
                 p_rows = N + zero
             p_as = gl.where(n_k > 0, a_scale, 1.0)
             p_bs = gl.where(n_k > 0, b_scale, 1.0)
-        _write(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok, mma,
-               ADD_MODE, PTR_TABLE)
+            e = e1
+            row0 = row1
+            col0 = col1
+            start = start1
+            end = end1
+            first = first1
+            n_k = n_k1
+        _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok, c_smem,
+               c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
 
     @gluon.jit(do_not_specialize=["T"])
     def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
                      stride_oe, stride_on, stride_ok, stride_o,
                      ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
-                     GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
+                     EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions; ``out_ptr`` the stacked output or, with PTR_TABLE, a table of
@@ -226,25 +327,49 @@ def _define():
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        # the handed-off tile ([Note: an epilogue partition]; one row without the epilogue warps): 32-byte
+        # units swizzled over 8 rows, so the MMA layout's stores and the row-wise loads are both conflict-free
+        C_ROWS: gl.constexpr = BLOCK_M if EPI_WARPS > 0 else 1
+        c_smem = gl.allocate_shared_memory(gl.float32, [C_ROWS, BLOCK_N],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        c_ready = c_bars.index(0)
+        c_free = c_bars.index(1)
+        mbarrier.init(c_ready, count=1)
+        mbarrier.init(c_free, count=1)
         # (the argument tuples are written out in each call: a tuple variable would turn the constexprs in it
         # into tensors)
-        if _WS_PAIRS:
+        if EPI_WARPS > 0:
+            gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
+                                        "(function, args) pairs")
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                            nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma, GROUP_M, ADD_MODE,
-                            PTR_TABLE, L2_PREFETCH, NUM_STAGES)),
+                            nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS)),
+                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                            nprog, GROUP_M, NUM_STAGES)),
+                (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
+                             stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE, GROUP_M, EPI_WARPS, EPI_ROWS)),
+            ], [1, EPI_WARPS], [40, EPI_REGS])
+        elif _WS_PAIRS:
+            gl.warp_specialize([
+                (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
+                            nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
             ], [1], [40])
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                                nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, mma, GROUP_M, ADD_MODE,
-                                PTR_TABLE, L2_PREFETCH, NUM_STAGES), _consume,
-                               (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                                nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
+                                nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
+                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS),
+                               _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
+                                          pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
+        mbarrier.invalidate(c_ready)
+        mbarrier.invalidate(c_free)
 
     return wgrad_kernel
 
@@ -253,13 +378,17 @@ wgrad_kernel = _define() if AVAILABLE else None
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           num_sms: int) -> None:
+           epilogue_warps: int, num_sms: int) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
     ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
-    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. The caller checked the
-    preconditions (module docstring)."""
+    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions; ``epilogue_warps`` 0 (the MMA
+    warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
+    (function, args) pairs: older ones run 0, the same bits). The caller checked the preconditions
+    (module docstring)."""
     import triton
 
+    if epilogue_warps not in (0, 2):
+        raise ValueError(f"grouped_wgrad_fp8: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
@@ -269,4 +398,5 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
         descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
-        GROUP_M=8, NUM_STAGES=stages, num_warps=8)
+        GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
+        EPI_REGS=EPI_REGS, num_warps=8)

@@ -167,8 +167,10 @@ RAGGED_GLUON_OVERLAP = True
 #   stages (fp8_wgrad_gluon_stages_h200.json): atomic + L2 prefetch 886 / 490 vs s5 866 / 477, within noise.
 WGRAD_GLUON = True
 WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
-WGRAD_GLUON_L2_PREFETCH = True    # accumulating: each old tile prefetched into L2 when its tile starts
-WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside 32 KB of epilogue staging)
+WGRAD_GLUON_L2_PREFETCH = False   # accumulating: each old tile prefetched into L2 when its tile starts
+WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside the 64 KB handed-off tile)
+WGRAD_GLUON_EPILOGUE_WARPS = 2    # 2: an epilogue partition writes each tile beside the next tile's MMAs; 0: the
+#                                   MMA warps write it (_grouped_wgrad_fp8_gluon [Note: an epilogue partition])
 _GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
 #                                     did not build here
 
@@ -531,7 +533,8 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
         return False
     try:
         kw.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
-                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH, stages=WGRAD_GLUON_STAGES, num_sms=_num_sms(a_NT.device))
+                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH, stages=WGRAD_GLUON_STAGES,
+                  epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:
         _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon FP8 wgrad kernel does not build with triton {triton.__version__}; using the "

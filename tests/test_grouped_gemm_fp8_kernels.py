@@ -725,7 +725,8 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 
 
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
-                                     "atomic/l2pf/s5"])
+                                     "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
+                                     "atomic/table/epi/s5"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -746,7 +747,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
-                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4, num_warps=8)
+                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
+                  EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -764,6 +766,10 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
     assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
+    if "epi" in rest:  # [Note: an epilogue partition]: the MMA warps hand each tile over in shared memory
+        assert ptx.count(".reqntid 384") == 1, "the epilogue warps share the TMA warp's warpgroup"
+        assert kernel.metadata.shared >= (5 if "s5" in rest else 4) * 32768 + 65536, kernel.metadata.shared
+        assert "st.shared.v2.b32" in ptx and "ld.shared.v4.b32" in ptx
 
 
 def _pretend_hopper(monkeypatch, k):
@@ -981,6 +987,7 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     assert kws["ADD_MODE"] == (3 if accumulate else 0) and kws["PTR_TABLE"] is table
     assert kws["L2_PREFETCH"] is (accumulate and k.WGRAD_GLUON_L2_PREFETCH)
     assert kws["NUM_STAGES"] == k.WGRAD_GLUON_STAGES and kws["num_warps"] == 8
+    assert kws["EPI_WARPS"] == (k.WGRAD_GLUON_EPILOGUE_WARPS if kw._WS_PAIRS else 0)
     assert args[4] is (tbl if table else out)
     strides = args[10:13]
     assert strides == ((0, K, 1) if table else (N * K, K, 1))
@@ -1136,9 +1143,11 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 
-# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth)
-WGRAD_GLUON_VARIANTS = {"atomic_l2pf_s5": ("atomic", True, 5), "atomic": ("atomic", False, 4),
-                        "load": ("load", False, 4), "load_l2pf": ("load", True, 4), "atomic_s3": ("atomic", False, 3)}
+# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps)
+WGRAD_GLUON_VARIANTS = {"atomic_l2pf_s5_epi": ("atomic", True, 5, 2), "atomic_l2pf_s5": ("atomic", True, 5, 0),
+                        "atomic": ("atomic", False, 4, 0), "load": ("load", False, 4, 0),
+                        "load_l2pf": ("load", True, 4, 0), "atomic_s3": ("atomic", False, 3, 0),
+                        "load_epi_s3": ("load", False, 3, 2)}
 
 
 @pytest.mark.gpu
@@ -1160,10 +1169,11 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    add, l2pf, stages = WGRAD_GLUON_VARIANTS[variant]
+    add, l2pf, stages, epilogue_warps = WGRAD_GLUON_VARIANTS[variant]
     monkeypatch.setattr(k, "WGRAD_GLUON_ADD_MODE", add)
     monkeypatch.setattr(k, "WGRAD_GLUON_L2_PREFETCH", l2pf)
     monkeypatch.setattr(k, "WGRAD_GLUON_STAGES", stages)
+    monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_WARPS", epilogue_warps)
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))

@@ -281,7 +281,7 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
                         "(with T // E a multiple of 128, no wgrad chunk straddles a group edge)")
     g.add_argument("--gluon-wgrad", action="store_true",
                    help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
-                        "prefetch, ring depth)")
+                        "prefetch, ring depth, epilogue warps)")
     g.add_argument("--gluon-variants", nargs="+", choices=sorted(GLUON_VARIANTS), default=sorted(GLUON_VARIANTS),
                    help="which Gluon kernel variants --gluon-stages times")
 
@@ -438,10 +438,11 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 
 
 # the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, stages)
-GLUON_WGRAD_VARIANTS = {"atomic/s4": ("atomic", False, 4), "atomic/s5": ("atomic", False, 5),
-                        "load/s5": ("load", False, 5), "atomic_l2pf/s4": ("atomic", True, 4),
-                        "atomic_l2pf/s5": ("atomic", True, 5), "load_l2pf/s5": ("load", True, 5),
-                        "atomic/s6": ("atomic", False, 6), "atomic_l2pf/s6": ("atomic", True, 6)}
+# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps)
+GLUON_WGRAD_VARIANTS = {"atomic/s5": ("atomic", False, 5, 0), "atomic_l2pf/s5": ("atomic", True, 5, 0),
+                        "atomic/s4/epi": ("atomic", False, 4, 2), "atomic/s5/epi": ("atomic", False, 5, 2),
+                        "atomic_l2pf/s4/epi": ("atomic", True, 4, 2), "atomic_l2pf/s5/epi": ("atomic", True, 5, 2),
+                        "load_l2pf/s5": ("load", True, 5, 0), "load_l2pf/s5/epi": ("load", True, 5, 2)}
 
 
 def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
@@ -453,11 +454,12 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
         return []
     main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
     rows = []
-    for variant, (add, l2pf, stages) in GLUON_WGRAD_VARIANTS.items():
+    for variant, (add, l2pf, stages, epilogue_warps) in GLUON_WGRAD_VARIANTS.items():
         if op == "wgrad" and (add != "atomic" or l2pf):  # a fresh output: no add mode, nothing to prefetch
             continue
         rows += _gluon_row(args, shape, op, p, q, f"fp8_{name}@gluon/{variant}", bf16_ms, "fp8", main,
-                           WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_L2_PREFETCH=l2pf, WGRAD_GLUON_STAGES=stages)
+                           WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_L2_PREFETCH=l2pf, WGRAD_GLUON_STAGES=stages,
+                           WGRAD_GLUON_EPILOGUE_WARPS=epilogue_warps)
     return rows
 
 
