@@ -15,10 +15,11 @@ order: the same bits).
 Persistent and warp-specialized: one program per SM walks tiles pid, pid + grid, ... (group-major,
 ``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition
 loads the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps zero the edge chunks' foreign
-tokens (below), run the loop and the epilogue
-(per-tensor scales, then store, load-add-store or fp32 reductions into ``out``, from 8 consecutive
-columns per thread). Each tile's epilogue runs after the next tile's first chunk is issued ([Note: the
-next tile's first step under the epilogue]).
+tokens (below), run the loop and apply the per-tensor scales; the epilogue (store, load-add-store or
+fp32 reductions into ``out``, 16 bytes of a row per instruction) runs in two epilogue warps from a
+shared-memory copy of the tile ([Note: an epilogue partition]; with EPI_WARPS = 0 the MMA warps write it
+themselves). Each tile's handoff (or epilogue) comes after the next tile's first chunk is issued
+([Note: the next tile's first step under the epilogue]).
 
 [Note: a group's edge chunks in shared memory]
 A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may
@@ -26,7 +27,8 @@ even be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop
 the MMA reads its operands from shared memory, so they are zeroed there: the MMA warps, once the chunk
 has landed and before they issue its MMAs, rewrite the other group's token columns of both operands
 (``_gluon_tiles.zero_edges``, one 16-byte unit per thread per pass, the 128-byte swizzle undone in the
-index math), fence the writes for the async proxy and synchronize their warps. Only a group's first
+index math, the byte masks computed once per chunk for every pass over both operands), fence the writes
+for the async proxy and synchronize their warps. Only a group's first
 and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128); a last chunk
 is rewritten while the previous chunk's MMAs run.
 Two slower arrangements were measured on an H200 (E=64, ~1024 tokens per group; balanced routing, which

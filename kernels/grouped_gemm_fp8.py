@@ -14,8 +14,9 @@ Hopper that adds each 128-deep partial while the next step's MMAs run (``_groupe
 bf16 with the split accumulator at the two large MoE shapes in the latest record, 1.74-1.89x without it
 ([Note: fp8 split accumulator]), blockwise 1.55-1.60x (~0.93-0.99x in the Triton kernel). Per-tensor wgrad
 with the split accumulator runs the same promotion in a Gluon kernel (``_grouped_wgrad_fp8_gluon.py``,
-[Note: fp8 wgrad under the next MMA]; the same bits; ``WGRAD_GLUON*`` below): 1.42-1.48x of bf16 at
-E=8, 0.92-1.10x at E=64 (1.24-1.35x the Triton kernel); blockwise wgrad trails bf16 (docs/benchmarks.md).
+[Note: fp8 wgrad under the next MMA]; the same bits; ``WGRAD_GLUON*`` below; its epilogue written by a
+partition of its own, [Note: an epilogue partition]): 1.58-1.60x of bf16 at E=8, 1.09x fresh and 1.45x
+accumulating at E=64 (1.4-1.6x the Triton kernel); blockwise wgrad trails bf16 (docs/benchmarks.md).
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
@@ -165,9 +166,13 @@ RAGGED_GLUON_OVERLAP = True
 #   atomic s4 828 / 344, s5 844 / 466; load s5 874 / 457; atomic + L2 prefetch s4 874 / 410, s5 891 / 486;
 #   load + L2 prefetch s5 861 / 464 (the Triton kernel 695 / 375); fresh: s4 922 / 498, s5 941 / 530. Six
 #   stages (fp8_wgrad_gluon_stages_h200.json): atomic + L2 prefetch 886 / 490 vs s5 866 / 477, within noise.
+# Those ran with the MMA warps writing each tile. With the epilogue partition (d7a6ba6's kernel,
+# docs/benchmarks/fp8_wgrad_epilogue_run2_h200.json), accumulating (E=8 / E=64): atomic s5 946 / 583 against
+# 827 / 458 without it, atomic + L2 prefetch s5 936 / 560, load + L2 prefetch s5 901 / 345; fresh s5 1010 / 614.
 WGRAD_GLUON = True
 WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
-WGRAD_GLUON_L2_PREFETCH = False   # accumulating: each old tile prefetched into L2 when its tile starts
+WGRAD_GLUON_L2_PREFETCH = False   # accumulating: each old tile prefetched into L2 when its tile starts (beside the
+#                                   epilogue partition it cost 1-4% at the large MoE shapes)
 WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside the 64 KB handed-off tile)
 WGRAD_GLUON_EPILOGUE_WARPS = 2    # 2: an epilogue partition writes each tile beside the next tile's MMAs; 0: the
 #                                   MMA warps write it (_grouped_wgrad_fp8_gluon [Note: an epilogue partition])
