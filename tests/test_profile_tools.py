@@ -30,8 +30,11 @@ DETAILS = "\n".join(["==PROF== Connected to process", _HEAD, _ROW + '"Duration",
                      _ROW + '"Compute (SM) Throughput","%","56.09"',
                      _ROW + '"DRAM Frequency","hz","3,199,460,309.12"']) + "\n"
 _STALL = "smsp__pcsamp_warps_issue_stalled_"
+_TENSOR = "TPC.TriageCompute.sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed"
 RAW = "\n".join([f'"ID","Kernel Name","{_STALL}barrier","{_STALL}barrier_not_issued","{_STALL}long_scoreboard",'
-                 f'"{_STALL}wait"', '"","","","","",""', '"0","ragged_kernel","60","55","30","10"']) + "\n"
+                 f'"{_STALL}wait","{_TENSOR}","l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_'
+                 f'elapsed"', '"","","","","","%","%"',
+                 '"0","ragged_kernel","60","55","30","10","30.94","48.86"']) + "\n"
 SOURCE = '''"Kernel Name","ragged_kernel",""
 "Address","Source","Warp Stall Sampling (All Samples)"
 "0x7f00","      LDC R1, c[0x0][0x28]","10"
@@ -52,6 +55,8 @@ def test_ncu_hotspots_reads_the_pages():
     assert "DRAM Frequency" not in text  # not a headline metric
     # shares of the sampled stall reasons (the "_not_issued" subsets are not counted twice)
     assert "stall samples (all warps): barrier 60.0%, long_scoreboard 30.0%, wait 10.0%" in text
+    # how busy the pipes were: a section-prefixed name read too; the load / store subsets absent here
+    assert "% of peak: tensor pipes 30.9%, shared-memory LSU 48.9%" in text and "of it loads" not in text
     top = [line for line in lines if "%  0x" in line]
     assert len(top) == 2 and "NOP" in top[0] and "BRA" in top[1]  # most samples first, "1,200" read as 1200
     assert top[0].strip().startswith("60.0%") and top[1].strip().startswith("39.5%")

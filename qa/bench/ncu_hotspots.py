@@ -18,6 +18,13 @@ import subprocess
 
 HEADLINE = ("Warp State", "Scheduler", "Duration", "SM Frequency", "Compute (SM) Throughput", "L2 Cache Throughput",
             "Registers Per Thread", "Achieved Occupancy")
+# raw-page metrics read as "% of peak, elapsed" (a column ends with the name; ncu may prefix a section):
+# how busy the tensor pipes were, and the shared-memory and TMA traffic beside them
+PIPES = (("tensor pipes", "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed"),
+         ("shared-memory LSU", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed"),
+         ("of it loads", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum.pct_of_peak_sustained_elapsed"),
+         ("of it stores", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum.pct_of_peak_sustained_elapsed"),
+         ("TMA loads", "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum.pct_of_peak_sustained_elapsed"))
 
 
 def parse_csv(text: str, source_page: bool = False) -> list[dict]:
@@ -54,6 +61,10 @@ def summary(details: list[dict], raw: list[dict] | None = None, source: list[dic
     if len(kernels) != 1:
         return out
     if raw:
+        pipes = [f"{label} {_num(v):.1f}%" for label, name in PIPES
+                 for k, v in raw[-1].items() if k and k.endswith(name) and (k == name or k[-len(name) - 1] == ".")]
+        if pipes:
+            out.append("   % of peak: " + ", ".join(pipes))
         stalls = {k.split("issue_stalled_")[1]: _num(v) for k, v in raw[-1].items()
                   if k.startswith("smsp__pcsamp") and "issue_stalled_" in k and not k.endswith("_not_issued")}
         tot = sum(stalls.values()) or 1.0
@@ -81,9 +92,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--raw", nargs="+", default=(), metavar="SUBSTRING",
+                    help="also print every raw-page metric whose name contains one of these (e.g. pipe_tensor)")
     args = ap.parse_args()
     details = parse_csv(_ncu("-i", args.report, "--page", "details"))
     raw = parse_csv(_ncu("-i", args.report, "--page", "raw"))
+    for k, v in (raw[-1].items() if raw and args.raw else ()):
+        if k and any(sub in k for sub in args.raw):
+            print(f"{k}: {v} {raw[0].get(k, '')}")
     try:
         source = parse_csv(_ncu("-i", args.report, "--page", "source", "--print-source", "sass"), source_page=True)
     except subprocess.CalledProcessError as exc:
