@@ -52,6 +52,13 @@ registers; the shared memory is 5 stages x 32 KB + 64 KB (the layout conversion'
 MMA warps' own epilogue goes away). Both partitions walk the same tiles and agree on which tiles write
 (``_writes``), so every handoff has its reader.
 
+[Note: tracing the MMA warps' tile phases]
+Where the per-tile time goes is not visible in a profile's averages, so TRACE = True (``launch(...,
+trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA warps read the SM's cycle counter at four points
+of each tile with tokens: the loop's top, the first chunk's MMAs issued (``_begin``: the wait for its
+stage, the edge zeroing), the previous tile handed off or written (``_flush``), and the last chunk done
+(``_accumulate``), and store them with the tile's chunk count. Off (the default), nothing of it is built.
+
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
 output ``[E, N, K]`` or a table of per-group fp32 bases (``PTR_TABLE``).
@@ -233,12 +240,31 @@ def _define():
         return h
 
     @gluon.jit
+    def _clock(like):
+        """The SM's cycle counter (``%clock64``; ``like``: any scalar of the partition, for the shape)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [like], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _trace(trace_ptr, pid, j, TRACE_TILES, t_top, t_begun, t_flushed, t_done, n_k):
+        """Record j of program pid ([Note: tracing the MMA warps' tile phases]): its four clocks and chunks."""
+        if j < TRACE_TILES:
+            rec = trace_ptr + (pid.to(gl.int64) * TRACE_TILES + j) * 5
+            gl.store(rec, t_top)
+            gl.store(rec + 1, t_begun)
+            gl.store(rec + 2, t_flushed)
+            gl.store(rec + 3, t_done)
+            gl.store(rec + 4, n_k.to(gl.int64))
+
+    @gluon.jit
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
-                 L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr):
+                 L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
+                 TRACE_TILES, TRACE: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
-        its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing)."""
+        its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
+        With TRACE, [Note: tracing the MMA warps' tile phases]."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -270,16 +296,25 @@ def _define():
                 if n_k > 0:
                     _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M, BLOCK_N,
                               mma.warps_per_cta[0], PTR_TABLE)
+            if TRACE:
+                t_top = _clock(pid)
             if n_k > 0:
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
                     a_bufs, b_bufs, ready, base, n_k, zero.to(gl.int64), zero, rows, rows_ok, as_ptr, bs_ptr,
                     0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, True)
+                if TRACE:
+                    t_begun = _clock(pid)
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
                            stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
+                if TRACE:
+                    t_flushed = _clock(pid)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
                                   NUM_STAGES, True, first, start, end, True)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
+                if TRACE:
+                    _trace(trace_ptr, pid, (tile - pid) // nprog, TRACE_TILES, t_top, t_begun, t_flushed,
+                           _clock(pid), n_k)
             else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
                            stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
@@ -305,10 +340,11 @@ def _define():
 
     @gluon.jit(do_not_specialize=["T"])
     def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
-                     stride_oe, stride_on, stride_ok, stride_o,
+                     stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES,
                      ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
-                     EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
+                     EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
+                     TRACE: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions; ``out_ptr`` the stacked output or, with PTR_TABLE, a table of
@@ -347,7 +383,8 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS)),
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
+                            TRACE_TILES, TRACE)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
                 (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
@@ -357,14 +394,16 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS)),
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
+                            TRACE_TILES, TRACE)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
             ], [1], [40])
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
-                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS),
+                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
+                                trace_ptr, TRACE_TILES, TRACE),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
                                           pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
         for i in gl.static_range(NUM_STAGES):
@@ -380,13 +419,14 @@ wgrad_kernel = _define() if AVAILABLE else None
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           epilogue_warps: int, num_sms: int) -> None:
+           epilogue_warps: int, num_sms: int, trace=None) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
     ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
     ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions; ``epilogue_warps`` 0 (the MMA
     warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
-    (function, args) pairs: older ones run 0, the same bits). The caller checked the preconditions
-    (module docstring)."""
+    (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
+    [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
+    phases]; ``trace_shape`` gives its shape). The caller checked the preconditions (module docstring)."""
     import triton
 
     if epilogue_warps not in (0, 2):
@@ -396,9 +436,19 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     E = offs_E.shape[0]
     tiles = E * triton.cdiv(N, BLOCK) * triton.cdiv(K, BLOCK)
     so = (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
-    wgrad_kernel[(min(tiles, num_sms),)](
+    grid = min(tiles, num_sms)
+    if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
+        raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
+                         f"{tuple(trace.shape)}")
+    wgrad_kernel[(grid,)](
         descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
+        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], TRACE=trace is not None,
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
         GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
         EPI_REGS=EPI_REGS, num_warps=8)
+
+
+def trace_shape(tiles: int, programs: int) -> tuple[int, int, int]:
+    """The trace ``launch`` fills: per program, per tile it ran, (four clocks, chunks)."""
+    return (programs, -(-tiles // programs), 5)

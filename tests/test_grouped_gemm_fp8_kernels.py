@@ -726,7 +726,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
-                                     "atomic/table/epi/s5"])
+                                     "atomic/table/epi/s5", "atomic/epi/s5/trace"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -745,10 +745,12 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     b_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e4nv)
     vals = dict(a_desc=f"tensordesc<{a_ty}[{L},{L}],{a_lay!r}>", b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
                 as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
-                T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
+                T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
+                TRACE_TILES=435)
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
                   L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
-                  EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8)
+                  EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
+                  TRACE="trace" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -759,6 +761,9 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     assert "fence.proxy.async.shared::cta" in ptx, "the zeroed edge chunk is not fenced for the MMA"
     stores = re.findall(r"\bst\.global[.\w]*", ptx)
     reductions = re.findall(r"\b(?:red|atom)\.global[.\w]*", ptx)
+    if "trace" in rest:  # a traced tile's record: five 8-byte stores
+        assert stores.count("st.global.b64") == 5, stores
+        stores = [st for st in stores if st != "st.global.b64"]
     if mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
         wide = "table" not in rest
         assert not stores and reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
@@ -766,6 +771,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
     assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
+    # [Note: tracing the MMA warps' tile phases]: four clock reads per tile when traced, none otherwise
+    assert ptx.count("%clock64") == (4 if "trace" in rest else 0)
     if "epi" in rest:  # [Note: an epilogue partition]: the MMA warps hand each tile over in shared memory
         assert ptx.count(".reqntid 384") == 1, "the epilogue warps share the TMA warp's warpgroup"
         assert kernel.metadata.shared >= (5 if "s5" in rest else 4) * 32768 + 65536, kernel.metadata.shared
@@ -988,9 +995,33 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     assert kws["L2_PREFETCH"] is (accumulate and k.WGRAD_GLUON_L2_PREFETCH)
     assert kws["NUM_STAGES"] == k.WGRAD_GLUON_STAGES and kws["num_warps"] == 8
     assert kws["EPI_WARPS"] == (k.WGRAD_GLUON_EPILOGUE_WARPS if kw._WS_PAIRS else 0)
+    assert kws["TRACE"] is False and args[15] == 0  # untraced: no trace buffer, nothing of it built
     assert args[4] is (tbl if table else out)
     strides = args[10:13]
     assert strides == ((0, K, 1) if table else (N * K, K, 1))
+
+
+def test_gluon_wgrad_trace_launch(monkeypatch):
+    """[Note: tracing the MMA warps' tile phases]: ``launch(..., trace=)`` hands the kernel the buffer and
+    its tiles per program, and refuses a buffer of another shape, naming both."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    launched = []
+    monkeypatch.setattr(kw, "wgrad_kernel", StubKernel(lambda g, *a, **kws: launched.append((g, a, kws))))
+    monkeypatch.setattr(kw, "descriptor", lambda t, block: None)
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(N=384, K=256)
+    out = torch.zeros(2, 384, 256)
+    tiles = 2 * 3 * 2
+    assert kw.trace_shape(tiles, 5) == (5, 3, 5)  # 12 tiles over 5 programs: at most 3 each
+    common = dict(add_mode=0, l2_prefetch=False, stages=4, epilogue_warps=2, num_sms=5)
+    trace = torch.zeros(5, 3, 5, dtype=torch.int64)
+    kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, **common)
+    (g, args, kws), = launched
+    assert g == (5,) and args[14] is trace and args[15] == 3 and kws["TRACE"] is True
+    with pytest.raises(ValueError, match=r"trace must be shaped \(5, 3, 5\), got \(5, 2, 5\)"):
+        kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------

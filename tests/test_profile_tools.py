@@ -75,3 +75,19 @@ def test_gemm_profile_help():
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--fp8-ab" in proc.stdout and "--ncu" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_fp8_wgrad_trace_summary():
+    """``fp8_wgrad_trace.summarize``: shares of the programs' spans from the four clocks per tile, rows
+    without chunks (tiles a program did not run) skipped."""
+    import torch
+    tr = _load("fp8_wgrad_trace")
+    trace = torch.tensor([[[0, 10, 20, 100, 9], [110, 120, 130, 210, 9]],
+                          [[0, 5, 10, 50, 5], [0, 0, 0, 0, 0]]])
+    s = tr.summarize(trace)
+    assert s["tiles"] == 3 and s["chunks_per_tile"] == pytest.approx(23 / 3)
+    assert s["cycles_per_tile"] == pytest.approx(260 / 3)        # spans 210 + 50
+    assert s["cycles_per_later_chunk"] == pytest.approx(200 / 20)  # (80 + 80 + 40) over 8 + 8 + 4 chunks
+    assert (s["share_begin"], s["share_handoff"], s["share_chunks"]) == pytest.approx((25 / 260, 25 / 260, 200 / 260))
+    assert s["share_between"] == pytest.approx(10 / 260)          # program 0's 10 cycles between its tiles
+
