@@ -58,6 +58,8 @@ trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA warps read the SM's cycl
 of each tile with tokens: the loop's top, the first chunk's MMAs issued (``_begin``: the wait for its
 stage, the edge zeroing), the previous tile handed off or written (``_flush``), and the last chunk done
 (``_accumulate``), and store them with the tile's chunk count. Off (the default), nothing of it is built.
+A traced launch may also write nothing (ADD_MODE -1: the epilogue warps read each handed-off tile from
+shared memory and drop it), to time the chunks without the output's global traffic.
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
@@ -203,6 +205,7 @@ def _define():
         tiles_n = gl.cdiv(K, BLOCK_N)
         lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0])
         h = pid * 0
+        keep = gl.zeros([EPI_ROWS, BLOCK_N], gl.float32, lay)  # a dry run's reads (ADD_MODE -1), kept live
         for tile in range(pid, total, nprog):
             e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
                                                           BLOCK_M, BLOCK_N, BLOCK_M)
@@ -217,12 +220,17 @@ def _define():
                     mask = (rows < N)[:, None] & (cols < K)[None, :]
                     if ADD_MODE == 3:
                         gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
+                    elif ADD_MODE < 0:
+                        keep += val
                     else:
                         if ADD_MODE == 1:
                             val = val + gl.load(ptrs, mask=mask, other=0.0)
                         gl.store(ptrs, val, mask=mask)
                 mbarrier.arrive(c_free, count=1)
                 h += 1
+        if ADD_MODE < 0:  # never true (N > 0): the reads stay in the program, nothing is written
+            gl.store(out_ptr + gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, lay))[:, None] * 0
+                     + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))[None, :] * 0, keep, mask=keep * 0 + N < 0)
 
     @gluon.jit
     def _flush(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, c_smem,
@@ -234,7 +242,7 @@ def _define():
             if n_rows > 0:
                 _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h)
                 h += 1
-        else:
+        elif ADD_MODE >= 0:  # (-1: a traced dry run writes nothing)
             _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, mma,
                    ADD_MODE, PTR_TABLE)
         return h
@@ -347,8 +355,8 @@ def _define():
                      TRACE: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
-        load-add-store, 3 fp32 reductions; ``out_ptr`` the stacked output or, with PTR_TABLE, a table of
-        per-group bases."""
+        load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
+        with PTR_TABLE, a table of per-group bases."""
         gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -422,7 +430,8 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
            epilogue_warps: int, num_sms: int, trace=None) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
     ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
-    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions; ``epilogue_warps`` 0 (the MMA
+    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
+    epilogue warps still read each handed-off tile); ``epilogue_warps`` 0 (the MMA
     warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
     (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
     [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
@@ -437,6 +446,8 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     tiles = E * triton.cdiv(N, BLOCK) * triton.cdiv(K, BLOCK)
     so = (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
     grid = min(tiles, num_sms)
+    if add_mode == -1 and trace is None:
+        raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
     if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
         raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
                          f"{tuple(trace.shape)}")

@@ -726,7 +726,8 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
-                                     "atomic/table/epi/s5", "atomic/epi/s5/trace"])
+                                     "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
+                                     "dry/trace"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -747,7 +748,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
                 TRACE_TILES=435)
-    consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
+    consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
                   TRACE="trace" in rest)
@@ -764,7 +765,9 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     if "trace" in rest:  # a traced tile's record: five 8-byte stores
         assert stores.count("st.global.b64") == 5, stores
         stores = [st for st in stores if st != "st.global.b64"]
-    if mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
+    if mode == "dry":  # a traced dry run: no reductions, and no stores with the MMA warps writing
+        assert not reductions and (stores if "epi" in rest else not stores), (stores, reductions)
+    elif mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
         wide = "table" not in rest
         assert not stores and reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
     else:
@@ -1022,6 +1025,8 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
     assert g == (5,) and args[14] is trace and args[15] == 3 and kws["TRACE"] is True
     with pytest.raises(ValueError, match=r"trace must be shaped \(5, 3, 5\), got \(5, 2, 5\)"):
         kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
+    with pytest.raises(ValueError, match="add_mode -1 writes nothing"):  # a dry run is traced only
+        kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, **{**common, "add_mode": -1})
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------

@@ -4,12 +4,17 @@ cycle counter read at four points of each tile, summarised as shares of the prog
 
     python qa/bench/fp8_wgrad_trace.py                                   # E=64 and E=8, both routings
     python qa/bench/fp8_wgrad_trace.py --shapes 64,65536,7168,2048 --accumulate --json out.json
+    python qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry       # the epilogue's share, and none
 
 Per tile (cycles): "begin" waits for the first chunk's stage, zeroes an edge chunk and issues its MMAs;
 "handoff" hands the previous tile to the epilogue warps (or writes it); "chunks" runs the other chunks
 and waits for the last; "between" is the rest of the program's time (the loop's own work and the next
 tile's bookkeeping). A profile's counters average these away: they show which of them the per-tile cost
-outside the MMAs is made of. Needs a Hopper GPU with a Triton that has Gluon.
+outside the MMAs is made of. ``--epilogue-warps`` compares the epilogue partition with the MMA warps
+writing each tile; ``--dry`` adds runs that write nothing (the epilogue warps still read each tile from
+shared memory; with the MMA warps writing, the whole epilogue is skipped), so the chunks' time without
+the output's global traffic. Needs a Hopper GPU with a
+Triton that has Gluon.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def summarize(trace: torch.Tensor) -> dict:
             "share_chunks": float(chunks / span), "share_between": float(1 - (begin + handoff + chunks) / span)}
 
 
-def run(shape: str, routing: str, accumulate: bool) -> dict:
+def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bool = False) -> dict:
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     from distwgrad.kernels import grouped_gemm_fp8 as F
     from distwgrad.kernels.grouped_gemm import _num_sms
@@ -64,19 +69,20 @@ def run(shape: str, routing: str, accumulate: bool) -> dict:
     sms = _num_sms(out.device)
     tiles = E * -(-N // kw.BLOCK) * -(-K // kw.BLOCK)
     trace = torch.zeros(kw.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
-    kwargs = dict(add_mode=3 if accumulate else 0, l2_prefetch=F.WGRAD_GLUON_L2_PREFETCH, stages=F.WGRAD_GLUON_STAGES,
-                  epilogue_warps=F.WGRAD_GLUON_EPILOGUE_WARPS, num_sms=sms)
+    kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0, l2_prefetch=F.WGRAD_GLUON_L2_PREFETCH,
+                  stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms)
 
     def call(tr=None):
         kw.launch(a.data, a.scale_inv, b.data, b.scale_inv, p["offs"], out, None, trace=tr, **kwargs)
 
-    plain_ms = do_bench(call)
     traced_ms = do_bench(lambda: call(trace))
+    plain_ms = traced_ms if dry else do_bench(call)  # a dry run is traced only
     trace.zero_()
     call(trace)
     torch.cuda.synchronize()
-    row = {"shape": [E, T, K, N], "routing": routing, "op": "wgrad_accumulate" if accumulate else "wgrad",
-           "ms": plain_ms, "ms_traced": traced_ms, "tflops": 2.0 * T * N * K / plain_ms / 1e9}
+    op = "dry" if dry else "wgrad_accumulate" if accumulate else "wgrad"
+    row = {"shape": [E, T, K, N], "routing": routing, "op": op, "epilogue_warps": epilogue_warps, "ms": plain_ms,
+           "ms_traced": traced_ms, "tflops": 2.0 * T * N * K / plain_ms / 1e9}
     row.update(summarize(trace))
     return row
 
@@ -86,17 +92,23 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="E,T,K,N each")
     ap.add_argument("--routing", nargs="+", choices=("random", "balanced"), default=["random", "balanced"])
     ap.add_argument("--accumulate", action="store_true", help="fp32 reductions into an existing output")
+    ap.add_argument("--epilogue-warps", nargs="+", type=int, choices=(0, 2), default=None,
+                    help="the launch choice(s) to trace (default: grouped_gemm_fp8.WGRAD_GLUON_EPILOGUE_WARPS)")
+    ap.add_argument("--dry", action="store_true", help="also trace runs that write nothing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_wgrad_trace.py needs a GPU (Hopper, a Triton with Gluon)")
-    rows = [run(s, r, args.accumulate) for s in args.shapes for r in args.routing]
+    from distwgrad.kernels import grouped_gemm_fp8 as F
+    warps = args.epilogue_warps or [F.WGRAD_GLUON_EPILOGUE_WARPS]
+    rows = [run(s, r, args.accumulate, w, dry) for s in args.shapes for r in args.routing for w in warps
+            for dry in ((False, True) if args.dry else (False,))]
     cols = ("tflops", "ms_traced", "chunks_per_tile", "cycles_per_tile", "cycles_per_later_chunk", "share_begin",
             "share_handoff", "share_chunks", "share_between")
-    print(f"{'shape':>20} {'routing':>9} {'ms':>7} " + " ".join(f"{c:>12}" for c in cols))
+    print(f"{'shape':>20} {'routing':>9} {'op':>16} {'epi':>3} {'ms':>7} " + " ".join(f"{c:>12}" for c in cols))
     for r in rows:
-        print(f"{','.join(map(str, r['shape'])):>20} {r['routing']:>9} {r['ms']:7.3f} "
-              + " ".join(f"{r[c]:12.3f}" for c in cols))
+        print(f"{','.join(map(str, r['shape'])):>20} {r['routing']:>9} {r['op']:>16} {r['epilogue_warps']:>3} "
+              f"{r['ms']:7.3f} " + " ".join(f"{r[c]:12.3f}" for c in cols))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
