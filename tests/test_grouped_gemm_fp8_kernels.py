@@ -1179,8 +1179,10 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 
-# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps)
-WGRAD_GLUON_VARIANTS = {"atomic_l2pf_s5_epi": ("atomic", True, 5, 2), "atomic_l2pf_s5": ("atomic", True, 5, 0),
+# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps); "atomic_s5_epi"
+# is the default (grouped_gemm_fp8.WGRAD_GLUON*)
+WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", False, 5, 2), "atomic_l2pf_s5_epi": ("atomic", True, 5, 2),
+                        "atomic_l2pf_s5": ("atomic", True, 5, 0),
                         "atomic": ("atomic", False, 4, 0), "load": ("load", False, 4, 0),
                         "load_l2pf": ("load", True, 4, 0), "atomic_s3": ("atomic", False, 3, 0),
                         "load_epi_s3": ("load", False, 3, 2)}

@@ -437,8 +437,8 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
     return rows + _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, (3, 4, 5, 6))
 
 
-# the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, stages)
-# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps)
+# the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, ring
+# depth, epilogue warps)
 GLUON_WGRAD_VARIANTS = {"atomic/s5": ("atomic", False, 5, 0), "atomic_l2pf/s5": ("atomic", True, 5, 0),
                         "atomic/s4/epi": ("atomic", False, 4, 2), "atomic/s5/epi": ("atomic", False, 5, 2),
                         "atomic_l2pf/s4/epi": ("atomic", True, 4, 2), "atomic_l2pf/s5/epi": ("atomic", True, 5, 2),
