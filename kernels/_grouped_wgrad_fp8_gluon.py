@@ -85,7 +85,7 @@ EPI_REGS = 40  # registers per epilogue thread: what the MMA warps' 232 leave in
 
 def _define():
     from . import _grouped_gemm_fp8_gluon as _fprop
-    from ._grouped_wgrad import _swizzle
+    from ._grouped_wgrad import _swizzle, _wgrad_out_base  # (scalar Triton helpers: Gluon calls them as they are)
     t = _define_tiles()
     _group = t.group
     _begin, _accumulate = _fprop.parts.begin, _fprop.parts.accumulate
@@ -136,19 +136,10 @@ def _define():
         lay: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LINES, LINES], [WARPS, 1], [1, 0])
         rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay)), N - 1)
         cols = gl.minimum(col0 + gl.arange(0, LINES, layout=gl.SliceLayout(0, lay)) * 32, K - 1)
-        base = _base(out_ptr, e, stride_oe, PTR_TABLE)
+        base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
         ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
         gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
                                   dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _base(out_ptr, e, stride_oe, PTR_TABLE: gl.constexpr):
-        """Group e's fp32 output: the stacked ``out_ptr`` at e, or entry e of the int64 table of bases."""
-        if PTR_TABLE:
-            base = gl.load(out_ptr + e).to(gl.pointer_type(gl.float32))
-        else:
-            base = out_ptr + e.to(gl.int64) * stride_oe
-        return base
 
     @gluon.jit
     def _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
@@ -164,7 +155,7 @@ def _define():
         val = gl.convert_layout(acc * a_scale * b_scale, st)
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st))
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, st))
-        base = _base(out_ptr, e, stride_oe, PTR_TABLE)
+        base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
         ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
         mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
         if ADD_MODE == 3:  # one addend per element: deterministic
@@ -211,7 +202,7 @@ def _define():
             e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
                                                           BLOCK_M, BLOCK_N, BLOCK_M)  # the chunk: BLOCK_M tokens
             if _writes(n_k, ADD_MODE):
-                base = _base(out_ptr, e, stride_oe, PTR_TABLE)
+                base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
                 cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
                 mbarrier.wait(c_ready, h & 1)
                 for r in gl.static_range(0, BLOCK_M, EPI_ROWS):
