@@ -143,6 +143,27 @@ def _define():
                                   dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _write_direct(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
+                      mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr):
+        """``_write`` from the MMA layout itself ([Note: the MMA warps' stores without shared memory]): each
+        thread's two adjacent columns per instruction, a warp's instruction one full 32-byte sector in each
+        of 8 rows; no layout conversion, so no shared memory."""
+        BLOCK_M: gl.constexpr = acc.type.shape[0]
+        BLOCK_N: gl.constexpr = acc.type.shape[1]
+        val = acc * a_scale * b_scale
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
+        ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
+        mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
+        if ADD_MODE == 3:
+            gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
+        else:
+            if ADD_MODE == 1:
+                val = val + gl.load(ptrs, mask=mask, other=0.0)
+            gl.store(ptrs, val, mask=mask)
+
+    @gluon.jit
     def _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
                mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr):
         """The epilogue of the tile at (row0, col0) of group e: the per-tensor scales, then store (ADD_MODE
@@ -245,14 +266,17 @@ def _define():
     @gluon.jit
     def _flush(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, c_smem,
                c_ready, c_free, h, mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
-               EPI_WARPS: gl.constexpr, EPI_TMA: gl.constexpr):
+               EPI_WARPS: gl.constexpr, EPI_TMA: gl.constexpr, EPI_DIRECT: gl.constexpr):
         """The previous tile's epilogue from the MMA warps: handed off to the epilogue warps (EPI_WARPS > 0;
         returns the next handoff's number) or written here."""
         if EPI_WARPS > 0:
             if n_rows > 0:
                 _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h, EPI_TMA)
                 h += 1
-        elif ADD_MODE >= 0:  # (-1: a traced dry run writes nothing)
+        elif ADD_MODE >= 0 and EPI_DIRECT:  # (-1: a traced dry run writes nothing)
+            _write_direct(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
+                          mma, ADD_MODE, PTR_TABLE)
+        elif ADD_MODE >= 0:
             _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, mma,
                    ADD_MODE, PTR_TABLE)
         return h
@@ -279,7 +303,7 @@ def _define():
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                  L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
-                 EPI_TMA: gl.constexpr, trace_ptr, TRACE_TILES, TRACE: gl.constexpr):
+                 EPI_TMA: gl.constexpr, EPI_DIRECT: gl.constexpr, trace_ptr, TRACE_TILES, TRACE: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
         its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
         With TRACE, [Note: tracing the MMA warps' tile phases]."""
@@ -323,7 +347,8 @@ def _define():
                 if TRACE:
                     t_begun = _clock(pid)
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
-                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA)
+                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA,
+                           EPI_DIRECT)
                 if TRACE:
                     t_flushed = _clock(pid)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
@@ -335,7 +360,8 @@ def _define():
                            _clock(pid), n_k)
             else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
-                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA)
+                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA,
+                           EPI_DIRECT)
                 acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             base += n_k
             p_e = e
@@ -354,7 +380,7 @@ def _define():
             first = first1
             n_k = n_k1
         _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok, c_smem,
-               c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA)
+               c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA, EPI_DIRECT)
 
     @gluon.jit(do_not_specialize=["T"])
     def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
@@ -362,7 +388,8 @@ def _define():
                      ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     TRACE: gl.constexpr = False, EPI_TMA: gl.constexpr = False):
+                     TRACE: gl.constexpr = False, EPI_TMA: gl.constexpr = False,
+                     EPI_DIRECT: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
@@ -406,8 +433,8 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA, trace_ptr,
-                            TRACE_TILES, TRACE)),
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA, EPI_DIRECT,
+                            trace_ptr, TRACE_TILES, TRACE)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
                 (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
@@ -418,8 +445,8 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA, trace_ptr,
-                            TRACE_TILES, TRACE)),
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA, EPI_DIRECT,
+                            trace_ptr, TRACE_TILES, TRACE)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
             ], [1], [40])
@@ -427,6 +454,7 @@ def _define():
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
                                 c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA,
+                                EPI_DIRECT,
                                 trace_ptr, TRACE_TILES, TRACE),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
                                           pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
@@ -443,7 +471,8 @@ wgrad_kernel = _define() if AVAILABLE else None
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           epilogue_warps: int, num_sms: int, trace=None, epilogue_tma: bool = False) -> None:
+           epilogue_warps: int, num_sms: int, trace=None, epilogue_tma: bool = False,
+           direct_stores: bool = False) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
     ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
     ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
@@ -466,6 +495,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     grid = min(tiles, num_sms)
     if add_mode == -1 and trace is None:
         raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
+    if direct_stores and epilogue_warps:
+        raise ValueError(f"grouped_wgrad_fp8: direct_stores are the MMA warps' own epilogue (epilogue_warps 0), got "
+                         f"epilogue_warps={epilogue_warps}")
     if epilogue_tma and not tma_store_ok(out, table, add_mode, epilogue_warps):
         raise ValueError(f"grouped_wgrad_fp8: epilogue_tma needs a fresh stacked fp32 output [E, N, K] with unit "
                          f"inner stride and 16-byte aligned base and strides, and the epilogue partition "
@@ -481,6 +513,7 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
         offs_E if trace is None else trace, 0 if trace is None else trace.shape[1],
         _out_descriptor(out) if epilogue_tma else None, TRACE=trace is not None, EPI_TMA=epilogue_tma,
+        EPI_DIRECT=direct_stores,
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
         GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
         EPI_REGS=EPI_REGS, num_warps=8)

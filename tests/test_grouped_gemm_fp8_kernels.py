@@ -727,7 +727,8 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
-                                     "dry/trace", "fresh/epi/s5/tma", "fresh/epi/s5/tma/trace"])
+                                     "dry/trace", "fresh/epi/s5/tma", "fresh/epi/s5/tma/trace", "fresh/direct/s6",
+                                     "atomic/direct/s5", "atomic/table/direct/s5"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -753,9 +754,10 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     if "tma" in rest:
         vals["c_desc"] = f"tensordesc<fp32[1,{L},{L}],{c_lay!r}>"
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
-                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
+                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=6 if "s6" in rest else 5 if "s5" in rest else 4,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
-                  TRACE="trace" in rest, EPI_TMA="tma" in rest, **({} if "tma" in rest else {"c_desc": None}))
+                  TRACE="trace" in rest, EPI_TMA="tma" in rest, EPI_DIRECT="direct" in rest,
+                  **({} if "tma" in rest else {"c_desc": None}))
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -771,6 +773,9 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         stores = [st for st in stores if st != "st.global.b64"]
     if mode == "dry":  # a traced dry run: no reductions, and no stores with the MMA warps writing
         assert not reductions and (stores if "epi" in rest else not stores), (stores, reductions)
+    elif mode == "atomic" and "direct" in rest:  # [Note: the MMA warps' stores without shared memory]
+        wide = "table" not in rest  # 8 bytes: a thread's two adjacent columns of the MMA layout
+        assert not stores and reductions and all((".v2.f32" in r) == wide for r in reductions), (stores, reductions)
     elif mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
         wide = "table" not in rest
         assert not stores and reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
@@ -778,8 +783,12 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert not stores and not reductions, (stores, reductions)
         assert "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group" in ptx, "no TMA store"
         assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 1
+    elif "direct" in rest:
+        assert stores and all(".v2." in st for st in stores) and not reductions, (stores, reductions)
     else:
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
+    if "direct" in rest:  # no layout conversion: the MMA warps' epilogue needs no shared memory of its own
+        assert kernel.metadata.shared < (6 if "s6" in rest else 5) * 32768 + 4096, kernel.metadata.shared
     assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
     # [Note: tracing the MMA warps' tile phases]: four clock reads per tile when traced, none otherwise
@@ -1220,15 +1229,18 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 
-# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps); "atomic_s5_epi"
-# is the default (grouped_gemm_fp8.WGRAD_GLUON*)
-WGRAD_GLUON_VARIANTS = {"atomic_s5_epi_tma": ("atomic", False, 5, 2, True),  # the default launch choice
-                        "atomic_s5_epi": ("atomic", False, 5, 2, False),
-                        "atomic_l2pf_s5_epi": ("atomic", True, 5, 2, False),
-                        "atomic_l2pf_s5": ("atomic", True, 5, 0, False),
-                        "atomic": ("atomic", False, 4, 0, False), "load": ("load", False, 4, 0, False),
-                        "load_l2pf": ("load", True, 4, 0, False), "atomic_s3": ("atomic", False, 3, 0, False),
-                        "load_epi_s3": ("load", False, 3, 2, False)}
+# the Gluon wgrad kernel's launch choices (grouped_gemm_fp8.WGRAD_GLUON*): (add mode, L2 prefetch, ring depth,
+# epilogue warps, how the tile is written: None as the warps choose, "tma" ([Note: the fresh tile by TMA]) or
+# "direct" ([Note: the MMA warps' stores without shared memory]))
+WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", False, 5, 2, None),  # the default launch choice
+                        "atomic_s5_epi_tma": ("atomic", False, 5, 2, "tma"),
+                        "atomic_s6_direct": ("atomic", False, 6, 0, "direct"),
+                        "load_s5_direct": ("load", False, 5, 0, "direct"),
+                        "atomic_l2pf_s5_epi": ("atomic", True, 5, 2, None),
+                        "atomic_l2pf_s5": ("atomic", True, 5, 0, None),
+                        "atomic": ("atomic", False, 4, 0, None), "load": ("load", False, 4, 0, None),
+                        "load_l2pf": ("load", True, 4, 0, None), "atomic_s3": ("atomic", False, 3, 0, None),
+                        "load_epi_s3": ("load", False, 3, 2, None)}
 
 
 @pytest.mark.gpu
@@ -1250,12 +1262,13 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    add, l2pf, stages, epilogue_warps, epilogue_tma = WGRAD_GLUON_VARIANTS[variant]
+    add, l2pf, stages, epilogue_warps, how = WGRAD_GLUON_VARIANTS[variant]
     monkeypatch.setattr(k, "WGRAD_GLUON_ADD_MODE", add)
     monkeypatch.setattr(k, "WGRAD_GLUON_L2_PREFETCH", l2pf)
     monkeypatch.setattr(k, "WGRAD_GLUON_STAGES", stages)
     monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_WARPS", epilogue_warps)
-    monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_TMA", epilogue_tma)
+    monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_TMA", how == "tma")
+    monkeypatch.setattr(k, "WGRAD_GLUON_DIRECT_STORES", how == "direct")
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))

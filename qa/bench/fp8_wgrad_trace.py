@@ -14,7 +14,8 @@ outside the MMAs is made of. ``--epilogue-warps`` compares the epilogue partitio
 writing each tile; ``--dry`` adds runs that write nothing (the epilogue warps still read each tile from
 shared memory; with the MMA warps writing, the whole epilogue is skipped), so the chunks' time without
 the output's global traffic; ``--tma`` adds the fresh output written by TMA stores ([Note: the fresh tile
-by TMA]). Needs a Hopper GPU with a
+by TMA]), ``--direct`` the MMA warps storing from their registers ([Note: the MMA warps' stores without
+shared memory]). Needs a Hopper GPU with a
 Triton that has Gluon.
 """
 
@@ -55,7 +56,7 @@ def summarize(trace: torch.Tensor) -> dict:
 
 
 def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bool = False,
-        epilogue_tma: bool = False) -> dict:
+        epilogue_tma: bool = False, direct: bool = False) -> dict:
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     from distwgrad.kernels import grouped_gemm_fp8 as F
     from distwgrad.kernels.grouped_gemm import _num_sms
@@ -72,7 +73,8 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     tiles = E * -(-N // kw.BLOCK) * -(-K // kw.BLOCK)
     trace = torch.zeros(kw.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
     kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0, l2_prefetch=F.WGRAD_GLUON_L2_PREFETCH,
-                  stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms, epilogue_tma=epilogue_tma)
+                  stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms, epilogue_tma=epilogue_tma,
+                  direct_stores=direct)
 
     def call(tr=None):
         kw.launch(a.data, a.scale_inv, b.data, b.scale_inv, p["offs"], out, None, trace=tr, **kwargs)
@@ -84,7 +86,7 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     torch.cuda.synchronize()
     op = "dry" if dry else "wgrad_accumulate" if accumulate else "wgrad"
     row = {"shape": [E, T, K, N], "routing": routing, "op": op, "epilogue_warps": epilogue_warps,
-           "epilogue_tma": epilogue_tma, "ms": plain_ms,
+           "epilogue_tma": epilogue_tma, "direct_stores": direct, "ms": plain_ms,
            "ms_traced": traced_ms, "tflops": 2.0 * T * N * K / plain_ms / 1e9}
     row.update(summarize(trace))
     return row
@@ -100,6 +102,8 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="also trace runs that write nothing")
     ap.add_argument("--tma", action="store_true", help="also trace the fresh output written by TMA stores "
                     "(epilogue warps 2; not with --accumulate)")
+    ap.add_argument("--direct", action="store_true", help="also trace the MMA warps storing from the MMA layout "
+                    "(epilogue warps 0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -110,11 +114,13 @@ def main() -> None:
             for dry in ((False, True) if args.dry else (False,))]
     if args.tma and not args.accumulate:
         rows += [run(s, r, False, 2, epilogue_tma=True) for s in args.shapes for r in args.routing]
+    if args.direct:
+        rows += [run(s, r, args.accumulate, 0, direct=True) for s in args.shapes for r in args.routing]
     cols = ("tflops", "ms_traced", "chunks_per_tile", "cycles_per_tile", "cycles_per_later_chunk", "share_begin",
             "share_handoff", "share_chunks", "share_between")
     print(f"{'shape':>20} {'routing':>9} {'op':>16} {'epi':>5} {'ms':>7} " + " ".join(f"{c:>12}" for c in cols))
     for r in rows:
-        epi = f"{r['epilogue_warps']}{'tma' if r['epilogue_tma'] else ''}"
+        epi = f"{r['epilogue_warps']}{'tma' if r['epilogue_tma'] else ''}{'dir' if r['direct_stores'] else ''}"
         print(f"{','.join(map(str, r['shape'])):>20} {r['routing']:>9} {r['op']:>16} {epi:>5} "
               f"{r['ms']:7.3f} " + " ".join(f"{r[c]:12.3f}" for c in cols))
     if args.json:
