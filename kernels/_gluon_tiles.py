@@ -35,8 +35,6 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 AVAILABLE = gluon is not None
 # TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
 tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
-# TMA shared -> global: ``async_store`` in newer Tritons, ``async_copy_shared_to_global`` before (same arguments)
-tma_store = getattr(tma, "async_store", None) or getattr(tma, "async_copy_shared_to_global", None)
 # CTA-wide (in a warp-specialized partition: partition-wide) barrier: ``gl.barrier`` in newer Tritons
 thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
 # a shared-memory view in another shape / layout: ``reinterpret`` in newer Tritons, ``_reinterpret`` before

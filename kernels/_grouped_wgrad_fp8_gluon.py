@@ -70,11 +70,10 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 
 from __future__ import annotations
 
-from ._gluon_tiles import AVAILABLE, TensorDescriptor, descriptor, fence_async_shared, gl, gluon, mbarrier, tma
+from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
 from ._gluon_tiles import tma_load as _tma_load
-from ._gluon_tiles import tma_store as _tma_store
 
 __all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor"]
 
@@ -143,27 +142,6 @@ def _define():
                                   dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _write_direct(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
-                      mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr):
-        """``_write`` from the MMA layout itself ([Note: the MMA warps' stores without shared memory]): each
-        thread's two adjacent columns per instruction, a warp's instruction one full 32-byte sector in each
-        of 8 rows; no layout conversion, so no shared memory."""
-        BLOCK_M: gl.constexpr = acc.type.shape[0]
-        BLOCK_N: gl.constexpr = acc.type.shape[1]
-        val = acc * a_scale * b_scale
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
-        ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
-        mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
-        if ADD_MODE == 3:
-            gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
-        else:
-            if ADD_MODE == 1:
-                val = val + gl.load(ptrs, mask=mask, other=0.0)
-            gl.store(ptrs, val, mask=mask)
-
-    @gluon.jit
     def _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
                mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr):
         """The epilogue of the tile at (row0, col0) of group e: the per-tensor scales, then store (ADD_MODE
@@ -198,33 +176,23 @@ def _define():
         return w
 
     @gluon.jit
-    def _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h, EPI_TMA: gl.constexpr):
+    def _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h):
         """The MMA warps' side of [Note: an epilogue partition]: handoff h waits until the epilogue warps
         have read handoff h - 1 (a fresh mbarrier counts as released for the first), stores the scaled
-        tile and signals it (the arrive follows a barrier of the partition: every warp's stores). With
-        EPI_TMA the tile is read by a TMA store ([Note: the fresh tile by TMA]): the stores are fenced for
-        the async proxy first."""
+        tile and signals it (the arrive follows a barrier of the partition: every warp's stores)."""
         mbarrier.wait(c_free, (h & 1) ^ 1)
-        if EPI_TMA:
-            c_smem.reshape([c_smem.type.shape[1], c_smem.type.shape[2]]).store(acc * a_scale * b_scale)
-            fence_async_shared()
-        else:
-            c_smem.store(acc * a_scale * b_scale)
+        c_smem.store(acc * a_scale * b_scale)
         mbarrier.arrive(c_ready, count=1)
 
     @gluon.jit
     def _epilogue(c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
-                  stride_oe, stride_on, stride_ok, c_desc, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
-                  GROUP_M: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr,
-                  EPI_TMA: gl.constexpr):
+                  stride_oe, stride_on, stride_ok, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
+                  GROUP_M: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
         """The epilogue warps over the program's tiles ([Note: an epilogue partition]): each handed-off tile
         read from shared memory EPI_ROWS rows at a time, a warp per row of 4 columns per thread, and
-        stored (ADD_MODE 0), load-added (1) or reduced (3) into ``out``, rows < N and columns < K; with
-        EPI_TMA (fresh, stacked ``out``) one TMA store per tile instead ([Note: the fresh tile by TMA])."""
-        BLOCK_M: gl.constexpr = c_smem.type.shape[-2]
-        BLOCK_N: gl.constexpr = c_smem.type.shape[-1]
-        if EPI_TMA:
-            gl.static_assert(ADD_MODE == 0 and not PTR_TABLE, "EPI_TMA: a fresh stacked output")
+        stored (ADD_MODE 0), load-added (1) or reduced (3) into ``out``, rows < N and columns < K."""
+        BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
         tiles_m = gl.cdiv(N, BLOCK_M)
         tiles_n = gl.cdiv(K, BLOCK_N)
         lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0])
@@ -233,14 +201,7 @@ def _define():
         for tile in range(pid, total, nprog):
             e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
                                                           BLOCK_M, BLOCK_N, BLOCK_M)  # the chunk: BLOCK_M tokens
-            if EPI_TMA:
-                # every tile of a fresh output writes; the store must have read the tile before it is freed
-                mbarrier.wait(c_ready, h & 1)
-                _tma_store(c_desc, [e, row0, col0], c_smem)
-                tma.store_wait(0)
-                mbarrier.arrive(c_free, count=1)
-                h += 1
-            elif _writes(n_k, ADD_MODE):
+            if _writes(n_k, ADD_MODE):
                 base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
                 cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
                 mbarrier.wait(c_ready, h & 1)
@@ -266,17 +227,14 @@ def _define():
     @gluon.jit
     def _flush(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, c_smem,
                c_ready, c_free, h, mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
-               EPI_WARPS: gl.constexpr, EPI_TMA: gl.constexpr, EPI_DIRECT: gl.constexpr):
+               EPI_WARPS: gl.constexpr):
         """The previous tile's epilogue from the MMA warps: handed off to the epilogue warps (EPI_WARPS > 0;
         returns the next handoff's number) or written here."""
         if EPI_WARPS > 0:
             if n_rows > 0:
-                _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h, EPI_TMA)
+                _hand_off(acc, a_scale, b_scale, c_smem, c_ready, c_free, h)
                 h += 1
-        elif ADD_MODE >= 0 and EPI_DIRECT:  # (-1: a traced dry run writes nothing)
-            _write_direct(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
-                          mma, ADD_MODE, PTR_TABLE)
-        elif ADD_MODE >= 0:
+        elif ADD_MODE >= 0:  # (-1: a traced dry run writes nothing)
             _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok, mma,
                    ADD_MODE, PTR_TABLE)
         return h
@@ -302,8 +260,8 @@ def _define():
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
-                 L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
-                 EPI_TMA: gl.constexpr, EPI_DIRECT: gl.constexpr, trace_ptr, TRACE_TILES, TRACE: gl.constexpr):
+                 L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
+                 TRACE_TILES, TRACE: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
         its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
         With TRACE, [Note: tracing the MMA warps' tile phases]."""
@@ -347,8 +305,7 @@ def _define():
                 if TRACE:
                     t_begun = _clock(pid)
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
-                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA,
-                           EPI_DIRECT)
+                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
                 if TRACE:
                     t_flushed = _clock(pid)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
@@ -360,8 +317,7 @@ def _define():
                            _clock(pid), n_k)
             else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
-                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA,
-                           EPI_DIRECT)
+                           stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
                 acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
             base += n_k
             p_e = e
@@ -380,16 +336,15 @@ def _define():
             first = first1
             n_k = n_k1
         _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on, stride_ok, c_smem,
-               c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS, EPI_TMA, EPI_DIRECT)
+               c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
 
     @gluon.jit(do_not_specialize=["T"])
     def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
-                     stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, c_desc,
+                     stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES,
                      ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     TRACE: gl.constexpr = False, EPI_TMA: gl.constexpr = False,
-                     EPI_DIRECT: gl.constexpr = False):
+                     TRACE: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
@@ -412,14 +367,9 @@ def _define():
             mbarrier.init(empty.index(i), count=1)
         # the handed-off tile ([Note: an epilogue partition]; one row without the epilogue warps): 32-byte
         # units swizzled over 8 rows, so the MMA layout's stores and the row-wise loads are both conflict-free
-        # (with EPI_TMA: [1, BLOCK_M, BLOCK_N] in the output descriptor's layout, [Note: the fresh tile by TMA])
         C_ROWS: gl.constexpr = BLOCK_M if EPI_WARPS > 0 else 1
-        if EPI_TMA:
-            gl.static_assert(EPI_WARPS > 0, "EPI_TMA: the epilogue partition issues the stores")
-            c_smem = gl.allocate_shared_memory(gl.float32, [1, BLOCK_M, BLOCK_N], c_desc.layout)
-        else:
-            c_smem = gl.allocate_shared_memory(gl.float32, [C_ROWS, BLOCK_N],
-                                               gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        c_smem = gl.allocate_shared_memory(gl.float32, [C_ROWS, BLOCK_N],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
         c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         c_ready = c_bars.index(0)
         c_free = c_bars.index(1)
@@ -433,28 +383,26 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA, EPI_DIRECT,
-                            trace_ptr, TRACE_TILES, TRACE)),
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
+                            TRACE_TILES, TRACE)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
                 (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
-                             stride_oe, stride_on, stride_ok, c_desc, ADD_MODE, PTR_TABLE, GROUP_M, EPI_WARPS,
-                             EPI_ROWS, EPI_TMA)),
+                             stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE, GROUP_M, EPI_WARPS, EPI_ROWS)),
             ], [1, EPI_WARPS], [40, EPI_REGS])
         elif _WS_PAIRS:
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA, EPI_DIRECT,
-                            trace_ptr, TRACE_TILES, TRACE)),
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
+                            TRACE_TILES, TRACE)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
             ], [1], [40])
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
-                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, EPI_TMA,
-                                EPI_DIRECT,
+                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
                                 trace_ptr, TRACE_TILES, TRACE),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
                                           pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
@@ -471,8 +419,7 @@ wgrad_kernel = _define() if AVAILABLE else None
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           epilogue_warps: int, num_sms: int, trace=None, epilogue_tma: bool = False,
-           direct_stores: bool = False) -> None:
+           epilogue_warps: int, num_sms: int, trace=None) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
     ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
     ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
@@ -480,9 +427,7 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
     (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
     [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
-    phases]; ``trace_shape`` gives its shape). ``epilogue_tma``: the epilogue warps write each tile of a fresh
-    stacked output with one TMA store ([Note: the fresh tile by TMA]; ``tma_store_ok`` says when it can).
-    The caller checked the other preconditions (module docstring)."""
+    phases]; ``trace_shape`` gives its shape). The caller checked the preconditions (module docstring)."""
     import triton
 
     if epilogue_warps not in (0, 2):
@@ -495,25 +440,13 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     grid = min(tiles, num_sms)
     if add_mode == -1 and trace is None:
         raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
-    if direct_stores and epilogue_warps:
-        raise ValueError(f"grouped_wgrad_fp8: direct_stores are the MMA warps' own epilogue (epilogue_warps 0), got "
-                         f"epilogue_warps={epilogue_warps}")
-    if epilogue_tma and not tma_store_ok(out, table, add_mode, epilogue_warps):
-        raise ValueError(f"grouped_wgrad_fp8: epilogue_tma needs a fresh stacked fp32 output [E, N, K] with unit "
-                         f"inner stride and 16-byte aligned base and strides, and the epilogue partition "
-                         f"(epilogue_warps 2, on a Triton whose warp_specialize takes (function, args) pairs); got "
-                         f"add_mode={add_mode}, table={'given' if table is not None else None}, out {out.dtype} "
-                         f"{tuple(out.shape)} strides {tuple(out.stride())} base % 16 = {out.data_ptr() % 16}, "
-                         f"epilogue_warps={epilogue_warps}")
     if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
         raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
                          f"{tuple(trace.shape)}")
     wgrad_kernel[(grid,)](
         descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
-        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1],
-        _out_descriptor(out) if epilogue_tma else None, TRACE=trace is not None, EPI_TMA=epilogue_tma,
-        EPI_DIRECT=direct_stores,
+        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], TRACE=trace is not None,
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
         GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
         EPI_REGS=EPI_REGS, num_warps=8)
@@ -522,21 +455,3 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
 def trace_shape(tiles: int, programs: int) -> tuple[int, int, int]:
     """The trace ``launch`` fills: per program, per tile it ran, (four clocks, chunks)."""
     return (programs, -(-tiles // programs), 5)
-
-
-def tma_store_ok(out, table, add_mode: int, epilogue_warps: int) -> bool:
-    """Whether ``launch(..., epilogue_tma=True)`` can write ``out`` ([Note: the fresh tile by TMA]): a fresh
-    stacked fp32 output ``[E, N, K]`` with unit inner stride and 16-byte aligned base and outer strides,
-    and the epilogue partition on this Triton."""
-    import torch
-
-    return (add_mode == 0 and table is None and epilogue_warps == 2 and bool(_WS_PAIRS)
-            and out.dtype == torch.float32 and out.dim() == 3 and out.stride(2) == 1
-            and all(s * 4 % 16 == 0 for s in out.stride()[:2]) and out.data_ptr() % 16 == 0)
-
-
-def _out_descriptor(out):
-    """The TMA descriptor of the stacked output: [E, N, K] in boxes of one group's 128 x 128 tile, so the
-    store clips at each group's N and K (a box never spills into the next group's rows)."""
-    layout = gl.NVMMASharedLayout.get_default_for([1, BLOCK, BLOCK], gl.float32)
-    return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, BLOCK, BLOCK], layout)

@@ -176,10 +176,6 @@ WGRAD_GLUON_L2_PREFETCH = False   # accumulating: each old tile prefetched into 
 WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside the 64 KB handed-off tile)
 WGRAD_GLUON_EPILOGUE_WARPS = 2    # 2: an epilogue partition writes each tile beside the next tile's MMAs; 0: the
 #                                   MMA warps write it (_grouped_wgrad_fp8_gluon [Note: an epilogue partition])
-WGRAD_GLUON_EPILOGUE_TMA = False  # a fresh stacked output: the epilogue partition writes each tile with one TMA
-#                                   store (_grouped_wgrad_fp8_gluon [Note: the fresh tile by TMA])
-WGRAD_GLUON_DIRECT_STORES = False  # without the partition: the MMA warps store from the MMA layout, no shared memory
-#                                   ([Note: the MMA warps' stores without shared memory])
 _GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
 #                                     did not build here
 
@@ -541,12 +537,9 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
     if "wgrad" in _GLUON_FAILED:
         return False
     try:
-        add_mode = _ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate else 0
-        kw.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=add_mode, l2_prefetch=WGRAD_GLUON_L2_PREFETCH,
-                  stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device),
-                  epilogue_tma=WGRAD_GLUON_EPILOGUE_TMA and kw.tma_store_ok(out, table, add_mode,
-                                                                            WGRAD_GLUON_EPILOGUE_WARPS),
-                  direct_stores=WGRAD_GLUON_DIRECT_STORES and WGRAD_GLUON_EPILOGUE_WARPS == 0)
+        kw.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
+                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH, stages=WGRAD_GLUON_STAGES,
+                  epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:
         _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon FP8 wgrad kernel does not build with triton {triton.__version__}; using the "

@@ -727,15 +727,13 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
-                                     "dry/trace", "fresh/epi/s5/tma", "fresh/epi/s5/tma/trace", "fresh/direct/s6",
-                                     "atomic/direct/s5", "atomic/table/direct/s5"])
+                                     "dry/trace"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
     (C7514, C7512) and no spill; the MMA warps fence their zeroing of edge chunks for the async proxy
     ([Note: a group's edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
-    likewise into a stacked output); with ``tma`` the epilogue warps write a fresh tile by TMA stores
-    instead, waiting for them to have read the tile before freeing it ([Note: the fresh tile by TMA])."""
+    likewise into a stacked output)."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE:
@@ -750,14 +748,10 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
                 TRACE_TILES=435)
-    c_lay = gl.NVMMASharedLayout.get_default_for([1, L, L], gl.float32)
-    if "tma" in rest:
-        vals["c_desc"] = f"tensordesc<fp32[1,{L},{L}],{c_lay!r}>"
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
-                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=6 if "s6" in rest else 5 if "s5" in rest else 4,
+                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
-                  TRACE="trace" in rest, EPI_TMA="tma" in rest, EPI_DIRECT="direct" in rest,
-                  **({} if "tma" in rest else {"c_desc": None}))
+                  TRACE="trace" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -773,22 +767,11 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         stores = [st for st in stores if st != "st.global.b64"]
     if mode == "dry":  # a traced dry run: no reductions, and no stores with the MMA warps writing
         assert not reductions and (stores if "epi" in rest else not stores), (stores, reductions)
-    elif mode == "atomic" and "direct" in rest:  # [Note: the MMA warps' stores without shared memory]
-        wide = "table" not in rest  # 8 bytes: a thread's two adjacent columns of the MMA layout
-        assert not stores and reductions and all((".v2.f32" in r) == wide for r in reductions), (stores, reductions)
     elif mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
         wide = "table" not in rest
         assert not stores and reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
-    elif "tma" in rest:  # [Note: the fresh tile by TMA]: bulk tensor stores, each waited for before the free
-        assert not stores and not reductions, (stores, reductions)
-        assert "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group" in ptx, "no TMA store"
-        assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 1
-    elif "direct" in rest:
-        assert stores and all(".v2." in st for st in stores) and not reductions, (stores, reductions)
     else:
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
-    if "direct" in rest:  # no layout conversion: the MMA warps' epilogue needs no shared memory of its own
-        assert kernel.metadata.shared < (6 if "s6" in rest else 5) * 32768 + 4096, kernel.metadata.shared
     assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
     # [Note: tracing the MMA warps' tile phases]: four clock reads per tile when traced, none otherwise
@@ -796,7 +779,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     if "epi" in rest:  # [Note: an epilogue partition]: the MMA warps hand each tile over in shared memory
         assert ptx.count(".reqntid 384") == 1, "the epilogue warps share the TMA warp's warpgroup"
         assert kernel.metadata.shared >= (5 if "s5" in rest else 4) * 32768 + 65536, kernel.metadata.shared
-        assert "st.shared.v2.b32" in ptx and ("tma" in rest or "ld.shared.v4.b32" in ptx)
+        assert "st.shared.v2.b32" in ptx and "ld.shared.v4.b32" in ptx
 
 
 def _pretend_hopper(monkeypatch, k):
@@ -1002,7 +985,6 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     launched = []
     monkeypatch.setattr(kw, "wgrad_kernel", StubKernel(lambda g, *a, **kws: launched.append((g, a, kws))))
     monkeypatch.setattr(kw, "descriptor", lambda t, block: None)
-    monkeypatch.setattr(kw, "_out_descriptor", lambda out: ("out descriptor", out))
     monkeypatch.setattr(k, "_num_sms", lambda device: 132)
     monkeypatch.setattr(k, "_GLUON_FAILED", {})
     N, K = (256, 128) if tiles else (4096, 4096)
@@ -1020,38 +1002,6 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     assert args[4] is (tbl if table else out)
     strides = args[10:13]
     assert strides == ((0, K, 1) if table else (N * K, K, 1))
-    # [Note: the fresh tile by TMA]: a fresh stacked output by TMA stores, with its descriptor
-    tma = not accumulate and not table and k.WGRAD_GLUON_EPILOGUE_TMA and kws["EPI_WARPS"] == 2
-    assert kws["EPI_TMA"] is tma and (args[16] == ("out descriptor", out) if tma else args[16] is None)
-
-
-def test_gluon_wgrad_tma_store_only_where_it_applies(monkeypatch):
-    """[Note: the fresh tile by TMA]: ``launch(..., epilogue_tma=True)`` refuses, naming the values, an
-    accumulating call, a table of buffers, no epilogue partition, and an output TMA cannot address (inner
-    stride, 16-byte strides and base); ``tma_store_ok`` agrees with it."""
-    pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
-    if not kw.AVAILABLE or not kw._WS_PAIRS:
-        pytest.skip("this Triton has no Gluon, or no (function, args) warp_specialize")
-    launched = []
-    monkeypatch.setattr(kw, "wgrad_kernel", StubKernel(lambda g, *a, **kws: launched.append(kws)))
-    monkeypatch.setattr(kw, "descriptor", lambda t, block: None)
-    monkeypatch.setattr(kw, "_out_descriptor", lambda out: "out descriptor")
-    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(N=256, K=128)
-    common = dict(l2_prefetch=False, stages=5, num_sms=4, epilogue_tma=True)
-    out = torch.zeros(2, 256, 128)
-    kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, add_mode=0, epilogue_warps=2, **common)
-    assert launched[-1]["EPI_TMA"] is True
-    bad = {"add_mode=3": (out, None, 3, 2), "table=given": (out, torch.zeros(2, dtype=torch.int64), 0, 2),
-           "epilogue_warps=0": (out, None, 0, 0),
-           r"strides \(32768, 1, 256\)": (torch.zeros(2, 128, 256).transpose(1, 2), None, 0, 2),
-           r"strides \(1548, 6, 1\)": (torch.zeros(2, 258, 6)[:, :256], None, 0, 2),
-           "base % 16 = 4": (torch.zeros(2 * 256 * 128 + 1)[1:].view(2, 256, 128), None, 0, 2)}
-    for match, (o, table, add_mode, warps) in bad.items():
-        assert not kw.tma_store_ok(o, table, add_mode, warps), match
-        with pytest.raises(ValueError, match=match):
-            kw.launch(dy_t, dy_s, x_t, x_s, offs, o, table, add_mode=add_mode, epilogue_warps=warps, **common)
-    assert len(launched) == 1
 
 
 def test_gluon_wgrad_trace_launch(monkeypatch):
@@ -1229,18 +1179,13 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 
-# the Gluon wgrad kernel's launch choices (grouped_gemm_fp8.WGRAD_GLUON*): (add mode, L2 prefetch, ring depth,
-# epilogue warps, how the tile is written: None as the warps choose, "tma" ([Note: the fresh tile by TMA]) or
-# "direct" ([Note: the MMA warps' stores without shared memory]))
-WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", False, 5, 2, None),  # the default launch choice
-                        "atomic_s5_epi_tma": ("atomic", False, 5, 2, "tma"),
-                        "atomic_s6_direct": ("atomic", False, 6, 0, "direct"),
-                        "load_s5_direct": ("load", False, 5, 0, "direct"),
-                        "atomic_l2pf_s5_epi": ("atomic", True, 5, 2, None),
-                        "atomic_l2pf_s5": ("atomic", True, 5, 0, None),
-                        "atomic": ("atomic", False, 4, 0, None), "load": ("load", False, 4, 0, None),
-                        "load_l2pf": ("load", True, 4, 0, None), "atomic_s3": ("atomic", False, 3, 0, None),
-                        "load_epi_s3": ("load", False, 3, 2, None)}
+# the Gluon wgrad kernel's launch choices: (add mode, L2 prefetch, ring depth, epilogue warps); "atomic_s5_epi"
+# is the default (grouped_gemm_fp8.WGRAD_GLUON*)
+WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", False, 5, 2), "atomic_l2pf_s5_epi": ("atomic", True, 5, 2),
+                        "atomic_l2pf_s5": ("atomic", True, 5, 0),
+                        "atomic": ("atomic", False, 4, 0), "load": ("load", False, 4, 0),
+                        "load_l2pf": ("load", True, 4, 0), "atomic_s3": ("atomic", False, 3, 0),
+                        "load_epi_s3": ("load", False, 3, 2)}
 
 
 @pytest.mark.gpu
@@ -1262,13 +1207,11 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    add, l2pf, stages, epilogue_warps, how = WGRAD_GLUON_VARIANTS[variant]
+    add, l2pf, stages, epilogue_warps = WGRAD_GLUON_VARIANTS[variant]
     monkeypatch.setattr(k, "WGRAD_GLUON_ADD_MODE", add)
     monkeypatch.setattr(k, "WGRAD_GLUON_L2_PREFETCH", l2pf)
     monkeypatch.setattr(k, "WGRAD_GLUON_STAGES", stages)
     monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_WARPS", epilogue_warps)
-    monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_TMA", how == "tma")
-    monkeypatch.setattr(k, "WGRAD_GLUON_DIRECT_STORES", how == "direct")
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))

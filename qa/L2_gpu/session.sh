@@ -66,7 +66,7 @@ for step in $STEPS; do
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
     gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad \
                       wgrad_accumulate --gemm-recipes per_tensor --gluon-wgrad --json "$OUT_DIR/gemm_fp8_wgrad.json" ;;
-    wgrad_trace) run wgrad_trace python3 qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry --tma \
+    wgrad_trace) run wgrad_trace python3 qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry \
                    --json "$OUT_DIR/fp8_wgrad_trace.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \

@@ -281,7 +281,7 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
                         "(with T // E a multiple of 128, no wgrad chunk straddles a group edge)")
     g.add_argument("--gluon-wgrad", action="store_true",
                    help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
-                        "prefetch, ring depth, epilogue warps, a fresh tile by TMA, direct stores)")
+                        "prefetch, ring depth, epilogue warps)")
     g.add_argument("--gluon-wgrad-variants", nargs="+", choices=sorted(GLUON_WGRAD_VARIANTS), default=None,
                    help="which of GLUON_WGRAD_VARIANTS --gluon-wgrad times (default: all)")
     g.add_argument("--gluon-variants", nargs="+", choices=sorted(GLUON_VARIANTS), default=sorted(GLUON_VARIANTS),
@@ -440,19 +440,11 @@ def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
 
 
 # the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, ring
-# depth, epilogue warps, a fresh tile by TMA, the MMA warps' direct stores)
-GLUON_WGRAD_VARIANTS = {"atomic/s5": ("atomic", False, 5, 0, False, False),
-                        "atomic_l2pf/s5": ("atomic", True, 5, 0, False, False),
-                        "atomic/s5/direct": ("atomic", False, 5, 0, False, True),
-                        "atomic/s6/direct": ("atomic", False, 6, 0, False, True),
-                        "atomic_l2pf/s6/direct": ("atomic", True, 6, 0, False, True),
-                        "atomic/s4/epi": ("atomic", False, 4, 2, False, False),
-                        "atomic/s5/epi": ("atomic", False, 5, 2, False, False),
-                        "atomic/s5/epi_tma": ("atomic", False, 5, 2, True, False),
-                        "atomic_l2pf/s4/epi": ("atomic", True, 4, 2, False, False),
-                        "atomic_l2pf/s5/epi": ("atomic", True, 5, 2, False, False),
-                        "load_l2pf/s5": ("load", True, 5, 0, False, False),
-                        "load_l2pf/s5/epi": ("load", True, 5, 2, False, False)}
+# depth, epilogue warps)
+GLUON_WGRAD_VARIANTS = {"atomic/s5": ("atomic", False, 5, 0), "atomic_l2pf/s5": ("atomic", True, 5, 0),
+                        "atomic/s4/epi": ("atomic", False, 4, 2), "atomic/s5/epi": ("atomic", False, 5, 2),
+                        "atomic_l2pf/s4/epi": ("atomic", True, 4, 2), "atomic_l2pf/s5/epi": ("atomic", True, 5, 2),
+                        "load_l2pf/s5": ("load", True, 5, 0), "load_l2pf/s5/epi": ("load", True, 5, 2)}
 
 
 def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
@@ -464,17 +456,14 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
         return []
     main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
     rows = []
-    for variant, (add, l2pf, stages, epilogue_warps, epilogue_tma, direct) in GLUON_WGRAD_VARIANTS.items():
+    for variant, (add, l2pf, stages, epilogue_warps) in GLUON_WGRAD_VARIANTS.items():
         if args.gluon_wgrad_variants and variant not in args.gluon_wgrad_variants:
             continue
         if op == "wgrad" and (add != "atomic" or l2pf):  # a fresh output: no add mode, nothing to prefetch
             continue
-        if op != "wgrad" and epilogue_tma:  # the TMA store writes fresh outputs only: the same kernel as without
-            continue
         rows += _gluon_row(args, shape, op, p, q, f"fp8_{name}@gluon/{variant}", bf16_ms, "fp8", main,
                            WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_L2_PREFETCH=l2pf, WGRAD_GLUON_STAGES=stages,
-                           WGRAD_GLUON_EPILOGUE_WARPS=epilogue_warps, WGRAD_GLUON_EPILOGUE_TMA=epilogue_tma,
-                           WGRAD_GLUON_DIRECT_STORES=direct)
+                           WGRAD_GLUON_EPILOGUE_WARPS=epilogue_warps)
     return rows
 
 

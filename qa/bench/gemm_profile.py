@@ -47,7 +47,7 @@ def _bf16_impls(op: str, p) -> dict:
 
 
 def _fp8_targets(shape) -> dict:
-    """FP8 fprop (blockwise), dgrad and accumulating wgrad (per-tensor) through the default kernels,
+    """FP8 fprop (blockwise), dgrad and fresh and accumulating wgrad (per-tensor) through the default kernels,
     pre-quantized."""
     import fp8 as B
 
@@ -57,6 +57,7 @@ def _fp8_targets(shape) -> dict:
     out = {}
     for name, recipe, op in (("fp8_blockwise_fprop", BlockwiseScaling(), "fprop"),
                              ("fp8_per_tensor_dgrad", PerTensorScaling(), "dgrad"),
+                             ("fp8_per_tensor_wgrad", PerTensorScaling(), "wgrad"),
                              ("fp8_per_tensor_wgrad_acc", PerTensorScaling(), "wgrad_accumulate")):
         q = B._fp8_operands(p, recipe)
         calls = B._fp8_calls(op, p, q, main, variants=False)
@@ -117,6 +118,7 @@ def ncu_targets(only: list[str] | None) -> None:
         fp8_e64 = _fp8_targets(SHAPES[1])
         targets["fp8_per_tensor_dgrad_e64"] = fp8_e64["fp8_per_tensor_dgrad"]
         targets["fp8_per_tensor_wgrad_acc_e64"] = fp8_e64["fp8_per_tensor_wgrad_acc"]
+        targets["fp8_per_tensor_wgrad_fresh_e64"] = fp8_e64["fp8_per_tensor_wgrad"]
     targets = {k: v for k, v in targets.items() if not only or any(o in k for o in only)}
     for fn in targets.values():
         fn()
