@@ -60,7 +60,8 @@ of each tile with tokens: the loop's top, the first chunk's MMAs issued (``_begi
 stage, the edge zeroing), the previous tile handed off or written (``_flush``), and the last chunk done
 (``_accumulate``), and store them with the tile's chunk count. Off (the default), nothing of it is built.
 A traced launch may also write nothing (ADD_MODE -1: the epilogue warps read each handed-off tile from
-shared memory and drop it), to time the chunks without the output's global traffic.
+shared memory and drop it), to time the chunks without the output's global traffic, and such a dry run
+may skip the edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
@@ -261,7 +262,7 @@ def _define():
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                  L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
-                 TRACE_TILES, TRACE: gl.constexpr):
+                 TRACE_TILES, TRACE: gl.constexpr, ZERO_EDGES: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
         its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
         With TRACE, [Note: tracing the MMA warps' tile phases]."""
@@ -301,7 +302,7 @@ def _define():
             if n_k > 0:
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
                     a_bufs, b_bufs, ready, base, n_k, zero.to(gl.int64), zero, rows, rows_ok, as_ptr, bs_ptr,
-                    0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, True)
+                    0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, ZERO_EDGES)
                 if TRACE:
                     t_begun = _clock(pid)
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
@@ -310,7 +311,7 @@ def _define():
                     t_flushed = _clock(pid)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
-                                  NUM_STAGES, True, first, start, end, True)
+                                  NUM_STAGES, True, first, start, end, ZERO_EDGES)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
                 if TRACE:
                     _trace(trace_ptr, pid, (tile - pid) // nprog, TRACE_TILES, t_top, t_begun, t_flushed,
@@ -344,7 +345,7 @@ def _define():
                      ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     TRACE: gl.constexpr = False):
+                     TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
@@ -384,7 +385,7 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
-                            TRACE_TILES, TRACE)),
+                            TRACE_TILES, TRACE, ZERO_EDGES)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
                 (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
@@ -395,7 +396,7 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
-                            TRACE_TILES, TRACE)),
+                            TRACE_TILES, TRACE, ZERO_EDGES)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, GROUP_M, NUM_STAGES)),
             ], [1], [40])
@@ -403,7 +404,7 @@ def _define():
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
                                 c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
-                                trace_ptr, TRACE_TILES, TRACE),
+                                trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
                                           pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
         for i in gl.static_range(NUM_STAGES):
@@ -419,7 +420,7 @@ wgrad_kernel = _define() if AVAILABLE else None
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           epilogue_warps: int, num_sms: int, trace=None) -> None:
+           epilogue_warps: int, num_sms: int, trace=None, zero_edges: bool = True) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
     ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
     ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
@@ -427,7 +428,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
     (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
     [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
-    phases]; ``trace_shape`` gives its shape). The caller checked the preconditions (module docstring)."""
+    phases]; ``trace_shape`` gives its shape). ``zero_edges`` False skips zeroing the edge chunks' foreign
+    tokens: a traced dry run's diagnostic only (what the zeroing costs), refused otherwise. The caller
+    checked the preconditions (module docstring)."""
     import triton
 
     if epilogue_warps not in (0, 2):
@@ -440,6 +443,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     grid = min(tiles, num_sms)
     if add_mode == -1 and trace is None:
         raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
+    if not zero_edges and add_mode != -1:
+        raise ValueError(f"grouped_wgrad_fp8: zero_edges=False would add other groups' tokens: only a traced dry "
+                         f"run (add_mode -1) may skip it, got add_mode {add_mode}")
     if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
         raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
                          f"{tuple(trace.shape)}")
@@ -447,6 +453,7 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
         descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
         offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], TRACE=trace is not None,
+        ZERO_EDGES=zero_edges,
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
         GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
         EPI_REGS=EPI_REGS, num_warps=8)

@@ -727,7 +727,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
-                                     "dry/trace"])
+                                     "dry/trace", "dry/epi/s5/trace/unzeroed"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -751,7 +751,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
-                  TRACE="trace" in rest)
+                  TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -759,7 +759,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
-    assert "fence.proxy.async.shared::cta" in ptx, "the zeroed edge chunk is not fenced for the MMA"
+    # (a dry run may skip the zeroing: [Note: tracing the MMA warps' tile phases])
+    assert ("fence.proxy.async.shared::cta" in ptx) is ("unzeroed" not in rest), "zeroed edge chunk not fenced"
     stores = re.findall(r"\bst\.global[.\w]*", ptx)
     reductions = re.findall(r"\b(?:red|atom)\.global[.\w]*", ptx)
     if "trace" in rest:  # a traced tile's record: five 8-byte stores
@@ -1027,6 +1028,13 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
         kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
     with pytest.raises(ValueError, match="add_mode -1 writes nothing"):  # a dry run is traced only
         kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, **{**common, "add_mode": -1})
+    assert kws["ZERO_EDGES"] is True
+    for add_mode in (0, 3):  # skipping the zeroing would add other groups' tokens: a dry run's diagnostic only
+        with pytest.raises(ValueError, match=f"zero_edges=False .* got add_mode {add_mode}"):
+            kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False,
+                      **{**common, "add_mode": add_mode})
+    kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False, **{**common, "add_mode": -1})
+    assert launched[-1][2]["ZERO_EDGES"] is False and launched[-1][2]["ADD_MODE"] == -1
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------

@@ -13,8 +13,8 @@ tile's bookkeeping). A profile's counters average these away: they show which of
 outside the MMAs is made of. ``--epilogue-warps`` compares the epilogue partition with the MMA warps
 writing each tile; ``--dry`` adds runs that write nothing (the epilogue warps still read each tile from
 shared memory; with the MMA warps writing, the whole epilogue is skipped), so the chunks' time without
-the output's global traffic. Needs a Hopper GPU with a
-Triton that has Gluon.
+the output's global traffic; ``--unzeroed`` adds dry runs without the edge chunks' zeroing.
+Needs a Hopper GPU with a Triton that has Gluon.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def summarize(trace: torch.Tensor) -> dict:
             "share_chunks": float(chunks / span), "share_between": float(1 - (begin + handoff + chunks) / span)}
 
 
-def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bool = False) -> dict:
+def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bool = False,
+        zero_edges: bool = True) -> dict:
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     from distwgrad.kernels import grouped_gemm_fp8 as F
     from distwgrad.kernels.grouped_gemm import _num_sms
@@ -70,7 +71,7 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     tiles = E * -(-N // kw.BLOCK) * -(-K // kw.BLOCK)
     trace = torch.zeros(kw.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
     kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0, l2_prefetch=F.WGRAD_GLUON_L2_PREFETCH,
-                  stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms)
+                  stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms, zero_edges=zero_edges)
 
     def call(tr=None):
         kw.launch(a.data, a.scale_inv, b.data, b.scale_inv, p["offs"], out, None, trace=tr, **kwargs)
@@ -80,7 +81,7 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     trace.zero_()
     call(trace)
     torch.cuda.synchronize()
-    op = "dry" if dry else "wgrad_accumulate" if accumulate else "wgrad"
+    op = ("dry" if zero_edges else "dry_unzeroed") if dry else "wgrad_accumulate" if accumulate else "wgrad"
     row = {"shape": [E, T, K, N], "routing": routing, "op": op, "epilogue_warps": epilogue_warps, "ms": plain_ms,
            "ms_traced": traced_ms, "tflops": 2.0 * T * N * K / plain_ms / 1e9}
     row.update(summarize(trace))
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--epilogue-warps", nargs="+", type=int, choices=(0, 2), default=None,
                     help="the launch choice(s) to trace (default: grouped_gemm_fp8.WGRAD_GLUON_EPILOGUE_WARPS)")
     ap.add_argument("--dry", action="store_true", help="also trace runs that write nothing")
+    ap.add_argument("--unzeroed", action="store_true", help="also trace dry runs that skip the edge chunks' "
+                    "zeroing (what it costs; their sums are wrong, and nothing is written)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -103,6 +106,9 @@ def main() -> None:
     warps = args.epilogue_warps or [F.WGRAD_GLUON_EPILOGUE_WARPS]
     rows = [run(s, r, args.accumulate, w, dry) for s in args.shapes for r in args.routing for w in warps
             for dry in ((False, True) if args.dry else (False,))]
+    if args.unzeroed:
+        rows += [run(s, r, args.accumulate, w, True, zero_edges=False) for s in args.shapes for r in args.routing
+                 for w in warps]
     cols = ("tflops", "ms_traced", "chunks_per_tile", "cycles_per_tile", "cycles_per_later_chunk", "share_begin",
             "share_handoff", "share_chunks", "share_between")
     print(f"{'shape':>20} {'routing':>9} {'op':>16} {'epi':>3} {'ms':>7} " + " ".join(f"{c:>12}" for c in cols))
