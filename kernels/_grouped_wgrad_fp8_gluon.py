@@ -34,7 +34,10 @@ is rewritten while the previous chunk's MMAs run.
 Two slower arrangements were measured on an H200 (E=64, ~1024 tokens per group; balanced routing, which
 has no edge chunks, ran 581 TFLOP/s fresh): one warp zeroing the edge chunks, the TMA warp itself or a
 partition beside it, ran 185-210 TFLOP/s, ~8 us per edge chunk (Nsight Compute: the MMA warps waited
-for stages in ~63% of their samples); spread over the MMA warps, 498 (docs/benchmarks.md).
+for stages in ~63% of their samples); spread over the MMA warps, 498 (docs/benchmarks.md). Beside the
+epilogue partition the zeroing no longer hides under the MMAs: traced dry runs at E=64, random routing,
+took 2.58 ms with it and 2.00 ms without (1.55 and 1.52 with the MMA warps writing), 22% more
+instructions in the MMA warps' stream of zeroing, promotion adds and handoffs.
 
 [Note: an epilogue partition]
 At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written,
@@ -51,7 +54,11 @@ The epilogue warps share the TMA warp's warpgroup (3 of its 4 warps), so the MMA
 registers; the shared memory is 5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the
 MMA warps' own epilogue goes away). Both partitions walk the same tiles and agree on which tiles write
 (``_writes``), so every handoff has its reader. Traced ([Note: tracing the MMA warps' tile phases]), the
-handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%.
+handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%. Two other writers lost at
+E=64 on an H200 and were removed: one TMA store per tile from this partition (593 against 625 TFLOP/s
+fresh: the store holds the buffer until it has read it, and the TMA unit also loads the operands), and
+the MMA warps storing 8 bytes at a time straight from the MMA layout, no shared memory (604-622 fresh,
+499-538 accumulating, against 625-643 and 613).
 
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True (``launch(...,

@@ -17,7 +17,7 @@
 #   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel),
 #   gemm_fp8_wgrad (per-tensor FP8 wgrad: the Gluon kernel's launch choices beside the Triton kernel),
 #   wgrad_trace (qa/bench/fp8_wgrad_trace.py: the Gluon FP8 wgrad's tile phases, with and without the
-#   epilogue partition, each also dry),
+#   epilogue partition, each also dry and dry without the edge zeroing),
 #   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / Gluon / grouped_mm / dense side by side),
 #   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
 #   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples).
@@ -66,7 +66,7 @@ for step in $STEPS; do
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
     gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad \
                       wgrad_accumulate --gemm-recipes per_tensor --gluon-wgrad --json "$OUT_DIR/gemm_fp8_wgrad.json" ;;
-    wgrad_trace) run wgrad_trace python3 qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry \
+    wgrad_trace) run wgrad_trace python3 qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry --unzeroed \
                    --json "$OUT_DIR/fp8_wgrad_trace.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
