@@ -41,8 +41,6 @@ thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", N
 REINTERPRET = tl.constexpr(gl is not None and hasattr(gl.shared_memory_descriptor, "reinterpret"))
 # ``gl.warp_specialize``: a list of (function, args) pairs in newer Tritons; before, (default_args,
 # default_partition, worker_args, worker_partitions, ...)
-# the edge chunks' zeroing by 16-token columns (``mask_columns``) rather than over every unit (``mask_tokens``)
-COLUMNS = tl.constexpr(True)
 WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(
     iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")
 
@@ -193,49 +191,14 @@ def define() -> SimpleNamespace:
             view.store(view.load(lay) & mask)
 
     @gluon.jit
-    def mask_columns(bufs, s, t0, lo, hi, WARPS: gl.constexpr):
-        """Stage ``s`` of a ring of [rows, 128] fp8 chunks (tokens t0 .. t0 + 127, 128-byte swizzled), its
-        tokens outside [lo, hi) zeroed one 16-token column at a time, through a [rows, 32] int32 view whose
-        swizzled layout is the 128-byte swizzle (16-byte units, row % 8 phases): a column wholly inside is
-        skipped, one wholly outside stored as zeros without a load, and only the column across an edge
-        loaded and and-ed with its word masks (``token_mask``'s). Each branch is uniform over the
-        partition."""
-        ROWS: gl.constexpr = bufs.type.shape[1]
-        gl.static_assert(bufs.type.shape[2] == 128, "one 128-byte line per row (the swizzle's unit)")
-        swz: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        lay: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
-        if REINTERPRET:
-            raw = bufs.index(s).reinterpret(gl.int32, [ROWS, 32], swz)
-        else:
-            raw = bufs.index(s)._reinterpret(gl.int32, [ROWS, 32], swz)
-        w = gl.arange(0, 4, layout=gl.SliceLayout(0, lay))
-        for c in gl.static_range(8):
-            c0 = t0 + c * 16
-            if (c0 < lo) | (c0 + 16 > hi):  # a foreign token in column c
-                view = raw.slice(c * 4, 4, dim=1)
-                if (c0 + 16 <= lo) | (c0 >= hi):  # all foreign
-                    view.store(gl.zeros([ROWS, 4], gl.int32, lay))
-                else:
-                    tok = c0 + w * 4  # each word's first token
-                    d = lo - tok
-                    e = hi - tok
-                    head = gl.where(d <= 0, -1, gl.where(d >= 4, 0, -1 << (gl.minimum(gl.maximum(d, 1), 3) * 8)))
-                    tail = gl.where(e >= 4, -1, gl.where(e <= 0, 0, (1 << (gl.minimum(gl.maximum(e, 1), 3) * 8)) - 1))
-                    view.store(view.load(lay) & (head & tail)[None, :])
-
-    @gluon.jit
     def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
         """If stage ``s``'s chunk (tokens t0 .. t0 + 127) straddles the group's [lo, hi): the other tokens
         of both operands zeroed (``token_mask``, ``mask_tokens``), fenced for the MMA (async proxy) and
         synchronized over the partition's warps, whose MMAs read every thread's writes."""
         if (t0 < lo) | (t0 + a_bufs.type.shape[2] > hi):
-            if COLUMNS:
-                mask_columns(a_bufs, s, t0, lo, hi, WARPS)
-                mask_columns(b_bufs, s, t0, lo, hi, WARPS)
-            else:
-                mask = token_mask(t0, lo, hi, WARPS)
-                mask_tokens(a_bufs, s, mask, WARPS)
-                mask_tokens(b_bufs, s, mask, WARPS)
+            mask = token_mask(t0, lo, hi, WARPS)
+            mask_tokens(a_bufs, s, mask, WARPS)
+            mask_tokens(b_bufs, s, mask, WARPS)
             fence_async_shared()
             thread_barrier()
 
