@@ -5,6 +5,7 @@ cycle counter read at four points of each tile, summarised as shares of the prog
     python qa/bench/fp8_wgrad_trace.py                                   # E=64 and E=8, both routings
     python qa/bench/fp8_wgrad_trace.py --shapes 64,65536,7168,2048 --accumulate --json out.json
     python qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry       # the epilogue's share, and none
+    python qa/bench/fp8_wgrad_trace.py --dry --unzeroed                 # what the edge zeroing costs
 
 Per tile (cycles): "begin" waits for the first chunk's stage, zeroes an edge chunk and issues its MMAs;
 "handoff" hands the previous tile to the epilogue warps (or writes it); "chunks" runs the other chunks
