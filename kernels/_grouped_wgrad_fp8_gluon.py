@@ -56,7 +56,8 @@ MMA warps' own epilogue goes away). Both partitions walk the same tiles and agre
 (``_writes``), so every handoff has its reader. Traced ([Note: tracing the MMA warps' tile phases]), the
 handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%. Two other writers lost at
 E=64 on an H200 and were removed: one TMA store per tile from this partition (593 against 625 TFLOP/s
-fresh: the store holds the buffer until it has read it, and the TMA unit also loads the operands), and
+fresh: the handoff waited longer, the store holding the buffer until it has read it, and the chunks ran
+slower), and
 the MMA warps storing 8 bytes at a time straight from the MMA layout, no shared memory (604-622 fresh,
 499-538 accumulating, against 625-643 and 613).
 
