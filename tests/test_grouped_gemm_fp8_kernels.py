@@ -289,6 +289,22 @@ def _case_wgrad_edge_modes():
     assert k.WGRAD_EDGES["blockwise"] in EDGE_MODES["blockwise"]
 
 
+def _case_wgrad_chunk_grid():
+    """[Note: fp8 wgrad chunk grid]: per-tensor, every path (pointer loads; TMA with head, body and tail;
+    TMA with every chunk masked, both operands or dy^T only) starts a group's chunks at its first token
+    rounded down to 16, so their partial sums and bits agree (on the global 128 grid, groups starting at
+    tokens 100 and 120 would be cut elsewhere); fresh and accumulating."""
+    for pb in (_problem(*SHAPE_TMA, "per_tensor", splits=[0, 100, 20, 168]),
+               _problem(*SHAPE_TMA, "per_tensor", offs=torch.tensor([37, 37, 181, 288], dtype=torch.int32))):
+        for mode in ("fresh", "acc"):
+            got = {"pointer": _run_wgrad(pb, mode, use_tma=False)}
+            for edges in EDGE_MODES["per_tensor"]:
+                with _edge_mode("per_tensor", edges):
+                    got[edges] = _run_wgrad(pb, mode, use_tma=True)
+            for name, g in got.items():
+                assert torch.equal(g, got["pointer"]), f"wgrad {mode}: {name} and pointer loads differ"
+
+
 def _case_edges():
     k = _kernels()
     T, E, K, N = SHAPE_TMA
@@ -485,6 +501,7 @@ _INTERPRETER_CASES = {
     "no_split_accumulator": _case_no_split_accumulator,
     "edges": _case_edges,
     "wgrad_edge_modes": _case_wgrad_edge_modes,
+    "wgrad_chunk_grid": _case_wgrad_chunk_grid,
     "nan_propagation": _case_nan_propagation,
     "custom_ops": _case_custom_ops,
     "gluon_fallback": _case_gluon_fallback,
