@@ -191,41 +191,14 @@ def define() -> SimpleNamespace:
             view.store(view.load(lay) & mask)
 
     @gluon.jit
-    def mask_head(bufs, s, t0, lo, WARPS: gl.constexpr):
-        """Stage ``s`` of a ring of [rows, 128] fp8 chunks (tokens t0 .. t0 + 127, 128-byte swizzled) with
-        its tokens before ``lo`` zeroed, when they all lie in the first 16-token column (lo - t0 <= 16):
-        that column alone, through a [rows, 32] int32 view whose swizzled layout is the 128-byte swizzle
-        (16-byte units, row % 8 phases), 8 bytes per thread."""
-        ROWS: gl.constexpr = bufs.type.shape[1]
-        gl.static_assert(bufs.type.shape[2] == 128, "one 128-byte line per row (the swizzle's unit)")
-        gl.static_assert(ROWS % (16 * WARPS) == 0, "whole passes of 16 rows per warp")
-        swz: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        lay: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [WARPS, 1], [1, 0])
-        if REINTERPRET:
-            raw = bufs.index(s).reinterpret(gl.int32, [ROWS, 32], swz)
-        else:
-            raw = bufs.index(s)._reinterpret(gl.int32, [ROWS, 32], swz)
-        view = raw.slice(0, 4, dim=1)
-        d = lo - (t0 + gl.arange(0, 4, layout=gl.SliceLayout(0, lay)) * 4)  # leading bytes outside, per word
-        keep = gl.where(d <= 0, -1, gl.where(d >= 4, 0, -1 << (gl.minimum(gl.maximum(d, 1), 3) * 8)))
-        view.store(view.load(lay) & keep[None, :])
-
-    @gluon.jit
     def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
         """If stage ``s``'s chunk (tokens t0 .. t0 + 127) straddles the group's [lo, hi): the other tokens
-        of both operands zeroed, fenced for the MMA (async proxy) and synchronized over the partition's
-        warps, whose MMAs read every thread's writes. A chunk that only starts before ``lo``, by at most 16
-        tokens (the wgrad's first chunks: [Note: fp8 wgrad chunk grid] in ``grouped_gemm_fp8``), rewrites
-        the first 16-token column (``mask_head``); any other, every unit (``token_mask``, ``mask_tokens``)."""
-        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-        if (t0 < lo) | (t0 + BLOCK_K > hi):
-            if (t0 + BLOCK_K <= hi) & (lo - t0 <= 16):
-                mask_head(a_bufs, s, t0, lo, WARPS)
-                mask_head(b_bufs, s, t0, lo, WARPS)
-            else:
-                mask = token_mask(t0, lo, hi, WARPS)
-                mask_tokens(a_bufs, s, mask, WARPS)
-                mask_tokens(b_bufs, s, mask, WARPS)
+        of both operands zeroed (``token_mask``, ``mask_tokens``), fenced for the MMA (async proxy) and
+        synchronized over the partition's warps, whose MMAs read every thread's writes."""
+        if (t0 < lo) | (t0 + a_bufs.type.shape[2] > hi):
+            mask = token_mask(t0, lo, hi, WARPS)
+            mask_tokens(a_bufs, s, mask, WARPS)
+            mask_tokens(b_bufs, s, mask, WARPS)
             fence_async_shared()
             thread_barrier()
 

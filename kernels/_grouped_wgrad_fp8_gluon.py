@@ -95,7 +95,6 @@ EPI_REGS = 40  # registers per epilogue thread: what the MMA warps' 232 leave in
 def _define():
     from . import _grouped_gemm_fp8_gluon as _fprop
     from ._grouped_wgrad import _swizzle, _wgrad_out_base  # (scalar Triton helpers: Gluon calls them as they are)
-    from .grouped_gemm_fp8 import CHUNK_ALIGN
     t = _define_tiles()
     _group = t.group
     _begin, _accumulate = _fprop.parts.begin, _fprop.parts.accumulate
@@ -104,14 +103,13 @@ def _define():
     def _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
         """Tile ``tile``: (group, first row (of N), first column (of K), the group's first token and end,
-        the first chunk's token (the group's first rounded down to CHUNK_ALIGN: [Note: fp8 wgrad chunk
-        grid] in ``grouped_gemm_fp8``), the chunks)."""
+        the first chunk's token on the 128 grid, the chunks)."""
         per_group = tiles_m * tiles_n
         e = tile // per_group
         pid_m, pid_n = _swizzle(tile % per_group, tiles_m, tiles_n, GROUP_M)
         start, size = _group(offs_ptr, stride_o, T, e)
         end = start + size
-        first = (start // CHUNK_ALIGN) * CHUNK_ALIGN
+        first = (start // BLOCK_K) * BLOCK_K
         n_k = gl.where(size > 0, gl.cdiv(end - first, BLOCK_K), 0)
         return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k
 

@@ -92,8 +92,7 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 
 # [Note: fp8 wgrad edges]
 # A wgrad chunk that straddles a group edge must zero the other group's tokens, in registers (a TMA box
-# cannot stop at a group's end, and its innermost offset, here the token, must be 16-byte aligned: [Note:
-# fp8 wgrad chunk grid]).
+# cannot stop at a group's end, and its innermost offset, here the token, must be 16-byte aligned).
 # How the TMA path arranges that, per recipe (the EDGES constexpr; tuning constants, measured by
 # ``qa/bench/fp8.py --gemm-sweep``, which also times the alternatives):
 # - "edges" (0): masked head and tail chunks around an unmasked pipelined loop over the full chunks.
@@ -109,19 +108,6 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 # the register round trip of a masked operand on every step costs more than two unpipelined chunks.
 # The alternatives stay (tested) for other GPUs and Triton versions.
 WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
-
-# [Note: fp8 wgrad chunk grid]
-# The wgrad contracts each group's tokens in 128-token chunks (the promotion interval, [Note: fp8 split
-# accumulator]); where the chunks start decides which partial sums are rounded, so every kernel of a recipe
-# uses the same grid and gives the same bits (the GPU tests compare them).
-# - Blockwise: the global 128-token grid, the scales' (a chunk must lie in one scale tile).
-# - Per-tensor: from the group's first token rounded down to CHUNK_ALIGN = 16 tokens, the finest start
-#   TMA takes (its innermost box coordinate must be 16-byte aligned: an H200 raised an illegal instruction
-#   at token offsets 1, 5, 17 and 100, and loaded 0 and 16 right). Only the first chunk holds tokens
-#   of the previous group, fewer than 16, all in its first 16-byte column; on the global grid it held up
-#   to 127, and a group of n tokens took cdiv(n + start % 128, 128) chunks instead of
-#   cdiv(n + start % 16, 128) (about half a chunk more per group).
-CHUNK_ALIGN = tl.constexpr(16)
 
 # [Note: fp8 split accumulator]
 # Hopper's fp8 tensor cores add each 32-deep product into the accumulator with ~13 explicit mantissa
@@ -354,22 +340,19 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
     as_ptrs = as_ptr + rows_m.to(tl.int64) * stride_asn      # blockwise only
     bs_ptrs = bs_ptr + cols_n.to(tl.int64) * stride_bsk      # blockwise only
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The chunk grid ([Note: fp8 wgrad chunk grid]): blockwise, the scales' global BLOCK_K (= L) grid;
-    # per-tensor, BLOCK_K-token chunks from the group's first token rounded down to 16 (TMA offsets). An
-    # empty group visits none (a masked chunk would still multiply zeros by its tile's scales, and a NaN
-    # scale of another group's tile would leak in).
-    if BLOCKWISE:
-        first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
-    else:
-        first = tl.where(end > start, (start // CHUNK_ALIGN) * CHUNK_ALIGN, end)
+    # Chunks on the global BLOCK_K (= L) grid; an empty group visits none (a masked chunk would still
+    # multiply zeros by its tile's scales, and a NaN scale of another group's tile would leak in).
+    first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
     if USE_TMA and EDGES != 0:  # one pipelined loop, every chunk masked ([Note: fp8 wgrad edges])
+        if not BLOCKWISE:  # no scale grid: start at the group, rounded down to 16 tokens (TMA offsets)
+            first = tl.where(end > start, (start // 16) * 16, end)
         for t0 in range(first, end, BLOCK_K):
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
                                        True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC, EDGES == 1)
     elif USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
-        body_lo = first + tl.cdiv(start - first, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
-        body_hi = first + ((end - first) // BLOCK_K) * BLOCK_K
+        body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
+        body_hi = (end // BLOCK_K) * BLOCK_K
         if first < start:                            # head: the group starts mid-chunk
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, first, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
