@@ -289,20 +289,55 @@ def _case_wgrad_edge_modes():
     assert k.WGRAD_EDGES["blockwise"] in EDGE_MODES["blockwise"]
 
 
-def _case_wgrad_chunk_grid():
-    """[Note: fp8 wgrad chunk grid]: per-tensor, every path (pointer loads; TMA with head, body and tail;
-    TMA with every chunk masked, both operands or dy^T only) starts a group's chunks at its first token
-    rounded down to 16, so their partial sums and bits agree (on the global 128 grid, groups starting at
-    tokens 100 and 120 would be cut elsewhere); fresh and accumulating."""
-    for pb in (_problem(*SHAPE_TMA, "per_tensor", splits=[0, 100, 20, 168]),
-               _problem(*SHAPE_TMA, "per_tensor", offs=torch.tensor([37, 37, 181, 288], dtype=torch.int32))):
-        for mode in ("fresh", "acc"):
-            got = {"pointer": _run_wgrad(pb, mode, use_tma=False)}
-            for edges in EDGE_MODES["per_tensor"]:
-                with _edge_mode("per_tensor", edges):
-                    got[edges] = _run_wgrad(pb, mode, use_tma=True)
-            for name, g in got.items():
-                assert torch.equal(g, got["pointer"]), f"wgrad {mode}: {name} and pointer loads differ"
+def _chunk_order_problem(device):
+    """[Note: fp8 wgrad chunks]: a problem whose result pins the order in which a group's chunk partial sums
+    are added. dW[0, 0] of groups 0 ([0, 384)) and 2 ([400, 784), starting mid-chunk) sums exact partials 1
+    (the first chunk), 1 (the second), 2^24 (the third: 128 products 512 * 256) and 0 (group 2's fourth);
+    in fp32 (1 + 2^24) + 1 = 2^24 (each 1 is half an ulp: a tie, to even) where (1 + 1) + 2^24 = 2^24 + 2.
+    Group 1 ([384, 400), 16 products 448 * 3 = 21504) shares group 2's first chunk, whose mask must keep
+    it out. Returns (the launch's raw arguments, dW[:, 0, 0] expected)."""
+    T, N, K = 784, 16, 16
+    dy = torch.zeros(N, T)
+    x = torch.zeros(K, T)
+    for t0 in (0, 400):  # groups 0 and 2: their first token
+        c = (t0 // 128) * 128  # their first chunk, on the global grid
+        dy[0, t0], x[0, t0] = 1.0, 1.0                                 # first chunk: 1
+        dy[0, c + 128], x[0, c + 128] = 1.0, 1.0                       # second chunk: 1
+        dy[0, c + 256:c + 384], x[0, c + 256:c + 384] = 512.0, 256.0   # third chunk: 2^24
+    dy[0, 384:400], x[0, 384:400] = 448.0, 3.0                         # group 1
+    ones = torch.ones((), device=device)
+    offs = torch.tensor([384, 400, 784], dtype=torch.int32, device=device)
+    raw = (dy.to(torch.float8_e5m2).to(device), ones, x.to(torch.float8_e4m3fn).to(device), ones.clone(), offs)
+    return raw, [2.0**24, 21504.0, 2.0**24]
+
+
+def _check_chunk_order(device, **launch):
+    """Every wgrad path adds a group's chunks second first, first last ([Note: fp8 wgrad chunks])."""
+    raw, expected = _chunk_order_problem(device)
+    out = torch.full((len(expected), 16, 16), float("nan"), device=device)
+    _kernels()._launch_wgrad(*raw, out, block=0, accumulate=False, table=None, config=None, **launch)
+    got = out[:, 0, 0].tolist()
+    assert got == expected, f"{launch}: dW[:, 0, 0] = {got}, expected {expected} (2^24 + 2: the first chunk " \
+                            "was added first)"
+    assert not bool(out.isnan().any()) and bool((out[:, 1:, :] == 0).all()) and bool((out[:, :, 1:] == 0).all())
+
+
+def _case_wgrad_chunks():
+    """[Note: fp8 wgrad chunks]: every per-tensor path (pointer loads; TMA with the masked first and last
+    chunks around the unmasked ones; TMA with every chunk masked, both operands or dy^T only) adds a
+    group's chunks in the documented order, and so gives the same bits on a random problem too."""
+    for edges in EDGE_MODES["per_tensor"]:
+        with _edge_mode("per_tensor", edges):
+            _check_chunk_order("cpu", use_tma=True)
+    _check_chunk_order("cpu", use_tma=False)
+    pb = _problem(*SHAPE_TMA, "per_tensor", offs=torch.tensor([37, 37, 181, 288], dtype=torch.int32))
+    for mode in ("fresh", "acc"):
+        got = {"pointer": _run_wgrad(pb, mode, use_tma=False)}
+        for edges in EDGE_MODES["per_tensor"]:
+            with _edge_mode("per_tensor", edges):
+                got[edges] = _run_wgrad(pb, mode, use_tma=True)
+        for name, g in got.items():
+            assert torch.equal(g, got["pointer"]), f"wgrad {mode}: {name} and pointer loads differ"
 
 
 def _case_edges():
@@ -501,7 +536,7 @@ _INTERPRETER_CASES = {
     "no_split_accumulator": _case_no_split_accumulator,
     "edges": _case_edges,
     "wgrad_edge_modes": _case_wgrad_edge_modes,
-    "wgrad_chunk_grid": _case_wgrad_chunk_grid,
+    "wgrad_chunks": _case_wgrad_chunks,
     "nan_propagation": _case_nan_propagation,
     "custom_ops": _case_custom_ops,
     "gluon_fallback": _case_gluon_fallback,
@@ -1249,6 +1284,24 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
               f"{same.numel()} differ, max |diff| {float((ours - triton_k).abs().max()):.3g}")
         assert bool(same.all()), f"wgrad {mode}: the Gluon and Triton kernels differ"
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("path", ["gluon", "triton", "triton_loop", "pointer"])
+def test_gpu_wgrad_chunk_order(path):
+    """[Note: fp8 wgrad chunks] on the GPU: the Gluon kernel and the Triton kernel's paths add a group's
+    chunks second first, first last (the Hopper fp8 MMA sums these powers of two exactly)."""
+    if path == "gluon":
+        from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+        if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+        _check_chunk_order("cuda", gluon=True)
+    elif path == "triton_loop":
+        with _edge_mode("per_tensor", "loop"):
+            _check_chunk_order("cuda", gluon=False, use_tma=True)
+    else:
+        _check_chunk_order("cuda", gluon=False, use_tma=path == "triton")
 
 
 @pytest.mark.gpu
