@@ -133,15 +133,13 @@ def _define():
         next step's wait makes it readable. Step k-1's stage is then free: refilled here, or,
         warp-specialized (WS), handed back to the producer through ``empty``. ``base``: the ring's step
         count before this tile's step 0 (persistent programs run the ring across tiles). EDGES (the FP8
-        wgrad): step k holds tokens t_first + 128 ((k + 1) mod n_k) ... (the group's first chunk last:
-        [Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``), those outside the group's [t_lo, t_hi) are
-        zeroed first ([Note: a group's edge chunks in shared memory] in ``_grouped_wgrad_fp8_gluon``)."""
+        wgrad): step k holds tokens t_first + 128 k ..., those outside the group's [t_lo, t_hi) are zeroed
+        first ([Note: a group's edge chunks in shared memory] in ``_grouped_wgrad_fp8_gluon``)."""
         g = base + k
         s = g % NUM_STAGES
         mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
         if EDGES:
-            _zero_edges(a_bufs, b_bufs, s, t_first + ((k + 1) % n_k) * a_bufs.type.shape[2], t_lo, t_hi,
-                        mma.warps_per_cta[0])
+            _zero_edges(a_bufs, b_bufs, s, t_first + k * a_bufs.type.shape[2], t_lo, t_hi, mma.warps_per_cta[0])
         # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
         # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
         cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
@@ -202,7 +200,7 @@ def _define():
         s0 = base % NUM_STAGES
         mbarrier.wait(ready.index(s0), (base // NUM_STAGES) & 1)
         if EDGES:
-            _zero_edges(a_bufs, b_bufs, s0, t_first + (1 % n_k) * BLOCK_K, t_lo, t_hi, mma.warps_per_cta[0])
+            _zero_edges(a_bufs, b_bufs, s0, t_first, t_lo, t_hi, mma.warps_per_cta[0])
         prev = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only

@@ -117,8 +117,7 @@ def _define():
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                  GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
-        (a fresh mbarrier counts as released for the first round), then loads it; a tile's chunks in the
-        order of [Note: fp8 wgrad chunks] (``grouped_gemm_fp8``)."""
+        (a fresh mbarrier counts as released for the first round), then loads it."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -133,9 +132,8 @@ def _define():
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                t0 = first + ((k + 1) % n_k) * BLOCK_K  # the second chunk first, the first last
-                _tma_load(a_desc, [row0, t0], bar, a_bufs.index(s))
-                _tma_load(b_desc, [col0, t0], bar, b_bufs.index(s))
+                _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, a_bufs.index(s))
+                _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, b_bufs.index(s))
                 g += 1
 
     @gluon.jit

@@ -112,18 +112,21 @@ WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 
 # [Note: fp8 wgrad chunks]
 # The wgrad contracts each group's tokens in 128-token chunks (the promotion interval, [Note: fp8 split
-# accumulator]) on the global 128-token grid, and adds the chunks' partial sums in one order, the same in
-# every kernel (the Gluon one: ``_grouped_wgrad_fp8_gluon``), so that they give the same bits (the GPU
-# tests compare them): the group's second chunk first, up to its last, then its first.
-# - Why the first goes last: only the first chunk can hold the previous group's tokens (the last, the
-#   next group's). The Gluon kernel zeroes those in shared memory before the chunk's MMAs; as a tile's
-#   first chunk nothing was in flight beside that zeroing, as its last the chunk before's MMAs are.
-# - Why the global grid: a TMA box's innermost coordinate (the token) must be 16-byte aligned (an H200
-#   raised an illegal instruction at token offsets 1, 5, 17 and 100; 0 and 16 load right), and boxes that
-#   are 16- but not 128-byte aligned load slowly: chunks from each group's first token rounded down to 16
-#   took ~40% more cycles each on an H200 (E=8, random routing: 797 TFLOP/s where the 128 grid ran
-#   1002-1043 in earlier runs; E=64: 619 against 625-652, despite 5% fewer chunks;
-#   docs/benchmarks/fp8_wgrad_trace_grid16_h200.json).
+# accumulator]) on the global 128-token grid and adds the chunks' partial sums in token order, in every
+# path of every kernel (the Gluon one: ``_grouped_wgrad_fp8_gluon``), so that they give the same bits (the
+# GPU tests compare them; ``_case_wgrad_chunks`` pins the order with sums whose rounding depends on it).
+# Two other arrangements were measured on an H200 and dropped:
+# - Chunks from each group's first token rounded down to 16 tokens. A TMA box's innermost coordinate
+#   (the token) must be 16-byte aligned: the H200 raised an illegal instruction at token offsets 1, 5, 17
+#   and 100, and loaded 0 and 16 right. Only the first chunk would then hold another group's tokens
+#   (fewer than 16: one 16-byte column to zero), and groups take ~5% fewer chunks; but boxes that are 16-
+#   and not 128-byte aligned load slowly: ~40% more cycles per chunk (E=8, random routing: 797 TFLOP/s
+#   where the 128 grid runs 960-1043; E=64: 619 against 605-652; ``fp8_wgrad_trace_grid16_h200.json``).
+# - The first chunk added last, so that the Gluon kernel zeroes its foreign tokens under the MMAs of the
+#   chunk before rather than with nothing in flight (as a tile's first chunk): E=64 ran 605 / 566 TFLOP/s
+#   fresh / accumulating (``fp8_wgrad_first_chunk_last_h200.json``) against the record's 626 / 590: the
+#   zeroing (~1200 cycles per edge chunk) outlasts a chunk's MMAs (~650), and the two edge chunks then
+#   come back to back.
 
 # [Note: fp8 split accumulator]
 # Hopper's fp8 tensor cores add each 32-deep product into the accumulator with ~13 explicit mantissa
@@ -356,40 +359,33 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
     as_ptrs = as_ptr + rows_m.to(tl.int64) * stride_asn      # blockwise only
     bs_ptrs = bs_ptr + cols_n.to(tl.int64) * stride_bsk      # blockwise only
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Chunks on the global BLOCK_K (= L) grid, the group's second first and its first last ([Note: fp8 wgrad
-    # chunks]); an empty group visits none (a masked chunk would still multiply zeros by its tile's
-    # scales, and a NaN scale of another group's tile would leak in).
+    # Chunks on the global BLOCK_K (= L) grid, added in order ([Note: fp8 wgrad chunks]); an empty group
+    # visits none (a masked chunk would still multiply zeros by its tile's scales, and a NaN scale of
+    # another group's tile would leak in).
     first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
     if USE_TMA and EDGES != 0:  # one pipelined loop, every chunk masked ([Note: fp8 wgrad edges])
-        for t0 in range(first + BLOCK_K, end, BLOCK_K):
+        for t0 in range(first, end, BLOCK_K):
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
-                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC, EDGES == 1)
-        if end > start:
-            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, first, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
                                        True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC, EDGES == 1)
     elif USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
-        body_hi = (end // BLOCK_K) * BLOCK_K          # full chunks after the first: [first + BLOCK_K, body_hi)
-        for t0 in range(first + BLOCK_K, body_hi, BLOCK_K):
-            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
-                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       False, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
-        if (body_hi < end) & (body_hi > first):      # tail, unless the first chunk holds the group's end
-            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, body_hi, start, end, pid_m * BLOCK_M,
-                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
-        if end > start:                              # the first chunk, masked (the group may start or end in it)
+        body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
+        body_hi = (end // BLOCK_K) * BLOCK_K
+        if first < start:                            # head: the group starts mid-chunk
             acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, first, start, end, pid_m * BLOCK_M,
                                        pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
                                        True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
+        for t0 in range(body_lo, body_hi, BLOCK_K):
+            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
+                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
+                                       False, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
+        if (body_hi < end) & (body_hi >= body_lo):   # tail, unless the head chunk already held it
+            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, body_hi, start, end, pid_m * BLOCK_M,
+                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
+                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     else:
-        for t0 in range(first + BLOCK_K, end, BLOCK_K):
+        for t0 in range(first, end, BLOCK_K):
             acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, start, end, rows_m, cols_n, N, K,
-                                   acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
-                                   BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
-        if end > start:
-            acc = _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, first, start, end, rows_m, cols_n, N, K,
                                    acc, stride_an, stride_at, stride_bk, stride_bt, stride_asc, stride_bsc,
                                    BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale

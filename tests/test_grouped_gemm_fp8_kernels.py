@@ -293,7 +293,8 @@ def _chunk_order_problem(device):
     """[Note: fp8 wgrad chunks]: a problem whose result pins the order in which a group's chunk partial sums
     are added. dW[0, 0] of groups 0 ([0, 384)) and 2 ([400, 784), starting mid-chunk) sums exact partials 1
     (the first chunk), 1 (the second), 2^24 (the third: 128 products 512 * 256) and 0 (group 2's fourth);
-    in fp32 (1 + 2^24) + 1 = 2^24 (each 1 is half an ulp: a tie, to even) where (1 + 1) + 2^24 = 2^24 + 2.
+    in fp32, in token order, (1 + 1) + 2^24 = 2^24 + 2, where any order that adds a 1 to 2^24 first would
+    give 2^24 (a 1 is half an ulp there: a tie, to even).
     Group 1 ([384, 400), 16 products 448 * 3 = 21504) shares group 2's first chunk, whose mask must keep
     it out. Returns (the launch's raw arguments, dW[:, 0, 0] expected)."""
     T, N, K = 784, 16, 16
@@ -308,24 +309,23 @@ def _chunk_order_problem(device):
     ones = torch.ones((), device=device)
     offs = torch.tensor([384, 400, 784], dtype=torch.int32, device=device)
     raw = (dy.to(torch.float8_e5m2).to(device), ones, x.to(torch.float8_e4m3fn).to(device), ones.clone(), offs)
-    return raw, [2.0**24, 21504.0, 2.0**24]
+    return raw, [2.0**24 + 2, 21504.0, 2.0**24 + 2]
 
 
 def _check_chunk_order(device, **launch):
-    """Every wgrad path adds a group's chunks second first, first last ([Note: fp8 wgrad chunks])."""
+    """The wgrad adds a group's chunks in token order ([Note: fp8 wgrad chunks])."""
     raw, expected = _chunk_order_problem(device)
     out = torch.full((len(expected), 16, 16), float("nan"), device=device)
     _kernels()._launch_wgrad(*raw, out, block=0, accumulate=False, table=None, config=None, **launch)
     got = out[:, 0, 0].tolist()
-    assert got == expected, f"{launch}: dW[:, 0, 0] = {got}, expected {expected} (2^24 + 2: the first chunk " \
-                            "was added first)"
+    assert got == expected, f"{launch}: dW[:, 0, 0] = {got}, expected {expected} (2^24: not in token order)"
     assert not bool(out.isnan().any()) and bool((out[:, 1:, :] == 0).all()) and bool((out[:, :, 1:] == 0).all())
 
 
 def _case_wgrad_chunks():
     """[Note: fp8 wgrad chunks]: every per-tensor path (pointer loads; TMA with the masked first and last
     chunks around the unmasked ones; TMA with every chunk masked, both operands or dy^T only) adds a
-    group's chunks in the documented order, and so gives the same bits on a random problem too."""
+    group's chunks on the same grid in the same order, and so gives the same bits on a random problem too."""
     for edges in EDGE_MODES["per_tensor"]:
         with _edge_mode("per_tensor", edges):
             _check_chunk_order("cpu", use_tma=True)
@@ -1291,12 +1291,12 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
 @pytest.mark.parametrize("path", ["gluon", "triton", "triton_loop", "pointer"])
 def test_gpu_wgrad_chunk_order(path):
     """[Note: fp8 wgrad chunks] on the GPU: the Gluon kernel and the Triton kernel's paths add a group's
-    chunks second first, first last (the Hopper fp8 MMA sums these powers of two exactly)."""
+    chunks in token order (the Hopper fp8 MMA sums these powers of two exactly)."""
     if path == "gluon":
         from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
         if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-        _check_chunk_order("cuda", gluon=True)
+        _check_chunk_order("cuda", gluon=True, use_tma=None)
     elif path == "triton_loop":
         with _edge_mode("per_tensor", "loop"):
             _check_chunk_order("cuda", gluon=False, use_tma=True)
