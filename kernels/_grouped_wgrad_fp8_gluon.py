@@ -37,7 +37,11 @@ partition beside it, ran 185-210 TFLOP/s, ~8 us per edge chunk (Nsight Compute: 
 for stages in ~63% of their samples); spread over the MMA warps, 498 (docs/benchmarks.md). Beside the
 epilogue partition the zeroing no longer hides under the MMAs: traced dry runs at E=64, random routing,
 took 2.58 ms with it and 2.00 ms without (1.55 and 1.52 with the MMA warps writing), 22% more
-instructions in the MMA warps' stream of zeroing, promotion adds and handoffs.
+instructions in the MMA warps' stream of zeroing, promotion adds and handoffs. Zeroing fewer bytes (only
+the 16-token columns with foreign tokens, or dy^T's alone) and adding a group's first chunk last (its
+zeroing under the chunk before's MMAs) did not help either (E=64: 1.02-1.11x bf16 fresh, 1.29-1.49x
+accumulating, against 1.10x and 1.46x; [Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``,
+docs/benchmarks.md).
 
 [Note: an epilogue partition]
 At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written,

@@ -10,6 +10,7 @@
 #   tile candidates), gemm_fp8 (FP8 grouped GEMM only), gemm_fp8_sweep (every FP8 tile candidate),
 #   quant_sweep (quantize tuning candidates), quant_graph (quantize timed by CUDA-graph replays),
 #   quant_gluon (qa/L2_gpu/rowcol_gluon_check.py: the Gluon rows + columns quantize, repeated and timed),
+#   tma_alignment (qa/L2_gpu/tma_token_alignment.py: which token offsets a TMA load of fp8 accepts),
 #   train_fp8 (the FP8 job alone), train_fp8_te (per-tensor FP8 with and without TE's fprop accumulation), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
 #   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL, and the multi-rank
 #   tests that run over NCCL: pytest -m gpu -k nccl),
@@ -74,6 +75,7 @@ for step in $STEPS; do
     quant_graph) run quant_graph python3 qa/bench/fp8.py --benchmarks quantize --cuda-graph \
                    --json "$OUT_DIR/quantize_cuda_graph.json" ;;
     quant_gluon) run quant_gluon python3 qa/L2_gpu/rowcol_gluon_check.py ;;
+    tma_alignment) run tma_alignment python3 qa/L2_gpu/tma_token_alignment.py ;;
     quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
                    --json "$OUT_DIR/quant_sweep.json" ;;
     bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
