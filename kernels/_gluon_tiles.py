@@ -202,5 +202,29 @@ def define() -> SimpleNamespace:
             fence_async_shared()
             thread_barrier()
 
+    @gluon.jit
+    def zero_rows(a_bufs, b_bufs, s, t0, hi, WARPS: gl.constexpr):
+        """If stage ``s``'s chunk of [tokens, rows] tiles (tokens t0 .. t0 + BLOCK_K - 1: the bf16 wgrad,
+        whose chunks start at a group's first token) runs past the group's end ``hi``: those token rows of
+        both operands zeroed (read and written whole: a row of the swizzled tile is not one line), fenced
+        for the MMA (async proxy) and synchronized over the partition's warps."""
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[1]
+        if t0 + BLOCK_K > hi:
+            ROWS_A: gl.constexpr = a_bufs.type.shape[2]
+            ROWS_B: gl.constexpr = b_bufs.type.shape[2]
+            lay_a: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROWS_A // 8), ROWS_A // 8], [WARPS, 1], [1, 0])
+            lay_b: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROWS_B // 8), ROWS_B // 8], [WARPS, 1], [1, 0])
+            a = a_bufs.index(s)
+            keep_a = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay_a)) < hi - t0
+            va = a.load(lay_a)
+            a.store(gl.where(keep_a[:, None], va, gl.zeros_like(va)))
+            b = b_bufs.index(s)
+            keep_b = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay_b)) < hi - t0
+            vb = b.load(lay_b)
+            b.store(gl.where(keep_b[:, None], vb, gl.zeros_like(vb)))
+            fence_async_shared()
+            thread_barrier()
+
     return SimpleNamespace(find_group=find_group, total_tiles=total_tiles, group=group, cursor=cursor,
-                           origin=origin, tile=tile, store_rows=store_rows, zero_edges=zero_edges)
+                           origin=origin, tile=tile, store_rows=store_rows, zero_edges=zero_edges,
+                           zero_rows=zero_rows)

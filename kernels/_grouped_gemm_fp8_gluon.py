@@ -110,6 +110,7 @@ def _define():
     _find_group, _total_tiles, _cursor, _origin, _tile = t.find_group, t.total_tiles, t.cursor, t.origin, t.tile
     _store_rows = t.store_rows
     _zero_edges = t.zero_edges
+    _zero_rows = t.zero_rows
 
     @gluon.jit
     def _issue(a_desc, b_desc, ready, a_bufs, b_bufs, step, g, row0, brow0, pred, NUM_STAGES: gl.constexpr):
@@ -125,7 +126,7 @@ def _define():
     def _step(k, base, a_desc, b_desc, ready, a_bufs, b_bufs, row0, brow0, n_k, acc, prev, prev_as, prev_bs,
               cur_as, cur_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr,
               BLOCKWISE: gl.constexpr, NUM_STAGES: gl.constexpr, empty=None, WS: gl.constexpr = False,
-              t_first=0, t_lo=0, t_hi=0, EDGES: gl.constexpr = False):
+              t_first=0, t_lo=0, t_hi=0, EDGES: gl.constexpr = False, TOKENS_OUTER: gl.constexpr = False):
         """K step ``k``: issue its MMAs, then add step k-1's partial ``prev`` into ``acc`` while they run.
         Blockwise scales: ``prev_as``/``prev_bs`` are step k-1's, ``cur_as``/``cur_bs`` step k's (loaded a
         step ago); step k+1's are loaded here. Returns (acc, this step's partial, its row scales, its
@@ -134,15 +135,25 @@ def _define():
         warp-specialized (WS), handed back to the producer through ``empty``. ``base``: the ring's step
         count before this tile's step 0 (persistent programs run the ring across tiles). EDGES (the FP8
         wgrad): step k holds tokens t_first + 128 k ..., those outside the group's [t_lo, t_hi) are zeroed
-        first ([Note: a group's edge chunks in shared memory] in ``_grouped_wgrad_fp8_gluon``)."""
+        first ([Note: a group's edge chunks in shared memory] in ``_grouped_wgrad_fp8_gluon``). TOKENS_OUTER
+        (the bf16 wgrad): the stages hold [tokens, rows] of dy and x, the MMA reads them transposed and as
+        they are, and only the group's end can cut a step (its tokens start a step)."""
         g = base + k
         s = g % NUM_STAGES
         mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
         if EDGES:
-            _zero_edges(a_bufs, b_bufs, s, t_first + k * a_bufs.type.shape[2], t_lo, t_hi, mma.warps_per_cta[0])
+            if TOKENS_OUTER:
+                _zero_rows(a_bufs, b_bufs, s, t_first + k * a_bufs.type.shape[1], t_hi, mma.warps_per_cta[0])
+            else:
+                _zero_edges(a_bufs, b_bufs, s, t_first + k * a_bufs.type.shape[2], t_lo, t_hi,
+                            mma.warps_per_cta[0])
         # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
         # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
-        cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
+        if TOKENS_OUTER:
+            cur = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, use_acc=False, is_async=True)
+        else:
+            cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=False,
+                                is_async=True)
         cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
         # step k-1's MMAs are done: its stage takes step k + NUM_STAGES - 1
         if WS:
@@ -174,14 +185,15 @@ def _define():
     @gluon.jit
     def _begin(a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast, stride_ask,
                stride_bse, stride_bsk, stride_bsn, mma: gl.constexpr, BLOCKWISE: gl.constexpr,
-               NUM_STAGES: gl.constexpr, t_first=0, t_lo=0, t_hi=0, EDGES: gl.constexpr = False):
+               NUM_STAGES: gl.constexpr, t_first=0, t_lo=0, t_hi=0, EDGES: gl.constexpr = False,
+               TOKENS_OUTER: gl.constexpr = False):
         """A tile's step 0 (in the ring's step ``base``): waits for its stage and issues its MMAs into fresh
         registers. Returns (the partial, in flight; its row scales; its weight scale; step 1's row scales
         and weight scale; the row-scale pointers and the weight-scale base of the tile's later steps).
-        EDGES as ``_step``'s."""
-        BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+        EDGES and TOKENS_OUTER as ``_step``'s."""
+        BLOCK_M: gl.constexpr = a_bufs.type.shape[2] if TOKENS_OUTER else a_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = a_bufs.type.shape[1] if TOKENS_OUTER else a_bufs.type.shape[2]
+        BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if TOKENS_OUTER else b_bufs.type.shape[1]
         row_lay: gl.constexpr = gl.SliceLayout(1, mma)
         # blockwise: row scales of the step (a_s[rows, kb]) and the weight block's scale (one per step:
         # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
@@ -200,9 +212,16 @@ def _define():
         s0 = base % NUM_STAGES
         mbarrier.wait(ready.index(s0), (base // NUM_STAGES) & 1)
         if EDGES:
-            _zero_edges(a_bufs, b_bufs, s0, t_first, t_lo, t_hi, mma.warps_per_cta[0])
-        prev = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
-                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+            if TOKENS_OUTER:
+                _zero_rows(a_bufs, b_bufs, s0, t_first, t_hi, mma.warps_per_cta[0])
+            else:
+                _zero_edges(a_bufs, b_bufs, s0, t_first, t_lo, t_hi, mma.warps_per_cta[0])
+        if TOKENS_OUTER:
+            prev = warpgroup_mma(a_bufs.index(s0).permute((1, 0)), b_bufs.index(s0),
+                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+        else:
+            prev = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
         prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
         return prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base
 
@@ -210,11 +229,12 @@ def _define():
     def _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev, prev_as, prev_bs,
                     nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma: gl.constexpr,
                     BLOCKWISE: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr, t_first=0, t_lo=0,
-                    t_hi=0, EDGES: gl.constexpr = False):
+                    t_hi=0, EDGES: gl.constexpr = False, TOKENS_OUTER: gl.constexpr = False):
         """Steps 1 .. n_k - 1 of a tile whose step 0 (``_begin``) is in flight as ``prev``: the tile's fp32
-        sum, every MMA of it done ([Note: promotion under the next MMA]). EDGES as ``_step``'s."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        sum, every MMA of it done ([Note: promotion under the next MMA]). EDGES and TOKENS_OUTER as
+        ``_step``'s."""
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         # Step 0 is outside the loop, so that one step's MMAs are in flight at the loop's head on every
         # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
@@ -225,19 +245,19 @@ def _define():
                                                              brow0, n_k, acc, prev, prev_as, prev_bs, nxt_as, nxt_bs,
                                                              as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma,
                                                              BLOCKWISE, NUM_STAGES, empty, WS, t_first, t_lo, t_hi,
-                                                             EDGES)
+                                                             EDGES, TOKENS_OUTER)
             acc, prev, prev_as, prev_bs, nxt_as, nxt_bs = _step(k + 1, base, a_desc, b_desc, ready, a_bufs, b_bufs,
                                                                 row0, brow0, n_k, acc, cur, cur_as, cur_bs, nxt_as,
                                                                 nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask,
                                                                 stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS,
-                                                                t_first, t_lo, t_hi, EDGES)
+                                                                t_first, t_lo, t_hi, EDGES, TOKENS_OUTER)
         # the last partial is added in each branch: no in-flight accumulator may cross the merge
         if n_k % 2 == 0:  # one step left
             acc, prev, prev_as, prev_bs, nxt_as, nxt_bs = _step(n_k - 1, base, a_desc, b_desc, ready, a_bufs, b_bufs,
                                                                 row0, brow0, n_k, acc, prev, prev_as, prev_bs, nxt_as,
                                                                 nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask,
                                                                 stride_bsk, mma, BLOCKWISE, NUM_STAGES, empty, WS,
-                                                                t_first, t_lo, t_hi, EDGES)
+                                                                t_first, t_lo, t_hi, EDGES, TOKENS_OUTER)
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)
         else:
             acc = _last(acc, prev, prev_as, prev_bs, BLOCKWISE)

@@ -75,6 +75,18 @@ A traced launch may also write nothing (ADD_MODE -1: the epilogue warps read eac
 shared memory and drop it), to time the chunks without the output's global traffic, and such a dry run
 may skip the edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
 
+[Note: the bf16 wgrad in the fp8 kernel]
+The same kernel serves the bf16 / fp16 wgrad (``TOKENS_OUTER``, ``launch_tokens_outer``; opt-in as
+``grouped_gemm.WGRAD_GLUON``): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a
+[64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
+and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
+there). The token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at
+its first token and only its last chunk can hold another group's tokens: those token rows of both
+stages are zeroed (``_gluon_tiles.zero_rows``), fenced and synchronized as for FP8. The promoting loop,
+the persistent schedule and the epilogue partition are the FP8 kernel's; the scales are ones. bf16 MMAs
+run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long while its fp32 epilogue stays:
+the partition hides the output's read-modify-write, which the Triton kernel pays between tiles.
+
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
 output ``[E, N, K]`` or a table of per-group fp32 bases (``PTR_TABLE``).
@@ -88,7 +100,7 @@ from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
 from ._gluon_tiles import tma_load as _tma_load
 
-__all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor"]
+__all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor", "launch", "launch_tokens_outer"]
 
 BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion interval)
 EPI_ROWS = 8   # rows of the handed-off tile the epilogue warps write per step ([Note: an epilogue partition])
@@ -105,7 +117,7 @@ def _define():
 
     @gluon.jit
     def _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, TOKENS_OUTER: gl.constexpr = False):
         """Tile ``tile``: (group, first row (of N), first column (of K), the group's first token and end,
         the first chunk's token on the 128 grid, the chunks)."""
         per_group = tiles_m * tiles_n
@@ -113,31 +125,38 @@ def _define():
         pid_m, pid_n = _swizzle(tile % per_group, tiles_m, tiles_n, GROUP_M)
         start, size = _group(offs_ptr, stride_o, T, e)
         end = start + size
-        first = (start // BLOCK_K) * BLOCK_K
+        if TOKENS_OUTER:  # (the bf16 wgrad: the token is a box's outer coordinate, any start loads)
+            first = start
+        else:
+            first = (start // BLOCK_K) * BLOCK_K
         n_k = gl.where(size > 0, gl.cdiv(end - first, BLOCK_K), 0)
         return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
-                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, TOKENS_OUTER: gl.constexpr):
         """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
         (a fresh mbarrier counts as released for the first round), then loads it."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
         tiles_m = gl.cdiv(N, BLOCK_M)
         tiles_n = gl.cdiv(K, BLOCK_N)
         g = pid * 0
         for tile in range(pid, total, nprog):
             e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
-                                                          BLOCK_M, BLOCK_N, BLOCK_K)
+                                                          BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
             for k in range(n_k):
                 s = g % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, a_bufs.index(s))
-                _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, b_bufs.index(s))
+                if TOKENS_OUTER:
+                    _tma_load(a_desc, [first + k * BLOCK_K, row0], bar, a_bufs.index(s))
+                    _tma_load(b_desc, [first + k * BLOCK_K, col0], bar, b_bufs.index(s))
+                else:
+                    _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, a_bufs.index(s))
+                    _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, b_bufs.index(s))
                 g += 1
 
     @gluon.jit
@@ -274,13 +293,13 @@ def _define():
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                  L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
-                 TRACE_TILES, TRACE: gl.constexpr, ZERO_EDGES: gl.constexpr):
+                 TRACE_TILES, TRACE: gl.constexpr, ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
         its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
         With TRACE, [Note: tracing the MMA warps' tile phases]."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
         tiles_m = gl.cdiv(N, BLOCK_M)
         tiles_n = gl.cdiv(K, BLOCK_N)
         a_scale = gl.load(as_ptr)
@@ -300,11 +319,11 @@ def _define():
         # each tile's place is read one tile ahead: its offsets' loads run under the tile before, not
         # between the two tiles' MMAs (the last tile reads its own again)
         e, row0, col0, start, end, first, n_k = _tile(pid, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
-                                                      BLOCK_M, BLOCK_N, BLOCK_K)
+                                                      BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
         for tile in range(pid, total, nprog):
             e1, row1, col1, start1, end1, first1, n_k1 = _tile(gl.minimum(tile + nprog, total - 1), offs_ptr,
                                                                stride_o, T, tiles_m, tiles_n, GROUP_M, BLOCK_M,
-                                                               BLOCK_N, BLOCK_K)
+                                                               BLOCK_N, BLOCK_K, TOKENS_OUTER)
             if L2_PREFETCH and ADD_MODE != 0:
                 if n_k > 0:
                     _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M, BLOCK_N,
@@ -314,7 +333,7 @@ def _define():
             if n_k > 0:
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
                     a_bufs, b_bufs, ready, base, n_k, zero.to(gl.int64), zero, rows, rows_ok, as_ptr, bs_ptr,
-                    0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, ZERO_EDGES)
+                    0, 0, 0, 0, 0, mma, False, NUM_STAGES, first, start, end, ZERO_EDGES, TOKENS_OUTER)
                 if TRACE:
                     t_begun = _clock(pid)
                 h = _flush(acc, out_ptr, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, stride_oe, stride_on,
@@ -323,7 +342,7 @@ def _define():
                     t_flushed = _clock(pid)
                 acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
                                   prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
-                                  NUM_STAGES, True, first, start, end, ZERO_EDGES)
+                                  NUM_STAGES, True, first, start, end, ZERO_EDGES, TOKENS_OUTER)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
                 if TRACE:
                     _trace(trace_ptr, pid, (tile - pid) // nprog, TRACE_TILES, t_top, t_begun, t_flushed,
@@ -357,22 +376,28 @@ def _define():
                      ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
-                     TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True):
+                     TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
+                     TOKENS_OUTER: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
         with PTR_TABLE, a table of per-group bases."""
         gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
+        INSTR_K: gl.constexpr = 32 if a_desc.dtype.primitive_bitwidth == 8 else 16  # wgmma's k: fp8 32, bf16 16
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, BLOCK_N, 32])
+                                                     instr_shape=[16, BLOCK_N, INSTR_K])
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         total = E * gl.cdiv(N, BLOCK_M) * gl.cdiv(K, BLOCK_N)
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        if TOKENS_OUTER:  # [tokens, rows] stages (the bf16 wgrad)
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
+            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+        else:
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+            b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
@@ -397,9 +422,9 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
-                            TRACE_TILES, TRACE, ZERO_EDGES)),
+                            TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                            nprog, GROUP_M, NUM_STAGES)),
+                            nprog, GROUP_M, NUM_STAGES, TOKENS_OUTER)),
                 (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                              stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE, GROUP_M, EPI_WARPS, EPI_ROWS)),
             ], [1, EPI_WARPS], [40, EPI_REGS])
@@ -408,17 +433,18 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
-                            TRACE_TILES, TRACE, ZERO_EDGES)),
+                            TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                            nprog, GROUP_M, NUM_STAGES)),
+                            nprog, GROUP_M, NUM_STAGES, TOKENS_OUTER)),
             ], [1], [40])
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
                                 c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
-                                trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES),
+                                trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
-                                          pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [40])
+                                          pid, total, nprog, GROUP_M, NUM_STAGES, TOKENS_OUTER), [_produce], [1],
+                               [40])
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -469,6 +495,38 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
         GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
         EPI_REGS=EPI_REGS, num_warps=8)
+
+
+BLOCK_K_16 = 64  # tokens per chunk of the bf16/fp16 wgrad (TOKENS_OUTER): 128 bytes, the swizzle's line
+_ONES: dict = {}   # a device's fp32 one: the bf16 wgrad's "scales"
+
+
+def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
+                        epilogue_warps: int, num_sms: int) -> None:
+    """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]):
+    dW_e = dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the
+    stacked fp32 ``out`` ([E, N, K]) or the per-group buffers of ``table`` (int64 bases, each shaped and
+    strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. The caller checked
+    the preconditions (``grouped_gemm._gluon_wgrad``)."""
+    import torch
+    import triton
+
+    if epilogue_warps not in (0, 2):
+        raise ValueError(f"grouped_wgrad: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
+    T, N = dy_TN.shape
+    K = x_TK.shape[1]
+    E = offs_E.shape[0]
+    tiles = E * triton.cdiv(N, BLOCK) * triton.cdiv(K, BLOCK)
+    so = (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
+    ones = _ONES.get(dy_TN.device)
+    if ones is None:
+        ones = _ONES[dy_TN.device] = torch.ones((), dtype=torch.float32, device=dy_TN.device)
+    wgrad_kernel[(min(tiles, num_sms),)](
+        descriptor(dy_TN, (BLOCK_K_16, BLOCK)), descriptor(x_TK, (BLOCK_K_16, BLOCK)), ones, ones,
+        out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
+        TRACE=False, ZERO_EDGES=True, TOKENS_OUTER=True, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+        L2_PREFETCH=l2_prefetch and add_mode != 0, GROUP_M=8, NUM_STAGES=stages,
+        EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS, EPI_REGS=EPI_REGS, num_warps=8)
 
 
 def trace_shape(tiles: int, programs: int) -> tuple[int, int, int]:

@@ -68,10 +68,16 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # one run): fprop 0.94 / 0.98 / 0.92x, dgrad 0.98 / 0.91 / 0.82x at the three MoE shapes, the same bits in
 # every GPU test. The promotion-free bf16 loop has no per-step work to hide, so persistence only saves the
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
+# The bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]
+# in _grouped_wgrad_fp8_gluon.py): opt-in until an H200 run shows it ahead of the Triton kernels.
+WGRAD_GLUON = False
+WGRAD_GLUON_STAGES = 5
+WGRAD_GLUON_EPILOGUE_WARPS = 2
+WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
 RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
-_GLUON_FAILED: dict[str, str] = {}  # "ragged" -> why the Gluon kernel did not build here (then Triton runs)
+_GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad16" -> why that Gluon kernel did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels (fprop/dgrad; the wgrad kernels and the shared tile helpers are in _grouped_wgrad.py)
@@ -300,14 +306,60 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     return out
 
 
-def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma):
+def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the Gluon wgrad can take this bf16 / fp16 wgrad: a Hopper GPU, a Triton with Gluon, dy and x
+    of one 16-bit dtype, TMA-aligned (16-byte aligned base and row stride, unit inner stride), tokens, and
+    an fp32 output (the kernel writes fp32)."""
+    if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from . import _grouped_wgrad_fp8_gluon as kw
+    return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out.dtype == torch.float32
+            and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1)) and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1))
+            and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
+
+
+def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bool:
+    """Launches the Gluon wgrad; False (and one warning) if this Triton cannot build it: the caller then
+    runs the Triton kernel."""
+    from . import _grouped_wgrad_fp8_gluon as kw
+    if "wgrad16" in _GLUON_FAILED:
+        return False
+    try:
+        kw.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
+                               add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate else 0, l2_prefetch=False,
+                               stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS,
+                               num_sms=_num_sms(dy_TN.device))
+    except CompilationError as exc:
+        _GLUON_FAILED["wgrad16"] = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon wgrad kernel does not build with triton {triton.__version__}; using the Triton "
+                      f"kernel: {_GLUON_FAILED['wgrad16'][:400]}", RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
+def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma,
+                  gluon: bool | None = None):
     """dW_e for every group into ``out`` ([E, N, K]) or, with ``table``, into the per-group buffers it
-    points to (``out`` is then entry 0, read for its strides); adds to them iff ``accumulate``."""
+    points to (``out`` is then entry 0, read for its strides); adds to them iff ``accumulate``. ``gluon``:
+    None picks (the Gluon kernel if ``WGRAD_GLUON`` and it applies, unless a config or ``use_tma=False``
+    was given), True requires it, False runs a Triton kernel."""
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
+    if gluon if gluon is not None else (WGRAD_GLUON and config is None and use_tma is not False):
+        applies = _gluon_wgrad(dy_TN, x_TK, out)
+        if gluon and not applies:
+            raise ValueError(f"grouped_wgrad: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with "
+                             f"Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and an fp32 output; got "
+                             f"{dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides {tuple(dy_TN.stride())} "
+                             f"and {tuple(x_TK.stride())}, output {out.dtype}")
+        if applies and _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate, table):
+            return
+        if gluon:
+            raise RuntimeError(f"grouped_wgrad: gluon=True, but the Gluon kernel does not build here: "
+                               f"{_GLUON_FAILED}")
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_wgrad(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=dy_TN.element_size(),

@@ -803,7 +803,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
-                  TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest)
+                  TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -833,6 +833,38 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert ptx.count(".reqntid 384") == 1, "the epilogue warps share the TMA warp's warpgroup"
         assert kernel.metadata.shared >= (5 if "s5" in rest else 4) * 32768 + 65536, kernel.metadata.shared
         assert "st.shared.v2.b32" in ptx and "ld.shared.v4.b32" in ptx
+
+
+@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table"])
+def test_gluon_wgrad_bf16_kernel_builds(variant):
+    """[Note: the bf16 wgrad in the fp8 kernel]: the TOKENS_OUTER build (bf16 dy and x as [tokens, rows]
+    stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),
+    one ``wait_group 1`` per step of the promoting loop, no serialized wgmma, no spill, the epilogue
+    partition's shared memory, the stages' edge rows zeroed and fenced for the async proxy."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    from triton.experimental.gluon import language as gl
+    mode, *rest = variant.split("/")
+    E, T, K, N = 64, 65536, 7168, 2048
+    lay = gl.NVMMASharedLayout.get_default_for([kw.BLOCK_K_16, kw.BLOCK], gl.bfloat16)
+    desc = f"tensordesc<bf16[{kw.BLOCK_K_16},{kw.BLOCK}],{lay!r}>"
+    vals = dict(a_desc=desc, b_desc=desc, as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32",
+                offs_ptr="*i32", T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1,
+                trace_ptr="*i32", TRACE_TILES=0)
+    consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest, L2_PREFETCH=False,
+                  GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
+                  TRACE=False, ZERO_EDGES=True, TOKENS_OUTER=True)
+    kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, [^;]*;", ptx)
+    assert mmas and all(m.endswith(", 1, 1, 1, 1;") for m in mmas), "bf16 wgmma, both operands transposed"
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
+    assert " 0 bytes spill stores" in info, info
+    assert "fence.proxy.async.shared::cta" in ptx, "zeroed edge rows not fenced"
+    assert ptx.count(".reqntid 384") == 1 and kernel.metadata.shared >= 5 * 32768 + 65536, kernel.metadata.shared
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared
 
 
 def _pretend_hopper(monkeypatch, k):

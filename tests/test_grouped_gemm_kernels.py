@@ -665,6 +665,47 @@ def test_gpu_wgrad_persistent(cfg):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("T,E,K,N,splits", [
+    (4096, 8, 1024, 1536, None),            # ~512 tokens per group
+    (8192, 64, 512, 384, None),             # ~128 per group, about a third empty
+    (3000, 5, 1000, 1304, None),            # T, K and N off the tile
+    (1000, 1, 208, 144, None),              # one group
+    (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # groups inside one chunk, one ending on the chunk grid
+    (256, 2, 128, 128, [0, 256]),           # the first group empty
+])
+def test_gpu_gluon_wgrad(T, E, K, N, splits, monkeypatch):
+    """[Note: the bf16 wgrad in the fp8 kernel]: the opt-in Gluon wgrad (``WGRAD_GLUON``) accumulating
+    bf16 and fp16 products into a stacked fp32 output and into a list of strided buffers, against the
+    oracle; every call ran in the Gluon kernel."""
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    k = _kernels()
+    monkeypatch.setattr(k, "WGRAD_GLUON", True)
+    calls = []
+    real = k._launch_gluon_wgrad
+    monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
+    for dtype in (torch.bfloat16, torch.float16):
+        _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, ops=("wgrad_acc", "wgrad_acc_list"), splits=splits)
+    assert len(calls) == 4 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
+
+
+def test_gluon_wgrad_opt_in_and_refusals():
+    """The Gluon wgrad is opt-in (``WGRAD_GLUON``), never taken off Hopper or in the interpreter, and
+    ``gluon=True`` where it cannot run names why."""
+    pytest.importorskip("triton")
+    k = _kernels()
+    assert k.WGRAD_GLUON is False
+    dy, x = torch.randn(64, 32).bfloat16(), torch.randn(64, 48).bfloat16()
+    out = torch.zeros(2, 32, 48)
+    offs = torch.tensor([30, 64], dtype=torch.int32)
+    assert not k._gluon_wgrad(dy, x, out)
+    with pytest.raises(ValueError, match=r"gluon=True, but the Gluon kernel needs a Hopper GPU.*torch.bfloat16.*cpu"):
+        k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_e256():
     _check_all_ops(3000, 256, 64, 96, torch.bfloat16, "cuda", seed=256)
 

@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--gluon", action="store_true",
                    help="fprop/dgrad: the 'distwgrad' rows run the opt-in Gluon kernel (grouped_gemm.RAGGED_GLUON)")
+    p.add_argument("--gluon-wgrad", action="store_true",
+                   help="wgrad_accumulate: the 'distwgrad' rows run the opt-in Gluon wgrad (grouped_gemm.WGRAD_GLUON)")
     p.add_argument("--triton-rows", action="store_true",
                    help="fprop/dgrad: also time the Triton kernel where the default runs the Gluon one (impl "
                         "'distwgrad_triton')")
@@ -193,8 +195,18 @@ def _launch_ours(op, p, out, config=None, use_tma=None):
     return out
 
 
+def _triton_wgrad(p: Problem):
+    """The accumulating wgrad through a Triton kernel (default config), where the default may run the Gluon
+    one: a zero-argument callable into a preallocated fp32 output."""
+    out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
+    return lambda: G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
+                                   gluon=False)
+
+
 def _runs_gluon(op: str, p: Problem) -> bool:
-    """Whether the default dispatch runs this fprop/dgrad in the Gluon kernel."""
+    """Whether the default dispatch runs this op in a Gluon kernel."""
+    if op == "wgrad_accumulate":
+        return G.WGRAD_GLUON and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))
     if op not in ("fprop", "dgrad"):
         return False
     a = p.x if op == "fprop" else p.dy
@@ -280,6 +292,8 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
             impls = impls_for(op, p)
             if args.triton_rows and op in ("fprop", "dgrad"):
                 impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
+            if args.triton_rows and op == "wgrad_accumulate" and G.WGRAD_GLUON:
+                impls["distwgrad_triton"] = _triton_wgrad(p)
             for name, fn in impls.items():
                 try:
                     ms = time_ms(fn, args)
@@ -403,6 +417,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     G.RAGGED_GLUON = G.RAGGED_GLUON or args.gluon
+    G.WGRAD_GLUON = G.WGRAD_GLUON or args.gluon_wgrad
     rows, sweep_rows, ok = run(args)
     print(summarize(rows))
     if "wgrad_accumulate" in args.ops:
