@@ -69,7 +69,8 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # every GPU test. The promotion-free bf16 loop has no per-step work to hide, so persistence only saves the
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
 # The bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]
-# in _grouped_wgrad_fp8_gluon.py): opt-in until an H200 run shows it ahead of the Triton kernels.
+# in _grouped_wgrad_fp8_gluon.py), accumulating outputs only (it writes fp32): opt-in. On an H200 it ran
+# 1.07x the Triton kernel at E=64, 0.98x at E=8 and 0.75x at E=128 (docs/benchmarks.md).
 WGRAD_GLUON = False
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
