@@ -851,8 +851,8 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     lay = gl.NVMMASharedLayout.get_default_for([kw.BLOCK_K_16, kw.BLOCK], gl.bfloat16)
     desc = f"tensordesc<bf16[{kw.BLOCK_K_16},{kw.BLOCK}],{lay!r}>"
     vals = dict(a_desc=desc, b_desc=desc, as_ptr="*fp32", bs_ptr="*fp32",
-                out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32", T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1,
-                trace_ptr="*i32", TRACE_TILES=0)
+                out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32", T=T, E=E, N=N, K=K,
+                stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i32", TRACE_TILES=0)
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest, L2_PREFETCH=False,
                   GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
                   TRACE=False, ZERO_EDGES=True, TOKENS_OUTER=True)
