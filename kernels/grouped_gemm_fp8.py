@@ -123,7 +123,7 @@ WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 #   and 100, and loaded 0 and 16 right. Only the first chunk would then hold another group's tokens
 #   (fewer than 16: one 16-byte column to zero), and groups take ~5% fewer chunks; but boxes that are 16-
 #   and not 128-byte aligned load slowly: ~40% more cycles per chunk (E=8, random routing: 797 TFLOP/s
-#   where the 128 grid runs 960-1043; E=64: 619 against 605-652; ``fp8_wgrad_trace_grid16_h200.json``).
+#   where the 128 grid runs 1002-1043; E=64: 619 against 626-652; ``fp8_wgrad_trace_grid16_h200.json``).
 # - The first chunk added last, so that the Gluon kernel zeroes its foreign tokens under the MMAs of the
 #   chunk before rather than with nothing in flight (as a tile's first chunk): E=64 ran 605 / 566 TFLOP/s
 #   fresh / accumulating (``fp8_wgrad_first_chunk_last_h200.json``) against the record's 626 / 590: the
