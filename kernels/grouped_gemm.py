@@ -210,6 +210,15 @@ def _elem_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _gluon_failed(key: str, kernel: str, fallback: str, exc: Exception) -> bool:
+    """Records why a Gluon kernel did not build here (``_GLUON_FAILED[key]``: later calls skip it) and warns
+    once; returns False, for the launcher to return (its caller then runs ``fallback``)."""
+    _GLUON_FAILED[key] = f"{type(exc).__name__}: {exc}"[:2000]
+    warnings.warn(f"the Gluon {kernel} does not build with triton {triton.__version__}; using {fallback}: "
+                  f"{_GLUON_FAILED[key][:400]}", RuntimeWarning, stacklevel=5)
+    return False
+
+
 def _gluon_ragged(a: torch.Tensor, w_ENK: torch.Tensor, out: torch.Tensor, w_trans: bool) -> bool:
     """Whether the Gluon kernel can take this fprop / dgrad: a Hopper GPU (wgmma) and a Triton with
     Gluon, bf16 or fp16 operands and output of one dtype, TMA-aligned operands, stacked experts, and for
@@ -246,10 +255,7 @@ def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
             W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, GROUP_M=8, BLOCK_E=max(16, triton.next_power_of_2(E)),
             NUM_STAGES=RAGGED_GLUON_STAGES, WIDE_STORES=RAGGED_GLUON_WIDE_STORES, num_warps=bm // 16)
     except CompilationError as exc:
-        _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon grouped GEMM kernel does not build with triton {triton.__version__}; using the "
-                      f"Triton kernel (same products): {_GLUON_FAILED['ragged'][:400]}", RuntimeWarning, stacklevel=4)
-        return False
+        return _gluon_failed("ragged", "grouped GEMM kernel", "the Triton kernel (same products)", exc)
     return True
 
 
@@ -331,10 +337,7 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bo
                                stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS,
                                num_sms=_num_sms(dy_TN.device))
     except CompilationError as exc:
-        _GLUON_FAILED["wgrad16"] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon wgrad kernel does not build with triton {triton.__version__}; using the Triton "
-                      f"kernel: {_GLUON_FAILED['wgrad16'][:400]}", RuntimeWarning, stacklevel=4)
-        return False
+        return _gluon_failed("wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True
 
 
