@@ -82,12 +82,26 @@ The same kernel serves the bf16 / fp16 wgrad (``TOKENS_OUTER``, ``launch_tokens_
 and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
 there). The token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at
 its first token and only its last chunk can hold another group's tokens: those token rows of both
-stages are zeroed (``_gluon_tiles.zero_rows``), fenced and synchronized as for FP8. The promoting loop,
+stages are zeroed (``_gluon_tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded
+([Note: a group's tail zero-filled by TMA]). The promoting loop,
 the persistent schedule and the epilogue partition are the FP8 kernel's; the scales are ones. bf16 MMAs
 run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long while its fp32 epilogue stays,
 for the partition to hide. Accumulating on an H200 (docs/benchmarks.md): 446 TFLOP/s at E=64, 1.07x the
 Triton kernel (0.75x grouped_mm's plain wgrad), 0.98x at E=8 and 0.75x at E=128 (groups of two chunks,
 the last always zeroed): opt-in.
+
+[Note: a group's tail zero-filled by TMA]
+In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or
+unrouted rows (which may be NaN). With GROUP_DESC (``launch_tokens_outer(tail="tma")``, the default) the
+TMA warp builds, for each tile, descriptors of dy and x whose base is the group's first token and whose
+row extent is the group's size (``tma.make_tensor_descriptor``: 128 bytes each in Triton's global scratch,
+published to the TMA unit through the tensormap proxy's fences), so TMA fills the rows past the end with
+zeros and the MMA warps zero nothing. A base at any token is 16-byte aligned because the row stride is
+(a TMA requirement of the whole tensor already), which is why this serves the tokens-outer bf16 stages
+and not the fp8 ones: there the token is the inner coordinate, and a group starting off a 16-token
+boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``). With
+tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero the rows past the end
+(``_gluon_tiles.zero_rows``), as before; a Triton whose allocator setting cannot be reached runs that.
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
@@ -97,7 +111,7 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 
 from __future__ import annotations
 
-from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier
+from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, tma
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
 from ._gluon_tiles import tma_load as _tma_load
@@ -136,9 +150,12 @@ def _define():
 
     @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
-                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, TOKENS_OUTER: gl.constexpr):
+                 a_ptr, b_ptr, stride_at, stride_bt, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 TOKENS_OUTER: gl.constexpr, GROUP_DESC: gl.constexpr):
         """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
-        (a fresh mbarrier counts as released for the first round), then loads it."""
+        (a fresh mbarrier counts as released for the first round), then loads it. GROUP_DESC (the bf16
+        wgrad): each tile loads through descriptors of its group's tokens alone, built here from ``a_ptr``
+        and ``b_ptr`` ([Note: a group's tail zero-filled by TMA])."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
@@ -148,12 +165,24 @@ def _define():
         for tile in range(pid, total, nprog):
             e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
                                                           BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
+            if GROUP_DESC:
+                gl.static_assert(TOKENS_OUTER, "per-group descriptors serve the tokens-outer (bf16) wgrad")
+                # the group's rows [start, end) alone: a chunk's rows past its end load as zeros (an empty
+                # group's descriptor, one row long, is never loaded from)
+                rows_g = gl.maximum(end - start, 1)
+                a_g = tma.make_tensor_descriptor(a_ptr + start.to(gl.int64) * stride_at, [rows_g, N], [stride_at, 1],
+                                                 [BLOCK_K, BLOCK_M], a_desc.layout)
+                b_g = tma.make_tensor_descriptor(b_ptr + start.to(gl.int64) * stride_bt, [rows_g, K], [stride_bt, 1],
+                                                 [BLOCK_K, BLOCK_N], b_desc.layout)
             for k in range(n_k):
                 s = g % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                if TOKENS_OUTER:
+                if GROUP_DESC:
+                    _tma_load(a_g, [k * BLOCK_K, row0], bar, a_bufs.index(s))
+                    _tma_load(b_g, [k * BLOCK_K, col0], bar, b_bufs.index(s))
+                elif TOKENS_OUTER:
                     _tma_load(a_desc, [first + k * BLOCK_K, row0], bar, a_bufs.index(s))
                     _tma_load(b_desc, [first + k * BLOCK_K, col0], bar, b_bufs.index(s))
                 else:
@@ -374,12 +403,12 @@ def _define():
 
     @gluon.jit(do_not_specialize=["T"])
     def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
-                     stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES,
-                     ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
+                     stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
+                     stride_bt, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                      TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
-                     TOKENS_OUTER: gl.constexpr = False):
+                     TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
@@ -426,7 +455,8 @@ def _define():
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
                             TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                            nprog, GROUP_M, NUM_STAGES, TOKENS_OUTER)),
+                            nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M, NUM_STAGES, TOKENS_OUTER,
+                            GROUP_DESC)),
                 (_epilogue, (c_smem, c_ready, c_free, out_ptr, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                              stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE, GROUP_M, EPI_WARPS, EPI_ROWS)),
             ], [1, EPI_WARPS], [40, EPI_REGS])
@@ -437,7 +467,8 @@ def _define():
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
                             TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
-                            nprog, GROUP_M, NUM_STAGES, TOKENS_OUTER)),
+                            nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M, NUM_STAGES, TOKENS_OUTER,
+                            GROUP_DESC)),
             ], [1], [40])
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
@@ -445,8 +476,8 @@ def _define():
                                 c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
                                 trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
-                                          pid, total, nprog, GROUP_M, NUM_STAGES, TOKENS_OUTER), [_produce], [1],
-                               [40])
+                                          pid, total, nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M,
+                                          NUM_STAGES, TOKENS_OUTER, GROUP_DESC), [_produce], [1], [40])
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -492,7 +523,8 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     wgrad_kernel[(grid,)](
         descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
-        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], TRACE=trace is not None,
+        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
+        TRACE=trace is not None,
         ZERO_EDGES=zero_edges,
         ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
         GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
@@ -503,18 +535,36 @@ BLOCK_K_16 = 64  # tokens per chunk of the bf16/fp16 wgrad (TOKENS_OUTER): 128 b
 _ONES: dict = {}   # a device's fp32 one: the bf16 wgrad's "scales"
 
 
+TAILS = ("tma", "zero")  # how a group's last chunk loses the next group's tokens ([Note: a group's tail
+#                          zero-filled by TMA])
+
+
+def _allocator():
+    """Triton's allocator setting for a launch's global scratch (a ContextVar), or None in a Triton without
+    one: the per-group descriptors then cannot be built, and the tail is zeroed instead."""
+    from contextvars import ContextVar
+
+    from triton.runtime import _allocation
+    var = getattr(_allocation, "_allocator", None)
+    return var if isinstance(var, ContextVar) else None
+
+
 def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-                        epilogue_warps: int, num_sms: int) -> None:
+                        epilogue_warps: int, num_sms: int, tail: str = "tma") -> None:
     """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]):
     dW_e = dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the
     stacked fp32 ``out`` ([E, N, K]) or the per-group buffers of ``table`` (int64 bases, each shaped and
-    strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. The caller checked
-    the preconditions (``grouped_gemm._gluon_wgrad``)."""
+    strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``: "tma" loads
+    each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the group with
+    zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
+    group's tail zero-filled by TMA]). The caller checked the preconditions (``grouped_gemm._gluon_wgrad``)."""
     import torch
     import triton
 
     if epilogue_warps not in (0, 2):
         raise ValueError(f"grouped_wgrad: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
+    if tail not in TAILS:
+        raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]
@@ -523,12 +573,24 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_pr
     ones = _ONES.get(dy_TN.device)
     if ones is None:
         ones = _ONES[dy_TN.device] = torch.ones((), dtype=torch.float32, device=dy_TN.device)
-    wgrad_kernel[(min(tiles, num_sms),)](
-        descriptor(dy_TN, (BLOCK_K_16, BLOCK)), descriptor(x_TK, (BLOCK_K_16, BLOCK)), ones, ones,
-        out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
-        TRACE=False, ZERO_EDGES=True, TOKENS_OUTER=True, ADD_MODE=add_mode, PTR_TABLE=table is not None,
-        L2_PREFETCH=l2_prefetch and add_mode != 0, GROUP_M=8, NUM_STAGES=stages,
-        EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS, EPI_REGS=EPI_REGS, num_warps=8)
+    var = _allocator() if tail == "tma" else None
+    group_desc = var is not None
+    # the kernel's descriptors live in Triton's global scratch: torch's caching allocator for this launch
+    # (a caller's own allocator is restored after it)
+    dev = dy_TN.device
+    token = var.set(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=dev)) \
+        if group_desc else None
+    try:
+        wgrad_kernel[(min(tiles, num_sms),)](
+            descriptor(dy_TN, (BLOCK_K_16, BLOCK)), descriptor(x_TK, (BLOCK_K_16, BLOCK)), ones, ones,
+            out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
+            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), TRACE=False, ZERO_EDGES=not group_desc, TOKENS_OUTER=True,
+            GROUP_DESC=group_desc, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+            L2_PREFETCH=l2_prefetch and add_mode != 0, GROUP_M=8, NUM_STAGES=stages,
+            EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS, EPI_REGS=EPI_REGS, num_warps=8)
+    finally:
+        if token is not None:
+            var.reset(token)
 
 
 def trace_shape(tiles: int, programs: int) -> tuple[int, int, int]:

@@ -75,6 +75,9 @@ WGRAD_GLUON = False
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
+WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled by TMA through per-group
+#                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
+#                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
 RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
@@ -335,7 +338,7 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bo
         kw.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
                                add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate else 0, l2_prefetch=False,
                                stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS,
-                               num_sms=_num_sms(dy_TN.device))
+                               num_sms=_num_sms(dy_TN.device), tail=WGRAD_GLUON_TAIL)
     except CompilationError as exc:
         return _gluon_failed("wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True

@@ -673,21 +673,50 @@ def test_gpu_wgrad_persistent(cfg):
     (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # groups inside one chunk, one ending on the chunk grid
     (256, 2, 128, 128, [0, 256]),           # the first group empty
 ])
-def test_gpu_gluon_wgrad(T, E, K, N, splits, monkeypatch):
+@pytest.mark.parametrize("tail", ["tma", "zero"])
+def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
     """[Note: the bf16 wgrad in the fp8 kernel]: the opt-in Gluon wgrad (``WGRAD_GLUON``) accumulating
     bf16 and fp16 products into a stacked fp32 output and into a list of strided buffers, against the
-    oracle; every call ran in the Gluon kernel."""
+    oracle, with each group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail
+    zero-filled by TMA]); every call ran in the Gluon kernel."""
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON", True)
+    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
     calls = []
     real = k._launch_gluon_wgrad
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
     for dtype in (torch.bfloat16, torch.float16):
         _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, ops=("wgrad_acc", "wgrad_acc_list"), splits=splits)
     assert len(calls) == 4 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tail", ["tma", "zero"])
+def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, monkeypatch):
+    """A group's last chunk reaches past its end into the next group's tokens or, after the last group,
+    into unrouted rows: those must count as zeros, even where they are NaN ([Note: a group's tail
+    zero-filled by TMA]). The unrouted rows of dy and x are NaN here; the sums must match the oracle over
+    the routed rows alone."""
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    k = _kernels()
+    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
+    T, K, N, splits = 1024, 272, 400, [100, 37, 0, 500, 64]  # routed: 701 of 1024 rows
+    d = _inputs(T, len(splits), K, N, torch.bfloat16, "cuda", seed=7)
+    offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)
+    end = sum(splits)
+    dy, x, m = d["dy"].clone(), d["x"].clone(), d["m"]
+    dy[end:], x[end:] = float("nan"), float("nan")
+    out = m.clone()
+    k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
+    assert not out.isnan().any(), "an unrouted (NaN) token reached a sum"
+    _check(f"gluon wgrad, tail {tail}", out, R.grouped_wgrad(dy[:end], x[:end], offs, out=m.clone()),
+           m.double() + R.grouped_wgrad(dy[:end].double(), x[:end].double(), offs))
 
 
 def test_gluon_wgrad_opt_in_and_refusals():

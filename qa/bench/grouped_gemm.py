@@ -82,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gluon-wgrad", action="store_true",
                    help="wgrad_accumulate: the 'distwgrad' rows run the opt-in Gluon wgrad (grouped_gemm.WGRAD_GLUON)")
     p.add_argument("--triton-rows", action="store_true",
-                   help="fprop/dgrad: also time the Triton kernel where the default runs the Gluon one (impl "
-                        "'distwgrad_triton')")
+                   help="also time the Triton kernel where the default runs the Gluon one (impl "
+                        "'distwgrad_triton'); with --gluon-wgrad also the Gluon wgrad whose MMA warps zero each "
+                        "group's tail (impl 'distwgrad_gluon_zero')")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test, TRITON_INTERPRET=1)")
@@ -203,6 +204,21 @@ def _triton_wgrad(p: Problem):
                                    gluon=False)
 
 
+def _gluon_wgrad_zeroing(p: Problem):
+    """The accumulating Gluon wgrad with each group's tail zeroed by the MMA warps (``WGRAD_GLUON_TAIL =
+    "zero"``): a zero-argument callable into a preallocated fp32 output."""
+    out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
+
+    def run():
+        tail, G.WGRAD_GLUON_TAIL = G.WGRAD_GLUON_TAIL, "zero"
+        try:
+            G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
+                            gluon=True)
+        finally:
+            G.WGRAD_GLUON_TAIL = tail
+    return run
+
+
 def _runs_gluon(op: str, p: Problem) -> bool:
     """Whether the default dispatch runs this op in a Gluon kernel."""
     if op == "wgrad_accumulate":
@@ -294,6 +310,7 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                 impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
             if args.triton_rows and op == "wgrad_accumulate" and G.WGRAD_GLUON:
                 impls["distwgrad_triton"] = _triton_wgrad(p)
+                impls["distwgrad_gluon_zero"] = _gluon_wgrad_zeroing(p)
             for name, fn in impls.items():
                 try:
                     ms = time_ms(fn, args)
