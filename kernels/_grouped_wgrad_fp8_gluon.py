@@ -103,6 +103,13 @@ boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in ``group
 tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero the rows past the end
 (``_gluon_tiles.zero_rows``), as before; a Triton whose allocator setting cannot be reached runs that.
 
+[Note: chained bf16 accumulation]
+The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under
+the next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precision), bf16 does not. With
+CHAIN (``launch_tokens_outer(chain=True)``) a bf16 tile's chunks after the first accumulate into the
+registers of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the
+chunk before it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
+
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
 output ``[E, N, K]`` or a table of per-group fp32 bases (``PTR_TABLE``).
@@ -111,7 +118,7 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 
 from __future__ import annotations
 
-from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, tma
+from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
 from ._gluon_tiles import tma_load as _tma_load
@@ -130,6 +137,24 @@ def _define():
     t = _define_tiles()
     _group = t.group
     _begin, _accumulate = _fprop.parts.begin, _fprop.parts.accumulate
+    _zero_rows = t.zero_rows
+
+    @gluon.jit
+    def _chain(a_bufs, b_bufs, ready, empty, base, n_k, acc, t_first, t_hi, mma: gl.constexpr,
+               NUM_STAGES: gl.constexpr, EDGES: gl.constexpr):
+        """Steps 1 .. n_k - 1 of a bf16 tile whose step 0 (``_begin``) is in flight as ``acc``, each chunk's
+        MMAs accumulating into the same registers ([Note: chained bf16 accumulation]); the tile's sum, every
+        MMA of it done. A step's stage goes back to the TMA warp once the next step's MMAs are issued."""
+        for k in range(1, n_k):
+            g = base + k
+            s = g % NUM_STAGES
+            mbarrier.wait(ready.index(s), (g // NUM_STAGES) & 1)
+            if EDGES:
+                _zero_rows(a_bufs, b_bufs, s, t_first + k * a_bufs.type.shape[1], t_hi, mma.warps_per_cta[0])
+            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, use_acc=True, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((g - 1) % NUM_STAGES), count=1)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -324,7 +349,8 @@ def _define():
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                  L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
-                 TRACE_TILES, TRACE: gl.constexpr, ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr):
+                 TRACE_TILES, TRACE: gl.constexpr, ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr,
+                 CHAIN: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
         its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
         With TRACE, [Note: tracing the MMA warps' tile phases]."""
@@ -371,9 +397,13 @@ def _define():
                            stride_ok, c_smem, c_ready, c_free, h, mma, ADD_MODE, PTR_TABLE, EPI_WARPS)
                 if TRACE:
                     t_flushed = _clock(pid)
-                acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
-                                  prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
-                                  NUM_STAGES, True, first, start, end, ZERO_EDGES, TOKENS_OUTER)
+                if CHAIN:
+                    acc = _chain(a_bufs, b_bufs, ready, empty, base, n_k, prev, first, end, mma, NUM_STAGES,
+                                 ZERO_EDGES)
+                else:
+                    acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, zero, zero, n_k, prev,
+                                      prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, 0, 0, mma, False,
+                                      NUM_STAGES, True, first, start, end, ZERO_EDGES, TOKENS_OUTER)
                 mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
                 if TRACE:
                     _trace(trace_ptr, pid, (tile - pid) // nprog, TRACE_TILES, t_top, t_begun, t_flushed,
@@ -408,12 +438,14 @@ def _define():
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                      TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
-                     TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False):
+                     TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
+                     CHAIN: gl.constexpr = False):
         """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
         ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
         load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
         with PTR_TABLE, a table of per-group bases."""
         gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
+        gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
@@ -453,7 +485,7 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
-                            TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER)),
+                            TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER, CHAIN)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M, NUM_STAGES, TOKENS_OUTER,
                             GROUP_DESC)),
@@ -465,7 +497,7 @@ def _define():
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                             mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
-                            TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER)),
+                            TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER, CHAIN)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M, NUM_STAGES, TOKENS_OUTER,
                             GROUP_DESC)),
@@ -474,7 +506,7 @@ def _define():
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
                                 c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
-                                trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER),
+                                trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER, CHAIN),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
                                           pid, total, nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M,
                                           NUM_STAGES, TOKENS_OUTER, GROUP_DESC), [_produce], [1], [40])
@@ -550,14 +582,16 @@ def _allocator():
 
 
 def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-                        epilogue_warps: int, num_sms: int, tail: str = "tma") -> None:
+                        epilogue_warps: int, num_sms: int, tail: str = "tma", chain: bool = False) -> None:
     """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]):
     dW_e = dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the
     stacked fp32 ``out`` ([E, N, K]) or the per-group buffers of ``table`` (int64 bases, each shaped and
     strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``: "tma" loads
     each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the group with
     zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
-    group's tail zero-filled by TMA]). The caller checked the preconditions (``grouped_gemm._gluon_wgrad``)."""
+    group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers
+    instead of a partial added after them ([Note: chained bf16 accumulation]). The caller checked the
+    preconditions (``grouped_gemm._gluon_wgrad``)."""
     import torch
     import triton
 
@@ -585,7 +619,7 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_pr
             descriptor(dy_TN, (BLOCK_K_16, BLOCK)), descriptor(x_TK, (BLOCK_K_16, BLOCK)), ones, ones,
             out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
             dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), TRACE=False, ZERO_EDGES=not group_desc, TOKENS_OUTER=True,
-            GROUP_DESC=group_desc, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+            GROUP_DESC=group_desc, CHAIN=chain, ADD_MODE=add_mode, PTR_TABLE=table is not None,
             L2_PREFETCH=l2_prefetch and add_mode != 0, GROUP_M=8, NUM_STAGES=stages,
             EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS, EPI_REGS=EPI_REGS, num_warps=8)
     finally:

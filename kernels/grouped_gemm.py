@@ -75,6 +75,7 @@ WGRAD_GLUON = False
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
+WGRAD_GLUON_CHAIN = False  # chunks accumulate in the MMA's registers ([Note: chained bf16 accumulation])
 WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled by TMA through per-group
 #                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
 #                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
@@ -338,7 +339,8 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bo
         kw.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
                                add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate else 0, l2_prefetch=False,
                                stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS,
-                               num_sms=_num_sms(dy_TN.device), tail=WGRAD_GLUON_TAIL)
+                               num_sms=_num_sms(dy_TN.device), tail=WGRAD_GLUON_TAIL,
+                               chain=WGRAD_GLUON_CHAIN)
     except CompilationError as exc:
         return _gluon_failed("wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True

@@ -804,7 +804,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                   L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
                   TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False,
-                  GROUP_DESC=False)
+                  GROUP_DESC=False, CHAIN=False)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -836,14 +836,16 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert "st.shared.v2.b32" in ptx and "ld.shared.v4.b32" in ptx
 
 
-@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "atomic/zero", "fresh/zero"])
+@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "atomic/zero", "fresh/zero",
+                                     "atomic/chain", "atomic/chain/zero", "atomic/chain/table", "load/chain"])
 def test_gluon_wgrad_bf16_kernel_builds(variant):
     """[Note: the bf16 wgrad in the fp8 kernel]: the TOKENS_OUTER build (bf16 dy and x as [tokens, rows]
     stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),
     one ``wait_group 1`` per step of the promoting loop, no serialized wgmma, no spill, the epilogue
     partition's shared memory; a group's tail rows either left to TMA (per-group descriptors built in the
     kernel, published to the TMA unit through the tensormap proxy fences, no zeroing) or zeroed by the MMA
-    warps and fenced for the async proxy ("zero"; [Note: a group's tail zero-filled by TMA])."""
+    warps and fenced for the async proxy ("zero"; [Note: a group's tail zero-filled by TMA]); chained, one
+    wait per step and no promotion ([Note: chained bf16 accumulation])."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE:
@@ -860,11 +862,14 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     zero = "zero" in rest
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest, L2_PREFETCH=False,
                   GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
-                  TRACE=False, ZERO_EDGES=zero, TOKENS_OUTER=True, GROUP_DESC=not zero)
+                  TRACE=False, ZERO_EDGES=zero, TOKENS_OUTER=True, GROUP_DESC=not zero, CHAIN="chain" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, [^;]*;", ptx)
     assert mmas and all(m.endswith(", 1, 1, 1, 1;") for m in mmas), "bf16 wgmma, both operands transposed"
-    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    if "chain" in rest:  # the peeled step 0 and one step per iteration, then one full wait per tile
+        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2, "peeled step + the chained loop's step"
+    else:
+        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
     assert ("fence.proxy.async.shared::cta" in ptx) is zero, "zeroed tail rows fenced, and only when zeroed"

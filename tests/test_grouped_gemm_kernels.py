@@ -673,18 +673,20 @@ def test_gpu_wgrad_persistent(cfg):
     (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # groups inside one chunk, one ending on the chunk grid
     (256, 2, 128, 128, [0, 256]),           # the first group empty
 ])
-@pytest.mark.parametrize("tail", ["tma", "zero"])
-def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
+@pytest.mark.parametrize("variant", ["tma", "zero", "tma/chain", "zero/chain"])
+def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     """[Note: the bf16 wgrad in the fp8 kernel]: the opt-in Gluon wgrad (``WGRAD_GLUON``) accumulating
     bf16 and fp16 products into a stacked fp32 output and into a list of strided buffers, against the
     oracle, with each group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail
-    zero-filled by TMA]); every call ran in the Gluon kernel."""
+    zero-filled by TMA]), promoted or chained ([Note: chained bf16 accumulation]); every call ran in the
+    Gluon kernel."""
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON", True)
-    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
+    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", variant.split("/")[0])
+    monkeypatch.setattr(k, "WGRAD_GLUON_CHAIN", variant.endswith("/chain"))
     calls = []
     real = k._launch_gluon_wgrad
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
@@ -696,7 +698,8 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("tail", ["tma", "zero"])
-def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, monkeypatch):
+@pytest.mark.parametrize("chain", [False, True])
+def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, chain, monkeypatch):
     """A group's last chunk reaches past its end into the next group's tokens or, after the last group,
     into unrouted rows: those must count as zeros, even where they are NaN ([Note: a group's tail
     zero-filled by TMA]). The unrouted rows of dy and x are NaN here; the sums must match the oracle over
@@ -706,6 +709,7 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, monkeypatch):
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
+    monkeypatch.setattr(k, "WGRAD_GLUON_CHAIN", chain)
     T, K, N, splits = 1024, 272, 400, [100, 37, 0, 500, 64]  # routed: 701 of 1024 rows
     d = _inputs(T, len(splits), K, N, torch.bfloat16, "cuda", seed=7)
     offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)

@@ -15,6 +15,7 @@
 #   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL, and the multi-rank
 #   tests that run over NCCL: pytest -m gpu -k nccl),
 #   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
+#   gluon_wgrad16 (the opt-in bf16 Gluon wgrad: its GPU tests, then its variants beside the Triton kernel),
 #   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel),
 #   gemm_fp8_wgrad (per-tensor FP8 wgrad: the Gluon kernel's launch choices beside the Triton kernel),
 #   wgrad_trace (qa/bench/fp8_wgrad_trace.py: the Gluon FP8 wgrad's tile phases, with and without the
@@ -60,6 +61,11 @@ for step in $STEPS; do
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     sweep_ragged) run sweep_ragged python3 qa/bench/grouped_gemm.py --ops fprop dgrad --sweep \
                     --sweep-ops fprop dgrad --sweep-json "$OUT_DIR/sweep_ragged.json" ;;
+    gluon_wgrad16) run gluon_wgrad16_tests python3 -m pytest tests/test_grouped_gemm_kernels.py \
+                     tests/test_grouped_gemm_fp8_kernels.py -m gpu -k gluon_wgrad -q -p no:cacheprovider -rf \
+                     --tb=short --timeout 150
+                   run gluon_wgrad16 python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --gluon-wgrad \
+                     --triton-rows --no-check --rep 50 --json "$OUT_DIR/gluon_wgrad16.json" ;;
     gemm_gluon) run gemm_gluon python3 qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows \
                   --json "$OUT_DIR/grouped_gemm_gluon.json" ;;
     gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \

@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--triton-rows", action="store_true",
                    help="also time the Triton kernel where the default runs the Gluon one (impl "
                         "'distwgrad_triton'); with --gluon-wgrad also the Gluon wgrad whose MMA warps zero each "
-                        "group's tail (impl 'distwgrad_gluon_zero')")
+                        "group's tail, chained or not (impls 'distwgrad_gluon_zero', '_chain', '_zero_chain')")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test, TRITON_INTERPRET=1)")
@@ -204,18 +204,23 @@ def _triton_wgrad(p: Problem):
                                    gluon=False)
 
 
-def _gluon_wgrad_zeroing(p: Problem):
-    """The accumulating Gluon wgrad with each group's tail zeroed by the MMA warps (``WGRAD_GLUON_TAIL =
-    "zero"``): a zero-argument callable into a preallocated fp32 output."""
+def _gluon_wgrad_variant(p: Problem, **settings):
+    """The accumulating Gluon wgrad under other ``grouped_gemm.WGRAD_GLUON_*`` settings (``tail="zero"``:
+    each group's tail zeroed by the MMA warps; ``chain=True``: chained accumulation): a zero-argument
+    callable into a preallocated fp32 output."""
     out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
+    names = {f"WGRAD_GLUON_{k.upper()}": v for k, v in settings.items()}
 
     def run():
-        tail, G.WGRAD_GLUON_TAIL = G.WGRAD_GLUON_TAIL, "zero"
+        saved = {n: getattr(G, n) for n in names}
         try:
+            for n, v in names.items():
+                setattr(G, n, v)
             G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
                             gluon=True)
         finally:
-            G.WGRAD_GLUON_TAIL = tail
+            for n, v in saved.items():
+                setattr(G, n, v)
     return run
 
 
@@ -310,7 +315,9 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                 impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
             if args.triton_rows and op == "wgrad_accumulate" and G.WGRAD_GLUON:
                 impls["distwgrad_triton"] = _triton_wgrad(p)
-                impls["distwgrad_gluon_zero"] = _gluon_wgrad_zeroing(p)
+                impls["distwgrad_gluon_zero"] = _gluon_wgrad_variant(p, tail="zero", chain=False)
+                impls["distwgrad_gluon_chain"] = _gluon_wgrad_variant(p, tail="tma", chain=True)
+                impls["distwgrad_gluon_zero_chain"] = _gluon_wgrad_variant(p, tail="zero", chain=True)
             for name, fn in impls.items():
                 try:
                     ms = time_ms(fn, args)
