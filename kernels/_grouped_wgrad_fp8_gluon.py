@@ -174,6 +174,18 @@ def _define():
         return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k
 
     @gluon.jit
+    def _group_descs(a_ptr, b_ptr, stride_at, stride_bt, start, end, N, K, a_desc, b_desc, BLOCK_K: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Descriptors of dy and x over the group's rows [start, end) alone: a chunk's rows past its end load
+        as zeros (an empty group's, one row long, is never loaded from)."""
+        rows_g = gl.maximum(end - start, 1)
+        a_g = tma.make_tensor_descriptor(a_ptr + start.to(gl.int64) * stride_at, [rows_g, N], [stride_at, 1],
+                                         [BLOCK_K, BLOCK_M], a_desc.layout)
+        b_g = tma.make_tensor_descriptor(b_ptr + start.to(gl.int64) * stride_bt, [rows_g, K], [stride_bt, 1],
+                                         [BLOCK_K, BLOCK_N], b_desc.layout)
+        return a_g, b_g
+
+    @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                  a_ptr, b_ptr, stride_at, stride_bt, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                  TOKENS_OUTER: gl.constexpr, GROUP_DESC: gl.constexpr):
@@ -187,18 +199,21 @@ def _define():
         tiles_m = gl.cdiv(N, BLOCK_M)
         tiles_n = gl.cdiv(K, BLOCK_N)
         g = pid * 0
+        if GROUP_DESC:
+            gl.static_assert(TOKENS_OUTER, "per-group descriptors serve the tokens-outer (bf16) wgrad")
+            e, row0, col0, start, end, first, n_k = _tile(pid, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
+                                                          BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
+            a_g, b_g = _group_descs(a_ptr, b_ptr, stride_at, stride_bt, start, end, N, K, a_desc, b_desc, BLOCK_K,
+                                    BLOCK_M, BLOCK_N)
+            g_e = e
         for tile in range(pid, total, nprog):
             e, row0, col0, start, end, first, n_k = _tile(tile, offs_ptr, stride_o, T, tiles_m, tiles_n, GROUP_M,
                                                           BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
             if GROUP_DESC:
-                gl.static_assert(TOKENS_OUTER, "per-group descriptors serve the tokens-outer (bf16) wgrad")
-                # the group's rows [start, end) alone: a chunk's rows past its end load as zeros (an empty
-                # group's descriptor, one row long, is never loaded from)
-                rows_g = gl.maximum(end - start, 1)
-                a_g = tma.make_tensor_descriptor(a_ptr + start.to(gl.int64) * stride_at, [rows_g, N], [stride_at, 1],
-                                                 [BLOCK_K, BLOCK_M], a_desc.layout)
-                b_g = tma.make_tensor_descriptor(b_ptr + start.to(gl.int64) * stride_bt, [rows_g, K], [stride_bt, 1],
-                                                 [BLOCK_K, BLOCK_N], b_desc.layout)
+                if e != g_e:  # rebuilt when the program's tiles move to another group
+                    a_g, b_g = _group_descs(a_ptr, b_ptr, stride_at, stride_bt, start, end, N, K, a_desc, b_desc,
+                                            BLOCK_K, BLOCK_M, BLOCK_N)
+                    g_e = e
             for k in range(n_k):
                 s = g % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)

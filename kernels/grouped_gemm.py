@@ -68,17 +68,19 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # one run): fprop 0.94 / 0.98 / 0.92x, dgrad 0.98 / 0.91 / 0.82x at the three MoE shapes, the same bits in
 # every GPU test. The promotion-free bf16 loop has no per-step work to hide, so persistence only saves the
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
-# The bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]
-# in _grouped_wgrad_fp8_gluon.py), accumulating outputs only (it writes fp32): opt-in. On an H200 it ran
-# 1.07x the Triton kernel at E=64, 0.98x at E=8 and 0.75x at E=128 (docs/benchmarks.md).
-WGRAD_GLUON = False
+# The accumulating bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in
+# the fp8 kernel] in _grouped_wgrad_fp8_gluon.py) on Hopper, where the groups hold WGRAD_GLUON_MIN_TOKENS
+# tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tail zeroed:
+# 1.08x the Triton kernel at E=64, 1.00x at E=8, 0.74x at E=128's 128 tokens per group; docs/benchmarks.md).
+WGRAD_GLUON = True
+WGRAD_GLUON_MIN_TOKENS = 512
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
-WGRAD_GLUON_CHAIN = False  # chunks accumulate in the MMA's registers ([Note: chained bf16 accumulation])
-WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled by TMA through per-group
-#                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
-#                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
+WGRAD_GLUON_CHAIN = True  # chunks accumulate in the MMA's registers ([Note: chained bf16 accumulation])
+WGRAD_GLUON_TAIL = "zero"  # a group's last chunk: rows past its end zeroed by the MMA warps ("zero") or
+#                            zero-filled by TMA through per-group descriptors ("tma"); [Note: a group's
+#                            tail zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
 RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
@@ -329,6 +331,14 @@ def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor) -> 
             and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
 
 
+def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
+    """Whether the default dispatch tries the Gluon wgrad: ``WGRAD_GLUON``, an accumulating call, groups of
+    ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, and neither a config nor ``use_tma=False`` asked
+    for a Triton kernel (``_gluon_wgrad`` then checks that it applies)."""
+    return (WGRAD_GLUON and accumulate and T >= WGRAD_GLUON_MIN_TOKENS * E and config is None
+            and use_tma is not False)
+
+
 def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bool:
     """Launches the Gluon wgrad; False (and one warning) if this Triton cannot build it: the caller then
     runs the Triton kernel."""
@@ -350,14 +360,15 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                   gluon: bool | None = None):
     """dW_e for every group into ``out`` ([E, N, K]) or, with ``table``, into the per-group buffers it
     points to (``out`` is then entry 0, read for its strides); adds to them iff ``accumulate``. ``gluon``:
-    None picks (the Gluon kernel if ``WGRAD_GLUON`` and it applies, unless a config or ``use_tma=False``
-    was given), True requires it, False runs a Triton kernel."""
+    None picks (the Gluon kernel if ``WGRAD_GLUON``, accumulating, ``WGRAD_GLUON_MIN_TOKENS`` tokens per
+    group on average and it applies, unless a config or ``use_tma=False`` was given), True requires it,
+    False runs a Triton kernel."""
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    if gluon if gluon is not None else (WGRAD_GLUON and config is None and use_tma is not False):
+    if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
         applies = _gluon_wgrad(dy_TN, x_TK, out)
         if gluon and not applies:
             raise ValueError(f"grouped_wgrad: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with "

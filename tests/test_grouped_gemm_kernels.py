@@ -685,6 +685,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON", True)
+    monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
     monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", variant.split("/")[0])
     monkeypatch.setattr(k, "WGRAD_GLUON_CHAIN", variant.endswith("/chain"))
     calls = []
@@ -723,12 +724,22 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, chain, monkeypatch):
            m.double() + R.grouped_wgrad(dy[:end].double(), x[:end].double(), offs))
 
 
-def test_gluon_wgrad_opt_in_and_refusals():
-    """The Gluon wgrad is opt-in (``WGRAD_GLUON``), never taken off Hopper or in the interpreter, and
+def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
+    """The default dispatch tries the Gluon wgrad for accumulating calls whose groups hold
+    ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, unless a config or ``use_tma=False`` asks for a
+    Triton kernel or ``WGRAD_GLUON`` is off; it never runs off Hopper or in the interpreter, and
     ``gluon=True`` where it cannot run names why."""
     pytest.importorskip("triton")
     k = _kernels()
-    assert k.WGRAD_GLUON is False
+    assert k.WGRAD_GLUON is True and k.WGRAD_GLUON_MIN_TOKENS == 512
+    pick = k._gluon_wgrad_by_default
+    assert pick(65536, 64, True, None, None) and pick(512 * 8, 8, True, None, True)
+    assert not pick(16384, 128, True, None, None)                       # 128 tokens per group
+    assert not pick(65536, 64, False, None, None)                       # a fresh output
+    assert not pick(65536, 64, True, k._cfg.INTERPRETER, None)          # a config: the Triton kernel
+    assert not pick(65536, 64, True, None, False)                       # no TMA: the Triton kernel
+    monkeypatch.setattr(k, "WGRAD_GLUON", False)
+    assert not pick(65536, 64, True, None, None)
     dy, x = torch.randn(64, 32).bfloat16(), torch.randn(64, 48).bfloat16()
     out = torch.zeros(2, 32, 48)
     offs = torch.tensor([30, 64], dtype=torch.int32)

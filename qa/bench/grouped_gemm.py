@@ -80,11 +80,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gluon", action="store_true",
                    help="fprop/dgrad: the 'distwgrad' rows run the opt-in Gluon kernel (grouped_gemm.RAGGED_GLUON)")
     p.add_argument("--gluon-wgrad", action="store_true",
-                   help="wgrad_accumulate: the 'distwgrad' rows run the opt-in Gluon wgrad (grouped_gemm.WGRAD_GLUON)")
+                   help="wgrad_accumulate: the 'distwgrad' rows run the Gluon wgrad at every shape (by default "
+                        "it runs where the groups average grouped_gemm.WGRAD_GLUON_MIN_TOKENS tokens)")
     p.add_argument("--triton-rows", action="store_true",
-                   help="also time the Triton kernel where the default runs the Gluon one (impl "
-                        "'distwgrad_triton'); with --gluon-wgrad also the Gluon wgrad whose MMA warps zero each "
-                        "group's tail, chained or not (impls 'distwgrad_gluon_zero', '_chain', '_zero_chain')")
+                   help="also time the Triton kernel where the default may run the Gluon one (impl "
+                        "'distwgrad_triton'); wgrad_accumulate also times the Gluon wgrad's variants: each group's "
+                        "tail zeroed by the MMA warps or zero-filled by TMA, chained or not (impls "
+                        "'distwgrad_gluon_<zero|tma>[_chain]')")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test, TRITON_INTERPRET=1)")
@@ -227,7 +229,8 @@ def _gluon_wgrad_variant(p: Problem, **settings):
 def _runs_gluon(op: str, p: Problem) -> bool:
     """Whether the default dispatch runs this op in a Gluon kernel."""
     if op == "wgrad_accumulate":
-        return G.WGRAD_GLUON and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))
+        return (G._gluon_wgrad_by_default(p.T, p.E, True, None, None)
+                and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32)))
     if op not in ("fprop", "dgrad"):
         return False
     a = p.x if op == "fprop" else p.dy
@@ -313,11 +316,13 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
             impls = impls_for(op, p)
             if args.triton_rows and op in ("fprop", "dgrad"):
                 impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
-            if args.triton_rows and op == "wgrad_accumulate" and G.WGRAD_GLUON:
+            if (args.triton_rows and op == "wgrad_accumulate"
+                    and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
                 impls["distwgrad_triton"] = _triton_wgrad(p)
-                impls["distwgrad_gluon_zero"] = _gluon_wgrad_variant(p, tail="zero", chain=False)
-                impls["distwgrad_gluon_chain"] = _gluon_wgrad_variant(p, tail="tma", chain=True)
-                impls["distwgrad_gluon_zero_chain"] = _gluon_wgrad_variant(p, tail="zero", chain=True)
+                for tail in ("zero", "tma"):
+                    for chain in (True, False):
+                        name = f"distwgrad_gluon_{tail}{'_chain' if chain else ''}"
+                        impls[name] = _gluon_wgrad_variant(p, tail=tail, chain=chain)
             for name, fn in impls.items():
                 try:
                     ms = time_ms(fn, args)
@@ -441,7 +446,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     G.RAGGED_GLUON = G.RAGGED_GLUON or args.gluon
-    G.WGRAD_GLUON = G.WGRAD_GLUON or args.gluon_wgrad
+    if args.gluon_wgrad:
+        G.WGRAD_GLUON, G.WGRAD_GLUON_MIN_TOKENS = True, 0
     rows, sweep_rows, ok = run(args)
     print(summarize(rows))
     if "wgrad_accumulate" in args.ops:
