@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -87,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'distwgrad_triton'); wgrad_accumulate also times the Gluon wgrad's variants: each group's "
                         "tail zeroed by the MMA warps or zero-filled by TMA, chained or not (impls "
                         "'distwgrad_gluon_<zero|tma>[_chain]')")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every implementation this many times, interleaved, and report the median")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test, TRITON_INTERPRET=1)")
@@ -94,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time CUDA-graph replays (triton.testing.do_bench_cudagraph): device time without "
                         "the host's launch cost; rows get timing='cuda_graph'")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     args.shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     return args
 
@@ -323,14 +328,24 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                     for chain in (True, False):
                         name = f"distwgrad_gluon_{tail}{'_chain' if chain else ''}"
                         impls[name] = _gluon_wgrad_variant(p, tail=tail, chain=chain)
-            for name, fn in impls.items():
-                try:
-                    ms = time_ms(fn, args)
-                except Exception as exc:  # noqa: BLE001 - a peer that refuses a layout is reported
-                    print(f"  {name} failed on {op} {shape}: {exc!r}"[:400], flush=True)
+            times: dict[str, list[float]] = {}
+            for _ in range(args.rounds):  # the peers interleaved: clock drift hits each alike
+                for name, fn in impls.items():
+                    if name in times and not times[name]:
+                        continue  # failed in an earlier round
+                    try:
+                        times.setdefault(name, []).append(time_ms(fn, args))
+                    except Exception as exc:  # noqa: BLE001 - a peer that refuses a layout is reported
+                        print(f"  {name} failed on {op} {shape}: {exc!r}"[:400], flush=True)
+                        times[name] = []
+            for name, ms_rounds in times.items():
+                if not ms_rounds:
                     continue
+                ms = statistics.median(ms_rounds)
                 row = dict(op=op, shape=list(shape), impl=name, tflops=p.flops / ms / 1e9, ms=ms, device=dev,
                            timing="cuda_graph" if args.cuda_graph else "do_bench")
+                if args.rounds > 1:
+                    row["ms_rounds"] = ms_rounds
                 if name == "distwgrad":
                     row["config"] = "gluon" if _runs_gluon(op, p) else default_config(op, p).short()
                 rows.append(row)
