@@ -70,17 +70,18 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
 # The accumulating bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in
 # the fp8 kernel] in _grouped_wgrad_fp8_gluon.py) on Hopper, where the groups hold WGRAD_GLUON_MIN_TOKENS
-# tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tail zeroed:
-# 1.08x the Triton kernel at E=64, 1.00x at E=8, 0.74x at E=128's 128 tokens per group; docs/benchmarks.md).
+# tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tails zero-filled
+# by TMA, medians of interleaved rounds: 1.15x the Triton kernel at E=64, 1.02x at E=8, 0.78x at E=128's
+# 128 tokens per group; docs/benchmarks.md).
 WGRAD_GLUON = True
 WGRAD_GLUON_MIN_TOKENS = 512
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
 WGRAD_GLUON_CHAIN = True  # chunks accumulate in the MMA's registers ([Note: chained bf16 accumulation])
-WGRAD_GLUON_TAIL = "zero"  # a group's last chunk: rows past its end zeroed by the MMA warps ("zero") or
-#                            zero-filled by TMA through per-group descriptors ("tma"); [Note: a group's
-#                            tail zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
+WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled by TMA through per-group
+#                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
+#                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
 RAGGED_GLUON = False
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)

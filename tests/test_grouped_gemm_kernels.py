@@ -756,9 +756,19 @@ def test_gpu_e256():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graph_and_compile():
-    """Captured once, replayed with new routing (offsets on the device change, the graph does not)."""
+@pytest.mark.parametrize("wgrad", ["default", "gluon/tma", "gluon/zero"])
+def test_gpu_cuda_graph_and_compile(wgrad, monkeypatch):
+    """Captured once, replayed with new routing (offsets on the device change, the graph does not); the
+    accumulating wgrad as the default dispatch picks it at this shape (256 tokens per group: the Triton
+    kernel) and through the Gluon kernel, whose per-group descriptors live in scratch allocated at capture
+    ([Note: a group's tail zero-filled by TMA])."""
     k = _kernels()
+    if wgrad != "default":
+        from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+        if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+        monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
+        monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", wgrad.split("/")[1])
     T, E, K, N = 2048, 8, 256, 512
     d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=4)
     x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]
