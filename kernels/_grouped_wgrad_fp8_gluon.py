@@ -76,32 +76,40 @@ shared memory and drop it), to time the chunks without the output's global traff
 may skip the edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
 
 [Note: the bf16 wgrad in the fp8 kernel]
-The same kernel serves the bf16 / fp16 wgrad (``TOKENS_OUTER``, ``launch_tokens_outer``; opt-in as
-``grouped_gemm.WGRAD_GLUON``): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a
+The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``, ``launch_tokens_outer``;
+``grouped_gemm.WGRAD_GLUON``, where groups average 512 tokens or more): dy [T, N] and x [T, K] as the
+caller holds them, tokens outer. A stage is a
 [64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
 and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
 there). The token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at
 its first token and only its last chunk can hold another group's tokens: those token rows of both
 stages are zeroed (``_gluon_tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded
-([Note: a group's tail zero-filled by TMA]). The promoting loop,
-the persistent schedule and the epilogue partition are the FP8 kernel's; the scales are ones. bf16 MMAs
-run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long while its fp32 epilogue stays,
-for the partition to hide. Accumulating on an H200 (docs/benchmarks.md): 446 TFLOP/s at E=64, 1.07x the
-Triton kernel (0.75x grouped_mm's plain wgrad), 0.98x at E=8 and 0.75x at E=128 (groups of two chunks,
-the last always zeroed): opt-in.
+([Note: a group's tail zero-filled by TMA]). The persistent schedule and the epilogue partition are the
+FP8 kernel's, the loop its promoting one or chained ([Note: chained bf16 accumulation], the default); the
+scales are ones. bf16 MMAs run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long
+while its fp32 epilogue stays, for the partition to hide. Accumulating on an H200, chained, tails
+zero-filled by TMA (docs/benchmarks.md, medians of interleaved rounds): 461 TFLOP/s at E=64, 1.13x the
+Triton kernel (0.80x grouped_mm's plain wgrad), 1.05x at E=8 (1.01x grouped_mm's plain wgrad) and 0.78x
+at E=128, whose groups of 128 tokens (two chunks per tile, an fp32 epilogue as long as the MMAs) stay
+with the Triton kernel (``grouped_gemm.WGRAD_GLUON_MIN_TOKENS``).
 
 [Note: a group's tail zero-filled by TMA]
 In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or
 unrouted rows (which may be NaN). With GROUP_DESC (``launch_tokens_outer(tail="tma")``, the default) the
-TMA warp builds, for each tile, descriptors of dy and x whose base is the group's first token and whose
-row extent is the group's size (``tma.make_tensor_descriptor``: 128 bytes each in Triton's global scratch,
-published to the TMA unit through the tensormap proxy's fences), so TMA fills the rows past the end with
-zeros and the MMA warps zero nothing. A base at any token is 16-byte aligned because the row stride is
+TMA warp builds descriptors of dy and x whose base is the group's first token and whose row extent is
+the group's size, whenever its next tile belongs to another group than the last
+(``tma.make_tensor_descriptor``: 128 bytes each in Triton's global scratch, published to the TMA unit
+through the tensormap proxy's fences), so TMA fills the rows past the end with zeros and the MMA warps
+zero nothing. A base at any token is 16-byte aligned because the row stride is
 (a TMA requirement of the whole tensor already), which is why this serves the tokens-outer bf16 stages
 and not the fp8 ones: there the token is the inner coordinate, and a group starting off a 16-token
 boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``). With
 tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero the rows past the end
-(``_gluon_tiles.zero_rows``), as before; a Triton whose allocator setting cannot be reached runs that.
+(``_gluon_tiles.zero_rows``); a Triton whose allocator setting cannot be reached runs that. Measured on
+an H200 (docs/benchmarks.md): built for every tile, the descriptors cost more than the zeroing (E=64 418
+against 444 TFLOP/s, E=8 565 against 577; not profiled: the TMA warp waits for its fences before each
+tile's first load); rebuilt on a change of group only (every ~7 tiles per program at E=64, every tile at
+E=128) they tie or win: chained, 2-5% at each shape.
 
 [Note: chained bf16 accumulation]
 The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under
@@ -109,6 +117,8 @@ the next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precisio
 CHAIN (``launch_tokens_outer(chain=True)``) a bf16 tile's chunks after the first accumulate into the
 registers of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the
 chunk before it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
+On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md), hence the default
+(``grouped_gemm.WGRAD_GLUON_CHAIN``).
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32

@@ -71,8 +71,8 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # The accumulating bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in
 # the fp8 kernel] in _grouped_wgrad_fp8_gluon.py) on Hopper, where the groups hold WGRAD_GLUON_MIN_TOKENS
 # tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tails zero-filled
-# by TMA, medians of interleaved rounds: 1.15x the Triton kernel at E=64, 1.02x at E=8, 0.78x at E=128's
-# 128 tokens per group; docs/benchmarks.md).
+# by TMA, medians of interleaved rounds: 1.13-1.17x the Triton kernel at E=64, 1.02-1.05x at E=8, 0.78x at
+# E=128's 128 tokens per group; docs/benchmarks.md).
 WGRAD_GLUON = True
 WGRAD_GLUON_MIN_TOKENS = 512
 WGRAD_GLUON_STAGES = 5

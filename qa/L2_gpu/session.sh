@@ -84,7 +84,7 @@ for step in $STEPS; do
     tma_alignment) run tma_alignment python3 qa/L2_gpu/tma_token_alignment.py ;;
     quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
                    --json "$OUT_DIR/quant_sweep.json" ;;
-    bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --json "$OUT_DIR/grouped_gemm_h200.json" \
+    bench_gemm) run bench_gemm python3 qa/bench/grouped_gemm.py --rounds 3 --json "$OUT_DIR/grouped_gemm_h200.json" \
                   --plot "$OUT_DIR/grouped_gemm_h200.png" ;;
     bench_gemm_graph) run bench_gemm_graph python3 qa/bench/grouped_gemm.py --cuda-graph --no-check \
                         --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
