@@ -724,6 +724,52 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, chain, monkeypatch):
            m.double() + R.grouped_wgrad(dy[:end].double(), x[:end].double(), offs))
 
 
+def test_gluon_wgrad_reaches_tritons_allocator_setting():
+    """[Note: a group's tail zero-filled by TMA]: the per-group descriptors need Triton's global scratch,
+    which ``launch_tokens_outer`` supplies for its launch through Triton's allocator setting (a
+    ContextVar, restored after the launch); a Triton that moved it would silently lose the TMA tail, so
+    the installed one must expose it, and an invalid ``tail`` names itself."""
+    pytest.importorskip("triton")
+    from contextvars import ContextVar
+
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    if not kw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    assert isinstance(kw._allocator(), ContextVar)
+    with pytest.raises(ValueError, match=r"tail must be one of \('tma', 'zero'\), got 'nan'"):
+        kw.launch_tokens_outer(None, None, None, None, None, add_mode=3, l2_prefetch=False, stages=5,
+                               epilogue_warps=2, num_sms=132, tail="nan")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_gluon_wgrad_restores_the_callers_allocator(monkeypatch):
+    """The Gluon wgrad's scratch comes from torch for its own launch only: a caller's Triton allocator is
+    neither called nor replaced ([Note: a group's tail zero-filled by TMA])."""
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from triton.runtime import _allocation
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    k = _kernels()
+    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", "tma")
+    calls = []
+
+    def mine(size, alignment, stream):
+        calls.append(size)
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    token = _allocation._allocator.set(mine)
+    try:
+        d = _inputs(1024, 4, 256, 128, torch.bfloat16, "cuda", seed=3)
+        out = d["m"].clone()
+        k._launch_wgrad(d["dy"], d["x"], d["offs"], out, accumulate=True, table=None, config=None, use_tma=None,
+                        gluon=True)
+        assert _allocation._allocator.get() is mine and not calls, calls
+    finally:
+        _allocation._allocator.reset(token)
+    _check("gluon wgrad", out, R.grouped_wgrad(d["dy"], d["x"], d["offs"], out=d["m"].clone()),
+           d["m"].double() + R.grouped_wgrad(d["dy"].double(), d["x"].double(), d["offs"]))
+
+
 def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     """The default dispatch tries the Gluon wgrad for accumulating calls whose groups hold
     ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, unless a config or ``use_tma=False`` asks for a
