@@ -77,7 +77,7 @@ may skip the edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
 
 [Note: the bf16 wgrad in the fp8 kernel]
 The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``, ``launch_tokens_outer``;
-``grouped_gemm.WGRAD_GLUON``, where groups average 512 tokens or more): dy [T, N] and x [T, K] as the
+``grouped_gemm.WGRAD_GLUON``, where groups average 256 tokens or more): dy [T, N] and x [T, K] as the
 caller holds them, tokens outer. A stage is a
 [64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
 and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T

@@ -71,10 +71,11 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # The accumulating bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in
 # the fp8 kernel] in _grouped_wgrad_fp8_gluon.py) on Hopper, where the groups hold WGRAD_GLUON_MIN_TOKENS
 # tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tails zero-filled
-# by TMA, medians of interleaved rounds: 1.13-1.17x the Triton kernel at E=64, 1.02-1.05x at E=8, 0.78x at
-# E=128's 128 tokens per group; docs/benchmarks.md).
+# by TMA, medians of interleaved rounds: 1.13-1.17x the Triton kernel at 1024 tokens per group (E=64),
+# 1.02-1.05x at 4096 (E=8), 1.09x and 1.20x at 512, 1.00x and 1.06x at 256, 0.78x at 128 (E=128);
+# docs/benchmarks.md).
 WGRAD_GLUON = True
-WGRAD_GLUON_MIN_TOKENS = 512
+WGRAD_GLUON_MIN_TOKENS = 256
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)

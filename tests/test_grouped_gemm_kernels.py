@@ -777,9 +777,10 @@ def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     ``gluon=True`` where it cannot run names why."""
     pytest.importorskip("triton")
     k = _kernels()
-    assert k.WGRAD_GLUON is True and k.WGRAD_GLUON_MIN_TOKENS == 512
+    assert k.WGRAD_GLUON is True and k.WGRAD_GLUON_MIN_TOKENS == 256
     pick = k._gluon_wgrad_by_default
-    assert pick(65536, 64, True, None, None) and pick(512 * 8, 8, True, None, True)
+    assert pick(65536, 64, True, None, None) and pick(256 * 8, 8, True, None, True)
+    assert not pick(256 * 8 - 1, 8, True, None, None)
     assert not pick(16384, 128, True, None, None)                       # 128 tokens per group
     assert not pick(65536, 64, False, None, None)                       # a fresh output
     assert not pick(65536, 64, True, k._cfg.INTERPRETER, None)          # a config: the Triton kernel
@@ -802,14 +803,16 @@ def test_gpu_e256():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("wgrad", ["default", "gluon/tma", "gluon/zero"])
+@pytest.mark.parametrize("wgrad", ["default", "triton", "gluon/tma", "gluon/zero"])
 def test_gpu_cuda_graph_and_compile(wgrad, monkeypatch):
     """Captured once, replayed with new routing (offsets on the device change, the graph does not); the
-    accumulating wgrad as the default dispatch picks it at this shape (256 tokens per group: the Triton
-    kernel) and through the Gluon kernel, whose per-group descriptors live in scratch allocated at capture
-    ([Note: a group's tail zero-filled by TMA])."""
+    accumulating wgrad as the default dispatch picks it (256 tokens per group: the Gluon kernel on Hopper),
+    through the Triton kernel, and through the Gluon kernel with either tail, whose per-group descriptors
+    live in scratch allocated at capture ([Note: a group's tail zero-filled by TMA])."""
     k = _kernels()
-    if wgrad != "default":
+    if wgrad == "triton":
+        monkeypatch.setattr(k, "WGRAD_GLUON", False)
+    elif wgrad != "default":
         from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
         if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
