@@ -3,10 +3,11 @@ and a dense mm of the same FLOPs, in one process on one GPU (bf16 operands, fp32
 
 Run on a GPU machine from the repository root::
 
-    PYTHONPATH=. python qa/bench/grouped_gemm.py --json out.json --plot out.png
+    PYTHONPATH=. python qa/bench/grouped_gemm.py --rounds 3 --json out.json --plot out.png   # the record
     PYTHONPATH=. python qa/bench/grouped_gemm.py --sweep --sweep-json sweep.json   # + every candidate config
     PYTHONPATH=. python qa/bench/grouped_gemm.py --shapes 8,4096,512,1024 --ops fprop   # a subset
     PYTHONPATH=. python qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows   # Gluon vs Triton
+    PYTHONPATH=. python qa/bench/grouped_gemm.py --ops wgrad_accumulate --triton-rows --rounds 3   # + wgrad variants
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/grouped_gemm.py --device cpu --shapes 3,64,32,48   # smoke
 
 Ops (FLOPs 2*T*N*K for all; ``E, T, K, N`` = experts, tokens, in-features, out-features):
@@ -26,7 +27,9 @@ router, but ragged. The loop reads the splits on the host once, outside the time
 
 Timing: ``triton.testing.do_bench`` (L2 flushed before every run), median, after a warm-up call; with
 ``--cuda-graph``, ``triton.testing.do_bench_cudagraph`` (back-to-back calls captured in one graph and
-replayed: device time only, L2 not flushed between calls). Kernels
+replayed: device time only, L2 not flushed between calls). ``--rounds R`` times every implementation R
+times, interleaved (all of them once, then again), and reports each one's median: the chip's clock drifts
+by several percent over a run, and interleaving spreads the drift over the peers alike. Kernels
 shorter than ~0.3 ms (the E=128 shape) can be host-bound here: each of our calls spends ~0.1 ms in Python
 (custom-op dispatch, checks, descriptor encoding) and the loop peer 128 launches; a slow host shows up
 as a slow E=128 row and a slow loop (docs/benchmarks/grouped_gemm.md, 2026-11-29 round 3). Before
@@ -34,7 +37,7 @@ timing, each (op, shape) of ``distwgrad`` is checked against the in-package refe
 oracle with the bound in [Note: grouped gemm error bound] (kernels/_grouped_gemm_configs.py).
 
 Output: a table on stdout; ``--json`` writes a list of rows ``{"op", "shape": [E, T, K, N], "impl",
-"tflops"}`` (extra keys: ``ms``, ``device``, ``config`` for distwgrad); ``--plot`` a PNG of TFLOP/s by
+"tflops"}`` (extra keys: ``ms``, ``device``, ``config`` for distwgrad, ``ms_rounds`` with ``--rounds``); ``--plot`` a PNG of TFLOP/s by
 shape. ``--sweep`` also times every candidate tile config of ours (kernels/_grouped_gemm_configs.py).
 With ``wgrad_accumulate`` among the ops, the run ends with its memory roofline per shape (``roofline``):
 the fp32 read-modify-write of ``main_grad`` at the measured copy bandwidth against the MMAs at the dense
