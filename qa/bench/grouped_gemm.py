@@ -38,7 +38,8 @@ oracle with the bound in [Note: grouped gemm error bound] (kernels/_grouped_gemm
 
 Output: a table on stdout; ``--json`` writes a list of rows ``{"op", "shape": [E, T, K, N], "impl",
 "tflops"}`` (extra keys: ``ms``, ``device``, ``config`` for distwgrad, ``ms_rounds`` with ``--rounds``);
-``--plot`` a PNG of TFLOP/s by shape. ``--sweep`` also times every candidate tile config of ours (kernels/_grouped_gemm_configs.py).
+``--plot`` a PNG of TFLOP/s by shape. ``--sweep`` also times every candidate tile config of ours
+(kernels/_grouped_gemm_configs.py).
 With ``wgrad_accumulate`` among the ops, the run ends with its memory roofline per shape (``roofline``):
 the fp32 read-modify-write of ``main_grad`` at the measured copy bandwidth against the MMAs at the dense
 mm's rate, i.e. the most any accumulating kernel can reach.
