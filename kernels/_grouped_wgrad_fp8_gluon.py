@@ -128,6 +128,8 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 
 from __future__ import annotations
 
+import functools
+
 from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
@@ -596,9 +598,11 @@ TAILS = ("tma", "zero")  # how a group's last chunk loses the next group's token
 #                          zero-filled by TMA])
 
 
+@functools.cache
 def _allocator():
     """Triton's allocator setting for a launch's global scratch (a ContextVar), or None in a Triton without
-    one: the per-group descriptors then cannot be built, and the tail is zeroed instead."""
+    one: the per-group descriptors then cannot be built, and the tail is zeroed instead. Looked up once:
+    every bf16 wgrad launch asks."""
     from contextvars import ContextVar
 
     from triton.runtime import _allocation
