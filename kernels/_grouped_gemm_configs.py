@@ -38,7 +38,9 @@ class TileConfig:
     Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise).
     ``tma=False`` keeps masked pointer loads where TMA descriptors would apply (an explicit ``use_tma``
     argument of the launcher wins). ``l2_prefetch`` (accumulating wgrad, GPU) prefetches the old fp32 tile
-    into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py)."""
+    into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py).
+    ``half_tail`` (fprop/dgrad only, ``block_m`` >= 32): a group's last M tile with ``block_m`` / 2 rows or
+    fewer runs a half-height MMA ([Note: half tail tiles] in kernels/grouped_gemm.py)."""
 
     block_m: int
     block_n: int
@@ -52,6 +54,7 @@ class TileConfig:
     warp_specialize: bool = False
     tma: bool = True
     l2_prefetch: bool = False
+    half_tail: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -64,6 +67,9 @@ class TileConfig:
         if self.add_mode not in ("load", "prefetch", "atomic", "tma_add"):
             raise ValueError(f"TileConfig.add_mode must be 'load', 'prefetch', 'atomic' or 'tma_add', got "
                              f"{self.add_mode!r}")
+        if self.half_tail and self.block_m < 32:
+            raise ValueError(f"TileConfig: half_tail needs block_m >= 32 (a half tile is a tl.dot of 16 rows or "
+                             f"more), got block_m={self.block_m}")
         self._check_persistent()
 
     def _check_persistent(self):
@@ -84,6 +90,7 @@ class TileConfig:
         pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
                                                + ("/ws" if self.warp_specialize else ""))
         pers += ("" if self.tma else "/ptr") + ("/l2pf" if self.l2_prefetch else "")
+        pers += "/half" if self.half_tail else ""
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
                 f"/s{self.num_stages}{mode}{pers}")
 
@@ -180,7 +187,7 @@ def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes:
     # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
     # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,
     # 600/570, 302/261. 64-row tiles (round 1) lost at every shape, by 5-10%.
-    return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4), elem_bytes, smem_limit)
+    return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4, half_tail=True), elem_bytes, smem_limit)
 
 
 def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,

@@ -112,27 +112,15 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
     return e, local, start, size, tl.sum(tiles, 0)
 
 
-@triton.jit(do_not_specialize=["T", "E"])  # token and group counts change per step: one compile
-def _ragged_m_kernel(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, offs_ptr,
-                     T, E, N, K, W_ROWS,
-                     stride_at, stride_ak, stride_we, stride_bk, stride_bn,
-                     stride_ot, stride_on, stride_be, stride_bn_bias, stride_o,
-                     W_TRANS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e; B_e = W_e^T (fprop) or W_e (dgrad)."""
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E)
-    if pid >= total:
-        return
-    pid_m, pid_n = _swizzle(local, tl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
-    row0 = start + pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
+@triton.jit
+def _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, row_end, col0, N, K, W_ROWS,
+                 stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be, stride_bn_bias,
+                 W_TRANS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One output tile: out[row0 : row0 + BLOCK_M (rows < row_end), col0 : col0 + BLOCK_N] of group e."""
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
-    rows_ok = rows < start + size
+    rows_ok = rows < row_end
     rows64 = rows.to(tl.int64)
     e64 = e.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -161,6 +149,36 @@ def _ragged_m_kernel(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, offs_ptr,
         acc += bias.to(tl.float32)[None, :]
     o_ptrs = out_ptr + rows64[:, None] * stride_ot + cols[None, :] * stride_on
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & (cols[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["T", "E"])  # token and group counts change per step: one compile
+def _ragged_m_kernel(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, offs_ptr,
+                     T, E, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn,
+                     stride_ot, stride_on, stride_be, stride_bn_bias, stride_o,
+                     W_TRANS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, HALF_TAIL: tl.constexpr):
+    """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e; B_e = W_e^T (fprop) or W_e (dgrad).
+    ``HALF_TAIL``: a group's last M tile with BLOCK_M / 2 rows or fewer runs at half height ([Note: half
+    tail tiles])."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E)
+    if pid >= total:
+        return
+    pid_m, pid_n = _swizzle(local, tl.cdiv(size, BLOCK_M), tiles_n, GROUP_M)
+    row0 = start + pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    if HALF_TAIL and size - pid_m * BLOCK_M <= BLOCK_M // 2:
+        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
+                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+    else:
+        _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
+                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,22 +319,24 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     eligible = (K > 0 and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
                 and (E == 1 or sw[0] == w_rows * sw[1]) and (w_trans or w_rows % bk == 0))
     tma = _resolve_tma(use_tma, eligible, a.device, what)
-    a_desc = w_desc = None
+    half_tail = config.half_tail
+    a_desc = a_half_desc = w_desc = None
     if tma:
         a_desc = TensorDescriptor(a, [T, K], [a.stride(0), 1], [bm, bk])
+        a_half_desc = TensorDescriptor(a, [T, K], [a.stride(0), 1], [bm // 2, bk]) if half_tail else None
         w_desc = TensorDescriptor(w_ENK, [E * w_rows, w_cols], [sw[1], 1], [bn, bk] if w_trans else [bk, bn])
     stride_bk, stride_bn = (sw[2], sw[1]) if w_trans else (sw[1], sw[2])
     bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
     upcast, precision = _dot_flags(a.dtype, a.device)
     grid = ((triton.cdiv(T, bm) + E) * triton.cdiv(N, bn),)
     _ragged_m_kernel[grid](
-        a_desc, w_desc, a, w_ENK, out, bias_EN, offs_E,
+        a_desc, a_half_desc, w_desc, a, w_ENK, out, bias_EN, offs_E,
         T, E, N, K, w_rows,
         a.stride(0), a.stride(1), sw[0], stride_bk, stride_bn,
         out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
         W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, USE_TMA=tma, UPCAST=upcast, PRECISION=precision,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-        BLOCK_E=max(16, triton.next_power_of_2(E)),
+        BLOCK_E=max(16, triton.next_power_of_2(E)), HALF_TAIL=half_tail,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -386,6 +406,8 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_wgrad(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=dy_TN.element_size(),
                                   smem_limit=_device_info(dy_TN.device)[1], accumulate=accumulate))
+    if config.half_tail:
+        raise ValueError(f"grouped_wgrad: half_tail is for fprop/dgrad (ragged M) only, got {config.short()}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     eligible = (T > 0 and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1))
                 and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1)))

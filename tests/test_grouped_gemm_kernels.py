@@ -115,6 +115,32 @@ def _case_fprop_dgrad():
         _check_all_ops(50, 4, 45, 33, dtype, "cpu", seed=1, bias=False, ops=("fprop", "dgrad"))  # masked tails
 
 
+# Tokens per group around BLOCK_M = 32 of the half-tail config: a group's last tile of 1, 16 (half tiles) or
+# 17, 32 rows (full ones), groups of one half tile only, and empty groups.
+_HALF_TAIL_SPLITS = [0, 16, 17, 33, 48, 49, 0, 64, 1]
+
+
+def _case_half_tail():
+    """[Note: half tail tiles]: fprop (with bias) and dgrad with ``half_tail`` on the tiles that take it and the
+    ones that don't, TMA and pointer loads, against the oracle (NaN-poisoned outputs); the launchers refuse
+    it where it does not apply."""
+    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
+    k = _kernels()
+    cfg = dataclasses.replace(INTERPRETER, block_m=32, half_tail=True)
+    T, E = sum(_HALF_TAIL_SPLITS), len(_HALF_TAIL_SPLITS)
+    for dtype in (torch.float16, torch.float32):
+        for use_tma in (False, True):
+            _check_all_ops(T, E, 48, 32, dtype, "cpu", seed=21, use_tma=use_tma, config=cfg, ops=("fprop", "dgrad"),
+                           splits=_HALF_TAIL_SPLITS)
+    _check_all_ops(T, E, 45, 33, torch.float32, "cpu", seed=22, config=cfg, ops=("fprop", "dgrad"),
+                   splits=_HALF_TAIL_SPLITS)  # K, N off the tile: masked pointer loads
+    with pytest.raises(ValueError, match=r"half_tail needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
+        dataclasses.replace(INTERPRETER, half_tail=True)
+    x, dy, offs = torch.randn(T, 48), torch.randn(T, 32), torch.tensor(_HALF_TAIL_SPLITS).cumsum(0).int()
+    with pytest.raises(ValueError, match=r"half_tail is for fprop/dgrad \(ragged M\) only, got 32x16x16/g2/w1/s1/half"):
+        k._launch_wgrad(dy, x, offs, torch.zeros(E, 32, 48), accumulate=True, table=None, config=cfg, use_tma=None)
+
+
 def _case_wgrad():
     for dtype in (torch.float16, torch.float32):
         for use_tma in (False, True):
@@ -258,6 +284,7 @@ def _case_custom_ops():
 
 _INTERPRETER_CASES = {
     "fprop_dgrad": _case_fprop_dgrad,
+    "half_tail": _case_half_tail,
     "wgrad": _case_wgrad,
     "wgrad_persistent": _case_wgrad_persistent,
     "wgrad_persistent_splits": _case_wgrad_persistent_splits,
@@ -567,6 +594,37 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ])
 def test_gpu_bf16(T, E, K, N, use_tma):
     _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T + E, use_tma=use_tma)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T,E,K,N", [
+    (16384, 128, 2048, 768),   # the E=128 MoE shape's ~128 tokens per group: every other group ends in a half tile
+    (3000, 12, 1000, 1304),    # K, N off the tile grid: masked edges in both tile heights
+])
+def test_gpu_half_tail(T, E, K, N):
+    """[Note: half tail tiles]: fprop (with bias) and dgrad of the default config (half tails on) against the
+    oracle, and bit for bit against the same config with every tile at full height (the same products
+    in the same K order). The splits put group ends at every remainder class of the 128-row tile: 1, 63,
+    64 (half tiles), 65, 127, 128 (full ones), plus empty groups and random ones."""
+    from distwgrad.kernels import _grouped_gemm_configs as C
+    k = _kernels()
+    head = [1, 63, 64, 65, 127, 128, 0, 128 + 64, 128 + 65]
+    gen = torch.Generator().manual_seed(E)
+    rest = torch.bincount(torch.randint(0, E - len(head), (T - sum(head),), generator=gen), minlength=E - len(head))
+    splits = head + rest.tolist()
+    cfg = C.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=2,
+                        smem_limit=torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    assert cfg.half_tail, cfg.short()
+    _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, ops=("fprop", "dgrad"), splits=splits)
+    d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=T)
+    offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)
+    full = dataclasses.replace(cfg, half_tail=False)
+    for op, a, cols, bias in (("fprop", d["x"], N, d["b"]), ("dgrad", d["dy"], K, None)):
+        outs = [k._launch_ragged(a, d["w"], offs, bias, _poisoned((T, cols), a), w_trans=op == "fprop", config=c,
+                                 use_tma=None) for c in (cfg, full)]
+        differ = int((outs[0] != outs[1]).sum())
+        assert differ == 0, f"{op}: {differ} elements differ between half and full tail tiles"
 
 
 @pytest.mark.gpu

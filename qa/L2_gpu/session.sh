@@ -16,6 +16,8 @@
 #   tests that run over NCCL: pytest -m gpu -k nccl),
 #   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
 #   gluon_wgrad16 (the opt-in bf16 Gluon wgrad: its GPU tests, then its variants beside the Triton kernel),
+#   half_tail (bf16 fprop/dgrad: the GPU tests of the ragged kernels, then the default config beside itself
+#   with half_tail flipped, three interleaved rounds),
 #   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel),
 #   gemm_fp8_wgrad (per-tensor FP8 wgrad: the Gluon kernel's launch choices beside the Triton kernel),
 #   wgrad_trace (qa/bench/fp8_wgrad_trace.py: the Gluon FP8 wgrad's tile phases, with and without the
@@ -66,6 +68,10 @@ for step in $STEPS; do
                      --tb=short --timeout 150
                    run gluon_wgrad16 python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --gluon-wgrad \
                      --triton-rows --no-check --rep 50 --json "$OUT_DIR/gluon_wgrad16.json" ;;
+    half_tail) run half_tail_tests python3 -m pytest tests/test_grouped_gemm_kernels.py -m gpu -k "half_tail or bf16 \
+                 or gluon_kernel or e256 or cuda_graph or other_dtypes" -q -p no:cacheprovider -rf --tb=short --timeout 150
+               run half_tail python3 qa/bench/grouped_gemm.py --ops fprop dgrad --half-tail-rows --rounds 3 \
+                 --json "$OUT_DIR/half_tail.json" ;;
     gemm_gluon) run gemm_gluon python3 qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows \
                   --json "$OUT_DIR/grouped_gemm_gluon.json" ;;
     gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \

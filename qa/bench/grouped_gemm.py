@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'distwgrad_triton'); wgrad_accumulate also times the Gluon wgrad's variants: each group's "
                         "tail zeroed by the MMA warps or zero-filled by TMA, chained or not (impls "
                         "'distwgrad_gluon_<zero|tma>[_chain]')")
+    p.add_argument("--half-tail-rows", action="store_true",
+                   help="fprop/dgrad: also time the default tile config with half_tail flipped (impl "
+                        "'distwgrad_half_tail' or 'distwgrad_full_tail'; [Note: half tail tiles])")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every implementation this many times, interleaved, and report the median")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -325,6 +328,16 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
             impls = impls_for(op, p)
             if args.triton_rows and op in ("fprop", "dgrad"):
                 impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
+            cfg = default_config(op, p)
+            if args.half_tail_rows and op in ("fprop", "dgrad") and cfg.block_m >= 32:
+                flipped = dataclasses.replace(cfg, half_tail=not cfg.half_tail)
+                out = torch.empty(p.T, p.N if op == "fprop" else p.K, device=p.x.device, dtype=p.x.dtype)
+                if not args.no_check:
+                    ok = check(lambda o, c=flipped, op=op, p=p: _launch_ours(op, p, o, c), exp)["ok"]
+                    all_ok &= ok
+                    print(f"check {op:17s} {shape} {flipped.short()}: {'PASS' if ok else 'FAIL'}", flush=True)
+                impls[f"distwgrad_{'half' if flipped.half_tail else 'full'}_tail"] = functools.partial(
+                    _launch_ours, op, p, out, flipped)
             if (args.triton_rows and op == "wgrad_accumulate"
                     and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
                 impls["distwgrad_triton"] = _triton_wgrad(p)
