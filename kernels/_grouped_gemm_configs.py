@@ -110,6 +110,14 @@ RAGGED_CANDIDATES = (
     _T(128, 256, 64, num_warps=8, num_stages=3), _T(128, 256, 64, num_warps=8, num_stages=4),
     _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
     _T(128, 128, 64, num_warps=4, num_stages=3),
+    # Round 9: half tail tiles ([Note: half tail tiles] in kernels/grouped_gemm.py) on the 128-row tiles;
+    # 128x128 with 4 warps leaves room for two (x64/s3, 96 KB) or three (x32/s4, 64 KB) programs per SM.
+    _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True),
+    _T(128, 256, 64, num_warps=8, num_stages=3, half_tail=True),
+    _T(128, 128, 64, num_warps=4, num_stages=3, half_tail=True),
+    _T(128, 128, 32, num_warps=4, num_stages=4, half_tail=True),
+    _T(128, 128, 64, num_warps=4, num_stages=3, half_tail=True, tma=False),
+    _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, tma=False),
 )
 # Round 5 (H200, 2026-11-29, docs/benchmarks/grouped_gemm_ragged_sweep_round5_h200.json) timed 64-row
 # tiles again for ~128 tokens per expert, where a 128-row tile is often half empty, now that the E=128

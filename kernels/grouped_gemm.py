@@ -318,7 +318,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     sw = w_ENK.stride()
     eligible = (K > 0 and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
                 and (E == 1 or sw[0] == w_rows * sw[1]) and (w_trans or w_rows % bk == 0))
-    tma = _resolve_tma(use_tma, eligible, a.device, what)
+    tma = _resolve_tma(use_tma if use_tma is not None or config.tma else False, eligible, a.device, what)
     half_tail = config.half_tail
     a_desc = a_half_desc = w_desc = None
     if tma:
