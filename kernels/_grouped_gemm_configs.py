@@ -194,7 +194,10 @@ def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes:
     del num_tokens, num_groups, n, k
     # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
     # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,
-    # 600/570, 302/261. 64-row tiles (round 1) lost at every shape, by 5-10%.
+    # 600/570, 302/261. 64-row tiles (round 1) lost at every shape, by 5-10%. Half tail tiles (round 9,
+    # docs/benchmarks/grouped_gemm_half_tail_h200.json): 128/expert 331/331 vs 319/312, the large shapes
+    # unchanged; with them on, 128x128x64/w4/s3, 128x128x32/w4/s4 and pointer loads came within 3% or lost
+    # at 128, 256 and 512 tokens per expert (grouped_gemm_ragged_sweep_round9_h200.json).
     return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4, half_tail=True), elem_bytes, smem_limit)
 
 

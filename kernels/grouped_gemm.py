@@ -24,7 +24,8 @@ and adds nothing in an accumulating one.
 Scheduling: one program per output tile, tiles ordered group-major, ``group_m`` tiles along M share a
 column of B for L2 reuse. For fprop/dgrad the number of M tiles per group lives on the device: the grid
 covers the bound ``cdiv(T, BLOCK_M) + E`` M tiles and every program finds its group with a prefix sum
-over the offsets (at most 256 lanes); spare programs exit at once. wgrad tiles the fixed [N, K] output of
+over the offsets (at most 256 lanes); spare programs exit at once; a group's last M tile of half the rows
+or fewer runs at half height ([Note: half tail tiles]). wgrad tiles the fixed [N, K] output of
 every group and walks that group's tokens as its reduction; its kernels live in ``_grouped_wgrad``, with
 a persistent variant (``TileConfig.persistent`` programs per SM loop over the tiles, so that one tile's
 fp32 reduction into ``out`` drains while the next tile's main loop runs; [Note: persistent wgrad]).
@@ -110,6 +111,22 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
     start = tl.sum(tl.where(this, starts, 0), 0)
     size = tl.sum(tl.where(this, sizes, 0), 0)
     return e, local, start, size, tl.sum(tiles, 0)
+
+
+# [Note: half tail tiles]
+# A group's tokens rarely fill its last M tile. At ~128 tokens per expert (E=128 of the benchmark: 128 +- 11
+# under random routing) every other group spills a few rows into a second 128-row tile, and that tile costs
+# as many MMAs as a full one: a third of the launch's tiles compute mostly rows that are masked at the
+# store. With ``TileConfig.half_tail`` a tile with BLOCK_M / 2 rows or fewer runs the same loop at half
+# height (its own TMA descriptor of [BLOCK_M / 2, BLOCK_K] x rows; the weight tile is unchanged), so it
+# issues half the MMAs (m64n128 per warpgroup instead of m64n256 at 128x256x64/w8). Both loops are
+# compiled into one kernel and the branch is uniform per program; they share one shared-memory ring
+# (sm_90a: 196,640 bytes with or without the half loop) and neither spills. The products and their K order
+# are the same, so the bits match full-height tiles (GPU test). The grid is unchanged: a half tile is still
+# one program. H200, one process, medians of three interleaved rounds (docs/benchmarks.md): E=128 fprop
+# 331 vs 319 TFLOP/s, dgrad 331 vs 312; at 1024 and 4096 tokens per group the few half tiles change
+# nothing measurable (E=64 fprop 630 vs 634, dgrad 591 vs 586). No tile beat the default with it (round 9
+# of docs/benchmarks/grouped_gemm.md).
 
 
 @triton.jit

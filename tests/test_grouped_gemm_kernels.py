@@ -476,6 +476,53 @@ def test_wgrad_l2_prefetch_builds_for_sm90(mode):
     assert counts == {False: 0, True: 4}, counts
 
 
+@pytest.mark.parametrize("op", ["fprop", "dgrad"])
+def test_half_tail_builds_for_sm90(op):
+    """[Note: half tail tiles]: the default fprop/dgrad tile (128x256x64, 8 warps, 4 stages) with half tails
+    builds for sm_90a with both MMA heights (m64n256k16 for full tiles, m64n128k16 per warpgroup for half
+    ones; without half tails only the first), in the same shared memory as the full-height kernel alone
+    (the two loops share one ring), and neither spills."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from distwgrad.testing.sm90 import ptxas_report, specialize
+    k = _kernels()
+    w_trans = op == "fprop"
+    bm, bn, bk = 128, 256, 64
+    T, E, K, N = 16384, 128, 2048, 768  # the E=128 MoE shape (dgrad swaps K and N)
+    if not w_trans:
+        K, N = N, K
+    built = {}
+    for half in (False, True):
+        vals = dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>",
+                    w_desc=f"tensordesc<bf16[{bn}, {bk}]>" if w_trans else f"tensordesc<bf16[{bk}, {bn}]>",
+                    a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K,
+                    W_ROWS=N if w_trans else K, stride_at=K, stride_ak=1, stride_we=N * K, stride_bk=1 if w_trans else N,
+                    stride_bn=K if w_trans else 1, stride_ot=N, stride_on=1, stride_be=N, stride_bn_bias=1, stride_o=1)
+        consts = dict(W_TRANS=w_trans, HAS_BIAS=False, USE_TMA=True, UPCAST=False, PRECISION=None, BLOCK_M=bm,
+                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=128, HALF_TAIL=half, bias_ptr=None)
+        if half:
+            vals["a_half_desc"] = f"tensordesc<bf16[{bm // 2}, {bk}]>"
+        else:
+            consts["a_half_desc"] = None
+        sig, attrs = specialize(k._ragged_m_kernel, vals, consts, ("T", "E"))
+        kernel = triton.compile(ASTSource(k._ragged_m_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=8, num_stages=4))
+        ptx = kernel.asm["ptx"]
+        report = ptxas_report(ptx)
+        if report is None:
+            pytest.skip("this Triton ships no ptxas")
+        rc, info = report
+        if rc != 0 and "Unsupported .version" in info:
+            pytest.skip(f"this ptxas is older than the PTX: {info[:200]}")
+        assert rc == 0 and " 0 bytes spill stores" in info, info
+        shapes = sorted({m.group(1) for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)})
+        built[half] = (shapes, kernel.metadata.shared)
+    assert built[False][0] == ["m64n256k16"] and built[True][0] == ["m64n128k16", "m64n256k16"], built
+    assert built[True][1] == built[False][1] <= 232448, built  # one ring, within Hopper's 227 KB per block
+
+
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
     """``_gluon_ragged``: Hopper (wgmma), bf16/fp16 of one dtype, TMA-aligned, stacked experts, dgrad's
     contraction a multiple of BLOCK_K (no step across two experts); never in the interpreter."""

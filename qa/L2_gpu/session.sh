@@ -68,7 +68,7 @@ for step in $STEPS; do
                      --tb=short --timeout 150
                    run gluon_wgrad16 python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --gluon-wgrad \
                      --triton-rows --no-check --rep 50 --json "$OUT_DIR/gluon_wgrad16.json" ;;
-    half_tail) run half_tail_tests python3 -m pytest tests/test_grouped_gemm_kernels.py -m gpu -k "half_tail or bf16 \
+    half_tail) run half_tail_tests python3 -m pytest tests/test_grouped_gemm_kernels.py -m gpu -k "half_tail or test_gpu_bf16 \
                  or gluon_kernel or e256 or cuda_graph or other_dtypes" -q -p no:cacheprovider -rf --tb=short --timeout 150
                run half_tail python3 qa/bench/grouped_gemm.py --ops fprop dgrad --half-tail-rows --rounds 3 \
                  --json "$OUT_DIR/half_tail.json" ;;
