@@ -499,7 +499,8 @@ def test_half_tail_builds_for_sm90(op):
                     w_desc=f"tensordesc<bf16[{bn}, {bk}]>" if w_trans else f"tensordesc<bf16[{bk}, {bn}]>",
                     a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K,
                     W_ROWS=N if w_trans else K, stride_at=K, stride_ak=1, stride_we=N * K,
-                    stride_bk=1 if w_trans else N, stride_bn=K if w_trans else 1, stride_ot=N, stride_on=1, stride_be=N, stride_bn_bias=1, stride_o=1)
+                    stride_bk=1 if w_trans else N, stride_bn=K if w_trans else 1, stride_ot=N, stride_on=1,
+                    stride_be=N, stride_bn_bias=1, stride_o=1)
         consts = dict(W_TRANS=w_trans, HAS_BIAS=False, USE_TMA=True, UPCAST=False, PRECISION=None, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=128, HALF_TAIL=half, bias_ptr=None)
         if half:
