@@ -66,19 +66,20 @@ the MMA warps storing 8 bytes at a time straight from the MMA layout, no shared 
 499-538 accumulating, against 625-643 and 613).
 
 [Note: tracing the MMA warps' tile phases]
-Where the per-tile time goes is not visible in a profile's averages, so TRACE = True (``launch(...,
-trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA warps read the SM's cycle counter at four points
-of each tile with tokens: the loop's top, the first chunk's MMAs issued (``_begin``: the wait for its
-stage, the edge zeroing), the previous tile handed off or written (``_flush``), and the last chunk done
-(``_accumulate``), and store them with the tile's chunk count. Off (the default), nothing of it is built.
-A traced launch may also write nothing (ADD_MODE -1: the epilogue warps read each handed-off tile from
-shared memory and drop it), to time the chunks without the output's global traffic, and such a dry run
-may skip the edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
+Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
+(``_grouped_wgrad_fp8_gluon_launch.launch(..., trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA
+warps read the SM's cycle counter at four points of each tile with tokens: the loop's top, the first
+chunk's MMAs issued (``_begin``: the wait for its stage, the edge zeroing), the previous tile handed off
+or written (``_flush``), and the last chunk done (``_accumulate``), and store them with the tile's chunk
+count. Off (the default), nothing of it is built. A traced launch may also write nothing (ADD_MODE -1:
+the epilogue warps read each handed-off tile from shared memory and drop it), to time the chunks without
+the output's global traffic, and such a dry run may skip the edge chunks' zeroing (ZERO_EDGES = False),
+to time what it costs.
 
 [Note: the bf16 wgrad in the fp8 kernel]
-The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``, ``launch_tokens_outer``;
-``grouped_gemm.WGRAD_GLUON``, where groups average 256 tokens or more): dy [T, N] and x [T, K] as the
-caller holds them, tokens outer. A stage is a
+The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``,
+``_grouped_wgrad_fp8_gluon_launch.launch_tokens_outer``; ``grouped_gemm.WGRAD_GLUON``, where groups
+average 256 tokens or more): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a
 [64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
 and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
 there). The token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at
@@ -128,16 +129,15 @@ Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-fe
 
 from __future__ import annotations
 
-import functools
-
 from ._gluon_tiles import AVAILABLE, descriptor, gl, gluon, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from ._gluon_tiles import WS_PAIRS as _WS_PAIRS
 from ._gluon_tiles import define as _define_tiles
 from ._gluon_tiles import tma_load as _tma_load
 
-__all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor", "launch", "launch_tokens_outer"]
+__all__ = ["AVAILABLE", "BLOCK", "BLOCK_K_16", "wgrad_kernel", "descriptor"]
 
 BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion interval)
+BLOCK_K_16 = 64  # tokens per chunk of the bf16/fp16 wgrad (TOKENS_OUTER): 128 bytes, the swizzle's line
 EPI_ROWS = 8   # rows of the handed-off tile the epilogue warps write per step ([Note: an epilogue partition])
 EPI_REGS = 40  # registers per epilogue thread: what the MMA warps' 232 leave in 64K (it shares the TMA warp's
 #                warpgroup)
@@ -547,115 +547,3 @@ def _define():
 
 
 wgrad_kernel = _define() if AVAILABLE else None
-
-
-def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           epilogue_warps: int, num_sms: int, trace=None, zero_edges: bool = True) -> None:
-    """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
-    ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
-    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
-    epilogue warps still read each handed-off tile); ``epilogue_warps`` 0 (the MMA
-    warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
-    (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
-    [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
-    phases]; ``trace_shape`` gives its shape). ``zero_edges`` False skips zeroing the edge chunks' foreign
-    tokens: a traced dry run's diagnostic only (what the zeroing costs), refused otherwise. The caller
-    checked the preconditions (module docstring)."""
-    import triton
-
-    if epilogue_warps not in (0, 2):
-        raise ValueError(f"grouped_wgrad_fp8: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
-    N, T = a_NT.shape
-    K = b_KT.shape[0]
-    E = offs_E.shape[0]
-    tiles = E * triton.cdiv(N, BLOCK) * triton.cdiv(K, BLOCK)
-    so = (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
-    grid = min(tiles, num_sms)
-    if add_mode == -1 and trace is None:
-        raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
-    if not zero_edges and add_mode != -1:
-        raise ValueError(f"grouped_wgrad_fp8: zero_edges=False would add other groups' tokens: only a traced dry "
-                         f"run (add_mode -1) may skip it, got add_mode {add_mode}")
-    if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
-        raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
-                         f"{tuple(trace.shape)}")
-    wgrad_kernel[(grid,)](
-        descriptor(a_NT, (BLOCK, BLOCK)), descriptor(b_KT, (BLOCK, BLOCK)), as_, bs,
-        out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
-        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
-        TRACE=trace is not None,
-        ZERO_EDGES=zero_edges,
-        ADD_MODE=add_mode, PTR_TABLE=table is not None, L2_PREFETCH=l2_prefetch and add_mode != 0,
-        GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS,
-        EPI_REGS=EPI_REGS, num_warps=8)
-
-
-BLOCK_K_16 = 64  # tokens per chunk of the bf16/fp16 wgrad (TOKENS_OUTER): 128 bytes, the swizzle's line
-_ONES: dict = {}   # a device's fp32 one: the bf16 wgrad's "scales"
-
-
-TAILS = ("tma", "zero")  # how a group's last chunk loses the next group's tokens ([Note: a group's tail
-#                          zero-filled by TMA])
-
-
-@functools.cache
-def _allocator():
-    """Triton's allocator setting for a launch's global scratch (a ContextVar), or None in a Triton without
-    one: the per-group descriptors then cannot be built, and the tail is zeroed instead. Looked up once:
-    every bf16 wgrad launch asks."""
-    from contextvars import ContextVar
-
-    from triton.runtime import _allocation
-    var = getattr(_allocation, "_allocator", None)
-    return var if isinstance(var, ContextVar) else None
-
-
-def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-                        epilogue_warps: int, num_sms: int, tail: str = "tma", chain: bool = False) -> None:
-    """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]):
-    dW_e = dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the
-    stacked fp32 ``out`` ([E, N, K]) or the per-group buffers of ``table`` (int64 bases, each shaped and
-    strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``: "tma" loads
-    each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the group with
-    zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
-    group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers
-    instead of a partial added after them ([Note: chained bf16 accumulation]). The caller checked the
-    preconditions (``grouped_gemm._gluon_wgrad``)."""
-    import torch
-    import triton
-
-    if epilogue_warps not in (0, 2):
-        raise ValueError(f"grouped_wgrad: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
-    if tail not in TAILS:
-        raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
-    T, N = dy_TN.shape
-    K = x_TK.shape[1]
-    E = offs_E.shape[0]
-    tiles = E * triton.cdiv(N, BLOCK) * triton.cdiv(K, BLOCK)
-    so = (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
-    ones = _ONES.get(dy_TN.device)
-    if ones is None:
-        ones = _ONES[dy_TN.device] = torch.ones((), dtype=torch.float32, device=dy_TN.device)
-    var = _allocator() if tail == "tma" else None
-    group_desc = var is not None
-    # the kernel's descriptors live in Triton's global scratch: torch's caching allocator for this launch
-    # (a caller's own allocator is restored after it)
-    dev = dy_TN.device
-    token = var.set(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=dev)) \
-        if group_desc else None
-    try:
-        wgrad_kernel[(min(tiles, num_sms),)](
-            descriptor(dy_TN, (BLOCK_K_16, BLOCK)), descriptor(x_TK, (BLOCK_K_16, BLOCK)), ones, ones,
-            out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
-            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), TRACE=False, ZERO_EDGES=not group_desc, TOKENS_OUTER=True,
-            GROUP_DESC=group_desc, CHAIN=chain, ADD_MODE=add_mode, PTR_TABLE=table is not None,
-            L2_PREFETCH=l2_prefetch and add_mode != 0, GROUP_M=8, NUM_STAGES=stages,
-            EPI_WARPS=epilogue_warps if _WS_PAIRS else 0, EPI_ROWS=EPI_ROWS, EPI_REGS=EPI_REGS, num_warps=8)
-    finally:
-        if token is not None:
-            var.reset(token)
-
-
-def trace_shape(tiles: int, programs: int) -> tuple[int, int, int]:
-    """The trace ``launch`` fills: per program, per tile it ran, (four clocks, chunks)."""
-    return (programs, -(-tiles // programs), 5)

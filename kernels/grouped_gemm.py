@@ -381,11 +381,11 @@ def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -
 def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bool:
     """Launches the Gluon wgrad; False (and one warning) if this Triton cannot build it: the caller then
     runs the Triton kernel."""
-    from . import _grouped_wgrad_fp8_gluon as kw
+    from . import _grouped_wgrad_fp8_gluon_launch as kl
     if "wgrad16" in _GLUON_FAILED:
         return False
     try:
-        kw.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
+        kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
                                add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate else 0, l2_prefetch=False,
                                stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS,
                                num_sms=_num_sms(dy_TN.device), tail=WGRAD_GLUON_TAIL,

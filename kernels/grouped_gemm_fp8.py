@@ -550,14 +550,14 @@ def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> 
 def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table) -> bool:
     """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
     then runs the Triton kernel."""
-    from . import _grouped_wgrad_fp8_gluon as kw
+    from . import _grouped_wgrad_fp8_gluon_launch as kl
     if WGRAD_GLUON_ADD_MODE not in _ADD_MODES:
         raise ValueError(f"grouped_wgrad_fp8: WGRAD_GLUON_ADD_MODE must be one of {sorted(_ADD_MODES)}, "
                          f"got {WGRAD_GLUON_ADD_MODE!r}")
     if "wgrad" in _GLUON_FAILED:
         return False
     try:
-        kw.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
+        kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
                   else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH, stages=WGRAD_GLUON_STAGES,
                   epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:

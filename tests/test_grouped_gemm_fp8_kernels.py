@@ -1045,7 +1045,7 @@ def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
     """A Triton whose Gluon cannot build the wgrad kernel: one RuntimeWarning naming the error, then the
     Triton kernel, and no second attempt."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
     from triton.compiler.errors import CompilationError
     k = _kernels()
     calls, taken = [], []
@@ -1053,7 +1053,7 @@ def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
     def failing_launch(*a, **kws):
         calls.append(1)
         raise CompilationError("src", None, "no such op")
-    monkeypatch.setattr(kw, "launch", failing_launch)
+    monkeypatch.setattr(kl, "launch", failing_launch)
     monkeypatch.setattr(k, "_gluon_wgrad", lambda *a: True)
     monkeypatch.setattr(k, "_num_sms", lambda device: 132)
     monkeypatch.setattr(k, "_GLUON_FAILED", {})
@@ -1073,7 +1073,7 @@ def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
 @pytest.mark.parametrize("accumulate,table,tiles,grid", [(False, False, 2 * 2 * 1, 4), (True, True, 2 * 2 * 1, 4),
                                                          (True, False, None, 132)])
 def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
-    """``_grouped_wgrad_fp8_gluon.launch``: min(tiles, SMs) programs; the module's launch choices
+    """``_grouped_wgrad_fp8_gluon_launch.launch``: min(tiles, SMs) programs; the module's launch choices
     (``WGRAD_GLUON_*``) and the output form reach the kernel."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
@@ -1107,6 +1107,7 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
     its tiles per program, and refuses a buffer of another shape, naming both."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     launched = []
@@ -1115,22 +1116,22 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
     dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(N=384, K=256)
     out = torch.zeros(2, 384, 256)
     tiles = 2 * 3 * 2
-    assert kw.trace_shape(tiles, 5) == (5, 3, 5)  # 12 tiles over 5 programs: at most 3 each
+    assert kl.trace_shape(tiles, 5) == (5, 3, 5)  # 12 tiles over 5 programs: at most 3 each
     common = dict(add_mode=0, l2_prefetch=False, stages=4, epilogue_warps=2, num_sms=5)
     trace = torch.zeros(5, 3, 5, dtype=torch.int64)
-    kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, **common)
+    kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, **common)
     (g, args, kws), = launched
     assert g == (5,) and args[14] is trace and args[15] == 3 and kws["TRACE"] is True
     with pytest.raises(ValueError, match=r"trace must be shaped \(5, 3, 5\), got \(5, 2, 5\)"):
-        kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
+        kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
     with pytest.raises(ValueError, match="add_mode -1 writes nothing"):  # a dry run is traced only
-        kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, **{**common, "add_mode": -1})
+        kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, **{**common, "add_mode": -1})
     assert kws["ZERO_EDGES"] is True
     for add_mode in (0, 3):  # skipping the zeroing would add other groups' tokens: a dry run's diagnostic only
         with pytest.raises(ValueError, match=f"zero_edges=False .* got add_mode {add_mode}"):
-            kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False,
+            kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False,
                       **{**common, "add_mode": add_mode})
-    kw.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False, **{**common, "add_mode": -1})
+    kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False, **{**common, "add_mode": -1})
     assert launched[-1][2]["ZERO_EDGES"] is False and launched[-1][2]["ADD_MODE"] == -1
 
 
@@ -1184,9 +1185,9 @@ def test_checks_name_the_bad_argument():
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[shared, shared])
     with pytest.raises(ValueError, match=r"groups overlap"):
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(144, 160).expand(2, 144, 160))
-    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32 and add_mode in"):
+    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32, add_mode in"):
         k._config("grouped_fprop_fp8", _cfg(block_k=16), 0, False, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32 and add_mode in"):
+    with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32, add_mode in"):
         k._config("grouped_wgrad_fp8", _cfg(add_mode="prefetch"), 128, True, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"no half_tail \(bf16 fprop/dgrad only\), got 32x32x32/g2/w1/s1/half"):
         k._config("grouped_fprop_fp8", _cfg(half_tail=True), 0, False, torch.device("cpu"))

@@ -839,11 +839,12 @@ def test_gluon_wgrad_reaches_tritons_allocator_setting():
     from contextvars import ContextVar
 
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    assert isinstance(kw._allocator(), ContextVar)
+    assert isinstance(kl._allocator(), ContextVar)
     with pytest.raises(ValueError, match=r"tail must be one of \('tma', 'zero'\), got 'nan'"):
-        kw.launch_tokens_outer(None, None, None, None, None, add_mode=3, l2_prefetch=False, stages=5,
+        kl.launch_tokens_outer(None, None, None, None, None, add_mode=3, l2_prefetch=False, stages=5,
                                epilogue_warps=2, num_sms=132, tail="nan")
 
 

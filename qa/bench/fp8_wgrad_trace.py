@@ -57,6 +57,7 @@ def summarize(trace: torch.Tensor) -> dict:
 def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bool = False,
         zero_edges: bool = True) -> dict:
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
     from distwgrad.kernels import grouped_gemm_fp8 as F
     from distwgrad.kernels.grouped_gemm import _num_sms
     from triton.testing import do_bench
@@ -70,12 +71,12 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     out = torch.zeros(E, N, K, device="cuda")
     sms = _num_sms(out.device)
     tiles = E * -(-N // kw.BLOCK) * -(-K // kw.BLOCK)
-    trace = torch.zeros(kw.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
+    trace = torch.zeros(kl.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
     kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0, l2_prefetch=F.WGRAD_GLUON_L2_PREFETCH,
                   stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms, zero_edges=zero_edges)
 
     def call(tr=None):
-        kw.launch(a.data, a.scale_inv, b.data, b.scale_inv, p["offs"], out, None, trace=tr, **kwargs)
+        kl.launch(a.data, a.scale_inv, b.data, b.scale_inv, p["offs"], out, None, trace=tr, **kwargs)
 
     traced_ms = do_bench(lambda: call(trace))
     plain_ms = traced_ms if dry else do_bench(call)  # a dry run is traced only

@@ -1,0 +1,128 @@
+"""Host launchers of the Gluon wgrad kernel (``_grouped_wgrad_fp8_gluon.wgrad_kernel``).
+
+``launch``: the FP8 wgrad, per-tensor recipe, from dy^T [N, T] and x^T [K, T] (tokens innermost).
+``launch_tokens_outer``: the bf16 / fp16 wgrad from dy [T, N] and x [T, K] as the caller holds them
+([Note: the bf16 wgrad in the fp8 kernel]). Both run one program per SM (at most one per tile) and check
+only their own settings; the dispatchers (``grouped_gemm_fp8._launch_gluon_wgrad``,
+``grouped_gemm._launch_gluon_wgrad``) checked the preconditions in the kernel module's docstring. The
+kernel, its descriptor helper and the Triton it was built with are looked up on the kernel module at
+each call, so a test that replaces one there replaces it for the launchers too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import _grouped_wgrad_fp8_gluon as _k
+
+__all__ = ["launch", "launch_tokens_outer", "trace_shape", "TAILS"]
+
+TAILS = ("tma", "zero")  # how a group's last chunk loses the next group's tokens ([Note: a group's tail
+#                          zero-filled by TMA])
+_ONES: dict = {}   # a device's fp32 one: the bf16 wgrad's "scales"
+
+
+def _tiles_and_strides(what: str, epilogue_warps: int, E: int, N: int, K: int, out, table) -> tuple[int, tuple]:
+    """(output tiles, the output's (group, row, column) strides: group 0 with a ``table``) after checking
+    the epilogue setting both launchers share."""
+    if epilogue_warps not in (0, 2):
+        raise ValueError(f"{what}: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
+    tiles = E * -(-N // _k.BLOCK) * -(-K // _k.BLOCK)
+    return tiles, (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
+
+
+def _epilogue_meta(epilogue_warps: int, stages: int) -> dict:
+    """The launch options both launchers pass: the ring depth, the epilogue partition (a Triton whose
+    warp_specialize takes no (function, args) pairs runs without it: the same bits) and its shape."""
+    return dict(GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _k._WS_PAIRS else 0,
+                EPI_ROWS=_k.EPI_ROWS, EPI_REGS=_k.EPI_REGS, num_warps=8)
+
+
+def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
+           epilogue_warps: int, num_sms: int, trace=None, zero_edges: bool = True) -> None:
+    """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
+    ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
+    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
+    epilogue warps still read each handed-off tile); ``epilogue_warps`` 0 (the MMA
+    warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
+    (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
+    [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
+    phases]; ``trace_shape`` gives its shape). ``zero_edges`` False skips zeroing the edge chunks' foreign
+    tokens: a traced dry run's diagnostic only (what the zeroing costs), refused otherwise."""
+    N, T = a_NT.shape
+    K = b_KT.shape[0]
+    E = offs_E.shape[0]
+    tiles, so = _tiles_and_strides("grouped_wgrad_fp8", epilogue_warps, E, N, K, out, table)
+    grid = min(tiles, num_sms)
+    if add_mode == -1 and trace is None:
+        raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
+    if not zero_edges and add_mode != -1:
+        raise ValueError(f"grouped_wgrad_fp8: zero_edges=False would add other groups' tokens: only a traced dry "
+                         f"run (add_mode -1) may skip it, got add_mode {add_mode}")
+    if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
+        raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
+                         f"{tuple(trace.shape)}")
+    _k.wgrad_kernel[(grid,)](
+        _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), as_, bs,
+        out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
+        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
+        TRACE=trace is not None, ZERO_EDGES=zero_edges, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+        L2_PREFETCH=l2_prefetch and add_mode != 0, **_epilogue_meta(epilogue_warps, stages))
+
+
+@functools.cache
+def _allocator():
+    """Triton's allocator setting for a launch's global scratch (a ContextVar), or None in a Triton without
+    one: the per-group descriptors then cannot be built, and the tail is zeroed instead. Looked up once:
+    every bf16 wgrad launch asks."""
+    from contextvars import ContextVar
+
+    from triton.runtime import _allocation
+    var = getattr(_allocation, "_allocator", None)
+    return var if isinstance(var, ContextVar) else None
+
+
+def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
+                        epilogue_warps: int, num_sms: int, tail: str = "tma", chain: bool = False) -> None:
+    """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]):
+    dW_e = dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the
+    stacked fp32 ``out`` ([E, N, K]) or the per-group buffers of ``table`` (int64 bases, each shaped and
+    strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``: "tma" loads
+    each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the group with
+    zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
+    group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers
+    instead of a partial added after them ([Note: chained bf16 accumulation])."""
+    import torch
+
+    if tail not in TAILS:
+        raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
+    T, N = dy_TN.shape
+    K = x_TK.shape[1]
+    E = offs_E.shape[0]
+    tiles, so = _tiles_and_strides("grouped_wgrad", epilogue_warps, E, N, K, out, table)
+    ones = _ONES.get(dy_TN.device)
+    if ones is None:
+        ones = _ONES[dy_TN.device] = torch.ones((), dtype=torch.float32, device=dy_TN.device)
+    var = _allocator() if tail == "tma" else None
+    group_desc = var is not None
+    # the kernel's descriptors live in Triton's global scratch: torch's caching allocator for this launch
+    # (a caller's own allocator is restored after it)
+    dev = dy_TN.device
+    token = var.set(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=dev)) \
+        if group_desc else None
+    block = (_k.BLOCK_K_16, _k.BLOCK)
+    try:
+        _k.wgrad_kernel[(min(tiles, num_sms),)](
+            _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), ones, ones,
+            out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
+            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), TRACE=False, ZERO_EDGES=not group_desc, TOKENS_OUTER=True,
+            GROUP_DESC=group_desc, CHAIN=chain, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+            L2_PREFETCH=l2_prefetch and add_mode != 0, **_epilogue_meta(epilogue_warps, stages))
+    finally:
+        if token is not None:
+            var.reset(token)
+
+
+def trace_shape(tiles: int, programs: int) -> tuple[int, int, int]:
+    """The trace ``launch`` fills: per program, per tile it ran, (four clocks, chunks)."""
+    return (programs, -(-tiles // programs), 5)
