@@ -302,6 +302,19 @@ def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
     return True
 
 
+def _ran_gluon(gluon: bool | None, what: str, applies: bool, needs, launch) -> bool:
+    """The dispatchers' ``gluon=`` contract once the Gluon kernel is wanted: ``launch()`` where it
+    ``applies``; whether it ran (else the Triton kernel runs). With ``gluon=True`` a ValueError naming what it
+    ``needs()`` where it does not apply, a RuntimeError where it does not build."""
+    if gluon and not applies:
+        raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs {needs()}")
+    if applies and launch():
+        return True
+    if gluon:
+        raise RuntimeError(f"{what}: gluon=True, but the Gluon kernel does not build here: {_GLUON_FAILED}")
+    return False
+
+
 def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma, gluon: bool | None = None):
     """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]. ``gluon``:
     None picks (the Gluon kernel if ``RAGGED_GLUON`` and it applies, unless a config or ``use_tma=False``
@@ -314,16 +327,12 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     what = "grouped_fprop" if w_trans else "grouped_dgrad"
     # (the predicate only when the Gluon kernel is wanted: it costs host time on every call)
     if gluon if gluon is not None else (RAGGED_GLUON and config is None and use_tma is not False):
-        applies = _gluon_ragged(a, w_ENK, out, w_trans)
-        if gluon and not applies:
-            raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, "
-                             f"bf16 or fp16 TMA-aligned operands of one dtype, stacked weights and (dgrad) weight "
-                             f"rows a multiple of 64; got {a.dtype} on {a.device}, weight {tuple(w_ENK.shape)} "
-                             f"strides {tuple(w_ENK.stride())}")
-        if applies and _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans):
+        needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned operands of one dtype, "  # noqa: E731
+                         f"stacked weights and (dgrad) weight rows a multiple of 64; got {a.dtype} on {a.device}, "
+                         f"weight {tuple(w_ENK.shape)} strides {tuple(w_ENK.stride())}")
+        if _ran_gluon(gluon, what, _gluon_ragged(a, w_ENK, out, w_trans), needs,
+                      lambda: _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans)):
             return out
-        if gluon:
-            raise RuntimeError(f"{what}: gluon=True, but the Gluon kernel does not build here: {_GLUON_FAILED}")
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
@@ -408,17 +417,12 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     if E == 0 or N == 0 or K == 0:
         return
     if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
-        applies = _gluon_wgrad(dy_TN, x_TK, out)
-        if gluon and not applies:
-            raise ValueError(f"grouped_wgrad: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with "
-                             f"Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and an fp32 output; got "
-                             f"{dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides {tuple(dy_TN.stride())} "
-                             f"and {tuple(x_TK.stride())}, output {out.dtype}")
-        if applies and _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate, table):
+        needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and "  # noqa: E731
+                         f"an fp32 output; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
+                         f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}")
+        if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out), needs,
+                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate, table)):
             return
-        if gluon:
-            raise RuntimeError(f"grouped_wgrad: gluon=True, but the Gluon kernel does not build here: "
-                               f"{_GLUON_FAILED}")
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_wgrad(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=dy_TN.element_size(),

@@ -900,6 +900,19 @@ def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     assert not k._gluon_wgrad(dy, x, out)
     with pytest.raises(ValueError, match=r"gluon=True, but the Gluon kernel needs a Hopper GPU.*torch.bfloat16.*cpu"):
         k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
+    # where it applies but does not build: gluon=True raises, the default dispatch runs the Triton kernel
+    monkeypatch.setattr(k, "WGRAD_GLUON", True)
+    monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
+    monkeypatch.setattr(k, "_gluon_wgrad", lambda *a: True)
+    monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: False)
+    monkeypatch.setattr(k, "_GLUON_FAILED", {"wgrad16": "CompilationError: no such op"})
+    with pytest.raises(RuntimeError, match=r"grouped_wgrad: gluon=True, but the Gluon kernel does not build here: "
+                                           r"\{'wgrad16': 'CompilationError: no such op'\}"):
+        k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
+    taken = []
+    monkeypatch.setattr(k, "_wgrad_kernel", StubKernel(lambda grid, *a, **kws: taken.append("triton")))
+    k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None)
+    assert taken == ["triton"]
 
 
 @pytest.mark.gpu
