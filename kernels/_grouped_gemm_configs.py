@@ -40,7 +40,9 @@ class TileConfig:
     argument of the launcher wins). ``l2_prefetch`` (accumulating wgrad, GPU) prefetches the old fp32 tile
     into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py).
     ``half_tail`` (fprop/dgrad only, ``block_m`` >= 32): a group's last M tile with ``block_m`` / 2 rows or
-    fewer runs a half-height MMA ([Note: half tail tiles] in kernels/grouped_gemm.py)."""
+    fewer runs a half-height MMA ([Note: half tail tiles] in kernels/grouped_gemm.py). ``wide_tail`` (fprop/dgrad
+    only, ``block_m`` >= 32): such a remainder joins the group's tile before it, which then computes 1.5
+    ``block_m`` rows against each weight stage ([Note: wide tail tiles] in kernels/grouped_gemm.py)."""
 
     block_m: int
     block_n: int
@@ -55,6 +57,7 @@ class TileConfig:
     tma: bool = True
     l2_prefetch: bool = False
     half_tail: bool = False
+    wide_tail: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -67,9 +70,10 @@ class TileConfig:
         if self.add_mode not in ("load", "prefetch", "atomic", "tma_add"):
             raise ValueError(f"TileConfig.add_mode must be 'load', 'prefetch', 'atomic' or 'tma_add', got "
                              f"{self.add_mode!r}")
-        if self.half_tail and self.block_m < 32:
-            raise ValueError(f"TileConfig: half_tail needs block_m >= 32 (a half tile is a tl.dot of 16 rows or "
-                             f"more), got block_m={self.block_m}")
+        for name in ("half_tail", "wide_tail"):
+            if getattr(self, name) and self.block_m < 32:
+                raise ValueError(f"TileConfig: {name} needs block_m >= 32 (a half tile is a tl.dot of 16 rows or "
+                                 f"more), got block_m={self.block_m}")
         self._check_persistent()
 
     def _check_persistent(self):
@@ -90,7 +94,7 @@ class TileConfig:
         pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
                                                + ("/ws" if self.warp_specialize else ""))
         pers += ("" if self.tma else "/ptr") + ("/l2pf" if self.l2_prefetch else "")
-        pers += "/half" if self.half_tail else ""
+        pers += ("/half" if self.half_tail else "") + ("/wide" if self.wide_tail else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
                 f"/s{self.num_stages}{mode}{pers}")
 
@@ -118,6 +122,17 @@ RAGGED_CANDIDATES = (
     _T(128, 128, 32, num_warps=4, num_stages=4, half_tail=True),
     _T(128, 128, 64, num_warps=4, num_stages=3, half_tail=True, tma=False),
     _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, tma=False),
+    # Round 10: at ~128 tokens per expert (bound by reading every expert's weights) other K depths of a
+    # stage: more, smaller stages (x32/s6, x32/s8) or fewer, wider ones (256 bytes of each weight row
+    # per stage: x128/s2, and 128x128x128 with 8 warps).
+    _T(128, 256, 32, num_warps=8, num_stages=6, half_tail=True),
+    _T(128, 256, 32, num_warps=8, num_stages=8, half_tail=True),
+    _T(128, 256, 128, num_warps=8, num_stages=2, half_tail=True),
+    _T(128, 128, 128, num_warps=8, num_stages=3, half_tail=True),
+    # wide tail tiles ([Note: wide tail tiles] in kernels/grouped_gemm.py): s4 needs 229,408 bytes of shared
+    # memory (its wide stage is 56 KB), s3 172,056 (sm_90a builds)
+    _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, wide_tail=True),
+    _T(128, 256, 64, num_warps=8, num_stages=3, half_tail=True, wide_tail=True),
 )
 # Round 5 (H200, 2026-11-29, docs/benchmarks/grouped_gemm_ragged_sweep_round5_h200.json) timed 64-row
 # tiles again for ~128 tokens per expert, where a 128-row tile is often half empty, now that the E=128
@@ -164,15 +179,18 @@ WGRAD_ACC_CANDIDATES = (
 
 
 def smem_bytes(cfg: TileConfig, elem_bytes: int) -> int:
-    """Shared memory of the operand pipeline (the epilogue may need a little more)."""
-    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elem_bytes
+    """Shared memory of the operand pipeline (the epilogue may need a little more); a wide tail tile's
+    stages also hold its extra block_m / 2 rows."""
+    rows = cfg.block_m + (cfg.block_m // 2 if cfg.wide_tail else 0)
+    return cfg.num_stages * (rows + cfg.block_n) * cfg.block_k * elem_bytes
 
 
-def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None) -> TileConfig:
-    """Drops pipeline stages (then halves N) until the operand ring fits the device's shared memory."""
+def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None, margin: int = 8192) -> TileConfig:
+    """Drops pipeline stages (then halves N) until the operand ring plus ``margin`` bytes (barriers, an
+    epilogue's staging) fits the device's shared memory."""
     if smem_limit is None:
         return cfg
-    while smem_bytes(cfg, elem_bytes) + 8192 > smem_limit:
+    while smem_bytes(cfg, elem_bytes) + margin > smem_limit:
         if cfg.num_stages > 2:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.block_n > 32:
@@ -188,17 +206,29 @@ def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None) -> TileConfig
 # N=2048) and 128 (E=128, K=2048, N=768). Other GPUs and dtypes get the same tiles, shrunk to fit.
 
 
+# Wide tail tiles ([Note: wide tail tiles] in kernels/grouped_gemm.py) where the groups average this many
+# tokens or fewer. H200 (docs/benchmarks.md, "Wide tail tiles"): at 128 per group fprop 347 vs 324 and dgrad
+# 351 vs 324 TFLOP/s; at 256 they lose (405 vs 436, 368 vs 409), and at 1024 and 4096 by 27-38%: the kernel
+# with the wide loop runs every full tile slower.
+WIDE_TAIL_MAX_TOKENS = 192
+# The fprop/dgrad kernel stages no epilogue in shared memory: its sm_90a builds use the ring plus 32 bytes
+# of barriers (196,640 bytes at 128x256x64/s4; 229,408 with wide tails), so a 1 KB margin suffices there.
+_RAGGED_SMEM_MARGIN = 1024
+
+
 def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,
                 smem_limit: int | None) -> TileConfig:
     """Config for fprop/dgrad (ragged M)."""
-    del num_tokens, num_groups, n, k
+    del n, k
     # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
     # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,
     # 600/570, 302/261. 64-row tiles (round 1) lost at every shape, by 5-10%. Half tail tiles (round 9,
     # docs/benchmarks/grouped_gemm_half_tail_h200.json): 128/expert 331/331 vs 319/312, the large shapes
     # unchanged; with them on, 128x128x64/w4/s3, 128x128x32/w4/s4 and pointer loads came within 3% or lost
     # at 128, 256 and 512 tokens per expert (grouped_gemm_ragged_sweep_round9_h200.json).
-    return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4, half_tail=True), elem_bytes, smem_limit)
+    wide = num_tokens <= WIDE_TAIL_MAX_TOKENS * max(num_groups, 1)
+    return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, wide_tail=wide), elem_bytes,
+                smem_limit, margin=_RAGGED_SMEM_MARGIN)
 
 
 def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,

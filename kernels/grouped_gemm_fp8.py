@@ -424,9 +424,9 @@ def _config(op: str, config, block: int, accumulate: bool, device: torch.device,
             op.removeprefix("grouped_").removesuffix("_fp8"), block=block, accumulate=accumulate,
             smem_limit=_device_info(device)[1], tokens_per_group=tokens_per_group, split_accumulator=split_acc)
     config = _cfg.with_block_k(config, block)
-    if config.block_k < 32 or config.add_mode not in _cfg.ADD_MODES or config.half_tail:
+    if config.block_k < 32 or config.add_mode not in _cfg.ADD_MODES or config.half_tail or config.wide_tail:
         raise ValueError(f"{op}: fp8 configs need block_k >= 32, add_mode in {_cfg.ADD_MODES} and no half_tail "
-                         f"(bf16 fprop/dgrad only), got {config.short()}")
+                         f"or wide_tail (bf16 fprop/dgrad only), got {config.short()}")
     return config
 
 

@@ -137,7 +137,36 @@ def _case_half_tail():
     with pytest.raises(ValueError, match=r"half_tail needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
         dataclasses.replace(INTERPRETER, half_tail=True)
     x, dy, offs = torch.randn(T, 48), torch.randn(T, 32), torch.tensor(_HALF_TAIL_SPLITS).cumsum(0).int()
-    with pytest.raises(ValueError, match=r"half_tail is for fprop/dgrad \(ragged M\) only, got 32x16x16/g2/w1/s1/half"):
+    with pytest.raises(ValueError, match=r"half_tail and wide_tail are for fprop/dgrad \(ragged M\) only, got "
+                                         r"32x16x16/g2/w1/s1/half"):
+        k._launch_wgrad(dy, x, offs, torch.zeros(E, 32, 48), accumulate=True, table=None, config=cfg, use_tma=None)
+
+
+# Tokens per group around BLOCK_M = 32 of the wide-tail config: one tile of 1, 16 (half) or 17, 32 rows, a
+# tile that absorbed a remainder of 1 or 16 (33, 48 rows), two tiles (49 = 32 + 17, 64), two with the last
+# wide (80 = 32 + 48, 65 = 32 + 33), and empty groups.
+_WIDE_TAIL_SPLITS = [0, 33, 48, 16, 49, 0, 80, 1, 65, 64, 17, 32]
+
+
+def _case_wide_tail():
+    """[Note: wide tail tiles]: fprop (with bias) and dgrad with ``wide_tail`` (alone and with ``half_tail``), TMA
+    and pointer loads, against the oracle (NaN-poisoned outputs); the launchers refuse it where it does not
+    apply."""
+    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
+    k = _kernels()
+    T, E = sum(_WIDE_TAIL_SPLITS), len(_WIDE_TAIL_SPLITS)
+    for half in (False, True):
+        cfg = dataclasses.replace(INTERPRETER, block_m=32, wide_tail=True, half_tail=half)
+        for use_tma in (False, True):
+            _check_all_ops(T, E, 48, 32, torch.float16, "cpu", seed=31, use_tma=use_tma, config=cfg,
+                           ops=("fprop", "dgrad"), splits=_WIDE_TAIL_SPLITS)
+    _check_all_ops(T, E, 45, 33, torch.float32, "cpu", seed=32, config=cfg, ops=("fprop", "dgrad"),
+                   splits=_WIDE_TAIL_SPLITS)  # K, N off the tile: masked pointer loads
+    with pytest.raises(ValueError, match=r"wide_tail needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
+        dataclasses.replace(INTERPRETER, wide_tail=True)
+    x, dy, offs = torch.randn(T, 48), torch.randn(T, 32), torch.tensor(_WIDE_TAIL_SPLITS).cumsum(0).int()
+    with pytest.raises(ValueError, match=r"half_tail and wide_tail are for fprop/dgrad \(ragged M\) only, got "
+                                         r"32x16x16/g2/w1/s1/half/wide"):
         k._launch_wgrad(dy, x, offs, torch.zeros(E, 32, 48), accumulate=True, table=None, config=cfg, use_tma=None)
 
 
@@ -285,6 +314,7 @@ def _case_custom_ops():
 _INTERPRETER_CASES = {
     "fprop_dgrad": _case_fprop_dgrad,
     "half_tail": _case_half_tail,
+    "wide_tail": _case_wide_tail,
     "wgrad": _case_wgrad,
     "wgrad_persistent": _case_wgrad_persistent,
     "wgrad_persistent_splits": _case_wgrad_persistent_splits,
@@ -475,7 +505,8 @@ def test_half_tail_builds_for_sm90(op):
     """[Note: half tail tiles]: the default fprop/dgrad tile (128x256x64, 8 warps, 4 stages) with half tails
     builds for sm_90a with both MMA heights (m64n256k16 for full tiles, m64n128k16 per warpgroup for half
     ones; without half tails only the first), in the same shared memory as the full-height kernel alone
-    (the two loops share one ring), and neither spills."""
+    (the two loops share one ring), and neither spills; with wide tails too ([Note: wide tail tiles]) its
+    ring grows by the extra rows' stages and still fits, without spills."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -488,7 +519,7 @@ def test_half_tail_builds_for_sm90(op):
     if not w_trans:
         K, N = N, K
     built = {}
-    for half in (False, True):
+    for half, wide in ((False, False), (True, False), (True, True)):
         vals = dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>",
                     w_desc=f"tensordesc<bf16[{bn}, {bk}]>" if w_trans else f"tensordesc<bf16[{bk}, {bn}]>",
                     a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K,
@@ -496,7 +527,8 @@ def test_half_tail_builds_for_sm90(op):
                     stride_bk=1 if w_trans else N, stride_bn=K if w_trans else 1, stride_ot=N, stride_on=1,
                     stride_be=N, stride_bn_bias=1, stride_o=1)
         consts = dict(W_TRANS=w_trans, HAS_BIAS=False, USE_TMA=True, UPCAST=False, PRECISION=None, BLOCK_M=bm,
-                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=128, HALF_TAIL=half, bias_ptr=None)
+                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=128, HALF_TAIL=half, WIDE_TAIL=wide,
+                      bias_ptr=None)
         if half:
             vals["a_half_desc"] = f"tensordesc<bf16[{bm // 2}, {bk}]>"
         else:
@@ -508,9 +540,13 @@ def test_half_tail_builds_for_sm90(op):
         info = assemble_or_skip(ptx)
         assert " 0 bytes spill stores" in info, info
         shapes = sorted({m.group(1) for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)})
-        built[half] = (shapes, kernel.metadata.shared)
-    assert built[False][0] == ["m64n256k16"] and built[True][0] == ["m64n128k16", "m64n256k16"], built
-    assert built[True][1] == built[False][1] <= 232448, built  # one ring, within Hopper's 227 KB per block
+        built[half, wide] = (shapes, kernel.metadata.shared)
+    plain, halves, wides = built[False, False], built[True, False], built[True, True]
+    assert plain[0] == ["m64n256k16"] and halves[0] == wides[0] == ["m64n128k16", "m64n256k16"], built
+    assert halves[1] == plain[1] <= 232448, built  # one ring, within Hopper's 227 KB per block
+    # [Note: wide tail tiles]: the wide stage adds a [64, 64] x tile to each of the four stages, and the
+    # ring still fits (the margin pick_ragged leaves)
+    assert wides[1] == plain[1] + 4 * 64 * bk * 2 <= 232448 - 1024 + 32, built
 
 
 def test_gluon_kernel_only_where_it_applies(monkeypatch):
@@ -653,7 +689,8 @@ def test_gpu_half_tail(T, E, K, N):
     cfg = C.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=2,
                         smem_limit=torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
     assert cfg.half_tail, cfg.short()
-    _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, ops=("fprop", "dgrad"), splits=splits)
+    cfg = dataclasses.replace(cfg, wide_tail=False)  # every half tile runs as one (with wide tails: groups <= 64)
+    _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, ops=("fprop", "dgrad"), splits=splits, config=cfg)
     d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=T)
     offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)
     full = dataclasses.replace(cfg, half_tail=False)
@@ -662,6 +699,39 @@ def test_gpu_half_tail(T, E, K, N):
                                  use_tma=None) for c in (cfg, full)]
         differ = int((outs[0] != outs[1]).sum())
         assert differ == 0, f"{op}: {differ} elements differ between half and full tail tiles"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T,E,K,N", [
+    (16384, 128, 2048, 768),   # the E=128 MoE shape: every other group's remainder joins its tile
+    (3000, 12, 1000, 1304),    # K, N off the tile grid: masked edges in all three tile heights
+])
+def test_gpu_wide_tail(T, E, K, N):
+    """[Note: wide tail tiles]: fprop (with bias) and dgrad of the default config with wide tails on against
+    the oracle, and bit for bit against the same config with every tile at full height (the same products
+    in the same K order). The splits put group ends at every remainder class of the 128-row tile: one tile
+    of 1, 64 (half) or 65, 128 rows; one wide tile of 129 or 192; two tiles (193 = 128 + 65); two with the
+    last wide (320, 321), and an empty group; the rest random."""
+    from distwgrad.kernels import _grouped_gemm_configs as C
+    k = _kernels()
+    head = [1, 64, 65, 128, 129, 192, 193, 0, 320, 321]
+    gen = torch.Generator().manual_seed(E + 1)
+    rest = torch.bincount(torch.randint(0, E - len(head), (T - sum(head),), generator=gen), minlength=E - len(head))
+    splits = head + rest.tolist()
+    cfg = C.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=2,
+                        smem_limit=torch.cuda.get_device_properties(0).shared_memory_per_block_optin)
+    assert cfg.wide_tail == (T <= C.WIDE_TAIL_MAX_TOKENS * E), cfg.short()  # the default where groups are small
+    wide = dataclasses.replace(cfg, wide_tail=True)
+    _check_all_ops(T, E, K, N, torch.bfloat16, "cuda", seed=T, ops=("fprop", "dgrad"), splits=splits, config=wide)
+    d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=T)
+    offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)
+    full = dataclasses.replace(cfg, half_tail=False, wide_tail=False)
+    for op, a, cols, bias in (("fprop", d["x"], N, d["b"]), ("dgrad", d["dy"], K, None)):
+        outs = [k._launch_ragged(a, d["w"], offs, bias, _poisoned((T, cols), a), w_trans=op == "fprop", config=c,
+                                 use_tma=None) for c in (wide, full)]
+        differ = int((outs[0] != outs[1]).sum())
+        assert differ == 0, f"{op}: {differ} elements differ between wide and full-height tiles"
 
 
 @pytest.mark.gpu
