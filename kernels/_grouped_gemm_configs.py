@@ -207,10 +207,11 @@ def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None, margin: int =
 
 
 # Wide tail tiles ([Note: wide tail tiles] in kernels/grouped_gemm.py) where the groups average this many
-# tokens or fewer. H200 (docs/benchmarks.md, "Wide tail tiles"): at 128 per group fprop 347 vs 324 and dgrad
-# 351 vs 324 TFLOP/s; at 256 they lose (405 vs 436, 368 vs 409), and at 1024 and 4096 by 27-38%: the kernel
-# with the wide loop runs every full tile slower.
-WIDE_TAIL_MAX_TOKENS = 192
+# tokens or fewer. H200, E=128, K=2048, N=768 (docs/benchmarks.md, "Wide tail tiles"), fprop / dgrad TFLOP/s
+# with and without: 128 tokens per group 347 / 351 vs 324 / 324, 160: 437 / 401 vs 369 / 354; 192: 404 /
+# 388 vs 421 / 392, 224: 396 / 362 vs 462 / 421; at 256 (E=64) 405 / 368 vs 436 / 409, and at 1024 and
+# 4096 they lose 27-38%: the build with the wide loop runs every full tile slower.
+WIDE_TAIL_MAX_TOKENS = 160
 # The fprop/dgrad kernel stages no epilogue in shared memory: its sm_90a builds use the ring plus 32 bytes
 # of barriers (196,640 bytes at 128x256x64/s4; 229,408 with wide tails), so a 1 KB margin suffices there.
 _RAGGED_SMEM_MARGIN = 1024

@@ -189,8 +189,11 @@ def _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, row_e
             acc = _mma(a, b, acc, UPCAST, PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-    _ragged_store(acc, out_ptr, bias_ptr, e64, row0, row_end, col0, N, stride_ot, stride_on, stride_be,
-                  stride_bn_bias, HAS_BIAS, BLOCK_M, BLOCK_N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e64 * stride_be + cols * stride_bn_bias, mask=cols < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    o_ptrs = out_ptr + rows64[:, None] * stride_ot + cols[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & (cols[None, :] < N))
 
 
 @triton.jit

@@ -500,8 +500,9 @@ def test_wgrad_l2_prefetch_builds_for_sm90(mode):
     assert counts == {False: 0, True: 4}, counts
 
 
+@pytest.mark.parametrize("shape", [(16384, 128, 2048, 768), (32768, 8, 4096, 14336)], ids=["e128", "e8"])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_half_tail_builds_for_sm90(op):
+def test_half_tail_builds_for_sm90(op, shape):
     """[Note: half tail tiles]: the default fprop/dgrad tile (128x256x64, 8 warps, 4 stages) with half tails
     builds for sm_90a with both MMA heights (m64n256k16 for full tiles, m64n128k16 per warpgroup for half
     ones; without half tails only the first), in the same shared memory as the full-height kernel alone
@@ -515,11 +516,11 @@ def test_half_tail_builds_for_sm90(op):
     k = _kernels()
     w_trans = op == "fprop"
     bm, bn, bk = 128, 256, 64
-    T, E, K, N = 16384, 128, 2048, 768  # the E=128 MoE shape (dgrad swaps K and N)
+    T, E, K, N = shape  # two of the MoE shapes, each with the tails its default config has (dgrad swaps K and N)
     if not w_trans:
         K, N = N, K
     built = {}
-    for half, wide in ((False, False), (True, False), (True, True)):
+    for half, wide in ((False, False), (True, False), (True, True))[:3 if E == 128 else 2]:
         vals = dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>",
                     w_desc=f"tensordesc<bf16[{bn}, {bk}]>" if w_trans else f"tensordesc<bf16[{bk}, {bn}]>",
                     a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K,
@@ -527,7 +528,7 @@ def test_half_tail_builds_for_sm90(op):
                     stride_bk=1 if w_trans else N, stride_bn=K if w_trans else 1, stride_ot=N, stride_on=1,
                     stride_be=N, stride_bn_bias=1, stride_o=1)
         consts = dict(W_TRANS=w_trans, HAS_BIAS=False, USE_TMA=True, UPCAST=False, PRECISION=None, BLOCK_M=bm,
-                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=128, HALF_TAIL=half, WIDE_TAIL=wide,
+                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=max(16, E), HALF_TAIL=half, WIDE_TAIL=wide,
                       bias_ptr=None)
         if half:
             vals["a_half_desc"] = f"tensordesc<bf16[{bm // 2}, {bk}]>"
@@ -539,11 +540,19 @@ def test_half_tail_builds_for_sm90(op):
         ptx = kernel.asm["ptx"]
         info = assemble_or_skip(ptx)
         assert " 0 bytes spill stores" in info, info
+        # ptxas serializes the wgmma pipeline when other instructions write an accumulator inside it (C7515):
+        # it cost the full tiles 10-15% at E=8 on an H200 when an epilogue refactor triggered it under
+        # Triton 3.6. The wide build still has it there ([Note: wide tail tiles]).
+        assert wide or "C7515" not in info, info
         shapes = sorted({m.group(1) for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)})
         built[half, wide] = (shapes, kernel.metadata.shared)
-    plain, halves, wides = built[False, False], built[True, False], built[True, True]
-    assert plain[0] == ["m64n256k16"] and halves[0] == wides[0] == ["m64n128k16", "m64n256k16"], built
+    plain, halves = built[False, False], built[True, False]
+    assert plain[0] == ["m64n256k16"] and halves[0] == ["m64n128k16", "m64n256k16"], built
     assert halves[1] == plain[1] <= 232448, built  # one ring, within Hopper's 227 KB per block
+    if E != 128:
+        return
+    wides = built[True, True]
+    assert wides[0] == halves[0], built
     # [Note: wide tail tiles]: the wide stage adds a [64, 64] x tile to each of the four stages, and the
     # ring still fits (the margin pick_ragged leaves)
     assert wides[1] == plain[1] + 4 * 64 * bk * 2 <= 232448 - 1024 + 32, built
