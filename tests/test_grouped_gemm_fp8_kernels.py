@@ -1181,8 +1181,10 @@ def test_checks_name_the_bad_argument():
         k._config("grouped_fprop_fp8", _cfg(block_k=16), 0, False, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32, add_mode in"):
         k._config("grouped_wgrad_fp8", _cfg(add_mode="prefetch"), 128, True, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"no half_tail or wide_tail \(bf16 fprop/dgrad only\), got 32x32x32/g2/w1/s1/half"):
-        k._config("grouped_fprop_fp8", _cfg(half_tail=True), 0, False, torch.device("cpu"))
+    for tail, short in (("half_tail", "half"), ("wide_tail", "wide")):
+        with pytest.raises(ValueError, match=rf"no half_tail or wide_tail \(bf16 fprop/dgrad only\), got "
+                                             rf"32x32x32/g2/w1/s1/{short}"):
+            k._config("grouped_fprop_fp8", _cfg(**{tail: True}), 0, False, torch.device("cpu"))
     if not _INTERPRETED:
         with pytest.raises(ValueError, match=r"need CUDA tensors \(or TRITON_INTERPRET=1\)"):
             k.grouped_fprop_fp8(pb.x_q, w, offs)

@@ -284,10 +284,6 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
                         "prefetch, ring depth, epilogue warps)")
     g.add_argument("--gluon-wgrad-variants", nargs="+", choices=sorted(GLUON_WGRAD_VARIANTS), default=None,
                    help="which of GLUON_WGRAD_VARIANTS --gluon-wgrad times (default: all)")
-    g.add_argument("--l2-promotion-rows", action="store_true",
-                   help="also time each call (and bf16) with its TMA descriptors' L2 promotion at 128 and 256 bytes "
-                        "(impl suffixes '_l2_128', '_l2_256'; [Note: TMA L2 promotion]); the 256-byte results must "
-                        "equal the default's bit for bit")
     g.add_argument("--gluon-variants", nargs="+", choices=sorted(GLUON_VARIANTS), default=sorted(GLUON_VARIANTS),
                    help="which Gluon kernel variants --gluon-stages times")
 
@@ -528,33 +524,6 @@ def _overriding_item(table: dict, key: str, value: object) -> Iterator[None]:
         table[key] = old
 
 
-def _promotion_rows(args, shape, op, impl: str, fn, bf16_ms: float, main: torch.Tensor | None) -> list[Row]:
-    """``impl`` timed under [Note: TMA L2 promotion] at 128 and 256 bytes, after checking that 256-byte
-    descriptors give the default's bits (``main`` restored around the accumulating calls)."""
-    from distwgrad.kernels._tma_l2_promotion import l2_promotion
-
-    def under(nbytes):
-        def call():
-            with l2_promotion(nbytes):
-                return fn()
-        return call
-
-    saved = None if main is None else main.clone()
-    outs = []
-    for nbytes in (None, 256):
-        if saved is not None:
-            main.copy_(saved)
-        got = under(nbytes)()
-        outs.append((main.clone(),) if saved is not None else got if isinstance(got, tuple) else (got,))
-    same = all(torch.equal(a, b) for a, b in zip(*outs))
-    rows = []
-    for nbytes in (128, 256):
-        ms = time_ms(under(nbytes), args.device, args.reps)
-        rows.append(_gemm_row(args, shape, op, f"{impl}_l2_{nbytes}", ms, vs_bf16=round(bf16_ms / ms, 3),
-                              same_bits=same))
-    return rows
-
-
 def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
     """FP8 (per recipe) vs bf16 grouped GEMM: one row per (op, shape, impl); see the module docstring."""
     del copy_gbps
@@ -567,18 +536,12 @@ def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
         for op in args.gemm_ops:
             bf16_ms = time_ms(_bf16_call(op, p, main), args.device, args.reps)
             rows.append(_gemm_row(args, shape, op, "bf16", bf16_ms, vs_bf16=1.0))
-            if args.l2_promotion_rows:
-                rows += _promotion_rows(args, shape, op, "bf16", _bf16_call(op, p, main), bf16_ms,
-                                        main if op == "wgrad_accumulate" else None)
             for name, q in qs.items():
                 for impl, fn in _fp8_calls(op, p, q, main).items():
                     worst = _gemm_check(op, p, q, impl=impl)
                     ms = time_ms(fn, args.device, args.reps)
                     rows.append(_gemm_row(args, shape, op, impl.replace("fp8", f"fp8_{name}"), ms,
                                           vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
-                    if args.l2_promotion_rows:
-                        rows += _promotion_rows(args, shape, op, impl.replace("fp8", f"fp8_{name}"), fn, bf16_ms,
-                                                main if op == "wgrad_accumulate" else None)
                 if args.gemm_sweep:
                     rows += _gemm_sweep(args, shape, op, p, q, name, bf16_ms)
                 elif args.gluon_stages:

@@ -58,7 +58,6 @@ import time
 
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as C
-from distwgrad.kernels import _tma_l2_promotion as TP
 from distwgrad.kernels import grouped_gemm as G
 
 from distwgrad.testing import reference as R
@@ -99,10 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wide-tail-rows", action="store_true",
                    help="fprop/dgrad: also time the default tile config with wide_tail flipped (impl "
                         "'distwgrad_wide_tail' or 'distwgrad_no_wide_tail'; [Note: wide tail tiles])")
-    p.add_argument("--l2-promotion-rows", action="store_true",
-                   help="also time the default kernels with their TMA descriptors' L2 promotion at 128 and 256 "
-                        "bytes (impls 'distwgrad_l2_128', 'distwgrad_l2_256'; [Note: TMA L2 promotion]); the "
-                        "256-byte outputs must equal the default's bit for bit")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every implementation this many times, interleaved, and report the median")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -320,34 +315,6 @@ def sweep(op: str, p: Problem, args, exp) -> list[dict]:
     return rows
 
 
-def _promoted(fn, nbytes: int):
-    def call():
-        with TP.l2_promotion(nbytes):
-            return fn()
-    return call
-
-
-def _add_promotion_rows(op: str, p: Problem, impls: dict) -> bool:
-    """Adds 'distwgrad_l2_128' / 'distwgrad_l2_256' (the default call under [Note: TMA L2 promotion]); True
-    when the 256-byte descriptors give the default's bits (a fetch-size hint must change no result)."""
-    if op == "wgrad_accumulate":
-        main0 = torch.randn(p.E, p.N, p.K, device=p.x.device)
-        outs = []
-        for nbytes in (None, 256):
-            main = main0.clone()
-            with TP.l2_promotion(nbytes):
-                G.grouped_wgrad(p.dy, p.x, p.offs, out=main)
-            outs.append(main)
-    else:
-        outs = [_promoted(impls["distwgrad"], nbytes)() for nbytes in (None, 256)]
-    same = torch.equal(outs[0], outs[1])
-    print(f"check {op:17s} {[p.E, p.T, p.K, p.N]} l2 promotion 256 B: {'same bits' if same else 'BITS DIFFER'}",
-          flush=True)
-    for nbytes in (128, 256):
-        impls[f"distwgrad_l2_{nbytes}"] = _promoted(impls["distwgrad"], nbytes)
-    return same
-
-
 def run(args) -> tuple[list[dict], list[dict], bool]:
     dev = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (interpreter)"
     rows, sweep_rows, all_ok = [], [], True
@@ -383,8 +350,6 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                     print(f"check {op:17s} {shape} {flipped.short()}: {'PASS' if ok else 'FAIL'}", flush=True)
                 impls[f"distwgrad_{'' if flipped.wide_tail else 'no_'}wide_tail"] = functools.partial(
                     _launch_ours, op, p, out, flipped)
-            if args.l2_promotion_rows and args.device != "cpu":
-                all_ok &= _add_promotion_rows(op, p, impls)
             if (args.triton_rows and op == "wgrad_accumulate"
                     and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
                 impls["distwgrad_triton"] = _triton_wgrad(p)
