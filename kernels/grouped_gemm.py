@@ -105,7 +105,7 @@ def _tiles_m(size, BLOCK_M: tl.constexpr, WIDE_TAIL: tl.constexpr):
 
 @triton.jit
 def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                WIDE_TAIL: tl.constexpr):
+                WIDE_TAIL: tl.constexpr = False):
     """(group, tile within it, first token, tokens, total tiles) for tile ``pid``; offsets clamped."""
     eidx = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0)
@@ -151,7 +151,8 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
 # (expert, column) instead of up to twice, and the wave count drops from 4.4 to 2.9. The products and their
 # K order are those of full-height tiles, so the bits match (GPU test). The wide loop lifts the kernel's
 # registers (sm_90a, 128x256x64/w8: 218 against 154, no spills) and its ring (229,408 bytes at s4), and the
-# build that has it runs every full tile slower (H200: 0.62-0.93x at 256-4096 tokens per group), so
+# build that has it runs every full tile slower (H200: 0.70-0.93x at 256-4096 tokens per group; under
+# Triton 3.6 ptxas serializes its wgmma pipeline, C7515), so
 # ``pick_ragged`` turns it on only where the groups average WIDE_TAIL_MAX_TOKENS tokens or fewer. H200, one
 # process, medians of three interleaved rounds (docs/benchmarks.md, "Wide tail tiles"): E=128 fprop 347 vs
 # 324 TFLOP/s, dgrad 351 vs 324.
