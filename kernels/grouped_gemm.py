@@ -200,7 +200,9 @@ def _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, row_e
 @triton.jit
 def _ragged_store(acc, out_ptr, bias_ptr, e64, row0, row_end, col0, N, stride_ot, stride_on, stride_be, stride_bn_bias,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile's epilogue: bias, cast, store of rows row0 .. row0 + BLOCK_M below row_end, columns below N."""
+    """A wide tile's epilogue for one of its two products: bias, cast, store of rows row0 .. row0 + BLOCK_M
+    below row_end, columns below N. (``_ragged_tile`` keeps the same lines inline: called from there, this
+    helper made ptxas serialize the full tile's wgmma pipeline under Triton 3.6; [Note: wide tail tiles].)"""
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
