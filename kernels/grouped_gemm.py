@@ -85,6 +85,9 @@ WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled 
 #                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
 #                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
 RAGGED_GLUON = False
+# Wide tail tiles ([Note: wide tail tiles]): both products in one K loop (True) or the full tile's loop and
+# then the half tile's (False: two reads of each weight tile, from L2 the second time)
+WIDE_TAIL_FUSED = True
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
 _GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad16" -> why that Gluon kernel did not build here (then Triton runs)
@@ -267,7 +270,7 @@ def _ragged_m_kernel(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_pt
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, HALF_TAIL: tl.constexpr,
-                     WIDE_TAIL: tl.constexpr = False):
+                     WIDE_TAIL: tl.constexpr = False, WIDE_FUSED: tl.constexpr = True):
     """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e; B_e = W_e^T (fprop) or W_e (dgrad).
     ``HALF_TAIL``: a group's last M tile with BLOCK_M / 2 rows or fewer runs at half height ([Note: half
     tail tiles]); ``WIDE_TAIL``: such a remainder joins the tile before it, where there is one ([Note:
@@ -280,19 +283,26 @@ def _ragged_m_kernel(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_pt
     pid_m, pid_n = _swizzle(local, _tiles_m(size, BLOCK_M, WIDE_TAIL), tiles_n, GROUP_M)
     row0 = start + pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
-    if WIDE_TAIL and size - pid_m * BLOCK_M > BLOCK_M:
+    if HALF_TAIL and size - pid_m * BLOCK_M <= BLOCK_M // 2:
+        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
+                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+    elif not WIDE_TAIL or size - pid_m * BLOCK_M <= BLOCK_M:
+        _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
+                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif WIDE_FUSED:
         _ragged_wide_tile(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0,
                           N, K, W_ROWS, stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on,
                           stride_be, stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
                           BLOCK_K)
-    elif HALF_TAIL and size - pid_m * BLOCK_M <= BLOCK_M // 2:
-        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
-                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
-                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
     else:
         _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
                      stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
                      stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0 + BLOCK_M, start + size, col0, N, K,
+                     W_ROWS, stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
+                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -461,6 +471,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
         W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, USE_TMA=tma, UPCAST=upcast, PRECISION=precision,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         BLOCK_E=max(16, triton.next_power_of_2(E)), HALF_TAIL=half_tail, WIDE_TAIL=wide_tail,
+        WIDE_FUSED=WIDE_TAIL_FUSED,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -315,6 +315,41 @@ def sweep(op: str, p: Problem, args, exp) -> list[dict]:
     return rows
 
 
+def _flipped_row(op: str, p: Problem, exp, cfg, field: str, names: tuple[str, str], impls: dict,
+                 check_it: bool) -> bool:
+    """Adds the default fprop/dgrad config with the boolean ``field`` flipped to ``impls`` as
+    "distwgrad_" + ``names[flipped value]``, checked against the oracle first unless ``check_it`` is False."""
+    flipped = dataclasses.replace(cfg, **{field: not getattr(cfg, field)})
+    out = torch.empty(p.T, p.N if op == "fprop" else p.K, device=p.x.device, dtype=p.x.dtype)
+    ok = True
+    if check_it:
+        ok = check(lambda o: _launch_ours(op, p, o, flipped), exp)["ok"]
+        print(f"check {op:17s} {[p.E, p.T, p.K, p.N]} {flipped.short()}: {'PASS' if ok else 'FAIL'}", flush=True)
+    impls[f"distwgrad_{names[getattr(flipped, field)]}"] = functools.partial(_launch_ours, op, p, out, flipped)
+    return ok
+
+
+def _sequential_wide_row(op: str, p: Problem, exp, cfg, impls: dict, check_it: bool) -> bool:
+    """The default config with wide tails run as two loops, the full tile's then the half tile's
+    (``grouped_gemm.WIDE_TAIL_FUSED = False``; [Note: wide tail tiles]), as 'distwgrad_wide_tail_sequential'."""
+    wide = dataclasses.replace(cfg, wide_tail=True)
+    out = torch.empty(p.T, p.N if op == "fprop" else p.K, device=p.x.device, dtype=p.x.dtype)
+
+    def launch(o):
+        G.WIDE_TAIL_FUSED = False
+        try:
+            return _launch_ours(op, p, o, wide)
+        finally:
+            G.WIDE_TAIL_FUSED = True
+    ok = True
+    if check_it:
+        ok = check(launch, exp)["ok"]
+        print(f"check {op:17s} {[p.E, p.T, p.K, p.N]} {wide.short()} sequential: {'PASS' if ok else 'FAIL'}",
+              flush=True)
+    impls["distwgrad_wide_tail_sequential"] = functools.partial(launch, out)
+    return ok
+
+
 def run(args) -> tuple[list[dict], list[dict], bool]:
     dev = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (interpreter)"
     rows, sweep_rows, all_ok = [], [], True
@@ -332,24 +367,13 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
             if args.triton_rows and op in ("fprop", "dgrad"):
                 impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
             cfg = default_config(op, p)
-            if args.half_tail_rows and op in ("fprop", "dgrad") and cfg.block_m >= 32:
-                flipped = dataclasses.replace(cfg, half_tail=not cfg.half_tail)
-                out = torch.empty(p.T, p.N if op == "fprop" else p.K, device=p.x.device, dtype=p.x.dtype)
-                if not args.no_check:
-                    ok = check(lambda o, c=flipped, op=op, p=p: _launch_ours(op, p, o, c), exp)["ok"]
-                    all_ok &= ok
-                    print(f"check {op:17s} {shape} {flipped.short()}: {'PASS' if ok else 'FAIL'}", flush=True)
-                impls[f"distwgrad_{'half' if flipped.half_tail else 'full'}_tail"] = functools.partial(
-                    _launch_ours, op, p, out, flipped)
-            if args.wide_tail_rows and op in ("fprop", "dgrad") and cfg.block_m >= 32:
-                flipped = dataclasses.replace(cfg, wide_tail=not cfg.wide_tail)
-                out = torch.empty(p.T, p.N if op == "fprop" else p.K, device=p.x.device, dtype=p.x.dtype)
-                if not args.no_check:
-                    ok = check(lambda o, c=flipped, op=op, p=p: _launch_ours(op, p, o, c), exp)["ok"]
-                    all_ok &= ok
-                    print(f"check {op:17s} {shape} {flipped.short()}: {'PASS' if ok else 'FAIL'}", flush=True)
-                impls[f"distwgrad_{'' if flipped.wide_tail else 'no_'}wide_tail"] = functools.partial(
-                    _launch_ours, op, p, out, flipped)
+            if op in ("fprop", "dgrad") and cfg.block_m >= 32:
+                for flag, field, names in ((args.half_tail_rows, "half_tail", ("full_tail", "half_tail")),
+                                           (args.wide_tail_rows, "wide_tail", ("no_wide_tail", "wide_tail"))):
+                    if flag:
+                        all_ok &= _flipped_row(op, p, exp, cfg, field, names, impls, check_it=not args.no_check)
+                if args.wide_tail_rows:
+                    all_ok &= _sequential_wide_row(op, p, exp, cfg, impls, check_it=not args.no_check)
             if (args.triton_rows and op == "wgrad_accumulate"
                     and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
                 impls["distwgrad_triton"] = _triton_wgrad(p)
