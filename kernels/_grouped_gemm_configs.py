@@ -212,7 +212,7 @@ def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None, margin: int =
 # tokens or fewer. H200, E=128, K=2048, N=768 (docs/benchmarks.md, "Wide tail tiles"), fprop / dgrad TFLOP/s
 # with and without: 128 tokens per group 347 / 351 vs 324 / 324, 160: 437 / 401 vs 369 / 354; 192: 404 /
 # 388 vs 421 / 392, 224: 396 / 362 vs 462 / 421; at 256 (E=64) 405 / 368 vs 436 / 409, and at 1024 and
-# 4096 they lose 27-38%: the build with the wide loop runs every full tile slower.
+# 4096 they lose 27-39%: the build with the wide loop runs every full tile slower.
 WIDE_TAIL_MAX_TOKENS = 160
 # The fprop/dgrad kernel stages no epilogue in shared memory: its sm_90a builds use the ring plus 32 bytes
 # of barriers (196,640 bytes at 128x256x64/s4; 229,408 with wide tails), so a 1 KB margin suffices there.

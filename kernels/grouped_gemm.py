@@ -85,9 +85,6 @@ WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled 
 #                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
 #                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
 RAGGED_GLUON = False
-# Wide tail tiles ([Note: wide tail tiles]): both products in one K loop (True) or the full tile's loop and
-# then the half tile's (False: two reads of each weight tile, from L2 the second time)
-WIDE_TAIL_FUSED = True
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
 RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
 _GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad16" -> why that Gluon kernel did not build here (then Triton runs)
@@ -154,9 +151,11 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
 # (expert, column) instead of up to twice, and the wave count drops from 4.4 to 2.9. The products and their
 # K order are those of full-height tiles, so the bits match (GPU test). The wide loop lifts the kernel's
 # registers (sm_90a, 128x256x64/w8: 218 against 154, no spills) and its ring (229,408 bytes at s4), and the
-# build that has it runs every full tile slower (H200: 0.70-0.93x at 256-4096 tokens per group; under
-# Triton 3.6 ptxas serializes its wgmma pipeline, C7515), so
-# ``pick_ragged`` turns it on only where the groups average WIDE_TAIL_MAX_TOKENS tokens or fewer. H200, one
+# build that has it runs every full tile slower (H200: 0.61-0.95x at 256-4096 tokens per group). Triton 3.6's
+# ptxas serializes that build's wgmma pipeline (C7515), but that is not the whole cause: a build that ran a
+# wide tile as the full tile's loop and then the half tile's had no C7515 and ran full tiles as slowly (and
+# E=128 at 270 TFLOP/s; docs/benchmarks.md). So ``pick_ragged`` turns it on only where the groups average
+# WIDE_TAIL_MAX_TOKENS tokens or fewer. H200, one
 # process, medians of three interleaved rounds (docs/benchmarks.md, "Wide tail tiles"): E=128 fprop 347 vs
 # 324 TFLOP/s, dgrad 351 vs 324.
 
@@ -270,7 +269,7 @@ def _ragged_m_kernel(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_pt
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr, HALF_TAIL: tl.constexpr,
-                     WIDE_TAIL: tl.constexpr = False, WIDE_FUSED: tl.constexpr = True):
+                     WIDE_TAIL: tl.constexpr = False):
     """out[t, :N] = a[t, :K] @ B_e for the tokens t of group e; B_e = W_e^T (fprop) or W_e (dgrad).
     ``HALF_TAIL``: a group's last M tile with BLOCK_M / 2 rows or fewer runs at half height ([Note: half
     tail tiles]); ``WIDE_TAIL``: such a remainder joins the tile before it, where there is one ([Note:
@@ -283,26 +282,19 @@ def _ragged_m_kernel(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_pt
     pid_m, pid_n = _swizzle(local, _tiles_m(size, BLOCK_M, WIDE_TAIL), tiles_n, GROUP_M)
     row0 = start + pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
-    if HALF_TAIL and size - pid_m * BLOCK_M <= BLOCK_M // 2:
-        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
-                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
-                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
-    elif not WIDE_TAIL or size - pid_m * BLOCK_M <= BLOCK_M:
-        _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
-                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
-                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif WIDE_FUSED:
+    if WIDE_TAIL and size - pid_m * BLOCK_M > BLOCK_M:
         _ragged_wide_tile(a_desc, a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0,
                           N, K, W_ROWS, stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on,
                           stride_be, stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
                           BLOCK_K)
+    elif HALF_TAIL and size - pid_m * BLOCK_M <= BLOCK_M // 2:
+        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
+                     stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
+                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
     else:
         _ragged_tile(a_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0, start + size, col0, N, K, W_ROWS,
                      stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
                      stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        _ragged_tile(a_half_desc, w_desc, a_ptr, w_ptr, out_ptr, bias_ptr, e, row0 + BLOCK_M, start + size, col0, N, K,
-                     W_ROWS, stride_at, stride_ak, stride_we, stride_bk, stride_bn, stride_ot, stride_on, stride_be,
-                     stride_bn_bias, W_TRANS, HAS_BIAS, USE_TMA, UPCAST, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -471,7 +463,6 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
         W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, USE_TMA=tma, UPCAST=upcast, PRECISION=precision,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         BLOCK_E=max(16, triton.next_power_of_2(E)), HALF_TAIL=half_tail, WIDE_TAIL=wide_tail,
-        WIDE_FUSED=WIDE_TAIL_FUSED,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -158,11 +158,8 @@ def _case_wide_tail():
     for half in (False, True):
         cfg = dataclasses.replace(INTERPRETER, block_m=32, wide_tail=True, half_tail=half)
         for use_tma in (False, True):
-            for fused in (True, False):  # one K loop for both products, or the full tile's then the half's
-                k.WIDE_TAIL_FUSED = fused
-                _check_all_ops(T, E, 48, 32, torch.float16, "cpu", seed=31, use_tma=use_tma, config=cfg,
-                               ops=("fprop", "dgrad"), splits=_WIDE_TAIL_SPLITS)
-            k.WIDE_TAIL_FUSED = True
+            _check_all_ops(T, E, 48, 32, torch.float16, "cpu", seed=31, use_tma=use_tma, config=cfg,
+                           ops=("fprop", "dgrad"), splits=_WIDE_TAIL_SPLITS)
     _check_all_ops(T, E, 45, 33, torch.float32, "cpu", seed=32, config=cfg, ops=("fprop", "dgrad"),
                    splits=_WIDE_TAIL_SPLITS)  # K, N off the tile: masked pointer loads
     with pytest.raises(ValueError, match=r"wide_tail needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
@@ -523,7 +520,7 @@ def test_half_tail_builds_for_sm90(op, shape):
     if not w_trans:
         K, N = N, K
     built = {}
-    for half, wide, fused in ((False, False, True), (True, False, True), (True, True, False), (True, True, True)):
+    for half, wide in ((False, False), (True, False), (True, True)):
         vals = dict(a_desc=f"tensordesc<bf16[{bm}, {bk}]>",
                     w_desc=f"tensordesc<bf16[{bn}, {bk}]>" if w_trans else f"tensordesc<bf16[{bk}, {bn}]>",
                     a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K,
@@ -532,7 +529,7 @@ def test_half_tail_builds_for_sm90(op, shape):
                     stride_be=N, stride_bn_bias=1, stride_o=1)
         consts = dict(W_TRANS=w_trans, HAS_BIAS=False, USE_TMA=True, UPCAST=False, PRECISION=None, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, BLOCK_E=max(16, E), HALF_TAIL=half, WIDE_TAIL=wide,
-                      WIDE_FUSED=fused, bias_ptr=None)
+                      bias_ptr=None)
         if half:
             vals["a_half_desc"] = f"tensordesc<bf16[{bm // 2}, {bk}]>"
         else:
@@ -546,15 +543,12 @@ def test_half_tail_builds_for_sm90(op, shape):
         # ptxas serializes the wgmma pipeline when other instructions write an accumulator inside it (C7515):
         # it cost the full tiles 10-15% at E=8 on an H200 when an epilogue refactor triggered it under
         # Triton 3.6. The wide build still has it there ([Note: wide tail tiles]).
-        assert (wide and fused) or "C7515" not in info, info
+        assert wide or "C7515" not in info, info
         shapes = sorted({m.group(1) for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)})
-        built[half, wide, fused] = (shapes, kernel.metadata.shared)
-    plain, halves, sequential, wides = (built[h, w, f] for h, w, f in
-                                        ((False, False, True), (True, False, True), (True, True, False),
-                                         (True, True, True)))
-    assert plain[0] == ["m64n256k16"] and halves[0] == sequential[0] == wides[0] == ["m64n128k16", "m64n256k16"]
-    # one ring, within Hopper's 227 KB per block (the sequential wide tile runs the same two loops)
-    assert halves[1] == sequential[1] == plain[1] <= 232448, built
+        built[half, wide] = (shapes, kernel.metadata.shared)
+    plain, halves, wides = built[False, False], built[True, False], built[True, True]
+    assert plain[0] == ["m64n256k16"] and halves[0] == wides[0] == ["m64n128k16", "m64n256k16"], built
+    assert halves[1] == plain[1] <= 232448, built  # one ring, within Hopper's 227 KB per block
     # [Note: wide tail tiles]: the wide stage adds a [64, 64] x tile to each of the four stages, and the
     # ring still fits (the margin pick_ragged leaves)
     assert wides[1] == plain[1] + 4 * 64 * bk * 2 <= 232448 - 1024 + 32, built
@@ -731,16 +725,13 @@ def test_gpu_half_tail(T, E, K, N):
     (16384, 128, 2048, 768),   # the E=128 MoE shape: every other group's remainder joins its tile
     (3000, 12, 1000, 1304),    # K, N off the tile grid: masked edges in all three tile heights
 ])
-@pytest.mark.parametrize("fused", [True, False])
-def test_gpu_wide_tail(T, E, K, N, fused, monkeypatch):
+def test_gpu_wide_tail(T, E, K, N):
     """[Note: wide tail tiles]: fprop (with bias) and dgrad of the default config with wide tails on against
     the oracle, and bit for bit against the same config with every tile at full height (the same products
     in the same K order). The splits put group ends at every remainder class of the 128-row tile: one tile
     of 1, 64 (half) or 65, 128 rows; one wide tile of 129 or 192; two tiles (193 = 128 + 65); two with the
-    last wide (320, 321), and an empty group; the rest random. Both ways of running a wide tile: one K loop
-    for both products (``fused``) or the full tile's loop then the half tile's."""
+    last wide (320, 321), and an empty group; the rest random."""
     from distwgrad.kernels import _grouped_gemm_configs as C
-    monkeypatch.setattr(_kernels(), "WIDE_TAIL_FUSED", fused)
     splits = _tail_splits([1, 64, 65, 128, 129, 192, 193, 0, 320, 321], T, E, seed=E + 1)
     cfg = _default_ragged_config(T, E, K, N)
     assert cfg.wide_tail == (T <= C.WIDE_TAIL_MAX_TOKENS * E), cfg.short()  # the default where groups are small

@@ -329,27 +329,6 @@ def _flipped_row(op: str, p: Problem, exp, cfg, field: str, names: tuple[str, st
     return ok
 
 
-def _sequential_wide_row(op: str, p: Problem, exp, cfg, impls: dict, check_it: bool) -> bool:
-    """The default config with wide tails run as two loops, the full tile's then the half tile's
-    (``grouped_gemm.WIDE_TAIL_FUSED = False``; [Note: wide tail tiles]), as 'distwgrad_wide_tail_sequential'."""
-    wide = dataclasses.replace(cfg, wide_tail=True)
-    out = torch.empty(p.T, p.N if op == "fprop" else p.K, device=p.x.device, dtype=p.x.dtype)
-
-    def launch(o):
-        G.WIDE_TAIL_FUSED = False
-        try:
-            return _launch_ours(op, p, o, wide)
-        finally:
-            G.WIDE_TAIL_FUSED = True
-    ok = True
-    if check_it:
-        ok = check(launch, exp)["ok"]
-        print(f"check {op:17s} {[p.E, p.T, p.K, p.N]} {wide.short()} sequential: {'PASS' if ok else 'FAIL'}",
-              flush=True)
-    impls["distwgrad_wide_tail_sequential"] = functools.partial(launch, out)
-    return ok
-
-
 def run(args) -> tuple[list[dict], list[dict], bool]:
     dev = torch.cuda.get_device_name() if args.device != "cpu" else "cpu (interpreter)"
     rows, sweep_rows, all_ok = [], [], True
@@ -372,8 +351,6 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                                            (args.wide_tail_rows, "wide_tail", ("no_wide_tail", "wide_tail"))):
                     if flag:
                         all_ok &= _flipped_row(op, p, exp, cfg, field, names, impls, check_it=not args.no_check)
-                if args.wide_tail_rows:
-                    all_ok &= _sequential_wide_row(op, p, exp, cfg, impls, check_it=not args.no_check)
             if (args.triton_rows and op == "wgrad_accumulate"
                     and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
                 impls["distwgrad_triton"] = _triton_wgrad(p)
