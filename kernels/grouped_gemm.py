@@ -155,9 +155,8 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
 # ptxas serializes that build's wgmma pipeline (C7515), but that is not the whole cause: a build that ran a
 # wide tile as the full tile's loop and then the half tile's had no C7515 and ran full tiles as slowly (and
 # E=128 at 270 TFLOP/s; docs/benchmarks.md). So ``pick_ragged`` turns it on only where the groups average
-# WIDE_TAIL_MAX_TOKENS tokens or fewer. H200, one
-# process, medians of three interleaved rounds (docs/benchmarks.md, "Wide tail tiles"): E=128 fprop 347 vs
-# 324 TFLOP/s, dgrad 351 vs 324.
+# WIDE_TAIL_MAX_TOKENS tokens or fewer. H200, one process, medians of three interleaved rounds
+# (docs/benchmarks.md, "Wide tail tiles"): E=128 fprop 347 vs 324 TFLOP/s, dgrad 351 vs 324.
 
 
 @triton.jit
