@@ -68,7 +68,8 @@ def _check_ragged(op, a, a_s, w, w_s, offs_E, block, out_dtype, bias_EN=None) ->
             raise ValueError(f"{op}: bias_EN is on {bias_EN.device} but {a_name} is on {a.device}")
 
 
-def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out) -> None:
+def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype: torch.dtype = torch.float32) -> None:
+    """``out_dtype``: a fresh output's dtype (an ``out`` to add into is fp32, checked with it)."""
     op = "grouped_wgrad_fp8"
     _check_tensor(op, "dy_t", dy_t, 2)
     _check_tensor(op, "x_t", x_t, 2)
@@ -79,6 +80,8 @@ def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out) -> None:
     _check_tensor(op, "offs_E", offs_E, 1)
     E, N, K = offs_E.shape[0], dy_t.shape[0], x_t.shape[0]
     _check_offsets(op, offs_E, E, dy_t.device)
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype!r}")
     if out is None:
         return
     _check_wgrad_out(op, out, E, N, K, dy_t.device, "dy_t")

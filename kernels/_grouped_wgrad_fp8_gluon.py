@@ -278,7 +278,7 @@ def _define():
         else:
             if ADD_MODE == 1:
                 val = val + gl.load(ptrs, mask=mask, other=0.0)
-            gl.store(ptrs, val, mask=mask)
+            gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _writes(n_k, ADD_MODE: gl.constexpr):
@@ -304,13 +304,16 @@ def _define():
                   stride_oe, stride_on, stride_ok, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                   GROUP_M: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
         """The epilogue warps over the program's tiles ([Note: an epilogue partition]): each handed-off tile
-        read from shared memory EPI_ROWS rows at a time, a warp per row of 4 columns per thread, and
-        stored (ADD_MODE 0), load-added (1) or reduced (3) into ``out``, rows < N and columns < K."""
+        read from shared memory EPI_ROWS rows at a time and stored (ADD_MODE 0, in ``out``'s dtype),
+        load-added (1) or reduced (3) into ``out``, rows < N and columns < K; 16 bytes of output per
+        thread and instruction: 4 fp32 columns (a warp per row) or 8 bf16 / fp16 ones (a fresh output)."""
         BLOCK_M: gl.constexpr = c_smem.type.shape[0]
         BLOCK_N: gl.constexpr = c_smem.type.shape[1]
         tiles_m = gl.cdiv(N, BLOCK_M)
         tiles_n = gl.cdiv(K, BLOCK_N)
-        lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [EPI_WARPS, 1], [1, 0])
+        VEC: gl.constexpr = 8 if out_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4
+        TN: gl.constexpr = BLOCK_N // VEC
+        lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TN, TN], [EPI_WARPS, 1], [1, 0])
         h = pid * 0
         keep = gl.zeros([EPI_ROWS, BLOCK_N], gl.float32, lay)  # a dry run's reads (ADD_MODE -1), kept live
         for tile in range(pid, total, nprog):
@@ -332,7 +335,7 @@ def _define():
                     else:
                         if ADD_MODE == 1:
                             val = val + gl.load(ptrs, mask=mask, other=0.0)
-                        gl.store(ptrs, val, mask=mask)
+                        gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)  # a fresh bf16/fp16 output
                 mbarrier.arrive(c_free, count=1)
                 h += 1
         if ADD_MODE < 0:  # never true (N > 0): the reads stay in the program, nothing is written

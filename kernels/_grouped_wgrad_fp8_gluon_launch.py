@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from . import _grouped_wgrad_fp8_gluon as _k
 
 __all__ = ["launch", "launch_tokens_outer", "trace_shape", "TAILS"]
@@ -22,11 +24,15 @@ TAILS = ("tma", "zero")  # how a group's last chunk loses the next group's token
 _ONES: dict = {}   # a device's fp32 one: the bf16 wgrad's "scales"
 
 
-def _tiles_and_strides(what: str, epilogue_warps: int, E: int, N: int, K: int, out, table) -> tuple[int, tuple]:
+def _tiles_and_strides(what: str, epilogue_warps: int, E: int, N: int, K: int, out, table,
+                       add_mode: int) -> tuple[int, tuple]:
     """(output tiles, the output's (group, row, column) strides: group 0 with a ``table``) after checking
-    the epilogue setting both launchers share."""
+    what both launchers share: the epilogue setting, and an fp32 ``out`` unless fresh (``add_mode`` 0)."""
     if epilogue_warps not in (0, 2):
         raise ValueError(f"{what}: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
+    if out.dtype != torch.float32 and add_mode != 0:
+        raise ValueError(f"{what}: only a fresh output (add_mode 0) may be {out.dtype}; one added into "
+                         f"(add_mode {add_mode}) is fp32")
     tiles = E * -(-N // _k.BLOCK) * -(-K // _k.BLOCK)
     return tiles, (0,) + tuple(out.stride()) if table is not None else tuple(out.stride())
 
@@ -40,19 +46,19 @@ def _epilogue_meta(epilogue_warps: int, stages: int) -> dict:
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
            epilogue_warps: int, num_sms: int, trace=None, zero_edges: bool = True) -> None:
-    """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked fp32 ``out``
-    ([E, N, K]) or, with ``table`` (int64 bases), into the per-group buffers shaped and strided like
-    ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run: the
-    epilogue warps still read each handed-off tile); ``epilogue_warps`` 0 (the MMA
-    warps write each tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes
-    (function, args) pairs: older ones run 0, the same bits). ``trace``: None, or an int64 tensor
-    [programs, tiles, 5] that receives the MMA warps' tile phases ([Note: tracing the MMA warps' tile
-    phases]; ``trace_shape`` gives its shape). ``zero_edges`` False skips zeroing the edge chunks' foreign
-    tokens: a traced dry run's diagnostic only (what the zeroing costs), refused otherwise."""
+    """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked ``out`` ([E, N, K];
+    fp32, or bf16/fp16 for a fresh one) or, with ``table`` (int64 bases), into the per-group buffers shaped and
+    strided like ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry
+    run: the epilogue warps still read each handed-off tile); ``epilogue_warps`` 0 (the MMA warps write each
+    tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes (function, args) pairs:
+    older ones run 0, the same bits). ``trace``: None, or an int64 tensor [programs, tiles, 5] that receives the
+    MMA warps' tile phases ([Note: tracing the MMA warps' tile phases]; ``trace_shape`` gives its shape).
+    ``zero_edges`` False skips zeroing the edge chunks' foreign tokens: a traced dry run's diagnostic only (what
+    the zeroing costs), refused otherwise."""
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
-    tiles, so = _tiles_and_strides("grouped_wgrad_fp8", epilogue_warps, E, N, K, out, table)
+    tiles, so = _tiles_and_strides("grouped_wgrad_fp8", epilogue_warps, E, N, K, out, table, add_mode)
     grid = min(tiles, num_sms)
     if add_mode == -1 and trace is None:
         raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
@@ -84,22 +90,21 @@ def _allocator():
 
 def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
                         epilogue_warps: int, num_sms: int, tail: str = "tma", chain: bool = False) -> None:
-    """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]):
-    dW_e = dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the
-    stacked fp32 ``out`` ([E, N, K]) or the per-group buffers of ``table`` (int64 bases, each shaped and
-    strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``: "tma" loads
-    each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the group with
-    zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
-    group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers
-    instead of a partial added after them ([Note: chained bf16 accumulation])."""
-    import torch
+    """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]): dW_e =
+    dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the stacked
+    ``out`` ([E, N, K]; fp32, or dy's dtype for a fresh one) or the per-group buffers of ``table`` (int64 bases,
+    each shaped and strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``:
+    "tma" loads each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the
+    group with zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
+    group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers instead
+    of a partial added after them ([Note: chained bf16 accumulation])."""
 
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]
-    tiles, so = _tiles_and_strides("grouped_wgrad", epilogue_warps, E, N, K, out, table)
+    tiles, so = _tiles_and_strides("grouped_wgrad", epilogue_warps, E, N, K, out, table, add_mode)
     ones = _ONES.get(dy_TN.device)
     if ones is None:
         ones = _ONES[dy_TN.device] = torch.ones((), dtype=torch.float32, device=dy_TN.device)

@@ -77,6 +77,7 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # docs/benchmarks.md).
 WGRAD_GLUON = True
 WGRAD_GLUON_MIN_TOKENS = 256
+WGRAD_GLUON_FRESH = False  # a fresh wgrad (dW in dy's dtype) in the Gluon kernel too, under the same rule
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
@@ -466,23 +467,25 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     return out
 
 
-def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor) -> bool:
+def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, accumulate: bool = True) -> bool:
     """Whether the Gluon wgrad can take this bf16 / fp16 wgrad: a Hopper GPU, a Triton with Gluon, dy and x
     of one 16-bit dtype, TMA-aligned (16-byte aligned base and row stride, unit inner stride), tokens, and
-    an fp32 output (the kernel writes fp32)."""
+    an fp32 output (or, fresh, one in dy's dtype: the epilogue rounds)."""
     if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
         return False
     from . import _grouped_wgrad_fp8_gluon as kw
-    return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out.dtype == torch.float32
+    out_ok = out.dtype == torch.float32 or (not accumulate and out.dtype == dy_TN.dtype)
+    return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out_ok
             and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1)) and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1))
             and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
 
 
 def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
-    """Whether the default dispatch tries the Gluon wgrad: ``WGRAD_GLUON``, an accumulating call, groups of
+    """Whether the default dispatch tries the Gluon wgrad: ``WGRAD_GLUON``, an accumulating call (or
+    ``WGRAD_GLUON_FRESH``), groups of
     ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, and neither a config nor ``use_tma=False`` asked
     for a Triton kernel (``_gluon_wgrad`` then checks that it applies)."""
-    return (WGRAD_GLUON and accumulate and T >= WGRAD_GLUON_MIN_TOKENS * E and config is None
+    return (WGRAD_GLUON and (accumulate or WGRAD_GLUON_FRESH) and T >= WGRAD_GLUON_MIN_TOKENS * E and config is None
             and use_tma is not False)
 
 
@@ -517,9 +520,10 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
         return
     if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
         needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and "  # noqa: E731
-                         f"an fp32 output; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
+                         f"an fp32 output (or a fresh one in their dtype); got {dy_TN.dtype} and {x_TK.dtype} on "
+                         f"{dy_TN.device}, strides "
                          f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}")
-        if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out), needs,
+        if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out, accumulate), needs,
                       lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate, table)):
             return
     if config is None:

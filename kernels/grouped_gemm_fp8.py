@@ -47,10 +47,11 @@ accumulates directly with ``max_num_imprecise_acc=BLOCK_K`` (the same promotion)
 multiply once after the loop. wgrad walks each group's tokens in chunks ALIGNED TO THE GLOBAL L GRID,
 masking tokens outside the group, so every chunk lies in one token tile (one scale per row) even when a
 group starts mid-tile: the module quantizes over the whole token range, and a tile may span two groups.
-Outputs: fprop/dgrad in ``out_dtype`` (bf16 default; fp16, fp32); wgrad a fresh fp32 ``[E, N, K]`` (the
-fp32 accumulator as is: an fp8 product has no natural output dtype, and the module's ``main_grad`` is
-fp32 anyway) or ADDED into fp32 ``out`` (stacked ``[E, N, K]`` or a list of E ``[N, K]``), as
-``grouped_wgrad``. An empty group writes zeros to a fresh wgrad and adds nothing to ``out``.
+Outputs: fprop/dgrad in ``out_dtype`` (bf16 default; fp16, fp32); wgrad a fresh ``[E, N, K]`` in ``out_dtype``
+(fp32 by default: an fp8 product has no natural output dtype; a module without ``main_grad`` asks for its
+parameter's dtype, which the epilogue rounds to from the fp32 accumulator, the bits of the fp32 result cast,
+at half or a quarter of its bytes written) or ADDED into fp32 ``out`` (stacked ``[E, N, K]`` or a list of E
+``[N, K]``), as ``grouped_wgrad``. An empty group writes zeros to a fresh wgrad and adds nothing to ``out``.
 Non-finite scales (the quantizers' NaN policy) propagate: a NaN scale makes the outputs that use it NaN.
 
 Loads: TMA descriptors when layouts allow (16-byte aligned base and outer strides, unit inner stride;
@@ -646,15 +647,15 @@ def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=N
                           config=config, use_tma=use_tma, split_acc=split_accumulator, gluon=gluon)
 
 
-def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, config=None, use_tma=None,
-           split_accumulator: bool = True, gluon: bool | None = None):
-    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, out_dtype: torch.dtype = torch.float32, config=None,
+           use_tma=None, split_accumulator: bool = True, gluon: bool | None = None):
+    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_wgrad_fp8", dy_t)
     kw = dict(block=block, config=config, use_tma=use_tma, split_acc=split_accumulator, gluon=gluon)
     args = (dy_t, dy_s, x_t, x_s, offs_E)
     if out is None:
-        dW = torch.empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32, device=dy_t.device)
+        dW = torch.empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=out_dtype, device=dy_t.device)
         _launch_wgrad(*args, dW, accumulate=False, table=None, **kw)
         return dW
     if isinstance(out, torch.Tensor):
@@ -703,18 +704,20 @@ def _(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, split_accumula
 
 
 def _wgrad_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor, x_t_scale_inv: torch.Tensor,
-                offs_E: torch.Tensor, block: int, split_accumulator: bool = True) -> torch.Tensor:
-    return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, split_accumulator=split_accumulator)
+                offs_E: torch.Tensor, block: int, out_dtype: torch.dtype,
+                split_accumulator: bool = True) -> torch.Tensor:
+    return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out_dtype=out_dtype,
+                  split_accumulator=split_accumulator)
 
 
 _wgrad_op = torch.library.custom_op("distwgrad::grouped_wgrad_fp8", _wgrad_impl, mutates_args=())
 
 
 @_wgrad_op.register_fake
-def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, split_accumulator=True):
-    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, None)
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out_dtype, split_accumulator=True):
+    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, None, out_dtype)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
-    return dy_t.new_empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=torch.float32)
+    return dy_t.new_empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=out_dtype)
 
 
 def _wgrad_acc_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
@@ -819,17 +822,20 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor,
 
 
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
-                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, split_accumulator: bool = True):
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, split_accumulator: bool = True,
+                      out_dtype: torch.dtype | None = None):
     """``dW_e = deq(dy)[g]^T @ deq(x)[g]`` summed over the tokens g of each group e.
 
     Args:
         dy_qt, x_qt: the TRANSPOSED quantizations ``[N, T]`` and ``[K, T]`` (per-tensor, or 1xL tiles
             along the tokens over the whole token range: ``quantize_rowwise_and_columnwise(...)[1]``).
         offs_E: ``[E]`` int32 end offsets on the same device.
-        out: None for a fresh fp32 ``[E, N, K]`` (zeros for an empty group); or fp32 buffers to ADD into
-            (``main_grad``): a stacked ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors sharing
-            shape and strides (an empty group adds nothing).
+        out: None for a fresh ``[E, N, K]`` in ``out_dtype`` (zeros for an empty group); or fp32 buffers
+            to ADD into (``main_grad``): a stacked ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors
+            sharing shape and strides (an empty group adds nothing).
         split_accumulator: as in :func:`grouped_fprop_fp8` (the contraction is each group's tokens).
+        out_dtype: a fresh output's dtype: fp32 (None, the default), bf16 or fp16, rounded from the fp32
+            accumulator in the epilogue (the bits of the fp32 output cast). Not with ``out``.
 
     Returns:
         The fresh tensor, or ``out`` itself.
@@ -839,11 +845,15 @@ def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
     if x_block != block:
         raise ValueError(f"grouped_wgrad_fp8: dy_qt and x_qt must share one recipe, got blocks {dy_qt.block} "
                          f"and {x_qt.block}")
-    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out)
+    if out is not None and out_dtype not in (None, torch.float32):
+        raise ValueError(f"grouped_wgrad_fp8: out_dtype={out_dtype} is a fresh output's dtype; an out to add "
+                         f"into is fp32 (pass one or the other)")
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
+    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
     ops, split = torch.ops.distwgrad, split_accumulator
     if out is None:
-        return call(ops.grouped_wgrad_fp8, _wgrad_impl, dy_t, dy_s, x_t, x_s, offs_E, block, split)
+        return call(ops.grouped_wgrad_fp8, _wgrad_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out_dtype, split)
     if isinstance(out, torch.Tensor):
         call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out, split,
              mutated=(6,))

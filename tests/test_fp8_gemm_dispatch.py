@@ -249,10 +249,10 @@ def _emulating(gemm: str):
     def run(*a, split_accumulator, **kw):
         assert isinstance(split_accumulator, bool)
         if gemm == "wgrad":
-            out = kw.pop("out", None)
+            out, out_dtype = kw.pop("out", None), kw.pop("out_dtype", torch.float32)
             res = RF.grouped_wgrad_fp8(*a, **kw)
             if out is None:
-                return res
+                return res.to(out_dtype)
             for o, r in zip(out, res):
                 o.add_(r)
             return out

@@ -148,9 +148,10 @@ def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", con
     return out
 
 
-def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0, gluon=None):
+def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0, gluon=None, out_dtype=torch.float32):
     """wgrad fresh (into a NaN-poisoned fp32 output), accumulating into a stacked tensor, or into a list
-    of strided buffers, checked against the oracle (plus the buffers' old values)."""
+    of strided buffers, checked against the oracle (plus the buffers' old values). A fresh ``out_dtype``
+    other than fp32 must hold the fp32 output's bits rounded (the epilogue rounds the same accumulator)."""
     k = _kernels()
     raw = (pb.dy_qt.data, pb.dy_qt.scale_inv, pb.x_qt.data, pb.x_qt.scale_inv, pb.offs)
     exp = RF.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs)
@@ -175,7 +176,21 @@ def _run_wgrad(pb, mode, *, config=None, use_tma=None, seed=0, gluon=None):
         k._wgrad(*raw, pb.block, bufs, config=config, use_tma=use_tma, split_accumulator=split, gluon=gluon)
         got, exp, addend = torch.stack(bufs), m.double() + exp.double(), m
     _check(tag, got, exp, S, depth=pb.T, out_dtype=torch.float32, device=pb.device, addend=addend, split=split)
+    if out_dtype != torch.float32:
+        assert mode == "fresh", mode
+        low = torch.full((pb.E, pb.N, pb.K), float("nan"), dtype=out_dtype, device=pb.device)
+        k._launch_wgrad(*raw, low, block=pb.block, accumulate=False, table=None, config=config, use_tma=use_tma,
+                        split_acc=split, gluon=gluon)
+        assert torch.equal(low, _rounded(got, out_dtype)), f"{tag}: the {out_dtype} output is not the fp32 one rounded"
     return got
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``t`` as a kernel's ``.to(dtype)`` writes it: round to nearest even, except that Triton's
+    interpreter converts fp32 to bf16 by truncating the low 16 bits (the GPU tests pin the rounding)."""
+    if dtype == torch.bfloat16 and _INTERPRETED:
+        return (t.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return t.to(dtype)
 
 
 def _cfg(**kw):
@@ -233,8 +248,8 @@ def _case_ragged_blockwise():
 
 def _wgrad_cases(recipe: str):
     fixed = _problem(*SHAPE_TMA, recipe, splits=[0, 100, 20, 168])  # [0, 100), [100, 120), [120, 288): mid-tile starts
-    for use_tma in (True, False):
-        _run_wgrad(fixed, "fresh", use_tma=use_tma)
+    for use_tma, low in ((True, torch.bfloat16), (False, torch.float16)):
+        _run_wgrad(fixed, "fresh", use_tma=use_tma, out_dtype=low)
         _run_wgrad(fixed, "acc", use_tma=use_tma, config=_cfg(add_mode="atomic"))
     _run_wgrad(fixed, "acc_list", use_tma=True)
     rand = _problem(*SHAPE_TMA, recipe, seed=5)
@@ -504,7 +519,8 @@ def _case_custom_ops():
         check = lambda op, args: torch.library.opcheck(op, args, test_utils=_OPCHECK_UTILS)
         check(ops.grouped_fprop_fp8.default, (x, xs, w, w_s, pb.offs, b, pb.block, torch.float32, *sp))
         check(ops.grouped_dgrad_fp8.default, (dy, dys, w, w_s, pb.offs, pb.block, torch.bfloat16, *sp))
-        check(ops.grouped_wgrad_fp8.default, (*raw_t, *sp))
+        check(ops.grouped_wgrad_fp8.default, (*raw_t, torch.float32, *sp))
+        check(ops.grouped_wgrad_fp8.default, (*raw_t, torch.bfloat16, *sp))
         check(ops.grouped_wgrad_fp8_accumulate.default, (*raw_t, m.clone(), *sp))
         check(ops.grouped_wgrad_fp8_accumulate_list.default, (*raw_t, list(m.clone()), *sp))
 
@@ -514,13 +530,15 @@ def _case_custom_ops():
             kw = dict(split_accumulator=pb.split["wgrad"])
             k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=acc, **kw)
             k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs, **kw)
-            return y, dx, k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, **kw)
+            return (y, dx, k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, **kw),
+                    k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out_dtype=torch.bfloat16, **kw))
 
         eager = step(m.clone(), list(m.clone()))
         acc, bufs = m.clone(), list(m.clone())
         compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(acc, bufs)
         for a, c in zip(eager, compiled):
             torch.testing.assert_close(c, a, rtol=0, atol=0, equal_nan=True)  # same kernels, same inputs
+        assert eager[3].dtype == torch.bfloat16 and torch.equal(eager[3], _rounded(eager[2], torch.bfloat16))
         ref_acc = k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone())
         torch.testing.assert_close(acc, ref_acc, rtol=0, atol=0)
         torch.testing.assert_close(torch.stack(bufs), ref_acc, rtol=0, atol=0)
@@ -771,13 +789,14 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "load/l2pf", "fresh/e5m2",
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
-                                     "dry/trace", "dry/epi/s5/trace/unzeroed"])
+                                     "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16", "fresh/epi/s5/fp16",
+                                     "fresh/bf16"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
     (C7514, C7512) and no spill; the MMA warps fence their zeroing of edge chunks for the async proxy
     ([Note: a group's edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
-    likewise into a stacked output)."""
+    likewise into a stacked output; 8 elements of a fresh bf16 / fp16 output)."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE:
@@ -789,7 +808,9 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     a_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e5 if "e5m2" in rest else gl.float8e4nv)
     b_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e4nv)
     vals = dict(a_desc=f"tensordesc<{a_ty}[{L},{L}],{a_lay!r}>", b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
-                as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
+                as_ptr="*fp32", bs_ptr="*fp32", offs_ptr="*i32",
+                out_ptr="*i64" if "table" in rest else "*bf16" if "bf16" in rest else "*fp16" if "fp16" in rest
+                else "*fp32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
                 TRACE_TILES=435, a_ptr=f"*{a_ty}", b_ptr="*fp8e4nv", stride_at="i32", stride_bt="i32")
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
@@ -818,6 +839,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert not stores and reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
     else:
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
+    if "bf16" in rest or "fp16" in rest:  # rounded in registers: 8 elements per 16-byte store
+        assert "cvt.rn.bf16x2.f32" in ptx if "bf16" in rest else "cvt.rn.f16x2.f32" in ptx, "no packed rounding"
     assert ptx.count("prefetch.global.L2::evict_last") == (2 if "l2pf" in rest else 0)
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
     # [Note: tracing the MMA warps' tile phases]: four clock reads per tile when traced, none otherwise
@@ -829,7 +852,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
 
 
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "atomic/zero", "fresh/zero",
-                                     "atomic/chain", "atomic/chain/zero", "atomic/chain/table", "load/chain"])
+                                     "atomic/chain", "atomic/chain/zero", "atomic/chain/table", "load/chain",
+                                     "fresh/chain/out16"])
 def test_gluon_wgrad_bf16_kernel_builds(variant):
     """[Note: the bf16 wgrad in the fp8 kernel]: the TOKENS_OUTER build (bf16 dy and x as [tokens, rows]
     stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),
@@ -848,7 +872,8 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     lay = gl.NVMMASharedLayout.get_default_for([kw.BLOCK_K_16, kw.BLOCK], gl.bfloat16)
     desc = f"tensordesc<bf16[{kw.BLOCK_K_16},{kw.BLOCK}],{lay!r}>"
     vals = dict(a_desc=desc, b_desc=desc, as_ptr="*fp32", bs_ptr="*fp32",
-                out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32", T=T, E=E, N=N, K=K,
+                out_ptr="*i64" if "table" in rest else "*bf16" if "out16" in rest else "*fp32", offs_ptr="*i32",
+                T=T, E=E, N=N, K=K,
                 stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i32", TRACE_TILES=0,
                 a_ptr="*bf16", b_ptr="*bf16", stride_at="i32", stride_bt="i32")
     zero = "zero" in rest
@@ -868,6 +893,9 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     # a descriptor written in the kernel reaches the TMA unit only through the tensormap proxy's fences
     assert ("fence.proxy.tensormap" in ptx) is not zero, "per-group descriptors published"
     assert (kernel.metadata.global_scratch_size > 0) is not zero, kernel.metadata.global_scratch_size
+    if "out16" in rest:  # a fresh bf16 dW: rounded in registers, 8 elements per 16-byte store
+        stores = re.findall(r"\bst\.global[.\w]*", ptx)
+        assert "cvt.rn.bf16x2.f32" in ptx and stores and all(".v4." in st for st in stores), sorted(set(stores))
     assert ptx.count(".reqntid 384") == 1 and kernel.metadata.shared >= 5 * 32768 + 65536, kernel.metadata.shared
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared
 
@@ -1172,6 +1200,10 @@ def test_checks_name_the_bad_argument():
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 160, 144))
     with pytest.raises(ValueError, match=r"out has 1 buffers"):
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[torch.zeros(144, 160)])
+    with pytest.raises(ValueError, match=r"out_dtype=torch.bfloat16 is a fresh output's dtype; an out to add"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 144, 160), out_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"grouped_wgrad_fp8: out_dtype must be one of .*got torch.int32"):
+        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out_dtype=torch.int32)
     shared = torch.zeros(144, 160)
     with pytest.raises(ValueError, match=r"share memory"):
         k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[shared, shared])
@@ -1233,8 +1265,8 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
     _run_ragged("fprop", pb, bias=bias, form="stacked", use_tma=use_tma)
     _run_ragged("dgrad", pb, form="stacked", use_tma=use_tma)
     _run_ragged("dgrad", pb, form="kn", use_tma=use_tma)
-    for mode in ("fresh", "acc", "acc_list"):
-        _run_wgrad(pb, mode, use_tma=use_tma)
+    for mode in ("fresh", "acc", "acc_list"):  # (a fresh bf16 output: the fp32 one's bits rounded)
+        _run_wgrad(pb, mode, use_tma=use_tma, out_dtype=torch.bfloat16 if mode == "fresh" else torch.float32)
     print("worst error/bound:", json.dumps({k: round(v, 4) for k, v in WORST.items()}))
 
 
@@ -1304,7 +1336,8 @@ WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", False, 5, 2), "atomic_l2pf_s
 def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     """[Note: fp8 wgrad under the next MMA]: the Gluon per-tensor wgrad against the oracle (fresh into a
     NaN-poisoned output, accumulating into a stacked tensor and into a list of strided buffers) and
-    against the Triton kernel: the same bits (the same 128-token partial sums, added in the same order)."""
+    against the Triton kernel: the same bits (the same 128-token partial sums, added in the same order);
+    a fresh bf16 / fp16 output holds the fp32 output's bits rounded to nearest even."""
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
@@ -1318,8 +1351,9 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))
     pb = _problem(T, E, K, N, "per_tensor", src=src, device="cuda", seed=K, splits=splits)
+    low = torch.bfloat16 if epilogue_warps else torch.float16  # a fresh output's rounding, either writer
     for mode in ("fresh", "acc", "acc_list"):
-        ours = _run_wgrad(pb, mode, gluon=True, seed=E)
+        ours = _run_wgrad(pb, mode, gluon=True, seed=E, out_dtype=low if mode == "fresh" else torch.float32)
         triton_k = _run_wgrad(pb, mode, gluon=False, seed=E)
         same = (ours == triton_k) | (ours.isnan() & triton_k.isnan())
         print(f"gluon wgrad {variant} vs triton {mode} T={T} E={E} K={K} N={N}: {int((~same).sum())} of "

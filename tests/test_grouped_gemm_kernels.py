@@ -845,25 +845,27 @@ def test_gpu_wgrad_persistent(cfg):
 ])
 @pytest.mark.parametrize("variant", ["tma", "zero", "tma/chain", "zero/chain"])
 def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
-    """[Note: the bf16 wgrad in the fp8 kernel]: the opt-in Gluon wgrad (``WGRAD_GLUON``) accumulating
-    bf16 and fp16 products into a stacked fp32 output and into a list of strided buffers, against the
-    oracle, with each group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail
-    zero-filled by TMA]), promoted or chained ([Note: chained bf16 accumulation]); every call ran in the
-    Gluon kernel."""
+    """[Note: the bf16 wgrad in the fp8 kernel]: the Gluon wgrad (``WGRAD_GLUON``, ``WGRAD_GLUON_FRESH``)
+    accumulating bf16 and fp16 products into a stacked fp32 output and into a list of strided buffers, and
+    writing a fresh one in their dtype, against the oracle, with each group's tail zero-filled by TMA or zeroed
+    by the MMA warps ([Note: a group's tail zero-filled by TMA]), promoted or chained ([Note: chained bf16
+    accumulation]); every call ran in the Gluon kernel."""
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON", True)
     monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
+    monkeypatch.setattr(k, "WGRAD_GLUON_FRESH", True)
     monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", variant.split("/")[0])
     monkeypatch.setattr(k, "WGRAD_GLUON_CHAIN", variant.endswith("/chain"))
     calls = []
     real = k._launch_gluon_wgrad
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
     for dtype in (torch.bfloat16, torch.float16):
-        _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, ops=("wgrad_acc", "wgrad_acc_list"), splits=splits)
-    assert len(calls) == 4 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
+        _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, ops=("wgrad", "wgrad_acc", "wgrad_acc_list"),
+                       splits=splits)
+    assert len(calls) == 6 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
 
 
 @pytest.mark.gpu
@@ -954,6 +956,9 @@ def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     assert not pick(256 * 8 - 1, 8, True, None, None)
     assert not pick(16384, 128, True, None, None)                       # 128 tokens per group
     assert not pick(65536, 64, False, None, None)                       # a fresh output
+    monkeypatch.setattr(k, "WGRAD_GLUON_FRESH", True)
+    assert pick(65536, 64, False, None, None)
+    monkeypatch.setattr(k, "WGRAD_GLUON_FRESH", False)
     assert not pick(65536, 64, True, k._cfg.INTERPRETER, None)          # a config: the Triton kernel
     assert not pick(65536, 64, True, None, False)                       # no TMA: the Triton kernel
     monkeypatch.setattr(k, "WGRAD_GLUON", False)

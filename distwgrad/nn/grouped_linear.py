@@ -79,13 +79,13 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt:
         assert x_qt is not None
         dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
 
-        def product(out):
-            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out,
-                                         split_accumulator=split_accumulator(recipe, "wgrad"))
+        def product(out):  # a fresh product in the parameters' dtype straight from the kernel's epilogue
+            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, out_dtype=torch.float32 if out is not None
+                                         else out_dtype, split_accumulator=split_accumulator(recipe, "wgrad"))
 
     def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
         if targets[0] is None:
-            dW_ENK = product(None).to(out_dtype)
+            dW_ENK = product(None)
             return [dW_ENK] if packed else list(dW_ENK.unbind(0))
         if packed:
             return [product(targets[0])]

@@ -95,9 +95,12 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> to
     assert x_qt is not None
     dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
     if gg8.fp8_kernels_accept([dy_qt, x_qt]):
-        dW = gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=None if out is None else [out],
-                                   split_accumulator=split_accumulator(recipe, "wgrad"))
-        return dW[0].to(dy_TN.dtype) if out is None else out
+        if out is None:  # the parameters' dtype straight from the kernel's epilogue
+            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out_dtype=dy_TN.dtype,
+                                         split_accumulator=split_accumulator(recipe, "wgrad"))[0]
+        gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=[out],
+                              split_accumulator=split_accumulator(recipe, "wgrad"))
+        return out
     dW_NK = dequantize(dy_qt, dtype=torch.float32).mm(dequantize(x_qt, dtype=torch.float32).t())
     return dW_NK.to(dy_TN.dtype) if out is None else out.add_(dW_NK)
 

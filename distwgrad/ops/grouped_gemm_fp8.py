@@ -7,14 +7,15 @@ Legend: E experts (groups), T tokens, K in-features, N out-features; ``offs_E`` 
                                              x^T for one contracting over its rows (the tokens)
     grouped_fprop_fp8(x_q, w_qs, offs_E, bias_EN, out_dtype)   y_TN[g]   = deq(x)[g] @ deq(w_e)^T (+ b_e)
     grouped_dgrad_fp8(dy_q, w_qs, offs_E, out_dtype)           dx_TK[g]  = deq(dy)[g] @ deq(w_e)
-    grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=None)           dW_ENK[e] = deq(dy)[g]^T @ deq(x)[g]
+    grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=None, out_dtype) dW_ENK[e] = deq(dy)[g]^T @ deq(x)[g]
 
 Each also takes ``split_accumulator`` (the recipe's ``MMParams`` for that GEMM, from
 ``distwgrad.fp8.recipe.split_accumulator``): it reaches the kernels; emulation is exact fp32 either way.
 
 ``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``).
-A fresh wgrad is fp32 (the caller casts); with ``out`` (fp32 ``[E, N, K]`` or a list of E ``[N, K]``) the
-product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
+A fresh wgrad is in ``out_dtype`` (fp32 by default; the kernels round their fp32 accumulator to bf16 or fp16
+in the epilogue, so a module without ``main_grad`` writes its gradient once); with ``out`` (fp32 ``[E, N, K]``
+or a list of E ``[N, K]``) the product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
 
 [Note: fp8 gemm dispatch]
 Operands are quantized once, by the Triton quantize kernels on CUDA and by the torch reference
@@ -134,14 +135,22 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.
 
 
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor, *,
-                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, split_accumulator: bool = True):
-    """A fresh fp32 ``[E, N, K]``, or the product added into ``out``; see the module docstring."""
+                      out: torch.Tensor | Sequence[torch.Tensor] | None = None, split_accumulator: bool = True,
+                      out_dtype: torch.dtype = torch.float32):
+    """A fresh ``[E, N, K]`` in ``out_dtype``, or the product added into ``out``; see the module docstring."""
+    if out is not None and out_dtype != torch.float32:
+        raise ValueError(f"grouped_wgrad_fp8: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
+                         f"into) or out_dtype, not both")
     if fp8_kernels_accept([dy_qt, x_qt]):
         from distwgrad.kernels import grouped_gemm_fp8 as k
         kw = dict(split_accumulator=split_accumulator)
         if out is not None and not gg.all_fp32(out):  # the fused add is into fp32 only
             return gg.add_per_group(out, k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, **kw))
+        if out is None:
+            return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out_dtype=out_dtype, **kw)
         return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, **kw)
     dy_TN = dequantize(dy_qt, dtype=torch.float32).t().contiguous()
     x_TK = dequantize(x_qt, dtype=torch.float32).t().contiguous()
+    if out is None:
+        return gg.grouped_wgrad(dy_TN, x_TK, offs_E).to(out_dtype)
     return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)

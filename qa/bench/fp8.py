@@ -32,9 +32,11 @@ lists the row producers (``--benchmarks`` picks some by name); a new benchmark i
 
 ``grouped_gemm`` (``bench_grouped_gemm``): our FP8 grouped GEMM (``distwgrad.kernels.grouped_gemm_fp8``)
 against our bf16 one (``distwgrad.kernels.grouped_gemm``) at the three MoE shapes (E, T, K, N), ops fprop,
-dgrad, wgrad (fresh: bf16 writes bf16, fp8 writes fp32) and wgrad_accumulate (into an fp32 main_grad),
+dgrad, wgrad (fresh: bf16 writes bf16, fp8 writes fp32, and bf16 in the "..._bf16out" rows: like for
+like, what a module without ``main_grad`` asks for) and wgrad_accumulate (into an fp32 main_grad),
 per recipe. Rows: ``op`` ("gg_" + op), ``shape`` "E,T,K,N", ``impl`` ("bf16", "fp8_<recipe>", for dgrad
-also "fp8_<recipe>_wT": the weight as a transposed copy, N contiguous; on a GPU, for the recipes that
+also "fp8_<recipe>_wT": the weight as a transposed copy, N contiguous; for wgrad also
+"fp8_<recipe>_bf16out"; on a GPU, for the recipes that
 promote, also "..._triton": the Triton kernel where the default dispatch takes the Gluon one, [Note:
 promotion under the next MMA]), ``ms``, ``tflops`` (2*T*N*K / time
 for every op), ``vs_bf16`` (bf16 time / this time: > 1 is faster), ``worst`` (largest error/bound ratio
@@ -363,7 +365,7 @@ def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None
         return calls
     args = (q["dy_qt"].data, q["dy_qt"].scale_inv, q["x_qt"].data, q["x_qt"].scale_inv, offs, block)
     if op == "wgrad":
-        return {"fp8": lambda: F._wgrad(*args, **kw)}
+        return {"fp8": lambda: F._wgrad(*args, **kw), "fp8_bf16out": lambda: F._wgrad(*args, out_dtype=bf, **kw)}
     return {"fp8": lambda: F._wgrad(*args, out=main, **kw)}
 
 
@@ -394,6 +396,8 @@ def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8", gluon
         got, exp, S = _fp8_calls(op, p, q, None, config, gluon)[impl]()[:n], exp[:n], S[:n]
     else:
         got = _fp8_calls(op, p, q, None if addend is None else addend.clone(), config, gluon)[impl]()
+    if got.dtype != torch.float32:  # a fresh wgrad in bf16: its rounding too
+        kw = {**kw, "out_dtype": got.dtype}
     mma_rel = RF.hopper_mma_rel(128 if _split(q, op) else kw["depth"]) if p["x"].is_cuda else 0.0
     res = RF.check(got, exp, S, addend=addend, mma_rel=mma_rel, **kw)
     if not res["ok"]:

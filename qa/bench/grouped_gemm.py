@@ -91,7 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the Triton kernel where the default may run the Gluon one (impl "
                         "'distwgrad_triton'); wgrad_accumulate also times the Gluon wgrad's variants: each group's "
                         "tail zeroed by the MMA warps or zero-filled by TMA, chained or not (impls "
-                        "'distwgrad_gluon_<zero|tma>[_chain]')")
+                        "'distwgrad_gluon_<zero|tma>[_chain]'); wgrad the fresh Gluon wgrad "
+                        "('distwgrad_gluon_fresh', grouped_gemm.WGRAD_GLUON_FRESH)")
     p.add_argument("--half-tail-rows", action="store_true",
                    help="fprop/dgrad: also time the default tile config with half_tail flipped (impl "
                         "'distwgrad_half_tail' or 'distwgrad_full_tail'; [Note: half tail tiles])")
@@ -219,6 +220,12 @@ def _triton_wgrad(p: Problem):
     out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
     return lambda: G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
                                    gluon=False)
+
+
+def _gluon_wgrad_fresh(p: Problem, out: torch.Tensor) -> torch.Tensor:
+    """The fresh wgrad (dW in dy's dtype) through the Gluon wgrad kernel (``WGRAD_GLUON_FRESH``)."""
+    G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=False, table=None, config=None, use_tma=None, gluon=True)
+    return out
 
 
 def _gluon_wgrad_variant(p: Problem, **settings):
@@ -358,6 +365,14 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                     for chain in (True, False):
                         name = f"distwgrad_gluon_{tail}{'_chain' if chain else ''}"
                         impls[name] = _gluon_wgrad_variant(p, tail=tail, chain=chain)
+            if args.triton_rows and op == "wgrad" and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0), False):
+                fresh = functools.partial(_gluon_wgrad_fresh, p)
+                if not args.no_check:
+                    res = check(fresh, exp)
+                    all_ok &= res["ok"]
+                    print(f"check wgrad (Gluon, fresh) {shape}: {'PASS' if res['ok'] else 'FAIL'}", flush=True)
+                out16 = torch.empty(p.E, p.N, p.K, dtype=p.dy.dtype, device=p.dy.device)
+                impls["distwgrad_gluon_fresh"] = functools.partial(fresh, out16)
             times: dict[str, list[float]] = {}
             for _ in range(args.rounds):  # the peers interleaved: clock drift hits each alike
                 for name, fn in impls.items():

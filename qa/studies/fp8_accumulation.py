@@ -101,7 +101,7 @@ def make_products(bits: int):
                                                                        _block_scales(ws[nb], K))
         return dx.to(out_dtype)
 
-    def wgrad(dy_qt, x_qt, offs_E, *, out=None, split_accumulator=True):
+    def wgrad(dy_qt, x_qt, offs_E, *, out=None, split_accumulator=True, out_dtype=torch.float32):
         del split_accumulator
         a, a_s = _values(dy_qt), dy_qt.scale_inv.float()
         b, b_s = _values(x_qt), x_qt.scale_inv.float()
@@ -114,7 +114,7 @@ def make_products(bits: int):
                 A[:, lo - c0:hi - c0], B[:, lo - c0:hi - c0] = a[:, lo:hi], b[:, lo:hi]
                 res[e] += hopper_dot(A, B, bits) * (a_s[:, c0 // L, None] * b_s[None, :, c0 // L])
         if out is None:
-            return res
+            return res.to(out_dtype)
         if isinstance(out, torch.Tensor):
             out.add_(res.to(out.dtype))
         else:
@@ -140,7 +140,7 @@ def noisy_products(rel: float, seed: int):
     def wgrad(*a, out=None, **k):
         if out is None:
             dW = real[2](*a, **k)
-            return dW + noise(dW)
+            return (dW.float() + noise(dW)).to(dW.dtype)
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
         before = [o.clone() for o in outs]
         real[2](*a, out=out, **k)
