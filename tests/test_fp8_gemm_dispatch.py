@@ -272,3 +272,49 @@ def test_audit_tool_checks_its_arguments():
     if not torch.cuda.is_available():
         cpu = subprocess.run([sys.executable, tool], env=env, capture_output=True, text=True, timeout=120)
         assert cpu.returncode != 0 and "needs a GPU" in cpu.stderr
+
+
+@pytest.mark.parametrize("offs", [[100, 100, 350, 600, 650], [0, 0, 0, 0, 700], [128, 256, 384, 512, 640],
+                                  [700, 700, 700, 700, 700], [1, 2, 3, 4, 5]])
+def test_align_token_groups(offs):
+    """``align_token_groups``: each group's tokens start on the 128 grid, the padding and every column
+    past the last group are zeros, the new offsets count each group's padding, unrouted tokens are
+    dropped, and the wgrad over the new layout is the same sum (exact in float64: every fp8 product and
+    their sums fit its mantissa)."""
+    from distwgrad.fp8 import PerTensorScaling, quantize_rowwise_and_columnwise
+    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
+    from distwgrad.testing import reference_fp8 as RF
+    gen = torch.Generator().manual_seed(0)
+    T, K, N = 700, 48, 40
+    x, dy = torch.randn(T, K, generator=gen), torch.randn(T, N, generator=gen)
+    offs_E = torch.tensor(offs, dtype=torch.int32)
+    _, x_qt = quantize_rowwise_and_columnwise(x, PerTensorScaling())
+    _, dy_qt = quantize_rowwise_and_columnwise(dy, PerTensorScaling(), grad=True)
+    x_a, offs_a = align_token_groups(x_qt, offs_E)
+    dy_a, offs_b = align_token_groups(dy_qt, offs_E)
+    assert torch.equal(offs_a, offs_b) and offs_a.dtype == torch.int32
+    width = -(-(T + 127 * len(offs) + 1) // 128) * 128
+    assert x_a.data.shape == (K, width) and x_a.data.is_contiguous() and x_a.scale_inv is x_qt.scale_inv
+    ends = [min(o, T) for o in offs]
+    starts = [0] + ends[:-1]
+    a_end = offs_a.tolist()
+    a_start = [0] + a_end[:-1]
+    bits, bits_a = x_qt.data.view(torch.uint8), x_a.data.view(torch.uint8)
+    written = torch.zeros(width, dtype=torch.bool)
+    for s, t, s2, t2 in zip(starts, ends, a_start, a_end):
+        n = max(t - s, 0)
+        assert s2 % 128 == 0 and t2 - s2 == -(-n // 128) * 128, (s2, t2, n)
+        assert torch.equal(bits_a[:, s2:s2 + n], bits[:, s:s + n])
+        written[s2:s2 + n] = True
+    assert not bool(bits_a[:, ~written].any()), "padding and the tail must be zeros"
+    want = RF.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, compute_dtype=torch.float64)
+    got = RF.grouped_wgrad_fp8(dy_a, x_a, offs_a, compute_dtype=torch.float64)
+    assert torch.equal(got, want)
+
+
+def test_align_token_groups_refuses_blockwise():
+    from distwgrad.fp8 import BlockwiseScaling, quantize_rowwise_and_columnwise
+    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
+    _, q_t = quantize_rowwise_and_columnwise(torch.randn(256, 128), BlockwiseScaling())
+    with pytest.raises(ValueError, match=r"per-tensor operands only .* got block \(1, 128\)"):
+        align_token_groups(q_t, torch.tensor([100, 256], dtype=torch.int32))

@@ -46,7 +46,7 @@ from distwgrad.fp8.quantize import Quantized, dequantize
 from distwgrad.fp8.recipe import Recipe
 from distwgrad.ops import grouped_gemm as gg
 
-__all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8",
+__all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8", "align_token_groups",
            "fp8_kernels_accept", "saved_tensors", "saved_meta", "from_saved"]
 
 
@@ -95,6 +95,41 @@ def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] = 
         return False
     want = (L, L) if L else None
     return all(q.block == want and len(q.shape) == 2 for q in w_qs)
+
+
+def align_token_groups(q_t: Quantized, offs_E: torch.Tensor, align: int = 128) -> tuple[Quantized, torch.Tensor]:
+    """``(q_t', offs')``: the per-tensor transposed operand ``q_t`` (``[R, T]``, tokens along dim 1) with each
+    group's tokens moved to start on a multiple of ``align`` and zeros between groups, and the end offsets
+    of that layout, each group's zero padding counted in it: every group starts and ends on the grid, so
+    no ``align``-token chunk of the FP8 wgrad holds two groups' tokens ([Note: fp8 wgrad chunks] in
+    ``kernels/grouped_gemm_fp8.py``). The products are unchanged (padding adds zeros); the chunk grid,
+    and so the order of the fp32 sums, follows each group's first token instead of the global grid.
+    Offsets must be non-decreasing (as the modules' are); nothing syncs with the host: the layout has
+    ``T + (align - 1) * E + 1`` columns rounded up to ``align``, zeros past the last group (unread)."""
+    if q_t.block is not None:
+        raise ValueError(f"align_token_groups: per-tensor operands only (a 1xL tile's scale covers L tokens of "
+                         f"the global grid), got block {q_t.block}")
+    if q_t.data.dim() != 2 or offs_E.dim() != 1:
+        raise ValueError(f"align_token_groups: q_t must be [R, T] and offs_E [E], got {tuple(q_t.data.shape)} and "
+                         f"{tuple(offs_E.shape)}")
+    R, T = q_t.data.shape
+    E = offs_E.numel()
+    width = -(-(T + (align - 1) * E + 1) // align) * align  # its last column lies past every group
+    ends = offs_E.long().clamp(0, T)
+    sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
+    padded = -(-sizes // align) * align
+    offs = padded.cumsum(0)
+    # token t of group e moves by (group e's new start) - (its old start); unrouted tokens (past the last
+    # offset) to the last column, zeroed after
+    tokens = torch.arange(T, device=ends.device)
+    group = torch.searchsorted(ends, tokens, right=True)
+    shift = ((offs - padded) - (ends - sizes))[group.clamp_max(E - 1)] if E else tokens
+    dest = torch.where(group < E, tokens + shift, width - 1)
+    out = torch.zeros(R, width, dtype=torch.uint8, device=q_t.data.device)
+    out.index_copy_(1, dest, q_t.data.view(torch.uint8))
+    out[:, width - 1] = 0
+    data = out.view(q_t.data.dtype)
+    return Quantized(data, q_t.scale_inv, q_t.block, q_t.orig_dtype, data.shape), offs.to(torch.int32)
 
 
 def _emulated_weights(w_qs: Sequence[Quantized]) -> torch.Tensor:

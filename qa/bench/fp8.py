@@ -281,6 +281,10 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm-routing", choices=("random", "balanced"), default="random",
                    help="random: each token picks a group uniformly (seed 0); balanced: T // E tokens per group "
                         "(with T // E a multiple of 128, no wgrad chunk straddles a group edge)")
+    g.add_argument("--aligned-rows", action="store_true",
+                   help="wgrad: also time the per-tensor wgrad on dy^T and x^T laid out with each group on the "
+                        "128-token grid (align_token_groups: no chunk holds two groups' tokens), impl "
+                        "'fp8_<recipe>_aligned' (a fresh output in bf16)")
     g.add_argument("--gluon-wgrad", action="store_true",
                    help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
                         "prefetch, ring depth, epilogue warps)")
@@ -325,6 +329,22 @@ def _fp8_operands(p: dict, recipe) -> dict:
             "split": {g: split_accumulator(recipe, g) for g in ("fprop", "dgrad", "wgrad")}}
 
 
+def _add_aligned(args, p: dict, qs: dict) -> None:
+    """``q["aligned"]`` for the per-tensor recipes: dy^T and x^T with each group's tokens on the 128 grid
+    (``distwgrad.ops.grouped_gemm_fp8.align_token_groups``); prints what that pass takes per call."""
+    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
+    for name, q in qs.items():
+        if q["x_qt"].block is None:
+            dy_a, offs_a = align_token_groups(q["dy_qt"], p["offs"])
+            x_a, _ = align_token_groups(q["x_qt"], p["offs"])
+            q["aligned"] = (dy_a, x_a, offs_a)
+            both = lambda q=q: (align_token_groups(q["dy_qt"], p["offs"]),  # noqa: E731
+                                align_token_groups(q["x_qt"], p["offs"]))
+            ms = time_ms(both, args.device, args.reps)
+            print(f"  align_token_groups (dy^T and x^T, {name}): {ms:.3f} ms; tokens {int(p['offs'][-1])} -> "
+                  f"{int(offs_a[-1])}", flush=True)
+
+
 def _bf16_call(op: str, p: dict, main: torch.Tensor):
     from distwgrad.kernels import grouped_gemm as G
     x, w, dy, offs = p["x"], p["w"], p["dy"], p["offs"]
@@ -364,9 +384,15 @@ def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None
             calls["fp8"] = lambda: F._dgrad(dy, dy_s, *q["w"], offs, block, bf, **kw)
         return calls
     args = (q["dy_qt"].data, q["dy_qt"].scale_inv, q["x_qt"].data, q["x_qt"].scale_inv, offs, block)
+    calls = {"fp8": (lambda: F._wgrad(*args, **kw)) if op == "wgrad" else (lambda: F._wgrad(*args, out=main, **kw))}
     if op == "wgrad":
-        return {"fp8": lambda: F._wgrad(*args, **kw), "fp8_bf16out": lambda: F._wgrad(*args, out_dtype=bf, **kw)}
-    return {"fp8": lambda: F._wgrad(*args, out=main, **kw)}
+        calls["fp8_bf16out"] = lambda: F._wgrad(*args, out_dtype=bf, **kw)
+    if not block and "aligned" in q:  # each group's tokens on the 128 grid (align_token_groups, untimed)
+        dy_a, x_a, offs_a = q["aligned"]
+        al = (dy_a.data, dy_a.scale_inv, x_a.data, x_a.scale_inv, offs_a, block)
+        calls["fp8_aligned"] = (lambda: F._wgrad(*al, out_dtype=bf, **kw)) if op == "wgrad" else \
+            (lambda: F._wgrad(*al, out=main, **kw))
+    return calls
 
 
 def _gemm_check(op: str, p: dict, q: dict, config=None, impl: str = "fp8", gluon: bool | None = None) -> float:
@@ -536,6 +562,8 @@ def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
         E, T, K, N = shape
         p = _gemm_problem(E, T, K, N, args.device, args.gemm_routing)
         qs = {name: _fp8_operands(p, GEMM_RECIPES[name]) for name in args.gemm_recipes}
+        if args.aligned_rows:
+            _add_aligned(args, p, qs)
         main = torch.zeros(E, N, K, device=args.device)
         for op in args.gemm_ops:
             bf16_ms = time_ms(_bf16_call(op, p, main), args.device, args.reps)
