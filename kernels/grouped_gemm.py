@@ -77,7 +77,10 @@ _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init_
 # docs/benchmarks.md).
 WGRAD_GLUON = True
 WGRAD_GLUON_MIN_TOKENS = 256
-WGRAD_GLUON_FRESH = False  # a fresh wgrad (dW in dy's dtype) in the Gluon kernel too, under the same rule
+# A fresh wgrad (dW in dy's dtype) in the Gluon kernel too, under the same rule: off, as it ran 1.07x the
+# Triton kernel at 4096 tokens per group (E=8), 0.99x at 1024 (E=64) and 0.87x at 128 (E=128; H200, medians
+# of three interleaved rounds, docs/benchmarks.md).
+WGRAD_GLUON_FRESH = False
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
