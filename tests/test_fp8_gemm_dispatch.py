@@ -47,12 +47,16 @@ def _check(what, ours, expected, S, *, depth, out_dtype, device, addend=None):
 
 
 def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn) -> dict:
-    """One module under one recipe through the kernels; returns the worst error/bound ratios."""
+    """One module under one recipe through the kernels; returns the worst error/bound ratios. Module
+    "grouped_aligned": GroupedLinear with its wgrad operands in the aligned layout ([Note: aligned token
+    groups] in kernels/token_layout.py; ``ALIGN_MIN_TOKENS`` lowered to take it at these sizes) and a fresh
+    weight gradient (no ``main_grad``) in the parameters' dtype."""
     from distwgrad.kernels import grouped_gemm_fp8 as K
 
     from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
     from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
     from distwgrad.nn import GroupedLinear, Linear
+    from distwgrad.ops import grouped_gemm_fp8 as gg8
     from distwgrad.testing import reference_fp8 as RF
 
     cuda = device == "cuda"
@@ -62,31 +66,45 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
     dtype = torch.bfloat16 if cuda else torch.float32
     T, K_, N_ = (1000, 384, 320) if cuda else (40, 72, 48)  # K, N off the block grid on purpose
     torch.manual_seed(0)
-    if module == "grouped":
+    aligned = module == "grouped_aligned"
+    setattr_fn(gg8, "ALIGN_MIN_TOKENS", 1 if aligned else 10 ** 9)
+    if module.startswith("grouped"):
         splits = [300, 0, 1, 699] if cuda else [11, 0, 1, 28]
         mod = GroupedLinear(len(splits), K_, N_, bias=True, params_dtype=dtype, device=device,
-                            delay_wgrad_compute=delay, fuse_wgrad_accumulation=True)
+                            delay_wgrad_compute=delay, fuse_wgrad_accumulation=not aligned)
         weights = [getattr(mod, f"weight{e}") for e in range(len(splits))]
     else:
         splits = [T]
         mod = Linear(K_, N_, bias=True, params_dtype=dtype, device=device, delay_wgrad_compute=delay,
                      fuse_wgrad_accumulation=True)
         weights = [mod.weight]
-    for w in weights:
+    for w in weights if not aligned else ():
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
     biases = [p for n, p in mod.named_parameters() if n.startswith("bias")]
     with torch.no_grad():
         for b in biases:
             b.normal_()
     counts = _counting(setattr_fn, K, ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"])
+    widths = []
+    real_wgrad = K.grouped_wgrad_fp8
+    setattr_fn(K, "grouped_wgrad_fp8", lambda dy_qt, x_qt, offs_E, *a, **kw: (
+        widths.append((dy_qt.data.shape[1], x_qt.data.shape[1], offs_E.tolist())),
+        real_wgrad(dy_qt, x_qt, offs_E, *a, **kw))[1])
     x = torch.randn(T, K_, device=device, dtype=dtype, requires_grad=True)
     with fp8_autocast(recipe):
-        y = mod(x, splits) if module == "grouped" else mod(x)
+        y = mod(x, splits) if module != "linear" else mod(x)
     dy = torch.randn_like(y)
     y.backward(dy)
     if delay:
         mod.backward_dw()
     assert counts == {"grouped_fprop_fp8": 1, "grouped_dgrad_fp8": 1, "grouped_wgrad_fp8": 1}, counts
+    if aligned:  # the wgrad read both operands in the aligned layout, with its offsets
+        padded = [-(-n // 128) * 128 for n in splits]
+        want_offs = torch.tensor(padded).cumsum(0).tolist()
+        width = -(-(T + 127 * len(splits) + 1) // 128) * 128
+        assert widths == [(width, width, want_offs)], widths
+    else:
+        assert widths and widths[0][0] == T and widths[0][2] == torch.tensor(splits).cumsum(0).tolist(), widths
 
     # Oracle: the same quantized operands, from the reference quantizers.
     offs = torch.tensor(splits, device=device).cumsum(0).to(torch.int32)
@@ -107,8 +125,13 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
     S = RF.grouped_wgrad_fp8(dy_qt, x_qt, offs, absolute=True)
     zero = torch.zeros_like(exp)
     for e, w in enumerate(weights):
-        worst[f"dw{e}"] = _check(f"main_grad of weight {e}", w.main_grad, exp[e], S[e], depth=T,
-                                 out_dtype=torch.float32, device=device, addend=zero[e])
+        if aligned:  # a fresh gradient in the parameters' dtype
+            assert w.grad.dtype == dtype, w.grad.dtype
+            worst[f"dw{e}"] = _check(f"grad of weight {e}", w.grad, exp[e], S[e], depth=T, out_dtype=dtype,
+                                     device=device)
+        else:
+            worst[f"dw{e}"] = _check(f"main_grad of weight {e}", w.main_grad, exp[e], S[e], depth=T,
+                                     out_dtype=torch.float32, device=device, addend=zero[e])
     for e, b in enumerate(biases):  # bias gradients are not FP8: the sum of dy over each group
         s, t = int(offs[e]) - splits[e], int(offs[e])
         torch.testing.assert_close(b.grad.float(), dy[s:t].float().sum(0), rtol=1e-2, atol=1e-2)
@@ -116,6 +139,7 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
 
 
 CASES = [(r, m, d) for r in ("per_tensor", "blockwise") for m in ("grouped", "linear") for d in (False, True)]
+CASES += [("per_tensor", "grouped_aligned", d) for d in (False, True)]
 IDS = [f"{r}-{m}-{'delay' if d else 'now'}" for r, m, d in CASES]
 
 

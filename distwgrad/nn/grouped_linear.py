@@ -66,21 +66,25 @@ def _weights_fp8(weights, call: _Call, *, backward: bool) -> list[Quantized]:
 
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
-                x_qt: Quantized | None = None):
+                x_qt: Quantized | None = None, wgrad_offs: torch.Tensor | None = None):
     """The wgrad product for ``run_wgrad``: ``x_TK`` without a recipe, else ``x_qt`` (x^T saved by
     forward). Under a recipe both operands are quantized along the tokens (the contraction) over the
     whole token range, so a tile may span two experts' tokens (a valid quantization; per-group tiles
-    would need the offsets on the host)."""
+    would need the offsets on the host). ``wgrad_offs``: x^T (and so dy^T) is in the aligned layout whose
+    end offsets these are ([Note: aligned token groups] in kernels/token_layout.py)."""
     out_dtype = dy_TN.dtype
     if recipe is None:
         def product(out):
             return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
     else:
         assert x_qt is not None
-        dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
+        if dy_qt is None:
+            dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True,
+                                         aligned_offs=None if wgrad_offs is None else offs_E)[1]
+        offs_w = offs_E if wgrad_offs is None else wgrad_offs
 
         def product(out):  # a fresh product in the parameters' dtype straight from the kernel's epilogue
-            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, out_dtype=torch.float32 if out is not None
+            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_w, out=out, out_dtype=torch.float32 if out is not None
                                          else out_dtype, split_accumulator=split_accumulator(recipe, "wgrad"))
 
     def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -103,11 +107,12 @@ def _bias_gemm(dy_TN, offs_E, packed: bool):
     return gemm
 
 
-def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool, dy_qt=None, x_qt=None):
+def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: bool, dy_qt=None, x_qt=None,
+                   wgrad_offs=None):
     gws: list[torch.Tensor | None] = [None] * len(weights)
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
-        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt),
+        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs),
                         fuse=call.fuse, deferred=deferred)
     if call.bias_grad:
         gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred)
@@ -126,12 +131,16 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_TK, offs_E)
         else:  # [Note: fp8 gemm dispatch]
             w_qs = _weights_fp8(weights, call, backward=False)
-            x_q, x_qt = gg8.quantize_operand(x_TK, call.recipe, grad=False)
+            # x^T, which wgrad reads, with each expert's tokens on the chunk grid where that pays
+            # ([Note: aligned token groups] in kernels/token_layout.py)
+            align = call.weight_grad and gg8.align_wgrad(x_TK, call.recipe, offs_E.shape[0])
+            x_q, x_qt = gg8.quantize_operand(x_TK, call.recipe, grad=False, aligned_offs=offs_E if align else None)
             y_TN = gg8.grouped_fprop_fp8(x_q, w_qs, offs_E, b_EN, x_TK.dtype,
                                          split_accumulator=split_accumulator(call.recipe, "fprop"))
             del w_qs, x_q
-            ctx.save_for_backward(*gg8.saved_tensors(x_qt), offs_E)  # wgrad reads only x^T, in fp8
-            ctx.x_meta = gg8.saved_meta(x_qt)
+            wgrad_offs = gg8.wgrad_offsets(offs_E, x_TK.shape[0]) if align else offs_E
+            ctx.save_for_backward(*gg8.saved_tensors(x_qt), offs_E, wgrad_offs)  # wgrad reads only x^T, in fp8
+            ctx.x_meta, ctx.align = gg8.saved_meta(x_qt), align
         del b_EN
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weights, ctx.biases, ctx.call = weights, biases, call
@@ -140,12 +149,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_TN):
         weights, biases, call = ctx.weights, ctx.biases, ctx.call
-        x_TK = x_qt = None
+        x_TK = x_qt = wgrad_offs = None
         if call.recipe is None:
             x_TK, offs_E = ctx.saved_tensors
         else:
-            *x_saved, offs_E = ctx.saved_tensors
+            *x_saved, offs_E, wgrad_offs = ctx.saved_tensors
             x_qt = gg8.from_saved(x_saved, ctx.x_meta)
+            wgrad_offs = wgrad_offs if ctx.align else None
         dy_TN = dy_TN.contiguous()
         dx_TK = dy_qt = None
         if ctx.needs_input_grad[0]:
@@ -155,7 +165,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 del w_ENK
             else:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
                 w_qs = _weights_fp8(weights, call, backward=True)
-                dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
+                dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True,
+                                                   aligned_offs=offs_E if wgrad_offs is not None else None)
                 dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype,
                                               split_accumulator=split_accumulator(call.recipe, "dgrad"))
                 del dy_q, w_qs
@@ -164,10 +175,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return (dx_TK, None, None, *nones)
         if call.delay:
             call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True,
-                                                  dy_qt=dy_qt, x_qt=x_qt))
+                                                  dy_qt=dy_qt, x_qt=x_qt, wgrad_offs=wgrad_offs))
             return (dx_TK, None, None, *nones)
         gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False, dy_qt=dy_qt,
-                                  x_qt=x_qt)
+                                  x_qt=x_qt, wgrad_offs=wgrad_offs)
         return (dx_TK, None, None, *gws, *gbs)
 
 

@@ -43,16 +43,53 @@ import torch
 from distwgrad.fp8 import quantize as reference_quantize
 from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, dequantize
-from distwgrad.fp8.recipe import Recipe
+from distwgrad.fp8.recipe import PerTensorScaling, Recipe
 from distwgrad.ops import grouped_gemm as gg
 
 __all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8", "align_token_groups",
+           "align_wgrad", "wgrad_offsets",
            "fp8_kernels_accept", "saved_tensors", "saved_meta", "from_saved"]
 
 
-def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool) -> tuple[Quantized, Quantized]:
+# The grouped modules lay the per-tensor wgrad operands out with each token group on the 128-token grid
+# ([Note: aligned token groups] in kernels/token_layout.py) where the groups average this many tokens or
+# more: the padding then adds at most 127 / ALIGN_MIN_TOKENS of the wgrad's MMAs on average.
+ALIGN_MIN_TOKENS = 512
+ALIGN = 128  # the FP8 wgrad's chunk: the 1xL tile of the blockwise recipe, 128 tokens per-tensor
+
+
+def align_wgrad(x_TK: torch.Tensor, recipe: Recipe | None, num_groups: int) -> bool:
+    """Whether a grouped module's FP8 wgrad operands take the aligned layout: per-tensor scaling on the
+    kernels, two groups or more, ``ALIGN_MIN_TOKENS`` tokens per group on average (shapes only: no sync)."""
+    return (isinstance(recipe, PerTensorScaling) and num_groups > 1
+            and x_TK.shape[0] >= ALIGN_MIN_TOKENS * num_groups and gg.kernels_available(x_TK))
+
+
+def wgrad_offsets(offs_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The int32 end offsets of the aligned layout of ``num_tokens`` tokens in groups ending at ``offs_E``
+    (each group's zero padding counted in it; [Note: aligned token groups])."""
+    ends = offs_E.long().clamp(0, num_tokens)
+    sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
+    return (-(-sizes // ALIGN) * ALIGN).cumsum(0).to(torch.int32)
+
+
+def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
+                     aligned_offs: torch.Tensor | None = None) -> tuple[Quantized, Quantized]:
     """``(q, q_t)``: ``x`` quantized along its rows (tiles along K) and ``x^T`` along the tokens; one read
-    of ``x`` on CUDA. Bit-identical on every device ([Note: fp8 gemm dispatch])."""
+    of ``x`` on CUDA. Bit-identical on every device ([Note: fp8 gemm dispatch]). ``aligned_offs``: the
+    token groups' end offsets, for ``q_t`` in the aligned layout (per-tensor only; [Note: aligned token
+    groups]; the wgrad then takes ``wgrad_offsets(aligned_offs, T)``)."""
+    if aligned_offs is not None:
+        if not isinstance(recipe, PerTensorScaling):
+            raise ValueError(f"quantize_operand: the aligned layout is for per-tensor scaling, got {recipe!r}")
+        if gg.kernels_available(x_MK):
+            from distwgrad.kernels import quantize as kq
+            from distwgrad.kernels import token_layout as kt
+            q = kq.quantize_per_tensor(x_MK.contiguous(), recipe.dtype_for(grad=grad), margin=recipe.margin)
+            data_t, _ = kt.transpose_aligned(q.data, aligned_offs, ALIGN)
+            return q, Quantized(data_t, q.scale_inv, None, q.orig_dtype, data_t.shape)
+        q, q_t = reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
+        return q, align_token_groups(q_t, aligned_offs, ALIGN)[0]
     if gg.kernels_available(x_MK):
         from distwgrad.kernels import quantize as kq
         return kq.quantize_rowwise_and_columnwise(x_MK.contiguous(), recipe, grad=grad)
@@ -118,7 +155,7 @@ def align_token_groups(q_t: Quantized, offs_E: torch.Tensor, align: int = 128) -
     ends = offs_E.long().clamp(0, T)
     sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
     padded = -(-sizes // align) * align
-    offs = padded.cumsum(0)
+    offs = padded.cumsum(0)  # (wgrad_offsets, for any align)
     # token t of group e moves by (group e's new start) - (its old start); unrouted tokens (past the last
     # offset) to the last column, zeroed after
     tokens = torch.arange(T, device=ends.device)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -283,8 +284,9 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
                         "(with T // E a multiple of 128, no wgrad chunk straddles a group edge)")
     g.add_argument("--aligned-rows", action="store_true",
                    help="wgrad: also time the per-tensor wgrad on dy^T and x^T laid out with each group on the "
-                        "128-token grid (align_token_groups: no chunk holds two groups' tokens), impl "
-                        "'fp8_<recipe>_aligned' (a fresh output in bf16)")
+                        "128-token grid ([Note: aligned token groups]: no chunk holds two groups' tokens), impl "
+                        "'fp8_<recipe>_aligned' (a fresh output in bf16), and that layout's transposed copy "
+                        "against the plain one (ops 'transpose_x', 'transpose_dy')")
     g.add_argument("--gluon-wgrad", action="store_true",
                    help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
                         "prefetch, ring depth, epilogue warps)")
@@ -329,20 +331,37 @@ def _fp8_operands(p: dict, recipe) -> dict:
             "split": {g: split_accumulator(recipe, g) for g in ("fprop", "dgrad", "wgrad")}}
 
 
-def _add_aligned(args, p: dict, qs: dict) -> None:
+def _add_aligned(args, p: dict, qs: dict) -> list[Row]:
     """``q["aligned"]`` for the per-tensor recipes: dy^T and x^T with each group's tokens on the 128 grid
-    (``distwgrad.ops.grouped_gemm_fp8.align_token_groups``); prints what that pass takes per call."""
-    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
+    ([Note: aligned token groups] in kernels/token_layout.py: the Triton kernel on a GPU, the torch
+    reference elsewhere), and rows timing that layout's transposed copy against the plain one
+    (``transpose_quantized``, what the per-tensor recipe runs otherwise), GB/s of bytes read + written."""
+    from distwgrad.fp8.quantize import transpose_quantized
+    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups, wgrad_offsets
+    rows: list[Row] = []
     for name, q in qs.items():
-        if q["x_qt"].block is None:
-            dy_a, offs_a = align_token_groups(q["dy_qt"], p["offs"])
-            x_a, _ = align_token_groups(q["x_qt"], p["offs"])
-            q["aligned"] = (dy_a, x_a, offs_a)
-            both = lambda q=q: (align_token_groups(q["dy_qt"], p["offs"]),  # noqa: E731
-                                align_token_groups(q["x_qt"], p["offs"]))
-            ms = time_ms(both, args.device, args.reps)
-            print(f"  align_token_groups (dy^T and x^T, {name}): {ms:.3f} ms; tokens {int(p['offs'][-1])} -> "
-                  f"{int(offs_a[-1])}", flush=True)
+        if q["x_qt"].block is not None:
+            continue
+        if args.device.startswith("cuda"):
+            from distwgrad.kernels import token_layout as kt
+            aligned = lambda a: kt.transpose_aligned(a.data, p["offs"])[0]  # noqa: E731
+        else:
+            aligned = lambda a: align_token_groups(transpose_quantized(a), p["offs"])[0].data  # noqa: E731
+        offs_a = wgrad_offsets(p["offs"], p["x"].shape[0])
+        for key in ("x", "dy"):
+            a = q[f"{key}_q"]
+            data_t = aligned(a)
+            q[f"{key}_qt_aligned"] = dataclasses.replace(a, data=data_t, shape=data_t.shape)
+            for impl, fn, out_bytes in (("plain", lambda a=a: transpose_quantized(a), a.data.numel()),
+                                        ("aligned", functools.partial(aligned, a), data_t.numel())):
+                ms = time_ms(fn, args.device, args.reps)
+                gbps = (a.data.numel() + out_bytes) / (ms * 1e-3) / 1e9
+                rows.append({"op": f"transpose_{key}", "shape": ",".join(map(str, a.data.shape)), "impl": impl,
+                             "gbps": round(gbps, 1), "ms": round(ms, 4), "tflops": None,
+                             "device": args.device_name, "recipe": name})
+                print(f"  transpose {key} {tuple(a.data.shape)} {impl}: {ms:.3f} ms, {gbps:.0f} GB/s", flush=True)
+        q["aligned"] = (q["dy_qt_aligned"], q["x_qt_aligned"], offs_a)
+    return rows
 
 
 def _bf16_call(op: str, p: dict, main: torch.Tensor):
@@ -563,7 +582,7 @@ def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:
         p = _gemm_problem(E, T, K, N, args.device, args.gemm_routing)
         qs = {name: _fp8_operands(p, GEMM_RECIPES[name]) for name in args.gemm_recipes}
         if args.aligned_rows:
-            _add_aligned(args, p, qs)
+            rows += _add_aligned(args, p, qs)
         main = torch.zeros(E, N, K, device=args.device)
         for op in args.gemm_ops:
             bf16_ms = time_ms(_bf16_call(op, p, main), args.device, args.reps)

@@ -1,0 +1,113 @@
+"""The per-tensor FP8 wgrad operand x^T with each token group on the 128-token grid, in one pass.
+
+[Note: aligned token groups]
+The FP8 wgrad contracts over each group's tokens in 128-token chunks on a grid ([Note: fp8 wgrad chunks]
+in ``grouped_gemm_fp8``). With the tokens as they come, a group's first and last chunks hold other
+groups' tokens, which the kernels must zero before their MMAs; on an H200 that zeroing, beside the
+epilogue's handoff, is a fifth of the Gluon kernel's time at ~1024 tokens per group (docs/benchmarks.md).
+Laid out with every group starting on the grid and zeros up to the next one, no chunk holds two groups:
+the kernels mask nothing, and the products are the same (zeros add nothing; the chunk grid follows each
+group's first token, so the fp32 sums are added in another order than on the global grid).
+
+Under per-tensor scaling x^T is a transposed copy of x's fp8 bits (one scale for all), so building it
+in this layout costs what the plain transpose costs: ``transpose_aligned`` writes x^T's columns at
+their aligned places and zeros the padding, in one pass over x. Its output has ``T + (align - 1) * E + 1``
+columns rounded up to ``align`` (no host sync: the layout's true width is on the device), zeros past the
+last group, and its end offsets count each group's padding. ``distwgrad.ops.grouped_gemm_fp8
+.align_token_groups`` is the torch reference (bit-identical, tests/test_fp8_gemm_dispatch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import call
+
+__all__ = ["transpose_aligned", "aligned_width", "aligned_offsets"]
+
+BLOCK_T = 128  # output columns (token places) per program
+BLOCK_R = 64   # output rows (features) per program
+
+
+def aligned_width(T: int, E: int, align: int) -> int:
+    """Columns of the aligned layout: room for every group's padding, and a last column past them all."""
+    return -(-(T + (align - 1) * E + 1) // align) * align
+
+
+def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(end offsets of the aligned layout, int32; each group's [new start, size, old start - new start] as
+    an int32 [3, E] table), on ``offs_E``'s device (offsets clamped into [0, T], a decreasing one gives an
+    empty group)."""
+    ends = offs_E.long().clamp(0, T)
+    sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
+    padded = -(-sizes // align) * align
+    new_ends = padded.cumsum(0)
+    starts = new_ends - padded
+    return new_ends.to(torch.int32), torch.stack([starts, sizes, (ends - sizes) - starts]).to(torch.int32)
+
+
+@triton.jit
+def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, stride_s, stride_d,
+                              E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dst[r, c] = src[c + shift_g, r] for the place c of a token of group g, else 0 (padding, the tail):
+    g is the first group whose aligned end lies past c."""
+    cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    e = tl.arange(0, E_POW2)
+    ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
+    g = tl.sum((ends[None, :] <= cols[:, None]).to(tl.int32), axis=1)      # [BLOCK_T] group of each place
+    inside = g < E
+    start = tl.load(table_ptr + g, mask=inside, other=0)
+    size = tl.load(table_ptr + E + g, mask=inside, other=0)
+    shift = tl.load(table_ptr + 2 * E + g, mask=inside, other=0)
+    valid = inside & (cols - start < size)                                 # a token's place, not padding
+    token = tl.where(valid, cols + shift, 0)
+    src = src_ptr + token.to(tl.int64)[:, None] * stride_s + rows[None, :]
+    tile = tl.load(src, mask=valid[:, None] & (rows < R)[None, :], other=0)  # [BLOCK_T, BLOCK_R]
+    dst = dst_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :]
+    tl.store(dst, tl.trans(tile), mask=(rows < R)[:, None] & (cols < W)[None, :])
+
+
+def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T, R = data.shape
+    E = offs_E.shape[0]
+    W = aligned_width(T, E, align)
+    ends, table = aligned_offsets(offs_E, T, align)
+    out = torch.empty(R, W, dtype=data.dtype, device=data.device)
+    if R:
+        grid = (triton.cdiv(W, BLOCK_T), triton.cdiv(R, BLOCK_R))
+        _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
+                                        data.stride(0), out.stride(0), E_POW2=triton.next_power_of_2(max(E, 1)),
+                                        BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R)
+    return out, ends
+
+
+_op = torch.library.custom_op("distwgrad::fp8_transpose_aligned", _impl, mutates_args=())
+
+
+@_op.register_fake
+def _(data, offs_E, align):
+    T, R = data.shape
+    return data.new_empty(R, aligned_width(T, offs_E.shape[0], align)), offs_E.new_empty(offs_E.shape[0])
+
+
+def transpose_aligned(data: torch.Tensor, offs_E: torch.Tensor, align: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data_t, ends)``: the fp8 bits ``data`` ``[T, R]`` (tokens along dim 0) transposed into the aligned
+    layout ``[R, aligned_width(T, E, align)]`` of [Note: aligned token groups], and its int32 end offsets.
+
+    Args:
+        data: a contiguous float8 ``[T, R]`` tensor on CUDA (or CPU under TRITON_INTERPRET=1).
+        offs_E: ``[E]`` int32 end offsets of the token groups, non-decreasing, on ``data``'s device.
+        align: the chunk grid, a positive multiple of 16 (TMA's 16-byte boxes).
+    """
+    if data.dim() != 2 or not data.is_contiguous() or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"transpose_aligned: data must be a contiguous float8 [T, R] tensor, got {data.dtype} "
+                         f"{tuple(data.shape)} with strides {tuple(data.stride())}")
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.device != data.device:
+        raise ValueError(f"transpose_aligned: offs_E must be int32 [E] on {data.device}, got {offs_E.dtype} "
+                         f"{tuple(offs_E.shape)} on {offs_E.device}")
+    if not isinstance(align, int) or align <= 0 or align % 16:
+        raise ValueError(f"transpose_aligned: align must be a positive multiple of 16, got {align!r}")
+    return call(torch.ops.distwgrad.fp8_transpose_aligned, _impl, data, offs_E, align)

@@ -1,0 +1,78 @@
+"""``kernels/token_layout.py`` ([Note: aligned token groups]): the per-tensor x^T written with each token
+group on the 128-token grid, bit-identical to the torch reference ``align_token_groups`` (of the plain
+transposed copy), on CPU under ``TRITON_INTERPRET=1`` (a child process) and on the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_HERE = os.path.abspath(__file__)
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+
+# (T, R, end offsets): empty groups, a group inside one chunk, groups on the grid, unrouted tokens after
+# the last group, every token in the last group, no tokens, R off the 64-row block, 256 groups
+CASES = [
+    (700, 48, [100, 100, 350, 600, 650]),
+    (700, 200, [0, 0, 0, 0, 700]),
+    (300, 64, [128, 256, 300]),
+    (5, 16, [1, 2, 3, 4, 5]),
+    (0, 16, [0, 0]),
+    (129, 72, [129]),
+    (1000, 40, sorted(torch.randint(0, 1001, (256,), generator=torch.Generator().manual_seed(3)).tolist())),
+]
+
+
+def _check_cases(device: str) -> None:
+    from distwgrad.kernels.token_layout import transpose_aligned
+
+    from distwgrad.fp8.quantize import quantize_per_tensor, transpose_quantized
+    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups, wgrad_offsets
+    gen = torch.Generator().manual_seed(0)
+    for (T, R, offs), dtype in zip(CASES, [torch.float8_e4m3fn, torch.float8_e5m2] * len(CASES)):
+        q = quantize_per_tensor(torch.randn(T, R, generator=gen), dtype)
+        offs_E = torch.tensor(offs, dtype=torch.int32)
+        ref, ref_ends = align_token_groups(transpose_quantized(q), offs_E)
+        got, ends = transpose_aligned(q.data.to(device), offs_E.to(device))
+        assert got.dtype == dtype and tuple(got.shape) == tuple(ref.data.shape), (got.shape, ref.data.shape)
+        assert torch.equal(got.cpu().view(torch.uint8), ref.data.view(torch.uint8)), (T, R, offs)
+        assert torch.equal(ends.cpu(), ref_ends) and torch.equal(wgrad_offsets(offs_E, T), ref_ends)
+
+
+def _case_interpreter() -> None:
+    _check_cases("cpu")
+    from distwgrad.kernels import token_layout as kt
+    q = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
+    offs = torch.tensor([20, 64], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.distwgrad.fp8_transpose_aligned.default, (q, offs, 128),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    for bad, match in (((q.float(), offs), "contiguous float8 \\[T, R\\] tensor, got torch.float32"),
+                       ((q.t(), offs), "strides \\(1, 32\\)"),
+                       ((q, offs.long()), "offs_E must be int32 \\[E\\] on cpu, got torch.int64"),
+                       ((q, offs, 100), "align must be a positive multiple of 16, got 100")):
+        with pytest.raises(ValueError, match=match):
+            kt.transpose_aligned(*bad)
+
+
+@pytest.mark.interpret
+def test_transpose_aligned_interpreted():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, _HERE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transpose_aligned_gpu():
+    _check_cases("cuda")
+
+
+if __name__ == "__main__":  # child of test_transpose_aligned_interpreted
+    _case_interpreter()
+    print("ok")
