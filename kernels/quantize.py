@@ -73,10 +73,11 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 
-from distwgrad.fp8.quantize import Quantized, transpose_quantized
+from distwgrad.fp8.quantize import Quantized
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
 
 from ._dispatch import call
+from .token_layout import transpose as _transpose_fp8
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
@@ -538,7 +539,8 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
     """Kernel version of ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``.
 
     ``BlockwiseScaling``: one read of ``x`` for both outputs. ``PerTensorScaling``: the per-tensor
-    kernels, then a transposed copy of the fp8 data (the scale is shared, so this is exact).
+    kernels, then a transposed copy of the fp8 data (the scale is shared, so this is exact;
+    ``token_layout.transpose``).
     """
     dtype = recipe.dtype_for(grad=grad)
     if isinstance(recipe, BlockwiseScaling):
@@ -550,5 +552,6 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
     if isinstance(recipe, PerTensorScaling):
         _check_input(x, two_d=True)
         q = quantize_per_tensor(x, dtype, margin=recipe.margin)
-        return q, transpose_quantized(q)
+        data_t = _transpose_fp8(q.data)  # the same bits as transpose_quantized, in one fast pass
+        return q, Quantized(data_t, q.scale_inv, None, q.orig_dtype, data_t.shape)
     raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")

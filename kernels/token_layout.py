@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._dispatch import call
 
-__all__ = ["transpose_aligned", "aligned_width", "aligned_offsets"]
+__all__ = ["transpose_aligned", "transpose", "aligned_width", "aligned_offsets"]
 
 BLOCK_T = 128  # output columns (token places) per program
 BLOCK_R = 64   # output rows (features) per program
@@ -50,20 +50,25 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
 
 @triton.jit
 def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, stride_s, stride_d,
-                              E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+                              E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                              ALIGNED: tl.constexpr = True):
     """dst[r, c] = src[c + shift_g, r] for the place c of a token of group g, else 0 (padding, the tail):
-    g is the first group whose aligned end lies past c."""
+    g is the first group whose aligned end lies past c. Not ALIGNED: the plain transpose (W = T)."""
     cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    e = tl.arange(0, E_POW2)
-    ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
-    g = tl.sum((ends[None, :] <= cols[:, None]).to(tl.int32), axis=1)      # [BLOCK_T] group of each place
-    inside = g < E
-    start = tl.load(table_ptr + g, mask=inside, other=0)
-    size = tl.load(table_ptr + E + g, mask=inside, other=0)
-    shift = tl.load(table_ptr + 2 * E + g, mask=inside, other=0)
-    valid = inside & (cols - start < size)                                 # a token's place, not padding
-    token = tl.where(valid, cols + shift, 0)
+    if ALIGNED:
+        e = tl.arange(0, E_POW2)
+        ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
+        g = tl.sum((ends[None, :] <= cols[:, None]).to(tl.int32), axis=1)  # [BLOCK_T] group of each place
+        inside = g < E
+        start = tl.load(table_ptr + g, mask=inside, other=0)
+        size = tl.load(table_ptr + E + g, mask=inside, other=0)
+        shift = tl.load(table_ptr + 2 * E + g, mask=inside, other=0)
+        valid = inside & (cols - start < size)                             # a token's place, not padding
+        token = tl.where(valid, cols + shift, 0)
+    else:
+        valid = cols < W
+        token = cols
     src = src_ptr + token.to(tl.int64)[:, None] * stride_s + rows[None, :]
     tile = tl.load(src, mask=valid[:, None] & (rows < R)[None, :], other=0)  # [BLOCK_T, BLOCK_R]
     dst = dst_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :]
@@ -87,6 +92,39 @@ def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.T
 _op = torch.library.custom_op("distwgrad::fp8_transpose_aligned", _impl, mutates_args=())
 
 
+def _plain_impl(data: torch.Tensor) -> torch.Tensor:
+    T, R = data.shape
+    out = torch.empty(R, T, dtype=data.dtype, device=data.device)
+    if R and T:
+        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
+        _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), data, data, R, T, 0,
+                                        data.stride(0), out.stride(0), E_POW2=1, BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R,
+                                        ALIGNED=False)
+    return out
+
+
+_plain_op = torch.library.custom_op("distwgrad::fp8_transpose", _plain_impl, mutates_args=())
+
+
+@_plain_op.register_fake
+def _(data):
+    return data.new_empty(data.shape[1], data.shape[0])
+
+
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of the fp8 bits ``data`` ``[T, R]`` (contiguous): the per-tensor x^T
+    (``transpose_quantized`` moves the same bits with torch's generic copy, several times slower for
+    1-byte elements on an H200; docs/benchmarks.md)."""
+    _check_data("transpose", data)
+    return call(torch.ops.distwgrad.fp8_transpose, _plain_impl, data)
+
+
+def _check_data(what: str, data: torch.Tensor) -> None:
+    if data.dim() != 2 or not data.is_contiguous() or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"{what}: data must be a contiguous float8 [T, R] tensor, got {data.dtype} "
+                         f"{tuple(data.shape)} with strides {tuple(data.stride())}")
+
+
 @_op.register_fake
 def _(data, offs_E, align):
     T, R = data.shape
@@ -102,9 +140,7 @@ def transpose_aligned(data: torch.Tensor, offs_E: torch.Tensor, align: int = 128
         offs_E: ``[E]`` int32 end offsets of the token groups, non-decreasing, on ``data``'s device.
         align: the chunk grid, a positive multiple of 16 (TMA's 16-byte boxes).
     """
-    if data.dim() != 2 or not data.is_contiguous() or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError(f"transpose_aligned: data must be a contiguous float8 [T, R] tensor, got {data.dtype} "
-                         f"{tuple(data.shape)} with strides {tuple(data.stride())}")
+    _check_data("transpose_aligned", data)
     if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.device != data.device:
         raise ValueError(f"transpose_aligned: offs_E must be int32 [E] on {data.device}, got {offs_E.dtype} "
                          f"{tuple(offs_E.shape)} on {offs_E.device}")

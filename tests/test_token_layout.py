@@ -1,6 +1,7 @@
 """``kernels/token_layout.py`` ([Note: aligned token groups]): the per-tensor x^T written with each token
 group on the 128-token grid, bit-identical to the torch reference ``align_token_groups`` (of the plain
-transposed copy), on CPU under ``TRITON_INTERPRET=1`` (a child process) and on the GPU."""
+transposed copy), and the plain transpose, bit-identical to ``transpose_quantized``; on CPU under
+``TRITON_INTERPRET=1`` (a child process) and on the GPU."""
 
 from __future__ import annotations
 
@@ -33,8 +34,12 @@ def _check_cases(device: str) -> None:
     from distwgrad.fp8.quantize import quantize_per_tensor, transpose_quantized
     from distwgrad.ops.grouped_gemm_fp8 import align_token_groups, wgrad_offsets
     gen = torch.Generator().manual_seed(0)
+    from distwgrad.kernels.token_layout import transpose
     for (T, R, offs), dtype in zip(CASES, [torch.float8_e4m3fn, torch.float8_e5m2] * len(CASES)):
         q = quantize_per_tensor(torch.randn(T, R, generator=gen), dtype)
+        plain = transpose(q.data.to(device))  # the plain layout (what the per-tensor recipe runs otherwise)
+        assert plain.dtype == dtype and torch.equal(plain.cpu().view(torch.uint8),
+                                                    transpose_quantized(q).data.view(torch.uint8)), (T, R)
         offs_E = torch.tensor(offs, dtype=torch.int32)
         ref, ref_ends = align_token_groups(transpose_quantized(q), offs_E)
         got, ends = transpose_aligned(q.data.to(device), offs_E.to(device))
@@ -50,6 +55,10 @@ def _case_interpreter() -> None:
     offs = torch.tensor([20, 64], dtype=torch.int32)
     torch.library.opcheck(torch.ops.distwgrad.fp8_transpose_aligned.default, (q, offs, 128),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.distwgrad.fp8_transpose.default, (q,),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    with pytest.raises(ValueError, match=r"transpose: data must be a contiguous float8"):
+        kt.transpose(q.t())
     for bad, match in (((q.float(), offs), "contiguous float8 \\[T, R\\] tensor, got torch.float32"),
                        ((q.t(), offs), "strides \\(1, 32\\)"),
                        ((q, offs.long()), "offs_E must be int32 \\[E\\] on cpu, got torch.int64"),

@@ -41,7 +41,7 @@ from distwgrad.weights import _comm
 from distwgrad.weights.base import DistributedParameter
 from distwgrad.weights.sharded import ShardedWeight
 
-__all__ = ["quantize_weight", "materialize_quantized", "sync_weight_amax"]
+__all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_group", "sync_weight_amax"]
 
 
 def _quantizers(w: torch.Tensor):
@@ -194,3 +194,28 @@ def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: boo
         fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
         return quantize_weight(fn([weight])[0], recipe)
     return quantize_weight(weight.detach(), recipe)
+
+
+def _plain(weight: torch.Tensor) -> bool:
+    """A local weight that no protocol materializes (not distwgrad's, not a foreign DistributedWeight)."""
+    return not isinstance(weight, DistributedParameter) and not is_distributed_weight(weight)
+
+
+def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool) -> list[Quantized]:
+    """:func:`materialize_quantized` of each weight, concatenated (one ``Quantized`` per expert). Plain local
+    weights under per-tensor scaling on the kernels are quantized together, as views of one stacked
+    buffer in the layout of the GEMM that reads them (``backward``: dgrad's, each expert transposed;
+    [Note: a group of weights in two launches] in ``kernels/weights_fp8.py``): the same bits. (Not while
+    torch.compile traces: that launch reads the weights' addresses.)"""
+    from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
+    if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
+            and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
+        mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
+        owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
+        if mats and len({(m.shape, m.dtype, m.device) for m in mats}) == 1 and all(m.is_contiguous() for m in mats):
+            from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
+            # (a packed parameter's experts share its one per-tensor amax, as quantize_weight gives them)
+            return quantize_weights_per_tensor([m.detach() for m in mats], recipe.fwd_dtype, margin=recipe.margin,
+                                               transpose=backward, shared=owner)
+    return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]
+

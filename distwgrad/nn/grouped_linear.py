@@ -25,7 +25,7 @@ from torch import nn
 
 from distwgrad.fp8.quantize import Quantized
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
-from distwgrad.fp8.weights import materialize_quantized
+from distwgrad.fp8.weights import materialize_quantized_group
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
@@ -60,9 +60,10 @@ def _weights_ENK(weights, call: _Call, *, backward: bool) -> torch.Tensor:
 
 
 def _weights_fp8(weights, call: _Call, *, backward: bool) -> list[Quantized]:
-    """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded)."""
+    """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded; plain experts
+    together, in the layout of the GEMM that reads them)."""
     assert call.recipe is not None
-    return [q for w in weights for q in materialize_quantized(w, call.recipe, backward=backward)]
+    return materialize_quantized_group(weights, call.recipe, backward=backward)
 
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,

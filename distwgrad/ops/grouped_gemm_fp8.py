@@ -178,7 +178,13 @@ def _contraction_contiguous(w_qs: Sequence[Quantized]) -> tuple[torch.Tensor, to
     passed as the ``[E, N, K]`` view the kernel takes. Hopper's fp8 MMA reads its B operand only
     K-major, so the forward layout costs a transpose of every tile in registers: 4-5x slower dgrad on an
     H200 (``test_gpu_dgrad_weight_layouts``); the one transposing copy here (E*N*K bytes) is cheaper.
-    The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb)."""
+    The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb). Weights that are
+    already views of one such buffer (``kernels.weights_fp8``, [Note: a group of weights in two launches])
+    are read in place."""
+    from distwgrad.kernels.weights_fp8 import stacked_view
+    view, scales = stacked_view([q.data for q in w_qs]), stacked_view([q.scale_inv for q in w_qs])
+    if view is not None and scales is not None and view.stride(1) == 1:  # [E, N, K] with N contiguous
+        return view, scales
     data = torch.stack([q.data.t() for q in w_qs]).transpose(1, 2)
     return data, torch.stack([q.scale_inv for q in w_qs])
 

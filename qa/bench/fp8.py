@@ -334,8 +334,9 @@ def _fp8_operands(p: dict, recipe) -> dict:
 def _add_aligned(args, p: dict, qs: dict) -> list[Row]:
     """``q["aligned"]`` for the per-tensor recipes: dy^T and x^T with each group's tokens on the 128 grid
     ([Note: aligned token groups] in kernels/token_layout.py: the Triton kernel on a GPU, the torch
-    reference elsewhere), and rows timing that layout's transposed copy against the plain one
-    (``transpose_quantized``, what the per-tensor recipe runs otherwise), GB/s of bytes read + written."""
+    reference elsewhere), and rows timing that layout's transposed copy against the plain one (torch's
+    ``transpose_quantized``, and on a GPU the Triton kernel the per-tensor recipe runs), GB/s of bytes
+    read + written."""
     from distwgrad.fp8.quantize import transpose_quantized
     from distwgrad.ops.grouped_gemm_fp8 import align_token_groups, wgrad_offsets
     rows: list[Row] = []
@@ -352,8 +353,11 @@ def _add_aligned(args, p: dict, qs: dict) -> list[Row]:
             a = q[f"{key}_q"]
             data_t = aligned(a)
             q[f"{key}_qt_aligned"] = dataclasses.replace(a, data=data_t, shape=data_t.shape)
-            for impl, fn, out_bytes in (("plain", lambda a=a: transpose_quantized(a), a.data.numel()),
-                                        ("aligned", functools.partial(aligned, a), data_t.numel())):
+            impls = [("plain", lambda a=a: transpose_quantized(a), a.data.numel()),
+                     ("aligned", functools.partial(aligned, a), data_t.numel())]
+            if args.device.startswith("cuda"):  # the plain layout by the same kernel (what the recipe runs)
+                impls.append(("plain_triton", functools.partial(kt.transpose, a.data), a.data.numel()))
+            for impl, fn, out_bytes in impls:
                 ms = time_ms(fn, args.device, args.reps)
                 gbps = (a.data.numel() + out_bytes) / (ms * 1e-3) / 1e9
                 rows.append({"op": f"transpose_{key}", "shape": ",".join(map(str, a.data.shape)), "impl": impl,

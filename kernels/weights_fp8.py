@@ -1,0 +1,146 @@
+"""Per-tensor FP8 quantization of a group of weights (the experts of a GroupedLinear) in two launches.
+
+[Note: a group of weights in two launches]
+Quantized one by one, E experts cost E amax passes and E casts (five launches each with the torch amax),
+and the grouped GEMMs then stack the E results into one ``[E, N, K]`` tensor, for dgrad through a
+transposing copy: on an H200 at E=64 (2048 x 7168 experts) a GroupedLinear step under per-tensor FP8
+spent more time in these copies and on the host than in its GEMMs (docs/benchmarks.md). Here one launch
+takes every expert's amax (programs over (chunk, expert), experts found through a table of their
+addresses, so separate parameters need no stacking) and one launch casts them all into ONE stacked
+buffer, in the layout the GEMM reads: ``[E, N, K]`` for fprop, ``[E, K, N]`` (each expert transposed
+in the cast's tiles) for dgrad. The per-expert ``Quantized`` are views of that buffer (and of one
+``[E]`` scale tensor), which ``stacked_view`` recognises, so the GEMMs read it without copying.
+Each expert's bits are those of ``distwgrad.fp8.weights.quantize_weight`` on it alone (same amax, same
+scale arithmetic, same cast; tests/test_weights_fp8.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from distwgrad.fp8.quantize import Quantized
+
+from .quantize import (
+    AMAX_MAX_PROGRAMS,
+    PER_TENSOR_BLOCK,
+    PER_TENSOR_WARPS,
+    _check_input,
+    _fmt_args,
+    _inf_if_nan,
+    _inverse,
+    _max_nan,
+    _scale_from_amax,
+    _to_fp8_bits,
+)
+
+__all__ = ["quantize_weights_per_tensor", "stacked_view"]
+
+TILE = 64  # the transposing cast's [TILE, TILE] tiles
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, BLOCK: tl.constexpr):
+    """amax[e] = max |w_e| (+inf for a NaN or inf) over expert e's n elements, programs (chunk, e)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    e = tl.program_id(1)
+    x_ptr = tl.load(table_ptr + e).to(tl.pointer_type(X_TY))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, tl.cdiv(n, BLOCK * nprog)):
+        offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc = _max_nan(acc, tl.abs(x).to(tl.float32))
+    tl.atomic_max(amax_ptr + e, _inf_if_nan(tl.reduce(acc, 0, _max_nan)))  # +inf, never NaN, into the atomic
+
+
+@triton.jit
+def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
+                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
+                       HW_CAST: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    x_ptr = tl.load(table_ptr + e).to(tl.pointer_type(X_TY))
+    scale = _scale_from_amax(tl.load(amax_ptr + e), NUM, False)
+    q_e = q_ptr + e.to(tl.int64) * N * K
+    if TRANSPOSE:
+        tiles_k = tl.cdiv(K, TILE)
+        rows = (pid // tiles_k) * TILE + tl.arange(0, TILE)
+        cols = (pid % tiles_k) * TILE + tl.arange(0, TILE)
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
+        tl.store(q_e + cols.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    else:
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < N * K, other=0.0).to(tl.float32)
+        tl.store(q_e + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=offs < N * K)
+    if pid == 0:
+        tl.store(s_inv_ptr + e, _inverse(scale, False))
+
+
+def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
+                                transpose: bool = False, shared: Sequence[int] | None = None) -> list[Quantized]:
+    """Each ``[N, K]`` weight quantized per tensor, as views of one stacked buffer ([Note: a group of weights
+    in two launches]): ``[E, N, K]``, or with ``transpose`` ``[E, K, N]`` whose per-expert views are
+    transposed back to ``[N, K]`` (the dgrad GEMM's layout). The weights must be contiguous, of one shape,
+    dtype and device. ``shared``: weight e's amax is the max over the weights of its number
+    ``shared[e]`` (the experts of one packed parameter share one scale), else each its own."""
+    if not weights:
+        raise ValueError("quantize_weights_per_tensor: no weights")
+    w0 = weights[0]
+    for i, w in enumerate(weights):
+        _check_input(w, two_d=True)
+        if w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device:
+            raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
+                             f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
+    E, (N, K) = len(weights), w0.shape
+    fmt = _fmt_args(dtype, margin)
+    table = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64).to(w0.device, non_blocking=True)
+    amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
+    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w0.device)
+    s_inv = torch.empty(E, dtype=torch.float32, device=w0.device)
+    n = N * K
+    if n:
+        chunks = max(1, min(triton.cdiv(n, PER_TENSOR_BLOCK), AMAX_MAX_PROGRAMS // E))
+        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=PER_TENSOR_BLOCK,
+                                        num_warps=PER_TENSOR_WARPS)
+    if shared is not None and len(set(shared)) < E:
+        if len(shared) != E:
+            raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
+        idx = torch.tensor(list(shared), dtype=torch.int64).to(w0.device, non_blocking=True)
+        amax = torch.zeros(max(shared) + 1, dtype=torch.float32, device=w0.device).scatter_reduce_(
+            0, idx, amax, "amax")[idx]
+    programs = triton.cdiv(N, TILE) * triton.cdiv(K, TILE) if transpose else triton.cdiv(n, PER_TENSOR_BLOCK)
+    _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
+                                              TRANSPOSE=transpose, BLOCK=PER_TENSOR_BLOCK, TILE=TILE,
+                                              num_warps=PER_TENSOR_WARPS, **fmt)
+    views = data.transpose(1, 2) if transpose else data
+    return [Quantized(views[e], s_inv[e], None, w0.dtype, torch.Size((N, K))) for e in range(E)]
+
+
+def stacked_view(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[E, ...]`` tensor whose slices are exactly ``ts`` (equal shapes and strides, one storage, equally
+    spaced: views of one stacked buffer, e.g. ``quantize_weights_per_tensor``'s), or None. A GEMM then
+    reads the buffer in place of stacking copies of the slices. None under torch.compile tracing or for
+    tensor subclasses (fake tensors have no addresses): the caller then stacks, the same values."""
+    if not ts or torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in ts):
+        return None
+    t0 = ts[0]
+    if len(ts) == 1:
+        return t0.unsqueeze(0)
+    step = ts[1].data_ptr() - t0.data_ptr()
+    size = t0.element_size()
+    if step <= 0 or step % size:
+        return None
+    ptr = t0.untyped_storage().data_ptr()
+    for e, t in enumerate(ts):
+        if (t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype or t.device != t0.device
+                or t.untyped_storage().data_ptr() != ptr or t.data_ptr() != t0.data_ptr() + e * step):
+            return None
+    return t0.as_strided((len(ts), *t0.shape), (step // size, *t0.stride()), t0.storage_offset())

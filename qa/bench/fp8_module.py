@@ -1,0 +1,135 @@
+"""GroupedLinear forward + backward under the per-tensor FP8 recipe, with and without the aligned wgrad
+layout ([Note: aligned token groups] in kernels/token_layout.py), beside the bf16 module, in one process.
+
+    python qa/bench/fp8_module.py --json out.json       # GPU; the three MoE shapes by default
+
+Each row times one training step of one GroupedLinear (E experts, T tokens routed uniformly at random,
+seed 0, K in-features, N out-features, bf16 parameters): forward, then backward with the input gradient
+and the weight gradients, either fresh (``.grad`` in bf16) or added into fp32 ``main_grad``
+(``fuse_wgrad_accumulation``). Everything the step runs is timed: quantization, transposes, GEMMs.
+``impl``: "bf16" (no recipe), "fp8" (per-tensor, the default dispatch: aligned where groups average
+``ALIGN_MIN_TOKENS`` tokens), "fp8_plain" (per-tensor, never aligned). Rows: ``op`` ("step_fresh",
+"step_main_grad"), ``shape`` [E, T, K, N], ``impl``, ``ms`` (median of ``triton.testing.do_bench``),
+``tflops`` (the step's 6*T*K*N GEMM FLOPs over its time) and ``vs_bf16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 7168, 2048), (128, 16384, 2048, 768)]
+
+
+def _step(mod, x, splits, recipe):
+    """One forward + backward (``main_grad`` keeps growing across calls where the module fuses into it)."""
+    from distwgrad.fp8 import fp8_autocast
+    params = list(mod.parameters())
+    dy = torch.randn(x.shape[0], mod.out_features, generator=torch.Generator().manual_seed(1)).to(x)
+
+    def run():
+        for p in params:
+            p.grad = None
+        if recipe is None:
+            y = mod(x, splits)
+        else:
+            with fp8_autocast(recipe):
+                y = mod(x, splits)
+        y.backward(dy)
+    return run
+
+
+def bench(args) -> list[dict]:
+    import triton
+
+    from distwgrad.fp8 import PerTensorScaling
+    from distwgrad.nn import GroupedLinear
+    from distwgrad.ops import grouped_gemm_fp8 as gg8
+    rows = []
+    for E, T, K, N in args.shapes:
+        gen = torch.Generator().manual_seed(0)
+        splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
+                                minlength=E).tolist()
+        x = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+        for fuse in (False, True):
+            mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                                fuse_wgrad_accumulation=fuse)
+            for p in mod.parameters():
+                if fuse:
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+            op = "step_main_grad" if fuse else "step_fresh"
+            times = {}
+            for impl, recipe, min_tokens in (("bf16", None, None), ("fp8", PerTensorScaling(), gg8.ALIGN_MIN_TOKENS),
+                                             ("fp8_plain", PerTensorScaling(), 10 ** 12)):
+                saved = gg8.ALIGN_MIN_TOKENS
+                gg8.ALIGN_MIN_TOKENS = min_tokens if min_tokens is not None else saved
+                try:
+                    times[impl] = triton.testing.do_bench(_step(mod, x, splits, recipe), rep=args.rep)
+                finally:
+                    gg8.ALIGN_MIN_TOKENS = saved
+            for impl, ms in times.items():
+                rows.append({"op": op, "shape": [E, T, K, N], "impl": impl, "ms": round(ms, 4),
+                             "tflops": round(6 * T * K * N / ms / 1e9, 1), "vs_bf16": round(times["bf16"] / ms, 3),
+                             "device": torch.cuda.get_device_name()})
+                print(f"  {op:15s} {E},{T},{K},{N}  {impl:10s} {ms:8.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s "
+                      f"({rows[-1]['vs_bf16']:.2f}x bf16)", flush=True)
+            del mod
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def profile(args) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from distwgrad.fp8 import PerTensorScaling
+    from distwgrad.nn import GroupedLinear
+    for E, T, K, N in args.shapes:
+        gen = torch.Generator().manual_seed(0)
+        splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
+                                minlength=E).tolist()
+        x = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+        mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        step = _step(mod, x, splits, PerTensorScaling())
+        step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(f"== E={E} T={T} K={K} N={N}: three fresh FP8 steps", flush=True)
+        for key in ("cuda_time_total", "cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
+        del mod, x
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+", default=SHAPES,
+                   help="E,T,K,N")
+    p.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="instead: torch.profiler over three fresh FP8 steps per shape, the top operators by "
+                        "device time and by host time")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp8_module bench needs a CUDA device", file=sys.stderr)
+        return 2
+    if args.profile:
+        profile(args)
+        return 0
+    rows = bench(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
