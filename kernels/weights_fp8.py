@@ -101,7 +101,7 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
                              f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
     E, (N, K) = len(weights), w0.shape
     fmt = _fmt_args(dtype, margin)
-    table = torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64).to(w0.device, non_blocking=True)
+    table = _on_device(tuple(w.data_ptr() for w in weights), w0.device)
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
     data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w0.device)
     s_inv = torch.empty(E, dtype=torch.float32, device=w0.device)
@@ -113,7 +113,7 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
     if shared is not None and len(set(shared)) < E:
         if len(shared) != E:
             raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
-        idx = torch.tensor(list(shared), dtype=torch.int64).to(w0.device, non_blocking=True)
+        idx = _on_device(tuple(shared), w0.device)
         amax = torch.zeros(max(shared) + 1, dtype=torch.float32, device=w0.device).scatter_reduce_(
             0, idx, amax, "amax")[idx]
     programs = triton.cdiv(N, TILE) * triton.cdiv(K, TILE) if transpose else triton.cdiv(n, PER_TENSOR_BLOCK)
@@ -122,6 +122,23 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
                                               num_warps=PER_TENSOR_WARPS, **fmt)
     views = data.transpose(1, 2) if transpose else data
     return [Quantized(views[e], s_inv[e], None, w0.dtype, torch.Size((N, K))) for e in range(E)]
+
+
+_TABLES: dict = {}  # (values, device) -> int64 device tensor: parameters keep their addresses across steps
+_TABLES_MAX = 64
+
+
+def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, cached (addresses are just numbers: a cached table is
+    valid whatever has moved since), copied without a host sync (``distwgrad.ops.grouped_gemm.to_device``)."""
+    key = (values, device)
+    t = _TABLES.get(key)
+    if t is None:
+        from distwgrad.ops.grouped_gemm import to_device
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.pop(next(iter(_TABLES)))
+        t = _TABLES[key] = to_device(values, torch.int64, device)
+    return t
 
 
 def stacked_view(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
