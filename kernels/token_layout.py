@@ -14,7 +14,7 @@ in this layout costs what the plain transpose costs: ``transpose_aligned`` write
 their aligned places and zeros the padding, in one pass over x. Its output has ``T + (align - 1) * E + 1``
 columns rounded up to ``align`` (no host sync: the layout's true width is on the device), zeros past the
 last group, and its end offsets count each group's padding. ``distwgrad.ops.grouped_gemm_fp8
-.align_token_groups`` is the torch reference (bit-identical, tests/test_fp8_gemm_dispatch.py).
+.align_token_groups`` is the torch reference (bit-identical, tests/test_token_layout.py).
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.T
 _op = torch.library.custom_op("distwgrad::fp8_transpose_aligned", _impl, mutates_args=())
 
 
+@_op.register_fake
+def _(data, offs_E, align):
+    T, R = data.shape
+    return data.new_empty(R, aligned_width(T, offs_E.shape[0], align)), offs_E.new_empty(offs_E.shape[0])
+
+
 def _plain_impl(data: torch.Tensor) -> torch.Tensor:
     T, R = data.shape
     out = torch.empty(R, T, dtype=data.dtype, device=data.device)
@@ -111,24 +117,18 @@ def _(data):
     return data.new_empty(data.shape[1], data.shape[0])
 
 
-def transpose(data: torch.Tensor) -> torch.Tensor:
-    """The contiguous transpose of the fp8 bits ``data`` ``[T, R]`` (contiguous): the per-tensor x^T
-    (``transpose_quantized`` moves the same bits with torch's generic copy, several times slower for
-    1-byte elements on an H200; docs/benchmarks.md)."""
-    _check_data("transpose", data)
-    return call(torch.ops.distwgrad.fp8_transpose, _plain_impl, data)
-
-
 def _check_data(what: str, data: torch.Tensor) -> None:
     if data.dim() != 2 or not data.is_contiguous() or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"{what}: data must be a contiguous float8 [T, R] tensor, got {data.dtype} "
                          f"{tuple(data.shape)} with strides {tuple(data.stride())}")
 
 
-@_op.register_fake
-def _(data, offs_E, align):
-    T, R = data.shape
-    return data.new_empty(R, aligned_width(T, offs_E.shape[0], align)), offs_E.new_empty(offs_E.shape[0])
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of the fp8 bits ``data`` ``[T, R]`` (contiguous): the per-tensor x^T
+    (``transpose_quantized`` moves the same bits with torch's generic copy, several times slower for
+    1-byte elements on an H200; docs/benchmarks.md)."""
+    _check_data("transpose", data)
+    return call(torch.ops.distwgrad.fp8_transpose, _plain_impl, data)
 
 
 def transpose_aligned(data: torch.Tensor, offs_E: torch.Tensor, align: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
