@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from distwgrad.fp8.quantize import Quantized
+from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 
 from .quantize import (
     AMAX_MAX_PROGRAMS,
@@ -37,7 +37,7 @@ from .quantize import (
     _to_fp8_bits,
 )
 
-__all__ = ["quantize_weights_per_tensor", "stacked_view"]
+__all__ = ["quantize_weights_per_tensor", "group_amax", "stacked_view"]
 
 TILE = 64  # the transposing cast's [TILE, TILE] tiles
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -84,13 +84,7 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.con
         tl.store(s_inv_ptr + e, _inverse(scale, False))
 
 
-def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
-                                transpose: bool = False, shared: Sequence[int] | None = None) -> list[Quantized]:
-    """Each ``[N, K]`` weight quantized per tensor, as views of one stacked buffer ([Note: a group of weights
-    in two launches]): ``[E, N, K]``, or with ``transpose`` ``[E, K, N]`` whose per-expert views are
-    transposed back to ``[N, K]`` (the dgrad GEMM's layout). The weights must be contiguous, of one shape,
-    dtype and device. ``shared``: weight e's amax is the max over the weights of its number
-    ``shared[e]`` (the experts of one packed parameter share one scale), else each its own."""
+def _check_weights(weights: Sequence[torch.Tensor]) -> None:
     if not weights:
         raise ValueError("quantize_weights_per_tensor: no weights")
     w0 = weights[0]
@@ -99,28 +93,59 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
         if w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device:
             raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
                              f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
-    E, (N, K) = len(weights), w0.shape
-    fmt = _fmt_args(dtype, margin)
-    table = _on_device(tuple(w.data_ptr() for w in weights), w0.device)
+
+
+def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = None) -> torch.Tensor:
+    """fp32 ``[E]``: each weight's ``max |w|`` (+inf for a NaN or inf), in one launch; ``shared`` as in
+    :func:`quantize_weights_per_tensor` (the max over the weights of one number)."""
+    _check_weights(weights)
+    w0, E = weights[0], len(weights)
+    n = w0.numel()
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
-    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w0.device)
-    s_inv = torch.empty(E, dtype=torch.float32, device=w0.device)
-    n = N * K
     if n:
         chunks = max(1, min(triton.cdiv(n, PER_TENSOR_BLOCK), AMAX_MAX_PROGRAMS // E))
-        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=PER_TENSOR_BLOCK,
-                                        num_warps=PER_TENSOR_WARPS)
+        _amax_group_kernel[(chunks, E)](_on_device(tuple(w.data_ptr() for w in weights), w0.device), amax, n,
+                                        X_TY=_TL[w0.dtype], BLOCK=PER_TENSOR_BLOCK, num_warps=PER_TENSOR_WARPS)
     if shared is not None and len(set(shared)) < E:
         if len(shared) != E:
             raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
         idx = _on_device(tuple(shared), w0.device)
         amax = torch.zeros(max(shared) + 1, dtype=torch.float32, device=w0.device).scatter_reduce_(
             0, idx, amax, "amax")[idx]
+    return amax
+
+
+def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
+                                transpose: bool = False, shared: Sequence[int] | None = None,
+                                stacked: bool = False, amax: torch.Tensor | None = None
+                                ) -> list[Quantized] | QuantizedExperts:
+    """Each ``[N, K]`` weight quantized per tensor, as views of one stacked buffer ([Note: a group of weights
+    in two launches]): ``[E, N, K]``, or with ``transpose`` ``[E, K, N]`` whose per-expert views are
+    transposed back to ``[N, K]`` (the dgrad GEMM's layout). The weights must be contiguous, of one shape,
+    dtype and device. ``shared``: weight e's amax is the max over the weights of its number
+    ``shared[e]`` (the experts of one packed parameter share one scale), else each its own. ``stacked``:
+    one ``QuantizedExperts`` over the buffer instead of a ``Quantized`` per weight. ``amax``: the
+    weights' ``group_amax`` when the caller has it (then ``shared`` is not read)."""
+    _check_weights(weights)
+    w0 = weights[0]
+    E, (N, K) = len(weights), w0.shape
+    fmt = _fmt_args(dtype, margin)
+    table = _on_device(tuple(w.data_ptr() for w in weights), w0.device)
+    if amax is None:
+        amax = group_amax(weights, shared)
+    elif tuple(amax.shape) != (E,) or amax.dtype != torch.float32 or amax.device != w0.device:
+        raise ValueError(f"quantize_weights_per_tensor: amax must be fp32 [{E}] on {w0.device}, got "
+                         f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
+    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w0.device)
+    s_inv = torch.empty(E, dtype=torch.float32, device=w0.device)
+    n = N * K
     programs = triton.cdiv(N, TILE) * triton.cdiv(K, TILE) if transpose else triton.cdiv(n, PER_TENSOR_BLOCK)
     _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
                                               TRANSPOSE=transpose, BLOCK=PER_TENSOR_BLOCK, TILE=TILE,
                                               num_warps=PER_TENSOR_WARPS, **fmt)
     views = data.transpose(1, 2) if transpose else data
+    if stacked:
+        return QuantizedExperts(views, s_inv, w0.dtype, amax)
     return [Quantized(views[e], s_inv[e], None, w0.dtype, torch.Size((N, K))) for e in range(E)]
 
 

@@ -85,6 +85,9 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
         for b in biases:
             b.normal_()
     counts = _counting(setattr_fn, K, ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"])
+    forms, real_fprop = [], K.grouped_fprop_fp8  # the weights' form: per-expert list or one stacked pair
+    setattr_fn(K, "grouped_fprop_fp8", lambda x_q, w_qs, *a, **kw: (forms.append(type(w_qs).__name__),
+                                                                    real_fprop(x_q, w_qs, *a, **kw))[1])
     widths = []
     real_wgrad = K.grouped_wgrad_fp8
     setattr_fn(K, "grouped_wgrad_fp8", lambda dy_qt, x_qt, offs_E, *a, **kw: (
@@ -98,6 +101,9 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
     if delay:
         mod.backward_dw()
     assert counts == {"grouped_fprop_fp8": 1, "grouped_dgrad_fp8": 1, "grouped_wgrad_fp8": 1}, counts
+    # plain experts under per-tensor scaling: quantized together, handed over stacked ([Note: a group of
+    # weights in two launches])
+    assert forms == ["tuple" if recipe_name == "per_tensor" and module != "linear" else "list"], forms
     if aligned:  # the wgrad read both operands in the aligned layout, with its offsets
         padded = [-(-n // 128) * 128 for n in splits]
         want_offs = torch.tensor(padded).cumsum(0).tolist()

@@ -60,8 +60,34 @@ def _check(device: str) -> None:
             assert _same(g.data, r.data) and _same(g.scale_inv, r.scale_inv)
 
 
+def _module_reuses_forward_amax() -> None:
+    """GroupedLinear (kernel route) takes its experts' amaxes once per step: backward re-quantizes from
+    forward's, unless a weight changed in between (then it takes them again)."""
+    from distwgrad.fp8 import PerTensorScaling, fp8_autocast
+    from distwgrad.kernels import weights_fp8 as kw
+    from distwgrad.nn import GroupedLinear
+    calls, real = [], kw.group_amax
+    kw.group_amax = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        torch.manual_seed(0)
+        mod = GroupedLinear(3, 32, 16, bias=False)
+        x = torch.randn(40, 32, requires_grad=True)
+        for change in (False, True):
+            calls.clear()
+            with fp8_autocast(PerTensorScaling()):
+                y = mod(x, [10, 14, 16])
+            if change:
+                with torch.no_grad():
+                    mod.weight1.mul_(2.0)
+            y.sum().backward()
+            assert len(calls) == (2 if change else 1), (change, calls)
+    finally:
+        kw.group_amax = real
+
+
 def _case_interpreter() -> None:
     _check("cpu")
+    _module_reuses_forward_amax()
     from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
     with pytest.raises(ValueError, match=r"weights\[1\] is torch.float32 \(4, 8\) on cpu, weights\[0\] torch.float32 "
                                          r"\(4, 4\)"):
@@ -86,7 +112,7 @@ def test_stacked_view():
 @pytest.mark.interpret
 def test_quantize_weights_interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", DISTWGRAD_KERNELS_ON_CPU="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run([sys.executable, _HERE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
@@ -101,3 +127,31 @@ def test_quantize_weights_gpu():
 if __name__ == "__main__":  # child of test_quantize_weights_interpreted
     _case_interpreter()
     print("ok")
+
+
+def test_quantized_experts():
+    """``QuantizedExperts`` (the stacked per-tensor weights a GroupedLinear hands its GEMMs): checked on
+    construction; its emulation values are each expert's ``dequantize``; dgrad reads an N-contiguous stack
+    in place and copies any other into that layout; its experts unbind into ``Quantized`` views."""
+    from distwgrad.fp8 import PerTensorScaling, QuantizedExperts, dequantize, quantize_per_tensor
+    from distwgrad.fp8.emulate import dequantize_weights
+    from distwgrad.ops import grouped_gemm_fp8 as gg8
+    gen = torch.Generator().manual_seed(0)
+    qs = [quantize_per_tensor(torch.randn(6, 10, generator=gen) * (e + 1), torch.float8_e4m3fn) for e in range(3)]
+    data, scales = torch.stack([q.data for q in qs]), torch.stack([q.scale_inv for q in qs])
+    experts = QuantizedExperts(data, scales, torch.float32)
+    assert len(experts) == 3
+    assert torch.equal(gg8._emulated_weights(experts), dequantize_weights(qs, packed=True))
+    for q, u in zip(qs, experts.unbind()):
+        assert torch.equal(dequantize(u), dequantize(q))
+    n_major = QuantizedExperts(data.transpose(1, 2).contiguous().transpose(1, 2), scales, torch.float32)
+    got, s = gg8._contraction_contiguous(n_major)
+    assert got.data_ptr() == n_major.data.data_ptr() and s is scales        # read in place
+    got, _ = gg8._contraction_contiguous(experts)
+    assert got.stride(1) == 1 and torch.equal(got.float(), data.float())     # copied into dgrad's layout
+    act, _ = gg8.quantize_operand(torch.randn(4, 10), PerTensorScaling(), grad=False)
+    assert gg8.fp8_kernels_accept([act], experts) is gg8.gg.kernels_available(act.data)
+    with pytest.raises(ValueError, match=r"data must be \[E, N, K\] and scale_inv \[E\], got \(3, 6, 10\) and \(2,\)"):
+        QuantizedExperts(data, scales[:2], torch.float32)
+    with pytest.raises(ValueError, match="scale_inv must be float32"):
+        QuantizedExperts(data, scales.double(), torch.float32)

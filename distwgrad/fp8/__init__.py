@@ -6,6 +6,7 @@ Triton kernels in ``distwgrad.kernels.quantize`` and the CPU emulation path of F
 
 from distwgrad.fp8.quantize import (
     Quantized,
+    QuantizedExperts,
     compute_amax,
     compute_scale,
     dequantize,
@@ -33,7 +34,7 @@ __all__ = [
     "PerTensorScaling", "BlockwiseScaling", "MMParams", "Recipe", "split_accumulator", "fp8_autocast",
     "current_recipe",
     "Fp8Format", "fp8_format", "FP8_DTYPES",
-    "Quantized", "compute_amax", "compute_scale", "quantize_per_tensor", "quantize_blockwise",
+    "Quantized", "QuantizedExperts", "compute_amax", "compute_scale", "quantize_per_tensor", "quantize_blockwise",
     "quantize_rowwise_and_columnwise", "dequantize", "transpose_quantized", "fp8_matmul_reference",
     "roundtrip_error_bound",
 ]

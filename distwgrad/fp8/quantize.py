@@ -244,6 +244,40 @@ def _expanded_scale_inv(q: Quantized) -> torch.Tensor:
     return q.scale_inv.repeat_interleave(bm, 0)[:M].repeat_interleave(bn, 1)[:, :N]
 
 
+@dataclass(frozen=True, eq=False)
+class QuantizedExperts:
+    """E ``[N, K]`` weights each quantized per tensor, stacked: what a grouped GEMM reads, without one
+    ``Quantized`` object per expert (at E=128 those objects cost more host time than the GEMMs take).
+
+    Attributes:
+        data: float8 ``[E, N, K]``, any strides (a GEMM that needs another layout copies).
+        scale_inv: fp32 ``[E]``, expert e's ``dequantize`` factor.
+        orig_dtype: dtype of the weights that were quantized.
+        amax: fp32 ``[E]``, the amaxes the scales came from (a later quantization of the same, unchanged
+            weights may start from them), or None.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    orig_dtype: torch.dtype
+    amax: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        fp8_format(self.data.dtype)
+        if self.data.dim() != 3 or tuple(self.scale_inv.shape) != (self.data.shape[0],):
+            raise ValueError(f"QuantizedExperts: data must be [E, N, K] and scale_inv [E], got "
+                             f"{tuple(self.data.shape)} and {tuple(self.scale_inv.shape)}")
+        if self.scale_inv.dtype != torch.float32:
+            raise ValueError(f"QuantizedExperts.scale_inv must be float32, got {self.scale_inv.dtype}")
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def unbind(self) -> list[Quantized]:
+        """One ``Quantized`` per expert (views)."""
+        return [Quantized(d, s, None, self.orig_dtype, d.shape) for d, s in zip(self.data, self.scale_inv)]
+
+
 def dequantize(q: Quantized, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``fp32(data) * scale_inv`` (per element's block), cast to ``dtype`` (default ``q.orig_dtype``)."""
     out = q.data.float() * _expanded_scale_inv(q)

@@ -29,6 +29,7 @@ from torch import nn
 
 from distwgrad.fp8.quantize import (
     Quantized,
+    QuantizedExperts,
     _cast,
     compute_amax,
     compute_scale,
@@ -201,21 +202,28 @@ def _plain(weight: torch.Tensor) -> bool:
     return not isinstance(weight, DistributedParameter) and not is_distributed_weight(weight)
 
 
-def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool) -> list[Quantized]:
+def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
+                                stacked: bool = False, amax: torch.Tensor | None = None
+                                ) -> list[Quantized] | QuantizedExperts:
     """:func:`materialize_quantized` of each weight, concatenated (one ``Quantized`` per expert). Plain local
     weights under per-tensor scaling on the kernels are quantized together, as views of one stacked
     buffer in the layout of the GEMM that reads them (``backward``: dgrad's, each expert transposed;
     [Note: a group of weights in two launches] in ``kernels/weights_fp8.py``): the same bits. (Not while
-    torch.compile traces: that launch reads the weights' addresses.)"""
+    torch.compile traces: that launch reads the weights' addresses.) ``stacked``: those come as one
+    ``QuantizedExperts`` (no per-expert objects, its ``amax`` kept); the others are a list as always.
+    ``amax``: those weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
+    ``amax``; the caller checks their ``_version``s): backward skips that pass."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
         mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
         owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
         if mats and len({(m.shape, m.dtype, m.device) for m in mats}) == 1 and all(m.is_contiguous() for m in mats):
-            from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
-            # (a packed parameter's experts share its one per-tensor amax, as quantize_weight gives them)
-            return quantize_weights_per_tensor([m.detach() for m in mats], recipe.fwd_dtype, margin=recipe.margin,
-                                               transpose=backward, shared=owner)
+            from distwgrad.kernels.weights_fp8 import group_amax, quantize_weights_per_tensor
+            mats = [m.detach() for m in mats]
+            if amax is None:  # (a packed parameter's experts share its one amax, as quantize_weight gives them)
+                amax = group_amax(mats, shared=owner)
+            return quantize_weights_per_tensor(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
+                                               stacked=stacked, amax=amax)
     return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distwgrad.fp8.quantize import Quantized
+from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized_group
 from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
@@ -59,11 +59,15 @@ def _weights_ENK(weights, call: _Call, *, backward: bool) -> torch.Tensor:
     return _stack(fn(weights), call.packed)
 
 
-def _weights_fp8(weights, call: _Call, *, backward: bool) -> list[Quantized]:
-    """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded; plain experts
-    together, in the layout of the GEMM that reads them)."""
+def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Quantized] | QuantizedExperts:
+    """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded), or plain experts
+    together as one ``QuantizedExperts`` in the layout of the GEMM that reads them. ``amax``: forward's
+    ``(amaxes, the weights' _versions)``, reused if no weight changed since."""
     assert call.recipe is not None
-    return materialize_quantized_group(weights, call.recipe, backward=backward)
+    if amax is not None and amax[1] != [w._version for w in weights]:
+        amax = None
+    return materialize_quantized_group(weights, call.recipe, backward=backward, stacked=True,
+                                       amax=None if amax is None else amax[0])
 
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
@@ -132,6 +136,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_TK, offs_E)
         else:  # [Note: fp8 gemm dispatch]
             w_qs = _weights_fp8(weights, call, backward=False)
+            # the weights' amaxes for backward's re-quantization, valid while no weight changes
+            ctx.w_amax = ((w_qs.amax, [w._version for w in weights])
+                          if isinstance(w_qs, QuantizedExperts) and w_qs.amax is not None else None)
             # x^T, which wgrad reads, with each expert's tokens on the chunk grid where that pays
             # ([Note: aligned token groups] in kernels/token_layout.py)
             align = call.weight_grad and gg8.align_wgrad(x_TK, call.recipe, offs_E.shape[0])
@@ -165,7 +172,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
                 del w_ENK
             else:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
-                w_qs = _weights_fp8(weights, call, backward=True)
+                w_qs = _weights_fp8(weights, call, backward=True, amax=ctx.w_amax)
                 dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True,
                                                    aligned_offs=offs_E if wgrad_offs is not None else None)
                 dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype,

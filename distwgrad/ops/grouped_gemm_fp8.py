@@ -12,7 +12,8 @@ Legend: E experts (groups), T tokens, K in-features, N out-features; ``offs_E`` 
 Each also takes ``split_accumulator`` (the recipe's ``MMParams`` for that GEMM, from
 ``distwgrad.fp8.recipe.split_accumulator``): it reaches the kernels; emulation is exact fp32 either way.
 
-``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``).
+``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``)
+or, per-tensor, one ``QuantizedExperts`` (``materialize_quantized_group(..., stacked=True)``).
 A fresh wgrad is in ``out_dtype`` (fp32 by default; the kernels round their fp32 accumulator to bf16 or fp16
 in the epilogue, so a module without ``main_grad`` writes its gradient once); with ``out`` (fp32 ``[E, N, K]``
 or a list of E ``[N, K]``) the product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
@@ -42,7 +43,7 @@ import torch
 
 from distwgrad.fp8 import quantize as reference_quantize
 from distwgrad.fp8.emulate import dequantize_weights
-from distwgrad.fp8.quantize import Quantized, dequantize
+from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
 from distwgrad.fp8.recipe import PerTensorScaling, Recipe
 from distwgrad.ops import grouped_gemm as gg
 
@@ -119,7 +120,7 @@ def _act_block(q: Quantized) -> int | None:
     return q.block[1] if q.block[0] == 1 else None
 
 
-def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] = ()) -> bool:
+def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] | QuantizedExperts = ()) -> bool:
     """True when the FP8 kernels run these operands: all on CUDA (or the CPU testing route), one
     recipe (all per-tensor, or 1xL tiles with L >= 32 and LxL weight blocks), 2-D weights."""
     if not gg.kernels_available(act_qs[0].data):
@@ -131,6 +132,8 @@ def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] = 
     if L is None or (L and L < 32):
         return False
     want = (L, L) if L else None
+    if isinstance(w_qs, QuantizedExperts):
+        return want is None
     return all(q.block == want and len(q.shape) == 2 for q in w_qs)
 
 
@@ -169,11 +172,13 @@ def align_token_groups(q_t: Quantized, offs_E: torch.Tensor, align: int = 128) -
     return Quantized(data, q_t.scale_inv, q_t.block, q_t.orig_dtype, data.shape), offs.to(torch.int32)
 
 
-def _emulated_weights(w_qs: Sequence[Quantized]) -> torch.Tensor:
+def _emulated_weights(w_qs: Sequence[Quantized] | QuantizedExperts) -> torch.Tensor:
+    if isinstance(w_qs, QuantizedExperts):  # fp32(data) * scale_inv, as dequantize per expert
+        return w_qs.data.float() * w_qs.scale_inv[:, None, None]
     return dequantize_weights(list(w_qs), packed=True)
 
 
-def _contraction_contiguous(w_qs: Sequence[Quantized]) -> tuple[torch.Tensor, torch.Tensor]:
+def _contraction_contiguous(w_qs: Sequence[Quantized] | QuantizedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """The stacked weights for dgrad, stored ``[E, K, N]`` (N, dgrad's contraction, contiguous) and
     passed as the ``[E, N, K]`` view the kernel takes. Hopper's fp8 MMA reads its B operand only
     K-major, so the forward layout costs a transpose of every tile in registers: 4-5x slower dgrad on an
@@ -181,6 +186,9 @@ def _contraction_contiguous(w_qs: Sequence[Quantized]) -> tuple[torch.Tensor, to
     The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb). Weights that are
     already views of one such buffer (``kernels.weights_fp8``, [Note: a group of weights in two launches])
     are read in place."""
+    if isinstance(w_qs, QuantizedExperts):
+        data = w_qs.data
+        return (data if data.stride(1) == 1 else data.transpose(1, 2).contiguous().transpose(1, 2)), w_qs.scale_inv
     from distwgrad.kernels.weights_fp8 import stacked_view
     view, scales = stacked_view([q.data for q in w_qs]), stacked_view([q.scale_inv for q in w_qs])
     if view is not None and scales is not None and view.stride(1) == 1:  # [E, N, K] with N contiguous
@@ -189,19 +197,21 @@ def _contraction_contiguous(w_qs: Sequence[Quantized]) -> tuple[torch.Tensor, to
     return data, torch.stack([q.scale_inv for q in w_qs])
 
 
-def grouped_fprop_fp8(x_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
+def grouped_fprop_fp8(x_q: Quantized, w_qs: Sequence[Quantized] | QuantizedExperts, offs_E: torch.Tensor,
                       bias_EN: torch.Tensor | None, out_dtype: torch.dtype, *,
                       split_accumulator: bool = True) -> torch.Tensor:
     """``y_TN`` in ``out_dtype`` (bias added in fp32); see the module docstring."""
     if fp8_kernels_accept([x_q], w_qs):
         from distwgrad.kernels import grouped_gemm_fp8 as k
-        return k.grouped_fprop_fp8(x_q, list(w_qs), offs_E, bias_EN, out_dtype, split_accumulator=split_accumulator)
+        w = list(w_qs) if not isinstance(w_qs, QuantizedExperts) else (  # K contiguous, as fprop reads it
+            w_qs.data if w_qs.data.stride(2) == 1 else w_qs.data.contiguous(), w_qs.scale_inv)
+        return k.grouped_fprop_fp8(x_q, w, offs_E, bias_EN, out_dtype, split_accumulator=split_accumulator)
     x_TK = dequantize(x_q, dtype=torch.float32)
     bias = None if bias_EN is None else bias_EN.float()
     return gg.grouped_fprop(x_TK, _emulated_weights(w_qs), offs_E, bias).to(out_dtype)
 
 
-def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized], offs_E: torch.Tensor,
+def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized] | QuantizedExperts, offs_E: torch.Tensor,
                       out_dtype: torch.dtype, *, split_accumulator: bool = True) -> torch.Tensor:
     """``dx_TK`` in ``out_dtype``; see the module docstring."""
     if fp8_kernels_accept([dy_q], w_qs):
