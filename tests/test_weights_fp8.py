@@ -63,8 +63,9 @@ def _check(device: str) -> None:
 def _module_reuses_forward_amax() -> None:
     """GroupedLinear (kernel route) takes its experts' amaxes once per step: backward re-quantizes from
     forward's, unless a weight changed in between (then it takes them again)."""
-    from distwgrad.fp8 import PerTensorScaling, fp8_autocast
     from distwgrad.kernels import weights_fp8 as kw
+
+    from distwgrad.fp8 import PerTensorScaling, fp8_autocast
     from distwgrad.nn import GroupedLinear
     calls, real = [], kw.group_amax
     kw.group_amax = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
