@@ -779,10 +779,6 @@ def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"{op}: w_qs[{i}] has block {q.block} and shape {tuple(q.shape)}; with "
                              f"{'per-tensor' if not block else f'1x{block}'} activations every expert must be a "
                              f"2-D weight quantized {'per tensor' if not block else f'in {block}x{block} blocks'}")
-    from .weights_fp8 import stacked_view
-    data, scales = stacked_view([q.data for q in w_qs]), stacked_view([q.scale_inv for q in w_qs])
-    if data is not None and scales is not None and data.stride(2) == 1:  # views of one buffer, K contiguous
-        return data, scales
     return torch.stack([q.data for q in w_qs]), torch.stack([q.scale_inv for q in w_qs])
 
 

@@ -234,9 +234,9 @@ def _to_fp8_bits(y, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+def _amax_into(x_ptr, amax_ptr, n, pid, nprog, BLOCK: tl.constexpr):
+    """Program ``pid`` of ``nprog``: max |x| over its BLOCK-element strides of x's n elements, into
+    ``amax_ptr`` by an atomic max."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(0, tl.cdiv(n, BLOCK * nprog)):
         offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -245,6 +245,11 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     # +inf, never NaN, into the atomic: the fp32 atomic_max is an integer max/min on the bits, which
     # orders NaN wrongly.
     tl.atomic_max(amax_ptr, _inf_if_nan(tl.reduce(acc, 0, _max_nan)))
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    _amax_into(x_ptr, amax_ptr, n, tl.program_id(0), tl.num_programs(0), BLOCK)
 
 
 @triton.jit

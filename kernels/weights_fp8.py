@@ -8,8 +8,7 @@ spent more time in these copies and on the host than in its GEMMs (docs/benchmar
 takes every expert's amax (programs over (chunk, expert), experts found through a table of their
 addresses, so separate parameters need no stacking) and one launch casts them all into ONE stacked
 buffer, in the layout the GEMM reads: ``[E, N, K]`` for fprop, ``[E, K, N]`` (each expert transposed
-in the cast's tiles) for dgrad. The per-expert ``Quantized`` are views of that buffer (and of one
-``[E]`` scale tensor), which ``stacked_view`` recognises, so the GEMMs read it without copying.
+in the cast's tiles) for dgrad, handed over as one ``QuantizedExperts`` that the GEMMs read in place.
 Each expert's bits are those of ``distwgrad.fp8.weights.quantize_weight`` on it alone (same amax, same
 scale arithmetic, same cast; tests/test_weights_fp8.py).
 """
@@ -22,22 +21,21 @@ import torch
 import triton
 import triton.language as tl
 
-from distwgrad.fp8.quantize import Quantized, QuantizedExperts
+from distwgrad.fp8.quantize import QuantizedExperts
 
 from .quantize import (
     AMAX_MAX_PROGRAMS,
     PER_TENSOR_BLOCK,
     PER_TENSOR_WARPS,
+    _amax_into,
     _check_input,
     _fmt_args,
-    _inf_if_nan,
     _inverse,
-    _max_nan,
     _scale_from_amax,
     _to_fp8_bits,
 )
 
-__all__ = ["quantize_weights_per_tensor", "group_amax", "stacked_view"]
+__all__ = ["quantize_weights_per_tensor", "group_amax"]
 
 TILE = 64  # the transposing cast's [TILE, TILE] tiles
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -46,16 +44,9 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 @triton.jit
 def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, BLOCK: tl.constexpr):
     """amax[e] = max |w_e| (+inf for a NaN or inf) over expert e's n elements, programs (chunk, e)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     e = tl.program_id(1)
     x_ptr = tl.load(table_ptr + e).to(tl.pointer_type(X_TY))
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, tl.cdiv(n, BLOCK * nprog)):
-        offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        acc = _max_nan(acc, tl.abs(x).to(tl.float32))
-    tl.atomic_max(amax_ptr + e, _inf_if_nan(tl.reduce(acc, 0, _max_nan)))  # +inf, never NaN, into the atomic
+    _amax_into(x_ptr, amax_ptr + e, n, tl.program_id(0), tl.num_programs(0), BLOCK)
 
 
 @triton.jit
@@ -117,14 +108,12 @@ def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = N
 
 def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
                                 transpose: bool = False, shared: Sequence[int] | None = None,
-                                stacked: bool = False, amax: torch.Tensor | None = None
-                                ) -> list[Quantized] | QuantizedExperts:
-    """Each ``[N, K]`` weight quantized per tensor, as views of one stacked buffer ([Note: a group of weights
-    in two launches]): ``[E, N, K]``, or with ``transpose`` ``[E, K, N]`` whose per-expert views are
-    transposed back to ``[N, K]`` (the dgrad GEMM's layout). The weights must be contiguous, of one shape,
-    dtype and device. ``shared``: weight e's amax is the max over the weights of its number
-    ``shared[e]`` (the experts of one packed parameter share one scale), else each its own. ``stacked``:
-    one ``QuantizedExperts`` over the buffer instead of a ``Quantized`` per weight. ``amax``: the
+                                amax: torch.Tensor | None = None) -> QuantizedExperts:
+    """Each ``[N, K]`` weight quantized per tensor into one stacked buffer ([Note: a group of weights in two
+    launches]): ``[E, N, K]``, stored as such or, with ``transpose``, as ``[E, K, N]`` (the dgrad GEMM's
+    layout; the ``QuantizedExperts`` is its ``[E, N, K]`` view either way). The weights must be contiguous, of
+    one shape, dtype and device. ``shared``: weight e's amax is the max over the weights of its number
+    ``shared[e]`` (the experts of one packed parameter share one scale), else each its own. ``amax``: the
     weights' ``group_amax`` when the caller has it (then ``shared`` is not read)."""
     _check_weights(weights)
     w0 = weights[0]
@@ -143,10 +132,7 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
     _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
                                               TRANSPOSE=transpose, BLOCK=PER_TENSOR_BLOCK, TILE=TILE,
                                               num_warps=PER_TENSOR_WARPS, **fmt)
-    views = data.transpose(1, 2) if transpose else data
-    if stacked:
-        return QuantizedExperts(views, s_inv, w0.dtype, amax)
-    return [Quantized(views[e], s_inv[e], None, w0.dtype, torch.Size((N, K))) for e in range(E)]
+    return QuantizedExperts(data.transpose(1, 2) if transpose else data, s_inv, w0.dtype, amax)
 
 
 _TABLES: dict = {}  # (values, device) -> int64 device tensor: parameters keep their addresses across steps
@@ -164,25 +150,3 @@ def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
             _TABLES.pop(next(iter(_TABLES)))
         t = _TABLES[key] = to_device(values, torch.int64, device)
     return t
-
-
-def stacked_view(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The ``[E, ...]`` tensor whose slices are exactly ``ts`` (equal shapes and strides, one storage, equally
-    spaced: views of one stacked buffer, e.g. ``quantize_weights_per_tensor``'s), or None. A GEMM then
-    reads the buffer in place of stacking copies of the slices. None under torch.compile tracing or for
-    tensor subclasses (fake tensors have no addresses): the caller then stacks, the same values."""
-    if not ts or torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in ts):
-        return None
-    t0 = ts[0]
-    if len(ts) == 1:
-        return t0.unsqueeze(0)
-    step = ts[1].data_ptr() - t0.data_ptr()
-    size = t0.element_size()
-    if step <= 0 or step % size:
-        return None
-    ptr = t0.untyped_storage().data_ptr()
-    for e, t in enumerate(ts):
-        if (t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype or t.device != t0.device
-                or t.untyped_storage().data_ptr() != ptr or t.data_ptr() != t0.data_ptr() + e * step):
-            return None
-    return t0.as_strided((len(ts), *t0.shape), (step // size, *t0.stride()), t0.storage_offset())

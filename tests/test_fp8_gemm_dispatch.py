@@ -152,11 +152,8 @@ IDS = [f"{r}-{m}-{'delay' if d else 'now'}" for r, m, d in CASES]
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_modules_on_fp8_kernels_interpreted(case):
-    env = dict(os.environ, TRITON_INTERPRET="1", DISTWGRAD_KERNELS_ON_CPU="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, _HERE, *map(str, case)], env=env, cwd=_ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    from distwgrad.testing.interpreter import run_interpreted
+    run_interpreted(_HERE, *case, kernels_on_cpu=True)
 
 
 @pytest.mark.gpu

@@ -120,26 +120,33 @@ def _case_fprop_dgrad():
 _HALF_TAIL_SPLITS = [0, 16, 17, 33, 48, 49, 0, 64, 1]
 
 
+def _tail_edges_and_refusals(cfg, field: str, splits: list[int], *, seed: int) -> None:
+    """What the half- and wide-tail cases share: ``cfg`` with K, N off the tile (masked pointer loads), the
+    config refusing ``field`` on tiles under 32 rows, and the wgrad launcher refusing ``cfg`` by name."""
+    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
+    T, E = sum(splits), len(splits)
+    _check_all_ops(T, E, 45, 33, torch.float32, "cpu", seed=seed, config=cfg, ops=("fprop", "dgrad"), splits=splits)
+    with pytest.raises(ValueError, match=rf"{field} needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
+        dataclasses.replace(INTERPRETER, **{field: True})
+    x, dy, offs = torch.randn(T, 48), torch.randn(T, 32), torch.tensor(splits).cumsum(0).int()
+    with pytest.raises(ValueError, match=r"half_tail and wide_tail are for fprop/dgrad \(ragged M\) only, got "
+                                         + re.escape(cfg.short())):
+        _kernels()._launch_wgrad(dy, x, offs, torch.zeros(E, 32, 48), accumulate=True, table=None, config=cfg,
+                                 use_tma=None)
+
+
 def _case_half_tail():
     """[Note: half tail tiles]: fprop (with bias) and dgrad with ``half_tail`` on the tiles that take it and the
     ones that don't, TMA and pointer loads, against the oracle (NaN-poisoned outputs); the launchers refuse
     it where it does not apply."""
     from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
-    k = _kernels()
     cfg = dataclasses.replace(INTERPRETER, block_m=32, half_tail=True)
     T, E = sum(_HALF_TAIL_SPLITS), len(_HALF_TAIL_SPLITS)
     for dtype in (torch.float16, torch.float32):
         for use_tma in (False, True):
             _check_all_ops(T, E, 48, 32, dtype, "cpu", seed=21, use_tma=use_tma, config=cfg, ops=("fprop", "dgrad"),
                            splits=_HALF_TAIL_SPLITS)
-    _check_all_ops(T, E, 45, 33, torch.float32, "cpu", seed=22, config=cfg, ops=("fprop", "dgrad"),
-                   splits=_HALF_TAIL_SPLITS)  # K, N off the tile: masked pointer loads
-    with pytest.raises(ValueError, match=r"half_tail needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
-        dataclasses.replace(INTERPRETER, half_tail=True)
-    x, dy, offs = torch.randn(T, 48), torch.randn(T, 32), torch.tensor(_HALF_TAIL_SPLITS).cumsum(0).int()
-    with pytest.raises(ValueError, match=r"half_tail and wide_tail are for fprop/dgrad \(ragged M\) only, got "
-                                         r"32x16x16/g2/w1/s1/half"):
-        k._launch_wgrad(dy, x, offs, torch.zeros(E, 32, 48), accumulate=True, table=None, config=cfg, use_tma=None)
+    _tail_edges_and_refusals(cfg, "half_tail", _HALF_TAIL_SPLITS, seed=22)
 
 
 # Tokens per group around BLOCK_M = 32 of the wide-tail config: one tile of 1, 16 (half) or 17, 32 rows, a
@@ -153,21 +160,13 @@ def _case_wide_tail():
     and pointer loads, against the oracle (NaN-poisoned outputs); the launchers refuse it where it does not
     apply."""
     from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
-    k = _kernels()
     T, E = sum(_WIDE_TAIL_SPLITS), len(_WIDE_TAIL_SPLITS)
     for half in (False, True):
         cfg = dataclasses.replace(INTERPRETER, block_m=32, wide_tail=True, half_tail=half)
         for use_tma in (False, True):
             _check_all_ops(T, E, 48, 32, torch.float16, "cpu", seed=31, use_tma=use_tma, config=cfg,
                            ops=("fprop", "dgrad"), splits=_WIDE_TAIL_SPLITS)
-    _check_all_ops(T, E, 45, 33, torch.float32, "cpu", seed=32, config=cfg, ops=("fprop", "dgrad"),
-                   splits=_WIDE_TAIL_SPLITS)  # K, N off the tile: masked pointer loads
-    with pytest.raises(ValueError, match=r"wide_tail needs block_m >= 32 \(a half tile is a tl.dot of 16 rows"):
-        dataclasses.replace(INTERPRETER, wide_tail=True)
-    x, dy, offs = torch.randn(T, 48), torch.randn(T, 32), torch.tensor(_WIDE_TAIL_SPLITS).cumsum(0).int()
-    with pytest.raises(ValueError, match=r"half_tail and wide_tail are for fprop/dgrad \(ragged M\) only, got "
-                                         r"32x16x16/g2/w1/s1/half/wide"):
-        k._launch_wgrad(dy, x, offs, torch.zeros(E, 32, 48), accumulate=True, table=None, config=cfg, use_tma=None)
+    _tail_edges_and_refusals(cfg, "wide_tail", _WIDE_TAIL_SPLITS, seed=32)
 
 
 def _case_wgrad():

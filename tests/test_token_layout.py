@@ -6,14 +6,11 @@ transposed copy), and the plain transpose, bit-identical to ``transpose_quantize
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 _HERE = os.path.abspath(__file__)
-_ROOT = os.path.dirname(os.path.dirname(_HERE))
 
 # (T, R, end offsets): empty groups, a group inside one chunk, groups on the grid, unrouted tokens after
 # the last group, every token in the last group, no tokens, R off the 64-row block, 256 groups
@@ -70,10 +67,8 @@ def _case_interpreter() -> None:
 @pytest.mark.interpret
 def test_transpose_aligned_interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, _HERE], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    from distwgrad.testing.interpreter import run_interpreted
+    run_interpreted(_HERE)
 
 
 @pytest.mark.gpu

@@ -223,7 +223,8 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
             mats = [m.detach() for m in mats]
             if amax is None:  # (a packed parameter's experts share its one amax, as quantize_weight gives them)
                 amax = group_amax(mats, shared=owner)
-            return quantize_weights_per_tensor(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
-                                               stacked=stacked, amax=amax)
+            experts = quantize_weights_per_tensor(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
+                                                  amax=amax)
+            return experts if stacked else experts.unbind()
     return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]
 

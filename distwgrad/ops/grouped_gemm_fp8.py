@@ -66,12 +66,19 @@ def align_wgrad(x_TK: torch.Tensor, recipe: Recipe | None, num_groups: int) -> b
             and x_TK.shape[0] >= ALIGN_MIN_TOKENS * num_groups and gg.kernels_available(x_TK))
 
 
+def _aligned_groups(offs_E: torch.Tensor, num_tokens: int, align: int) -> tuple[torch.Tensor, ...]:
+    """(each group's end, size, size padded to ``align``, and its end in the aligned layout), int64, for
+    groups ending at ``offs_E`` (clamped into [0, num_tokens]; a decreasing offset gives an empty group)."""
+    ends = offs_E.long().clamp(0, num_tokens)
+    sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
+    padded = -(-sizes // align) * align
+    return ends, sizes, padded, padded.cumsum(0)
+
+
 def wgrad_offsets(offs_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The int32 end offsets of the aligned layout of ``num_tokens`` tokens in groups ending at ``offs_E``
     (each group's zero padding counted in it; [Note: aligned token groups])."""
-    ends = offs_E.long().clamp(0, num_tokens)
-    sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
-    return (-(-sizes // ALIGN) * ALIGN).cumsum(0).to(torch.int32)
+    return _aligned_groups(offs_E, num_tokens, ALIGN)[3].to(torch.int32)
 
 
 def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
@@ -155,10 +162,7 @@ def align_token_groups(q_t: Quantized, offs_E: torch.Tensor, align: int = 128) -
     R, T = q_t.data.shape
     E = offs_E.numel()
     width = -(-(T + (align - 1) * E + 1) // align) * align  # its last column lies past every group
-    ends = offs_E.long().clamp(0, T)
-    sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
-    padded = -(-sizes // align) * align
-    offs = padded.cumsum(0)  # (wgrad_offsets, for any align)
+    ends, sizes, padded, offs = _aligned_groups(offs_E, T, align)
     # token t of group e moves by (group e's new start) - (its old start); unrouted tokens (past the last
     # offset) to the last column, zeroed after
     tokens = torch.arange(T, device=ends.device)
@@ -183,16 +187,12 @@ def _contraction_contiguous(w_qs: Sequence[Quantized] | QuantizedExperts) -> tup
     passed as the ``[E, N, K]`` view the kernel takes. Hopper's fp8 MMA reads its B operand only
     K-major, so the forward layout costs a transpose of every tile in registers: 4-5x slower dgrad on an
     H200 (``test_gpu_dgrad_weight_layouts``); the one transposing copy here (E*N*K bytes) is cheaper.
-    The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb). Weights that are
-    already views of one such buffer (``kernels.weights_fp8``, [Note: a group of weights in two launches])
-    are read in place."""
+    The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb). A
+    ``QuantizedExperts`` already in that layout ([Note: a group of weights in two launches] in
+    ``kernels/weights_fp8.py``) is read in place."""
     if isinstance(w_qs, QuantizedExperts):
         data = w_qs.data
         return (data if data.stride(1) == 1 else data.transpose(1, 2).contiguous().transpose(1, 2)), w_qs.scale_inv
-    from distwgrad.kernels.weights_fp8 import stacked_view
-    view, scales = stacked_view([q.data for q in w_qs]), stacked_view([q.scale_inv for q in w_qs])
-    if view is not None and scales is not None and view.stride(1) == 1:  # [E, N, K] with N contiguous
-        return view, scales
     data = torch.stack([q.data.t() for q in w_qs]).transpose(1, 2)
     return data, torch.stack([q.scale_inv for q in w_qs])
 

@@ -1,8 +1,9 @@
 """Test support shipped with the package, so tests and benchmarks share one oracle and one harness.
 
 ``reference`` holds the reference implementations; ``multiprocess`` the multi-rank test harness
-(``run_distributed``, ``for_each_case``). Submodules load on first access, not on
-``import distwgrad.testing``, so importing this package stays cheap (no ``torch.distributed``).
+(``run_distributed``, ``for_each_case``); ``interpreter`` runs a test script under Triton's interpreter.
+Submodules load on first access, not on ``import distwgrad.testing``, so importing this package stays
+cheap (no ``torch.distributed``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["multiprocess", "reference"]
+__all__ = ["interpreter", "multiprocess", "reference"]
 
 
 def __getattr__(name: str) -> ModuleType:
