@@ -65,6 +65,20 @@ slower), and
 the MMA warps storing 8 bytes at a time straight from the MMA layout, no shared memory (604-622 fresh,
 499-538 accumulating, against 625-643 and 613).
 
+[Note: a 16-bit handoff]
+A fresh bf16 / fp16 output (``grouped_wgrad_fp8(..., out_dtype=)``, what the modules take without
+``main_grad``) is rounded by the MMA warps before the handoff instead of by the epilogue warps after it:
+the same fp32 value rounded to nearest even by the same conversion, so the same bits (the GPU tests
+compare it with the fp32 output rounded), and the handed-off tile is 32 KB instead of 64 KB. The MMA
+warps then store one 4-byte word per column pair (against 8 bytes), half the shared-memory wavefronts;
+the epilogue warps read 8 values per 16-byte load. The swizzle is the fp32 tile's in elements (16-byte
+units over 8 rows), conflict-free for both sides again. The 32 KB saved fit a sixth ring stage
+(``grouped_gemm_fp8.WGRAD_GLUON_STAGES_16``). An accumulating output and a table of bases (fp32) hand
+off in fp32 as before. On an H200 (docs/benchmarks.md, medians of 7 interleaved passes against the
+build before it): E=64 fresh bf16 on the aligned layout ([Note: aligned token groups]) 888 / 894 TFLOP/s
+(5 / 6 stages) against 825, 1.60x / 1.62x our bf16 kernel against 1.49x; on the plain layout 686 / 712
+against 689 (the edge chunks' zeroing bounds it there); E=8 aligned 1188 / 1173 against 1141.
+
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
 (``_grouped_wgrad_fp8_gluon_launch.launch(..., trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA
@@ -123,7 +137,7 @@ On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md), hence the defaul
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
-output ``[E, N, K]`` or a table of per-group fp32 bases (``PTR_TABLE``).
+output ``[E, N, K]`` (bf16 / fp16 when fresh) or a table of per-group fp32 bases (``PTR_TABLE``).
 Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-features (x^T rows), E groups.
 """
 
@@ -296,7 +310,7 @@ def _define():
         have read handoff h - 1 (a fresh mbarrier counts as released for the first), stores the scaled
         tile and signals it (the arrive follows a barrier of the partition: every warp's stores)."""
         mbarrier.wait(c_free, (h & 1) ^ 1)
-        c_smem.store(acc * a_scale * b_scale)
+        c_smem.store((acc * a_scale * b_scale).to(c_smem.dtype))  # a fresh 16-bit output rounds here
         mbarrier.arrive(c_ready, count=1)
 
     @gluon.jit
@@ -331,7 +345,7 @@ def _define():
                     if ADD_MODE == 3:
                         gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
                     elif ADD_MODE < 0:
-                        keep += val
+                        keep += val.to(gl.float32)
                     else:
                         if ADD_MODE == 1:
                             val = val + gl.load(ptrs, mask=mask, other=0.0)
@@ -499,8 +513,13 @@ def _define():
         # the handed-off tile ([Note: an epilogue partition]; one row without the epilogue warps): 32-byte
         # units swizzled over 8 rows, so the MMA layout's stores and the row-wise loads are both conflict-free
         C_ROWS: gl.constexpr = BLOCK_M if EPI_WARPS > 0 else 1
-        c_smem = gl.allocate_shared_memory(gl.float32, [C_ROWS, BLOCK_N],
-                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        # a fresh 16-bit output is handed off rounded ([Note: a 16-bit handoff]); every other in fp32
+        if ADD_MODE == 0 and not PTR_TABLE and out_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            c_smem = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [C_ROWS, BLOCK_N],
+                                               gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+        else:
+            c_smem = gl.allocate_shared_memory(gl.float32, [C_ROWS, BLOCK_N],
+                                               gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
         c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         c_ready = c_bars.index(0)
         c_free = c_bars.index(1)

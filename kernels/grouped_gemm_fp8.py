@@ -196,6 +196,10 @@ WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or 
 WGRAD_GLUON_L2_PREFETCH = False   # accumulating: each old tile prefetched into L2 when its tile starts (beside the
 #                                   epilogue partition it cost 1-4% at the large MoE shapes)
 WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside the 64 KB handed-off tile)
+WGRAD_GLUON_STAGES_16 = 6         # ring depth of a fresh bf16 / fp16 wgrad (beside a 32 KB handed-off tile:
+#                                   _grouped_wgrad_fp8_gluon [Note: a 16-bit handoff]); H200, medians of two runs'
+#                                   passes, 6 / 5 stages: E=64 plain 727 / 688, 712 / 686, aligned 918 / 896,
+#                                   894 / 888; E=8 plain 1084 / 1093, 1071 / 1068, aligned 1192 / 1177, 1173 / 1188
 WGRAD_GLUON_EPILOGUE_WARPS = 2    # 2: an epilogue partition writes each tile beside the next tile's MMAs; 0: the
 #                                   MMA warps write it (_grouped_wgrad_fp8_gluon [Note: an epilogue partition])
 _GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
@@ -548,6 +552,12 @@ def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> 
     return kw.AVAILABLE and torch.cuda.get_device_capability(a_NT.device)[0] == 9
 
 
+def _handoff_16(out, accumulate: bool, table) -> bool:
+    """Whether the Gluon wgrad hands its tiles off in 16 bits (a fresh bf16 / fp16 stacked output) and so
+    has room for WGRAD_GLUON_STAGES_16 stages ([Note: a 16-bit handoff])."""
+    return not accumulate and table is None and out.dtype != torch.float32
+
+
 def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table) -> bool:
     """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
     then runs the Triton kernel."""
@@ -559,7 +569,8 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
         return False
     try:
         kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
-                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH, stages=WGRAD_GLUON_STAGES,
+                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH,
+                  stages=WGRAD_GLUON_STAGES_16 if _handoff_16(out, accumulate, table) else WGRAD_GLUON_STAGES,
                   epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:
         _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]

@@ -790,6 +790,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
                                      "atomic/l2pf/s5", "atomic/l2pf/s5/epi", "fresh/epi/s5", "load/epi",
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
                                      "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16", "fresh/epi/s5/fp16",
+                                     "fresh/epi/s6/bf16",
                                      "fresh/bf16"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
@@ -803,6 +804,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         pytest.skip("this Triton has no Gluon")
     from triton.experimental.gluon import language as gl
     mode, *rest = variant.split("/")
+    stages = int(next((r[1:] for r in rest if r.startswith("s")), 4))  # "s5": a ring of 5 stages
     E, T, K, N, L = 64, 65536, 7168, 2048, kw.BLOCK
     a_ty = "fp8e5" if "e5m2" in rest else "fp8e4nv"
     a_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e5 if "e5m2" in rest else gl.float8e4nv)
@@ -814,7 +816,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
                 TRACE_TILES=435, a_ptr=f"*{a_ty}", b_ptr="*fp8e4nv", stride_at="i32", stride_bt="i32")
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
-                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=5 if "s5" in rest else 4,
+                  L2_PREFETCH="l2pf" in rest, GROUP_M=8, NUM_STAGES=stages,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
                   TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False,
                   GROUP_DESC=False, CHAIN=False)
@@ -847,8 +849,12 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     assert ptx.count("%clock64") == (4 if "trace" in rest else 0)
     if "epi" in rest:  # [Note: an epilogue partition]: the MMA warps hand each tile over in shared memory
         assert ptx.count(".reqntid 384") == 1, "the epilogue warps share the TMA warp's warpgroup"
-        assert kernel.metadata.shared >= (5 if "s5" in rest else 4) * 32768 + 65536, kernel.metadata.shared
-        assert "st.shared.v2.b32" in ptx and "ld.shared.v4.b32" in ptx
+        # [Note: a 16-bit handoff]: a fresh bf16 / fp16 tile is handed off rounded, in half the bytes
+        out16 = mode == "fresh" and ("bf16" in rest or "fp16" in rest)
+        assert kernel.metadata.shared >= stages * 32768 + (32768 if out16 else 65536), kernel.metadata.shared
+        # the MMA layout's pairs of columns stored (two fp32, or two 16-bit values in one word), the epilogue
+        # warps' 16-byte loads (four fp32, or eight 16-bit values)
+        assert ("st.shared.v2.b32" in ptx) is not out16 and "ld.shared.v4.b32" in ptx
 
 
 @pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "atomic/zero", "fresh/zero",
@@ -896,7 +902,9 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     if "out16" in rest:  # a fresh bf16 dW: rounded in registers, 8 elements per 16-byte store
         stores = re.findall(r"\bst\.global[.\w]*", ptx)
         assert "cvt.rn.bf16x2.f32" in ptx and stores and all(".v4." in st for st in stores), sorted(set(stores))
-    assert ptx.count(".reqntid 384") == 1 and kernel.metadata.shared >= 5 * 32768 + 65536, kernel.metadata.shared
+    # the handed-off tile: 64 KB in fp32, 32 KB rounded to a fresh bf16 output ([Note: a 16-bit handoff])
+    handoff = 32768 if "out16" in rest else 65536
+    assert ptx.count(".reqntid 384") == 1 and kernel.metadata.shared >= 5 * 32768 + handoff, kernel.metadata.shared
     assert kernel.metadata.shared <= 232448, kernel.metadata.shared
 
 
@@ -1346,6 +1354,8 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     monkeypatch.setattr(k, "WGRAD_GLUON_ADD_MODE", add)
     monkeypatch.setattr(k, "WGRAD_GLUON_L2_PREFETCH", l2pf)
     monkeypatch.setattr(k, "WGRAD_GLUON_STAGES", stages)
+    # a fresh 16-bit output handed off rounded has room for one stage more ([Note: a 16-bit handoff])
+    monkeypatch.setattr(k, "WGRAD_GLUON_STAGES_16", stages + 1 if epilogue_warps else stages)
     monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_WARPS", epilogue_warps)
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,

@@ -1,10 +1,11 @@
 """Where the grouped GEMM kernels' time goes on a GPU: the bf16 fprop/dgrad kernels (Triton, and the
 opt-in Gluon kernel) timed side by side with torch._grouped_mm and a dense mm of the same FLOPs, the
-FP8 Gluon kernel against other builds of it (``--fp8-ab``), and a handful of launches for Nsight
+FP8 Gluon kernels against other builds of them (``--fp8-ab``, ``--wgrad-ab``), and a handful of launches for Nsight
 Compute to read the hardware counters of (``--ncu``; ``ncu_hotspots.py`` summarises the report).
 
     python qa/bench/gemm_profile.py --json out.json                    # timings, ratios, bit checks
     python qa/bench/gemm_profile.py --fp8-ab MODULE ...                # A/B of FP8 kernel builds
+    python qa/bench/gemm_profile.py --wgrad-ab [MODULE ...] --wgrad-stages 5 6  # the FP8 wgrad's
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \\
         python qa/bench/gemm_profile.py --ncu                            # one launch of each target
@@ -186,6 +187,99 @@ def fp8_ab(args) -> list[dict]:
     return rows
 
 
+def wgrad_ab(args) -> list[dict]:
+    """The FP8 per-tensor wgrad (the Gluon kernel) through today's build and each ``--wgrad-ab`` module's
+    (other builds of ``_grouped_wgrad_fp8_gluon``, modules of ``distwgrad.kernels``), at each ring depth of
+    ``--wgrad-stages``, interleaved in one process (medians of ``--repeats`` passes, each in a rotated
+    order), beside our bf16 kernel: fresh in
+    fp32 and in bf16, fresh in bf16 on the aligned layout ([Note: aligned token groups]), and added into fp32.
+    Every build's output must equal today's at the default depth bit for bit; a build that does not fit a
+    depth (shared memory) is skipped with a line."""
+    import contextlib
+    import functools
+    import importlib
+    import statistics
+
+    import fp8 as B
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
+    from distwgrad.kernels import grouped_gemm_fp8 as F
+    from distwgrad.kernels import token_layout as kt
+    from triton.testing import do_bench
+
+    from distwgrad.fp8.recipe import PerTensorScaling
+    from distwgrad.ops.grouped_gemm_fp8 import wgrad_offsets
+    builds = {"new": kw}
+    builds.update({m: importlib.import_module(f"distwgrad.kernels.{m}") for m in args.wgrad_ab})
+    bf = torch.bfloat16
+    rows = []
+
+    @contextlib.contextmanager
+    def build(mod, stages):
+        saved = kl._k, F.WGRAD_GLUON_STAGES, F.WGRAD_GLUON_STAGES_16
+        kl._k, F.WGRAD_GLUON_STAGES, F.WGRAD_GLUON_STAGES_16 = mod, stages, stages
+        try:
+            yield
+        finally:
+            kl._k, F.WGRAD_GLUON_STAGES, F.WGRAD_GLUON_STAGES_16 = saved
+
+    for shape in SHAPES:
+        E, T, K, N = shape
+        p = B._gemm_problem(*shape, "cuda")
+        q = B._fp8_operands(p, PerTensorScaling())
+        dy, x = q["dy_qt"], q["x_qt"]
+        dy_a, x_a = (kt.transpose_aligned(a.data, p["offs"])[0] for a in (q["dy_q"], q["x_q"]))
+        offs_a = wgrad_offsets(p["offs"], T)
+        main = torch.zeros(E, N, K, device="cuda")
+        plain = (dy.data, dy.scale_inv, x.data, x.scale_inv, p["offs"], 0)
+        aligned = (dy_a, dy.scale_inv, x_a, x.scale_inv, offs_a, 0)
+        cells = {"fresh_fp32": functools.partial(F._wgrad, *plain, gluon=True),
+                 "fresh_bf16": functools.partial(F._wgrad, *plain, out_dtype=bf, gluon=True),
+                 "fresh_bf16_aligned": functools.partial(F._wgrad, *aligned, out_dtype=bf, gluon=True),
+                 "accumulate": functools.partial(F._wgrad, *plain, out=main, gluon=True)}
+        fresh = functools.partial(G.grouped_wgrad, p["dy"], p["x"], p["offs"])
+        peers = {"fresh_fp32": fresh, "fresh_bf16": fresh, "fresh_bf16_aligned": fresh,
+                 "accumulate": functools.partial(G.grouped_wgrad, p["dy"], p["x"], p["offs"], out=main)}
+        flops = 2.0 * T * N * K
+        for cell, fn in cells.items():
+            runs = {}
+            expect = None
+            for name, mod in builds.items():
+                for stages in args.wgrad_stages:
+                    with build(mod, stages):
+                        try:
+                            main.zero_()
+                            out = fn().clone() if cell != "accumulate" else (fn(), main.clone())[1]
+                        except Exception as exc:  # noqa: BLE001 - a depth that does not fit is skipped
+                            print(f"  {cell} {shape} {name}/s{stages}: {type(exc).__name__}: {exc}"[:300])
+                            continue
+                    if expect is None:
+                        expect = out
+                    elif not torch.equal(out, expect):
+                        raise SystemExit(f"{cell} {shape}: {name}/s{stages} differs from the first build")
+                    runs[f"{name}/s{stages}"] = (mod, stages)
+            del expect
+            t = {label: [] for label in runs}
+            t["bf16"] = []
+            order = list(runs) + ["bf16"]
+            for r in range(args.repeats):  # each pass in a rotated order: no build always runs first
+                for label in order[r % len(order):] + order[:r % len(order)]:
+                    if label == "bf16":
+                        t[label].append(do_bench(peers[cell], warmup=25, rep=args.rep))
+                        continue
+                    with build(*runs[label]):
+                        t[label].append(do_bench(fn, warmup=25, rep=args.rep))
+            med = {label: flops / statistics.median(ms) / 1e9 for label, ms in t.items()}
+            for label, ms in t.items():
+                rows.append({"op": cell, "shape": list(shape), "impl": label, "tflops": med[label],
+                             "vs_bf16": med[label] / med["bf16"], "tflops_all": [flops / m / 1e9 for m in ms]})
+            print(f"{cell:18} {','.join(map(str, shape)):20} " + "  ".join(
+                f"{label} {v:6.1f} ({v / med['bf16']:.2f}x)" for label, v in med.items()), flush=True)
+        del p, q, main, dy_a, x_a, cells, peers, fresh, plain, aligned
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ncu", action="store_true", help="launch each target once for Nsight Compute")
@@ -193,6 +287,10 @@ def main() -> None:
     ap.add_argument("--fp8-ab", nargs="+", default=None, metavar="MODULE",
                     help="time the FP8 Gluon kernel against distwgrad.kernels.MODULE's builds of it instead "
                          "(new/other ratios in parentheses)")
+    ap.add_argument("--wgrad-ab", nargs="*", default=None, metavar="MODULE",
+                    help="time the FP8 Gluon wgrad (fresh fp32 / bf16 / bf16 aligned, accumulating) against "
+                         "distwgrad.kernels.MODULE's builds of it and our bf16 kernel instead (none: today's only)")
+    ap.add_argument("--wgrad-stages", nargs="+", type=int, default=[5], help="with --wgrad-ab: ring depths")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=2, help="timing passes over the impls (interleaved)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -200,7 +298,10 @@ def main() -> None:
     if args.ncu:
         ncu_targets(args.targets)
         return
-    rows = fp8_ab(args) if args.fp8_ab else time_all(args)
+    if args.wgrad_ab is not None:
+        rows = wgrad_ab(args)
+    else:
+        rows = fp8_ab(args) if args.fp8_ab else time_all(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
