@@ -76,12 +76,18 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.con
 
 
 def _check_weights(weights: Sequence[torch.Tensor]) -> None:
+    """weights[0] checked as any kernel input; every other like it (shape, dtype, device) and contiguous.
+    (One pass of plain comparisons over the group, then the full checks of the first that fails: the
+    modules call this twice a step for every expert.)"""
     if not weights:
         raise ValueError("quantize_weights_per_tensor: no weights")
     w0 = weights[0]
+    _check_input(w0, two_d=True)
+    shape, dtype, device = w0.shape, w0.dtype, w0.device
     for i, w in enumerate(weights):
-        _check_input(w, two_d=True)
-        if w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device:
+        if not (isinstance(w, torch.Tensor) and w.shape == shape and w.dtype == dtype and w.device == device
+                and w.is_contiguous()):
+            _check_input(w, two_d=True)
             raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
                              f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
 
@@ -90,13 +96,18 @@ def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = N
     """fp32 ``[E]``: each weight's ``max |w|`` (+inf for a NaN or inf), in one launch; ``shared`` as in
     :func:`quantize_weights_per_tensor` (the max over the weights of one number)."""
     _check_weights(weights)
+    return _group_amax(weights, _on_device(tuple(w.data_ptr() for w in weights), weights[0].device), shared)
+
+
+def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, shared: Sequence[int] | None) -> torch.Tensor:
+    """:func:`group_amax` of checked ``weights`` whose addresses ``table`` holds."""
     w0, E = weights[0], len(weights)
     n = w0.numel()
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
     if n:
         chunks = max(1, min(triton.cdiv(n, PER_TENSOR_BLOCK), AMAX_MAX_PROGRAMS // E))
-        _amax_group_kernel[(chunks, E)](_on_device(tuple(w.data_ptr() for w in weights), w0.device), amax, n,
-                                        X_TY=_TL[w0.dtype], BLOCK=PER_TENSOR_BLOCK, num_warps=PER_TENSOR_WARPS)
+        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=PER_TENSOR_BLOCK,
+                                        num_warps=PER_TENSOR_WARPS)
     if shared is not None and len(set(shared)) < E:
         if len(shared) != E:
             raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
@@ -121,7 +132,7 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
     fmt = _fmt_args(dtype, margin)
     table = _on_device(tuple(w.data_ptr() for w in weights), w0.device)
     if amax is None:
-        amax = group_amax(weights, shared)
+        amax = _group_amax(weights, table, shared)
     elif tuple(amax.shape) != (E,) or amax.dtype != torch.float32 or amax.device != w0.device:
         raise ValueError(f"quantize_weights_per_tensor: amax must be fp32 [{E}] on {w0.device}, got "
                          f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")

@@ -62,8 +62,8 @@ def _module_reuses_forward_amax() -> None:
 
     from distwgrad.fp8 import PerTensorScaling, fp8_autocast
     from distwgrad.nn import GroupedLinear
-    calls, real = [], kw.group_amax
-    kw.group_amax = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    calls, real = [], kw._group_amax  # (what group_amax and quantize_weights_per_tensor launch through)
+    kw._group_amax = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         torch.manual_seed(0)
         mod = GroupedLinear(3, 32, 16, bias=False)
@@ -78,7 +78,7 @@ def _module_reuses_forward_amax() -> None:
             y.sum().backward()
             assert len(calls) == (2 if change else 1), (change, calls)
     finally:
-        kw.group_amax = real
+        kw._group_amax = real
 
 
 def _case_interpreter() -> None:
@@ -90,6 +90,15 @@ def _case_interpreter() -> None:
         quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(4, 8)], torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="no weights"):
         quantize_weights_per_tensor([], torch.float8_e4m3fn)
+    # a later weight that fails the group's one pass gets the full checks, which name what is wrong
+    with pytest.raises(ValueError, match=r"contiguous input, got shape \(4, 4\) with strides \(1, 4\)"):
+        quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(4, 4).t()], torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"weights\[2\] is torch.float16 \(4, 4\) on cpu, weights\[0\] torch.float32"):
+        quantize_weights_per_tensor([torch.ones(4, 4)] * 2 + [torch.ones(4, 4, dtype=torch.float16)], torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"take .*got torch.int32"):
+        quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(4, 4, dtype=torch.int32)], torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        quantize_weights_per_tensor([torch.ones(4, 4), [[1.0] * 4] * 4], torch.float8_e4m3fn)
 
 
 @pytest.mark.interpret

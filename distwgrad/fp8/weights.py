@@ -216,15 +216,17 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
-        mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
-        owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
-        if mats and len({(m.shape, m.dtype, m.device) for m in mats}) == 1 and all(m.is_contiguous() for m in mats):
-            from distwgrad.kernels.weights_fp8 import group_amax, quantize_weights_per_tensor
-            mats = [m.detach() for m in mats]
-            if amax is None:  # (a packed parameter's experts share its one amax, as quantize_weight gives them)
-                amax = group_amax(mats, shared=owner)
+        if all(w.dim() == 2 for w in weights):  # one matrix per weight (the kernels read only their addresses)
+            mats, owner = weights, None
+        else:  # a packed parameter's experts share its one amax, as quantize_weight gives them
+            mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
+            owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
+        w0 = mats[0] if mats else None
+        if w0 is not None and all(m.shape == w0.shape and m.dtype == w0.dtype and m.device == w0.device
+                                  and m.is_contiguous() for m in mats):
+            from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
             experts = quantize_weights_per_tensor(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
-                                                  amax=amax)
+                                                  shared=owner, amax=amax)
             return experts if stacked else experts.unbind()
     return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]
 
