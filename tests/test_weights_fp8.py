@@ -94,7 +94,8 @@ def _case_interpreter() -> None:
     with pytest.raises(ValueError, match=r"contiguous input, got shape \(4, 4\) with strides \(1, 4\)"):
         quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(4, 4).t()], torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"weights\[2\] is torch.float16 \(4, 4\) on cpu, weights\[0\] torch.float32"):
-        quantize_weights_per_tensor([torch.ones(4, 4)] * 2 + [torch.ones(4, 4, dtype=torch.float16)], torch.float8_e4m3fn)
+        quantize_weights_per_tensor([torch.ones(4, 4)] * 2 + [torch.ones(4, 4, dtype=torch.float16)],
+                                    torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"take .*got torch.int32"):
         quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(4, 4, dtype=torch.int32)], torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
