@@ -108,6 +108,67 @@ def profile(args) -> None:
         torch.cuda.empty_cache()
 
 
+def host(args) -> list[dict]:
+    """Host time of the experts' FP8 materialization per step (forward's and backward's, the latter from
+    forward's amaxes, as GroupedLinear runs them: medians of seven passes of 50 steps each), then of whole
+    steps (bf16 and FP8, fresh and ``main_grad``), each timed before the device catches up: what a
+    host-bound step pays ([Note: a group of weights in two launches])."""
+    import statistics
+    import time
+
+    from distwgrad.fp8 import PerTensorScaling
+    from distwgrad.fp8.weights import materialize_quantized_group
+    from distwgrad.nn import GroupedLinear
+    recipe, rows = PerTensorScaling(), []
+    for E, _, K, N in args.shapes:
+        mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        ws = [getattr(mod, f"weight{e}") for e in range(E)]
+        passes = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                q = materialize_quantized_group(ws, recipe, backward=False, stacked=True)
+                materialize_quantized_group(ws, recipe, backward=True, stacked=True, amax=q.amax)
+            passes.append((time.perf_counter() - t0) / 50 * 1e6)
+            torch.cuda.synchronize()
+        us = statistics.median(passes)
+        rows.append({"op": "materialize_host", "shape": [E, K, N], "impl": "fp8", "us": round(us, 1),
+                     "device": torch.cuda.get_device_name()})
+        print(f"  materialize_host  E={E} K={K} N={N}  {us:7.1f} us per step (host)", flush=True)
+        del mod, ws
+    for E, T, K, N in args.shapes:  # whole steps: 20 after 5 of warm-up, timed before the device catches up
+        gen = torch.Generator().manual_seed(0)
+        splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
+                                minlength=E).tolist()
+        x = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+        for fuse in (False, True):
+            mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                                fuse_wgrad_accumulation=fuse)
+            for p in mod.parameters():
+                if fuse:
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+            for impl, rec in (("bf16", None), ("fp8", recipe)):
+                run = _step(mod, x, splits, rec)
+                for _ in range(5):
+                    run()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    run()
+                ms = (time.perf_counter() - t0) / 20 * 1e3
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) / 20 * 1e3
+                op = "step_main_grad_host" if fuse else "step_fresh_host"
+                rows.append({"op": op, "shape": [E, T, K, N], "impl": impl, "ms": round(ms, 3),
+                             "wall_ms": round(wall, 3), "device": torch.cuda.get_device_name()})
+                print(f"  {op:20s} {E},{T},{K},{N}  {impl:5s} host {ms:7.3f} ms, wall {wall:7.3f} ms per step",
+                      flush=True)
+            del mod
+        del x
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=lambda s: tuple(int(v) for v in s.split(",")), nargs="+", default=SHAPES,
@@ -117,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler over three fresh FP8 steps per shape, the top operators by "
                         "device time and by host time")
+    p.add_argument("--host", action="store_true",
+                   help="instead: the host time per step of the experts' FP8 materialization and of whole steps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_module bench needs a CUDA device", file=sys.stderr)
@@ -124,7 +187,7 @@ def main(argv=None) -> int:
     if args.profile:
         profile(args)
         return 0
-    rows = bench(args)
+    rows = host(args) if args.host else bench(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
