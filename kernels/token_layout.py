@@ -51,15 +51,21 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
 @triton.jit
 def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, stride_s, stride_d,
                               E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                              ALIGNED: tl.constexpr = True):
+                              ALIGNED: tl.constexpr = True, ONE_GROUP: tl.constexpr = False):
     """dst[r, c] = src[c + shift_g, r] for the place c of a token of group g, else 0 (padding, the tail):
-    g is the first group whose aligned end lies past c. Not ALIGNED: the plain transpose (W = T)."""
-    cols = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g is the first group whose aligned end lies past c. Not ALIGNED: the plain transpose (W = T).
+    ONE_GROUP: the alignment is a multiple of BLOCK_T, so every group's places start on a program's first
+    column and a program's columns lie in one group: g is found once (E comparisons, not BLOCK_T * E)."""
+    col0 = tl.program_id(0) * BLOCK_T
+    cols = col0 + tl.arange(0, BLOCK_T)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     if ALIGNED:
         e = tl.arange(0, E_POW2)
         ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
-        g = tl.sum((ends[None, :] <= cols[:, None]).to(tl.int32), axis=1)  # [BLOCK_T] group of each place
+        if ONE_GROUP:
+            g = tl.sum((ends <= col0).to(tl.int32), axis=0) + tl.zeros([BLOCK_T], tl.int32)
+        else:
+            g = tl.sum((ends[None, :] <= cols[:, None]).to(tl.int32), axis=1)  # [BLOCK_T] group of each place
         inside = g < E
         start = tl.load(table_ptr + g, mask=inside, other=0)
         size = tl.load(table_ptr + E + g, mask=inside, other=0)
@@ -85,7 +91,7 @@ def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.T
         grid = (triton.cdiv(W, BLOCK_T), triton.cdiv(R, BLOCK_R))
         _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
                                         data.stride(0), out.stride(0), E_POW2=triton.next_power_of_2(max(E, 1)),
-                                        BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R)
+                                        BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, ONE_GROUP=align % BLOCK_T == 0)
     return out, ends
 
 

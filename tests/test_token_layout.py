@@ -43,6 +43,13 @@ def _check_cases(device: str) -> None:
         assert got.dtype == dtype and tuple(got.shape) == tuple(ref.data.shape), (got.shape, ref.data.shape)
         assert torch.equal(got.cpu().view(torch.uint8), ref.data.view(torch.uint8)), (T, R, offs)
         assert torch.equal(ends.cpu(), ref_ends) and torch.equal(wgrad_offsets(offs_E, T), ref_ends)
+        # a grid finer than the kernel's 128 columns per program: a program's columns span several groups
+        # (each column finds its own; on the 128 grid a program finds its one group once)
+        for align in (64, 16):
+            ref, ref_ends = align_token_groups(transpose_quantized(q), offs_E, align)
+            got, ends = transpose_aligned(q.data.to(device), offs_E.to(device), align)
+            assert torch.equal(got.cpu().view(torch.uint8), ref.data.view(torch.uint8)), (T, R, offs, align)
+            assert torch.equal(ends.cpu(), ref_ends), (T, R, offs, align)
 
 
 def _case_interpreter() -> None:
