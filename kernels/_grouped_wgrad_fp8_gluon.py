@@ -50,8 +50,9 @@ or read and written) about as long: written by the MMA warps, it stalls the tens
 SM, hides one CTA's epilogue under the other's MMAs, ran 501). With EPI_WARPS = 2 the MMA warps hand the
 scaled tile over in shared memory instead (``_hand_off``: wait until the previous tile has been read,
 store, arrive; ~0.5 us), and two epilogue warps (``_epilogue``) write it to global memory, EPI_ROWS rows
-at a time, while the MMA warps run the next tile. One 64 KB buffer: the handoff of tile i + 1 waits for
-the epilogue warps to have read tile i, a whole tile's MMAs later. Its layout swizzles 32-byte units over
+at a time, while the MMA warps run the next tile. One 64 KB buffer (32 KB for a fresh 16-bit output,
+[Note: a 16-bit handoff]): the handoff of tile i + 1 waits for the epilogue warps to have read tile i, a
+whole tile's MMAs later. Its layout swizzles 32-byte units over
 8 rows so that both the MMA layout's 8-byte stores and the epilogue's row-wise 16-byte loads are free of
 bank conflicts (``gl.bank_conflicts``: 0 and 0; unswizzled the stores take 4 wavefronts for 1).
 The epilogue warps share the TMA warp's warpgroup (3 of its 4 warps), so the MMA warps keep their 232
@@ -510,8 +511,8 @@ def _define():
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        # the handed-off tile ([Note: an epilogue partition]; one row without the epilogue warps): 32-byte
-        # units swizzled over 8 rows, so the MMA layout's stores and the row-wise loads are both conflict-free
+        # the handed-off tile ([Note: an epilogue partition]; one row without the epilogue warps): units of 8
+        # elements swizzled over 8 rows, so the MMA layout's stores and the row-wise loads are both conflict-free
         C_ROWS: gl.constexpr = BLOCK_M if EPI_WARPS > 0 else 1
         # a fresh 16-bit output is handed off rounded ([Note: a 16-bit handoff]); every other in fp32
         if ADD_MODE == 0 and not PTR_TABLE and out_ptr.dtype.element_ty.primitive_bitwidth == 16:
