@@ -75,6 +75,18 @@ def test_gemm_profile_help():
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--fp8-ab" in proc.stdout and "--ncu" in proc.stdout, proc.stderr[-3000:]
+    assert "--wgrad-ab" in proc.stdout and "--wgrad-stages" in proc.stdout
+
+
+def test_fp8_module_bench_starts():
+    """``fp8_module.py`` parses its options (``--host`` among them) and, without a GPU, says so and exits 2."""
+    pytest.importorskip("triton")
+    bench = os.path.join(_ROOT, "qa", "bench", "fp8_module.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, bench, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--host" in proc.stdout and "--profile" in proc.stdout, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, bench, "--host"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr, (proc.returncode, proc.stderr[-3000:])
 
 
 def test_fp8_wgrad_trace_summary():
