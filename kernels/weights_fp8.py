@@ -75,21 +75,31 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.con
         tl.store(s_inv_ptr + e, _inverse(scale, False))
 
 
-def _check_weights(weights: Sequence[torch.Tensor]) -> None:
-    """weights[0] checked as any kernel input; every other like it (shape, dtype, device) and contiguous.
-    (One pass of plain comparisons over the group, then the full checks of the first that fails: the
-    modules call this twice a step for every expert.)"""
-    if not weights:
-        raise ValueError("quantize_weights_per_tensor: no weights")
+def _first_unlike(weights: Sequence[torch.Tensor]) -> int | None:
+    """The index of the first weight not a contiguous tensor of weights[0]'s shape, dtype and device; None
+    if there is none. (One pass of plain comparisons: the modules take this twice a step for every expert.)"""
     w0 = weights[0]
-    _check_input(w0, two_d=True)
     shape, dtype, device = w0.shape, w0.dtype, w0.device
     for i, w in enumerate(weights):
         if not (isinstance(w, torch.Tensor) and w.shape == shape and w.dtype == dtype and w.device == device
                 and w.is_contiguous()):
-            _check_input(w, two_d=True)
-            raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
-                             f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
+            return i
+    return None
+
+
+def _check_weights(weights: Sequence[torch.Tensor]) -> None:
+    """weights[0] checked as any kernel input, every other alike (``_first_unlike``); the first that is not
+    gets the full checks, which name what is wrong."""
+    if not weights:
+        raise ValueError("quantize_weights_per_tensor: no weights")
+    w0 = weights[0]
+    _check_input(w0, two_d=True)
+    i = _first_unlike(weights)
+    if i is not None:
+        w = weights[i]
+        _check_input(w, two_d=True)
+        raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
+                         f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
 
 
 def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = None) -> torch.Tensor:
@@ -127,6 +137,24 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
     ``shared[e]`` (the experts of one packed parameter share one scale), else each its own. ``amax``: the
     weights' ``group_amax`` when the caller has it (then ``shared`` is not read)."""
     _check_weights(weights)
+    return _quantize(weights, dtype, margin, transpose, shared, amax)
+
+
+def _quantize_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0, transpose: bool = False,
+                    shared: Sequence[int] | None = None, amax: torch.Tensor | None = None) -> QuantizedExperts | None:
+    """:func:`quantize_weights_per_tensor` where the weights are alike (``_first_unlike``), else None (the
+    caller quantizes each alone): one pass over the group decides and checks. A first weight the kernels
+    cannot take raises as there."""
+    if not weights:
+        return None
+    _check_input(weights[0], two_d=True)
+    if _first_unlike(weights) is not None:
+        return None
+    return _quantize(weights, dtype, margin, transpose, shared, amax)
+
+
+def _quantize(weights, dtype, margin, transpose, shared, amax) -> QuantizedExperts:
+    """:func:`quantize_weights_per_tensor` of checked ``weights``."""
     w0 = weights[0]
     E, (N, K) = len(weights), w0.shape
     fmt = _fmt_args(dtype, margin)

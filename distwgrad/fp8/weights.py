@@ -221,12 +221,10 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
         else:  # a packed parameter's experts share its one amax, as quantize_weight gives them
             mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
             owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
-        w0 = mats[0] if mats else None
-        if w0 is not None and all(m.shape == w0.shape and m.dtype == w0.dtype and m.device == w0.device
-                                  and m.is_contiguous() for m in mats):
-            from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
-            experts = quantize_weights_per_tensor(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
-                                                  shared=owner, amax=amax)
+        from distwgrad.kernels.weights_fp8 import _quantize_alike  # (None unless one shape, dtype, device)
+        experts = _quantize_alike(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward, shared=owner,
+                                  amax=amax)
+        if experts is not None:
             return experts if stacked else experts.unbind()
     return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]
 

@@ -42,24 +42,33 @@ def _step(mod, x, splits, recipe):
     return run
 
 
+def _problem(E: int, T: int, K: int) -> tuple[torch.Tensor, list[int]]:
+    """(x, m_splits): bf16 tokens that want their gradient, routed at random to E experts (seed 0)."""
+    gen = torch.Generator().manual_seed(0)
+    splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
+                            minlength=E).tolist()
+    return torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_(), splits
+
+
+def _module(E: int, K: int, N: int, fuse: bool):
+    """A bf16 GroupedLinear on the GPU, each expert with an fp32 ``main_grad`` where it ``fuse``s into one."""
+    from distwgrad.nn import GroupedLinear
+    mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=fuse)
+    for p in mod.parameters() if fuse else ():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+    return mod
+
+
 def bench(args) -> list[dict]:
     import triton
 
     from distwgrad.fp8 import PerTensorScaling
-    from distwgrad.nn import GroupedLinear
     from distwgrad.ops import grouped_gemm_fp8 as gg8
     rows = []
     for E, T, K, N in args.shapes:
-        gen = torch.Generator().manual_seed(0)
-        splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
-                                minlength=E).tolist()
-        x = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+        x, splits = _problem(E, T, K)
         for fuse in (False, True):
-            mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda",
-                                fuse_wgrad_accumulation=fuse)
-            for p in mod.parameters():
-                if fuse:
-                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+            mod = _module(E, K, N, fuse)
             op = "step_main_grad" if fuse else "step_fresh"
             times = {}
             for impl, recipe, min_tokens in (("bf16", None, None), ("fp8", PerTensorScaling(), gg8.ALIGN_MIN_TOKENS),
@@ -87,14 +96,9 @@ def profile(args) -> None:
     from torch.profiler import profile as torch_profile
 
     from distwgrad.fp8 import PerTensorScaling
-    from distwgrad.nn import GroupedLinear
     for E, T, K, N in args.shapes:
-        gen = torch.Generator().manual_seed(0)
-        splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
-                                minlength=E).tolist()
-        x = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-        mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
-        step = _step(mod, x, splits, PerTensorScaling())
+        x, splits = _problem(E, T, K)
+        step = _step(_module(E, K, N, fuse=False), x, splits, PerTensorScaling())
         step()
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -104,7 +108,7 @@ def profile(args) -> None:
         print(f"== E={E} T={T} K={K} N={N}: three fresh FP8 steps", flush=True)
         for key in ("cuda_time_total", "cpu_time_total"):
             print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
-        del mod, x
+        del step, x
         torch.cuda.empty_cache()
 
 
@@ -118,10 +122,9 @@ def host(args) -> list[dict]:
 
     from distwgrad.fp8 import PerTensorScaling
     from distwgrad.fp8.weights import materialize_quantized_group
-    from distwgrad.nn import GroupedLinear
     recipe, rows = PerTensorScaling(), []
     for E, _, K, N in args.shapes:
-        mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        mod = _module(E, K, N, fuse=False)
         ws = [getattr(mod, f"weight{e}") for e in range(E)]
         passes = []
         for _ in range(7):
@@ -138,16 +141,9 @@ def host(args) -> list[dict]:
         print(f"  materialize_host  E={E} K={K} N={N}  {us:7.1f} us per step (host)", flush=True)
         del mod, ws
     for E, T, K, N in args.shapes:  # whole steps: 20 after 5 of warm-up, timed before the device catches up
-        gen = torch.Generator().manual_seed(0)
-        splits = torch.bincount(torch.multinomial(torch.ones(E), T, replacement=True, generator=gen),
-                                minlength=E).tolist()
-        x = torch.randn(T, K, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+        x, splits = _problem(E, T, K)
         for fuse in (False, True):
-            mod = GroupedLinear(E, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda",
-                                fuse_wgrad_accumulation=fuse)
-            for p in mod.parameters():
-                if fuse:
-                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+            mod = _module(E, K, N, fuse)
             for impl, rec in (("bf16", None), ("fp8", recipe)):
                 run = _step(mod, x, splits, rec)
                 for _ in range(5):
