@@ -18,18 +18,28 @@ per-expert ``torch.nn.functional.linear`` oracle, which the CPU tests rely on). 
 Triton kernels in ``distwgrad.kernels.grouped_gemm`` when Triton imports; otherwise the reference. The
 choice is made here and nowhere else, so the modules never know which one ran. (Tests of the wiring
 alone may send CPU tensors through the kernels: ``DISTWGRAD_KERNELS_ON_CPU=1`` with ``TRITON_INTERPRET=1``.)
+
+[Note: fp32 on CUDA]
+The Triton kernels are built for 16-bit operands on tensor cores. fp32 operands with IEEE products (torch's
+default, ``allow_tf32`` off) have no tensor-core instruction, so there the kernels run FMA loops far below
+cuBLAS. fp32 CUDA tensors therefore take torch's own grouped GEMM (``torch._grouped_mm``, cuBLAS-backed,
+offsets on the device: no host sync), which follows torch's TF32 switch exactly as ``torch.mm`` does; where
+a torch build lacks it for a dtype, the per-expert loop of the reference (one host read of the offsets).
+``qa/bench/dtype_paths.py`` times every dtype's route against the loop of ``torch.mm`` and
+``torch._grouped_mm``; its rows are in ``docs/benchmarks/results.jsonl``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
 import torch
 
-from distwgrad.testing import reference
+from distwgrad.ops import reference
 
-__all__ = ["splits_to_offsets", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "kernels_available"]
+__all__ = ["splits_to_offsets", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "kernels_available", "torch_route"]
 
 
 def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_tokens: int,
@@ -97,9 +107,62 @@ def kernels_available(t: torch.Tensor) -> bool:
     return True
 
 
+def torch_route(t: torch.Tensor) -> bool:
+    """True where torch's grouped GEMM beats the kernels: fp32 on CUDA ([Note: fp32 on CUDA])."""
+    return t.device.type == "cuda" and t.dtype == torch.float32
+
+
+@functools.cache
+def _has_torch_grouped_mm(dtype: torch.dtype, device: str) -> bool:
+    """Whether this torch build runs ``torch._grouped_mm`` for ``dtype`` on ``device`` (probed once)."""
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return False
+    a = torch.zeros(4, 8, dtype=dtype, device=device)
+    b = torch.zeros(2, 8, 8, dtype=dtype, device=device)
+    try:
+        fn(a, b.transpose(-2, -1), offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _torch_grouped_mm(dtype: torch.dtype, device: torch.device) -> bool:
+    return _has_torch_grouped_mm(dtype, str(device))
+
+
+def _group_of_token(offs_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    tokens = torch.arange(num_tokens, device=offs_E.device, dtype=torch.int32)
+    return torch.searchsorted(offs_E, tokens, right=True).clamp_max_(offs_E.numel() - 1)
+
+
+def _torch_fprop(x_TK, w_ENK, offs_E, bias_EN):
+    if not _torch_grouped_mm(x_TK.dtype, x_TK.device):
+        return reference.grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
+    y_TN = torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offs_E)
+    if bias_EN is not None:
+        y_TN += bias_EN[_group_of_token(offs_E, x_TK.shape[0])]
+    return y_TN
+
+
+def _torch_dgrad(dy_TN, w_ENK, offs_E):
+    if not _torch_grouped_mm(dy_TN.dtype, dy_TN.device):
+        return reference.grouped_dgrad(dy_TN, w_ENK, offs_E)
+    return torch._grouped_mm(dy_TN, w_ENK, offs=offs_E)
+
+
+def _torch_wgrad(dy_TN, x_TK, offs_E, out):
+    if not _torch_grouped_mm(dy_TN.dtype, dy_TN.device):
+        return reference.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+    dW_ENK = torch._grouped_mm(dy_TN.t(), x_TK, offs=offs_E)  # an empty group gives zeros
+    return dW_ENK if out is None else add_per_group(out, dW_ENK)
+
+
 def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
                   bias_EN: torch.Tensor | None = None) -> torch.Tensor:
     """``y_TN`` for every group; see the module docstring."""
+    if torch_route(x_TK):
+        return _torch_fprop(x_TK, w_ENK, offs_E, bias_EN)
     if kernels_available(x_TK):
         from distwgrad.kernels import grouped_gemm as k
         return k.grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
@@ -108,6 +171,8 @@ def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
 
 def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """``dx_TK`` for every group; see the module docstring."""
+    if torch_route(dy_TN):
+        return _torch_dgrad(dy_TN, w_ENK, offs_E)
     if kernels_available(dy_TN):
         from distwgrad.kernels import grouped_gemm as k
         return k.grouped_dgrad(dy_TN, w_ENK, offs_E)
@@ -119,6 +184,8 @@ def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
     """``dW`` per group; with ``out`` it is added into ``out`` and ``out`` is returned. The kernels fuse
     the add into fp32 buffers; other buffers (a bf16 ``main_grad``, a foreign weight's bf16
     ``grad_buffer()``) get a fresh product added afterwards."""
+    if torch_route(dy_TN):
+        return _torch_wgrad(dy_TN, x_TK, offs_E, out)
     if kernels_available(dy_TN):
         from distwgrad.kernels import grouped_gemm as k
         if out is not None and not all_fp32(out):
