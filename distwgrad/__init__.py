@@ -17,6 +17,7 @@ from distwgrad.weights import (
     ReducePolicy,
     ReplicatedWeight,
     ShardedWeight,
+    compute_dtype,
 )
 from distwgrad.wgrad import (
     DeferredWgradError,
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedWeight", "is_distributed_weight", "materialize_weight_for_forward",
     "materialize_weight_for_backward", "finalize_weight_grads",
-    "DistributedParameter", "ShardedWeight", "ReplicatedWeight", "ReducePolicy",
+    "DistributedParameter", "ShardedWeight", "ReplicatedWeight", "ReducePolicy", "compute_dtype",
     "MissingContributionError", "DeferredWgradError",
     "drain_deferred_wgrads", "deferred_wgrad_scope", "finalize_model_grads",
 ]

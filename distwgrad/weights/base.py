@@ -28,6 +28,25 @@ full-size fp32 buffer to their local shape (``_reduce``).
   rest of backward; its result is added to ``main_grad`` by ``wait_for_reductions()``, which
   ``finish_step`` calls first (and Megatron's finalize through it). The adds happen in launch order, so
   the result is bit-identical to the synchronous one; ``main_grad`` is complete only after the step ends.
+
+[Note: mixed precision]
+FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, for distwgrad's weights (``param_dtype`` on
+``ShardedWeight.from_full`` / ``from_shard`` and ``ReplicatedWeight.from_full``; None: no cast).
+* fp32 (the tensor's dtype): the parameter's own data, i.e. the local shard, which is the master copy
+  the optimizer steps on and checkpoints save; ``grad_buffer()``; the reduction; ``main_grad`` and
+  ``.grad`` (both of the shard's shape and dtype).
+* ``param_dtype`` (bf16 or fp16, never wider than the tensor): every materialized full weight, and so
+  the modules' GEMMs, their inputs and outputs. ``compute_dtype(param)`` is the one place a module reads
+  it (a plain tensor's is its own dtype).
+* Where the cast happens: in ``_gather``, on the local shard, BEFORE the collective: cast, pad,
+  all-gather. The gather therefore moves ``param_dtype`` bytes and ``bytes_gathered`` counts them (half
+  of an fp32 gather for bf16). With one rank the cast copy is returned (never the master itself). The
+  copy is transient like every gathered weight: never saved for backward, never cached.
+* Wgrads: ``param_dtype`` operands, accumulated into the fp32 buffer (on CUDA the GEMM writes fp32
+  directly; on CPU each product is rounded once to ``param_dtype`` and added in fp32, exactly what
+  ``w.to(param_dtype)`` inside plain autograd produces).
+* FP8 recipes quantize from the fp32 master (one rounding, never bf16 then FP8); the FP8 GEMMs' outputs
+  take the input's dtype ([Note: fp8 distributed weights] in ``fp8/weights.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +61,31 @@ from torch import nn
 
 from distwgrad.weights import _comm
 
-__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of"]
+__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of", "compute_dtype"]
+
+# The dtypes a weight may compute in ([Note: mixed precision]); FP8 goes through a recipe instead.
+_PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype a module computes in with ``param``: its ``param_dtype`` if set, else its own dtype.
+
+    The one place every module reads it ([Note: mixed precision]); plain tensors give their dtype.
+    """
+    param_dtype = getattr(param, "param_dtype", None)
+    return param.dtype if param_dtype is None else param_dtype
+
+
+def _check_param_dtype(param_dtype: torch.dtype | None, tensor_dtype: torch.dtype) -> None:
+    """``param_dtype`` must be None or a floating dtype no wider than the tensor's."""
+    if param_dtype is None:
+        return
+    if not isinstance(param_dtype, torch.dtype) or param_dtype not in _PARAM_DTYPES:
+        raise TypeError(f"param_dtype must be None or one of {[str(d) for d in _PARAM_DTYPES]}, got "
+                        f"{param_dtype!r}")
+    if tensor_dtype not in _PARAM_DTYPES or param_dtype.itemsize > tensor_dtype.itemsize:
+        raise ValueError(f"param_dtype={param_dtype} is wider than the weight's dtype {tensor_dtype}: the "
+                         f"master copy keeps the tensor's dtype and computes in a narrower (or equal) one")
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor:
@@ -79,7 +122,9 @@ class DistributedParameter(nn.Parameter):
         return super().__new__(cls, data, requires_grad)
 
     def _init_state(self, group: Any, reduce_policy: ReducePolicy, full_shape: torch.Size,
-                    async_reduce: bool = False) -> None:
+                    async_reduce: bool = False, param_dtype: torch.dtype | None = None) -> None:
+        _check_param_dtype(param_dtype, self.dtype)
+        self.param_dtype = param_dtype  # [Note: mixed precision]
         if not isinstance(reduce_policy, ReducePolicy):
             raise TypeError(f"reduce_policy must be a ReducePolicy, got {reduce_policy!r}")
         if not isinstance(async_reduce, bool):
@@ -101,6 +146,13 @@ class DistributedParameter(nn.Parameter):
     # --- what subclasses provide -------------------------------------------------------------------
     def _gather(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def _local_for_gather(self) -> torch.Tensor:
+        """The local data in the compute dtype: a cast copy under ``param_dtype`` ([Note: mixed precision])."""
+        local = self.detach()
+        if self.param_dtype is None or self.param_dtype == self.dtype:
+            return local
+        return local.to(self.param_dtype)
 
     def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         """Launches the reduction of ``buffer``; the returned callable waits and gives the local result."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from distwgrad.weights import _comm
-from distwgrad.weights.base import DistributedParameter, ReducePolicy
+from distwgrad.weights.base import DistributedParameter, ReducePolicy, _check_param_dtype
 
 __all__ = ["ReplicatedWeight"]
 
@@ -23,21 +23,27 @@ class ReplicatedWeight(DistributedParameter):
     @classmethod
     def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
-                  requires_grad: bool = True, async_reduce: bool = False) -> ReplicatedWeight:
-        """Wraps a copy of ``tensor``, which must be identical on every rank (shape/dtype checked)."""
+                  requires_grad: bool = True, async_reduce: bool = False,
+                  param_dtype: torch.dtype | None = None) -> ReplicatedWeight:
+        """Wraps a copy of ``tensor``, which must be identical on every rank (shape/dtype checked).
+
+        ``param_dtype``: as in ``ShardedWeight.from_full``: the copy stays in the tensor's dtype (the
+        master) and modules compute with a ``param_dtype`` cast of it ([Note: mixed precision]).
+        """
         group = _comm.resolve_group(group)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"ReplicatedWeight.from_full needs a tensor, got {type(tensor).__name__}")
-        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype)), group)
+        _check_param_dtype(param_dtype, tensor.dtype)
+        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype), str(param_dtype)), group)
         if any(m != meta[0] for m in meta):
             raise ValueError(f"ReplicatedWeight.from_full: ranks disagree on the tensor: "
-                             f"{dict(enumerate(meta))} (shape, dtype) by rank")
+                             f"{dict(enumerate(meta))} (shape, dtype, param_dtype) by rank")
         self = cls(tensor.detach().clone(), requires_grad)
-        self._init_state(group, reduce_policy, tensor.shape, async_reduce)
+        self._init_state(group, reduce_policy, tensor.shape, async_reduce, param_dtype)
         return self
 
     def _gather(self) -> torch.Tensor:
-        return self.detach()
+        return self._local_for_gather()
 
     def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         size = _comm.group_size(self.group)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from distwgrad.weights import _comm
-from distwgrad.weights.base import DistributedParameter, ReducePolicy
+from distwgrad.weights.base import DistributedParameter, ReducePolicy, _check_param_dtype
 
 __all__ = ["ShardedWeight", "shard_rows"]
 
@@ -42,50 +42,57 @@ class ShardedWeight(DistributedParameter):
     @classmethod
     def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
-                  requires_grad: bool = True, async_reduce: bool = False) -> ShardedWeight:
+                  requires_grad: bool = True, async_reduce: bool = False,
+                  param_dtype: torch.dtype | None = None) -> ShardedWeight:
         """Shards ``tensor``, which must be identical on every rank of ``group`` (None: default group).
 
         ``async_reduce`` launches each reduce-scatter without waiting, to overlap it with the rest of
-        backward ([Note: contribution accounting]). Raises ``ValueError`` on every rank when the ranks
-        disagree on the shape or dtype.
+        backward ([Note: contribution accounting]). ``param_dtype`` (e.g. ``torch.bfloat16``): the shard
+        stays in the tensor's dtype (the master copy) and the weight is cast to ``param_dtype`` before
+        every all-gather, so modules compute in it ([Note: mixed precision]). Raises ``ValueError`` on
+        every rank when the ranks disagree on the shape, dtype or ``param_dtype``.
         """
         group = _comm.resolve_group(group)
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             raise ValueError(f"ShardedWeight.from_full needs a tensor with at least one dimension, got "
                              f"{tensor!r}")
-        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype)), group)
+        _check_param_dtype(param_dtype, tensor.dtype)
+        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype), str(param_dtype)), group)
         if any(m != meta[0] for m in meta):
             raise ValueError(f"ShardedWeight.from_full: ranks disagree on the full tensor: "
-                             f"{dict(enumerate(meta))} (shape, dtype) by rank")
+                             f"{dict(enumerate(meta))} (shape, dtype, param_dtype) by rank")
         rows = shard_rows(tensor.shape[0], _comm.group_size(group))
         rank = _comm.group_rank(group)
         start = sum(rows[:rank])
         shard = tensor.detach()[start:start + rows[rank]].clone()
-        return cls._build(shard, group, rows, reduce_policy, requires_grad, async_reduce)
+        return cls._build(shard, group, rows, reduce_policy, requires_grad, async_reduce, param_dtype)
 
     @classmethod
     def from_shard(cls, shard: torch.Tensor, *, group: Any = None,
                    reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
-                   requires_grad: bool = True, async_reduce: bool = False) -> ShardedWeight:
-        """Wraps this rank's rows; ranks must agree on trailing dims and dtype and the rows must follow the
-        ``torch.chunk`` layout of :func:`shard_rows` (checked on every rank)."""
+                   requires_grad: bool = True, async_reduce: bool = False,
+                   param_dtype: torch.dtype | None = None) -> ShardedWeight:
+        """Wraps this rank's rows; ranks must agree on trailing dims, dtype and ``param_dtype`` (as in
+        :meth:`from_full`) and the rows must follow the ``torch.chunk`` layout of :func:`shard_rows`
+        (checked on every rank)."""
         group = _comm.resolve_group(group)
-        meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype)), group)
-        if any(m[0][1:] != meta[0][0][1:] or m[1] != meta[0][1] for m in meta):
-            raise ValueError(f"ShardedWeight.from_shard: ranks disagree on trailing dims or dtype: "
-                             f"{dict(enumerate(meta))} (shape, dtype) by rank")
+        _check_param_dtype(param_dtype, shard.dtype)
+        meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype), str(param_dtype)), group)
+        if any(m[0][1:] != meta[0][0][1:] or m[1:] != meta[0][1:] for m in meta):
+            raise ValueError(f"ShardedWeight.from_shard: ranks disagree on trailing dims, dtype or param_dtype: "
+                             f"{dict(enumerate(meta))} (shape, dtype, param_dtype) by rank")
         rows = [m[0][0] for m in meta]
         if rows != shard_rows(sum(rows), len(rows)):
             raise ValueError(f"ShardedWeight.from_shard: rows per rank {rows} do not follow the torch.chunk "
                              f"layout {shard_rows(sum(rows), len(rows))} for {sum(rows)} rows")
-        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad, async_reduce)
+        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad, async_reduce, param_dtype)
 
     @classmethod
     def _build(cls, shard: torch.Tensor, group: Any, rows: list[int], reduce_policy: ReducePolicy,
-               requires_grad: bool, async_reduce: bool) -> ShardedWeight:
+               requires_grad: bool, async_reduce: bool, param_dtype: torch.dtype | None) -> ShardedWeight:
         self = cls(shard, requires_grad)
         full_shape = torch.Size([sum(rows), *shard.shape[1:]])
-        self._init_state(group, reduce_policy, full_shape, async_reduce)
+        self._init_state(group, reduce_policy, full_shape, async_reduce, param_dtype)
         self.shard_rows = rows
         self.shard_offset = sum(rows[: _comm.group_rank(group)])
         return self
@@ -101,10 +108,12 @@ class ShardedWeight(DistributedParameter):
         return torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
 
     def _gather(self) -> torch.Tensor:
+        """Cast (to ``param_dtype``), pad, all-gather: the gather moves compute-dtype bytes
+        ([Note: mixed precision] in ``weights/base.py``)."""
         size = _comm.group_size(self.group)
         if size == 1:
-            return self.detach()
-        local = self._padded(self.detach())
+            return self._local_for_gather()
+        local = self._padded(self._local_for_gather())
         out = local.new_empty(size * local.shape[0], *local.shape[1:])
         _comm.all_gather_into(out, local, self.group)
         self.bytes_gathered += out.numel() * out.element_size()
