@@ -8,11 +8,21 @@ Every parameter is a distwgrad weight: norms are parameter-free RMSNorm, positio
 holding ``ShardedWeight``s over ``group`` (dim-0 shards, ``torch.chunk`` layout).
 
 With ``sharded=False`` the same architecture is built from plain ``torch`` pieces instead
-(``torch.nn.Embedding``, ``F.linear``, a loop of ``F.linear`` over experts) with ordinary parameters of
-the same names: the independent single-process oracle that the training job's ``--check-parity``
-compares against, so a bug in distwgrad's modules or weights cannot hide in both sides. Both are built
-from the same full tensors (:func:`init_full_weights`, seeded, identical on every rank), so a model is a
-pure function of its config whatever the world size.
+(``F.embedding``, ``F.linear``, and for the experts a loop of ``F.linear`` or one ``torch._grouped_mm``)
+with ordinary parameters of the same names: the independent single-process oracle that the training
+job's ``--check-parity`` compares against, so a bug in distwgrad's modules or weights cannot hide in both
+sides, and the plain-torch peer of benchmarks. Both are built from the same full tensors
+(:func:`init_full_weights`, seeded, identical on every rank), so a model is a pure function of its config
+whatever the world size.
+
+[Note: mixed precision]
+``param_dtype`` (e.g. ``torch.bfloat16``) keeps every weight's master in fp32 and computes in
+``param_dtype``. Sharded, each ``ShardedWeight`` holds its fp32 shard and gathers in ``param_dtype``;
+the modules take and return ``param_dtype``. The oracle keeps fp32 ``nn.Parameter``s and casts them with
+``w.to(param_dtype)`` inside autograd at every use, so its gradients arrive in fp32 on the masters as
+well. Activations (the residual stream included) are ``param_dtype``; three things run in fp32 and are
+cast back: RMSNorm's mean of squares, the router's softmax, and the loss. The rotary tables are cast to
+the activations' dtype, so bf16 is not silently promoted to fp32 by an fp32 buffer.
 
 [Note: tied embedding]
 ``lm_head`` is ``Linear(D, V, bias=False, weight=embedding.weight)``: one object used twice per forward.
@@ -39,7 +49,9 @@ from torch import nn
 from distwgrad.nn import Embedding, GroupedLinear, Linear
 from distwgrad.weights import ShardedWeight
 
-__all__ = ["MoEGPTConfig", "MoEGPT", "init_full_weights"]
+__all__ = ["MoEGPTConfig", "MoEGPT", "init_full_weights", "EXPERTS"]
+
+EXPERTS = ("loop", "grouped_mm")  # the plain build's expert GEMMs (MoEGPT's ``experts``)
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,22 @@ class MoEGPTConfig:
         if not self.init_std > 0:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
 
+    def num_params(self) -> int:
+        """Parameters, the tied embedding counted once."""
+        D, F_, E = self.d_model, self.d_ff, self.n_experts
+        return self.vocab_size * D + self.n_layers * (4 * D * D + E * D + 2 * E * F_ * D)
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward and backward): ``6 * N_active + 6 * L * S * D``.
+
+        ``N_active`` counts the weights a token multiplies by: attention's four projections, the router,
+        ``top_k`` experts' two GEMMs and the lm_head (the embedding lookup is no GEMM). The attention
+        scores and values add ``12 * L * S * D`` (PaLM's appendix B), halved because they are causal.
+        """
+        D, L = self.d_model, self.n_layers
+        active = L * (4 * D * D + self.n_experts * D + 2 * self.top_k * self.d_ff * D) + self.vocab_size * D
+        return 6 * active + 6 * L * self.seq_len * D
+
 
 def init_full_weights(config: MoEGPTConfig) -> dict[str, torch.Tensor]:
     """Full fp32 tensors of every weight, by parameter name; deterministic in ``config.seed``.
@@ -94,8 +122,9 @@ def init_full_weights(config: MoEGPTConfig) -> dict[str, torch.Tensor]:
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Parameter-free RMSNorm over the last dim."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    """Parameter-free RMSNorm over the last dim, computed in fp32 and returned in ``x``'s dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rotary_tables(seq_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,40 +140,63 @@ def _rotate(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) ->
 
 # --- the oracle's leaves (sharded=False): plain torch, no distwgrad code -------------------------------
 
-class _TorchLinear(nn.Module):
+class _TorchLeaf(nn.Module):
+    """A plain parameter, cast to ``param_dtype`` inside autograd at each use ([Note: mixed precision])."""
+
+    def __init__(self, weight: torch.Tensor, param_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight, self.param_dtype = weight, param_dtype
+
+    def w(self) -> torch.Tensor:
+        return self.weight if self.param_dtype is None else self.weight.to(self.param_dtype)
+
+
+class _TorchEmbedding(_TorchLeaf):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.w())
+
+
+class _TorchLinear(_TorchLeaf):
     """``F.linear`` without bias on a given (possibly tied) parameter."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.w())
 
 
-class _TorchExperts(nn.Module):
-    """A packed ``[E, N, K]`` weight applied per expert with ``F.linear`` over its contiguous tokens."""
+class _TorchExperts(_TorchLeaf):
+    """A packed ``[E, N, K]`` weight applied to each expert's contiguous tokens.
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = weight
+    ``experts="loop"``: one ``F.linear`` per expert. ``experts="grouped_mm"``: one
+    ``torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offs_E)`` with int32 end offsets, as
+    torchtitan builds its MoE; torch 2.13 runs it on CPU too (fp32 and bf16, forward and backward; bf16
+    needs rows of 16-byte multiples, K and N multiples of 8) as well as on CUDA.
+    """
+
+    def __init__(self, weight: torch.Tensor, param_dtype: torch.dtype | None, experts: str) -> None:
+        super().__init__(weight, param_dtype)
+        self.experts = experts
 
     def forward(self, x_AK: torch.Tensor, m_splits_E: torch.Tensor) -> torch.Tensor:
+        w_ENK = self.w()
+        if self.experts == "grouped_mm":
+            offs_E = m_splits_E.cumsum(0).to(torch.int32)
+            return torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offs_E)
         groups = x_AK.split(m_splits_E.tolist())
-        return torch.cat([F.linear(x, w) for x, w in zip(groups, self.weight.unbind(0))])
+        return torch.cat([F.linear(x, w) for x, w in zip(groups, w_ENK.unbind(0))])
 
 
-def _linear(sharded: bool, weight: torch.Tensor) -> nn.Module:
+def _linear(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | None = None) -> nn.Module:
     if not sharded:
-        return _TorchLinear(weight)
+        return _TorchLinear(weight, param_dtype)
     n, k = getattr(weight, "full_shape", weight.shape)
     return Linear(k, n, bias=False, weight=weight)
 
 
-def _experts(sharded: bool, weight: torch.Tensor) -> nn.Module:
-    """distwgrad ``GroupedLinear`` (packed weight, deferred wgrads) or the oracle's per-expert loop."""
+def _experts(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | None = None,
+             experts: str = "loop") -> nn.Module:
+    """distwgrad ``GroupedLinear`` (packed weight, deferred wgrads) or the oracle's plain-torch experts."""
     if not sharded:
-        return _TorchExperts(weight)
+        return _TorchExperts(weight, param_dtype, experts)
     e, n, k = getattr(weight, "full_shape", weight.shape)
     experts = GroupedLinear(e, k, n, bias=False, single_grouped_weight=True, delay_wgrad_compute=True,
                             device="meta")  # built on "meta", then given the real weight
@@ -170,7 +222,8 @@ class CausalSelfAttention(nn.Module):
         B, S, D = x_BSD.shape
         q, k, v = (t.view(B, S, self.n_heads, D // self.n_heads).transpose(1, 2)
                    for t in self.qkv(x_BSD).split(D, dim=-1))
-        cos, sin = self.get_buffer("cos")[:S], self.get_buffer("sin")[:S]
+        # fp32 tables, cast to the activations' dtype ([Note: mixed precision])
+        cos, sin = (self.get_buffer(n)[:S].to(q.dtype) for n in ("cos", "sin"))
         y_BHSd = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
         return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))
 
@@ -204,13 +257,12 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, config: MoEGPTConfig, weight: Callable[[str], torch.Tensor], prefix: str,
-                 sharded: bool) -> None:
+                 sharded: bool, param_dtype: torch.dtype | None, experts: str) -> None:
         super().__init__()
-        w = lambda name: weight(prefix + name)
-        self.attn = CausalSelfAttention(config, _linear(sharded, w("attn.qkv.weight")),
-                                        _linear(sharded, w("attn.proj.weight")))
-        self.moe = MoE(config, _linear(sharded, w("moe.router.weight")), _experts(sharded, w("moe.fc1.weight")),
-                       _experts(sharded, w("moe.fc2.weight")))
+        lin = lambda name: _linear(sharded, weight(prefix + name), param_dtype)
+        exp = lambda name: _experts(sharded, weight(prefix + name), param_dtype, experts)
+        self.attn = CausalSelfAttention(config, lin("attn.qkv.weight"), lin("attn.proj.weight"))
+        self.moe = MoE(config, lin("moe.router.weight"), exp("moe.fc1.weight"), exp("moe.fc2.weight"))
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(rms_norm(x_BSD))
@@ -226,30 +278,45 @@ class MoEGPT(nn.Module):
         group: process group the weights are sharded over (None: the default group, or a group of one
             with no process group initialised).
         sharded: distwgrad modules on ``ShardedWeight``s over ``group`` when True; plain torch modules
-            on ``nn.Parameter``s (the unsharded single-process oracle) when False.
+            on ``nn.Parameter``s (the unsharded single-process oracle, the plain-torch peer) when False.
+        param_dtype: the dtype weights are gathered and computed in, masters staying fp32 ([Note: mixed
+            precision]); None computes in fp32.
+        experts: the plain build's experts, ``"loop"`` (one ``F.linear`` each) or ``"grouped_mm"`` (one
+            ``torch._grouped_mm``); the sharded build always runs distwgrad's ``GroupedLinear``.
     """
 
     def __init__(self, config: MoEGPTConfig, *, device: torch.device | str | None = None, group: Any = None,
-                 sharded: bool = True) -> None:
+                 sharded: bool = True, param_dtype: torch.dtype | None = None, experts: str = "loop") -> None:
         super().__init__()
         if not isinstance(config, MoEGPTConfig):
             raise TypeError(f"config must be a MoEGPTConfig, got {type(config).__name__}")
-        self.config = config
+        if experts not in EXPERTS or (sharded and experts != "loop"):
+            raise ValueError(f"experts={experts!r} must be one of {EXPERTS}; {EXPERTS[1:]} only with "
+                             f"sharded=False (got sharded={sharded})")
+        if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"param_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got "
+                             f"{param_dtype!r}")
+        self.config, self.param_dtype = config, param_dtype
         full = init_full_weights(config)
+        # Passed only when set, so an fp32 build also runs on a ShardedWeight without the option.
+        mixed = {} if param_dtype is None else {"param_dtype": param_dtype}
 
         def weight(name: str) -> torch.Tensor:
             t = full.pop(name).to(device)
+            if not sharded:
+                return nn.Parameter(t)
             # async_reduce: each reduce-scatter overlaps the rest of backward; finalize waits for it.
-            return ShardedWeight.from_full(t, group=group, async_reduce=True) if sharded else nn.Parameter(t)
+            return ShardedWeight.from_full(t, group=group, async_reduce=True, **mixed)
 
         c = config
         if sharded:
             self.embedding = Embedding(c.vocab_size, c.d_model, weight=weight("embedding.weight"))
         else:
-            self.embedding = nn.Embedding.from_pretrained(weight("embedding.weight"), freeze=False)
-        self.blocks = nn.ModuleList(Block(c, weight, f"blocks.{i}.", sharded) for i in range(c.n_layers))
+            self.embedding = _TorchEmbedding(weight("embedding.weight"), param_dtype)
+        self.blocks = nn.ModuleList(Block(c, weight, f"blocks.{i}.", sharded, param_dtype, experts)
+                                    for i in range(c.n_layers))
         # [Note: tied embedding]: the same object, not a copy.
-        self.lm_head = _linear(sharded, self.embedding.weight)
+        self.lm_head = _linear(sharded, self.embedding.weight, param_dtype)
         assert not full, f"unused initial weights {sorted(full)}"
 
     def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
