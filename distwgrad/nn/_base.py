@@ -8,14 +8,37 @@ parameters of deferred modules (Megatron's DDP then leaves them to the hooks abo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
+from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.store import WeightGradStore
 
-__all__ = ["WgradModule", "check_no_tensor_parallelism"]
+__all__ = ["WgradModule", "check_no_tensor_parallelism", "check_compute_dtype"]
+
+
+def check_compute_dtype(owner: str, params: Mapping[str, torch.Tensor],
+                        params_dtype: torch.dtype | None) -> torch.dtype:
+    """The one dtype a module computes in: every parameter's ``compute_dtype`` ([Note: mixed precision] in
+    ``weights/base.py``), which must agree, and agree with an explicit ``params_dtype``.
+
+    A plain bias next to a weight with ``param_dtype`` must be in that dtype (or be a distributed weight
+    with the same ``param_dtype``); a tied weight computes in its own ``param_dtype``, so a module built
+    with another ``params_dtype`` is refused rather than cast silently.
+    """
+    dtypes = {name: compute_dtype(p) for name, p in params.items()}
+    if len(set(dtypes.values())) > 1:
+        shown = {name: str(d) for name, d in dtypes.items()}
+        raise TypeError(f"{owner}: parameters compute in different dtypes {shown}; a plain bias next to a weight "
+                        f"with param_dtype must be in that dtype, or a distributed weight with the same param_dtype")
+    dtype = next(iter(dtypes.values()))
+    if params_dtype is not None and params_dtype != dtype:
+        raise TypeError(f"{owner}: built with params_dtype={params_dtype}, but its weight computes in {dtype} "
+                        f"(a distributed weight computes in its param_dtype; a tied weight in the same dtype for "
+                        f"all its users)")
+    return dtype
 
 
 def check_no_tensor_parallelism(owner: str, *, sequence_parallel: bool, tp_group, tp_size: int,

@@ -3,11 +3,13 @@
 Legend: T tokens (all leading dims flattened), V vocabulary rows (``num_embeddings``), D ``embedding_dim``.
 
 Forward materializes the full ``[V, D]`` weight through the protocol (a ``ShardedWeight`` all-gathers),
-looks the rows up and drops the gathered copy. Backward scatters the output gradient into the weight's
-fp32 ``grad_buffer()`` with ``index_add_`` (for a plain weight into a fresh fp32 tensor, rounded once to the
-weight's dtype: bit-exact with ``torch.nn.Embedding``'s CPU backward in fp32) and delivers it through
-``run_wgrad``, so the result lands as it does for ``Linear``: [Note: accumulate, never assign] in
-``distwgrad/wgrad/accumulate.py``. Backward needs no weight at all, so nothing is re-gathered.
+looks the rows up and drops the gathered copy; the output is in the weight's compute dtype. Backward
+scatters the output gradient into the weight's fp32 ``grad_buffer()`` with ``index_add_`` (rows of a
+``param_dtype`` gradient are summed in fp32: [Note: mixed precision] in ``weights/base.py``; for a plain
+weight into a fresh fp32 tensor, rounded once to the weight's dtype: bit-exact with
+``torch.nn.Embedding``'s CPU backward in fp32) and delivers it through ``run_wgrad``, so the result lands
+as it does for ``Linear``: [Note: accumulate, never assign] in ``distwgrad/wgrad/accumulate.py``.
+Backward needs no weight at all, so nothing is re-gathered.
 
 Tying: ``Linear(D, V, bias=False, weight=embedding.weight)`` uses the same object. Each module's forward
 records its own expected contribution on it, both wgrads accumulate into the one buffer, and the weight
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distwgrad.nn._base import WgradModule
+from distwgrad.nn._base import WgradModule, check_compute_dtype
 from distwgrad.protocol import materialize_weight_for_forward
 from distwgrad.wgrad.accumulate import run_wgrad
 
@@ -69,7 +71,8 @@ class Embedding(WgradModule):
     Args:
         num_embeddings: V, the number of rows (vocabulary size).
         embedding_dim: D, the row width.
-        params_dtype: dtype of a freshly created weight (default: torch's default dtype).
+        params_dtype: dtype of a freshly created weight (default: torch's default dtype). Given with
+            ``weight``, it must equal that weight's compute dtype (``distwgrad.compute_dtype``).
         device: device of a freshly created weight.
         weight: an existing weight to use (a ``ShardedWeight``, or a parameter to tie), of full shape
             ``[num_embeddings, embedding_dim]``. A fresh weight is drawn from N(0, 1), as
@@ -90,6 +93,8 @@ class Embedding(WgradModule):
             weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device))
             nn.init.normal_(weight)
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.params_dtype = params_dtype
+        check_compute_dtype(self.wgrad_store.owner, {"weight": self.weight}, params_dtype)
         full = tuple(getattr(self.weight, "full_shape", self.weight.shape))
         if full != (num_embeddings, embedding_dim):
             raise ValueError(f"{self.wgrad_store.owner}: weight has full shape {full}, expected "
@@ -101,6 +106,7 @@ class Embedding(WgradModule):
             raise TypeError(f"{self.wgrad_store.owner}: ids must be an int32/int64 tensor, got {got}")
         if ids.device != self.weight.device:
             raise ValueError(f"{self.wgrad_store.owner}: ids on {ids.device}, weight on {self.weight.device}")
+        check_compute_dtype(self.wgrad_store.owner, {"weight": self.weight}, self.params_dtype)
         weight_grad = torch.is_grad_enabled() and self.weight.requires_grad
         self._begin_forward([self.weight] if weight_grad else [])
         y_TD = _EmbeddingFunction.apply(ids.reshape(-1), self.weight, weight_grad)

@@ -26,7 +26,7 @@ from torch import nn
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized_group
-from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
+from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
@@ -198,7 +198,8 @@ class GroupedLinear(WgradModule):
         in_features: K.
         out_features: N.
         bias: whether each expert has a bias.
-        params_dtype, device: for freshly created parameters.
+        params_dtype, device: for freshly created parameters; an explicit ``params_dtype`` must equal the
+            compute dtype (``distwgrad.compute_dtype``) of weights assigned later.
         single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead of
             ``weight0..weight{E-1}``.
         delay_wgrad_compute, fuse_wgrad_accumulation, init_method, return_bias, sequence_parallel,
@@ -230,6 +231,7 @@ class GroupedLinear(WgradModule):
         self.single_grouped_weight = bool(single_grouped_weight)
         self.use_bias = bool(bias)
         self.wgrad_store.owner = f"GroupedLinear({num_gemms}, {in_features}, {out_features})"
+        self.params_dtype = params_dtype
         dtype = params_dtype or torch.get_default_dtype()
         bound = 1 / math.sqrt(in_features)
         new = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=dtype, device=device).uniform_(-bound, bound))
@@ -272,10 +274,13 @@ class GroupedLinear(WgradModule):
         if not isinstance(inp, torch.Tensor) or inp.dim() == 0 or inp.shape[-1] != K:
             shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
             raise ValueError(f"{owner}: input of shape {shape}, expected last dim in_features={K}")
-        dtypes = {p.dtype for p in weights}
-        if len(dtypes) != 1 or inp.dtype not in dtypes:
-            raise TypeError(f"{owner}: input dtype {inp.dtype} does not match the weight dtype(s) "
-                            f"{sorted(map(str, dtypes))}")
+        names = [f"weight{e}" for e in range(len(weights))] + [f"bias{e}" for e in range(len(biases))]
+        if self.single_grouped_weight:
+            names = ["weight", "bias"][: len(weights) + len(biases)]
+        dtype = check_compute_dtype(owner, dict(zip(names, weights + biases)), self.params_dtype)
+        if inp.dtype != dtype:
+            raise TypeError(f"{owner}: input dtype {inp.dtype} does not match the weights' compute dtype {dtype} "
+                            f"(their param_dtype, else their dtype); cast the input")
         if any(p.device != inp.device for p in weights + biases):
             raise ValueError(f"{owner}: input on {inp.device}, parameters on "
                              f"{sorted({str(p.device) for p in weights + biases})}")

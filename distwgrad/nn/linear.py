@@ -26,7 +26,7 @@ from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized
-from distwgrad.nn._base import WgradModule, check_no_tensor_parallelism
+from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.ops.gemm import wgrad_mm
 from distwgrad.protocol import (
@@ -34,6 +34,7 @@ from distwgrad.protocol import (
     materialize_weight_for_backward,
     materialize_weight_for_forward,
 )
+from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.accumulate import run_wgrad
 from distwgrad.wgrad.store import WeightGradStore
 
@@ -167,7 +168,9 @@ class Linear(WgradModule):
         in_features: K, the input width.
         out_features: N, the output width.
         bias: True for a fresh bias, False for none, or a tensor/parameter to use as the bias.
-        params_dtype: dtype of freshly created parameters (default: torch's default dtype).
+        params_dtype: dtype of freshly created parameters (default: torch's default dtype, or a given
+            weight's compute dtype for a fresh bias). Given with ``weight``, it must equal that weight's
+            compute dtype (``distwgrad.compute_dtype``: its ``param_dtype``, else its dtype).
         device: device of freshly created parameters (default: torch's default device).
         delay_wgrad_compute: queue the wgrad GEMM in backward; ``backward_dw()`` runs it.
         fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (fp32).
@@ -202,7 +205,9 @@ class Linear(WgradModule):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.in_features, self.out_features = in_features, out_features
         self.wgrad_store.owner = f"Linear({in_features}, {out_features})"
-        dtype = params_dtype or torch.get_default_dtype()
+        self.params_dtype = params_dtype
+        # A fresh bias next to a given weight takes the weight's compute dtype ([Note: mixed precision]).
+        dtype = params_dtype or (torch.get_default_dtype() if weight is None else compute_dtype(weight))
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
             if init_method is None:
@@ -230,6 +235,8 @@ class Linear(WgradModule):
             if bfull != (self.out_features,):
                 raise ValueError(f"Linear({self.in_features}, {self.out_features}): bias has shape {bfull}, "
                                  f"expected {(self.out_features,)}")
+        params = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
+        self._compute_dtype = check_compute_dtype(self.wgrad_store.owner, params, self.params_dtype)
 
     def _check_input(self, inp: torch.Tensor) -> None:
         if not isinstance(inp, torch.Tensor):
@@ -237,17 +244,17 @@ class Linear(WgradModule):
         if inp.dim() == 0 or inp.shape[-1] != self.in_features:
             raise ValueError(f"{self.wgrad_store.owner}: input of shape {tuple(inp.shape)} has last dim "
                              f"{inp.shape[-1] if inp.dim() else None}, expected in_features={self.in_features}")
-        if inp.dtype != self.weight.dtype:
-            raise TypeError(f"{self.wgrad_store.owner}: input dtype {inp.dtype} does not match the weight "
-                            f"dtype {self.weight.dtype}; cast the input (or build the layer with "
-                            f"params_dtype={inp.dtype})")
+        if inp.dtype != self._compute_dtype:
+            raise TypeError(f"{self.wgrad_store.owner}: input dtype {inp.dtype} does not match the weight dtype "
+                            f"{self._compute_dtype} (the weight's compute dtype: its param_dtype, else its "
+                            f"dtype); cast the input")
         if inp.device != self.weight.device:
             raise ValueError(f"{self.wgrad_store.owner}: input on {inp.device}, weight on {self.weight.device}")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         del is_first_microbatch  # nothing is cached across microbatches
-        self._check_input(inp)
         self._check_param_shapes()
+        self._check_input(inp)
         bias = None if self.return_bias else self.bias
         grad_on = torch.is_grad_enabled()
         weight_grad = grad_on and self.weight.requires_grad
