@@ -1,4 +1,10 @@
-"""A deterministic synthetic corpus: a seeded order-2 Markov chain over a small vocabulary.
+"""The training job's data: a synthetic Markov corpus (the default) and nanoGPT-style token files.
+
+Both give the global batch of step ``s`` as a pure function of ``(seed, s)``, so a run resumed on another
+number of ranks, or an unsharded reference, sees exactly the batches the run would have seen.
+
+``MarkovCorpus`` is a deterministic synthetic corpus: a seeded order-2 Markov chain over a small
+vocabulary. ``TokenFile`` reads a flat ``uint16`` token file (nanoGPT's ``train.bin``).
 
 Why synthetic: the training job must run anywhere (CI, an air-gapped GPU node) with no download, and its
 loss must be comparable across world sizes, resumes and a single-process reference. So the global batch
@@ -14,11 +20,17 @@ few steps, and the chain's own entropy (:meth:`MarkovCorpus.entropy`) is the flo
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["MarkovCorpus"]
+__all__ = ["MarkovCorpus", "TokenFile", "DataError"]
+
+
+class DataError(ValueError):
+    """A token file the job cannot use (missing, too short, tokens outside the vocabulary)."""
 
 _SUCCESSORS = 4  # likely next tokens per two-token context
 _STEP_STREAM = 1_000_003  # a prime: seeds of step s and of the table never collide for s < 10**6
@@ -82,8 +94,94 @@ class MarkovCorpus:
 
     def local_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
         """This rank's contiguous rows of the global batch; ``batch_size`` must divide by ``world_size``."""
-        if world_size < 1 or not 0 <= rank < world_size or batch_size % world_size:
-            raise ValueError(f"local_batch: global batch {batch_size} cannot be split over {world_size} "
-                             f"ranks (rank {rank})")
-        rows = batch_size // world_size
-        return self.global_batch(step, batch_size)[rank * rows:(rank + 1) * rows]
+        rows = _rows(batch_size, rank, world_size)
+        return self.global_batch(step, batch_size)[rows]
+
+    def describe(self) -> dict:
+        return {"kind": "markov", "uniform_loss": self.uniform_loss(), "entropy_floor": self.entropy()}
+
+
+def _rows(batch_size: int, rank: int, world_size: int) -> slice:
+    if world_size < 1 or not 0 <= rank < world_size or batch_size % world_size:
+        raise ValueError(f"local_batch: global batch {batch_size} cannot be split over {world_size} "
+                         f"ranks (rank {rank})")
+    rows = batch_size // world_size
+    return slice(rank * rows, (rank + 1) * rows)
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """Random windows of a token file in nanoGPT's convention: a flat little-endian ``uint16`` array
+    (``train.bin`` from nanoGPT's ``prepare.py``), read through ``numpy.memmap``.
+
+    Step ``s`` cuts the file into windows of ``seq_len + 1`` tokens on a grid shifted by a random offset
+    and draws ``batch_size`` distinct windows from one generator seeded by ``(seed, s)``, the same draw
+    on every rank; rank ``r`` reads only its contiguous rows. So within a step no two rows, and no two
+    ranks, read the same tokens, and across steps every position can start a window.
+
+    Args:
+        path: the token file.
+        vocab_size: the model's vocabulary, which must cover the file's largest token (checked once).
+        seq_len: tokens per training example (windows hold ``seq_len + 1``).
+        seed: fixes every step's windows.
+
+    Raises:
+        DataError: the file is missing, holds fewer than two windows, or a token ``>= vocab_size``.
+    """
+
+    path: str
+    vocab_size: int
+    seq_len: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(self.path):
+            raise DataError(f"--data {self.path!r}: no such file")
+        size = os.path.getsize(self.path)
+        if size % 2:
+            raise DataError(f"--data {self.path!r}: {size} bytes is not a whole number of uint16 tokens")
+        tokens = np.memmap(self.path, dtype="<u2", mode="r")
+        if len(tokens) // (self.seq_len + 1) < 2:
+            raise DataError(f"--data {self.path!r}: {len(tokens)} tokens hold fewer than 2 windows of "
+                            f"seq_len + 1 = {self.seq_len + 1}")
+        largest = int(tokens.max())
+        if largest >= self.vocab_size:
+            raise DataError(f"--data {self.path!r}: its largest token is {largest}, outside --vocab-size "
+                            f"{self.vocab_size} (need vocab_size > {largest})")
+        object.__setattr__(self, "_tokens", tokens)
+        object.__setattr__(self, "largest_token", largest)
+
+    def _windows(self, step: int, batch_size: int) -> list[int]:
+        """Start offsets of the step's ``batch_size`` distinct, non-overlapping windows."""
+        if step < 0 or batch_size < 1:
+            raise ValueError(f"global_batch needs step >= 0 and batch_size >= 1, got {step}, {batch_size}")
+        W = self.seq_len + 1
+        g = torch.Generator().manual_seed(self.seed * _STEP_STREAM + step + 1)
+        shift = int(torch.randint(0, W, (1,), generator=g))
+        n = (len(self._tokens) - shift) // W
+        if n < batch_size:
+            raise DataError(f"--data {self.path!r}: {len(self._tokens)} tokens hold {n} windows of {W}, "
+                            f"fewer than the global batch of {batch_size}")
+        chosen: dict[int, None] = {}  # insertion-ordered set: a draw that repeats is drawn again
+        while len(chosen) < batch_size:
+            for i in torch.randint(0, n, (2 * batch_size,), generator=g).tolist():
+                if len(chosen) < batch_size:
+                    chosen.setdefault(i)
+        return [shift + i * W for i in chosen]
+
+    def _read(self, starts: list[int]) -> torch.Tensor:
+        W = self.seq_len + 1
+        return torch.from_numpy(np.stack([self._tokens[s:s + W].astype(np.int64) for s in starts]))
+
+    def global_batch(self, step: int, batch_size: int) -> torch.Tensor:
+        """The ``[batch_size, seq_len + 1]`` int64 token block of ``step`` (on CPU, same on every rank)."""
+        return self._read(self._windows(step, batch_size))
+
+    def local_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
+        """This rank's rows of the global batch, reading only those windows."""
+        return self._read(self._windows(step, batch_size)[_rows(batch_size, rank, world_size)])
+
+    def describe(self) -> dict:
+        return {"kind": "token_file", "path": os.path.abspath(self.path), "tokens": len(self._tokens),
+                "largest_token": self.largest_token, "uniform_loss": math.log(self.vocab_size),
+                "entropy_floor": None}
