@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import triton.language as tl
 
+from ._context import ensure_context
+
 try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernels serve every call
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -50,6 +52,7 @@ _GL_DTYPES = {"torch.float8_e4m3fn": "float8e4nv", "torch.float8_e5m2": "float8e
 
 def descriptor(t, block_shape):
     """A Gluon TMA descriptor of 2-D ``t`` (unit inner stride) with the default swizzle for its tiles."""
+    ensure_context(t.device)  # [Note: a current context on any thread]
     layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, _GL_DTYPES[str(t.dtype)]))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
 

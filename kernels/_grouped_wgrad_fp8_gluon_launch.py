@@ -16,6 +16,7 @@ import functools
 import torch
 
 from . import _grouped_wgrad_fp8_gluon as _k
+from ._context import ensure_context
 
 __all__ = ["launch", "launch_tokens_outer", "trace_shape", "TAILS"]
 
@@ -55,6 +56,7 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
     MMA warps' tile phases ([Note: tracing the MMA warps' tile phases]; ``trace_shape`` gives its shape).
     ``zero_edges`` False skips zeroing the edge chunks' foreign tokens: a traced dry run's diagnostic only (what
     the zeroing costs), refused otherwise."""
+    ensure_context(a_NT.device)  # [Note: a current context on any thread] in kernels/_context.py
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
@@ -98,6 +100,7 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_pr
     group with zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
     group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers instead
     of a partial added after them ([Note: chained bf16 accumulation])."""
+    ensure_context(dy_TN.device)  # [Note: a current context on any thread] in kernels/_context.py
 
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")

@@ -54,6 +54,7 @@ from triton.compiler.errors import CompilationError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _grouped_gemm_configs as _cfg
+from ._context import ensure_context
 from ._dispatch import call
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_wgrad import _mma, _swizzle, _wgrad_kernel, _wgrad_persistent_kernel
@@ -383,6 +384,7 @@ def _gluon_ragged(a: torch.Tensor, w_ENK: torch.Tensor, out: torch.Tensor, w_tra
 def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
     """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
     experimental and its API moves between releases): the caller then runs the Triton kernel."""
+    ensure_context(a.device)  # [Note: a current context on any thread]
     from . import _grouped_gemm_gluon as kg
     if "ragged" in _GLUON_FAILED:
         return False
@@ -421,6 +423,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]. ``gluon``:
     None picks (the Gluon kernel if ``RAGGED_GLUON`` and it applies, unless a config or ``use_tma=False``
     was given), True requires it, False runs the Triton kernel."""
+    ensure_context(a.device)  # [Note: a current context on any thread]
     T, K = a.shape
     E, w_rows, w_cols = w_ENK.shape
     N = out.shape[1]
@@ -516,6 +519,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     None picks (the Gluon kernel if ``WGRAD_GLUON``, accumulating, ``WGRAD_GLUON_MIN_TOKENS`` tokens per
     group on average and it applies, unless a config or ``use_tma=False`` was given), True requires it,
     False runs a Triton kernel."""
+    ensure_context(dy_TN.device)  # [Note: a current context on any thread]
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]

@@ -82,6 +82,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from distwgrad.fp8.quantize import Quantized
 
 from . import _grouped_gemm_fp8_configs as _cfg
+from ._context import ensure_context
 from ._dispatch import call
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
 from ._grouped_wgrad import _prefetch_out_tile, _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
@@ -454,6 +455,7 @@ def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: b
 def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias) -> bool:
     """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
     experimental and its API moves between releases): the caller then runs the Triton kernel."""
+    ensure_context(a.device)  # [Note: a current context on any thread]
     from . import _grouped_gemm_fp8_gluon as kg
     T, K = a.shape
     E, _, N = b_EKN.shape
@@ -489,6 +491,7 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
     """out[g] = a[g] @ b_EKN[e] for every group: a [T, K] fp8, b_EKN [E, K, N] (any strides), the
     contraction K; blockwise scales a_s [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]. ``gluon``:
     None picks ([Note: promotion under the next MMA]), True requires the Gluon kernel, False the Triton one."""
+    ensure_context(a.device)  # [Note: a current context on any thread]
     T, K = a.shape
     E, _, N = b_EKN.shape
     if T == 0 or N == 0 or E == 0:
@@ -586,6 +589,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
     """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to.
     ``gluon``: None picks ([Note: fp8 wgrad under the next MMA]: per-tensor, split accumulator, TMA, no
     config given), True requires the Gluon kernel, False the Triton one."""
+    ensure_context(a_NT.device)  # [Note: a current context on any thread]
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
