@@ -33,12 +33,17 @@ class DataError(ValueError):
     """A token file the job cannot use (missing, too short, tokens outside the vocabulary)."""
 
 _SUCCESSORS = 4  # likely next tokens per two-token context
+_MAX_CONTEXTS = 1 << 18  # contexts stored; a larger V * V is hashed onto them (16 MB of tables)
 _STEP_STREAM = 1_000_003  # a prime: seeds of step s and of the table never collide for s < 10**6
 
 
 @dataclass(frozen=True)
 class MarkovCorpus:
     """Sequences from an order-2 Markov chain with ``vocab_size`` tokens.
+
+    The context of the next token is ``(a * V + b) mod C`` for the previous two tokens ``a, b``, with
+    ``C = min(V * V, 2**18)``: exact pairs for a small vocabulary, hashed pairs for a large one (32k tokens:
+    a billion pairs), so the tables stay small (``C x 4`` successors and weights) at any vocabulary.
 
     Args:
         vocab_size: tokens are ``0 .. vocab_size - 1`` (at least ``_SUCCESSORS``).
@@ -55,25 +60,36 @@ class MarkovCorpus:
         if self.vocab_size < _SUCCESSORS or self.seq_len < 1:
             raise ValueError(f"MarkovCorpus needs vocab_size >= {_SUCCESSORS} and seq_len >= 1, got "
                              f"vocab_size={self.vocab_size}, seq_len={self.seq_len}")
-        # A frozen dataclass caches its derived table through object.__setattr__.
-        object.__setattr__(self, "_probs", self._transition_table())
+        # A frozen dataclass caches its derived tables through object.__setattr__.
+        succ, weights = self._transition_table()
+        object.__setattr__(self, "_succ", succ)
+        object.__setattr__(self, "_weights", weights)
+        cdf = weights.cumsum(1)
+        cdf[:, -1] = 2.0  # u < 1 always lands in a slot, whatever the rounding of the sum
+        object.__setattr__(self, "_cdf", cdf)
 
-    def _transition_table(self) -> torch.Tensor:
-        """``probs[a * V + b]``: the distribution of the token after ``a, b`` (float64, rows sum to 1)."""
-        V = self.vocab_size
+    @property
+    def contexts(self) -> int:
+        return min(self.vocab_size ** 2, _MAX_CONTEXTS)
+
+    def _transition_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``succ[c]``, ``weights[c]``: the successors of context ``c`` (int64, possibly repeated) and their
+        probabilities (float64, rows sum to 1). Successors follow a Zipf(1) popularity over a shuffled
+        vocabulary."""
+        V, C = self.vocab_size, self.contexts
         g = torch.Generator().manual_seed(self.seed)
-        popularity = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)  # Zipf(1) over a shuffled vocab
+        popularity = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)
         popularity = popularity[torch.randperm(V, generator=g)]
-        succ = torch.multinomial(popularity.expand(V * V, V), _SUCCESSORS, replacement=False, generator=g)
-        weights = torch.rand(V * V, _SUCCESSORS, generator=g, dtype=torch.float64).mul(3).exp()
-        probs = torch.zeros(V * V, V, dtype=torch.float64)
-        probs.scatter_(1, succ, weights / weights.sum(1, keepdim=True))
-        return probs
+        succ = torch.multinomial(popularity, C * _SUCCESSORS, replacement=True, generator=g).view(C, _SUCCESSORS)
+        weights = torch.rand(C, _SUCCESSORS, generator=g, dtype=torch.float64).mul(3).exp()
+        return succ, weights / weights.sum(1, keepdim=True)
 
     def entropy(self) -> float:
-        """Entropy rate (nats/token) under the uniform context mix: roughly the loss floor."""
-        p = self._probs
-        return float(-(p * p.clamp_min(1e-300).log()).sum(1).mean())
+        """Entropy rate (nats/token) under the uniform context mix: roughly the loss floor. A successor
+        drawn twice in a context is one token: its probability is the sum of its weights."""
+        same = self._succ.unsqueeze(2) == self._succ.unsqueeze(1)  # [C, 4, 4]
+        p_token = (same * self._weights.unsqueeze(1)).sum(2)  # each slot's token's probability
+        return float(-(self._weights * p_token.log()).sum(1).mean())
 
     def uniform_loss(self) -> float:
         """The loss of a model that knows nothing: ``ln(vocab_size)``."""
@@ -83,13 +99,15 @@ class MarkovCorpus:
         """The ``[batch_size, seq_len + 1]`` int64 token block of ``step`` (on CPU, same on every rank)."""
         if step < 0 or batch_size < 1:
             raise ValueError(f"global_batch needs step >= 0 and batch_size >= 1, got {step}, {batch_size}")
-        V = self.vocab_size
+        V, C = self.vocab_size, self.contexts
         g = torch.Generator().manual_seed(self.seed * _STEP_STREAM + step + 1)
         tokens = torch.empty(batch_size, self.seq_len + 1, dtype=torch.int64)
         tokens[:, :2] = torch.randint(0, V, (batch_size, 2), generator=g)
-        for t in range(2, self.seq_len + 1):
-            ctx = tokens[:, t - 2] * V + tokens[:, t - 1]
-            tokens[:, t] = torch.multinomial(self._probs[ctx], 1, generator=g).squeeze(1)
+        u_BS = torch.rand(batch_size, self.seq_len + 1, generator=g, dtype=torch.float64)
+        for t in range(2, self.seq_len + 1):  # inverse-CDF draw of each row's next slot
+            ctx = (tokens[:, t - 2] * V + tokens[:, t - 1]) % C
+            slot = (u_BS[:, t, None] >= self._cdf[ctx]).sum(1, keepdim=True)
+            tokens[:, t] = self._succ[ctx].gather(1, slot).squeeze(1)
         return tokens
 
     def local_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
