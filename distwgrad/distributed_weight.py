@@ -11,7 +11,9 @@ from distwgrad.protocol import (
     is_distributed_weight,
     materialize_weight_for_backward,
     materialize_weight_for_forward,
+    weight_grad_buffers,
+    weight_grad_dtype,
 )
 
 __all__ = ["DistributedWeight", "is_distributed_weight", "materialize_weight_for_forward",
-           "materialize_weight_for_backward", "finalize_weight_grads"]
+           "materialize_weight_for_backward", "finalize_weight_grads", "weight_grad_buffers", "weight_grad_dtype"]

@@ -22,6 +22,14 @@ The autograd context holds the weight *object* (the shard), never a gathered cop
 plain attribute rather than through ``save_for_backward``: ``saved_tensors_hooks`` (activation
 offloading) replace saved tensors with plain ones, which would strip the subclass and send backward down
 the non-distributed branch. Backward re-materializes through ``materialize_weight_for_backward``.
+
+[Note: one-member groups exchange bare tensors]
+TransformerEngine's implementers (Megatron's GTP weights) speak bare tensors for a group of one: the
+dispatchers take one weight or a list and always return a list, but a one-member group's
+``materialize_group_for_forward/backward`` may return a bare tensor, its ``finalize_group_grads``
+receives the bare wgrad (a list only for larger groups) and may return a bare tensor or ``None``. This
+holds on every module path (Linear, packed GroupedLinear, LayerNormMLP, LayerNormLinear) and for
+distwgrad's own weights, which act for themselves and so always receive a bare wgrad.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ __all__ = [
     "materialize_weight_for_backward",
     "finalize_weight_grads",
     "grad_buffers",
+    "weight_grad_buffers",
+    "weight_grad_dtype",
 ]
 
 
@@ -61,16 +71,30 @@ class DistributedWeight(Protocol):
 
 
 def is_distributed_weight(t: object) -> bool:
-    """True for tensors that opt into the protocol (``is_distributed_weight`` set to True)."""
-    return isinstance(t, torch.Tensor) and bool(getattr(t, "is_distributed_weight", False))
+    """True for tensors that opt into the protocol (``is_distributed_weight`` set to True).
+
+    An object that claims the protocol but is not a ``torch.Tensor`` is a ``TypeError``: modules pass the
+    weight through ``ctx``, DDP hooks and ``torch.compile``, which all need a tensor.
+    """
+    claims = bool(getattr(t, "is_distributed_weight", False))
+    if claims and not isinstance(t, torch.Tensor):
+        raise TypeError(f"a DistributedWeight must be a torch.Tensor subclass (usually an nn.Parameter); got "
+                        f"{type(t).__name__}, which sets is_distributed_weight but is not a tensor")
+    return claims
+
+
+def _as_group(weights: torch.Tensor | Sequence[torch.Tensor | None], what: str) -> tuple[list, bool]:
+    """``(weights as a list, whether the caller passed a bare weight)``; a bare weight is a leader whose
+    group is whatever it returns (TE's Linear passes one weight, GroupedLinear a list)."""
+    if isinstance(weights, torch.Tensor):
+        return [weights], True
+    weights = list(weights)
+    if len(weights) == 0:
+        raise ValueError(f"{what} got an empty list of weights")
+    return weights, False
 
 
 def _check_group(weights: Sequence[torch.Tensor | None], what: str) -> bool:
-    if isinstance(weights, torch.Tensor):
-        raise TypeError(f"{what} takes a list of weights (Linear passes [weight]), got a single tensor "
-                        f"of shape {tuple(weights.shape)}")
-    if len(weights) == 0:
-        raise ValueError(f"{what} got an empty list of weights")
     lead = is_distributed_weight(weights[0])
     if not lead and any(is_distributed_weight(w) for w in weights[1:]):
         kinds = [type(w).__name__ for w in weights]
@@ -79,12 +103,20 @@ def _check_group(weights: Sequence[torch.Tensor | None], what: str) -> bool:
     return lead
 
 
-def _group_result(result: Any, weights: Sequence[Any], what: str) -> list[torch.Tensor]:
+def _group_result(result: Any, weights: Sequence[Any], what: str, *, bare: bool = False) -> list[Any]:
+    """[Note: one-member groups exchange bare tensors]: a bare tensor is a one-member group's result."""
+    if result is None:
+        return [None] * len(weights)
     out = [result] if isinstance(result, torch.Tensor) else list(result)
-    if len(out) != len(weights):
+    if not bare and len(out) != len(weights):
         raise ValueError(f"{what}: the leader returned {len(out)} tensors for a group of {len(weights)} "
                          f"weights")
     return out
+
+
+def _to_implementer(tensors: Sequence[Any]) -> Any:
+    """What a group's implementer receives: a bare tensor for a one-member group, else a list."""
+    return tensors[0] if len(tensors) == 1 else list(tensors)
 
 
 def _own_group(weights: Sequence[torch.Tensor]) -> bool:
@@ -92,23 +124,28 @@ def _own_group(weights: Sequence[torch.Tensor]) -> bool:
     return all(getattr(w, "_distwgrad_weight", False) for w in weights)
 
 
-def materialize_weight_for_forward(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors for the forward GEMM, one per weight; plain tensors pass through."""
-    if not _check_group(weights, "materialize_weight_for_forward"):
-        return list(weights)
+def _materialize(weights, backward: bool, what: str) -> list[torch.Tensor]:
+    weights, bare = _as_group(weights, what)
+    if not _check_group(weights, what):
+        return weights
+    hook = "materialize_group_for_backward" if backward else "materialize_group_for_forward"
     if _own_group(weights):
-        return [w.materialize_group_for_forward()[0] for w in weights]
-    return _group_result(weights[0].materialize_group_for_forward(), weights, "materialize_weight_for_forward")
+        return [_group_result(getattr(w, hook)(), [w], what)[0] for w in weights]
+    return _group_result(getattr(weights[0], hook)(), weights, what, bare=bare)
 
 
-def materialize_weight_for_backward(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def materialize_weight_for_forward(weights: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors for the forward GEMM, one per weight; plain tensors pass through as the same objects.
+
+    ``weights`` is one weight or a list (always a list back); a distributed leader is called once for
+    the whole group ([Note: one-member groups exchange bare tensors]).
+    """
+    return _materialize(weights, False, "materialize_weight_for_forward")
+
+
+def materialize_weight_for_backward(weights: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors for dgrad, re-materialized (never the forward copy); plain tensors pass through."""
-    if not _check_group(weights, "materialize_weight_for_backward"):
-        return list(weights)
-    if _own_group(weights):
-        return [w.materialize_group_for_backward()[0] for w in weights]
-    return _group_result(weights[0].materialize_group_for_backward(), weights,
-                         "materialize_weight_for_backward")
+    return _materialize(weights, True, "materialize_weight_for_backward")
 
 
 def grad_buffers(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -116,19 +153,59 @@ def grad_buffers(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [w.grad_buffer() for w in weights]
 
 
-def finalize_weight_grads(weights: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor]) -> list[Any]:
+def weight_grad_dtype(weights: torch.Tensor | Sequence[torch.Tensor], compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a wgrad GEMM should produce for this group (TE PR #3397).
+
+    A distributed weight reduces its wgrad before it accumulates, so the GEMM emits ``main_grad``'s dtype
+    (fp32) and the reduction never rounds to the compute dtype. A distributed weight without a
+    ``main_grad`` yet, and every plain weight (even one carrying a ``main_grad``: its wgrad is either
+    fused into ``main_grad`` by the GEMM or an ordinary ``.grad``), keep ``compute_dtype``.
+    """
+    weights, _ = _as_group(weights, "weight_grad_dtype")
+    if is_distributed_weight(weights[0]):
+        main_grad = getattr(weights[0], "main_grad", None)
+        if isinstance(main_grad, torch.Tensor):
+            return main_grad.dtype
+    return compute_dtype
+
+
+def weight_grad_buffers(weights: torch.Tensor | Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+                        device: torch.device | str) -> list[torch.Tensor]:
+    """One buffer per weight for the wgrad GEMM to write into (TE PR #3397).
+
+    A distributed weight brings its own: each member's ``grad_buffer()`` (never the leader's reused for
+    the group, which would let the per-expert GEMMs overwrite each other), each checked against ``shape``
+    (a shard-shaped buffer would let the GEMM write out of bounds). Plain weights get fresh zeroed
+    scratch of ``shape`` and ``dtype``.
+    """
+    weights, _ = _as_group(weights, "weight_grad_buffers")
+    shape = tuple(shape)
+    if not _check_group(weights, "weight_grad_buffers"):
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in weights]
+    buffers = [w.grad_buffer() for w in weights]
+    for i, b in enumerate(buffers):
+        if tuple(b.shape) != shape:
+            raise RuntimeError(f"wgrad GEMM needs a buffer of shape {shape}, but grad_buffer() of weight {i} "
+                               f"({type(weights[i]).__name__}) has shape {tuple(b.shape)}")
+    return buffers
+
+
+def finalize_weight_grads(weights: torch.Tensor | Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor]) -> list[Any]:
     """Delivers one contribution per weight; returns, per weight, ``None`` or a gradient for ``.grad``.
 
+    ``weights`` is one weight (a leader acting for a group of ``len(wgrads)``) or a list of one per wgrad.
     Plain tensors pass through: their ``wgrads`` are returned unchanged (the caller treats them as
-    ordinary gradients). See [Note: the finalize contract].
+    ordinary gradients). See [Note: the finalize contract] and
+    [Note: one-member groups exchange bare tensors].
     """
-    if len(wgrads) != len(weights):
+    weights, bare = _as_group(weights, "finalize_weight_grads")
+    wgrads = [wgrads] if isinstance(wgrads, torch.Tensor) else list(wgrads)
+    if not bare and len(wgrads) != len(weights):
         raise ValueError(f"finalize_weight_grads: {len(wgrads)} wgrads for {len(weights)} weights")
     if not _check_group(weights, "finalize_weight_grads"):
-        return list(wgrads)
+        return wgrads
     if _own_group(weights):
-        return [w.finalize_group_grads([g])[0] for w, g in zip(weights, wgrads)]
-    result = weights[0].finalize_group_grads(list(wgrads))
-    if result is None:
-        return [None] * len(weights)
-    return _group_result(result, weights, "finalize_weight_grads")
+        return [_group_result(w.finalize_group_grads(g), [w], "finalize_weight_grads")[0]
+                for w, g in zip(weights, wgrads)]
+    result = weights[0].finalize_group_grads(_to_implementer(wgrads))
+    return _group_result(result, wgrads, "finalize_weight_grads")

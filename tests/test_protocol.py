@@ -22,17 +22,18 @@ from distwgrad.testing.multiprocess import run_distributed
 
 
 class ScalingFake(torch.nn.Parameter):
-    """Follows TransformerEngine's documented contract; is not one of distwgrad's own weights."""
+    """Follows TransformerEngine's documented contract; is not one of distwgrad's own weights. A group of
+    one exchanges bare tensors ([Note: one-member groups exchange bare tensors])."""
 
     is_distributed_weight = True
 
     def materialize_group_for_forward(self):
         self.calls.append("fwd")
-        return [self.detach() * 2]
+        return self.detach() * 2
 
     def materialize_group_for_backward(self):
         self.calls.append("bwd")
-        return [self.detach() * 4]
+        return self.detach() * 4
 
     def grad_buffer(self):
         if self.buffer is None:
@@ -41,11 +42,11 @@ class ScalingFake(torch.nn.Parameter):
 
     def finalize_group_grads(self, wgrads):
         self.calls.append("finalize")
-        (g,) = wgrads
-        assert g is self.buffer, "modules must pass the buffer they accumulated into"
-        out = (g * 8).to(self.dtype)
+        assert isinstance(wgrads, torch.Tensor), "a one-member group receives a bare tensor"
+        assert wgrads is self.buffer, "modules must pass the buffer they accumulated into"
+        out = (wgrads * 8).to(self.dtype)
         self.buffer = None
-        return [out]
+        return out
 
 
 def _fake(t):
@@ -97,14 +98,15 @@ def test_conformance_fake_in_grouped_linear(delay):
 def test_plain_leader_with_distributed_followers_is_rejected():
     with pytest.raises(TypeError, match="leader weights\\[0\\] is a plain tensor"):
         distwgrad.materialize_weight_for_forward([torch.zeros(2), _fake(torch.zeros(2))])
-    with pytest.raises(TypeError, match="takes a list of weights"):
-        distwgrad.materialize_weight_for_forward(torch.zeros(2))
 
 
 def test_plain_tensors_pass_through():
     t = torch.randn(3)
     assert distwgrad.materialize_weight_for_forward([t])[0] is t
     assert distwgrad.finalize_weight_grads([t], [t])[0] is t
+    for single in (distwgrad.materialize_weight_for_forward, distwgrad.materialize_weight_for_backward):
+        out = single(t)  # one weight, not a list: still a list back, the same object in it
+        assert isinstance(out, list) and len(out) == 1 and out[0] is t
 
 
 def test_saved_tensors_hooks_keep_the_weight_object():

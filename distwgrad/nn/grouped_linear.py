@@ -46,6 +46,7 @@ class _Call:
     fuse: bool
     store: WeightGradStore
     recipe: Recipe | None = None
+    weight_shape: tuple[int, ...] | None = None  # each weight's full shape, for a foreign grad_buffer check
 
 
 def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
@@ -118,9 +119,11 @@ def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: 
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
         gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs),
-                        fuse=call.fuse, deferred=deferred)
+                        fuse=call.fuse, deferred=deferred, shape=call.weight_shape, dtype=dy_TN.dtype)
     if call.bias_grad:
-        gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred)
+        shape = None if call.weight_shape is None else call.weight_shape[:-1]
+        gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred, shape=shape,
+                        dtype=dy_TN.dtype)
     return gws, gbs
 
 
@@ -303,7 +306,8 @@ class GroupedLinear(WgradModule):
         tracked = (weights if weight_grad else []) + (biases if bias_grad else [])
         self._begin_forward(tracked)
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
-                     self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe())
+                     self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
+                     ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features))
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
         out = y_TN.reshape(*inp.shape[:-1], self.out_features)
         return (out, all_biases) if self.return_bias else out

@@ -51,6 +51,7 @@ class _Call:
     fuse: bool
     store: WeightGradStore
     recipe: Recipe | None = None
+    weight_shape: tuple[int, int] | None = None  # full [N, K], for a foreign weight's grad_buffer check
 
 
 def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torch.Tensor | None:
@@ -107,16 +108,22 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> to
 
 
 def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None, call: _Call, deferred: bool, dy_qt=None, x_qt=None):
-    """One contribution to the weight (and bias) gradient; returns what autograd gets."""
+                  bias: torch.Tensor | None, call: _Call, deferred: bool, dy_qt=None, x_qt=None, db_N=None):
+    """One contribution to the weight (and bias) gradient; returns what autograd gets.
+
+    ``db_N``: a bias gradient the main backward already computed; it is delivered as is, never
+    recomputed from the saved ``dy`` (seed 000's FP8 block-scaling bias).
+    """
     gw = gb = None
+    shape = call.weight_shape
     if call.weight_grad:
         (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt, x_qt)],
-                          fuse=call.fuse, deferred=deferred)
+                          fuse=call.fuse, deferred=deferred, shape=shape, dtype=dy_TN.dtype)
     if call.bias_grad:
         assert bias is not None
-        (gb,) = run_wgrad([bias], lambda t: [dy_TN.sum(0) if t[0] is None else t[0].add_(dy_TN.sum(0))],
-                          fuse=False, deferred=deferred)
+        db = dy_TN.sum(0) if db_N is None else db_N
+        (gb,) = run_wgrad([bias], lambda t: [db if t[0] is None else t[0].add_(db)], fuse=False,
+                          deferred=deferred, shape=None if shape is None else shape[:1], dtype=dy_TN.dtype)
     return gw, gb
 
 
@@ -261,7 +268,7 @@ class Linear(WgradModule):
         bias_grad = grad_on and bias is not None and bias.requires_grad
         self._begin_forward([p for p, t in ((self.weight, weight_grad), (bias, bias_grad)) if t and p is not None])
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                     self.wgrad_store, current_recipe())
+                     self.wgrad_store, current_recipe(), (self.out_features, self.in_features))
         x_TK = inp.reshape(-1, self.in_features)
         y_TN = _LinearFunction.apply(x_TK, self.weight, bias, call)
         out = y_TN.reshape(*inp.shape[:-1], self.out_features)

@@ -175,10 +175,15 @@ class DistributedParameter(nn.Parameter):
             self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
         return self._buffer
 
-    def finalize_group_grads(self, wgrads: Sequence[torch.Tensor]) -> list[None]:
-        if len(wgrads) != 1:
+    def finalize_group_grads(self, wgrads: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Counts one contribution; ``wgrads`` is the bare wgrad (a one-member group, as the dispatchers
+        pass it: [Note: one-member groups exchange bare tensors] in protocol.py) or a one-element list."""
+        if isinstance(wgrads, torch.Tensor):
+            wgrad = wgrads
+        elif len(wgrads) != 1:
             raise ValueError(f"{self._name()} acts for itself: expected 1 wgrad, got {len(wgrads)}")
-        (wgrad,) = wgrads
+        else:
+            (wgrad,) = wgrads
         buf = self.grad_buffer()
         if wgrad is not buf:
             if tuple(wgrad.shape) != tuple(self.full_shape):
@@ -194,7 +199,7 @@ class DistributedParameter(nn.Parameter):
                 f"torch.utils.checkpoint(..., use_reentrant=False))")
         if self.reduce_policy is ReducePolicy.PER_MICROBATCH and self._delivered == self._expected:
             self._reduce_pending()
-        return [None]
+        return None
 
     # --- accounting ----------------------------------------------------------------------------------
     def expect_contribution(self, count: int = 1) -> None:

@@ -31,7 +31,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from distwgrad.protocol import finalize_weight_grads, is_distributed_weight
+from distwgrad.protocol import (
+    finalize_weight_grads,
+    is_distributed_weight,
+    weight_grad_buffers,
+    weight_grad_dtype,
+)
 from distwgrad.weights.base import main_grad_of
 
 __all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad"]
@@ -60,14 +65,32 @@ def add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
         param.grad.add_(grad.to(param.grad.dtype))
 
 
-def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool) -> list[torch.Tensor | None]:
+def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence[int] | None = None,
+                  dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
     """The buffer each parameter's wgrad GEMM accumulates into; None means 'return a fresh tensor'.
 
     A group is all distributed or all plain (the dispatchers reject a plain leader with distributed
-    followers), so one GEMM call serves the group.
+    followers), so one GEMM call serves the group. ``shape`` is each member's FULL shape (a foreign
+    weight's own shape is its shard's; default: ``full_shape``, else the tensor's shape) and ``dtype``
+    the GEMM's compute dtype (default: the leader's dtype).
+
+    A distributed group's targets are ``weight_grad_buffers``: each member's own ``grad_buffer()``,
+    checked against ``shape``; the buffer must hold at least ``weight_grad_dtype`` (``main_grad``'s
+    dtype, fp32), so the wgrad and its reduction are never rounded to the compute dtype. A plain group
+    returns None: the GEMM's fresh product is the scratch, in the compute dtype (``weight_grad_dtype``
+    of a plain weight), or the fp32 ``main_grad`` with ``fuse``.
     """
     if params and is_distributed_weight(params[0]):
-        return [p.grad_buffer() for p in params]
+        lead = params[0]
+        full = tuple(shape) if shape is not None else tuple(getattr(lead, "full_shape", lead.shape))
+        want = weight_grad_dtype(list(params), dtype or lead.dtype)
+        buffers = weight_grad_buffers(list(params), full, want, lead.device)
+        for p, b in zip(params, buffers):
+            if b.dtype != want and b.dtype.itemsize < want.itemsize:
+                raise RuntimeError(f"{type(p).__name__}.grad_buffer() is {b.dtype} but the wgrad must be "
+                                   f"{want} (its main_grad's dtype): a narrower buffer would round every "
+                                   f"contribution and the reduction")
+        return buffers
     if fuse:
         return [main_grad_of(p) for p in params]
     return [None] * len(params)
@@ -97,7 +120,9 @@ def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor
 
 
 def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
-              *, fuse: bool, deferred: bool) -> list[torch.Tensor | None]:
-    """Picks targets, runs ``gemm(targets)`` (which returns per-param wgrads), delivers them."""
-    targets = wgrad_targets(params, fuse)
+              *, fuse: bool, deferred: bool, shape: Sequence[int] | None = None,
+              dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
+    """Picks targets (``shape``, ``dtype``: as :func:`wgrad_targets`), runs ``gemm(targets)`` (which returns
+    per-param wgrads), delivers them."""
+    targets = wgrad_targets(params, fuse, shape=shape, dtype=dtype)
     return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred)
