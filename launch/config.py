@@ -1,7 +1,9 @@
 """The training job's options: one frozen dataclass, validated on construction, and the CLI built from it.
 
 Each field carries its help text (and choices) in ``metadata``; :func:`build_parser` turns every field
-into one ``--flag`` so the CLI and the config cannot drift apart. Checks that need the world size (the
+into one ``--flag`` so the CLI and the config cannot drift apart. ``--model NAME`` picks a preset
+(:data:`PRESETS`) for the model's sizes and the batch and learning rate; a field given explicitly
+overrides it (the preset fills only fields left at None). Checks that need the world size (the
 global batch must split evenly over ranks and microbatches) live in :meth:`TrainConfig.check_world_size`,
 which the CLI calls with torchrun's ``WORLD_SIZE`` before any process group exists.
 
@@ -20,11 +22,28 @@ from typing import Any, NoReturn
 
 from distwgrad.models import MoEGPTConfig
 
-__all__ = ["TrainConfig", "RECIPES", "DEVICES", "build_parser", "parse_args"]
+__all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "build_parser", "parse_args"]
 
 RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")  # launch/train.py: _RECIPES
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on CUDA, fp32 on CPU (launch/train.py: _param_dtype)
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
+
+# Model sizes, batch and learning rate by --model name; explicit flags override. Every global batch
+# divides by 1, 2, 4 and 8 ranks x the microbatches.
+PRESETS: dict[str, dict[str, Any]] = {
+    # 168 k parameters: the CPU default, 200 steps in about a minute on 2 CPU ranks
+    "tiny": dict(vocab_size=64, seq_len=64, d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_ff=128,
+                 global_batch=16, microbatches=2, lr=1e-2),
+    # 2.4 M parameters: CPU benchmarks (well under a second a step on 2 CPU ranks; docs/training.md)
+    "small": dict(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2,
+                  d_ff=256, global_batch=16, microbatches=2, lr=3e-3),
+    # 1.27 B parameters (336 M active per token): fp32 masters + AdamW are 20 GB, so it fits one H200
+    # unsharded and 2-8 sharded; 32 sequences of 2048 tokens a step
+    "large": dict(vocab_size=32768, seq_len=2048, d_model=2048, n_layers=8, n_heads=16, n_experts=16, top_k=2,
+                  d_ff=2048, global_batch=32, microbatches=2, lr=3e-4),
+}
+_PRESET_FIELDS = tuple(PRESETS["tiny"])
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -35,24 +54,33 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class TrainConfig:
     """Everything one run of ``distwgrad.launch.train`` depends on (saved in ``report.json``)."""
 
-    # model (see distwgrad.models.MoEGPTConfig)
-    vocab_size: int = _opt(64, "vocabulary size of the model and of the synthetic corpus")
-    seq_len: int = _opt(64, "tokens per training sequence")
-    d_model: int = _opt(64, "model width")
-    n_layers: int = _opt(2, "transformer blocks")
-    n_heads: int = _opt(4, "attention heads (d_model / n_heads must be even)")
-    n_experts: int = _opt(4, "experts per MoE layer")
-    top_k: int = _opt(2, "experts each token is routed to")
-    d_ff: int = _opt(128, "hidden width of each expert")
+    # model (see distwgrad.models.MoEGPTConfig); None: from the --model preset
+    model: str = _opt("tiny", "preset of the sizes, batch and lr below; explicit flags override it",
+                      choices=tuple(PRESETS))
+    vocab_size: int | None = _opt(None, "vocabulary size of the model and of the synthetic corpus")
+    seq_len: int | None = _opt(None, "tokens per training sequence")
+    d_model: int | None = _opt(None, "model width")
+    n_layers: int | None = _opt(None, "transformer blocks")
+    n_heads: int | None = _opt(None, "attention heads (d_model / n_heads must be even)")
+    n_experts: int | None = _opt(None, "experts per MoE layer")
+    top_k: int | None = _opt(None, "experts each token is routed to")
+    d_ff: int | None = _opt(None, "hidden width of each expert")
     init_std: float = _opt(0.02, "standard deviation of the initial weights")
-    seed: int = _opt(0, "seed of the initial weights and of the corpus")
+    seed: int = _opt(0, "seed of the initial weights and of the data")
+    # data
+    data: str | None = _opt(None, "token file (nanoGPT's flat little-endian uint16 train.bin) to train on; "
+                            "--vocab-size must cover its largest token (default: the synthetic Markov corpus)")
     # training
     steps: int = _opt(200, "train until this step (a resumed run continues to it)")
-    global_batch: int = _opt(16, "sequences per step over all ranks; divisible by world size * microbatches")
-    microbatches: int = _opt(2, "microbatches per step on each rank (gradients accumulate)")
-    lr: float = _opt(1e-2, "AdamW learning rate (constant)")
+    global_batch: int | None = _opt(None, "sequences per step over all ranks; divisible by world size * "
+                                    "microbatches")
+    microbatches: int | None = _opt(None, "microbatches per step on each rank (gradients accumulate)")
+    lr: float | None = _opt(None, "AdamW learning rate (constant)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
-    recipe: str = _opt("none", "precision recipe", choices=RECIPES)
+    precision: str = _opt("auto", "weights' compute dtype, masters always fp32: auto is bf16 on CUDA and fp32 on "
+                          "CPU", choices=PRECISIONS)
+    recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision (bf16 with auto on CUDA)",
+                       choices=RECIPES)
     device: str = _opt("auto", "auto: cuda:LOCAL_RANK with NCCL if CUDA is available, else cpu with gloo",
                        choices=DEVICES)
     # output
@@ -64,6 +92,11 @@ class TrainConfig:
     progress: bool = _opt(True, "show a progress bar on rank 0")
 
     def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"model={self.model!r} must be one of {tuple(PRESETS)}")
+        for k, v in PRESETS[self.model].items():  # a frozen dataclass fills its defaults this way
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)
         positive = {k: getattr(self, k) for k in ("steps", "global_batch", "microbatches")}
         non_negative = {k: getattr(self, k) for k in ("log_every", "save_every")}
         bad = {k: v for k, v in positive.items() if not _is_int(v) or v <= 0}
@@ -73,9 +106,9 @@ class TrainConfig:
         if self.global_batch % self.microbatches:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by "
                              f"microbatches={self.microbatches}")
-        if self.recipe not in RECIPES or self.device not in DEVICES:
+        if self.recipe not in RECIPES or self.device not in DEVICES or self.precision not in PRECISIONS:
             raise ValueError(f"recipe={self.recipe!r} must be one of {RECIPES}, device={self.device!r} one of "
-                             f"{DEVICES}")
+                             f"{DEVICES}, precision={self.precision!r} one of {PRECISIONS}")
         if not self.lr > 0 or not self.weight_decay >= 0:
             raise ValueError(f"need lr > 0 and weight_decay >= 0, got lr={self.lr}, "
                              f"weight_decay={self.weight_decay}")
@@ -116,11 +149,12 @@ def build_parser(prog: str = "train", description: str | None = None) -> argpars
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + " (default: %(default)s)"}
+        shown = "from --model" if f.name in _PRESET_FIELDS else "%(default)s"
+        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + f" (default: {shown})"}
         if f.type in (bool, "bool"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = {"int": int, "float": float}.get(str(f.type), str)
+            kw["type"] = {"int": int, "float": float}.get(str(f.type).removesuffix(" | None"), str)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             kw["metavar"] = "/".join(f.metadata["choices"]) if "choices" in f.metadata else f.name.upper()
