@@ -16,11 +16,14 @@ One JSON object per line, self-describing, so a table or a plot can be rebuilt f
     command    the command line that produced the row
 
 :func:`row` fills the provenance fields; :func:`append` writes rows (rank 0 only under torchrun);
-:func:`load` reads them back.
+:func:`load` reads them back. Scripts take ``--no-record`` / ``--results PATH`` (:func:`add_arguments`) and
+call :func:`record`. ``DISTWGRAD_RESULTS`` names another file for both (the tests point it at a
+temporary file, so a smoke run of a benchmark never writes into the repository's).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -32,11 +35,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS", "FIELDS", "row", "append", "load", "provenance"]
+__all__ = ["RESULTS", "FIELDS", "row", "append", "load", "provenance", "add_arguments", "record", "default_path"]
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "results.jsonl"
 FIELDS = ("bench", "case", "impl", "precision", "world", "metric", "value", "unit", "device", "commit", "date",
           "torch", "triton", "command")
+
+
+def default_path() -> Path:
+    """Where rows go and come from: ``$DISTWGRAD_RESULTS`` when set, else :data:`RESULTS`."""
+    env = os.environ.get("DISTWGRAD_RESULTS")
+    return Path(env) if env else RESULTS
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,7 +112,7 @@ def append(rows: Iterable[dict[str, Any]], path: str | os.PathLike | None = None
         missing = [f for f in FIELDS if f not in r]
         if missing:
             raise ValueError(f"results.append: row {r!r} lacks {missing}")
-    target = Path(path) if path is not None else RESULTS
+    target = Path(path) if path is not None else default_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "a") as f:
         for r in rows:
@@ -113,8 +122,27 @@ def append(rows: Iterable[dict[str, Any]], path: str | os.PathLike | None = None
 
 def load(path: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """Every row of the results file, in file order."""
-    target = Path(path) if path is not None else RESULTS
+    target = Path(path) if path is not None else default_path()
     if not target.exists():
         return []
     with open(target) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--no-record`` and ``--results``: the options every benchmark script takes."""
+    parser.add_argument("--no-record", action="store_true", help="do not append the rows to the results file")
+    parser.add_argument("--results", default=None,
+                        help="append here (default: $DISTWGRAD_RESULTS, else docs/benchmarks/results.jsonl)")
+
+
+def record(rows: Iterable[dict[str, Any]], args: argparse.Namespace) -> int:
+    """Appends ``rows`` unless ``args.no_record``; says where on stdout; returns how many."""
+    rows = list(rows)
+    if getattr(args, "no_record", False) or not rows:
+        return 0
+    target = Path(args.results) if getattr(args, "results", None) else default_path()
+    n = append(rows, target)
+    if n:
+        print(f"results: {n} rows appended to {target}", flush=True)
+    return n

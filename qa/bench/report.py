@@ -1,0 +1,234 @@
+"""Generates ``docs/benchmarks.md`` (and the grouped GEMM plot) from ``docs/benchmarks/results.jsonl``.
+
+    PYTHONPATH=. python qa/bench/report.py            # rewrite docs/benchmarks.md and the plot
+    PYTHONPATH=. python qa/bench/report.py --check    # exit 1 when docs/benchmarks.md is stale (CI, tests)
+
+The page shows current results only: rows are grouped by ``(bench, case)`` and each group keeps the rows
+of its newest run (the latest ``date``; its ``commit``). Each bench is one table: one row per case,
+precision, world and metric, one column per ``impl`` (or per ``precision``, where a bench compares
+precisions), and the ratio of every other column to the baseline column (``distwgrad`` unless ``_LAYOUT``
+says otherwise). Under each table: the commands, commits, dates, devices and versions its rows came from.
+History (what was tried, what lost, and why) lives in ``docs/benchmarks/LOG.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: put the repository root on the path for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
+
+__all__ = ["current", "render", "plot_grouped_gemm", "main"]
+
+PAGE = results.RESULTS.parents[1] / "benchmarks.md"
+PLOT = results.RESULTS.parent / "grouped_gemm_h200.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one bench's table is laid out.
+
+    Args:
+        title: the table's heading.
+        columns: the field whose values become columns ("impl" or "precision").
+        baseline: the column the others are divided by (ratios are shown when it is present).
+        metrics: the metrics shown (``None``: all); the rest stay in results.jsonl.
+        only: ``(field, values)`` pairs: rows whose field is not among the values are left off the page
+            (they stay in results.jsonl).
+    """
+
+    title: str
+    columns: str = "impl"
+    baseline: str = "distwgrad"
+    metrics: tuple[str, ...] | None = None
+    only: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def __post_init__(self):
+        if self.columns not in ("impl", "precision"):
+            raise ValueError(f"Layout.columns must be 'impl' or 'precision', got {self.columns!r}")
+
+
+_LAYOUT = {
+    "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch"),
+    "layer_step": Layout("Layer step: distwgrad against FSDP2 and plain torch"),
+    "train_job": Layout("Training job (`distwgrad.launch.train`)"),
+    "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",)),
+    "grouped_gemm_tails": Layout("Grouped GEMM tail tiles, bf16 (TFLOP/s)", baseline="distwgrad_full_tail"),
+    "fp8_grouped_gemm": Layout("FP8 grouped GEMM against our bf16 (TFLOP/s; `_wT`, `_aligned`, `_bf16out`: "
+                               "the modules' operand layouts and output)", columns="precision", baseline="bf16",
+                               metrics=("tflops",),
+                               only=(("impl", ("distwgrad", "distwgrad_wT", "distwgrad_aligned",
+                                               "distwgrad_bf16out")),)),
+    "fp8_module": Layout("FP8 GroupedLinear steps (ms per step)", columns="precision", baseline="bf16"),
+    "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16"),
+    "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone"),
+    "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
+                            only=(("precision", ("fp8_per_tensor",)),)),
+}
+_ORDER = ("train_step", "layer_step", "train_job", "grouped_gemm", "grouped_gemm_tails", "fp8_grouped_gemm",
+          "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose")
+_KEY = ("case", "impl", "precision", "world", "metric")
+
+
+def current(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of each ``(bench, case)`` group's newest run (latest date; ties keep every such row)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["bench"], r["case"])].append(r)
+    out = []
+    for group in groups.values():
+        newest = max(r["date"] for r in group)
+        commit = next(r["commit"] for r in group if r["date"] == newest)
+        out += [r for r in group if r["commit"] == commit]
+    return out
+
+
+def _fmt(v: float) -> str:
+    a = abs(v)
+    return f"{v:,.0f}" if a >= 1000 else f"{v:.0f}" if a >= 100 else f"{v:.2f}" if a >= 1 else f"{v:.3g}"
+
+
+def _distinct(rows: Sequence[dict[str, Any]], field: str) -> list[str]:
+    return sorted({str(r.get(field)) for r in rows})
+
+
+def _table(bench: str, rows: list[dict[str, Any]]) -> list[str]:
+    layout = _LAYOUT.get(bench, Layout(f"`{bench}`"))
+    if layout.metrics is not None:
+        rows = [r for r in rows if r["metric"] in layout.metrics]
+    for field, values in layout.only:
+        rows = [r for r in rows if r[field] in values]
+    if not rows:
+        return []
+    col = layout.columns
+    keep = [f for f in _KEY if f != col]
+    # A field with one value in every row goes into the heading, not a column.
+    same = [f for f in keep if f != "case" and len({r[f] for r in rows}) == 1]
+    keep = [f for f in keep if f not in same]
+    heading = ", ".join(f"{f} {rows[0][f]}" + (f" ({rows[0]['unit']})" if f == "metric" else "") for f in same)
+    columns = list(dict.fromkeys(r[col] for r in rows))
+    if layout.baseline in columns:
+        columns.remove(layout.baseline)
+        columns.insert(0, layout.baseline)
+    cells: dict[tuple, dict[str, float]] = defaultdict(dict)
+    default: dict[tuple, dict[str, float]] = {}  # per case: the default impl's cells (ratio fallback)
+    units: dict[tuple, str] = {}
+    for r in rows:
+        k = tuple(r[f] for f in keep)
+        cells[k][r[col]] = r["value"]
+        units[k] = r["unit"]
+        if col == "precision" and r["impl"] == "distwgrad":
+            default.setdefault((r["case"], r["world"], r["metric"]), {})[r[col]] = r["value"]
+    ratio_cols = [c for c in columns if c != layout.baseline] if layout.baseline in columns else []
+    head = [*keep, *columns, *(f"{c} / {layout.baseline}" for c in ratio_cols)]
+    lines = [f"## {layout.title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k, vals in cells.items():
+        shown = [f"{v} ({units[k]})" if f == "metric" else str(v) for f, v in zip(keep, k, strict=True)]
+        shown += [_fmt(vals[c]) if c in vals else "" for c in columns]
+        base = vals.get(layout.baseline)
+        if base is None:  # a variant row: against the default impl's baseline of the same case
+            named = dict(zip(keep, k, strict=True))
+            base = default.get((named["case"], named.get("world", rows[0]["world"]),
+                                named.get("metric", rows[0]["metric"])), {}).get(layout.baseline)
+        shown += [f"{vals[c] / base:.2f}x" if c in vals and base else "" for c in ratio_cols]
+        lines.append("| " + " | ".join(shown) + " |")
+    lines += ["", (f"Every row: {heading}. " if heading else "") + _provenance(rows), ""]
+    return lines
+
+
+def _provenance(rows: Sequence[dict[str, Any]]) -> str:
+    runs = sorted({(r["date"], r["commit"], r["command"]) for r in rows})
+    cmds = "; ".join(f"`{cmd}` at `{commit}` ({date})" for date, commit, cmd in runs)
+    return (f"Run: {cmds}. Device: {', '.join(_distinct(rows, 'device'))}; torch "
+            f"{', '.join(_distinct(rows, 'torch'))}, triton {', '.join(_distinct(rows, 'triton'))}.")
+
+
+_HEADER = """# Benchmarks
+
+<!-- Generated by qa/bench/report.py from docs/benchmarks/results.jsonl; edit those, not this page. -->
+
+Current results only, one table per benchmark: the newest run of each case, with the command, commit,
+date, device and versions it came from. Every measurement ever recorded is a row of
+[`benchmarks/results.jsonl`](benchmarks/results.jsonl) (fields in `qa/bench/results.py`); the history,
+the negative results and the reasons behind the tuning are in [`benchmarks/LOG.md`](benchmarks/LOG.md).
+Ratios are what the claims rest on: peers ran side by side in one process. Every `qa/bench/*.py` script
+appends its rows (`--no-record` skips that); `PYTHONPATH=. python qa/bench/report.py` regenerates this page
+and the plot, `--check` fails when the page is stale.
+
+![grouped GEMM, bf16, TFLOP/s](benchmarks/grouped_gemm_h200.png)
+"""
+
+
+def render(rows: Iterable[dict[str, Any]]) -> str:
+    """The whole page for ``rows`` (all of results.jsonl; only the current ones are shown)."""
+    by_bench: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in current(rows):
+        by_bench[r["bench"]].append(r)
+    order = [b for b in _ORDER if b in by_bench] + sorted(b for b in by_bench if b not in _ORDER)
+    lines = [_HEADER]
+    for bench in order:
+        lines += _table(bench, by_bench[bench])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot_grouped_gemm(rows: Iterable[dict[str, Any]], path: Path = PLOT) -> bool:
+    """TFLOP/s by op and shape of the current grouped GEMM rows, one bar per impl; False without rows."""
+    rows = [r for r in current(rows) if r["bench"] == "grouped_gemm" and r["metric"] == "tflops"]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    value = {(r["case"], r["impl"]): r["value"] for r in rows}
+    fig, ax = plt.subplots(figsize=(12, 5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        xs = [j + i * width for j, c in enumerate(cases) if (c, impl) in value]
+        ax.bar(xs, [value[(c, impl)] for c in cases if (c, impl) in value], width, label=impl)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+    ax.set_xticklabels([c.replace(" ", "\n") for c in cases], fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"Grouped GEMM, bf16, {', '.join(_distinct(rows, 'device'))} at "
+                 f"{', '.join(_distinct(rows, 'commit'))}")
+    ax.set_ylim(0, 1.15 * max(value.values()))
+    ax.legend(fontsize=8, loc="upper center", ncol=len(impls))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="fail when the page differs from what results.jsonl gives")
+    p.add_argument("--results", default=str(results.RESULTS), help="the results file (default: the repository's)")
+    p.add_argument("--page", default=str(PAGE), help="the page to write or check")
+    p.add_argument("--no-plot", action="store_true", help="do not redraw the grouped GEMM plot")
+    args = p.parse_args(argv)
+    rows = results.load(args.results)
+    page = render(rows)
+    target = Path(args.page)
+    if args.check:
+        if not target.exists() or target.read_text() != page:
+            print(f"{target} is stale: run `PYTHONPATH=. python qa/bench/report.py`", file=sys.stderr)
+            return 1
+        return 0
+    target.write_text(page)
+    if not args.no_plot:
+        plot_grouped_gemm(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The results file and the page generated from it, on CPU: ``qa/bench/results.py`` refuses malformed
+rows, ``qa/bench/report.py`` keeps each case's newest run, lays a training-step bench out as impl columns
+with ratios to distwgrad, and ``--check`` fails when ``docs/benchmarks.md`` is stale."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qa.bench import report, results
+
+
+def _row(**kw):
+    base = dict(bench="train_step", case="tiny b8", impl="distwgrad", precision="bf16", world=2,
+                metric="tokens_per_s", value=1000.0, unit="tokens/s", device="cpu", command="train_step.py")
+    base.update(kw)
+    return results.row(**base)
+
+
+def test_row_fills_provenance_and_keeps_extras():
+    r = _row(rounds=[1.0, 2.0])
+    assert list(r)[: len(results.FIELDS)] == list(results.FIELDS)
+    assert r["device"] == "cpu" and r["command"] == "train_step.py" and r["rounds"] == [1.0, 2.0]
+    assert r["commit"] and r["date"].endswith("+00:00") and r["torch"]
+
+
+@pytest.mark.parametrize("bad", [dict(bench=""), dict(case=3), dict(world=0), dict(world=True), dict(world=1.5),
+                                 dict(value="fast"), dict(value=True), dict(unit=None)])
+def test_row_refuses_malformed_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        _row(**bad)
+
+
+def test_append_refuses_rows_without_provenance_and_writes_on_rank_0_only(tmp_path, monkeypatch):
+    path = tmp_path / "r.jsonl"
+    with pytest.raises(ValueError, match="lacks"):
+        results.append([{"bench": "x"}], path)
+    assert results.append([_row()], path) == 1
+    monkeypatch.setenv("RANK", "1")
+    assert results.append([_row()], path) == 0
+    assert len(results.load(path)) == 1
+
+
+def test_current_keeps_each_cases_newest_run():
+    old = _row(value=1.0, date="2026-01-01T00:00:00+00:00", commit="aaaaaaa")
+    new = _row(value=2.0, date="2026-02-01T00:00:00+00:00", commit="bbbbbbb")
+    other = _row(case="other", value=3.0, date="2025-01-01T00:00:00+00:00", commit="ccccccc")
+    assert sorted(r["value"] for r in report.current([old, new, other])) == [2.0, 3.0]
+
+
+def test_train_step_rows_become_impl_columns_with_ratios():
+    rows = [_row(impl=impl, metric=m, value=v, unit=u)
+            for impl, scale in (("distwgrad", 1.0), ("fsdp2", 0.5), ("torch", 0.25))
+            for m, v, u in (("tokens_per_s", 1000.0 * scale, "tokens/s"), ("step_ms", 10.0 / scale, "ms"))]
+    page = report.render(rows)
+    assert "| case | metric | distwgrad | fsdp2 | torch | fsdp2 / distwgrad | torch / distwgrad |" in page
+    assert "| tiny b8 | tokens_per_s (tokens/s) | 1,000 | 500 | 250 | 0.50x | 0.25x |" in page
+    assert "| tiny b8 | step_ms (ms) | 10.00 | 20.00 | 40.00 | 2.00x | 4.00x |" in page
+    assert "`train_step.py` at" in page and "Device: cpu" in page
+
+
+def test_check_fails_when_the_page_is_stale(tmp_path, capsys):
+    res, page = tmp_path / "results.jsonl", tmp_path / "benchmarks.md"
+    results.append([_row()], res)
+    args = ["--results", str(res), "--page", str(page), "--no-plot"]
+    assert report.main([*args, "--check"]) == 1  # no page yet
+    assert report.main(args) == 0
+    assert report.main([*args, "--check"]) == 0
+    results.append([_row(impl="fsdp2", value=500.0)], res)
+    assert report.main([*args, "--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+
+
+def test_the_repositorys_page_is_current():
+    """docs/benchmarks.md is what qa/bench/report.py makes of docs/benchmarks/results.jsonl."""
+    assert report.main(["--check", "--results", str(results.RESULTS), "--page", str(report.PAGE)]) == 0, (
+        "docs/benchmarks.md is stale: run `PYTHONPATH=. python qa/bench/report.py`")
+
+
+def test_the_plot_is_drawn_from_the_rows(tmp_path):
+    rows = [_row(bench="grouped_gemm", case=f"fprop E={e}", impl=i, metric="tflops", value=float(e), unit="TFLOP/s")
+            for e in (8, 64) for i in ("distwgrad", "torch_grouped_mm")]
+    assert report.plot_grouped_gemm(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert not report.plot_grouped_gemm([_row()], tmp_path / "q.png")
+
+
+def test_results_file_rows_are_complete():
+    for line in results.RESULTS.read_text().splitlines():
+        r = json.loads(line)
+        assert all(f in r for f in results.FIELDS), r
