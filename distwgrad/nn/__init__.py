@@ -1,9 +1,12 @@
-"""Modules: ``Linear`` and ``GroupedLinear`` (MoE experts), TransformerEngine-compatible; ``fp8_autocast``
+"""Modules: ``Linear``, ``GroupedLinear`` (MoE experts), ``LayerNormLinear`` and ``LayerNormMLP``,
+TransformerEngine-compatible; ``fp8_autocast``
 here as in ``transformer_engine.pytorch`` ([Note: TransformerEngine's fp8_autocast])."""
 
 from distwgrad.fp8.recipe import fp8_autocast
 from distwgrad.nn.embedding import Embedding
 from distwgrad.nn.grouped_linear import GroupedLinear
+from distwgrad.nn.layernorm_linear import LayerNormLinear
+from distwgrad.nn.layernorm_mlp import LayerNormMLP
 from distwgrad.nn.linear import Linear
 
-__all__ = ["Linear", "GroupedLinear", "Embedding", "fp8_autocast"]
+__all__ = ["Linear", "GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Embedding", "fp8_autocast"]

@@ -68,8 +68,13 @@ class WgradModule(nn.Module):
         self.wgrad_store = WeightGradStore(type(self).__name__)
         self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
 
+    # The parameters whose gradients ``backward_dw()`` delivers; None: all of them. A LayerNorm's
+    # parameters get their gradients from the main backward, so they keep DDP's post-backward hook.
+    deferred_param_names: tuple[str, ...] | None = None
+
     def __setattr__(self, name: str, value) -> None:
-        if isinstance(value, nn.Parameter) and getattr(self, "delay_wgrad_compute", False):
+        if (isinstance(value, nn.Parameter) and getattr(self, "delay_wgrad_compute", False)
+                and (self.deferred_param_names is None or name in self.deferred_param_names)):
             value.skip_backward_post_hook = True
         super().__setattr__(name, value)
 

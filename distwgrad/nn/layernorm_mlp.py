@@ -1,0 +1,246 @@
+"""``LayerNormMLP``: y = fc2(act(fc1(norm(x)))), TransformerEngine's ``te.LayerNormMLP``.
+
+Legend: T tokens, H ``hidden_size``, F fc1's width (``ffn_hidden_size``, twice that for a gated
+activation), G ``ffn_hidden_size``.
+
+The normalization is torch autograd (``distwgrad/nn/_norm.py``); fc1, the activation and fc2 are one
+autograd function built from Linear's GEMM helpers (``_fprop_fp8``, ``_dgrad``, ``_wgrad``,
+``_linear_wgrad`` in ``distwgrad/nn/linear.py``), so each FC behaves exactly as a ``Linear`` would:
+the same materialization ([Note: what backward may hold]), the same FP8 dispatch and the same gradient
+landing ([Note: accumulate, never assign]).
+
+[Note: LayerNormMLP's deferred wgrads]
+With ``delay_wgrad_compute`` one backward queues ONE item holding both FCs' wgrads; each ``backward_dw()``
+drains one queued backward: fc2's weight and bias gradient, then fc1's, then the registered hooks. The
+bias gradients are computed in the main backward (where ``dy`` is at hand) and the queued item delivers
+those tensors; it never recomputes them from saved activations (seed 000's FP8 block-scaling bias).
+The activation's backward is torch autograd on a recomputed ``act(h)``, which also gives fc2's wgrad
+operand, so ``act(h)`` is never saved. ``checkpoint=True`` also recomputes ``h = fc1(norm(x))`` in
+backward (materialized for forward, as the original forward did), saving only ``norm(x)``.
+
+Distributed weights: assign them as TE users do, ``mlp.fc1_weight = ShardedWeight.from_full(w)`` (and
+``fc2_weight``, the biases); full shapes are checked at every forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distwgrad.fp8.recipe import Recipe, current_recipe
+from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._norm import activation as _activation
+from distwgrad.nn._norm import apply_norm, init_norm
+from distwgrad.nn.linear import _Call, _dgrad, _fprop_fp8, _linear_wgrad, _materialize_bias
+from distwgrad.ops import grouped_gemm_fp8 as gg8
+from distwgrad.protocol import materialize_weight_for_forward
+from distwgrad.wgrad.store import WeightGradStore
+
+__all__ = ["LayerNormMLP"]
+
+_FC_NAMES = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+
+
+@dataclass(frozen=True)
+class _MLPCall:
+    """Per-call facts, fixed at forward time: one Linear ``_Call`` per FC."""
+
+    fc1: _Call
+    fc2: _Call
+    activation: str
+    checkpoint: bool
+    delay: bool
+    store: WeightGradStore
+    recipe: Recipe | None
+
+
+def _fc_forward(x_TK: torch.Tensor, weight, bias, recipe: Recipe | None):
+    """``(y, x^T quantized or None)``: one FC's forward GEMM, as Linear runs it."""
+    if recipe is None:
+        (w_NK,) = materialize_weight_for_forward([weight])  # transient
+        return F.linear(x_TK, w_NK, _materialize_bias(bias)), None
+    x_q, x_qt = gg8.quantize_operand(x_TK, recipe, grad=False)
+    return _fprop_fp8(x_q, weight, bias, recipe), x_qt
+
+
+def _dgrad_and_quantized(dy, weight, recipe: Recipe | None, need_dgrad: bool):
+    """``(dx or None, dy^T quantized or None)``: one quantization of dy serves dgrad and wgrad."""
+    dy_q = dy_qt = None
+    if recipe is not None and need_dgrad:
+        dy_q, dy_qt = gg8.quantize_operand(dy, recipe, grad=True)
+    return (_dgrad(dy, weight, recipe, dy_q) if need_dgrad else None), dy_qt
+
+
+class _LayerNormMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ln_TH, w1, b1, w2, b2, call: _MLPCall):
+        act, _ = _activation(call.activation)
+        h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe)
+        y_TH, _ = _fc_forward(act(h_TF), w2, b2, call.recipe)
+        if call.checkpoint:
+            ctx.save_for_backward(ln_TH)
+        elif call.recipe is None:
+            ctx.save_for_backward(ln_TH, h_TF)
+        else:  # fc1's wgrad reads only norm(x)^T, in fp8
+            ctx.save_for_backward(*gg8.saved_tensors(ln_qt), h_TF)
+            ctx.x_meta = gg8.saved_meta(ln_qt)
+        # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
+        ctx.params, ctx.call = (w1, b1, w2, b2), call
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        (w1, b1, w2, b2), call = ctx.params, ctx.call
+        ln_TH = ln_qt = None
+        if call.checkpoint:
+            (ln_TH,) = ctx.saved_tensors
+            h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe)  # the forward again, for fc1's output
+            ln_TH = ln_TH if call.recipe is None else None
+        elif call.recipe is None:
+            ln_TH, h_TF = ctx.saved_tensors
+        else:
+            *ln_saved, h_TF = ctx.saved_tensors
+            ln_qt = gg8.from_saved(ln_saved, ctx.x_meta)
+        need_fc1 = call.fc1.weight_grad or call.fc1.bias_grad or ctx.needs_input_grad[0]
+        act, _ = _activation(call.activation)
+        with torch.enable_grad():
+            h = h_TF.detach().requires_grad_(need_fc1)
+            a_TG = act(h)
+        a_qt = None if call.recipe is None else gg8.quantize_operand(a_TG.detach(), call.recipe, grad=False)[1]
+        da_TG, dy_qt = _dgrad_and_quantized(dy_TH, w2, call.recipe, need_fc1)
+        dh_TF = torch.autograd.grad(a_TG, h, da_TG)[0] if need_fc1 else None
+        a_TG = a_TG.detach()
+        dln_TH, dh_qt = _dgrad_and_quantized(dh_TF, w1, call.recipe, ctx.needs_input_grad[0])
+        db2 = dy_TH.sum(0) if call.fc2.bias_grad else None  # kept, never recomputed later
+        db1 = dh_TF.sum(0) if call.fc1.bias_grad else None
+
+        def wgrads(deferred: bool):  # fc2's then fc1's
+            g2 = _linear_wgrad(a_TG, dy_TH, w2, b2, call.fc2, deferred, dy_qt, a_qt, db2)
+            g1 = _linear_wgrad(ln_TH, dh_TF, w1, b1, call.fc1, deferred, dh_qt, ln_qt, db1)
+            return g1, g2
+
+        if not any((call.fc1.weight_grad, call.fc1.bias_grad, call.fc2.weight_grad, call.fc2.bias_grad)):
+            return dln_TH, None, None, None, None, None
+        if call.delay:
+            call.store.put(lambda: wgrads(True))
+            return dln_TH, None, None, None, None, None
+        (gw1, gb1), (gw2, gb2) = wgrads(False)
+        return dln_TH, gw1, gb1, gw2, gb2, None
+
+
+class LayerNormMLP(WgradModule):
+    """A normalization, fc1, an activation and fc2, with TransformerEngine's names and deferred wgrads.
+
+    Args:
+        hidden_size: H, the input and output width.
+        ffn_hidden_size: the activation's width (fc1 is twice as wide for a gated activation).
+        eps: the normalization's epsilon.
+        bias: give fc1 and fc2 a bias (``fc1_bias``, ``fc2_bias``).
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``; ``zero_centered_gamma`` as TE (scale ``1 + gamma``).
+        activation: one of ``distwgrad.nn._norm.ACTIVATIONS`` (``"gelu"`` is the tanh approximation;
+            ``"swiglu"`` is ``silu(a) * b`` with ``a`` the first half of fc1's output).
+        params_dtype, device: for fresh parameters.
+        delay_wgrad_compute: queue both FCs' wgrads; each ``backward_dw()`` drains one backward
+            ([Note: LayerNormMLP's deferred wgrads]).
+        fuse_wgrad_accumulation: accumulate fc1's and fc2's weight gradients into fp32 ``main_grad``.
+        init_method, output_layer_init_method: ``fn(weight)`` initialising fc1's / fc2's weight in place
+            (default: TE's normal(0, 0.023)); biases start at zero.
+        return_layernorm_output: also return ``norm(x)``.
+        return_bias: return fc2's bias instead of adding it: ``(out, fc2_bias)`` (then ``ln_out`` last).
+        checkpoint: recompute fc1's output in backward instead of saving it.
+        sequence_parallel, tp_group, tp_size, set_parallel_mode: TE's tensor-parallel arguments,
+            accepted at their defaults only.
+
+    Distributed weights are assigned after construction, ``mlp.fc1_weight = ShardedWeight.from_full(w)``
+    (TE's constructor takes no weights either). ``forward(inp, is_first_microbatch=None)``.
+    """
+
+    deferred_param_names = _FC_NAMES
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, *, bias: bool = True,
+                 normalization: str = "LayerNorm", activation: str = "gelu", params_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, delay_wgrad_compute: bool = False,
+                 fuse_wgrad_accumulation: bool = False, init_method: Callable[[torch.Tensor], object] | None = None,
+                 output_layer_init_method: Callable[[torch.Tensor], object] | None = None,
+                 zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+                 return_bias: bool = False, checkpoint: bool = False, sequence_parallel: bool = False,
+                 tp_group=None, tp_size: int = 1, set_parallel_mode: bool = False) -> None:
+        super().__init__()
+        self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        owner = f"LayerNormMLP({hidden_size}, {ffn_hidden_size})"
+        check_no_tensor_parallelism(owner, sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=tp_size,
+                                    parallel_mode="set_parallel_mode=True" if set_parallel_mode else None)
+        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        _, gated = _activation(activation)  # validates the name
+        self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
+        self.fc1_width = ffn_hidden_size * (2 if gated else 1)
+        self.use_bias, self.checkpoint = bool(bias), bool(checkpoint)
+        self.return_bias, self.return_layernorm_output = bool(return_bias), bool(return_layernorm_output)
+        self.wgrad_store.owner = owner
+        dtype = params_dtype or torch.get_default_dtype()
+        init_norm(self, hidden_size, normalization=normalization, eps=eps, zero_centered_gamma=zero_centered_gamma,
+                  dtype=dtype, device=device)
+        default_init = lambda w: nn.init.normal_(w, mean=0.0, std=0.023)  # noqa: E731  TE's default
+        for name, shape, init in (("fc1", (self.fc1_width, hidden_size), init_method),
+                                  ("fc2", (hidden_size, ffn_hidden_size), output_layer_init_method)):
+            weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+            with torch.no_grad():
+                (init or default_init)(weight)
+            setattr(self, f"{name}_weight", weight)
+            if self.use_bias:
+                setattr(self, f"{name}_bias", nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device)))
+            else:
+                self.register_parameter(f"{name}_bias", None)
+
+    def _fc_params(self) -> dict[str, torch.Tensor]:
+        return {n: p for n in _FC_NAMES if (p := getattr(self, n)) is not None}
+
+    def _check(self, inp: torch.Tensor) -> torch.dtype:
+        owner = self.wgrad_store.owner
+        want = {"fc1_weight": (self.fc1_width, self.hidden_size), "fc1_bias": (self.fc1_width,),
+                "fc2_weight": (self.hidden_size, self.ffn_hidden_size), "fc2_bias": (self.hidden_size,)}
+        params = self._fc_params()
+        for name, p in params.items():
+            full = tuple(getattr(p, "full_shape", p.shape))
+            if full != want[name]:
+                raise ValueError(f"{owner}: {name} has full shape {full}, expected {want[name]}")
+        dtype = check_compute_dtype(owner, params, None)
+        if not isinstance(inp, torch.Tensor) or inp.dim() == 0 or inp.shape[-1] != self.hidden_size:
+            shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
+            raise ValueError(f"{owner}: input of shape {shape}, expected last dim hidden_size={self.hidden_size}")
+        if inp.dtype != dtype:
+            raise TypeError(f"{owner}: input dtype {inp.dtype} does not match the weights' compute dtype {dtype}; "
+                            f"cast the input")
+        return dtype
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+        del is_first_microbatch  # nothing is cached across microbatches
+        self._check(inp)
+        ln_TH = apply_norm(self, inp.reshape(-1, self.hidden_size))
+        w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
+        b2 = None if self.return_bias else self.fc2_bias
+        on = torch.is_grad_enabled()
+        flags = [on and p is not None and p.requires_grad for p in (w1, b1, w2, b2)]
+        self._begin_forward([p for p, f in zip((w1, b1, w2, b2), flags) if f])
+        recipe, delay, fuse = current_recipe(), self.delay_wgrad_compute, self.fuse_wgrad_accumulation
+        fc1 = _Call(flags[0], flags[1], delay, fuse, self.wgrad_store, recipe, (self.fc1_width, self.hidden_size))
+        fc2 = _Call(flags[2], flags[3], delay, fuse, self.wgrad_store, recipe, (self.hidden_size, self.ffn_hidden_size))
+        call = _MLPCall(fc1, fc2, self.activation, self.checkpoint, delay, self.wgrad_store, recipe)
+        y_TH = _LayerNormMLPFunction.apply(ln_TH, w1, b1, w2, b2, call)
+        out = y_TH.reshape(inp.shape)
+        ln_out = ln_TH.reshape(inp.shape)
+        if self.return_bias:
+            return (out, self.fc2_bias, ln_out) if self.return_layernorm_output else (out, self.fc2_bias)
+        return (out, ln_out) if self.return_layernorm_output else out
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, activation={self.activation}, bias={self.use_bias}, "
+                f"delay_wgrad_compute={self.delay_wgrad_compute}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, checkpoint={self.checkpoint}")
