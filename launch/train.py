@@ -8,11 +8,17 @@ Commands::
     torchrun --standalone --nproc-per-node 8 -m distwgrad.launch.train
     # one process, no torchrun
     python -m distwgrad.launch.train --steps 50
+    # bf16 mixed precision (fp32 masters; the default on CUDA), and a bigger preset (--model small/large)
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --precision bf16 --model small
     # also train an unsharded single-process copy and compare (exit code 1 if they disagree)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --check-parity
-    # checkpoint every 50 steps, then resume the latest checkpoint on 3 ranks (resharded)
-    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --save-every 50 --out runs/a
-    torchrun --standalone --nproc-per-node 3 -m distwgrad.launch.train --resume runs/a/checkpoints --out runs/b
+    # train on a token file (nanoGPT's train.bin: flat uint16; --vocab-size must cover its tokens)
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --data train.bin --vocab-size 50304
+    # checkpoint every 50 of 100 steps, then resume the latest on 4 ranks (resharded) to step 200, into
+    # the same folder: report.json and loss.png then cover all 200 steps
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --steps 100 --save-every 50 --out runs/a
+    torchrun --standalone --nproc-per-node 4 -m distwgrad.launch.train --steps 200 \
+        --resume runs/a/checkpoints --out runs/a
     # every option
     python -m distwgrad.launch.train --help
 
@@ -20,8 +26,10 @@ Each step runs ``--microbatches`` forward/backward passes on this rank's rows of
 the experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
 ``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``),
 then ``AdamW.step()`` on the shards and ``zero_grad()``. Rank 0 shows a progress bar and logs; the other
-ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` and ``OUT/loss.png`` (``docs/training.md``
-says what they hold). Exit codes: 0 done, 1 parity check failed, 2 bad options or an unusable ``--resume``.
+ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``: final and best loss,
+tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md`` says what they
+hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an unusable
+``--resume`` (one at or past ``--steps`` included).
 
 [Note: parity]
 Top-k routing makes training chaotic: in one process, nudging one weight by 1e-7 moves the loss by 1e-2
@@ -44,7 +52,6 @@ import json
 import logging
 import math
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,11 +63,12 @@ from tqdm import tqdm
 
 import distwgrad
 from distwgrad.checkpoint import CheckpointError, full_tensor, load_checkpoint, save_checkpoint
-from distwgrad.data import MarkovCorpus
+from distwgrad.data import DataError, MarkovCorpus, TokenFile
 from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling, fp8_autocast
 from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
+from . import report as _out
 from .config import TrainConfig, parse_args
 
 __all__ = ["main", "forward_backward"]
@@ -75,6 +83,9 @@ log = logging.getLogger("distwgrad.train")
 PARITY_LOSS_ATOL = 1e-5  # ~40 fp32 ulps at a loss of 4
 PARITY_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref|, per weight
 PARITY_WEIGHT_RTOL = 1e-6  # max |w - w_ref| / max |w_ref| after the optimizer step, per weight
+# bf16: both sides compute in bf16 with fp32 masters; the reference casts its fp32 parameters at each
+# use. BF16_TOLERANCES_MEASURED_HERE
+PARITY_BF16 = {"loss_abs": 0.0, "grad_rel": 0.0, "weight_rel": PARITY_WEIGHT_RTOL}
 
 # Context each forward/backward runs in, per precision recipe (distwgrad.fp8; emulated on CPU).
 _RECIPES = {
@@ -93,7 +104,12 @@ class _Runtime:
     device: torch.device
     backend: str
     group: Any
+    param_dtype: torch.dtype | None  # None: fp32
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def precision(self) -> str:
+        return "fp32" if self.param_dtype is None else "bf16"
 
 
 class _TqdmHandler(logging.Handler):
@@ -125,7 +141,8 @@ def _init(config: TrainConfig) -> _Runtime:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.ERROR, handlers=[_TqdmHandler()],
                         format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
     torch.manual_seed(config.seed)
-    return _Runtime(rank, world_size, device, backend, dist.group.WORLD)
+    bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
+    return _Runtime(rank, world_size, device, backend, dist.group.WORLD, torch.bfloat16 if bf16 else None)
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -174,12 +191,13 @@ def _reference_model(config: TrainConfig, rt: _Runtime) -> MoEGPT | None:
     Under an FP8 recipe plain torch has no FP8 path, so the reference is the same distwgrad model with
     its weights whole on rank 0 (a group of one): it checks that sharding changes nothing under FP8,
     while the FP8 numerics themselves are checked against the emulation reference in the tests."""
+    mc, pd = config.model_config(), rt.param_dtype
     if config.recipe == "none":
-        return MoEGPT(config.model_config(), device=rt.device, sharded=False) if rt.rank == 0 else None
+        return MoEGPT(mc, device=rt.device, sharded=False, param_dtype=pd) if rt.rank == 0 else None
     solo = [dist.new_group([r]) for r in range(rt.world_size)]  # every rank creates every group
     if rt.rank != 0:
         return None
-    return MoEGPT(config.model_config(), device=rt.device, sharded=True, group=solo[0])
+    return MoEGPT(mc, device=rt.device, sharded=True, group=solo[0], param_dtype=pd)
 
 
 class _Lockstep:
@@ -235,15 +253,21 @@ class _Lockstep:
         self.sync(final_model)  # compares the last step's update
         if self.ref is None:
             return None
-        limits = {"loss_abs": PARITY_LOSS_ATOL, "grad_rel": PARITY_GRAD_RTOL, "weight_rel": PARITY_WEIGHT_RTOL}
+        limits = _tolerances(self.rt)
         passed = all(self.worst[k] <= limits[k] for k in limits)
         return {"max_abs_diff": self.worst["loss_abs"], "max": dict(self.worst), "tolerance": limits,
                 "weights_compared": self.compare_weights, "passed": passed, "reference_loss": self.ref_loss}
 
 
-def _free_running(config: TrainConfig, rt: _Runtime, corpus: MarkovCorpus) -> list[float]:
+def _tolerances(rt: _Runtime) -> dict[str, float]:
+    if rt.param_dtype is None:
+        return {"loss_abs": PARITY_LOSS_ATOL, "grad_rel": PARITY_GRAD_RTOL, "weight_rel": PARITY_WEIGHT_RTOL}
+    return dict(PARITY_BF16)
+
+
+def _free_running(config: TrainConfig, rt: _Runtime, corpus: MarkovCorpus | TokenFile) -> list[float]:
     """The reference trained alone from the same init on the same global batches (rank 0)."""
-    ref = MoEGPT(config.model_config(), device=rt.device, sharded=False)
+    ref = MoEGPT(config.model_config(), device=rt.device, sharded=False, param_dtype=rt.param_dtype)
     opt = _optimizer(ref, config)
     losses = []
     for step in range(1, config.steps + 1):
@@ -259,43 +283,43 @@ def _parity_result(config, rt, corpus, lockstep: _Lockstep, model, hist) -> dict
     if rt.rank == 0:
         free = _free_running(config, rt, corpus)
         ours = hist["loss"]
-        result[0]["free_running_loss"] = free[hist["steps"][0] - 1:] if ours else []
-        result[0]["free_running_max_abs_diff"] = max((abs(a - b) for a, b in zip(ours, result[0]["free_running_loss"])),
-                                                     default=0.0)
         r = result[0]
-        log.info("parity (lockstep, %d steps): max |loss diff| %.2e (tol %.0e), max rel grad diff %.2e (tol %.0e), "
-                 "max rel weight diff %.2e (tol %.0e): %s; free-running max |loss diff| %.2e (chaotic, not gated)",
-                 len(ours), r["max"]["loss_abs"], PARITY_LOSS_ATOL, r["max"]["grad_rel"], PARITY_GRAD_RTOL,
-                 r["max"]["weight_rel"], PARITY_WEIGHT_RTOL, "PASSED" if r["passed"] else "FAILED",
-                 r["free_running_max_abs_diff"])
+        r["free_running_steps"] = hist["steps"]
+        r["free_running_loss"] = [free[s - 1] for s in hist["steps"]]
+        r["free_running_max_abs_diff"] = max((abs(a - b) for a, b in zip(ours, r["free_running_loss"])),
+                                             default=0.0)
+        tol = r["tolerance"]
+        log.info("parity (lockstep, %d steps, %s): max |loss diff| %.2e (tol %.0e), max rel grad diff %.2e "
+                 "(tol %.0e), max rel weight diff %.2e (tol %.0e): %s; free-running max |loss diff| %.2e "
+                 "(chaotic, not gated)", len(ours), rt.precision, r["max"]["loss_abs"], tol["loss_abs"],
+                 r["max"]["grad_rel"], tol["grad_rel"], r["max"]["weight_rel"], tol["weight_rel"],
+                 "PASSED" if r["passed"] else "FAILED", r["free_running_max_abs_diff"])
     dist.broadcast_object_list(result, src=0, group=rt.group)
     return result[0]
 
 
 # --- the loop --------------------------------------------------------------------------------------------
 
-def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus, start: int,
+def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus | TokenFile, start: int,
            lockstep: _Lockstep | None) -> dict[str, list]:
     hist: dict[str, list] = {k: [] for k in ("steps", "loss", "step_time_s", "tokens_per_s",
                                              "bytes_all_gathered", "bytes_reduce_scattered", "checkpoints")}
     tokens_per_step = config.global_batch * config.seq_len
-    rows = config.global_batch // rt.world_size
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rt.rank != 0 or not config.progress, file=sys.stderr)
     for step in range(start + 1, config.steps + 1):
-        global_BS = corpus.global_batch(step, config.global_batch)
+        local_BS = corpus.local_batch(step, config.global_batch, rt.rank, rt.world_size)
         if lockstep:
             lockstep.sync(model)
         gathered0, reduced0 = _comm_bytes(model)
         t0 = time.perf_counter()
-        loss = forward_backward(model, global_BS[rt.rank * rows:(rt.rank + 1) * rows].to(rt.device),
-                                config.microbatches, config.recipe)
+        loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe)
         distwgrad.finalize_model_grads([model])
         dist.all_reduce(loss, group=rt.group)
         loss = loss.item() / rt.world_size  # .item() synchronises, so the step time is real
         dt = time.perf_counter() - t0
         if lockstep:
-            lockstep.check(model, global_BS, loss)
+            lockstep.check(model, corpus.global_batch(step, config.global_batch), loss)
         t0 = time.perf_counter()
         _optimizer_step(optimizer)
         dt += time.perf_counter() - t0
@@ -329,80 +353,80 @@ def _save(config: TrainConfig, rt: _Runtime, step: int, model, optimizer) -> str
 
 # --- report ----------------------------------------------------------------------------------------------
 
-def _peak_memory(rt: _Runtime) -> dict[str, Any]:
-    if rt.device.type == "cuda":
-        mine, source = torch.cuda.max_memory_allocated(rt.device), "torch.cuda.max_memory_allocated"
-    else:  # Linux reports ru_maxrss in KiB
-        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        source = "resource.getrusage(RUSAGE_SELF).ru_maxrss (process RSS high-water mark, whole process)"
-    per_rank: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(per_rank, mine, group=rt.group)
-    return {"source": source, "bytes_per_rank": per_rank, "max_bytes": max(per_rank)}
-
-
 def _report(config: TrainConfig, rt: _Runtime, hist: dict[str, list], start: int, parity: dict | None,
-            corpus: MarkovCorpus) -> dict[str, Any]:
+            corpus: MarkovCorpus | TokenFile, peak_flops: list[float | None]) -> dict[str, Any]:
+    """report.json: this run's steps after the earlier ones kept from ``--out`` ([Note: resumed history])."""
     rates = hist["tokens_per_s"][1:] or hist["tokens_per_s"]  # the first step pays warm-up
-    return {
+    wall = time.perf_counter() - rt.started
+    mc = config.model_config()
+    earlier = _out.earlier_history(config.out, start, dict(mc.__dict__)) if config.resume else {}
+    ours = dict(zip(_out.PER_STEP, (hist[k] for k in ("steps", "loss", "step_time_s", "tokens_per_s",
+                                                       "bytes_all_gathered", "bytes_reduce_scattered"))))
+    segment = {"first_step": start + 1, "last_step": config.steps, "world_size": rt.world_size,
+               "resumed_from": config.resume, "wall_time_s": wall}
+    report = {
         "config": config.to_dict(), "world_size": rt.world_size, "device": str(rt.device),
-        "backend": rt.backend, "torch": torch.__version__, "start_step": start,
-        "steps": hist["steps"], "loss": hist["loss"], "step_time_s": hist["step_time_s"],
-        "tokens_per_s": hist["tokens_per_s"],
+        "backend": rt.backend, "torch": torch.__version__, "precision": rt.precision, "start_step": start,
+        **{k: earlier.get(k, []) + ours[k] for k in _out.PER_STEP},
         "tokens_per_s_mean": sum(rates) / len(rates) if rates else None,
-        "bytes_all_gathered_per_step": hist["bytes_all_gathered"],
-        "bytes_reduce_scattered_per_step": hist["bytes_reduce_scattered"],
         "comm_bytes_note": "per rank, summed over distinct weights: all-gather output and reduce-scatter "
                            "input sizes (shards padded to equal size); the same on every rank",
-        "peak_memory": _peak_memory(rt),
-        "wall_time_s": time.perf_counter() - rt.started,
-        "corpus": {"uniform_loss": corpus.uniform_loss(), "entropy_floor": corpus.entropy()},
-        "checkpoints": hist["checkpoints"], "resumed_from": config.resume, "parity": parity,
+        "peak_memory": _out.peak_memory(rt.device, rt.group, rt.world_size),
+        "wall_time_s": wall, "segments": earlier.get("segments", []) + [segment],
+        "corpus": corpus.describe(), "checkpoints": hist["checkpoints"], "resumed_from": config.resume,
+        "parity": parity,
     }
-
-
-def _plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    recipe = report["config"]["recipe"]
-    ax.plot(report["steps"], report["loss"], label=f"sharded, {report['world_size']} rank(s), recipe {recipe}")
-    if report["parity"]:
-        ax.plot(report["steps"], report["parity"]["free_running_loss"], "--", lw=1,
-                label="unsharded plain-torch reference (full precision), free-running")
-    ax.axhline(report["corpus"]["entropy_floor"], color="grey", lw=0.8, ls=":", label="corpus entropy")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title="MoE GPT on the Markov corpus")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report["summary"] = _out.summary(report, params=mc.num_params(), flops_per_token=mc.flops_per_token(),
+                                     peak_flops=peak_flops, wall_time_s=wall)
+    return report
 
 
 # --- main ------------------------------------------------------------------------------------------------
 
+def _data(config: TrainConfig) -> MarkovCorpus | TokenFile:
+    if config.data:
+        return TokenFile(config.data, config.vocab_size, config.seq_len, config.seed)
+    return MarkovCorpus(config.vocab_size, config.seq_len, config.seed)
+
+
+def _resume(config: TrainConfig, rt: _Runtime, model, optimizer) -> int:
+    start = load_checkpoint(config.resume, model, optimizer, group=rt.group, expect=_model_meta(config))
+    if start >= config.steps:
+        raise CheckpointError(f"--resume {config.resume!r} is at step {start}, at or past --steps "
+                              f"{config.steps}: nothing to train (pass --steps greater than {start})")
+    log.info("resumed from %s at step %d", config.resume, start)
+    return start
+
+
 def _run(config: TrainConfig, rt: _Runtime) -> int:
-    model = MoEGPT(config.model_config(), device=rt.device, group=rt.group)
+    corpus = _data(config)  # DataError on every rank alike, before any collective
+    mc = config.model_config()
+    log.info("MoEGPT %s: %s parameters (%s active per token), %d layers, d_model %d, %d experts top-%d; "
+             "%d rank(s) on %s (%s), %s%s", config.model, f"{mc.num_params():,}",
+             f"{(mc.flops_per_token() - 6 * mc.n_layers * mc.seq_len * mc.d_model) // 6:,}", mc.n_layers,
+             mc.d_model, mc.n_experts, mc.top_k, rt.world_size, rt.device, rt.backend, rt.precision,
+             "" if config.recipe == "none" else f", recipe {config.recipe}")
+    peak: list[float | None] = [None] * rt.world_size
+    dist.all_gather_object(peak, _out.measure_peak_flops(rt.device), group=rt.group)
+    model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
     optimizer = _optimizer(model, config)
-    start = 0
-    if config.resume:
-        start = load_checkpoint(config.resume, model, optimizer, group=rt.group, expect=_model_meta(config))
-        log.info("resumed from %s at step %d", config.resume, start)
-    log.info("%d rank(s) on %s (%s); %d weights; steps %d..%d", rt.world_size, rt.device, rt.backend,
-             len(distwgrad.wgrad.distributed_parameters(model)), start + 1, config.steps)
-    corpus = MarkovCorpus(config.vocab_size, config.seq_len, config.seed)
+    start = _resume(config, rt, model, optimizer) if config.resume else 0
+    log.info("%d weights; steps %d..%d; data: %s", len(distwgrad.wgrad.distributed_parameters(model)), start + 1,
+             config.steps, config.data or "synthetic Markov corpus")
     lockstep = _Lockstep(config, rt, start) if config.check_parity else None
     hist = _train(config, rt, model, optimizer, corpus, start, lockstep)
     parity = _parity_result(config, rt, corpus, lockstep, model, hist) if lockstep else None
-    report = _report(config, rt, hist, start, parity, corpus)
+    report = _report(config, rt, hist, start, parity, corpus, peak)
     if rt.rank == 0:
         os.makedirs(config.out, exist_ok=True)
         with open(os.path.join(config.out, "report.json"), "w") as f:
             json.dump(report, f, indent=2)
-        _plot(report, os.path.join(config.out, "loss.png"))
-        log.info("wrote %s and loss.png; %.0f tokens/s; %.1f s", os.path.join(config.out, "report.json"),
-                 report["tokens_per_s_mean"] or 0.0, report["wall_time_s"])
+        _out.plot(report, os.path.join(config.out, "loss.png"))
+        s = report["summary"]
+        log.info("wrote %s and loss.png; final loss %.4f (best %.4f at step %d); %.0f tokens/s; MFU %s; %.1f s",
+                 os.path.join(config.out, "report.json"), s["final_loss"], s["best_loss"], s["best_step"],
+                 s["tokens_per_s"] or 0.0, "n/a (CPU)" if s["mfu"] is None else f"{s['mfu']:.1%}",
+                 s["wall_time_s"])
     return 1 if parity is not None and not parity["passed"] else 0
 
 
@@ -416,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _run(config, rt)
-    except CheckpointError as exc:  # the same check fails on every rank, before any collective
+    except (CheckpointError, DataError) as exc:  # the same check fails on every rank, before any collective
         if rt.rank == 0:
             print(f"distwgrad.launch.train: error: {exc}", file=sys.stderr)
         return 2
