@@ -319,3 +319,52 @@ def test_bad_param_dtype_and_dtype_disagreements_raise_naming_the_values():
     gl.weight1 = ShardedWeight.from_full(torch.randn(4, 3), param_dtype=BF16)
     with pytest.raises(TypeError, match="built with params_dtype=torch.float32"):
         gl(torch.randn(2, 3, dtype=BF16), [1, 1])
+
+
+# --- checkpoints: the fp32 master is saved, and a bf16-compute run resumes bit-exactly -------------------
+
+def _ckpt_model(seed):
+    w0 = ShardedWeight.from_full(_master(N, K, seed=seed), param_dtype=BF16)
+    w1 = ShardedWeight.from_full(_master(N, N, seed=seed + 1), param_dtype=BF16, async_reduce=True)
+    b1 = ReplicatedWeight.from_full(_master(N, seed=seed + 2), param_dtype=BF16)
+    return torch.nn.Sequential(Linear(K, N, weight=w0, bias=False), Linear(N, N, weight=w1, bias=b1),
+                               Linear(N, N, weight=w1, bias=False, delay_wgrad_compute=True))
+
+
+def _train(model, opt, steps, rank):
+    for step in steps:
+        for m in range(2):
+            _loss(dict(model="linear", mbs=2), model(_inputs(dict(model="linear"), step, rank, m)), m).backward()
+            distwgrad.drain_deferred_wgrads(model)
+        distwgrad.finalize_model_grads([model])
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpoint_rank(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+
+    from distwgrad.checkpoint import load_checkpoint, save_checkpoint
+    straight = _ckpt_model(seed=20)
+    opt = torch.optim.AdamW(straight.parameters(), lr=1e-2)
+    _train(straight, opt, range(4), rank)
+    first = _ckpt_model(seed=20)
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    _train(first, opt, range(2), rank)
+    path = save_checkpoint(root, 2, first, opt)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert {saved[f"model.{n}"].properties.dtype for n, _ in first.named_parameters()} == {torch.float32}
+    resumed = _ckpt_model(seed=40)  # other values: everything must come from the checkpoint
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    _train(resumed, opt, range(1), rank)  # so the optimizer has state to overwrite
+    assert load_checkpoint(path, resumed, opt) == 2
+    assert resumed[1].weight is resumed[2].weight and resumed[1].weight.param_dtype == BF16
+    _train(resumed, opt, range(2, 4), rank)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a.detach(), b.detach()), name
+    return True
+
+
+@pytest.mark.distributed
+def test_bf16_compute_checkpoint_saves_fp32_masters_and_resumes_bit_exactly(tmp_path):
+    assert all(run_distributed(_checkpoint_rank, 2, str(tmp_path), timeout=300))
