@@ -16,6 +16,9 @@
   A packed ``[E, N, K]`` weight is sharded by experts, so every expert quantizes whole on one rank.
 * Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization); it never
   uses the shard's bf16 values under an FP8 recipe (seed 004's bug 2).
+* A weight with ``param_dtype`` ([Note: mixed precision] in ``weights/base.py``) is quantized from its
+  own data, the fp32 master, never from its ``param_dtype`` cast: one rounding, the bytes of quantizing
+  the fp32 full weight (``tests/test_mixed_precision.py``).
 """
 
 from __future__ import annotations
