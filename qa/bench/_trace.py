@@ -1,0 +1,113 @@
+"""What the step benchmarks read from a ``torch.profiler`` trace: collectives, per-op times, overlap.
+
+Collectives are counted at the ``c10d::`` operator layer, which every caller goes through (distwgrad's
+``_comm``, FSDP2's all-gather and reduce-scatter, DDP's bucket all-reduce), whatever the backend does
+underneath (gloo implements a reduce-scatter as an all-reduce; its backend events would mislead).
+Bytes per collective are the all-gather's output, the reduce-scatter's input and the all-reduce's tensor,
+as ``launch/train.py``'s ``_comm_bytes`` counts them. A list-of-tensors all-reduce (DDP) records no shape
+at the ``c10d::`` layer, so its size is read from the backend event it launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction"]
+
+# c10d operator -> (kind, index of the input whose shape is the bytes moved)
+COLLECTIVES = {
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "c10d::allgather_": ("all_gather", 0),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1),
+    "c10d::allreduce_": ("all_reduce", 0),
+    "c10d::allreduce_coalesced_": ("all_reduce", 0),
+    "c10d::broadcast_": ("broadcast", 0),
+    "c10d::alltoall_base_": ("all_to_all", 0),
+}
+_BACKEND_PREFIXES = ("gloo:", "nccl:")
+_DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
+                "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1, "unsigned char": 1, "signed char": 1}
+
+
+def _numel(shape: Any) -> int:
+    if not isinstance(shape, (list, tuple)) or not shape or not all(isinstance(d, int) for d in shape):
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _event_bytes(event: Any, index: int) -> int | None:
+    shapes = getattr(event, "input_shapes", None) or []
+    dtypes = getattr(event, "input_dtypes", None) or []
+    if index >= len(shapes) or not _numel(shapes[index]):
+        return None
+    size = _DTYPE_BYTES.get(dtypes[index]) if index < len(dtypes) else None
+    return None if size is None else _numel(shapes[index]) * size
+
+
+def comm_from_events(events: Iterable[Any]) -> dict[str, Any]:
+    """``{"collectives": n, "bytes": b, "by_kind": {kind: [n, b]}, "unsized": m}`` of one rank's events
+    (``prof.events()``); ``unsized`` counts collectives whose size the trace did not record."""
+    events = sorted(events, key=lambda e: e.time_range.start)
+    ops = [e for e in events if e.name in COLLECTIVES]
+    # Each c10d collective launches one backend event, in order; gloo records it on its worker thread
+    # (not as a child), NCCL on the caller's: paired by position where the counts agree.
+    backend = [e for e in events if e.name.startswith(_BACKEND_PREFIXES)]
+    paired = backend if len(backend) == len(ops) else [None] * len(ops)
+    by_kind: dict[str, list[int]] = {}
+    unsized = 0
+    for e, under in zip(ops, paired):
+        kind, index = COLLECTIVES[e.name]
+        nbytes = _event_bytes(e, index)
+        if nbytes is None and under is not None:  # a list-of-tensors collective (DDP's bucket all-reduce)
+            nbytes = _event_bytes(under, 0)
+        if nbytes is None:
+            unsized += 1
+        entry = by_kind.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes or 0
+    return {"collectives": sum(v[0] for v in by_kind.values()), "bytes": sum(v[1] for v in by_kind.values()),
+            "by_kind": by_kind, "unsized": unsized}
+
+
+def op_table(prof: Any, rows: int = 15) -> str:
+    """The top operators by device time (CUDA) or host time (CPU), with both columns."""
+    import torch
+
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def overlap_fraction(events: Iterable[Any]) -> float | None:
+    """Fraction of communication-kernel time (NCCL kernels on the device timeline) that compute kernels
+    run under; None without device kernels (CPU/gloo: communication runs on gloo's threads, untraced)."""
+    comm, compute = [], []
+    for e in events:
+        if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(span)
+    if not comm:
+        return None
+    busy = _union(compute)
+    total = hidden = 0.0
+    for s, e in _union(comm):
+        total += e - s
+        hidden += sum(max(0.0, min(e, b1) - max(s, b0)) for b0, b1 in busy)
+    return hidden / total if total else None

@@ -1,0 +1,536 @@
+"""One training step of the MoE GPT three ways, in one process, timed in interleaved rounds.
+
+    # CPU, 2 ranks over gloo (eager only: inductor on two cores takes minutes per build)
+    torchrun --standalone --nproc-per-node 2 qa/bench/train_step.py --model small --modes eager
+    # one H200: every precision, eager and compiled, with a profiler trace per build
+    torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --profile runs/trace
+    # 8 GPUs over NCCL: the same command with --nproc-per-node 8
+    python qa/bench/train_step.py --help
+
+The builds share the model (``distwgrad.models.MoEGPT``: same config, same initial weights from
+``init_full_weights``) and the data (one seeded global batch per step, each rank taking its rows):
+
+* ``distwgrad``: ``MoEGPT(sharded=True)`` on ``ShardedWeight``s (bf16 compute copies, fp32 ``main_grad``,
+  deferred expert wgrads); the step is the job's own ``launch.train.forward_backward`` then
+  ``distwgrad.finalize_model_grads`` then the optimizer.
+* ``fsdp2``: ``MoEGPT(sharded=False)`` with fp32 parameters, experts through ``torch._grouped_mm``,
+  ``fully_shard`` on each block and on the root with ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)``, as torchtitan builds MoE.
+* ``torch``: the same plain model unsharded (world 1: the upper bound); at world > 1 it is wrapped in
+  ``DistributedDataParallel`` (rows say ``"torch_mode": "ddp"``).
+
+Every build uses AdamW, fused on CUDA (``foreach`` on CPU, or where fused refuses the parameters: the
+rows' ``optimizer`` field says which ran). ``--modes`` compiled adds ``torch.compile`` on each block; a
+build that fails to compile is reported and left out. FP8 (``fp8_per_tensor``, ``fp8_blockwise``) runs
+distwgrad under ``distwgrad.fp8.fp8_autocast``; the peers would need torchao's float8 training, which
+converts ``nn.Linear`` modules only (the plain model uses ``F.linear`` and grouped_mm experts), so they
+are printed and recorded as not run.
+
+Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through the builds of one
+(precision, mode), ``--steps`` steps per build per round, synchronised at the end of each block; the
+median over rounds is reported. After the rounds one more step per build runs under ``torch.profiler`` to
+count its collectives and bytes (``_trace.py`` says how). Peak memory (CUDA only) is the build's
+persistent tensors (parameters, gradients, ``main_grad``, optimizer state) plus the high-water mark of
+``torch.cuda.max_memory_allocated`` above the allocation at the start of its steps; on CPU one process's
+allocations are not separable by build, so it is not reported. MFU: the model's training FLOPs (6 x
+matmul parameters used per token, plus attention 12 x layers x d_model x seq_len, torchtitan's
+convention) over the dense bf16 peak measured at start (an 8192^3 bf16 matmul); CUDA only.
+
+Rows go to ``docs/benchmarks/results.jsonl`` (``qa/bench/results.py``; ``--no-record`` skips it), one per
+(impl, precision, mode, metric). The step-1 losses of all builds are printed side by side and compared
+(``LOSS_ATOL``): same weights, same data, so a gap is a bug in a build (or in this bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _trace  # noqa: E402
+import results  # noqa: E402
+
+import distwgrad  # noqa: E402
+from distwgrad.data import MarkovCorpus  # noqa: E402
+from distwgrad.models import MoEGPT, MoEGPTConfig  # noqa: E402
+
+IMPLS = ("distwgrad", "fsdp2", "torch")
+PRECISIONS = ("fp32", "bf16", "fp8_per_tensor", "fp8_blockwise")
+MODES = ("eager", "compiled")
+METRICS = ("step_ms", "tokens_per_s", "peak_gib", "mfu", "collectives_per_step", "comm_bytes_per_step")
+# Step-1 loss agreement between builds, by precision. fp32: the job's parity tolerance (the same sums in
+# other orders; launch/train.py PARITY_LOSS_ATOL). bf16 and FP8: every build rounds the same weights to
+# bf16 but the activations in its own order; a loss is a mean over tokens of per-token errors of a few
+# ulps of the logits (|logit| << 1 at init), measured below 1e-3 on the tiny CPU preset (bf16 ulp at a
+# loss of 4: 1.6e-2). A wrong weight, a dropped shard or an unscaled reduction moves it by far more.
+LOSS_ATOL = {"fp32": 1e-5, "bf16": 1.6e-2, "fp8_per_tensor": 1.6e-2, "fp8_blockwise": 1.6e-2}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _launch_train():
+    try:
+        from distwgrad.launch import train
+    except ImportError:  # a bare checkout: the job's package is launch/ at the repository root
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from launch import train
+    return train
+
+
+# --- model configs and builds ----------------------------------------------------------------------------
+
+def model_config(args) -> tuple[str, MoEGPTConfig, int, int]:
+    """(name, config, global batch, microbatches): the job's ``--model`` preset resolved by the job's own
+    ``TrainConfig`` (launch/config.py), explicit size and batch flags overriding it."""
+    fields = [f.name for f in dataclasses.fields(MoEGPTConfig)]
+    overrides = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    batch = {k: v for k, v in (("global_batch", args.batch), ("microbatches", args.microbatches)) if v is not None}
+    job = sys.modules[_launch_train().__package__ + ".config"].TrainConfig(model=args.model, **overrides, **batch)
+    name = args.model + "".join(f" {k}={v}" for k, v in overrides.items())
+    return name, job.model_config(), job.global_batch, job.microbatches
+
+
+def build_model(impl: str, cfg: MoEGPTConfig, param_dtype: torch.dtype, device: torch.device,
+                group: Any) -> tuple[nn.Module, dict[str, Any]]:
+    """The one place models are built: (model, facts recorded with its rows). Masters are fp32 everywhere:
+    distwgrad's shards gather in ``param_dtype``, the plain build casts at each use, FSDP2 casts with its
+    ``MixedPrecisionPolicy`` (so its model is built without ``param_dtype``)."""
+    facts: dict[str, Any] = {"param_dtype": str(param_dtype).removeprefix("torch."), "master_dtype": "float32"}
+    mixed = None if param_dtype == torch.float32 else param_dtype
+    if impl == "distwgrad":
+        return MoEGPT(cfg, device=device, group=group, sharded=True, param_dtype=mixed), facts
+    facts["experts"] = "torch._grouped_mm"
+    return MoEGPT(cfg, device=device, sharded=False, experts="grouped_mm",
+                  param_dtype=mixed if impl == "torch" else None), facts
+
+
+def _loss(model: Callable, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """``MoEGPT.loss`` through the wrapper's ``__call__`` (DDP hooks run only there)."""
+    logits = model(tokens_BS[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
+
+
+def _optimizer(model: nn.Module, device: torch.device) -> tuple[torch.optim.Optimizer, str]:
+    params = list(model.parameters())
+    if device.type == "cuda":
+        try:
+            return torch.optim.AdamW(params, lr=1e-3, fused=True), "AdamW(fused=True)"
+        except (RuntimeError, TypeError, ValueError) as exc:
+            print(f"  fused AdamW refused these parameters ({exc}); foreach=True instead", flush=True)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True), "AdamW(foreach=True)"
+
+
+@dataclass
+class Build:
+    impl: str
+    precision: str
+    mode: str
+    model: nn.Module
+    step_fn: Callable[[torch.Tensor], torch.Tensor]  # this rank's tokens -> its loss (detached)
+    optimizer: torch.optim.Optimizer
+    facts: dict[str, Any]
+    step: int = 0
+    times_ms: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+    comm: dict[str, Any] = field(default_factory=dict)
+    loss1: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}/{self.precision}/{self.mode}"
+
+    def run_step(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        loss = self.step_fn(tokens_BS)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss
+
+
+def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict, args) -> Build:
+    dtype = _DTYPES["fp32" if precision == "fp32" else args.param_dtype]
+    model, facts = build_model(impl, cfg, dtype, rt["device"], rt["group"])
+    if mode == "compiled":
+        for block in model.blocks:
+            block.compile()
+    mb = args.microbatches
+    if impl == "distwgrad":
+        forward_backward = _launch_train().forward_backward
+        recipe = precision if precision.startswith("fp8") else "none"
+
+        def step_fn(tok):
+            loss = forward_backward(model, tok, mb, recipe)
+            distwgrad.finalize_model_grads([model])
+            return loss
+        runner = model
+    elif impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=rt["mesh"], mp_policy=mp)
+        fully_shard(model, mesh=rt["mesh"], mp_policy=mp)
+        facts["mp_policy"] = f"MixedPrecisionPolicy(param_dtype={facts['param_dtype']}, reduce_dtype=float32)"
+        runner = model
+    else:
+        runner = model
+        if rt["world"] > 1:
+            # the buffers are the rotary tables, constants equal on every rank: no per-step broadcast
+            runner = nn.parallel.DistributedDataParallel(model, process_group=rt["group"], broadcast_buffers=False)
+        facts["torch_mode"] = "ddp" if rt["world"] > 1 else "single"
+    if impl != "distwgrad":
+        no_sync = getattr(runner, "no_sync", contextlib.nullcontext)
+
+        def step_fn(tok):
+            total = torch.zeros((), device=tok.device)
+            for i, chunk in enumerate(tok.chunk(mb)):
+                with no_sync() if i < mb - 1 else contextlib.nullcontext():
+                    loss = _loss(runner, chunk) / mb
+                    loss.backward()
+                total += loss.detach()
+            return total
+    optimizer, facts["optimizer"] = _optimizer(model, rt["device"])
+    return Build(impl, precision, mode, model, step_fn, optimizer, facts)
+
+
+# --- measurement -----------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resident_bytes(b: Build) -> int:
+    """Bytes of the build's persistent tensors: parameters (local), gradients, main_grad, optimizer state."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    for p in b.model.parameters():
+        for t in (p, p.grad, getattr(p, "main_grad", None)):
+            add(t)
+    for state in b.optimizer.state.values():
+        for t in state.values():
+            add(t)
+    return sum(seen.values())
+
+
+def _timed_block(b: Build, batches: list[torch.Tensor], device: torch.device) -> None:
+    cuda = device.type == "cuda"
+    _sync(device)
+    if cuda:
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for tok in batches:
+        b.run_step(tok)
+    _sync(device)
+    b.times_ms.append((time.perf_counter() - t0) * 1e3 / len(batches))
+    if cuda:
+        b.peak_bytes = max(b.peak_bytes, torch.cuda.max_memory_allocated(device) - base + _resident_bytes(b))
+
+
+def _count_comm(b: Build, tok: torch.Tensor, device: torch.device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [p for _, p in distwgrad.wgrad.distributed_parameters(b.model)] if b.impl == "distwgrad" else []
+    own0 = [(p.bytes_gathered, p.bytes_reduced) for p in params]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        b.run_step(tok)
+        _sync(device)
+    b.comm = _trace.comm_from_events(prof.events())
+    b.comm["source"] = "torch.profiler c10d:: operators, one step"
+    if params:  # the weights' own counters: the bytes the job reports (launch/train.py _comm_bytes)
+        gathered = sum(p.bytes_gathered - g for p, (g, _) in zip(params, own0))
+        reduced = sum(p.bytes_reduced - r for p, (_, r) in zip(params, own0))
+        b.comm.update(bytes_trace=b.comm["bytes"], bytes=gathered + reduced, bytes_all_gathered=gathered,
+                      bytes_reduce_scattered=reduced, source="ShardedWeight bytes_gathered + bytes_reduced; "
+                      "collectives from torch.profiler c10d:: operators, one step")
+
+
+def _profile(b: Build, tok: torch.Tensor, device: torch.device, out: str, rank: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for t in (tok, tok):
+            b.run_step(t)
+        _sync(device)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{b.impl}_{b.precision}_{b.mode}_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    if rank == 0:
+        print(f"== {b.name}: two steps, {path}\n{_trace.op_table(prof)}", flush=True)
+    return {"trace": path, "comm_hidden_fraction": _trace.overlap_fraction(prof.events())}
+
+
+def peak_bf16_tflops(device: torch.device) -> float | None:
+    """Dense bf16 matmul throughput of this device (8192^3, median of 20); None on CPU."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    bmat = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ bmat
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ bmat
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * 8192 ** 3 / statistics.median(times) / 1e9
+
+
+# --- the run ---------------------------------------------------------------------------------------------
+
+def _batches(corpus: MarkovCorpus, args, rt: dict, start: int, n: int) -> list[torch.Tensor]:
+    """Global batches ``start+1 .. start+n`` (seeded by step), this rank's rows, on the device."""
+    rows = args.batch // rt["world"]
+    r = rt["rank"]
+    return [corpus.global_batch(s, args.batch)[r * rows:(r + 1) * rows].to(rt["device"])
+            for s in range(start + 1, start + n + 1)]
+
+
+def _mean_over_ranks(x: torch.Tensor, rt: dict) -> float:
+    x = x.detach().float().reshape(1).to(rt["device"])
+    dist.all_reduce(x, group=rt["group"])
+    return x.item() / rt["world"]
+
+
+def _warm_up(specs: list[tuple[str, str, str]], cfg: MoEGPTConfig, corpus, rt: dict, args,
+             not_run: list[dict]) -> list[Build]:
+    """Builds each spec and runs its warm-up steps; a build that fails is reported and left out."""
+    builds = []
+    for impl, precision, mode in specs:
+        try:
+            b = make_build(impl, precision, mode, cfg, rt, args)
+            losses = [b.run_step(tok) for tok in _batches(corpus, args, rt, 0, args.warmup)]
+            _sync(rt["device"])
+        except Exception as exc:  # every rank fails alike (same program); report, do not hide
+            not_run.append({"impl": impl, "precision": precision, "mode": mode,
+                            "why": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+            _say(rt, f"  {impl}/{precision}/{mode}: not run ({not_run[-1]['why']})")
+            continue
+        b.loss1 = _mean_over_ranks(losses[0], rt)
+        builds.append(b)
+    return builds
+
+
+def run_group(specs, cfg, corpus, rt: dict, args, not_run: list[dict]) -> list[Build]:
+    """Warm-up, then interleaved rounds over the builds of one (precision, mode), then per-build extras."""
+    builds = _warm_up(specs, cfg, corpus, rt, args, not_run)
+    for r in range(args.rounds):
+        start = args.warmup + r * args.steps
+        batches = _batches(corpus, args, rt, start, args.steps)
+        for b in builds:
+            _timed_block(b, batches, rt["device"])
+    after = _batches(corpus, args, rt, args.warmup + args.rounds * args.steps, 1)[0]
+    for b in builds:
+        _count_comm(b, after, rt["device"])
+        if args.profile:
+            b.facts.update(_profile(b, after, rt["device"], args.profile, rt["rank"]))
+    return builds
+
+
+def _say(rt: dict, msg: str) -> None:
+    if rt["rank"] == 0:
+        print(msg, flush=True)
+
+
+def measurements(b: Build, cfg: MoEGPTConfig, args, rt: dict, peak_tflops: float | None) -> dict[str, tuple]:
+    """metric -> (value, unit) for one build; CPU has no peak_gib or mfu (see the module docstring)."""
+    ms = statistics.median(b.times_ms)
+    tokens = args.batch * cfg.seq_len
+    out = {"step_ms": (ms, "ms"), "tokens_per_s": (tokens / ms * 1e3, "tokens/s"),
+           "collectives_per_step": (b.comm["collectives"], "count"),
+           "comm_bytes_per_step": (b.comm["bytes"], "bytes")}
+    if rt["device"].type == "cuda":
+        peak = torch.tensor([float(b.peak_bytes)], device=rt["device"])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=rt["group"])
+        out["peak_gib"] = (peak.item() / 2 ** 30, "GiB")
+        flops = cfg.flops_per_token() * tokens / rt["world"] / (ms * 1e-3)
+        out["mfu"] = (flops / (peak_tflops * 1e12), "fraction")
+    return out
+
+
+def _check_losses(builds: list[Build], rt: dict) -> list[dict]:
+    """Step-1 losses side by side per precision; a gap above LOSS_ATOL is a failed check."""
+    checks = []
+    for precision in dict.fromkeys(b.precision for b in builds):
+        group = [b for b in builds if b.precision == precision]
+        # the plain eager build of this precision; FP8 runs distwgrad only, so against plain bf16
+        plain = {b.precision: b for b in builds if b.impl == "torch" and b.mode == "eager"}
+        ref = plain.get(precision) or plain.get("bf16") or group[0]
+        for b in group:
+            diff = abs(b.loss1 - ref.loss1)
+            checks.append({"build": b.name, "loss_step1": b.loss1, "reference": ref.name, "abs_diff": diff,
+                           "atol": LOSS_ATOL[precision], "ok": diff <= LOSS_ATOL[precision]})
+    _say(rt, "step-1 loss (same weights, same data):")
+    for c in checks:
+        _say(rt, f"  {c['build']:32s} {c['loss_step1']:.7f}   |diff| vs {c['reference']} {c['abs_diff']:.2e} "
+                 f"(atol {c['atol']:.0e}) {'ok' if c['ok'] else 'MISMATCH'}")
+    return checks
+
+
+def _table(rows: list[dict], rt: dict) -> None:
+    cols = ("step_ms", "tokens_per_s", "mfu", "peak_gib", "collectives_per_step", "comm_bytes_per_step")
+    heads = ("ms/step", "tokens/s", "MFU", "peak GiB", "colls/step", "MiB/step")
+    table: dict[tuple, dict] = {}
+    for r in rows:
+        table.setdefault((r["precision"], r["impl"], r["case"].rsplit(" ", 1)[1]), {})[r["metric"]] = r["value"]
+    _say(rt, f"{'precision':15s} {'impl':10s} {'mode':9s} " + " ".join(f"{h:>11s}" for h in heads))
+    for (precision, impl, mode), vals in table.items():
+        cells = []
+        for c in cols:
+            v = vals.get(c)
+            cells.append("-" if v is None else f"{v / 2 ** 20:.2f}" if c == "comm_bytes_per_step" else
+                         f"{v:.1%}" if c == "mfu" else f"{v:,.0f}" if c == "tokens_per_s" else f"{v:.2f}"
+                         if c != "collectives_per_step" else f"{v:.0f}")
+        _say(rt, f"{precision:15s} {impl:10s} {mode:9s} " + " ".join(f"{c:>11s}" for c in cells))
+
+
+def _runtime() -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    timeout = datetime.timedelta(minutes=20)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return {"device": device, "rank": dist.get_rank(), "world": world, "group": dist.group.WORLD,
+            "mesh": init_device_mesh(device.type, (world,))}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a preset of the training job (launch/config.py PRESETS: "
+                   "sizes, batch, microbatches)")
+    for f in dataclasses.fields(MoEGPTConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
+                       help=f"override the preset's {f.name} (default without --model: {f.default})")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step over all ranks (default: preset)")
+    p.add_argument("--microbatches", type=int, default=None, help="per rank per step (default: preset)")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    p.add_argument("--precisions", default="bf16,fp8_per_tensor,fp8_blockwise",
+                   help="comma-separated subset of " + ",".join(PRECISIONS))
+    p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
+                   help="compute dtype of the weights under the FP8 recipes (fp32 precision: fp32)")
+    p.add_argument("--modes", default=",".join(MODES), help="eager, compiled (torch.compile per block), or both")
+    p.add_argument("--warmup", type=int, default=3, help="steps per build before timing")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="steps per build per round")
+    p.add_argument("--profile", default=None, metavar="DIR", help="a torch.profiler trace per build in DIR")
+    p.add_argument("--json", default=None, help="also write rows, losses and checks to this file")
+    p.add_argument("--no-record", action="store_true", help="do not append to docs/benchmarks/results.jsonl")
+    args = p.parse_args(argv)
+    for name, allowed in (("impls", IMPLS), ("precisions", PRECISIONS), ("modes", MODES)):
+        chosen = tuple(v for v in getattr(args, name).split(",") if v)
+        if not chosen or any(v not in allowed for v in chosen):
+            p.error(f"--{name} {getattr(args, name)!r}: choose from {','.join(allowed)}")
+        setattr(args, name, chosen)
+    if min(args.warmup, args.rounds, args.steps) < 1:
+        p.error("--warmup, --rounds and --steps must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rt = _runtime()
+    try:
+        return _main(args, rt)
+    finally:
+        dist.destroy_process_group()
+
+
+def _main(args, rt: dict) -> int:
+    name, cfg, args.batch, args.microbatches = model_config(args)
+    if args.batch % (rt["world"] * args.microbatches):
+        raise ValueError(f"--batch {args.batch} must divide over {rt['world']} ranks x {args.microbatches} "
+                         f"microbatches")
+    torch.manual_seed(0)
+    corpus = MarkovCorpus(cfg.vocab_size, cfg.seq_len, cfg.seed)
+    peak_tflops = peak_bf16_tflops(rt["device"])
+    _say(rt, f"{name}: {cfg}\nbatch {args.batch} x {cfg.seq_len} on {rt['world']} rank(s), {rt['device'].type}; "
+             f"dense bf16 peak " + (f"{peak_tflops:.0f} TFLOP/s (measured)" if peak_tflops else "n/a (CPU: no MFU)")
+             + "; peak memory " + ("per build" if rt["device"].type == "cuda" else "n/a (CPU: not separable)"))
+    not_run: list[dict] = []
+    for precision in args.precisions:
+        for impl in args.impls:
+            if precision.startswith("fp8") and impl != "distwgrad":
+                not_run.append({"impl": impl, "precision": precision, "mode": "*", "why": _peer_fp8_why()})
+    rows, builds_seen = [], []
+    prov = results.provenance(rt["device"])
+    for precision in args.precisions:
+        for mode in args.modes:
+            specs = [(i, precision, mode) for i in args.impls
+                     if not (precision.startswith("fp8") and i != "distwgrad")]
+            builds = run_group(specs, cfg, corpus, rt, args, not_run)
+            for b in builds:
+                for metric, (value, unit) in measurements(b, cfg, args, rt, peak_tflops).items():
+                    rows.append({**results.row(bench="train_step", case=f"{name} b{args.batch}x{cfg.seq_len} {mode}",
+                                               impl=b.impl, precision=precision, world=rt["world"], metric=metric,
+                                               value=value, unit=unit, device=rt["device"],
+                                               command=prov["command"]), **_extras(b, args, peak_tflops)})
+                builds_seen.append(b)
+            del builds
+            if rt["device"].type == "cuda":
+                torch.cuda.empty_cache()
+    checks = _check_losses(builds_seen, rt)
+    _table(rows, rt)
+    for n in not_run:
+        _say(rt, f"not run: {n['impl']}/{n['precision']}/{n['mode']}: {n['why']}")
+    if not args.no_record:
+        _say(rt, f"appended {results.append(rows)} rows to {results.RESULTS}")
+    if args.json and rt["rank"] == 0:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "loss_checks": checks, "not_run": not_run, "model_config": vars(cfg),
+                       "peak_bf16_tflops": peak_tflops}, f, indent=1, default=str)
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+def _extras(b: Build, args, peak_tflops: float | None) -> dict[str, Any]:
+    comm = {k: v for k, v in b.comm.items() if k != "by_kind"}
+    comm["by_kind"] = {k: {"count": n, "bytes": nb} for k, (n, nb) in b.comm["by_kind"].items()}
+    return {**b.facts, "comm": comm, "loss_step1": b.loss1, "microbatches": args.microbatches,
+            "timing": f"median of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
+                      f"interleaved", "rounds_ms": [round(t, 4) for t in b.times_ms],
+            "peak_bf16_tflops": peak_tflops}
+
+
+def _peer_fp8_why() -> str:
+    import importlib.util
+
+    have = importlib.util.find_spec("torchao") is not None
+    return ("torchao is importable, but its float8 training converts nn.Linear modules only; the plain model "
+            "uses F.linear and grouped_mm experts" if have else "torchao is not importable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

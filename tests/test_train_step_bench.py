@@ -1,0 +1,80 @@
+"""``qa/bench/train_step.py`` end to end on CPU: every promised row, and the builds agree at step 1.
+
+The bench runs at world 1 (plain ``python``) and world 2 (torchrun, gloo) on the ``tiny`` preset, one
+warm-up step and one round of one step, ``--no-record``. Its ``--json`` output must hold every (impl,
+precision, metric) a CPU run promises (no MFU or peak memory on CPU: the module docstring says why), the
+FP8 peers must be listed as not run with a reason, and the step-1 losses must agree within the bench's
+own ``LOSS_ATOL`` (same weights, same data; the bench exits 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "qa", "bench", "train_step.py")
+PRECISIONS = ("bf16", "fp8_per_tensor", "fp8_blockwise")
+CPU_METRICS = {"step_ms", "tokens_per_s", "collectives_per_step", "comm_bytes_per_step"}
+
+
+def _bench(tmp_path, nproc: int | None) -> tuple[dict, str]:
+    out = tmp_path / "bench.json"
+    args = [BENCH, "--model", "tiny", "--precisions", ",".join(PRECISIONS), "--modes", "eager", "--warmup", "1",
+            "--rounds", "1", "--steps", "1", "--no-record", "--json", str(out)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = (launcher if nproc else [sys.executable]) + args
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    with open(out) as f:
+        return json.load(f), proc.stdout
+
+
+def _check(report: dict, stdout: str, world: int) -> None:
+    got: dict[tuple[str, str], set[str]] = {}
+    for r in report["rows"]:
+        assert r["bench"] == "train_step" and r["world"] == world and r["case"] == "tiny b16x64 eager", r
+        got.setdefault((r["impl"], r["precision"]), set()).add(r["metric"])
+    want = {("distwgrad", p) for p in PRECISIONS} | {("fsdp2", "bf16"), ("torch", "bf16")}
+    assert set(got) == want, sorted(got)
+    assert all(metrics == CPU_METRICS for metrics in got.values()), got
+    not_run = {(n["impl"], n["precision"]) for n in report["not_run"]}
+    assert not_run == {(i, p) for i in ("fsdp2", "torch") for p in PRECISIONS[1:]}, report["not_run"]
+    assert all(n["why"] for n in report["not_run"])
+    checks = {c["build"]: c for c in report["loss_checks"]}
+    assert set(checks) == {f"{i}/{p}/eager" for i, p in want}, sorted(checks)
+    assert all(c["ok"] for c in checks.values()), checks
+    for build, c in checks.items():  # printed side by side
+        assert f"{build} " in stdout and f"{c['loss_step1']:.7f}" in stdout, build
+
+
+def _comm(report: dict, impl: str, precision: str) -> dict:
+    return next(r["comm"] for r in report["rows"] if r["impl"] == impl and r["precision"] == precision)
+
+
+def test_world_1(tmp_path):
+    report, stdout = _bench(tmp_path, None)
+    _check(report, stdout, 1)
+    rows = [r for r in report["rows"] if r["impl"] == "torch"]
+    assert all(r["torch_mode"] == "single" for r in rows)
+    assert _comm(report, "distwgrad", "bf16")["bytes"] == 0  # one rank: nothing gathered or reduced
+
+
+@pytest.mark.distributed
+def test_world_2(tmp_path):
+    report, stdout = _bench(tmp_path, 2)
+    _check(report, stdout, 2)
+    assert all(r["torch_mode"] == "ddp" for r in report["rows"] if r["impl"] == "torch")
+    ours = _comm(report, "distwgrad", "bf16")
+    # the weights' own byte counters and the profiler's c10d operators count the same traffic
+    assert ours["bytes"] == ours["bytes_trace"] > 0 and ours["unsized"] == 0, ours
+    assert ours["by_kind"]["all_gather"]["count"] > 0 and ours["by_kind"]["reduce_scatter"]["count"] > 0
+    fsdp = _comm(report, "fsdp2", "bf16")
+    assert fsdp["unsized"] == 0 and fsdp["by_kind"]["reduce_scatter"]["count"] > 0, fsdp
+    ddp = _comm(report, "torch", "bf16")
+    assert ddp["unsized"] == 0 and ddp["by_kind"]["all_reduce"]["bytes"] > 0, ddp
