@@ -54,14 +54,20 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
 from distwgrad.fp8 import quantize as ref
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.fp8.weights import quantize_weight
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -79,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test; no triton)")
     p.add_argument("--reps", type=int, default=50, help="timed repetitions on CPU (GPU: do_bench's own)")
     p.add_argument("--json", default=None, help="write the rows to this file")
+    results.add_arguments(p)
     p.add_argument("--benchmarks", nargs="+", default=None,
                    help="row producers to run (default all): quantize, grouped_gemm")
     p.add_argument("--cuda-graph", action="store_true",
@@ -642,7 +649,35 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    results.record(result_rows(rows, args.device), args)
     return rows
+
+
+_RECIPES = ("fp8_per_tensor_fast", "fp8_per_tensor", "fp8_blockwise")
+
+
+def result_rows(rows: list[Row], device: str) -> list[dict]:
+    """This run's rows for docs/benchmarks/results.jsonl: benches ``fp8_grouped_gemm`` (precision = the
+    recipe, impl = ``distwgrad`` plus the variant: ``_wT``, ``_bf16out``, ``_aligned``, ``_triton``),
+    ``fp8_transpose`` and ``fp8_quantize``."""
+    out = []
+    for r in rows:
+        op, impl = r["op"], str(r["impl"])
+        if op.startswith("gg_"):
+            prec = "bf16" if impl == "bf16" else next((x for x in _RECIPES if impl.startswith(x)), impl)
+            rest = impl[len(prec):] if impl.startswith(prec) else ""
+            variant = "distwgrad" + rest.replace("_triton", "") + ("_triton" if rest.endswith("_triton") else "")
+            rec = {**r, "op": op[3:], "impl": variant, "precision": prec}
+            out += results.from_records([rec], bench="fp8_grouped_gemm", device=device,
+                                        metrics={"tflops": "TFLOP/s", "ms": "ms"})
+        elif op.startswith("transpose_"):
+            rec = {**r, "shape": str(r["shape"]).replace(",", "x")}
+            out += results.from_records([rec], bench="fp8_transpose", device=device, metrics={"gbps": "GB/s"})
+        else:
+            prec = "bf16" if op == "copy" else "fp8_per_tensor" if op == "per_tensor" else "fp8_blockwise"
+            out += results.from_records([{**r, "precision": prec}], bench="fp8_quantize", device=device,
+                                        metrics={"gbps": "GB/s"})
+    return out
 
 
 if __name__ == "__main__":

@@ -18,8 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 7168, 2048), (128, 16384, 2048, 768)]
 
@@ -171,6 +176,7 @@ def main(argv=None) -> int:
                    help="E,T,K,N")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     p.add_argument("--json", default=None)
+    results.add_arguments(p)
     p.add_argument("--profile", action="store_true",
                    help="instead: torch.profiler over three fresh FP8 steps per shape, the top operators by "
                         "device time and by host time")
@@ -187,7 +193,28 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    results.record(result_rows(rows, host=args.host), args)
     return 0
+
+
+def result_rows(rows: list[dict], *, host: bool) -> list[dict]:
+    """This run's rows for docs/benchmarks/results.jsonl (benches ``fp8_module``, ``fp8_module_host``)."""
+    out = []
+    for r in rows:
+        prec = "bf16" if r["impl"] == "bf16" else "fp8_per_tensor"
+        impl = "distwgrad_never_aligned" if r["impl"] == "fp8_plain" else "distwgrad"
+        op = r["op"].removesuffix("_host").removeprefix("step_")
+        rec = {**r, "op": op, "impl": impl, "precision": prec}
+        if len(r["shape"]) == 3:  # the experts' weights alone
+            rec["shape"] = " ".join(f"{n}={v}" for n, v in zip("EKN", r["shape"], strict=True))
+        if host:
+            metrics = {"us": "us"} if "us" in r else {"ms": "ms"}
+            rows_ = results.from_records([rec], bench="fp8_module_host", device="cuda", metrics=metrics)
+            out += [{**x, "metric": "host_" + x["metric"]} for x in rows_]
+        else:
+            rows_ = results.from_records([rec], bench="fp8_module", device="cuda", metrics={"ms": "ms"})
+            out += [{**x, "metric": "step_ms"} for x in rows_]
+    return out
 
 
 if __name__ == "__main__":

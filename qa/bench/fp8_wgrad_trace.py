@@ -24,11 +24,16 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fp8 as B  # noqa: E402  (the FP8 bench's problems and operands)
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 SHAPES = ("64,65536,7168,2048", "8,32768,4096,14336")
 
@@ -101,6 +106,7 @@ def main() -> None:
     ap.add_argument("--unzeroed", action="store_true", help="also trace dry runs that skip the edge chunks' "
                     "zeroing (what it costs; their sums are wrong, and nothing is written)")
     ap.add_argument("--json", default=None)
+    results.add_arguments(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_wgrad_trace.py needs a GPU (Hopper, a Triton with Gluon)")
@@ -120,6 +126,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    results.record(results.from_records(rows, bench="fp8_wgrad_trace", precision="fp8_per_tensor", device="cuda",
+                                        case_keys=("routing", "epilogue_warps"),
+                                        metrics={"tflops": "TFLOP/s", "ms": "ms", "ms_traced": "ms"}), args)
 
 
 if __name__ == "__main__":

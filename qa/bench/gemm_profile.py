@@ -19,12 +19,17 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distwgrad.kernels import grouped_gemm as G  # noqa: E402
 from grouped_gemm import impls_for, make_problem  # noqa: E402  (the bench's problems and peers)
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 SHAPES = [(8, 32768, 4096, 14336), (64, 65536, 7168, 2048)]
 
@@ -292,6 +297,7 @@ def main() -> None:
                          "distwgrad.kernels.MODULE's builds of it and our bf16 kernel instead (none: today's only)")
     ap.add_argument("--wgrad-stages", nargs="+", type=int, default=[5], help="with --wgrad-ab: ring depths")
     ap.add_argument("--json", default=None)
+    results.add_arguments(ap)
     ap.add_argument("--repeats", type=int, default=2, help="timing passes over the impls (interleaved)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     args = ap.parse_args()
@@ -305,6 +311,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    results.record(results.from_records(rows, bench="gemm_profile", device="cuda", case_keys=("repeat",)), args)
 
 
 if __name__ == "__main__":

@@ -55,12 +55,17 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as C
 from distwgrad.kernels import grouped_gemm as G
 
 from distwgrad.testing import reference as R
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 SHAPES = ((8, 32768, 4096, 14336), (64, 65536, 7168, 2048), (128, 16384, 2048, 768))
 OPS = ("fprop", "dgrad", "wgrad", "wgrad_accumulate")
@@ -73,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", default=None, help="E,T,K,N each (default: the three MoE shapes)")
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     p.add_argument("--json", default=None, help="write the rows here")
+    results.add_arguments(p)
     p.add_argument("--plot", default=None, help="write a PNG of TFLOP/s by shape here (matplotlib, Agg)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config of ours")
     p.add_argument("--sweep-ops", nargs="+", choices=OPS, default=list(OPS), help="ops to sweep (default all)")
@@ -519,6 +525,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    results.record(results.from_records(rows, bench="grouped_gemm", device=args.device,
+                                        metrics={"tflops": "TFLOP/s", "ms": "ms"}), args)
     if args.sweep_json:
         with open(args.sweep_json, "w") as f:
             json.dump(sweep_rows, f, indent=1)

@@ -14,12 +14,18 @@ through the ``torch.ops`` dispatcher and with the implementation alone. CPU unde
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from distwgrad.fp8.recipe import BlockwiseScaling
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 
 class _NoLaunch:
@@ -41,6 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    results.add_arguments(p)
     args = p.parse_args(argv)
     from distwgrad.kernels import quantize as kq
     for name in ("_amax_kernel", "_cast_per_tensor_kernel", "_quantize_rows_kernel", "_quantize_blocks_kernel",
@@ -61,6 +68,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     result = {name: _us_per_call(fn, args.calls) for name, fn in rows.items()}
     for name, us in result.items():
         print(f"{name:52s} {us:8.1f} µs/call")
+    results.record([results.row(bench="quantize_host", case=f"{name.strip()} 256x512", impl="distwgrad",
+                                precision="fp8_per_tensor" if "per_tensor" in name else "fp8_blockwise", world=1,
+                                metric="host_us", value=us, unit="us", device=args.device, calls=args.calls)
+                    for name, us in result.items()], args)
     return result
 
 

@@ -17,12 +17,18 @@ import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _E4M3 = dict(NUM=448.0, FP8=tl.float8e4nv, FP8_MAX=448.0, MANT=3, EMIN_BIASED=-6 + 127, HW_CAST=True)
@@ -93,16 +99,24 @@ def measure(fn, consts: dict, num_warps: int, maxnreg: int | None, elements: int
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", default=None, help="variant names to build (default all)")
+    results.add_arguments(p)
     args = p.parse_args(argv)
-    results = {}
+    found = {}
     for name, (fn, consts, warps, maxnreg, elements) in variants().items():
         if args.only and name not in args.only:
             continue
-        r = results[name] = measure(fn, consts, warps, maxnreg, elements)
+        r = found[name] = measure(fn, consts, warps, maxnreg, elements)
         print(f"{name:32s} {r['registers']:4d} regs  {r['spill_bytes']:4d} B spilled  {r['shared_bytes']:6d} B shared  "
               f"{r['per_element']:5.1f} instructions/element  ({r['ops']['LDS.U8']} single-byte shared loads/thread)",
               flush=True)
-    return results
+    results.record([results.row(bench="quantize_sass", case=name, impl="distwgrad", precision="fp8_e4m3", world=1,
+                                metric=metric, value=r[key], unit=unit, target="sm_90a")
+                    for name, r in found.items()
+                    for key, metric, unit in (("registers", "registers", "per thread"),
+                                              ("spill_bytes", "spill_bytes", "B"),
+                                              ("per_element", "instructions_per_element", "SASS instructions"))],
+                   args)
+    return found
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS", "FIELDS", "row", "append", "load", "provenance", "add_arguments", "record", "default_path"]
+__all__ = ["RESULTS", "FIELDS", "row", "append", "load", "provenance", "add_arguments", "record", "default_path",
+           "case_name", "from_records", "METRICS"]
 
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "results.jsonl"
 FIELDS = ("bench", "case", "impl", "precision", "world", "metric", "value", "unit", "device", "commit", "date",
@@ -146,3 +147,42 @@ def record(rows: Iterable[dict[str, Any]], args: argparse.Namespace) -> int:
     if n:
         print(f"results: {n} rows appended to {target}", flush=True)
     return n
+
+
+# A benchmark's own record keys that are measurements, and their units.
+METRICS = {"tflops": "TFLOP/s", "gbps": "GB/s", "ms": "ms", "us": "us", "wall_ms": "ms"}
+
+
+def case_name(op: str, shape: Any, *more: Any) -> str:
+    """``"fprop E=8 T=32768 K=4096 N=14336"`` for a grouped GEMM's ``[E, T, K, N]``; other shapes as given."""
+    if isinstance(shape, str) and "," in shape:
+        shape = [int(v) for v in shape.split(",")]
+    if isinstance(shape, (list, tuple)) and len(shape) == 4:
+        shape = " ".join(f"{n}={v}" for n, v in zip("ETKN", shape, strict=True))
+    elif isinstance(shape, (list, tuple)):
+        shape = "x".join(map(str, shape))
+    return " ".join(str(p) for p in (op, shape, *more) if p not in (None, ""))
+
+
+def from_records(records: Iterable[dict[str, Any]], *, bench: str, precision: str = "bf16", impl: str = "distwgrad",
+                 world: int = 1, device: Any = None, case_keys: tuple[str, ...] = (),
+                 metrics: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Rows from a benchmark's own records (``{"op", "shape", "impl", <metric>: value, ...}``): one row per
+    metric present; a record's ``precision`` or ``recipe`` (``fp8_<recipe>``) overrides ``precision``;
+    ``case_keys`` join the case; every other key is kept as an extra field."""
+    metrics = METRICS if metrics is None else metrics
+    prov = provenance(device)
+    out = []
+    for rec in records:
+        base = {"bench": bench, "case": case_name(rec.get("op", bench), rec.get("shape"),
+                                                  *(f"{k}={rec[k]}" for k in case_keys if k in rec)),
+                "impl": str(rec.get("impl", impl)),
+                "precision": rec.get("precision") or (f"fp8_{rec['recipe']}" if rec.get("recipe") else precision),
+                "world": world}
+        extra = {k: v for k, v in rec.items()
+                 if k not in metrics and k not in ("op", "shape", "impl", "recipe", "precision", "device", *case_keys)}
+        for key, unit in metrics.items():
+            v = rec.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out.append({**base, "metric": key, "value": float(v), "unit": unit, **prov, **extra})
+    return out
