@@ -209,10 +209,12 @@ def _missing_backward_dw_rank(rank, world, dev="cpu"):
         distwgrad.finalize_model_grads([model])
     model[0].backward_dw()
     assert distwgrad.finalize_model_grads([model]) == 1
-    # A forward whose backward never ran is a missing contribution too.
-    model(torch.randn(3, K, device=dev))
+    # A forward whose backward never ran, while its graph is alive, is a missing contribution too
+    # (a dropped graph withdraws its use: tests/test_accounting_patterns.py).
+    kept = model(torch.randn(3, K, device=dev))
     with pytest.raises(distwgrad.MissingContributionError, match=r"0.weight: 1 of 1"):
         distwgrad.finalize_model_grads([model])
+    del kept
     return True
 
 

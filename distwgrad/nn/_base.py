@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.store import WeightGradStore
 
@@ -107,11 +108,14 @@ class WgradModule(nn.Module):
         return len(self.wgrad_store)
 
     # --- helpers for subclasses ----------------------------------------------------------------------
-    def _begin_forward(self, tracked: Iterable[torch.Tensor]) -> None:
-        """Checks the calling order and records one expected contribution per tracked parameter.
+    def _begin_forward(self, tracked: Iterable[torch.Tensor]) -> Uses | None:
+        """Checks the calling order and records one use per tracked distributed weight.
 
         ``tracked`` are the parameters whose gradient this forward will produce (grad mode on and
-        ``requires_grad`` read from the parameter itself, never from a materialized copy).
+        ``requires_grad`` read from the parameter itself, never from a materialized copy). Returns the
+        recorded uses (None if none): the caller keeps them on the autograd context and hands them to
+        ``run_wgrad``, so a graph freed without a backward withdraws its uses and a retained graph's second
+        backward counts once more ([Note: contribution accounting] in ``weights/base.py``).
 
         [Note: activation checkpointing]
         A forward that runs while autograd is executing a backward pass is the recomputation of
@@ -122,13 +126,17 @@ class WgradModule(nn.Module):
         and the weight raises, naming ``use_reentrant=False`` as the fix (never a silent miscount).
         """
         if torch._C._current_graph_task_id() != -1:
-            return
+            return None
         tracked = list(tracked)
         if self.delay_wgrad_compute and tracked:
             self.wgrad_store.check_can_queue()
+        uses = []
         for p in tracked:
             if self.delay_wgrad_compute:
                 p.skip_backward_post_hook = True
-            expect = getattr(p, "expect_contribution", None)
-            if expect is not None:
-                expect()
+            record = getattr(p, "record_use", None)
+            if record is not None:
+                uses.append((p, record()))
+            elif getattr(p, "expect_contribution", None) is not None:
+                p.expect_contribution()
+        return Uses(uses) if uses else None

@@ -45,13 +45,14 @@ def _scatter_rows(ids_T: torch.Tensor, dy_TD: torch.Tensor, weight: torch.Tensor
 
 class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids_T, weight, weight_grad: bool):
+    def forward(ctx, ids_T, weight, weight_grad: bool, uses):
         (w_VD,) = materialize_weight_for_forward([weight])
         y_TD = F.embedding(ids_T, w_VD)
         del w_VD  # transient: never saved, never cached
         ctx.save_for_backward(ids_T)
         # The parameter rides on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weight, ctx.weight_grad = weight, weight_grad
+        ctx.uses = uses  # [Note: contribution accounting]: freed with the graph, it withdraws an unused use
         return y_TD
 
     @staticmethod
@@ -59,10 +60,10 @@ class _EmbeddingFunction(torch.autograd.Function):
         (ids_T,) = ctx.saved_tensors
         weight = ctx.weight
         if not ctx.weight_grad:
-            return None, None, None
+            return None, None, None, None
         (gw,) = run_wgrad([weight], _scatter_rows(ids_T, dy_TD.contiguous(), weight), fuse=False,
-                          deferred=False)
-        return None, gw, None
+                          deferred=False, uses=ctx.uses)
+        return None, gw, None, None
 
 
 class Embedding(WgradModule):
@@ -108,8 +109,8 @@ class Embedding(WgradModule):
             raise ValueError(f"{self.wgrad_store.owner}: ids on {ids.device}, weight on {self.weight.device}")
         check_compute_dtype(self.wgrad_store.owner, {"weight": self.weight}, self.params_dtype)
         weight_grad = torch.is_grad_enabled() and self.weight.requires_grad
-        self._begin_forward([self.weight] if weight_grad else [])
-        y_TD = _EmbeddingFunction.apply(ids.reshape(-1), self.weight, weight_grad)
+        uses = self._begin_forward([self.weight] if weight_grad else [])
+        y_TD = _EmbeddingFunction.apply(ids.reshape(-1), self.weight, weight_grad, uses)
         return y_TD.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -30,6 +30,7 @@ from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
+from distwgrad.weights._accounting import Uses
 from distwgrad.wgrad.accumulate import run_wgrad
 from distwgrad.wgrad.store import WeightGradStore
 
@@ -47,6 +48,7 @@ class _Call:
     store: WeightGradStore
     recipe: Recipe | None = None
     weight_shape: tuple[int, ...] | None = None  # each weight's full shape, for a foreign grad_buffer check
+    uses: Uses | None = None  # this forward's recorded uses ([Note: contribution accounting])
 
 
 def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
@@ -119,11 +121,12 @@ def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: 
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
         gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs),
-                        fuse=call.fuse, deferred=deferred, shape=call.weight_shape, dtype=dy_TN.dtype)
+                        fuse=call.fuse, deferred=deferred, shape=call.weight_shape, dtype=dy_TN.dtype,
+                        uses=call.uses)
     if call.bias_grad:
         shape = None if call.weight_shape is None else call.weight_shape[:-1]
         gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred, shape=shape,
-                        dtype=dy_TN.dtype)
+                        dtype=dy_TN.dtype, uses=call.uses)
     return gws, gbs
 
 
@@ -304,10 +307,11 @@ class GroupedLinear(WgradModule):
                 raise ValueError(f"{self.wgrad_store.owner}: some expert {kind} require grad and some do "
                                  f"not ({[p.requires_grad for p in group]}); freeze all or none")
         tracked = (weights if weight_grad else []) + (biases if bias_grad else [])
-        self._begin_forward(tracked)
+        uses = self._begin_forward(tracked)
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
-                     ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features))
+                     ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features),
+                     uses)
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
         out = y_TN.reshape(*inp.shape[:-1], self.out_features)
         return (out, all_biases) if self.return_bias else out

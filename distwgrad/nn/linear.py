@@ -34,6 +34,7 @@ from distwgrad.protocol import (
     materialize_weight_for_backward,
     materialize_weight_for_forward,
 )
+from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.accumulate import run_wgrad
 from distwgrad.wgrad.store import WeightGradStore
@@ -52,6 +53,7 @@ class _Call:
     store: WeightGradStore
     recipe: Recipe | None = None
     weight_shape: tuple[int, int] | None = None  # full [N, K], for a foreign weight's grad_buffer check
+    uses: Uses | None = None  # this forward's recorded uses ([Note: contribution accounting])
 
 
 def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torch.Tensor | None:
@@ -118,12 +120,13 @@ def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
     shape = call.weight_shape
     if call.weight_grad:
         (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt, x_qt)],
-                          fuse=call.fuse, deferred=deferred, shape=shape, dtype=dy_TN.dtype)
+                          fuse=call.fuse, deferred=deferred, shape=shape, dtype=dy_TN.dtype, uses=call.uses)
     if call.bias_grad:
         assert bias is not None
         db = dy_TN.sum(0) if db_N is None else db_N
         (gb,) = run_wgrad([bias], lambda t: [db if t[0] is None else t[0].add_(db)], fuse=False,
-                          deferred=deferred, shape=None if shape is None else shape[:1], dtype=dy_TN.dtype)
+                          deferred=deferred, shape=None if shape is None else shape[:1], dtype=dy_TN.dtype,
+                          uses=call.uses)
     return gw, gb
 
 
@@ -266,9 +269,10 @@ class Linear(WgradModule):
         grad_on = torch.is_grad_enabled()
         weight_grad = grad_on and self.weight.requires_grad
         bias_grad = grad_on and bias is not None and bias.requires_grad
-        self._begin_forward([p for p, t in ((self.weight, weight_grad), (bias, bias_grad)) if t and p is not None])
+        tracked = [p for p, t in ((self.weight, weight_grad), (bias, bias_grad)) if t and p is not None]
+        uses = self._begin_forward(tracked)
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                     self.wgrad_store, current_recipe(), (self.out_features, self.in_features))
+                     self.wgrad_store, current_recipe(), (self.out_features, self.in_features), uses)
         x_TK = inp.reshape(-1, self.in_features)
         y_TN = _LinearFunction.apply(x_TK, self.weight, bias, call)
         out = y_TN.reshape(*inp.shape[:-1], self.out_features)

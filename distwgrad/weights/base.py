@@ -5,13 +5,26 @@ exactly when they are all there. Subclasses only say how to gather (``_gather``)
 full-size fp32 buffer to their local shape (``_reduce``).
 
 [Note: contribution accounting]
-* A module's forward calls ``expect_contribution()`` once per use of the weight that will need a
-  gradient (grad mode on, weight requires grad). Tied weights are used several times; microbatches add
-  more uses. The count lives on the weight object, so a tied weight counts all of its users.
+* A module's forward records one *use* per weight that will need a gradient (grad mode on, weight
+  requires grad): ``record_use()`` counts it (``expect_contribution()``) and returns a ``Use`` that the
+  forward's autograd context holds (and, through it, a queued deferred wgrad). Tied weights are used
+  several times; microbatches add more uses. The count lives on the weight object, so a tied weight
+  counts all of its users. ``expect_contribution()`` alone records a use that nothing can withdraw.
 * Every wgrad GEMM of such a use (now, or deferred to ``backward_dw``) accumulates into
   ``grad_buffer()`` (fp32, full size: None -> zeros, then add; never assign) and calls
-  ``finalize_group_grads``, which counts one delivery. A delivery beyond the expected count raises:
-  nothing is counted twice.
+  ``finalize_group_grads``, which counts one delivery. A delivery that no recorded use accounts for
+  raises: nothing is counted twice.
+* Withdrawn uses: a ``Use`` freed before its contribution arrived withdraws its use. That is a forward
+  whose graph was dropped without a backward (a metric, a logged value): torch would produce no gradient
+  for it, so none is owed. A queued deferred wgrad keeps its ``Use`` alive, so an undrained one is still
+  caught. A withdrawal only lowers the count; it never launches a collective (it can run inside the
+  garbage collector), so the buffer is reduced at the weight's next reduction point. CPython frees a
+  graph when its last reference goes, at the same point of the program on every rank; a graph kept
+  alive (an output stored in a list) still owes its contribution, and ``finalize_model_grads`` says so.
+* Retained graphs: a second backward through a graph kept with ``retain_graph=True`` delivers through a
+  ``Use`` that already delivered; it first records one more use in the current step, so the
+  contribution is added once more, as torch accumulates it, and ``PER_MICROBATCH`` reduces again when
+  deliveries catch up. A graph kept across steps counts in the step its backward runs in.
 * ``ReducePolicy.PER_MICROBATCH`` (default) reduces when deliveries catch up with uses, i.e. after each
   microbatch's last contribution: the buffer is reduced into the fp32 ``main_grad`` and freed, so
   between microbatches only 1/N of the weight's gradient is held. ``PER_STEP`` keeps accumulating the
@@ -21,13 +34,27 @@ full-size fp32 buffer to their local shape (``_reduce``).
   ``.grad`` (None initialises, otherwise add, as autograd does) so any ``torch.optim`` optimizer works.
   A second ``finish_step`` with no new contribution is a no-op. The next ``expect_contribution`` opens a
   new step and zeroes ``main_grad`` (the caller's ``main_grad`` tensor is zeroed in place, never replaced).
+* Reset after an error: an error leaves the step open, so the caller may fix it (drain the deferred
+  wgrads, run the missing backward) and finish again, or abandon it with
+  ``finalize_model_grads(model, discard=True)`` (``discard_step()`` per weight): queued deferred wgrads
+  are dropped, reductions in flight are waited for and dropped, the buffer is freed, the counts reset and
+  ``.grad`` is left as it was; uses of the abandoned step no longer count. The next step starts clean.
 * Collectives fire in the order contributions complete, which is the same on every rank because every
   rank runs the same program; the reduction is an fp32 sum divided by the group size (an average, as
   DDP and FSDP do).
 * With ``async_reduce=True`` a reduction is launched without waiting (``async_op``), so it overlaps the
-  rest of backward; its result is added to ``main_grad`` by ``wait_for_reductions()``, which
-  ``finish_step`` calls first (and Megatron's finalize through it). The adds happen in launch order, so
-  the result is bit-identical to the synchronous one; ``main_grad`` is complete only after the step ends.
+  rest of backward. In-flight bound: at most ``MAX_INFLIGHT_REDUCTIONS`` (1) reductions are in flight in
+  a process; launching another first lands the oldest (waits, adds it to its ``main_grad``, frees its
+  input), and any that already completed land at no cost. A weight never holds an accumulating buffer
+  and an in-flight one together: ``grad_buffer()`` lands the weight's own reduction before allocating.
+  ``wait_for_reductions()`` and ``finish_step`` land what is left. Each weight's adds happen in launch
+  order, so the result is bit-identical to the synchronous one.
+* Memory per policy, for N ranks and fp32 gradients (``main_grad`` is 1/N of the full gradient):
+  synchronous ``PER_MICROBATCH``: 1/N of every weight plus the buffer of the weight whose wgrads are
+  accumulating; between microbatches 1/N only. Async ``PER_MICROBATCH``: the same plus one in-flight
+  buffer (a weight's full size; between microbatches 1/N plus at most one buffer). ``PER_STEP``: the full
+  buffer of every weight used, from its first contribution to the end of the step. None of these grow
+  with the number of microbatches (``tests/test_gradient_memory.py`` measures it).
 
 [Note: mixed precision]
 FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, for distwgrad's weights (``param_dtype`` on
@@ -59,7 +86,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distwgrad.weights import _comm
+from distwgrad.weights import _accounting, _comm
 
 __all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of", "compute_dtype"]
 
@@ -110,6 +137,14 @@ class ReducePolicy(enum.Enum):
 
 class MissingContributionError(RuntimeError):
     """A step was finished while some weight still expected gradient contributions."""
+
+
+# Why a contribution goes missing, and what to do; every accounting error ends with it.
+_MISSING_CAUSES = (
+    "likely causes: a deferred wgrad never drained (drain_deferred_wgrads(model)); a forward output or a "
+    "tensor computed from it still holding its graph without a backward (keep out.detach() or out.item(), "
+    "or run that forward under torch.no_grad()); a backward interrupted by an error. Fix the cause and "
+    "finish again, or abandon the step: finalize_model_grads(model, discard=True)")
 
 
 class DistributedParameter(nn.Parameter):
@@ -167,11 +202,17 @@ class DistributedParameter(nn.Parameter):
 
     def grad_buffer(self) -> torch.Tensor:
         if self._buffer is None:
+            self._wait_inflight()  # one full-size buffer per weight at a time: [Note: contribution accounting]
             if self.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{self._name()}: a distributed weight's gradient buffer is allocated and freed once per "
-                    f"reduction, so its wgrad cannot be captured in a CUDA graph; run backward_dw() "
-                    f"outside the graph. [Note: no capture into caller-owned gradients]")
+                graph_buffer = getattr(self, "_graph_grad_buffer", None)
+                if graph_buffer is None:
+                    raise RuntimeError(
+                        f"{self._name()}: a distributed weight's gradient buffer is allocated and freed once per "
+                        f"reduction, so a hand-made capture cannot bake it in; graph the model with "
+                        f"distwgrad.make_graphed_callables (a graph-owned buffer) or run backward_dw() outside "
+                        f"the graph. [Note: captured distributed weights] in distwgrad/graphs.py")
+                self._buffer = graph_buffer.zero_()  # the capture zeroes it where eager code allocates
+                return self._buffer
             self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
         return self._buffer
 
@@ -196,23 +237,40 @@ class DistributedParameter(nn.Parameter):
                 f"{self._name()} received contribution {self._delivered} but only {self._expected} uses "
                 f"needing a gradient were recorded this step (a wgrad delivered twice, a forward that "
                 f"bypassed expect_contribution, or reentrant activation checkpointing: use "
-                f"torch.utils.checkpoint(..., use_reentrant=False))")
+                f"torch.utils.checkpoint(..., use_reentrant=False)); this step's gradient is wrong: "
+                f"abandon it with finalize_model_grads(model, discard=True)")
         if self.reduce_policy is ReducePolicy.PER_MICROBATCH and self._delivered == self._expected:
             self._reduce_pending()
         return None
 
     # --- accounting ----------------------------------------------------------------------------------
+    _step_id = 0  # bumped whenever a step opens or is discarded: a Use of an older step no longer counts
+    _names: tuple[str, ...] = ()  # the weight's paths in its model(s), once finalize_model_grads has seen them
+
     def expect_contribution(self, count: int = 1) -> None:
         """Records ``count`` uses in forward that will deliver a gradient; opens a step if needed."""
         if self._step_closed:
             self._wait_inflight()  # nothing is in flight after finish_step; never leave one behind
             self._step_closed = False
+            self._step_id += 1
             self._expected = self._delivered = self._reduced = 0
             self._step_has_grad = False
             main_grad = getattr(self, "main_grad", None)
             if main_grad is not None:
                 main_grad.zero_()
         self._expected += count
+
+    def record_use(self) -> _accounting.Use:
+        """Records one use (``expect_contribution()``) tied to the returned ``Use``: hold it where the
+        use's backward will find it (the autograd context). Freed undelivered, it withdraws the use."""
+        self.expect_contribution()
+        return _accounting.Use(self, self._step_id)
+
+    def _withdraw_use(self, step: int) -> None:
+        """A use of ``step`` whose graph was freed without a backward; only lowers the count (it may run
+        inside the garbage collector, so it never reduces: the next reduction point takes the buffer)."""
+        if step == self._step_id and not self._step_closed and self._expected > self._delivered:
+            self._expected -= 1
 
     @property
     def pending_contributions(self) -> int:
@@ -236,10 +294,14 @@ class DistributedParameter(nn.Parameter):
     def _reduce_pending(self) -> None:
         if self._delivered == self._reduced or self._buffer is None:
             return
+        if self.async_reduce:
+            _accounting.admit()  # the in-flight bound: [Note: contribution accounting]
         buffer, self._buffer = self._buffer, None
         finish = self._reduce(buffer, async_op=self.async_reduce)
+        del buffer  # the launched reduction holds what the collective still needs, nothing more
         if self.async_reduce:
             self._inflight.append(finish)
+            _accounting.launched(self)
         else:
             self._main_grad().add_(finish())
         self._reduced = self._delivered
@@ -250,11 +312,28 @@ class DistributedParameter(nn.Parameter):
         how many there were. Schedules call it to block on the step's reductions (Megatron's finalize)."""
         return self._wait_inflight()
 
+    def _land_oldest(self) -> None:
+        finish = self._inflight.pop(0)
+        _accounting.forget(self)
+        self._main_grad().add_(finish())
+
     def _wait_inflight(self) -> int:
-        inflight, self._inflight = self._inflight, []
-        for finish in inflight:
-            self._main_grad().add_(finish())
-        return len(inflight)
+        n = len(self._inflight)
+        while self._inflight:
+            self._land_oldest()
+        return n
+
+    def discard_step(self) -> None:
+        """Abandons the open step: reductions in flight are waited for (their collectives were launched on
+        every rank) and dropped, the buffer is freed, the counts reset; ``.grad`` and ``main_grad`` are
+        left as they are (the next step zeroes ``main_grad``). Uses of the abandoned step no longer count."""
+        while self._inflight:
+            _accounting.forget(self)
+            self._inflight.pop(0)()
+        self._buffer = None
+        self._expected = self._delivered = self._reduced = 0
+        self._step_closed, self._step_has_grad = True, False
+        self._step_id += 1
 
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
@@ -262,9 +341,8 @@ class DistributedParameter(nn.Parameter):
             return False
         if self._delivered != self._expected:
             raise MissingContributionError(
-                f"{self._name()}: {self._expected - self._delivered} of {self._expected} gradient "
-                f"contributions this step never arrived (an undrained backward_dw, or a forward whose "
-                f"backward never ran)")
+                f"{self._name()}: {self._delivered} of {self._expected} gradient contributions this step "
+                f"arrived ({_MISSING_CAUSES})")
         self._reduce_pending()
         self._wait_inflight()
         self._step_closed = True
@@ -293,7 +371,8 @@ class DistributedParameter(nn.Parameter):
         return new
 
     def _name(self) -> str:
-        return f"{type(self).__name__}(local {tuple(self.shape)}, full {tuple(self.full_shape)})"
+        what = f"{type(self).__name__}(local {tuple(self.shape)}, full {tuple(self.full_shape)})"
+        return f"{' = '.join(self._names)} ({what})" if self._names else what
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(local={tuple(self.shape)}, full={tuple(self.full_shape)}, "

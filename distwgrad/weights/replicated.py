@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from distwgrad.weights import _comm
+from distwgrad.weights._accounting import Launched
 from distwgrad.weights.base import DistributedParameter, ReducePolicy, _check_param_dtype
 
 __all__ = ["ReplicatedWeight"]
@@ -48,13 +49,7 @@ class ReplicatedWeight(DistributedParameter):
     def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         size = _comm.group_size(self.group)
         if size == 1:
-            return lambda: buffer
+            return Launched(None, lambda: buffer)
         work = _comm.all_reduce_sum(buffer, self.group, async_op=async_op)
         self.bytes_reduced += buffer.numel() * buffer.element_size()
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return buffer.div_(size)
-
-        return finish
+        return Launched(work, lambda: buffer.div_(size))  # in place: the result is the input

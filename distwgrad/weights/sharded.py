@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from distwgrad.weights import _comm
+from distwgrad.weights._accounting import Launched
 from distwgrad.weights.base import DistributedParameter, ReducePolicy, _check_param_dtype
 
 __all__ = ["ShardedWeight", "shard_rows"]
@@ -125,7 +126,7 @@ class ShardedWeight(DistributedParameter):
     def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         size = _comm.group_size(self.group)
         if size == 1:
-            return lambda: buffer
+            return Launched(None, lambda: buffer)
         if len(set(self.shard_rows)) == 1:
             padded = buffer
         else:
@@ -136,10 +137,5 @@ class ShardedWeight(DistributedParameter):
         work = _comm.reduce_scatter_sum(out, padded, self.group, async_op=async_op)
         self.bytes_reduced += padded.numel() * padded.element_size()
         rows = self.shape[0]
-
-        def finish(_inputs_alive: torch.Tensor = padded) -> torch.Tensor:  # held until the work is done
-            if work is not None:
-                work.wait()
-            return out[:rows].div_(size)
-
-        return finish
+        # Only the collective's input and the 1/N output stay alive; the input goes at the wait.
+        return Launched(work, lambda: out[:rows].div_(size), keep=padded)

@@ -19,15 +19,26 @@ drained in any order. Every contribution is therefore added, never assigned:
 
 [Note: no capture into caller-owned gradients]
 A CUDA graph that captures ``param.grad.add_(g)`` bakes in the address of ``.grad``;
-``zero_grad(set_to_none=True)`` then frees that tensor and every replay writes into freed memory.
-Adding into ``.grad`` while a stream is capturing is therefore refused with an error that says what to do
-instead: capture with ``fuse_wgrad_accumulation=True`` (the GEMM accumulates into ``main_grad``, a buffer
-the caller owns and keeps for the graph's lifetime), or run ``backward_dw()`` outside the graph.
+``zero_grad(set_to_none=True)`` then frees that tensor and every replay writes into freed memory (the
+caching allocator may have handed the block to anything by then). So:
+
+* refused: adding into ``.grad`` while a stream is capturing, outside ``graph_owned_gradients``
+  (a hand-made ``torch.cuda.graph`` around ``backward_dw()``); the error says what to do instead.
+* what ``distwgrad.make_graphed_callables`` does instead ([Note: graphed deferred wgrads] in
+  ``distwgrad/graphs.py``): it captures each deferred wgrad inside ``graph_owned_gradients(sink)``, so the
+  contribution lands in a fresh graph-pool tensor the graphed callables own, and on replay, outside the
+  captured region and before the module's hooks fire, clones it into ``.grad`` (None) or adds it.
+* fused ``main_grad`` needs none of this: the GEMM accumulates in place into the caller's buffer, which
+  the graphed callables check at every replay (a replaced ``main_grad`` is refused, never written).
+* a distributed weight's ``grad_buffer()`` under capture is its graph-owned persistent buffer
+  ([Note: captured distributed weights] in ``distwgrad/graphs.py``) and is refused without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -37,28 +48,54 @@ from distwgrad.protocol import (
     weight_grad_buffers,
     weight_grad_dtype,
 )
+from distwgrad.weights._accounting import Uses, arriving
 from distwgrad.weights.base import main_grad_of
 
-__all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad"]
+__all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad", "graph_owned_gradients"]
+
+
+_sinks = threading.local()  # the innermost graph_owned_gradients sink of this thread, if any
+
+
+@contextlib.contextmanager
+def graph_owned_gradients(sink: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[dict]:
+    """While active on this thread, :func:`add_to_grad` accumulates into ``sink`` (``id(param)`` ->
+    ``(param, gradient)``, a fresh tensor at the first contribution, then added to) instead of ``.grad``:
+    [Note: no capture into caller-owned gradients]."""
+    previous = getattr(_sinks, "sink", None)
+    _sinks.sink = sink
+    try:
+        yield sink
+    finally:
+        _sinks.sink = previous
 
 
 def _refuse_capture(what: str) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{what} while a CUDA graph is capturing: the graph would bake in the address of a gradient "
-            f"that zero_grad(set_to_none=True) frees, and replays would write into freed memory. Use "
-            f"fuse_wgrad_accumulation=True (accumulates into main_grad, which you own) for captured "
-            f"wgrads, or run backward_dw() outside the graph. [Note: no capture into caller-owned gradients]")
+            f"that zero_grad(set_to_none=True) frees, and replays would write into freed memory. Graph the "
+            f"modules with distwgrad.make_graphed_callables (it captures deferred wgrads into graph-owned "
+            f"gradients), use fuse_wgrad_accumulation=True (accumulates into main_grad, which you own), or run "
+            f"backward_dw() outside the graph. [Note: no capture into caller-owned gradients]")
 
 
 def add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """``.grad``: None -> initialise with ``grad``, otherwise add. Never assigns over a gradient."""
     if grad is None:
         return
-    _refuse_capture("adding a deferred wgrad into .grad")
     if tuple(grad.shape) != tuple(param.shape):
         raise ValueError(f"a gradient of shape {tuple(grad.shape)} for a parameter of shape "
                          f"{tuple(param.shape)}")
+    sink = getattr(_sinks, "sink", None)
+    if sink is not None:
+        held = sink.get(id(param))
+        if held is None:
+            sink[id(param)] = (param, grad.detach().to(param.dtype).clone(memory_format=torch.contiguous_format))
+        else:
+            held[1].add_(grad.to(held[1].dtype))
+        return
+    _refuse_capture("adding a deferred wgrad into .grad")
     if param.grad is None:
         param.grad = grad.detach().to(param.dtype).clone(memory_format=torch.contiguous_format)
     else:
@@ -97,15 +134,17 @@ def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence
 
 
 def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor], *, fuse: bool,
-                   deferred: bool) -> list[torch.Tensor | None]:
+                   deferred: bool, uses: Uses | None = None) -> list[torch.Tensor | None]:
     """Completes one contribution per parameter; returns what the main backward hands autograd.
 
     ``wgrads`` are what the GEMM produced: the targets of :func:`wgrad_targets` (already accumulated)
     or fresh tensors. With ``deferred`` nothing goes to autograd (the main backward already returned
-    None) and every gradient is added to ``.grad`` here; see [Note: accumulate, never assign].
+    None) and every gradient is added to ``.grad`` here; see [Note: accumulate, never assign]. ``uses``
+    are what the forward's ``_begin_forward`` recorded ([Note: contribution accounting] in weights/base.py).
     """
     if params and is_distributed_weight(params[0]):
-        results = finalize_weight_grads(list(params), list(wgrads))
+        with arriving(uses, params):
+            results = finalize_weight_grads(list(params), list(wgrads))
     elif fuse:
         for p in params:
             p.grad_added_to_main_grad = True
@@ -121,8 +160,8 @@ def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor
 
 def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
               *, fuse: bool, deferred: bool, shape: Sequence[int] | None = None,
-              dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
+              dtype: torch.dtype | None = None, uses: Uses | None = None) -> list[torch.Tensor | None]:
     """Picks targets (``shape``, ``dtype``: as :func:`wgrad_targets`), runs ``gemm(targets)`` (which returns
     per-param wgrads), delivers them."""
     targets = wgrad_targets(params, fuse, shape=shape, dtype=dtype)
-    return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred)
+    return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred, uses=uses)

@@ -3,11 +3,14 @@
 It refuses to finish while any contribution is missing (a deferred wgrad never drained, a forward whose
 backward never ran), then has every distributed weight reduce what is left, scale by the token count, and
 write ``.grad`` (see [Note: contribution accounting] in ``weights/base.py``). Each weight is visited once
-however many modules share it.
+however many modules share it, and learns its path(s) in the model, so every later accounting error,
+from here or from inside backward, names it (``blocks.0.attn.qkv.weight``). ``discard=True`` abandons a
+broken step instead, so the next one starts clean.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,10 +18,10 @@ import torch
 from torch import nn
 
 from distwgrad.weights import _comm
-from distwgrad.weights.base import DistributedParameter, MissingContributionError
-from distwgrad.wgrad.scheduler import undrained
+from distwgrad.weights.base import _MISSING_CAUSES, DistributedParameter, MissingContributionError
+from distwgrad.wgrad.scheduler import deferred_modules, undrained
 
-__all__ = ["finalize_model_grads", "distributed_parameters", "MissingContributionError"]
+__all__ = ["finalize_model_grads", "distributed_parameters", "name_weights", "MissingContributionError"]
 
 
 def distributed_parameters(model_chunks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, DistributedParameter]]:
@@ -32,6 +35,33 @@ def distributed_parameters(model_chunks: nn.Module | Sequence[nn.Module]) -> lis
                 seen.add(id(p))
                 out.append((f"{i}.{name}" if len(chunks) > 1 else name, p))
     return out
+
+
+def name_weights(model_chunks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, DistributedParameter]]:
+    """Tells every distwgrad weight its path(s) in ``model_chunks`` (all of a tied weight's), for error
+    messages; returns :func:`distributed_parameters`. ``finalize_model_grads`` calls it each step; call it
+    once after building the model so errors raised in the first step's backward name weights too."""
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    names: dict[int, list[str]] = {}
+    for i, chunk in enumerate(chunks):
+        for name, p in chunk.named_parameters(remove_duplicate=False):
+            if isinstance(p, DistributedParameter):
+                names.setdefault(id(p), []).append(f"{i}.{name}" if len(chunks) > 1 else name)
+    params = distributed_parameters(chunks)
+    for _, p in params:
+        p._names = tuple(names[id(p)])
+    return params
+
+
+def _label(p: DistributedParameter) -> str:
+    return " = ".join(p._names) if p._names else p._name()
+
+
+def _missing(params: list[tuple[str, DistributedParameter]]) -> list[str]:
+    """One line per weight whose count is off: uses still owed, or contributions no use accounts for."""
+    return [f"{_label(p)}: {p.pending_contributions} of {p._expected} missing" if p.pending_contributions > 0 else
+            f"{_label(p)}: {p._delivered} arrived for {p._expected} recorded uses (see the error backward raised)"
+            for _, p in params if p.pending_contributions]
 
 
 def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[int, float | None]:
@@ -60,7 +90,7 @@ def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[i
 
 
 def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_tokens: Any = None, *,
-                         pg_collection: Any = None, force_all_reduce: bool = False) -> int:
+                         pg_collection: Any = None, force_all_reduce: bool = False, discard: bool = False) -> int:
     """Ends the step for every distwgrad weight in ``model_chunks``; returns how many were finalized.
 
     Args:
@@ -69,25 +99,38 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
             of per-token gradients over the group divided by the group's total token count.
         pg_collection, force_all_reduce: accepted for Megatron signature compatibility; weights carry
             their own groups and always reduce in fp32.
+        discard: abandon the step instead (after an error, say): drop every queued deferred wgrad and
+            have each weight discard its step (``DistributedParameter.discard_step``); ``.grad`` is left
+            as it was and 0 is returned. Every rank must discard together (in-flight reductions are
+            waited for).
 
     Raises:
         MissingContributionError: naming every module with undrained deferred wgrads, or every weight
-            whose expected contributions did not all arrive. Nothing is reduced in that case.
+            (by its path in the model) whose expected contributions did not all arrive, with the likely
+            causes and the fix. Nothing is reduced in that case and the step stays open.
 
     Calling it twice with no new contributions is a no-op (each weight's step is already closed).
     """
     del pg_collection, force_all_reduce
+    if discard:
+        for m in deferred_modules(model_chunks):
+            m.wgrad_store.clear()
+        for _, p in distributed_parameters(model_chunks):
+            p.discard_step()
+        return 0
     pending = undrained(model_chunks)
     if pending:
         raise MissingContributionError(
             "finalize_model_grads: deferred wgrads were never drained (call backward_dw() on them or "
-            "distwgrad.drain_deferred_wgrads(model)): " + "; ".join(pending))
-    params = distributed_parameters(model_chunks)
-    missing = [f"{name}: {p.pending_contributions} of {p._expected}" for name, p in params
-               if p.pending_contributions]
+            "distwgrad.drain_deferred_wgrads(model); to abandon the step instead: "
+            "finalize_model_grads(model, discard=True)): " + "; ".join(pending))
+    params = name_weights(model_chunks)
+    if _missing(params):
+        gc.collect()  # a graph held only by a reference cycle withdraws its uses once collected
+    missing = _missing(params)
     if missing:
         raise MissingContributionError(
-            "finalize_model_grads: contributions missing (expected uses whose gradient never arrived): "
-            + "; ".join(missing))
+            "finalize_model_grads: gradient contributions missing (uses recorded in forward whose gradient "
+            f"never arrived): {'; '.join(missing)}. {_MISSING_CAUSES}")
     scales = _token_scales(num_tokens, [p for _, p in params])
     return sum(bool(p.finish_step(scales.get(id(p)))) for _, p in params)

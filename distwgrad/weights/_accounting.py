@@ -1,0 +1,147 @@
+"""Uses tied to autograd graphs, and the process-wide bound on reductions in flight.
+
+Both serve [Note: contribution accounting] in ``weights/base.py``: a :class:`Use` is one recorded use of a
+weight, held by the autograd context of the forward that made it (and by a queued deferred wgrad), so a
+graph freed without a backward withdraws its use; :func:`admit` keeps at most
+``MAX_INFLIGHT_REDUCTIONS`` asynchronous reductions in flight in this process, completing the oldest
+first, so a step's gradient buffers never pile up.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["MAX_INFLIGHT_REDUCTIONS", "Use", "Uses", "Launched", "arriving", "admit", "launched", "forget"]
+
+# One reduction in flight per process: it overlaps the next weight's wgrad (double buffering), and the
+# peak stays at one in-flight buffer whatever the number of weights or microbatches ([Note: contribution
+# accounting]). Raising it buys overlap across several weights for one more full-size buffer each.
+MAX_INFLIGHT_REDUCTIONS = 1
+
+
+class Use:
+    """One use of ``weight`` recorded in forward, waiting for its contribution.
+
+    The module's autograd context holds it (and a queued deferred wgrad closure, through the context's
+    call record). If it is freed before its contribution arrived, the use is withdrawn: the forward's
+    graph was dropped without a backward (a metric, a logged value), so torch would never have produced
+    that gradient either.
+    """
+
+    __slots__ = ("weight", "step", "delivered")
+
+    def __init__(self, weight: Any, step: int) -> None:
+        self.weight = weight
+        self.step = step
+        self.delivered = False
+
+    def __del__(self) -> None:
+        if not self.delivered:
+            self.weight._withdraw_use(self.step)
+
+
+class Uses:
+    """The uses one module forward recorded, in the order of its tracked parameters."""
+
+    __slots__ = ("_by_param",)
+
+    def __init__(self, uses: Sequence[tuple[torch.Tensor, Use]]) -> None:
+        self._by_param: dict[int, list[Use]] = {}
+        for p, use in uses:
+            self._by_param.setdefault(id(p), []).append(use)
+
+    def take(self, params: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, Use]]:
+        """``(param, use)`` for each param with a recorded use; a param listed k times gets its k-th use."""
+        seen: dict[int, int] = collections.Counter()
+        out = []
+        for p in params:
+            uses = self._by_param.get(id(p), [])
+            if seen[id(p)] < len(uses):
+                out.append((p, uses[seen[id(p)]]))
+            seen[id(p)] += 1
+        return out
+
+
+@contextlib.contextmanager
+def arriving(uses: Uses | None, params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Wraps the delivery of one contribution per param (``finalize_weight_grads``).
+
+    A use that already delivered (a second backward through a retained graph) or that belongs to an
+    earlier step (a graph kept across a finished or discarded step) first records a new use in the
+    current step, so its contribution is counted as one more, as torch would accumulate it. On success
+    every use is marked delivered; a delivery that raised leaves its use pending (its weight's count did
+    not move), and a new use recorded for it is withdrawn again.
+    """
+    picked = [] if uses is None else uses.take(params)
+    renewed = []
+    for p, use in picked:
+        if use.delivered or use.step != p._step_id or p._step_closed:
+            p.expect_contribution()
+            use.step, use.delivered = p._step_id, False
+            renewed.append(use)
+    before = {id(p): p._delivered for p, _ in picked}
+    try:
+        yield
+    finally:
+        grown = {id(p): p._delivered - before[id(p)] for p, _ in picked}
+        for p, use in picked:
+            if grown[id(p)] > 0:
+                grown[id(p)] -= 1
+                use.delivered = True
+            elif use in renewed:  # its extra use was never delivered: take it back
+                p._withdraw_use(use.step)
+                use.delivered = True
+
+
+class Launched:
+    """A launched reduction: calling it waits and gives the local result; ``done()`` never blocks.
+
+    ``keep`` holds the collective's input alive until the wait; it is dropped as soon as the collective
+    no longer needs it.
+    """
+
+    __slots__ = ("_work", "_result", "_keep")
+
+    def __init__(self, work: Any, result: Callable[[], torch.Tensor], keep: Any = None) -> None:
+        self._work, self._result, self._keep = work, result, keep
+
+    def done(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def __call__(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._keep = None
+        return self._result()
+
+
+# One entry per asynchronous reduction in flight in this process, in launch order (a weight appears once
+# per reduction it has in flight). Bounded by MAX_INFLIGHT_REDUCTIONS.
+_LAUNCHED: collections.deque[Any] = collections.deque()
+
+
+def admit() -> None:
+    """Makes room for one more reduction: lands those already complete, then the oldest until below the
+    bound. Landing only waits on launched work, so it issues no collective and any order is safe."""
+    while _LAUNCHED and getattr(_LAUNCHED[0]._inflight[0], "done", lambda: False)():
+        _LAUNCHED[0]._land_oldest()
+    while len(_LAUNCHED) >= MAX_INFLIGHT_REDUCTIONS:
+        _LAUNCHED[0]._land_oldest()
+
+
+def launched(weight: Any) -> None:
+    _LAUNCHED.append(weight)
+
+
+def forget(weight: Any) -> None:
+    """Drops ``weight``'s oldest entry (it just landed, or its step was discarded)."""
+    for i, w in enumerate(_LAUNCHED):
+        if w is weight:
+            del _LAUNCHED[i]
+            return
