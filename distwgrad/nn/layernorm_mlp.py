@@ -227,10 +227,11 @@ class LayerNormMLP(WgradModule):
         b2 = None if self.return_bias else self.fc2_bias
         on = torch.is_grad_enabled()
         flags = [on and p is not None and p.requires_grad for p in (w1, b1, w2, b2)]
-        self._begin_forward([p for p, f in zip((w1, b1, w2, b2), flags) if f])
-        recipe, delay, fuse = current_recipe(), self.delay_wgrad_compute, self.fuse_wgrad_accumulation
-        fc1 = _Call(flags[0], flags[1], delay, fuse, self.wgrad_store, recipe, (self.fc1_width, self.hidden_size))
-        fc2 = _Call(flags[2], flags[3], delay, fuse, self.wgrad_store, recipe, (self.hidden_size, self.ffn_hidden_size))
+        uses = self._begin_forward([p for p, f in zip((w1, b1, w2, b2), flags) if f])
+        recipe, store = current_recipe(), self.wgrad_store
+        delay, fuse = self.delay_wgrad_compute, self.fuse_wgrad_accumulation
+        fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses)
+        fc2 = _Call(flags[2], flags[3], delay, fuse, store, recipe, (self.hidden_size, self.ffn_hidden_size), uses=uses)
         call = _MLPCall(fc1, fc2, self.activation, self.checkpoint, delay, self.wgrad_store, recipe)
         y_TH = _LayerNormMLPFunction.apply(ln_TH, w1, b1, w2, b2, call)
         out = y_TH.reshape(inp.shape)
