@@ -78,3 +78,15 @@ def test_world_2(tmp_path):
     assert fsdp["unsized"] == 0 and fsdp["by_kind"]["reduce_scatter"]["count"] > 0, fsdp
     ddp = _comm(report, "torch", "bf16")
     assert ddp["unsized"] == 0 and ddp["by_kind"]["all_reduce"]["bytes"] > 0, ddp
+
+
+def test_layer_step_tiny():
+    """qa/bench/layer_step.py --tiny: a MoE layer and the tied embedding, bf16 and both FP8 recipes."""
+    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--reps", "1", "--no-record"]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    lines = [line.strip() for line in proc.stdout.splitlines() if " ms " in line]
+    for case in ("moe E=4", "tied_embedding V=256"):
+        for p in PRECISIONS:
+            assert any(line.startswith(case) and f" {p} " in line for line in lines), (case, p, proc.stdout)

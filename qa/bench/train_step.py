@@ -448,7 +448,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="steps per build per round")
     p.add_argument("--profile", default=None, metavar="DIR", help="a torch.profiler trace per build in DIR")
     p.add_argument("--json", default=None, help="also write rows, losses and checks to this file")
-    p.add_argument("--no-record", action="store_true", help="do not append to docs/benchmarks/results.jsonl")
+    results.add_arguments(p)  # --no-record, --results
     args = p.parse_args(argv)
     for name, allowed in (("impls", IMPLS), ("precisions", PRECISIONS), ("modes", MODES)):
         chosen = tuple(v for v in getattr(args, name).split(",") if v)
@@ -506,8 +506,7 @@ def _main(args, rt: dict) -> int:
     _table(rows, rt)
     for n in not_run:
         _say(rt, f"not run: {n['impl']}/{n['precision']}/{n['mode']}: {n['why']}")
-    if not args.no_record:
-        _say(rt, f"appended {results.append(rows)} rows to {results.RESULTS}")
+    results.record(rows, args)
     if args.json and rt["rank"] == 0:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "loss_checks": checks, "not_run": not_run, "model_config": vars(cfg),
