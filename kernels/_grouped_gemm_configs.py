@@ -103,10 +103,7 @@ class TileConfig:
 INTERPRETER = TileConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 
 # Candidates that ``qa/bench/grouped_gemm.py --sweep`` times (bf16, H200). Rounds and their results are
-# in docs/benchmarks/grouped_gemm.md. Round 1 also timed 128x128x128/w8/s3, 64x256x64/w4/s4 and
-# 64x128x128/w4/s4 for fprop/dgrad and 128x128x64/w8/s4 for wgrad, round 2 128x256x128/w8/s2 for
-# fprop/dgrad and add_mode="prefetch" (w8, s3/s4): never within 5% of the best, so they were dropped.
-# Round 3 timed the accumulating candidates only (with "tma_add").
+# in docs/benchmarks/LOG.md (the candidates that never came within 5% of the best are no longer timed).
 # Wgmma wants 64 rows per warpgroup; 128x128/w4/s3 (96 KB of shared memory) lets two programs share an
 # SM, so one's epilogue overlaps the other's main loop.
 _T = TileConfig
@@ -136,11 +133,7 @@ RAGGED_CANDIDATES = (
     _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, wide_tail=True),
     _T(128, 256, 64, num_warps=8, num_stages=3, half_tail=True, wide_tail=True),
 )
-# Round 5 (H200, 2026-11-29, docs/benchmarks/grouped_gemm_ragged_sweep_round5_h200.json) timed 64-row
-# tiles again for ~128 tokens per expert, where a 128-row tile is often half empty, now that the E=128
-# rows are no longer host-bound: 64x256x64/w4/s4 and 64x128x64/w4/s4 ran at 286-293 and 288-289 TFLOP/s
-# there vs 310-325 for the 128-row tiles (that shape is bound by reading every expert's weights, not
-# by MMA rows), and 0.6-0.95x elsewhere; dropped.
+# No 64-row fprop/dgrad tiles: they lost at ~128 tokens per expert too (round 5, docs/benchmarks/LOG.md).
 WGRAD_CANDIDATES = (
     _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
     _T(128, 256, 64, num_warps=8, num_stages=4), _T(128, 128, 64, num_warps=4, num_stages=3),
@@ -226,7 +219,7 @@ def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes:
     # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
     # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,
     # 600/570, 302/261. 64-row tiles (round 1) lost at every shape, by 5-10%. Half tail tiles (round 9,
-    # docs/benchmarks/grouped_gemm_half_tail_h200.json): 128/expert 331/331 vs 319/312, the large shapes
+    # docs/benchmarks/LOG.md, grouped_gemm_half_tail_h200.json): 128/expert 331/331 vs 319/312, the large shapes
     # unchanged; with them on, 128x128x64/w4/s3, 128x128x32/w4/s4 and pointer loads came within 3% or lost
     # at 128, 256 and 512 tokens per expert (grouped_gemm_ragged_sweep_round9_h200.json).
     wide = num_tokens <= WIDE_TAIL_MAX_TOKENS * max(num_groups, 1)
@@ -247,7 +240,7 @@ def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: 
         # w4/s4/tma_add 421 vs atomic 397 (the second run in which tma_add led at 1024); 128/expert:
         # pointer loads 91 vs TMA 80 (a group's ~4 token steps do not amortize the descriptor loads).
         # "tma_add" falls back to "atomic" where it cannot run (lists of buffers, odd strides).
-        # Round 7 (docs/benchmarks/grouped_gemm_wgrad_sweep_round7_h200.json, one run), the old tile
+        # Round 7 (docs/benchmarks/LOG.md, grouped_gemm_wgrad_sweep_round7_h200.json, one run), the old tile
         # prefetched into L2 under the main loop: 128/expert 115 vs 91 TFLOP/s (the fp32 traffic caps
         # that shape at 127), 1024: 398-409 vs 431-434 (so not there), 4096: 639 vs 601 / 623 (within
         # that run's spread of the same config; not taken).

@@ -6,11 +6,11 @@ repeatedly). Configs reuse ``TileConfig``; the FP8 kernels support ``add_mode`` 
 
 TUNED on an H200 (2026-11-29, triton 3.6; ``qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep`` on
 the two large MoE shapes, E, T, K, N = 8, 32768, 4096, 14336 and 64, 65536, 7168, 2048, i.e. ~4096 and
-~1024 tokens per group; JSON in docs/benchmarks/fp8_gemm_sweep_h200.json). ``pick`` cites the numbers
+~1024 tokens per group; JSON in docs/benchmarks/LOG.md, fp8_gemm_sweep_h200.json). ``pick`` cites the numbers
 (ratios to our bf16 kernels at the same shape, run to run noise a few percent). The third MoE shape (~128
 tokens per group) was not swept: below 1024 tokens per group the picks keep the 128-row tiles. What the
 candidates rest on:
-- the bf16 sweeps (H200, docs/benchmarks/grouped_gemm.md): fp8 elements are half the bytes, so BLOCK_K =
+- the bf16 sweeps (H200, docs/benchmarks/LOG.md): fp8 elements are half the bytes, so BLOCK_K =
   128 moves the bytes of bf16's BLOCK_K = 64 per pipeline stage; the blockwise recipe forces it anyway
   (one K step = one scale block);
 - an sm_90a build without a GPU (triton 3.9 + its ptxas, JIT specializations emulated, first MoE shape;
@@ -58,7 +58,7 @@ WGRAD_CANDIDATES = (  # "load" configs serve the fresh wgrad too; the benchmark 
     _T(128, 128, 128, num_warps=8, num_stages=3, add_mode="atomic"),
     _T(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic"),
     # the old tile prefetched into L2 under the main loop (bf16: 115 vs 91 TFLOP/s at ~128 tokens per
-    # expert, docs/benchmarks/grouped_gemm.md round 7)
+    # expert, docs/benchmarks/LOG.md round 7)
     _T(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic", l2_prefetch=True),
     _T(128, 128, 128, num_warps=8, num_stages=4, add_mode="atomic", l2_prefetch=True),
 )
@@ -83,13 +83,13 @@ def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None,
         # blockwise 0.82 / 0.58 (128x128/w8: 0.63 / 0.44). Accumulating, "atomic" vs "load": per-tensor
         # 1.15 / 0.91 vs 1.08 / 0.80, blockwise 0.87 / 0.77 vs 0.84 / 0.68.
         # Accumulating at < 512 tokens per group, the old tile prefetched into L2 under the main loop
-        # (docs/benchmarks/fp8_wgrad_l2pf_h200.json, one run): ~128/expert per-tensor 67 vs 59 TFLOP/s,
+        # (docs/benchmarks/LOG.md, fp8_wgrad_l2pf_h200.json, one run): ~128/expert per-tensor 67 vs 59 TFLOP/s,
         # blockwise 64 vs 56; ~1024/expert 367 vs 376 and 314 vs 314 (so not there).
         cfg = TileConfig(64, 128, 128, num_warps=4, num_stages=4, add_mode="atomic" if accumulate else "load",
                          l2_prefetch=accumulate and tokens_per_group < 512)
     elif not block and not split_accumulator and tokens_per_group >= 1024:
         # per-tensor without the split accumulator (one fp32 accumulator: 128 registers at 128x256/w8),
-        # docs/benchmarks/fp8_gemm_sweep_split_acc_h200.json: fprop 1.84 / 1.80 (256x128/s3: 1.77 / 1.67;
+        # docs/benchmarks/LOG.md, fp8_gemm_sweep_split_acc_h200.json: fprop 1.84 / 1.80 (256x128/s3: 1.77 / 1.67;
         # 128x128/s3: 1.73 / 1.68), dgrad on the N-contiguous weight 2.02 / 1.88 (256x128/s3: 1.86 / 1.73).
         cfg = TileConfig(128, 256, 128, num_warps=8, num_stages=3)
     elif not block and tokens_per_group >= 1024:

@@ -21,9 +21,9 @@ pads ~128-token groups where the Triton configs shrink the tile. The epilogue st
 a layout conversion (``WIDE_STORES``, ``grouped_gemm.RAGGED_GLUON_WIDE_STORES``; [Note: the epilogue's
 wide stores] in ``_grouped_gemm_fp8_gluon.py``), as the Triton kernel's does: 1.00-1.15x of storing the
 MMA layout's 4-byte pairs and 0.96-1.02x of the Triton kernel at the two large MoE shapes (one run,
-docs/benchmarks/gemm_profile_wide_stores_h200.json); its staging buffer fits beside the four stages
-(229,444 bytes of shared memory in all). Tried and removed: each of the two warpgroups in a partition of
-its own (commit 0458b3f), 1.00-1.04x of this kernel with narrow stores and below the Triton one.
+docs/benchmarks/LOG.md, gemm_profile_wide_stores_h200.json); its staging buffer fits beside the four stages
+(229,444 bytes of shared memory in all). What else was
+tried: docs/benchmarks/LOG.md.
 
 Preconditions (``grouped_gemm._gluon_ragged`` checks them): a Hopper GPU (wgmma), a Triton with Gluon,
 bf16 or fp16 operands, TMA-aligned, the weight's experts stacked as a 2-D view; dgrad's contraction (the

@@ -13,7 +13,7 @@ swizzled in bands of GROUP_M along M, with the group's tokens as the reduction):
 
 [Note: persistent wgrad]
 Accumulating into fp32 ``main_grad`` costs a read-modify-write of E*N*K*4 bytes on top of the MMAs. With
-one program per tile the H200 sweeps (docs/benchmarks/grouped_gemm.md) showed that traffic NOT hidden
+one program per tile the H200 sweeps (docs/benchmarks/LOG.md) showed that traffic NOT hidden
 (E=64, K=7168, N=2048: 4.80 ms accumulating vs 3.34 ms fresh, the difference being 7.5 GB at ~5 TB/s).
 The persistent kernel ends each tile with a reduction that needs no reply, so the program goes on to
 the next tile's loads and MMAs while the reduction drains: a TMA bulk tensor reduction
@@ -27,7 +27,7 @@ splits producer and consumer warps; only where ``tl.range`` takes the argument).
 offered: Triton flattens loop nests on Blackwell only (tritonbench, "AutoWS matmul kernels on Hopper").
 Empty groups run no main-loop step and skip the reduction; a fresh output still gets its zeros.
 Neither this kernel nor delaying each first-wave program by a different few microseconds, so that the
-programs' reductions would not all fall together (round 6 in docs/benchmarks/grouped_gemm.md), beat the
+programs' reductions would not all fall together (round 6 in docs/benchmarks/LOG.md), beat the
 one-tile-per-program kernel beyond the run-to-run noise on an H200.
 
 [Note: L2 prefetch of the accumulated tile]

@@ -59,12 +59,8 @@ The epilogue warps share the TMA warp's warpgroup (3 of its 4 warps), so the MMA
 registers; the shared memory is 5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the
 MMA warps' own epilogue goes away). Both partitions walk the same tiles and agree on which tiles write
 (``_writes``), so every handoff has its reader. Traced ([Note: tracing the MMA warps' tile phases]), the
-handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%. Two other writers lost at
-E=64 on an H200 and were removed: one TMA store per tile from this partition (593 against 625 TFLOP/s
-fresh: the handoff waited longer, the store holding the buffer until it has read it, and the chunks ran
-slower), and
-the MMA warps storing 8 bytes at a time straight from the MMA layout, no shared memory (604-622 fresh,
-499-538 accumulating, against 625-643 and 613).
+handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%. Why this writer and not
+a TMA store or direct stores: docs/benchmarks/LOG.md.
 
 [Note: a 16-bit handoff]
 A fresh bf16 / fp16 output (``grouped_wgrad_fp8(..., out_dtype=)``, what the modules take without

@@ -66,7 +66,7 @@ _ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig
 _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
 # fprop / dgrad through the persistent warp-specialized Gluon kernel on Hopper where it applies
 # ([Note: persistent warp-specialized grouped GEMM] in _grouped_gemm_gluon.py); False (the default): the
-# Triton kernel. Measured against it in one process (H200, docs/benchmarks/grouped_gemm_gluon_h200.json,
+# Triton kernel. Measured against it in one process (H200, docs/benchmarks/LOG.md, grouped_gemm_gluon_h200.json,
 # one run): fprop 0.94 / 0.98 / 0.92x, dgrad 0.98 / 0.91 / 0.82x at the three MoE shapes, the same bits in
 # every GPU test. The promotion-free bf16 loop has no per-step work to hide, so persistence only saves the
 # ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
@@ -141,7 +141,7 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
 # one program. H200, one process, medians of three interleaved rounds (docs/benchmarks.md): E=128 fprop
 # 331 vs 319 TFLOP/s, dgrad 331 vs 312; at 1024 and 4096 tokens per group the few half tiles change
 # nothing measurable (E=64 fprop 630 vs 634, dgrad 591 vs 586). No tile beat the default with it (round 9
-# of docs/benchmarks/grouped_gemm.md).
+# of docs/benchmarks/LOG.md).
 
 
 # [Note: wide tail tiles]

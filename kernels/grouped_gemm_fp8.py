@@ -1,22 +1,14 @@
 """FP8 grouped GEMMs for MoE: the three products over ragged token groups, scales applied in the kernel.
 
-STATUS (2026-11-30): every path passes its GPU tests on an H200 (``pytest -m gpu
-tests/test_grouped_gemm_fp8_kernels.py``: fprop, dgrad in both weight layouts, fresh / stacked / list
-wgrad, TMA and pointer paths, NaN masking, CUDA graphs; worst error/bound ratio 0.32 with
-``reference_fp8.HOPPER_MMA_REL``) and under the interpreter, and the modules use them on CUDA through
-``distwgrad.ops.grouped_gemm_fp8`` ([Note: fp8 gemm dispatch]). dgrad reading the weight with the
-contraction (N) strided runs 4-5x slower than an N-contiguous copy on Hopper (its fp8 MMA takes B only
-K-major, so every B tile is transposed in registers): the dispatcher passes the copy. The tile table
-(``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. With promotion (per-tensor split accumulator,
-blockwise), fprop/dgrad of contractions from 768 run in a persistent warp-specialized Gluon kernel on
-Hopper that adds each 128-deep partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``,
-[Note: promotion under the next MMA]; the same bits; ``RAGGED_GLUON*`` below): per-tensor 1.75-1.84x of
-bf16 with the split accumulator at the two large MoE shapes in the latest record, 1.74-1.89x without it
-([Note: fp8 split accumulator]), blockwise 1.55-1.60x (~0.93-0.99x in the Triton kernel). Per-tensor wgrad
-with the split accumulator runs the same promotion in a Gluon kernel (``_grouped_wgrad_fp8_gluon.py``,
-[Note: fp8 wgrad under the next MMA]; the same bits; ``WGRAD_GLUON*`` below; its epilogue written by a
-partition of its own, [Note: an epilogue partition]): 1.58-1.60x of bf16 at E=8, 1.09x fresh and 1.45x
-accumulating at E=64 (1.4-1.6x the Triton kernel); blockwise wgrad trails bf16 (docs/benchmarks.md).
+Dispatch: the modules reach these kernels on CUDA through ``distwgrad.ops.grouped_gemm_fp8`` ([Note: fp8
+gemm dispatch]). dgrad reads the weight N-contiguous (Hopper's fp8 MMA takes B only K-major; the
+dispatcher passes that copy). With promotion (per-tensor split accumulator, blockwise), fprop/dgrad of
+contractions from 768 run in a persistent warp-specialized Gluon kernel on Hopper that adds each 128-deep
+partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``, [Note: promotion under the next
+MMA]; the same bits as the Triton kernel; ``RAGGED_GLUON*`` below); per-tensor wgrad with the split
+accumulator likewise (``_grouped_wgrad_fp8_gluon.py``, [Note: fp8 wgrad under the next MMA];
+``WGRAD_GLUON*`` below). The tile table (``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. Current
+speeds: docs/benchmarks.md; history: docs/benchmarks/LOG.md.
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
@@ -106,7 +98,7 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 #   every tensor our quantizers produce: a non-finite input gives the whole tensor a NaN scale, which
 #   makes every non-empty group's output NaN anyway. fp8 NaN data under a finite scale (a foreign
 #   producer) would reach the neighbouring group's wgrad as NaN: loud, but not the owner's alone.
-# Measured (H200, 2026-11-29, docs/benchmarks/fp8_gemm_sweep_h200.json, ~4096 and ~1024 tokens per
+# Measured (H200, 2026-11-29, docs/benchmarks/LOG.md, fp8_gemm_sweep_h200.json, ~4096 and ~1024 tokens per
 # group): "edges" wins at every config and shape. "loop" ran at 0.35-0.75x of it, "loop_a" at 0.6-0.97x:
 # the register round trip of a masked operand on every step costs more than two unpipelined chunks.
 # (Then the loop modes started a per-tensor group's chunks at its first token rounded down to 16, boxes
@@ -119,18 +111,7 @@ WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 # accumulator]) on the global 128-token grid and adds the chunks' partial sums in token order, in every
 # path of every kernel (the Gluon one: ``_grouped_wgrad_fp8_gluon``), so that they give the same bits (the
 # GPU tests compare them; ``_case_wgrad_chunks`` pins the order with sums whose rounding depends on it).
-# Two other arrangements were measured on an H200 and dropped:
-# - Chunks from each group's first token rounded down to 16 tokens. A TMA box's innermost coordinate
-#   (the token) must be 16-byte aligned: the H200 raised an illegal instruction at token offsets 1, 5, 17
-#   and 100, and loaded 0 and 16 right. Only the first chunk would then hold another group's tokens
-#   (fewer than 16: one 16-byte column to zero), and groups take ~5% fewer chunks; but boxes that are 16-
-#   and not 128-byte aligned load slowly: ~40% more cycles per chunk (E=8, random routing: 797 TFLOP/s
-#   where the 128 grid runs 1002-1043; E=64: 619 against 626-652; ``fp8_wgrad_trace_grid16_h200.json``).
-# - The first chunk added last, so that the Gluon kernel zeroes its foreign tokens under the MMAs of the
-#   chunk before rather than with nothing in flight (as a tile's first chunk): E=64 ran 605 / 566 TFLOP/s
-#   fresh / accumulating (``fp8_wgrad_first_chunk_last_h200.json``) against the record's 626 / 590: the
-#   zeroing (~1200 cycles per edge chunk) outlasts a chunk's MMAs (~650), and the two edge chunks then
-#   come back to back.
+# Why this arrangement and not a 16-token grid or the first chunk last: docs/benchmarks/LOG.md.
 
 # [Note: fp8 split accumulator]
 # Hopper's fp8 tensor cores add each 32-deep product into the accumulator with ~13 explicit mantissa
@@ -149,7 +130,7 @@ _EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 # fprop / dgrad with promotion (per-tensor split accumulator, blockwise) through the Gluon kernel where it
 # applies ([Note: promotion under the next MMA] in _grouped_gemm_fp8_gluon.py); False: the Triton kernel.
 # H200, vs our bf16 kernels in the same process, (E, contraction): persistent warp-specialized Gluon |
-# warp-specialized Gluon, one program per tile | Triton, docs/benchmarks/fp8_gemm_gluon_persistent_h200.json:
+# warp-specialized Gluon, one program per tile | Triton, docs/benchmarks/LOG.md, fp8_gemm_gluon_persistent_h200.json:
 #   per-tensor fprop  1.58 | 1.47 | 1.43 (8, 4096)    1.76 | 1.55 | 1.42 (64, 7168)   0.80 | 0.56 | 1.33 (128, 2048)
 #   per-tensor dgrad  1.70 | 1.64 | 1.43 (8, 14336)   1.49 | 1.15 | 1.36 (64, 2048)   1.00 | 0.62 | 0.97 (128, 768)
 #   blockwise fprop   1.44 | 1.35 | 0.94              1.62 | 1.47 | 1.04              1.16 | 0.49 | 0.63
@@ -168,29 +149,28 @@ RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0
 #                          (persistent: fp8_gemm_gluon_persistent_h200.json)
 # Warp-specialized (one TMA warp; the MMA warps wait on mbarriers only, one partition barrier per step
 # instead of three CTA-wide ones around the TMA issue): 1.02-1.06x the speed of the plain Gluon kernel in
-# every cell of docs/benchmarks/fp8_gemm_gluon_ws_h200.json.
+# every cell of docs/benchmarks/LOG.md, fp8_gemm_gluon_ws_h200.json.
 RAGGED_GLUON_WS = True
 # Persistent (warp-specialized only): one program per SM over tiles pid, pid + #SMs, ...; the TMA warp
 # loads the next tile's first stages under the MMA warps' last steps and epilogue, where a fresh program
 # starts with an empty ring: 1.04-1.29x the non-persistent kernel at the large shapes (table above), most
-# where a tile has few K steps (the 2048-deep dgrad). An earlier persistent variant without the TMA warp
-# (its MMA warps issued the next tile's loads only after their epilogue) ran at 1.12-1.24x bf16 and was dropped.
+# where a tile has few K steps (the 2048-deep dgrad).
 RAGGED_GLUON_PERSISTENT = True
 # Persistent only: each tile's epilogue after the next tile's first MMAs are issued ([Note: the next
 # tile's first step under the epilogue] in _grouped_gemm_fp8_gluon.py). H200, one run at 78ec11e
-# (docs/benchmarks/fp8_gemm_gluon_overlap_h200.json), TFLOP/s with | without, (E, contraction):
+# (docs/benchmarks/LOG.md, fp8_gemm_gluon_overlap_h200.json), TFLOP/s with | without, (E, contraction):
 #   per-tensor fprop 1073 | 1048 (8, 4096)   1137 | 1085 (64, 7168); dgrad 1187 | 1192 (8, 14336)   892 | 859 (64, 2048)
 #   blockwise fprop   979 |  953             1018 |  991;             dgrad 1099 | 1082               840 | 838
 # (1.00-1.05x; the E=128 cells are bimodal in both, as above).
 RAGGED_GLUON_OVERLAP = True
 # per-tensor wgrad (split accumulator) through the Gluon kernel that promotes under the next MMA where it
 # applies ([Note: fp8 wgrad under the next MMA] in _grouped_wgrad_fp8_gluon.py); False: the Triton kernel.
-# H200, one run (docs/benchmarks/fp8_wgrad_gluon_variants_h200.json), accumulating, TFLOP/s at (E=8, E=64):
+# H200, one run (docs/benchmarks/LOG.md, fp8_wgrad_gluon_variants_h200.json), accumulating, TFLOP/s at (E=8, E=64):
 #   atomic s4 828 / 344, s5 844 / 466; load s5 874 / 457; atomic + L2 prefetch s4 874 / 410, s5 891 / 486;
 #   load + L2 prefetch s5 861 / 464 (the Triton kernel 695 / 375); fresh: s4 922 / 498, s5 941 / 530. Six
 #   stages (fp8_wgrad_gluon_stages_h200.json): atomic + L2 prefetch 886 / 490 vs s5 866 / 477, within noise.
 # Those ran with the MMA warps writing each tile. With the epilogue partition (d7a6ba6's kernel,
-# docs/benchmarks/fp8_wgrad_epilogue_run2_h200.json), accumulating (E=8 / E=64): atomic s5 946 / 583 against
+# docs/benchmarks/LOG.md, fp8_wgrad_epilogue_run2_h200.json), accumulating (E=8 / E=64): atomic s5 946 / 583 against
 # 827 / 458 without it, atomic + L2 prefetch s5 936 / 560, load + L2 prefetch s5 901 / 345; fresh s5 1010 / 614.
 WGRAD_GLUON = True
 WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)

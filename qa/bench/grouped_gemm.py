@@ -32,7 +32,7 @@ times, interleaved (all of them once, then again), and reports each one's median
 by several percent over a run, and interleaving spreads the drift over the peers alike. Kernels
 shorter than ~0.3 ms (the E=128 shape) can be host-bound here: each of our calls spends ~0.1 ms in Python
 (custom-op dispatch, checks, descriptor encoding) and the loop peer 128 launches; a slow host shows up
-as a slow E=128 row and a slow loop (docs/benchmarks/grouped_gemm.md, 2026-11-29 round 3). Before
+as a slow E=128 row and a slow loop (docs/benchmarks/LOG.md, 2026-11-29 round 3). Before
 timing, each (op, shape) of ``distwgrad`` is checked against the in-package reference and an fp64
 oracle with the bound in [Note: grouped gemm error bound] (kernels/_grouped_gemm_configs.py).
 
