@@ -4,6 +4,7 @@ Every gradient contribution, from every tied use, every microbatch and every def
 exactly once, in fp32, in the right shard. See ``docs/architecture.md`` for the map.
 """
 
+from distwgrad.graphs import make_graphed_callables
 from distwgrad.protocol import (
     DistributedWeight,
     finalize_weight_grads,
@@ -33,5 +34,5 @@ __all__ = [
     "materialize_weight_for_backward", "finalize_weight_grads",
     "DistributedParameter", "ShardedWeight", "ReplicatedWeight", "ReducePolicy", "compute_dtype",
     "MissingContributionError", "DeferredWgradError",
-    "drain_deferred_wgrads", "deferred_wgrad_scope", "finalize_model_grads",
+    "drain_deferred_wgrads", "deferred_wgrad_scope", "finalize_model_grads", "make_graphed_callables",
 ]

@@ -40,6 +40,10 @@ class WeightGradStore:
     def put(self, work: Callable[[], None]) -> None:
         self._queue.append(work)
 
+    def queued(self) -> tuple[Callable[[], None], ...]:
+        """The queued work, oldest first (read-only; graph capture keeps it alive while capturing)."""
+        return tuple(self._queue)
+
     def check_can_queue(self) -> None:
         if self.strict and self._queue:
             raise DeferredWgradError(

@@ -1,0 +1,646 @@
+"""``make_graphed_callables``: CUDA graphs of forward, backward and the deferred wgrads.
+
+The structure is ``torch.cuda.make_graphed_callables``'s (warm up on a side stream, capture every forward
+in order, every backward in reverse order, all in one pool, replay through one autograd function per
+callable), with TransformerEngine's keyword names and one addition: every deferred wgrad queued by a
+captured backward is captured as its own graph, which the module's ``backward_dw()`` (and
+``distwgrad.drain_deferred_wgrads``) replays.
+
+[Note: graphed deferred wgrads]
+* Capture. After the backward graphs, each work item that a captured backward queued on a module's
+  ``WeightGradStore`` is popped inside its own capture (one graph per item, so each graph is exactly one
+  ``backward_dw()``). ``.grad`` is never a target while capturing: ``add_to_grad`` writes into a
+  graph-owned gradient (``graph_owned_gradients`` in ``wgrad/accumulate.py``), a fresh tensor of the graph
+  pool that the graphed callables keep until ``reset()``. Fused ``main_grad`` is accumulated in place
+  inside the graph: it is the caller's stable buffer (created, if absent, before the warm-up).
+* Replay. A graphed backward replays its graph, then queues one replay per captured item on the owning
+  module's store. ``backward_dw()`` pops it: the graph replays, then, outside the captured region, each
+  graph-owned gradient is cloned into ``.grad`` (None) or added to it, exactly the eager rule
+  ([Note: accumulate, never assign]), then the module's hooks fire. ``zero_grad(set_to_none=True)`` may
+  free the caller's ``.grad`` at any time: no graph holds its address.
+* ``main_grad`` is checked before every replay that writes it: a tensor at another address, or of
+  another shape, stride or dtype, than the captured one raises; the graph never writes through a stale
+  address. Zero it in place (``main_grad.zero_()``), never replace it.
+* Order. A deferred graph reads what the last backward replay left in the static buffers, which the
+  next forward replay overwrites; so a forward replay while a graphed wgrad of the same set is still
+  queued raises ``DeferredWgradError``. Each microbatch is forward, backward, ``backward_dw()``; the
+  same graphs replayed k times accumulate k contributions. The deferred graphs may replay in any order:
+  their inputs stay allocated until every one of them is captured, so none reuses another's memory.
+* Parameter gradients of the main backward are returned to autograd as clones (outside the graph):
+  autograd would otherwise steal the static pool tensor as ``.grad`` and the next replay would
+  overwrite (or double) it.
+* ``reset()`` (on any callable of the set: they share one pool) resets the graphs and drops every
+  static and graph-owned tensor, releasing the pool; any later replay raises. It refuses while graphed
+  wgrads are still queued.
+
+[Note: captured distributed weights]
+A distributed weight's ``grad_buffer()`` is allocated at a step's first contribution and freed at each
+reduction, which a graph cannot bake in. A weight captured here gets a graph-owned persistent fp32
+buffer (``_graph_grad_buffer``, full size, allocated before capture, released by ``reset()``):
+``grad_buffer()`` under capture zeroes it where it would allocate, so each replay zeroes, accumulates and
+reduces it exactly where the capture did, and the reduction (NCCL collectives, captured) adds into the
+caller's stable ``main_grad``. The accounting runs in Python, which a replay skips, so each replay applies
+the count changes its capture made (uses in forward, deliveries and the reduction in backward and
+``backward_dw()``) and raises if they no longer line up (an eager use interleaved, a different order).
+Refused at ``make_graphed_callables``: a group whose backend is not NCCL (gloo collectives cannot be
+captured), ``async_reduce=True`` (the wait is host-side) and ``ReducePolicy.PER_STEP`` (its buffer
+outlives a microbatch's graphs). ``finalize_model_grads`` runs eagerly, as always.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from distwgrad.fp8.recipe import Recipe, fp8_autocast
+from distwgrad.protocol import is_distributed_weight
+from distwgrad.weights.base import DistributedParameter, ReducePolicy, main_grad_of
+from distwgrad.wgrad.accumulate import graph_owned_gradients
+from distwgrad.wgrad.store import DeferredWgradError
+
+__all__ = ["make_graphed_callables"]
+
+
+# --- validation (no CUDA needed) ---------------------------------------------------------------------
+def _as_tuple_of_modules(modules: Any) -> tuple[bool, tuple[nn.Module, ...]]:
+    just_one = not isinstance(modules, tuple)
+    mods = (modules,) if just_one else modules
+    if not mods:
+        raise ValueError("make_graphed_callables: modules is an empty tuple")
+    bad = [f"{i}: {type(m).__name__}" for i, m in enumerate(mods) if not isinstance(m, nn.Module)]
+    if bad:
+        raise TypeError(f"make_graphed_callables graphs nn.Modules; got {bad}")
+    return just_one, mods
+
+
+def _per_callable(name: str, value: Any, n: int, just_one: bool, kind: type) -> tuple:
+    if value is None:
+        return tuple(kind() for _ in range(n))
+    given = value
+    if just_one:
+        value = (value,)
+    if not isinstance(value, tuple) or len(value) != n or not all(isinstance(v, kind) for v in value):
+        shown = (type(given).__name__ if just_one or not isinstance(given, tuple)
+                 else [type(v).__name__ for v in given])
+        raise TypeError(f"make_graphed_callables: {name} must be a {kind.__name__}"
+                        f"{'' if just_one else f' per module (a tuple of {n})'}, got {shown}")
+    return value
+
+
+def _check_inputs(args: tuple, kwargs: dict, i: int) -> tuple[torch.Tensor, ...]:
+    flat = tuple(pytree.arg_tree_leaves(*args)) + tuple(pytree.tree_leaves([kwargs[k] for k in sorted(kwargs)]))
+    bad = [type(a).__name__ for a in flat if not isinstance(a, torch.Tensor)]
+    if bad:
+        raise TypeError(f"make_graphed_callables: sample inputs of module {i} must be tensors, got {bad}")
+    return flat
+
+
+def _check_module(m: nn.Module, i: int) -> None:
+    if m._backward_hooks or m._forward_hooks or m._forward_pre_hooks:
+        raise ValueError(f"make_graphed_callables: module {i} ({type(m).__name__}) has hooks registered; register "
+                         f"them after graphing")
+    trainable = [name for name, b in m.named_buffers() if b.requires_grad]
+    if trainable:
+        raise ValueError(f"make_graphed_callables: module {i} has buffers requiring grad {trainable}")
+    queued = [f"{s.wgrad_store.owner} '{n or '<root>'}' ({len(s.wgrad_store)} queued)" for n, s in m.named_modules()
+              if len(getattr(s, "wgrad_store", ()))]
+    if queued:
+        raise DeferredWgradError(f"make_graphed_callables: module {i} has deferred wgrads queued: {queued}; "
+                                 f"drain them (distwgrad.drain_deferred_wgrads) before graphing")
+
+
+def _check_options(num_warmup_iters: Any, fp8_enabled: Any, fp8_recipe: Any, _order: Any) -> None:
+    if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) or num_warmup_iters < 1:
+        raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 1 (the last warm-up "
+                         f"iteration checks for host syncs), got {num_warmup_iters!r}")
+    if not isinstance(fp8_enabled, bool):
+        raise TypeError(f"make_graphed_callables: fp8_enabled must be a bool, got {fp8_enabled!r}")
+    if fp8_recipe is not None and not fp8_enabled:
+        raise ValueError(f"make_graphed_callables: fp8_recipe={fp8_recipe!r} given with fp8_enabled=False")
+    if _order is not None:
+        raise NotImplementedError(f"make_graphed_callables: _order={_order!r} (TransformerEngine's interleaved "
+                                  f"pipeline schedule) is not implemented; capture each model chunk on its own")
+
+
+def _check_distributed(weights: list[DistributedParameter]) -> None:
+    """[Note: captured distributed weights]: what is refused, before any CUDA work (testable on CPU)."""
+    for p in weights:
+        group = p.group
+        backend = None if group is None else dist.get_backend(group)
+        if backend is not None and backend != "nccl":
+            raise RuntimeError(f"make_graphed_callables: {p._name()} reduces over a {backend!r} process group; "
+                               f"{backend} collectives cannot be captured in a CUDA graph (only NCCL's can). "
+                               f"Graph the model with its weights on an NCCL group, or run it eagerly")
+        if p.async_reduce:
+            raise ValueError(f"make_graphed_callables: {p._name()} has async_reduce=True; its wait runs on the "
+                             f"host and cannot be captured: build it with async_reduce=False")
+        if p.reduce_policy is not ReducePolicy.PER_MICROBATCH:
+            raise ValueError(f"make_graphed_callables: {p._name()} has reduce_policy={p.reduce_policy}; only "
+                             f"ReducePolicy.PER_MICROBATCH is captured (a PER_STEP buffer outlives the graphs)")
+        if getattr(p, "_graph_grad_buffer", None) is not None:
+            raise ValueError(f"make_graphed_callables: {p._name()} is already captured by other graphed "
+                             f"callables; reset() them first")
+        if not p._step_closed or p._buffer is not None or p._inflight:
+            raise ValueError(f"make_graphed_callables: {p._name()} has an open step; finish it "
+                             f"(finalize_model_grads) before graphing")
+
+
+def _distributed_weights(mods: tuple[nn.Module, ...]) -> list[DistributedParameter]:
+    seen: dict[int, DistributedParameter] = {}
+    for m in mods:
+        for p in m.parameters():
+            if isinstance(p, DistributedParameter):
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _check_devices(mods: tuple[nn.Module, ...], flat_inputs: list[tuple[torch.Tensor, ...]]) -> None:
+    for i, (m, flat) in enumerate(zip(mods, flat_inputs)):
+        off = [n for n, p in m.named_parameters() if not p.is_cuda]
+        off += [f"input {j}" for j, a in enumerate(flat) if not a.is_cuda]
+        if off:
+            raise ValueError(f"make_graphed_callables: module {i} has tensors off CUDA: {off}")
+
+
+# --- bookkeeping -------------------------------------------------------------------------------------
+def _deferred_modules(m: nn.Module) -> list[nn.Module]:
+    return [s for s in m.modules() if getattr(s, "need_backward_dw", None) is not None and s.need_backward_dw()]
+
+
+def _deferred_params(m: nn.Module) -> set[int]:
+    """Parameters whose gradient a deferring module delivers in ``backward_dw()``, not the main backward."""
+    out: set[int] = set()
+    for s in _deferred_modules(m):
+        names = getattr(s, "deferred_param_names", None)
+        out |= {id(p) for n, p in s.named_parameters(recurse=False) if names is None or n in names}
+    return out
+
+
+def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
+    """Fused weights and distributed weights get their ``main_grad`` now, outside any capture."""
+    for m in mods:
+        for s in m.modules():
+            if getattr(s, "fuse_wgrad_accumulation", False):
+                for n, p in s.named_parameters(recurse=False):
+                    if "weight" in n:
+                        main_grad_of(p)
+        for p in m.parameters():
+            if isinstance(p, DistributedParameter):
+                main_grad_of(p)
+
+
+class _MainGrads:
+    """The ``main_grad`` tensors a set of graphs writes, with their addresses, checked before each replay."""
+
+    def __init__(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        self.entries = [(n, p, p.main_grad, p.main_grad.data_ptr()) for n, p in params
+                        if getattr(p, "main_grad", None) is not None]
+
+    @staticmethod
+    def _layout(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+    def check(self, what: str) -> None:
+        for name, p, captured, _ in self.entries:
+            now = getattr(p, "main_grad", None)
+            if now is None or self._layout(now) != self._layout(captured):
+                got = "None" if now is None else f"{tuple(now.shape)} {now.dtype} at 0x{now.data_ptr():x}"
+                raise RuntimeError(
+                    f"{what}: {name}.main_grad was replaced (captured: {tuple(captured.shape)} {captured.dtype} at "
+                    f"0x{captured.data_ptr():x}; now: {got}); the graph accumulates into the captured address. "
+                    f"Zero main_grad in place (main_grad.zero_()) or graph again. [Note: graphed deferred wgrads]")
+
+    def mark_added(self) -> None:
+        for _, p, _, _ in self.entries:
+            p.grad_added_to_main_grad = True
+
+
+def _snapshot(p: DistributedParameter) -> tuple:
+    return p._expected, p._delivered, p._reduced, p._buffer is not None
+
+
+class _Ledger:
+    """The accounting changes one capture made to distributed weights, re-applied at each replay
+    ([Note: captured distributed weights])."""
+
+    def __init__(self, weights: list[DistributedParameter]) -> None:
+        self.weights, self.before = weights, [_snapshot(p) for p in weights]
+        self.changes: list[tuple[DistributedParameter, tuple, tuple]] = []
+
+    def close(self) -> _Ledger:
+        self.changes = [(p, b, _snapshot(p)) for p, b in zip(self.weights, self.before) if _snapshot(p) != b]
+        self.weights, self.before = [], []
+        return self
+
+    def apply(self, what: str) -> None:
+        for p, before, after in self.changes:
+            if (p._buffer is not None) != before[3]:
+                raise RuntimeError(f"{what}: {p._name()} has {'a' if p._buffer is not None else 'no'} gradient "
+                                   f"buffer pending, unlike at capture: a captured weight must not be used eagerly "
+                                   f"between graphed replays. [Note: captured distributed weights]")
+            if after[0] > before[0]:
+                p.expect_contribution(after[0] - before[0])
+            p._delivered += after[1] - before[1]
+            reduced = after[2] != before[2]
+            due = after[1] > before[1] and p._delivered == p._expected
+            if p._delivered > p._expected or reduced != due:
+                raise RuntimeError(f"{what}: {p._name()} has {p._delivered} of {p._expected} contributions, but "
+                                   f"its capture {'reduced' if reduced else 'did not reduce'} here: replay the "
+                                   f"graphed callables in their captured order, one microbatch at a time. "
+                                   f"[Note: captured distributed weights]")
+            if reduced:
+                p._reduced, p._step_has_grad = p._delivered, True
+            p._buffer = p._graph_grad_buffer if after[3] else None
+
+
+class _DwItem:
+    """One captured ``backward_dw()`` of one module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module, self.graph = module, torch.cuda.CUDAGraph()
+        self.owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, graph-owned gradient)
+        self.main_grads: _MainGrads | None = None
+        self.ledger: _Ledger | None = None
+
+
+class _Replay:
+    """Queued on a module's store by a graphed backward; ``backward_dw()`` runs it."""
+
+    def __init__(self, graphs: _GraphSet, item: _DwItem) -> None:
+        self.graphs, self.item = graphs, item
+        graphs.pending.add(self)
+
+    def __call__(self) -> None:
+        item, what = self.item, f"backward_dw() of {self.item.module.wgrad_store.owner}"
+        self.graphs.check_alive(what)
+        assert item.main_grads is not None and item.ledger is not None
+        item.main_grads.check(what)
+        item.graph.replay()
+        item.ledger.apply(what)
+        for p, g in item.owned:  # outside the captured region: [Note: accumulate, never assign]
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.add_(g.to(p.grad.dtype))
+        item.main_grads.mark_added()
+
+
+class _GraphSet:
+    """What one ``make_graphed_callables`` call owns: its graphs, pool, static and graph-owned tensors."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.callables: list[_Callable] = []
+        self.pending: weakref.WeakSet[_Replay] = weakref.WeakSet()
+        self.weights: list[DistributedParameter] = []
+        self.alive = True
+
+    def check_alive(self, what: str) -> None:
+        if not self.alive:
+            raise RuntimeError(f"{what}: these graphed callables were reset(); their graphs and pool are gone. "
+                               f"Call make_graphed_callables again")
+
+    def check_forward(self, what: str) -> None:
+        self.check_alive(what)
+        if len(self.pending):
+            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})
+            raise DeferredWgradError(
+                f"{what}: graphed deferred wgrads of {owners} are still queued; a forward replay overwrites the "
+                f"static buffers they read. Call backward_dw() (or distwgrad.drain_deferred_wgrads) after each "
+                f"backward. [Note: graphed deferred wgrads]")
+
+    def reset(self) -> None:
+        if not self.alive:
+            return
+        if len(self.pending):
+            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})
+            raise DeferredWgradError(f"reset(): graphed deferred wgrads of {owners} are still queued; drain them "
+                                     f"(or clear their stores) first")
+        self.alive = False
+        for c in self.callables:
+            for g in [c.fwd_graph, c.bwd_graph] + [it.graph for it in c.dw_items]:
+                g.reset()
+            c.release()
+        for p in self.weights:
+            p._graph_grad_buffer = None
+        self.callables, self.weights = [], []
+        torch.cuda.empty_cache()
+
+
+class _Callable:
+    """One module's capture: its static input surface, graphs and replay state."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, flat: tuple[torch.Tensor, ...]) -> None:
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.kw_keys = tuple(sorted(kwargs))
+        self.n_user = len(flat)
+        named = list(module.named_parameters())
+        self.param_names = {id(p): n for n, p in named}
+        self.params = tuple(p for _, p in named)
+        self.surface = flat + self.params
+        self.deferred = _deferred_params(module)
+        self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.bwd_inputs: tuple[int, ...] = ()  # surface indices that require grad
+        self.static_outputs: tuple[torch.Tensor, ...] = ()
+        self.spec: Any = None
+        self.static_grad_outputs: tuple[torch.Tensor | None, ...] = ()
+        self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
+        self.dw_items: list[_DwItem] = []
+        self.main_grads: _MainGrads | None = None
+        self.fwd_ledger: _Ledger | None = None
+        self.bwd_ledger: _Ledger | None = None
+        self.training = module.training
+
+    def name(self, t: torch.Tensor) -> str:
+        return self.param_names.get(id(t), "?")
+
+    def release(self) -> None:
+        self.surface = self.static_outputs = self.static_grad_outputs = self.static_grad_inputs = ()
+        self.args, self.kwargs, self.dw_items = (), {}, []
+
+
+# --- warm-up and capture -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _explain(what: str, recipe: Recipe | None) -> Iterator[None]:
+    """Turns a host sync or a capture failure into an error naming the callable and the phase."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        if "synchroniz" in text or "capturing" in text or "capture" in text:
+            fp8 = f" under the FP8 recipe {recipe!r}" if recipe is not None else ""
+            raise RuntimeError(f"make_graphed_callables: {what}{fp8} synchronizes with the host or does something a "
+                               f"CUDA graph cannot capture ({text.splitlines()[0]}). Keep every input on the device "
+                               f"(e.g. m_splits as a CUDA tensor) and avoid .item()/.tolist() in the graphed "
+                               f"region") from e
+        raise
+
+
+@contextlib.contextmanager
+def _sync_check(on: bool) -> Iterator[None]:
+    if not on:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _drain_into(sink: dict, modules: list[nn.Module]) -> None:
+    """Runs (without hooks) every queued deferred wgrad, ``.grad`` contributions going to ``sink``."""
+    with graph_owned_gradients(sink):
+        for m in modules:
+            while len(m.wgrad_store):
+                m.wgrad_store.pop()
+
+
+def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, recipe: Recipe | None) -> None:
+    all_deferred = [s for c in calls for s in _deferred_modules(c.module)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for i, c in enumerate(calls):
+            wants = [j for j, t in enumerate(c.surface) if t.requires_grad]
+            grads: tuple = ()
+            for it in range(n):
+                with _explain(f"the warm-up of module {i} ({type(c.module).__name__})", recipe), \
+                        _sync_check(it == n - 1), fp8():
+                    outs = [o for o in pytree.tree_leaves(c.module(*c.args, **c.kwargs)) if o.requires_grad]
+                    if outs and wants:
+                        grads = torch.autograd.grad(outs, [c.surface[j] for j in wants],
+                                                    [torch.ones_like(o) for o in outs], allow_unused=True)
+                    _drain_into({}, all_deferred)
+                del outs
+            used = [j for j, g in zip(wants, grads) if g is not None]
+            for j in set(wants) - set(used):
+                t = c.surface[j]
+                if j < c.n_user and not allow_unused:
+                    raise ValueError(f"make_graphed_callables: input {j} of module {i} requires grad but gets none "
+                                     f"(pass allow_unused_input=True if that is intended)")
+                if j >= c.n_user and not (allow_unused or id(t) in c.deferred or is_distributed_weight(t)):
+                    raise ValueError(f"make_graphed_callables: parameter {c.name(t)!r} of module {i} requires grad "
+                                     f"but its forward does not use it (pass allow_unused_input=True)")
+            c.bwd_inputs = tuple(wants)  # a deferred parameter's slot stays None (never empty inputs)
+    torch.cuda.synchronize()
+
+
+def _capture_forwards(gs: _GraphSet, calls: list[_Callable], fp8: Callable, recipe: Recipe | None) -> None:
+    for i, c in enumerate(calls):
+        c.fwd_ledger = _Ledger(gs.weights)
+        with _explain(f"the forward capture of module {i}", recipe), torch.cuda.graph(c.fwd_graph, pool=gs.pool), \
+                fp8():
+            out = c.module(*c.args, **c.kwargs)
+        c.fwd_ledger.close()
+        flat, c.spec = pytree.tree_flatten(out)
+        c.static_outputs = tuple(flat)
+
+
+def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool,
+                       recipe: Recipe | None) -> dict[int, list[nn.Module]]:
+    """Backward graphs in reverse order; returns, per callable, the modules its backward queued work on."""
+    queued: dict[int, list[nn.Module]] = {}
+    stores = {id(s): s for c in calls for s in _deferred_modules(c.module)}
+    for i in reversed(range(len(calls))):
+        c = calls[i]
+        c.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in c.static_outputs)
+        outs = [o for o in c.static_outputs if o.requires_grad]
+        before = {k: len(s.wgrad_store) for k, s in stores.items()}
+        c.bwd_ledger = _Ledger(gs.weights)
+        grads: tuple = ()
+        if outs:
+            with _explain(f"the backward capture of module {i}", recipe), \
+                    torch.cuda.graph(c.bwd_graph, pool=gs.pool):
+                grads = torch.autograd.grad(outs, [c.surface[j] for j in c.bwd_inputs],
+                                            [g for g in c.static_grad_outputs if g is not None],
+                                            only_inputs=True, allow_unused=True, retain_graph=retain_graph)
+        c.bwd_ledger.close()
+        by_index = dict(zip(c.bwd_inputs, grads))
+        c.static_grad_inputs = tuple(by_index.get(j) for j in range(len(c.surface)))
+        queued[i] = [s for k, s in stores.items() for _ in range(len(s.wgrad_store) - before[k])]
+    return queued
+
+
+def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, list[nn.Module]],
+                    recipe: Recipe | None) -> None:
+    """One graph per queued item, FIFO per module; every item's inputs stay alive until all are captured."""
+    held = [s.wgrad_store.queued() for mods in queued.values() for s in mods]
+    for i in reversed(range(len(calls))):
+        for m in queued[i]:
+            item = _DwItem(m)
+            sink: dict = {}
+            item.ledger = _Ledger(gs.weights)
+            with _explain(f"the deferred wgrad capture of {m.wgrad_store.owner} (module {i})", recipe), \
+                    torch.cuda.graph(item.graph, pool=gs.pool), graph_owned_gradients(sink):
+                m.wgrad_store.pop()
+            item.ledger.close()
+            item.owned = list(sink.values())
+            item.main_grads = _MainGrads([(type(m).__name__ + "." + n, p)
+                                          for n, p in m.named_parameters(recurse=False)])
+            calls[i].dw_items.append(item)
+    del held
+
+
+# --- replay ------------------------------------------------------------------------------------------
+def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., Any]:
+    param_start = c.n_user
+
+    class Graphed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            what = f"graphed forward of module {index} ({type(c.module).__name__})"
+            gs.check_forward(what)
+            for j in range(c.n_user):
+                if c.surface[j].data_ptr() != inputs[j].data_ptr():
+                    c.surface[j].copy_(inputs[j])
+            assert c.fwd_ledger is not None
+            c.fwd_ledger.apply(what)
+            c.fwd_graph.replay()
+            return tuple(o.detach() for o in c.static_outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            what = f"graphed backward of module {index} ({type(c.module).__name__})"
+            gs.check_alive(what)
+            assert c.main_grads is not None and c.bwd_ledger is not None
+            c.main_grads.check(what)
+            for static, g in zip(c.static_grad_outputs, grads):
+                if static is not None and g is not None and static.data_ptr() != g.data_ptr():
+                    static.copy_(g)
+            c.bwd_graph.replay()
+            c.bwd_ledger.apply(what)
+            for item in c.dw_items:
+                item.module.wgrad_store.put(_Replay(gs, item))
+            # parameter slots as clones: [Note: graphed deferred wgrads]
+            return tuple(None if g is None else (g.detach() if j < param_start else g.clone())
+                         for j, g in enumerate(c.static_grad_inputs))
+
+    def functionalized(*args, **kwargs):
+        if tuple(sorted(kwargs)) != c.kw_keys:
+            raise TypeError(f"graphed module {index} was captured with keyword arguments {list(c.kw_keys)}, "
+                            f"called with {sorted(kwargs)}")
+        flat = tuple(pytree.arg_tree_leaves(*args)) + tuple(pytree.tree_leaves([kwargs[k] for k in c.kw_keys]))
+        if len(flat) != c.n_user:
+            raise TypeError(f"graphed module {index} was captured with {c.n_user} input tensors, called with "
+                            f"{len(flat)}")
+        out = Graphed.apply(*(flat + c.params))
+        return pytree.tree_unflatten(list(out), c.spec)
+
+    return functionalized
+
+
+def _install(gs: _GraphSet, c: _Callable, index: int) -> nn.Module:
+    graphed, orig_forward, module = _graphed_function(gs, c, index), c.module.forward, c.module
+
+    def forward(*args, **kwargs):
+        if module.training == c.training:
+            return graphed(*args, **kwargs)
+        return orig_forward(*args, **kwargs)
+
+    def backward_dw() -> None:
+        """Replays this callable's queued graphed deferred wgrads (each module's ``backward_dw()``)."""
+        for item in c.dw_items:
+            item.module.backward_dw()
+
+    module.forward = forward
+    module.reset = gs.reset
+    if not hasattr(module, "backward_dw"):
+        module.backward_dw = backward_dw
+    return module
+
+
+def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_args: tuple, *,
+                           num_warmup_iters: int = 3, allow_unused_input: bool = False,
+                           sample_kwargs: dict | tuple[dict, ...] | None = None, fp8_enabled: bool = False,
+                           fp8_recipe: Recipe | None = None, pool: Any = None, retain_graph_in_backward: bool = False,
+                           _order: Any = None) -> nn.Module | tuple[nn.Module, ...]:
+    """CUDA-graphs the forward, backward and deferred wgrads of ``modules``.
+
+    ``torch.cuda.make_graphed_callables`` with TransformerEngine's keywords; see [Note: graphed deferred
+    wgrads] and [Note: captured distributed weights].
+
+    Args:
+        modules: one module (the whole model at once: returns one callable) or a tuple of modules (each on
+            its own, in the order they run: returns a tuple). Their ``forward`` is replaced by the replay,
+            as torch does; a module in another ``training`` state than at capture runs eagerly.
+        sample_args: a tuple of tensors (one module) or a tuple of such tuples (one per module). Their
+            ``requires_grad`` must match the real inputs'.
+        num_warmup_iters: eager warm-up iterations on a side stream (>= 1; the last checks for host syncs).
+        allow_unused_input: allow inputs and parameters that get no gradient.
+        sample_kwargs: a dict of tensor keyword arguments (or one per module).
+        fp8_enabled, fp8_recipe: warm up and capture the forwards under ``fp8_autocast(fp8_recipe)``.
+        pool: a graph pool handle to share (``torch.cuda.graph_pool_handle()``); default: a new pool.
+        retain_graph_in_backward: capture the backward with ``retain_graph=True``.
+        _order: TransformerEngine's interleaved-pipeline order; only None.
+
+    Returns:
+        The modules, each with ``reset()`` (releases the whole set's graphs and pool) and, when the module
+        has none, ``backward_dw()`` (replays its queued graphed wgrads).
+
+    Raises:
+        TypeError, ValueError: bad arguments, naming them. RuntimeError: no CUDA device, a distributed weight
+        on a non-NCCL group, a host sync in the graphed region. DeferredWgradError: wgrads still queued.
+    """
+    just_one, mods = _as_tuple_of_modules(modules)
+    args = _per_callable("sample_args", sample_args, len(mods), just_one, tuple)
+    kwargs = _per_callable("sample_kwargs", sample_kwargs, len(mods), just_one, dict)
+    flat = [_check_inputs(a, k, i) for i, (a, k) in enumerate(zip(args, kwargs))]
+    _check_options(num_warmup_iters, fp8_enabled, fp8_recipe, _order)
+    for i, m in enumerate(mods):
+        _check_module(m, i)
+    weights = _distributed_weights(mods)
+    _check_distributed(weights)
+    if not torch.cuda.is_available():
+        raise RuntimeError("make_graphed_callables needs a CUDA device (torch.cuda.is_available() is False); run the "
+                           "modules eagerly on this machine")
+    _check_devices(mods, flat)
+    if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
+        raise RuntimeError("make_graphed_callables: autocast caching is on; use "
+                           "torch.autocast(..., cache_enabled=False)")
+
+    def fp8():
+        return fp8_autocast(fp8_recipe, enabled=True) if fp8_enabled else contextlib.nullcontext()
+
+    recipe = fp8_recipe
+    gs = _GraphSet(torch.cuda.graph_pool_handle() if pool is None else pool)
+    gs.weights = weights
+    _prepare_main_grads(mods)
+    touched = {id(p): p for m in mods for p in m.parameters() if getattr(p, "main_grad", None) is not None}
+    saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
+    calls = [_Callable(m, a, k, f) for m, a, k, f in zip(mods, args, kwargs, flat)]
+    gs.callables = calls
+    try:
+        _warmup(calls, num_warmup_iters, allow_unused_input, fp8, recipe)
+        for p in weights:
+            p.discard_step()
+            p._graph_grad_buffer = torch.zeros(p.full_shape, dtype=torch.float32, device=p.device)
+            p.expect_contribution(0)  # opens the step eagerly: its main_grad.zero_() stays out of the graph
+        _capture_forwards(gs, calls, fp8, recipe)
+        queued = _capture_backwards(gs, calls, retain_graph_in_backward, recipe)
+        _capture_wgrads(gs, calls, queued, recipe)
+    except BaseException:
+        for p in weights:
+            p._graph_grad_buffer = None
+        raise
+    finally:
+        for p in weights:
+            p.discard_step()
+        for k, p in touched.items():
+            p.main_grad.copy_(saved[k][0])
+            if saved[k][1] is None:
+                p.__dict__.pop("grad_added_to_main_grad", None)
+            else:
+                p.grad_added_to_main_grad = saved[k][1]
+    for c in calls:
+        c.main_grads = _MainGrads([(c.name(p), p) for p in c.params])
+    ret = tuple(_install(gs, c, i) for i, c in enumerate(calls))
+    return ret[0] if just_one else ret

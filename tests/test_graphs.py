@@ -1,0 +1,258 @@
+"""``distwgrad.make_graphed_callables`` on CPU: argument checks, refusals, and the replay bookkeeping.
+
+The GPU tests (``tests/test_cuda_graphs.py``) compare graph replay with eager runs. Here nothing is
+captured: the validation and the refusals run before any CUDA work, and the bookkeeping tests model a
+CUDA graph whose capture runs its body once, eagerly, and whose replay does nothing
+([Note: graphed deferred wgrads] in ``distwgrad/graphs.py``): they check what is queued, refused and
+released, never gradient values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distwgrad
+from distwgrad import graphs
+from distwgrad.nn import GroupedLinear, Linear
+
+
+def _x(*shape, requires_grad=False):
+    return torch.randn(*shape, requires_grad=requires_grad)
+
+
+# --- validation, before CUDA --------------------------------------------------------------------------
+def test_modules_must_be_modules():
+    with pytest.raises(TypeError, match=r"nn.Modules; got \['0: function'\]"):
+        distwgrad.make_graphed_callables(lambda x: x, (_x(2, 4),))
+
+
+def test_empty_tuple_of_modules():
+    with pytest.raises(ValueError, match="empty tuple"):
+        distwgrad.make_graphed_callables((), ())
+
+
+def test_sample_args_one_per_module():
+    mods = (Linear(4, 4), Linear(4, 4))
+    with pytest.raises(TypeError, match=r"sample_args must be a tuple per module \(a tuple of 2\), got \['tuple'\]"):
+        distwgrad.make_graphed_callables(mods, ((_x(2, 4),),))
+    with pytest.raises(TypeError, match="sample_args must be a tuple, got list"):
+        distwgrad.make_graphed_callables(Linear(4, 4), [_x(2, 4)])
+
+
+def test_sample_inputs_must_be_tensors():
+    with pytest.raises(TypeError, match=r"sample inputs of module 0 must be tensors, got \['int'\]"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4), 3))
+
+
+def test_sample_kwargs_shape():
+    with pytest.raises(TypeError, match="sample_kwargs must be a dict, got list"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), sample_kwargs=[])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_num_warmup_iters(bad):
+    with pytest.raises(ValueError, match=f"num_warmup_iters must be an int >= 1.*got {bad!r}"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), num_warmup_iters=bad)
+
+
+def test_fp8_options():
+    recipe = distwgrad.fp8.PerTensorScaling()
+    with pytest.raises(ValueError, match="fp8_recipe=PerTensorScaling.*fp8_enabled=False"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), fp8_recipe=recipe)
+    with pytest.raises(TypeError, match="fp8_enabled must be a bool, got 1"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), fp8_enabled=1)
+
+
+def test_order_not_implemented():
+    with pytest.raises(NotImplementedError, match=r"_order=\[1, -1\]"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), _order=[1, -1])
+
+
+def test_hooks_refused():
+    m = Linear(4, 4)
+    m.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match=r"module 0 \(Linear\) has hooks registered"):
+        distwgrad.make_graphed_callables(m, (_x(2, 4),))
+
+
+def test_queued_deferred_wgrads_refused():
+    m = Linear(4, 4, delay_wgrad_compute=True)
+    m(_x(2, 4)).sum().backward()
+    with pytest.raises(distwgrad.DeferredWgradError, match=r"Linear\(4, 4\).*1 queued.*drain them"):
+        distwgrad.make_graphed_callables(m, (_x(2, 4),))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_no_cuda_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"needs a CUDA device \(torch.cuda.is_available\(\) is False\)"):
+        distwgrad.make_graphed_callables(Linear(4, 4, delay_wgrad_compute=True), (_x(2, 4),))
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_refused_naming_the_backend(gloo_world):
+    w = distwgrad.ShardedWeight.from_full(torch.randn(8, 4), group=gloo_world)
+    m = Linear(4, 8, bias=False, weight=w, delay_wgrad_compute=True)
+    with pytest.raises(RuntimeError, match=r"reduces over a 'gloo' process group; gloo collectives cannot be "
+                                           r"captured"):
+        distwgrad.make_graphed_callables(m, (_x(2, 4),))
+
+
+def test_distributed_weight_options_refused():
+    w = distwgrad.ShardedWeight.from_full(torch.randn(8, 4), async_reduce=True)
+    with pytest.raises(ValueError, match="async_reduce=True"):
+        distwgrad.make_graphed_callables(Linear(4, 8, bias=False, weight=w), (_x(2, 4),))
+    w = distwgrad.ShardedWeight.from_full(torch.randn(8, 4), reduce_policy=distwgrad.ReducePolicy.PER_STEP)
+    with pytest.raises(ValueError, match="reduce_policy=ReducePolicy.PER_STEP"):
+        distwgrad.make_graphed_callables(Linear(4, 8, bias=False, weight=w), (_x(2, 4),))
+
+
+def test_hand_made_capture_into_grad_still_refused(monkeypatch):
+    """Outside ``graph_owned_gradients`` an add into ``.grad`` under capture is refused, pointing here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    p = nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="make_graphed_callables"):
+        distwgrad.wgrad.add_to_grad(p, torch.ones(3))
+    sink: dict = {}
+    with distwgrad.wgrad.accumulate.graph_owned_gradients(sink):
+        distwgrad.wgrad.add_to_grad(p, torch.ones(3))
+        distwgrad.wgrad.add_to_grad(p, torch.ones(3))
+    assert p.grad is None and torch.equal(sink[id(p)][1], torch.full((3,), 2.0))
+
+
+# --- bookkeeping under a modelled graph -----------------------------------------------------------------
+class _ModelGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: counts replays; resets."""
+
+    def __init__(self):
+        self.replays, self.was_reset = 0, False
+
+    def replay(self):
+        assert not self.was_reset
+        self.replays += 1
+
+    def reset(self):
+        self.was_reset = True
+
+
+@pytest.fixture
+def modelled_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _ModelGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(graphs, "_check_devices", lambda *a: None)
+
+
+def _two_layers(fuse=False):
+    torch.manual_seed(0)
+    return nn.Sequential(Linear(8, 8, delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse),
+                         Linear(8, 8, delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse))
+
+
+def test_backward_queues_one_replay_per_deferred_module(modelled_cuda):
+    model = _two_layers()
+    x = _x(4, 8)
+    graphed = distwgrad.make_graphed_callables(model, (x,))
+    assert graphed is model and callable(graphed.reset)
+    assert all(p.grad is None for p in model.parameters()), "warm-up and capture leave .grad alone"
+    graphed(x).sum().backward()
+    assert [m.pending_backward_dw for m in model] == [1, 1]
+    with pytest.raises(distwgrad.DeferredWgradError, match=r"still queued; a forward replay overwrites"):
+        graphed(x)
+    assert distwgrad.drain_deferred_wgrads(model) == 2
+    # the modelled replay wrote nothing, but each graph-owned gradient was cloned into .grad
+    assert all(p.grad is not None for p in model.parameters())
+    graphed(x).sum().backward()
+    graphed.backward_dw()
+    assert [m.pending_backward_dw for m in model] == [0, 0]
+
+
+def test_per_module_schedule_returns_a_tuple(modelled_cuda):
+    a, b = _two_layers()
+    x = _x(4, 8, requires_grad=True)
+    h = a(x).detach().requires_grad_()
+    ga, gb = distwgrad.make_graphed_callables((a, b), ((x,), (h,)))
+    assert (ga, gb) == (a, b)
+    gb(ga(x)).sum().backward()
+    assert (a.pending_backward_dw, b.pending_backward_dw) == (1, 1)
+    b.backward_dw()
+    a.backward_dw()
+
+
+def test_reset_refuses_while_queued_then_releases(modelled_cuda):
+    model = _two_layers()
+    x = _x(4, 8)
+    graphed = distwgrad.make_graphed_callables(model, (x,))
+    graphed(x).sum().backward()
+    with pytest.raises(distwgrad.DeferredWgradError, match="reset\\(\\): graphed deferred wgrads"):
+        graphed.reset()
+    distwgrad.drain_deferred_wgrads(model)
+    graphed.reset()
+    graphed.reset()  # idempotent
+    with pytest.raises(RuntimeError, match=r"were reset\(\); their graphs and pool are gone"):
+        graphed(x)
+
+
+def test_replaced_main_grad_is_refused(modelled_cuda):
+    model = _two_layers(fuse=True)
+    x = _x(4, 8)
+    mg = model[0].weight.main_grad = torch.zeros(8, 8)
+    mg.fill_(3.0)
+    graphed = distwgrad.make_graphed_callables(model, (x,))
+    assert torch.equal(mg, torch.full((8, 8), 3.0)), "warm-up must leave main_grad as it was"
+    assert model[1].weight.main_grad is not None, "created before capture, outside the graph"
+    graphed(x).sum().backward()
+    model[0].weight.main_grad = torch.zeros(8, 8)
+    with pytest.raises(RuntimeError, match=r"Linear.weight.main_grad was replaced \(captured: \(8, 8\) "
+                                           r"torch.float32 at 0x"):
+        distwgrad.drain_deferred_wgrads(model)
+    assert model[0].pending_backward_dw == 1, "the refused replay stays queued"
+    model[0].weight.main_grad = mg
+    distwgrad.drain_deferred_wgrads(model)
+
+
+def test_grouped_linear_and_training_state(modelled_cuda):
+    torch.manual_seed(0)
+    layer = GroupedLinear(2, 8, 8, delay_wgrad_compute=True)
+    x, splits = _x(6, 8), torch.tensor([2, 4])
+    graphed = distwgrad.make_graphed_callables(layer, (x, splits))
+    graphed(x, splits).sum().backward()
+    assert layer.pending_backward_dw == 1
+    layer.backward_dw()
+    layer.eval()  # another training state runs eagerly, as torch's graphed callables do
+    with torch.no_grad():
+        assert graphed(x, splits).shape == (6, 8)
+
+
+def test_unused_parameter_refused(modelled_cuda):
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.spare = Linear(8, 8), nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    with pytest.raises(ValueError, match=r"parameter 'spare' of module 0 requires grad but its forward does not"):
+        distwgrad.make_graphed_callables(Unused(), (_x(4, 8),))
+    distwgrad.make_graphed_callables(Unused(), (_x(4, 8),), allow_unused_input=True)
