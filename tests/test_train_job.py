@@ -13,6 +13,7 @@ rounding (see [Note: parity] in ``launch/train.py``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -301,3 +302,214 @@ def test_bad_arguments_under_torchrun():
     assert proc.stderr.count("distwgrad.launch.train: error: global_batch=9 is not divisible by "
                              "microbatches=2") == 1
     assert "exitcode  : 2" in proc.stderr
+
+
+# --- presets, precision, data, summary ------------------------------------------------------------------
+
+def test_presets_fill_what_is_not_given():
+    config = _launch("config")
+    tiny, small, large = (config.TrainConfig(model=m) for m in ("tiny", "small", "large"))
+    assert tiny.model_config() == MoEGPTConfig() and tiny.global_batch == 16 and tiny.lr == 1e-2
+    assert 1e6 < small.model_config().num_params() < 1e7
+    big = large.model_config()
+    assert big.num_params() >= 5e8 and big.d_model >= 2048 and big.n_layers >= 8 and big.n_experts >= 16
+    assert big.top_k == 2 and big.vocab_size >= 32000 and big.seq_len >= 2048
+    # fp32 masters, gradients and two AdamW moments: 16 bytes a parameter, far inside one H200's 141 GB
+    assert 16 * big.num_params() < 40e9
+    for ranks in (1, 2, 4, 8):
+        large.check_world_size(ranks)
+    over = config.parse_args(["--model", "small", "--d-model", "64", "--lr", "0.5"])
+    assert (over.d_model, over.n_layers, over.lr, over.vocab_size) == (64, 4, 0.5, 256)
+    assert "(default: from --model)" in config.build_parser().format_help()
+
+
+def test_model_counts_and_grouped_mm_experts():
+    """``num_params`` counts the tied weight once; the plain build's experts give the same numbers through
+    ``torch._grouped_mm`` as through the loop, and with ``param_dtype`` its gradients stay fp32."""
+    model = MoEGPT(CONFIG, sharded=False)
+    assert sum(p.numel() for p in model.parameters()) == CONFIG.num_params()
+    ids = MarkovCorpus(CONFIG.vocab_size, CONFIG.seq_len).global_batch(1, 4)
+    for dtype, tol in ((None, 1e-6), (torch.bfloat16, 2e-2)):
+        grads = {}
+        for experts in ("loop", "grouped_mm"):
+            m = MoEGPT(CONFIG, sharded=False, experts=experts, param_dtype=dtype)
+            m.loss(ids[:, :-1], ids[:, 1:]).backward()
+            grads[experts] = {n: p.grad for n, p in m.named_parameters()}
+            assert all(g.dtype == torch.float32 for g in grads[experts].values())
+        for name, g in grads["loop"].items():
+            assert (g - grads["grouped_mm"][name]).abs().max() <= tol * g.abs().max(), (dtype, name)
+    with pytest.raises(ValueError, match=r"experts='grouped_mm' must be one of .* only with sharded=False"):
+        MoEGPT(CONFIG, experts="grouped_mm")
+
+
+@pytest.mark.distributed
+def test_summary(base_run):
+    out, proc = base_run
+    r = _report(out)
+    s = r["summary"]
+    assert s["final_loss"] == r["loss"][-1] and s["best_loss"] == min(r["loss"])
+    assert r["loss"][s["best_step"] - 1] == s["best_loss"]
+    assert s["tokens_per_s"] == r["tokens_per_s_mean"] > 0 and s["wall_time_s"] > 0
+    assert s["params"] == CONFIG.num_params() and s["flops_per_token"] == CONFIG.flops_per_token()
+    assert s["mfu"] is None and s["peak_flops_per_s_per_device"] is None  # CPU: no bf16 peak measured
+    assert len(s["peak_memory_bytes_per_rank"]) == 2 and min(s["peak_memory_bytes_per_rank"]) > 0
+    assert r["precision"] == "fp32" and r["segments"] == [{"first_step": 1, "last_step": STEPS, "world_size": 2,
+                                                           "resumed_from": None, "wall_time_s": r["wall_time_s"]}]
+    first = proc.stderr.strip().splitlines()[0]
+    assert f"{CONFIG.num_params():,} parameters" in first, first
+
+
+@pytest.mark.distributed
+def test_bf16_trains_with_lockstep_parity(tmp_path):
+    proc = _run(["--steps", "20", "--precision", "bf16", "--check-parity", "--out", str(tmp_path), *SMALL])
+    _ok(proc)
+    r = _report(str(tmp_path))
+    assert r["precision"] == "bf16" and r["config"]["precision"] == "bf16"
+    assert sum(r["loss"][-5:]) / 5 < sum(r["loss"][:5]) / 5 - 0.2, r["loss"]
+    tol = _launch("train").PARITY_BF16
+    assert r["parity"]["passed"] and r["parity"]["tolerance"] == tol, r["parity"]
+
+
+def _token_file(path, n: int = 20_000, vocab: int = 60) -> str:
+    """A file in nanoGPT's convention: flat little-endian uint16 tokens."""
+    np = pytest.importorskip("numpy")
+    np.random.default_rng(0).integers(0, vocab, n).astype("<u2").tofile(path)
+    return str(path)
+
+
+def test_token_file_windows_are_distinct_and_split_by_rank(tmp_path):
+    from distwgrad.data import DataError, TokenFile
+    data = TokenFile(_token_file(tmp_path / "t.bin"), vocab_size=64, seq_len=32, seed=3)
+    for step in (1, 2, 3):
+        starts = data._windows(step, 12)
+        assert len(set(starts)) == 12 and all((b - a) % 33 == 0 for a, b in zip(starts, starts[1:]))
+        whole = data.global_batch(step, 12)
+        assert whole.dtype == torch.int64 and whole.shape == (12, 33) and int(whole.max()) < 60
+        assert torch.equal(torch.cat([data.local_batch(step, 12, r, 3) for r in range(3)]), whole)
+    assert not torch.equal(data.global_batch(1, 12), data.global_batch(2, 12))
+    with pytest.raises(DataError, match=r"largest token is 59, outside --vocab-size 50"):
+        TokenFile(str(tmp_path / "t.bin"), vocab_size=50, seq_len=32)
+
+
+@pytest.mark.distributed
+def test_trains_on_a_token_file(tmp_path):
+    path = _token_file(tmp_path / "train.bin")
+    proc = _run(["--steps", "4", "--data", path, "--out", str(tmp_path / "run"), *SMALL])
+    _ok(proc)
+    r = _report(str(tmp_path / "run"))
+    assert r["corpus"]["kind"] == "token_file" and r["corpus"]["tokens"] == 20_000 and len(r["loss"]) == 4
+    bad = _run(["--data", path, "--vocab-size", "32", "--out", str(tmp_path / "bad"), *SMALL], nproc=None)
+    assert bad.returncode == 2
+    assert "largest token is 59, outside --vocab-size 32" in bad.stderr.strip().splitlines()[-1], bad.stderr
+
+
+# --- resume rules ----------------------------------------------------------------------------------------
+
+@pytest.mark.distributed  # uses the 2-rank base run
+def test_resume_at_or_past_steps_exits_2(base_run, tmp_path):
+    out, _ = base_run
+    proc = _run(["--steps", "20", "--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL],
+                nproc=None)
+    assert proc.returncode == 2, proc.stderr
+    assert "is at step 30, at or past --steps 20" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.distributed  # uses the 2-rank base run
+def test_resume_into_the_same_out_keeps_the_history(base_run, tmp_path):
+    out, _ = base_run
+    run = str(tmp_path / "run")
+    shutil.copytree(out, run)
+    ckpt = os.path.join(run, "checkpoints", f"step_{RESUME_AT}")
+    _ok(_run(["--steps", str(RESUME_TO), "--resume", ckpt, "--out", run, *SMALL], nproc=None))
+    before, after = _report(out), _report(run)
+    assert after["steps"] == list(range(1, RESUME_TO + 1))
+    assert after["loss"][:RESUME_AT] == before["loss"][:RESUME_AT]
+    diffs = [abs(a - b) for a, b in zip(after["loss"][RESUME_AT:], before["loss"][RESUME_AT:RESUME_TO])]
+    assert max(diffs) <= LOSS_ATOL
+    assert [(s["first_step"], s["last_step"], s["world_size"]) for s in after["segments"]] == [
+        (1, RESUME_AT, 2), (RESUME_AT + 1, RESUME_TO, 1)]
+    assert after["summary"]["best_loss"] == min(after["loss"])
+
+
+# --- the documented commands run as written --------------------------------------------------------------
+
+def _help_commands() -> list[str]:
+    """The command lines of ``--help`` (the module docstring's ``Commands::`` block)."""
+    doc = _launch("train").__doc__.split("Commands::")[1].split("\n\n\n")[0]
+    return [line.strip() for line in doc.splitlines() if line.strip().startswith(("torchrun ", "python "))]
+
+
+def _readme() -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        return f.read()
+
+
+def _readme_job_command() -> str:
+    """The torchrun half of the README's first command (``qa/fresh_install.sh`` runs the pip half too)."""
+    first = _readme().split("```bash\n")[1].split("```")[0].strip()
+    assert first.startswith("pip install torch==") and " && torchrun " in first, first
+    return first.split(" && ", 1)[1]
+
+
+def _shell(command: str, cwd, timeout: float = 300):
+    """One documented command, as written but for the interpreter and, in a bare checkout, the module name;
+    a ``--steps`` override is appended (argparse takes the last), 4 for a resume and 2 otherwise."""
+    argv = command.split()
+    if argv[0] == "torchrun":
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    elif argv[0] == "python":
+        argv[0] = sys.executable
+    argv = [MODULE if a == "distwgrad.launch.train" else a for a in argv]
+    if "--help" not in argv:
+        argv += ["--steps", "4" if "--resume" in argv else "2", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.distributed
+def test_every_documented_command_runs(tmp_path):
+    commands = _help_commands()
+    assert len(commands) >= 9 and _readme_job_command() in commands
+    assert any("--nproc-per-node 4" in c and "--resume" in c for c in commands)
+    _token_file(tmp_path / "train.bin")  # the --data example's file
+    for command in commands:
+        proc = _shell(command, tmp_path)
+        assert proc.returncode == 0, f"{command}\nexit {proc.returncode}\n{proc.stderr[-6000:]}"
+    assert "usage: distwgrad.launch.train" in proc.stdout  # the last example is --help
+    resumed = _report(str(tmp_path / "runs" / "a"))  # saved at step 2, resumed to 4 into the same folder
+    assert resumed["steps"] == [1, 2, 3, 4] and [s["world_size"] for s in resumed["segments"]] == [2, 4]
+
+
+@pytest.mark.distributed
+def test_readme_usage_example_prints_per_rank(tmp_path):
+    snippet = _readme().split("## Use")[1].split("```python\n")[1].split("```")[0]
+    (tmp_path / "use.py").write_text(snippet)
+    proc = _shell("torchrun --standalone --nproc-per-node 2 use.py --help", tmp_path)  # --help: no override
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], proc.stdout
+    assert all(re.fullmatch(r"rank \d: loss \d+\.\d{4}, gradient norm of this rank's rows \d+\.\d{4}", line)
+               for line in lines), lines
+
+
+def test_every_import_of_the_job_is_a_declared_dependency():
+    """A fresh ``pip install -e .`` must be all the job needs: every third-party module the job's files
+    import (at the top or inside a function) is in ``[project] dependencies``."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~ \[]", d)[0].lower() for d in deps}
+    files = [os.path.join(REPO, "launch", n) for n in os.listdir(os.path.join(REPO, "launch")) if n.endswith(".py")]
+    files += [os.path.join(REPO, "distwgrad", n) for n in ("data.py", "checkpoint.py")]
+    files += [os.path.join(REPO, "distwgrad", "models", "moe_gpt.py")]
+    imported = set()
+    for path in files:
+        with open(path) as f:
+            for node in ast.walk(ast.parse(f.read())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"distwgrad", "__future__"}
+    assert third_party <= declared, (third_party - declared, declared)
+    assert {"numpy", "matplotlib"} <= third_party
