@@ -491,7 +491,10 @@ def _main(args, rt: dict) -> int:
         for mode in args.modes:
             specs = [(i, precision, mode) for i in args.impls
                      if not (precision.startswith("fp8") and i != "distwgrad")]
+            t0 = time.perf_counter()
             builds = run_group(specs, cfg, corpus, rt, args, not_run)
+            _say(rt, f"  {precision}/{mode}: {', '.join(b.impl for b in builds) or 'nothing'} measured "
+                     f"({time.perf_counter() - t0:.0f} s)")
             for b in builds:
                 for metric, (value, unit) in measurements(b, cfg, args, rt, peak_tflops).items():
                     rows.append({**results.row(bench="train_step", case=f"{name} b{args.batch}x{cfg.seq_len} {mode}",
