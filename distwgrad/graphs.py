@@ -42,6 +42,8 @@ reduces it exactly where the capture did, and the reduction (NCCL collectives, c
 caller's stable ``main_grad``. The accounting runs in Python, which a replay skips, so each replay applies
 the count changes its capture made (uses in forward, deliveries and the reduction in backward and
 ``backward_dw()``) and raises if they no longer line up (an eager use interleaved, a different order).
+The deferred graphs are captured in ``drain_deferred_wgrads``' default order (reverse registration), so a
+tied weight's zeroing and reduction sit where that drain meets them; another drain order raises.
 Refused at ``make_graphed_callables``: a group whose backend is not NCCL (gloo collectives cannot be
 captured), ``async_reduce=True`` (the wait is host-side) and ``ReducePolicy.PER_STEP`` (its buffer
 outlives a microbatch's graphs). ``finalize_model_grads`` runs eagerly, as always.
@@ -188,8 +190,9 @@ def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
     for m in mods:
         for s in m.modules():
             if getattr(s, "fuse_wgrad_accumulation", False):
+                names = getattr(s, "deferred_param_names", None)  # e.g. LayerNormMLP's FC parameters
                 for n, p in s.named_parameters(recurse=False):
-                    if "weight" in n:
+                    if "weight" in n and (names is None or n in names):
                         main_grad_of(p)
         for p in m.parameters():
             if isinstance(p, DistributedParameter):
@@ -465,7 +468,9 @@ def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool
         c.bwd_ledger.close()
         by_index = dict(zip(c.bwd_inputs, grads))
         c.static_grad_inputs = tuple(by_index.get(j) for j in range(len(c.surface)))
-        queued[i] = [s for k, s in stores.items() for _ in range(len(s.wgrad_store) - before[k])]
+        # reverse registration order: drain_deferred_wgrads' default, so a distributed weight's captured
+        # buffer zeroing and reduction sit where that drain meets them ([Note: captured distributed weights])
+        queued[i] = [s for k, s in reversed(stores.items()) for _ in range(len(s.wgrad_store) - before[k])]
     return queued
 
 

@@ -1,0 +1,311 @@
+"""``distwgrad.make_graphed_callables`` on CUDA: graph replay against the same modules run eagerly, bit for bit.
+
+Every case builds a two-layer model twice from one seed, graphs one copy and runs the other eagerly,
+then runs two steps of ``microbatches`` forward / backward / ``drain_deferred_wgrads``, an in-place SGD update
+and ``zero_grad(set_to_none)``, comparing every ``.grad`` (and ``main_grad``) with ``torch.equal``: the graph
+replays the kernels eager distwgrad runs, in the same order (not a TF32 cuBLAS reference). After
+``zero_grad(set_to_none=True)`` tensors filled with a sentinel are allocated into the freed gradient blocks;
+they must be untouched by the replays ([Note: graphed deferred wgrads] in ``distwgrad/graphs.py``).
+
+The grid (schedule x set_to_none x dtype x bias x tied x microbatches x fused x layer; grouped layers in bf16
+only, see ``test_grouped_fp32``) has 256 cases; a fixed seed (``random.Random(0)``) picks 28 of them, covering
+every value of every axis; the rest are marked ``full`` (``pytest --full`` runs them). Grouped layers need the
+Triton kernels (``distwgrad.kernels``, an installed checkout): the reference route reads offsets on the host.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distwgrad
+from distwgrad.nn import GroupedLinear, Linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+K, T, E = 64, 48, 3  # width, tokens, experts
+SPLITS = [16, 8, 24]
+
+
+class _Chain(nn.Module):
+    """Two layers in sequence; grouped layers take ``splits`` (a CUDA tensor: no host sync)."""
+
+    def __init__(self, a: nn.Module, b: nn.Module, grouped: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.grouped = a, b, grouped
+
+    def forward(self, x, splits=None):
+        if self.grouped:
+            return self.b(self.a(x, splits), splits)
+        return self.b(self.a(x))
+
+
+def _need_kernels(kind: str) -> None:
+    from distwgrad.ops.grouped_gemm import kernels_available
+
+    if kind != "linear" and not kernels_available(torch.empty(0, device="cuda")):
+        pytest.skip("grouped layers in bf16 need distwgrad.kernels (pip install -e .); the reference route reads "
+                    "the offsets on the host, which make_graphed_callables refuses")
+
+
+def _layer(kind: str, dtype, bias: bool, fuse: bool) -> nn.Module:
+    common = dict(params_dtype=dtype, device="cuda", delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse)
+    if kind == "linear":
+        return Linear(K, K, bias=bias, **common)
+    return GroupedLinear(E, K, K, bias=bias, single_grouped_weight=(kind == "packed"), **common)
+
+
+def _tie(a: nn.Module, b: nn.Module) -> None:
+    for name, p in list(a.named_parameters(recurse=False)):
+        setattr(b, name, p)
+
+
+def _build(kind, dtype, bias, tied, fuse, seed=0) -> _Chain:
+    torch.manual_seed(seed)
+    a, b = _layer(kind, dtype, bias, fuse), _layer(kind, dtype, bias, fuse)
+    if tied:
+        _tie(a, b)
+    model = _Chain(a, b, grouped=kind != "linear")
+    if fuse:
+        for p in model.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+    return model
+
+
+def _graph(model: _Chain, schedule: str, x: torch.Tensor, splits: torch.Tensor):
+    """Returns ``run(x)`` replaying the graphs, for the whole model or layer by layer."""
+    extra = (splits,) if model.grouped else ()
+    if schedule == "whole":
+        g = distwgrad.make_graphed_callables(model, (x, *extra))
+        return lambda inp: g(inp, *extra), g
+    with torch.no_grad():
+        h = model.a(x, *extra).detach().requires_grad_()
+    ga, gb = distwgrad.make_graphed_callables((model.a, model.b), ((x, *extra), (h, *extra)))
+    return lambda inp: gb(ga(inp, *extra), *extra), ga
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = None if p.grad is None else p.grad.clone()
+        if getattr(p, "main_grad", None) is not None:
+            out[name + ".main_grad"] = p.main_grad.clone()
+    return out
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name in want:
+        g, w = got[name], want[name]
+        assert (g is None) == (w is None), f"{what}: {name} is {g is None and 'None' or 'set'} (eager: {w is None})"
+        if w is not None:
+            diff = (g.float() - w.float()).abs().max().item()
+            assert torch.equal(g, w), f"{what}: {name} differs from eager by up to {diff:.3g} ({w.dtype})"
+
+
+def _pressure(model: nn.Module) -> list[torch.Tensor]:
+    """Sentinel tensors the size of every parameter, allocated after .grad was freed (they reuse its blocks)."""
+    return [torch.full_like(p, 7.0) for p in model.parameters() for _ in range(2)]
+
+
+def _step(run, model, xs, probes):
+    for x, probe in zip(xs, probes):
+        (run(x).float() * probe).sum().backward()
+        distwgrad.drain_deferred_wgrads(model)
+
+
+def _compare(kind, schedule, set_to_none, dtype, bias, tied, microbatches, fuse):
+    _need_kernels(kind)
+    eager, graphed = _build(kind, dtype, bias, tied, fuse), _build(kind, dtype, bias, tied, fuse)
+    splits = torch.tensor(SPLITS, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sample = torch.randn(T, K, device="cuda", dtype=dtype, generator=gen)
+    run, handle = _graph(graphed, schedule, sample, splits)
+    extra = (splits,) if eager.grouped else ()
+    assert all(p.grad is None for p in graphed.parameters()), "graphing must not touch .grad"
+    for step in range(2):
+        xs = [torch.randn(T, K, device="cuda", dtype=dtype, generator=gen) for _ in range(microbatches)]
+        probes = [torch.randn(T, K, device="cuda", generator=gen) for _ in range(microbatches)]
+        _step(lambda x: eager(x, *extra), eager, xs, probes)
+        sentinels = _pressure(graphed) if step and set_to_none else []
+        _step(run, graphed, xs, probes)
+        what = f"step {step}"
+        _assert_same(_grads(graphed), _grads(eager), what)
+        assert all(bool((s == 7.0).all()) for s in sentinels), f"{what}: a replay wrote outside the gradients"
+        with torch.no_grad():
+            for m in (eager, graphed):
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-0.01)
+                    if getattr(p, "main_grad", None) is not None:
+                        p.add_(p.main_grad.to(p.dtype), alpha=-0.01)
+                        p.main_grad.zero_()
+                m.zero_grad(set_to_none=set_to_none)
+    handle.reset()
+
+
+_AXES = dict(kind=["linear", "grouped", "packed"], schedule=["whole", "per_module"], set_to_none=[True, False],
+             dtype=[torch.float32, torch.bfloat16], bias=[False, True], tied=[False, True], microbatches=[1, 3],
+             fuse=[False, True])
+
+
+def _cases():
+    grid = [dict(zip(_AXES, values)) for values in itertools.product(*_AXES.values())
+            if values[0] == "linear" or values[3] != torch.float32]  # fp32 grouped: test_grouped_fp32
+    picked = random.Random(0).sample(range(len(grid)), 28)
+    for axis, values in _AXES.items():  # every value of every axis at least once
+        for v in values:
+            if not any(grid[i][axis] == v for i in picked):
+                picked.append(next(i for i, c in enumerate(grid) if c[axis] == v))
+    for i, case in enumerate(grid):
+        marks = () if i in picked else (pytest.mark.full,)
+        name = "-".join(f"{k}={str(v).replace('torch.', '')}" for k, v in case.items())
+        yield pytest.param(case, id=name, marks=marks)
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_graph_replay_matches_eager(case):
+    _compare(**case)
+
+
+def test_grouped_fp32():
+    """fp32 grouped GEMMs take ``torch._grouped_mm``, whose fp32 path may read the offsets on the host: then
+    graphing is refused with the host-sync error; where it does not, replay must match eager."""
+    try:
+        _compare("grouped", "whole", True, torch.float32, True, False, 1, False)
+    except RuntimeError as e:
+        assert "synchronizes with the host" in str(e), e
+
+
+def test_fp16_linear():
+    _compare("linear", "whole", True, torch.float16, True, True, 3, False)
+
+
+def test_layernorm_mlp():
+    from distwgrad.nn import LayerNormMLP
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[LayerNormMLP(K, 2 * K, params_dtype=torch.bfloat16, device="cuda",
+                                         delay_wgrad_compute=True) for _ in range(2)])
+    graphed = copy.deepcopy(eager)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    g = distwgrad.make_graphed_callables(graphed, (x,))
+    for step in range(2):
+        for m in (eager, g):
+            m(x).float().square().sum().backward()
+            distwgrad.drain_deferred_wgrads(m)
+        _assert_same(_grads(graphed), _grads(eager), f"step {step}")
+        eager.zero_grad(set_to_none=True)
+        graphed.zero_grad(set_to_none=True)
+    g.reset()
+
+
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+def test_fp8_recipe(kind):
+    _need_kernels(kind)
+    recipe = distwgrad.fp8.PerTensorScaling()
+    eager = _build(kind, torch.bfloat16, True, False, False)
+    graphed = copy.deepcopy(eager)
+    splits = torch.tensor(SPLITS, device="cuda")
+    extra = (splits,) if eager.grouped else ()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    g = distwgrad.make_graphed_callables(graphed, (x, *extra), fp8_enabled=True, fp8_recipe=recipe)
+    for _ in range(2):
+        with distwgrad.fp8.fp8_autocast(recipe):
+            eager(x, *extra).float().square().sum().backward()
+        distwgrad.drain_deferred_wgrads(eager)
+        g(x, *extra).float().square().sum().backward()
+        distwgrad.drain_deferred_wgrads(graphed)
+    _assert_same(_grads(graphed), _grads(eager), "fp8")
+    g.reset()
+
+
+def test_host_sync_is_refused():
+    class Syncs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = Linear(K, K, device="cuda", delay_wgrad_compute=True)
+
+        def forward(self, x):
+            return self.lin(x) * float(x.abs().max().item())
+
+    with pytest.raises(RuntimeError, match="synchronizes with the host"):
+        distwgrad.make_graphed_callables(Syncs(), (torch.randn(T, K, device="cuda"),))
+
+
+def test_replaced_main_grad_is_refused_and_nothing_written():
+    model = _build("linear", torch.float32, False, False, True)
+    x = torch.randn(T, K, device="cuda")
+    g = distwgrad.make_graphed_callables(model, (x,))
+    g(x).sum().backward()
+    old = model.a.weight.main_grad
+    model.a.weight.main_grad = torch.zeros_like(old)
+    before = old.clone()
+    with pytest.raises(RuntimeError, match="main_grad was replaced"):
+        distwgrad.drain_deferred_wgrads(model)
+    torch.cuda.synchronize()
+    assert torch.equal(old, before) and not model.a.weight.main_grad.any()
+    model.a.weight.main_grad = old
+    distwgrad.drain_deferred_wgrads(model)
+    g.reset()
+
+
+def test_reset_frees_the_pool_and_replay_after_reset_raises():
+    model = _build("linear", torch.bfloat16, True, False, False)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    g = distwgrad.make_graphed_callables(model, (x,))
+    g(x).float().sum().backward()
+    distwgrad.drain_deferred_wgrads(model)
+    model.zero_grad(set_to_none=True)
+    held = torch.cuda.memory_reserved()
+    g.reset()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() < held, (base, held, torch.cuda.memory_reserved())
+    with pytest.raises(RuntimeError, match=r"reset\(\)"):
+        g(x)
+
+
+@pytest.fixture
+def nccl_world(tmp_path):
+    if not dist.is_nccl_available():
+        pytest.skip("no NCCL")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("delay", [True, False])
+def test_sharded_weight_one_rank_nccl(nccl_world, delay):
+    """A ShardedWeight on a one-rank NCCL group: the graph-owned buffer and the replayed accounting."""
+    torch.manual_seed(0)
+    full = torch.randn(K, K, device="cuda")
+
+    def build():
+        w = distwgrad.ShardedWeight.from_full(full, group=nccl_world)
+        return _Chain(Linear(K, K, bias=False, weight=w, device="cuda", delay_wgrad_compute=delay),
+                      Linear(K, K, bias=False, weight=w, device="cuda", delay_wgrad_compute=delay), grouped=False)
+
+    eager, graphed = build(), build()
+    x = torch.randn(T, K, device="cuda")
+    g = distwgrad.make_graphed_callables(graphed, (x,))
+    for step in range(2):
+        for m, run in ((eager, eager), (graphed, g)):
+            for _ in range(2):
+                run(x).square().sum().backward()
+                distwgrad.drain_deferred_wgrads(m)
+            distwgrad.finalize_model_grads(m)
+        _assert_same(_grads(graphed), _grads(eager), f"step {step}")
+        eager.zero_grad(set_to_none=True)
+        graphed.zero_grad(set_to_none=True)
+    g.reset()
