@@ -26,6 +26,10 @@
 #   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
 #   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
+#   cpu_full (the CPU suite with --full: every case of the sweeps that CI samples; many cores help).
+# The tests step runs with --full (tests/conftest.py). The benchmarks append their rows to
+# $OUT_DIR/results.jsonl (DISTWGRAD_RESULTS); append that file to docs/benchmarks/results.jsonl and run
+# `PYTHONPATH=. python qa/bench/report.py` to publish them.
 #
 # megatron-core for the real-schedule step travels as a wheel in .whl/ (ignored by git), fetched on a
 # machine with the package index:
@@ -36,7 +40,9 @@ cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_session}}
 mkdir -p "$OUT_DIR"
-STEPS=${STEPS:-"tests bench_gemm bench_fp8 megatron train bench_gemm_graph"}
+case $OUT_DIR in /*) OUT_ABS=$OUT_DIR ;; *) OUT_ABS=$PWD/$OUT_DIR ;; esac
+export DISTWGRAD_RESULTS=${DISTWGRAD_RESULTS:-$OUT_ABS/results.jsonl}  # the benchmarks' rows (qa/bench/results.py)
+STEPS=${STEPS:-"tests bench_gemm bench_fp8 megatron train bench_gemm_graph cpu_full"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}  # seconds per step: a hang costs one step, not the session
 if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -57,8 +63,10 @@ run() {  # run NAME CMD...: appends to session.log, records the exit code
 }
 for step in $STEPS; do
   case $step in
-    tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu -q -p no:cacheprovider -s -rf --tb=short \
-             --timeout 150 --durations 12 ;;
+    tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu --full -q -p no:cacheprovider -s -rf \
+             --tb=short --timeout 150 --durations 12 ;;
+    cpu_full) run cpu_full python3 -m pytest tests -m "not distributed and not gpu" --full -q -p no:cacheprovider \
+                -n "${PYTEST_WORKERS:-auto}" -rf --tb=short ;;
     sweep_wgrad) run sweep_wgrad python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --sweep \
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     sweep_ragged) run sweep_ragged python3 qa/bench/grouped_gemm.py --ops fprop dgrad --sweep \
