@@ -1,7 +1,7 @@
 """Test-wide options and fixtures.
 
-``--full`` runs the whole of every sampled sweep: tests marked ``full`` (the cases a sweep leaves out of
-its fixed-seed sample, ``distwgrad.testing.sweep.sample``) are skipped without it. CI runs the sample;
+``--full`` runs the whole of every sampled sweep (``distwgrad.testing.sweep``: the cases a sweep leaves
+out of its fixed-seed sample, and tests marked ``full``, are skipped without it). CI runs the sample;
 ``qa/L2_gpu/session.sh`` runs ``--full``.
 
 Every test (and every subprocess it starts) writes benchmark rows to a temporary results file
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from distwgrad.testing import sweep
+
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:  # ``qa.bench`` (the benchmark tools' tests import it)
     sys.path.insert(0, str(_ROOT))
@@ -24,6 +26,11 @@ if str(_ROOT) not in sys.path:  # ``qa.bench`` (the benchmark tools' tests impor
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False,
                      help="run every case of the sampled sweeps (tests marked `full`)")
+
+
+def pytest_configure(config):
+    if config.getoption("--full"):  # the interpreter cases' child processes read it too
+        os.environ[sweep.FULL_ENV] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["interpreter", "multiprocess", "reference"]
+__all__ = ["interpreter", "multiprocess", "reference", "sweep"]
 
 
 def __getattr__(name: str) -> ModuleType:
