@@ -698,7 +698,8 @@ def test_compiles_for_sm90(variant):
                                   split="nosplit" not in rest, l2_prefetch="l2pf" in rest)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                             enable_fp_fusion=True))
     except RuntimeError as exc:
         if "ptxas" in str(exc) and "not found" in str(exc):
             pytest.skip(f"no ptxas: {exc}")
@@ -749,7 +750,7 @@ def _sm90_gluon_build(fn, vals: dict, consts: dict, nospec) -> tuple[object, str
     from triton.experimental.gluon._runtime import GluonASTSource
     sig, attrs = specialize(fn, vals, consts, nospec)
     kernel = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=consts["num_warps"]))
+                            options=dict(num_warps=consts["num_warps"], enable_fp_fusion=True))
     return kernel, kernel.asm["ptx"], assemble_or_skip(kernel.asm["ptx"])
 
 

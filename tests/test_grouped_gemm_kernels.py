@@ -424,7 +424,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(op, wide):
                   WIDE_STORES=wide)
     sig, attrs = specialize(kg.ragged_kernel, vals, consts, ("T", "E"))
     kernel = triton.compile(GluonASTSource(kg.ragged_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=bm // 16))
+                            options=dict(num_warps=bm // 16, enable_fp_fusion=True))
     ptx = kernel.asm["ptx"]
     info = assemble_or_skip(ptx)
     mma = [line.strip() for line in ptx.splitlines() if "wgmma.mma_async" in line]
@@ -487,7 +487,8 @@ def test_wgrad_l2_prefetch_builds_for_sm90(mode):
         sig, attrs = specialize(kw._wgrad_kernel, {k: v for k, v in vals.items() if v is not None}, consts, ("T",))
         try:
             kernel = triton.compile(ASTSource(kw._wgrad_kernel, sig, consts, attrs),
-                                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+                                    target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=4, num_stages=4, enable_fp_fusion=True))
         except RuntimeError as exc:
             if "ptxas" in str(exc) and "not found" in str(exc):
                 pytest.skip(f"no ptxas: {exc}")
@@ -535,7 +536,7 @@ def test_half_tail_builds_for_sm90(op, shape):
             consts["a_half_desc"] = None
         sig, attrs = specialize(k._ragged_m_kernel, vals, consts, ("T", "E"))
         kernel = triton.compile(ASTSource(k._ragged_m_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=8, num_stages=4))
+                                options=dict(num_warps=8, num_stages=4, enable_fp_fusion=True))
         ptx = kernel.asm["ptx"]
         info = assemble_or_skip(ptx)
         assert " 0 bytes spill stores" in info, info

@@ -76,7 +76,8 @@ def measure(fn, consts: dict, num_warps: int, maxnreg: int | None, elements: int
         sig[name] = ("*bf16" if name == "x_ptr" else "*u8" if name in ("q_ptr", "qt_ptr") else "*i32"
                      if name == "qt32_ptr" else "*fp32" if name.endswith("_ptr") else "i32")
         attrs[(i,)] = [["tt.divisibility", 16]]
-    options = dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+    # enable_fp_fusion: a launch's default, said explicitly (Triton 3.9 warns when it is left to the default)
+    options = dict(num_warps=num_warps, enable_fp_fusion=True, **({"maxnreg": maxnreg} if maxnreg else {}))
     source = ASTSource
     if getattr(fn, "is_gluon", lambda: False)():  # the Gluon rows + columns kernel
         from triton.experimental.gluon._runtime import GluonASTSource as source
