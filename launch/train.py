@@ -4,8 +4,8 @@ Commands::
 
     # CPU, 2 ranks over gloo, all defaults (a synthetic corpus generated in-process; no downloads)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train
-    # 8 GPUs over NCCL: the same command; each rank uses cuda:LOCAL_RANK
-    torchrun --standalone --nproc-per-node 8 -m distwgrad.launch.train
+    # GPUs over NCCL: the same command (--nproc-per-node 8 on 8 GPUs); each rank uses cuda:LOCAL_RANK, and
+    # --precision auto is bf16 there; --model large is 1.3 B parameters (docs/training.md)
     # one process, no torchrun
     python -m distwgrad.launch.train --steps 50
     # bf16 mixed precision (fp32 masters; the default on CUDA), and a bigger preset (--model small/large)
