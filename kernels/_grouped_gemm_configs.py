@@ -119,11 +119,8 @@ RAGGED_CANDIDATES = (
     _T(128, 128, 32, num_warps=4, num_stages=4, half_tail=True),
     _T(128, 128, 64, num_warps=4, num_stages=3, half_tail=True, tma=False),
     _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, tma=False),
-    # Round 10 (grouped_gemm_ragged_sweep_round10_h200.json): at ~128 tokens per expert (bound by reading
-    # every expert's weights) other K depths of a stage: more, smaller stages (x32/s6, x32/s8) or fewer,
-    # wider ones (256 bytes of each weight row per stage: x128/s2, and 128x128x128 with 8 warps). None beat
-    # the default (E=128 fprop 318-320 / 286 / 314-317 vs 325-334; dgrad 327-335 / 276-278 / 265 vs
-    # 331-341), and at 1024 and 4096 tokens they lost 1-21%.
+    # Round 10: other K depths of a stage at ~128 tokens per expert (none beat the default;
+    # docs/benchmarks/LOG.md).
     _T(128, 256, 32, num_warps=8, num_stages=6, half_tail=True),
     _T(128, 256, 32, num_warps=8, num_stages=8, half_tail=True),
     _T(128, 256, 128, num_warps=8, num_stages=2, half_tail=True),

@@ -31,17 +31,8 @@ index math, the byte masks computed once per chunk for every pass over both oper
 for the async proxy and synchronize their warps. Only a group's first
 and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128); a last chunk
 is rewritten while the previous chunk's MMAs run.
-Two slower arrangements were measured on an H200 (E=64, ~1024 tokens per group; balanced routing, which
-has no edge chunks, ran 581 TFLOP/s fresh): one warp zeroing the edge chunks, the TMA warp itself or a
-partition beside it, ran 185-210 TFLOP/s, ~8 us per edge chunk (Nsight Compute: the MMA warps waited
-for stages in ~63% of their samples); spread over the MMA warps, 498 (docs/benchmarks.md). Beside the
-epilogue partition the zeroing no longer hides under the MMAs: traced dry runs at E=64, random routing,
-took 2.58 ms with it and 2.00 ms without (1.55 and 1.52 with the MMA warps writing), 22% more
-instructions in the MMA warps' stream of zeroing, promotion adds and handoffs. Zeroing fewer bytes (only
-the 16-token columns with foreign tokens, or dy^T's alone) and adding a group's first chunk last (its
-zeroing under the chunk before's MMAs) did not help either (E=64: 1.02-1.11x bf16 fresh, 1.29-1.49x
-accumulating, against 1.10x and 1.46x; [Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``,
-docs/benchmarks.md).
+Why the MMA warps zero the edge chunks (and what the zeroing costs beside the epilogue partition):
+docs/benchmarks/LOG.md.
 
 [Note: an epilogue partition]
 At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written,

@@ -101,9 +101,7 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 # Measured (H200, 2026-11-29, docs/benchmarks/LOG.md, fp8_gemm_sweep_h200.json, ~4096 and ~1024 tokens per
 # group): "edges" wins at every config and shape. "loop" ran at 0.35-0.75x of it, "loop_a" at 0.6-0.97x:
 # the register round trip of a masked operand on every step costs more than two unpipelined chunks.
-# (Then the loop modes started a per-tensor group's chunks at its first token rounded down to 16, boxes
-# that load slowly ([Note: fp8 wgrad chunks]); they now share the global grid.) The alternatives stay
-# (tested) for other GPUs and Triton versions.
+# The alternatives stay (tested) for other GPUs and Triton versions.
 WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 
 # [Note: fp8 wgrad chunks]
