@@ -6,10 +6,13 @@ microbatches. One ShardedWeight whose full fp32 gradient is 32 MiB, on 2 ranks, 
 a buffer kept per microbatch would add 32 MiB per microbatch (224 MiB over the step).
 
 On CPU (gloo) the measure is each rank's resident set, read from ``/proc/self/statm`` after every
-microbatch of the second step (the first warms the allocator); glibc may keep freed pages resident, so
-RSS can only over-state what is live, never hide a leak. The margin, 8 MiB, is a quarter of one buffer:
-above Python-object and allocator noise (under 2 MiB here), far below one leaked buffer. On GPU the
-measure is ``torch.cuda.max_memory_allocated``, whose per-microbatch peak must not move at all.
+microbatch of the second step (the first warms the allocator). The ranks run with a fixed glibc mmap
+threshold (``MALLOC_MMAP_THRESHOLD_``, 1 MiB): every large tensor is then its own mapping, returned to
+the system when freed, so RSS follows the live tensors; with glibc's adaptive threshold, freed 32 MiB
+chunks fragment the heap and RSS creeps by 16 MiB now and then even on the synchronous path. The
+margin, 8 MiB, is a quarter of one buffer: above the noise measured (about 2 MiB), far below one
+leaked buffer. On GPU the measure is ``torch.cuda.max_memory_allocated``, whose per-microbatch peak
+must not move at all.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def _sweep(rank, world, cases, device="cpu"):
 
 @pytest.mark.distributed
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
-def test_gradient_memory_is_flat_over_microbatches_cpu():
+def test_gradient_memory_is_flat_over_microbatches_cpu(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))  # read by each spawned rank's glibc at start
     run_distributed(_sweep, 2, CASES, timeout=300)
 
 

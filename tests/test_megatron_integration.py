@@ -566,12 +566,13 @@ def test_finalize_refuses_a_missing_contribution_and_touches_nothing():
     x = torch.ones(2, K)
     model(x).sum().backward()
     assert fired == ["0.weight", "0.bias"]  # complete outside no_sync: ready
-    model(x)  # a forward whose backward never runs
+    kept = model(x)  # a forward whose backward never runs, its graph alive (a dropped one withdraws its use)
     bias_grad = model[0].bias.grad.clone()
     with pytest.raises(dw_megatron.MissingContributionError, match=r"0.weight: 1 of 2"):
         dw_megatron.finalize_model_grads([model])
     assert torch.equal(model[0].bias.grad, bias_grad) and w.grad is None
     assert fired == ["0.weight", "0.bias"]  # nothing fires twice, nothing fires for the failed finalize
+    del kept
 
 
 def test_finalize_drains_and_waits():
