@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The system checks of one H200 in one device call: the job at the large preset (mixed precision with
+# --check-parity, then FP8), the whole-step benchmark beside FSDP2 and plain torch, the layer benchmark,
+# the dtype routes and the GPU tests of the runtime. Each step has a time limit and its exit code goes to
+# the summary; logs and rows land in OUT_DIR (default $OUT, else runs/gpu_system). Usage:
+#
+#   bash qa/L2_gpu/system.sh                       # every step
+#   STEPS="job_bf16 bench_bf16" bash qa/L2_gpu/system.sh
+#
+# Rows are appended to $OUT_DIR/results.jsonl (DISTWGRAD_RESULTS); append them to
+# docs/benchmarks/results.jsonl and run `PYTHONPATH=. python qa/bench/report.py` to publish them.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_system}}
+mkdir -p "$OUT_DIR"
+case $OUT_DIR in /*) OUT_ABS=$OUT_DIR ;; *) OUT_ABS=$PWD/$OUT_DIR ;; esac
+export DISTWGRAD_RESULTS=${DISTWGRAD_RESULTS:-$OUT_ABS/results.jsonl}
+STEPS=${STEPS:-"job_bf16 job_fp8 tests dtype_paths bench_bf16 bench_fp8 layer"}
+STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1
+fi
+python3 -c "import distwgrad.kernels" || { echo "distwgrad.kernels does not import; see install.log"; exit 1; }
+LOG="$OUT_DIR/system.log"
+: >"$LOG"
+declare -A RESULT
+run() {
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$STEP_TIMEOUT" "$@" >>"$LOG" 2>&1
+  RESULT[$name]="rc=$? $((SECONDS - t0))s"
+  echo "   ${RESULT[$name]}" | tee -a "$LOG"
+}
+TRAIN="torchrun --standalone --nproc-per-node 1 -m distwgrad.launch.train --model large --log-every 1 --no-progress"
+for step in $STEPS; do
+  case $step in
+    job_bf16) run job_bf16 $TRAIN --precision bf16 --steps 4 --check-parity --out "$OUT_ABS/job_bf16" ;;
+    job_fp8) run job_fp8 $TRAIN --precision bf16 --recipe fp8_per_tensor --steps 4 --out "$OUT_ABS/job_fp8" ;;
+    tests) run tests python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_kernel_threads.py \
+             tests/test_cuda_graphs.py tests/test_gpu_modules.py tests/test_mixed_precision.py \
+             tests/test_gradient_memory.py tests/test_layernorm_mlp.py tests/test_grouped_gemm_routes.py} ;;
+    dtype_paths) run dtype_paths python3 qa/bench/dtype_paths.py ;;
+    bench_bf16) run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
+                  --batch 8 --microbatches 1 --precisions bf16 --warmup 2 --rounds 3 --steps 3 ${BENCH_ARGS:-} ;;
+    bench_fp8) run bench_fp8 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
+                 --batch 8 --microbatches 1 --impls distwgrad --precisions bf16,fp8_per_tensor,fp8_blockwise \
+                 --modes eager --warmup 2 --rounds 3 --steps 3 ;;
+    layer) run layer python3 qa/bench/layer_step.py ;;
+    *) echo "unknown step $step" | tee -a "$LOG"; RESULT[$step]="unknown" ;;
+  esac
+done
+echo "== summary" | tee -a "$LOG"
+for step in $STEPS; do echo "$step: ${RESULT[$step]:-not run}" | tee -a "$LOG"; done
