@@ -46,7 +46,7 @@ for step in $STEPS; do
                   --batch 8 --microbatches 1 --precisions bf16 --warmup 2 --rounds 3 --steps 3 ${BENCH_ARGS:-} ;;
     bench_fp8) run bench_fp8 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                  --batch 8 --microbatches 1 --impls distwgrad --precisions bf16,fp8_per_tensor,fp8_blockwise \
-                 --modes eager --warmup 2 --rounds 3 --steps 3 ;;
+                 --modes eager --warmup 2 --rounds 3 --steps 3 ${FP8_ARGS:-} ;;
     layer) run layer python3 qa/bench/layer_step.py ;;
     *) echo "unknown step $step" | tee -a "$LOG"; RESULT[$step]="unknown" ;;
   esac

@@ -76,7 +76,7 @@ def comm_from_events(events: Iterable[Any]) -> dict[str, Any]:
             "by_kind": by_kind, "unsized": unsized}
 
 
-def op_table(prof: Any, rows: int = 15) -> str:
+def op_table(prof: Any, rows: int = 25) -> str:
     """The top operators by device time (CUDA) or host time (CPU), with both columns."""
     import torch
 
