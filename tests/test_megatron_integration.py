@@ -553,7 +553,8 @@ def test_install_sets_the_four_functions():
 
 def test_install_on_megatron_transformer_config():
     tc = pytest.importorskip("megatron.core.transformer.transformer_config")
-    config = tc.TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1)
+    # cuda_graph_scope=[]: what megatron-core's default "full" means, without its deprecation warning
+    config = tc.TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, cuda_graph_scope=[])
     model = nn.Sequential(Linear(K, H))
     assert dw_megatron.install(config, [model]).finalize_model_grads_func is dw_megatron.finalize_model_grads
 
@@ -713,7 +714,8 @@ def _real_schedule_case(case, rank, world):
     net = _Net(case, full)
     net.model_type = ModelType.encoder_or_decoder
     net.config = dw_megatron.install(TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1,
-                                                       calculate_per_token_loss=case["per_token"]), [net])
+                                                       calculate_per_token_loss=case["per_token"],
+                                                       cuda_graph_scope=[]), [net])
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     me = singles[rank]
     pg = ProcessGroupCollection(tp=me, cp=me, pp=me, embd=None, pos_embd=None, dp=dist.group.WORLD,
