@@ -35,8 +35,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 168 k parameters: the CPU default, 200 steps in about a minute on 2 CPU ranks
     "tiny": dict(vocab_size=64, seq_len=64, d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_ff=128,
                  global_batch=16, microbatches=2, lr=1e-2),
-    # 2.4 M parameters: CPU benchmarks (well under a second a step on 2 CPU ranks; docs/training.md)
-    "small": dict(vocab_size=256, seq_len=128, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2,
+    # 2.4 M parameters: CPU benchmarks, 0.3 s a step on 2 CPU ranks (docs/training.md, Numbers)
+    "small": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2,
                   d_ff=256, global_batch=16, microbatches=2, lr=3e-3),
     # 1.27 B parameters (336 M active per token): fp32 masters + AdamW are 20 GB, so it fits one H200
     # unsharded and 2-8 sharded; 32 sequences of 2048 tokens a step
