@@ -1,4 +1,4 @@
-"""Train a small MoE GPT whose every weight is a ShardedWeight: tied embedding, deferred expert wgrads.
+"""Train an MoE GPT whose every weight is a ShardedWeight: tied embedding, deferred expert wgrads.
 
 Commands::
 
