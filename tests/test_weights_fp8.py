@@ -81,9 +81,29 @@ def _module_reuses_forward_amax() -> None:
         kw._group_amax = real
 
 
+def _sharded_experts_match_quantize_weight() -> None:
+    """A packed ShardedWeight's experts as one QuantizedExperts (one launch, the GEMM's layout) carry the
+    bits of quantizing each expert with the weight's amax (``quantize_weight``), forward and dgrad layouts."""
+    from distwgrad import ShardedWeight
+    from distwgrad.fp8 import PerTensorScaling
+    from distwgrad.fp8.weights import _global_amax, _sharded_experts, quantize_weight
+
+    torch.manual_seed(0)
+    w = ShardedWeight.from_full(torch.randn(3, 32, 16), param_dtype=torch.bfloat16)
+    recipe = PerTensorScaling()
+    ref = quantize_weight(w.detach(), recipe, amax=_global_amax(w))
+    for backward in (False, True):
+        q = _sharded_experts(w, recipe, backward=backward)
+        assert q.data.shape == (3, 32, 16) and (q.data.stride(1) == 1) == backward
+        for e, r in enumerate(ref):
+            assert torch.equal(q.data[e].view(torch.uint8), r.data.view(torch.uint8)), (backward, e)
+            assert torch.equal(q.scale_inv[e], r.scale_inv.reshape(())), (backward, e)
+
+
 def _case_interpreter() -> None:
     _check("cpu")
     _module_reuses_forward_amax()
+    _sharded_experts_match_quantize_weight()
     from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
     with pytest.raises(ValueError, match=r"weights\[1\] is torch.float32 \(4, 8\) on cpu, weights\[0\] torch.float32 "
                                          r"\(4, 4\)"):

@@ -65,17 +65,37 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe, *, amax: torch.Tensor | Non
     Per-tensor scaling uses one amax for the whole tensor (``amax`` if given: the group-wide one).
     """
     per_tensor, blockwise, kernels = _quantizers(w)
-    mats = [w] if w.dim() == 2 else list(w.unbind(0))
-    if kernels:
-        mats = [m.contiguous() for m in mats]
     if isinstance(recipe, PerTensorScaling):
         amax = compute_amax(w) if amax is None else amax
         if kernels:
             amax = amax.reshape(1)
-        return [per_tensor(m, recipe.fwd_dtype, amax=amax, margin=recipe.margin) for m in mats]
+        if w.dim() == 3 and w.shape[0] and w.is_contiguous():  # elementwise given the amax: one pass
+            q = per_tensor(w.reshape(-1, w.shape[2]), recipe.fwd_dtype, amax=amax, margin=recipe.margin)
+            return _experts_of(q, w.shape, block=None)
+        mats = [w] if w.dim() == 2 else list(w.unbind(0))
+        return [per_tensor(m.contiguous() if kernels else m, recipe.fwd_dtype, amax=amax, margin=recipe.margin)
+                for m in mats]
     if isinstance(recipe, BlockwiseScaling):
-        return [blockwise(m, recipe.weight_block, recipe.dtype, power_of_two=recipe.power_of_two) for m in mats]
+        bm = recipe.weight_block[0]
+        if w.dim() == 3 and w.shape[0] and w.shape[1] % bm == 0 and w.is_contiguous():
+            # no block straddles two experts, so the stacked rows quantize as each expert alone: one pass
+            q = blockwise(w.reshape(-1, w.shape[2]), recipe.weight_block, recipe.dtype,
+                          power_of_two=recipe.power_of_two)
+            return _experts_of(q, w.shape, block=recipe.weight_block)
+        mats = [w] if w.dim() == 2 else list(w.unbind(0))
+        return [blockwise(m.contiguous() if kernels else m, recipe.weight_block, recipe.dtype,
+                          power_of_two=recipe.power_of_two) for m in mats]
     raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+
+
+def _experts_of(q: Quantized, shape: torch.Size, *, block: tuple[int, int] | None) -> list[Quantized]:
+    """Per-expert views of the quantization of a packed ``[E, N, K]`` weight taken as ``[E * N, K]``."""
+    E, N, K = shape
+    data = q.data.view(E, N, K)
+    if block is None:
+        return [Quantized(d, q.scale_inv, None, q.orig_dtype, d.shape) for d in data.unbind(0)]
+    scales = q.scale_inv.view(E, N // block[0], -1)
+    return [Quantized(d, s, block, q.orig_dtype, d.shape) for d, s in zip(data.unbind(0), scales.unbind(0))]
 
 
 def _global_amax(w: DistributedParameter) -> torch.Tensor:
@@ -162,6 +182,34 @@ def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
     return [Quantized(_gather_fp8(data, w), scale_inv, recipe.weight_block, w.dtype, w.full_shape)]
 
 
+def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bool) -> QuantizedExperts:
+    """A packed ``[E, N, K]`` sharded weight's experts under per-tensor scaling as one ``QuantizedExperts``:
+    this rank's experts quantized in one launch with the weight's group-wide amax, in the layout the GEMM
+    reads (``backward``: dgrad's, each expert transposed), then one all-gather of the FP8 bytes. Every
+    expert shares the one amax, as :func:`quantize_weight` gives them: the same bits as that path."""
+    from distwgrad.kernels.weights_fp8 import _quantize_alike  # late: CUDA only
+
+    local = w.detach()
+    E_local, N, K = local.shape
+    E = w.full_shape[0]
+    amax = _global_amax(w).reshape(1)
+    size = _comm.group_size(w.group)
+    if E_local:
+        q = _quantize_alike(list(local.unbind(0)), recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
+                            amax=amax.expand(E_local).contiguous())
+        assert q is not None, "a contiguous shard's experts are alike"
+        if size == 1:
+            return q
+        stored = q.data.transpose(1, 2) if backward else q.data  # the contiguous storage
+    else:
+        stored = local.new_empty((0, K, N) if backward else (0, N, K), dtype=recipe.fwd_dtype)
+    data = _gather_fp8(stored.contiguous(), w)
+    scale = compute_scale(amax, recipe.fwd_dtype, recipe.margin)
+    scale_inv = (torch.ones_like(scale) / scale).expand(E).contiguous()  # the same fp32 division as the kernels
+    return QuantizedExperts(data.transpose(1, 2) if backward else data, scale_inv, w.dtype,
+                            amax.expand(E).contiguous())
+
+
 def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
     """The full weight's block scale grid from the shards: blocks that straddle ranks combine their
     ranks' partial amaxes with one small MAX all-reduce of the grid (cached until the weight changes)."""
@@ -217,6 +265,9 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
     ``amax``: those weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
     ``amax``; the caller checks their ``_version``s): backward skips that pass."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
+    if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
+            and weights[0].dim() == 3 and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
+        return _sharded_experts(weights[0], recipe, backward=backward)
     if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
         if all(w.dim() == 2 for w in weights):  # one matrix per weight (the kernels read only their addresses)
