@@ -298,15 +298,13 @@ class MoEGPT(nn.Module):
                              f"{param_dtype!r}")
         self.config, self.param_dtype = config, param_dtype
         full = init_full_weights(config)
-        # Passed only when set, so an fp32 build also runs on a ShardedWeight without the option.
-        mixed = {} if param_dtype is None else {"param_dtype": param_dtype}
 
         def weight(name: str) -> torch.Tensor:
             t = full.pop(name).to(device)
             if not sharded:
                 return nn.Parameter(t)
             # async_reduce: each reduce-scatter overlaps the rest of backward; finalize waits for it.
-            return ShardedWeight.from_full(t, group=group, async_reduce=True, **mixed)
+            return ShardedWeight.from_full(t, group=group, async_reduce=True, param_dtype=param_dtype)
 
         c = config
         if sharded:
