@@ -56,6 +56,22 @@ full-size fp32 buffer to their local shape (``_reduce``).
   buffer of every weight used, from its first contribution to the end of the step. None of these grow
   with the number of microbatches (``tests/test_gradient_memory.py`` measures it).
 
+[Note: a group of one]
+A weight whose group has one rank (one GPU, or a ``ReplicatedWeight`` alone) has nothing to reduce, and
+its full gradient has ``main_grad``'s shape. There ``grad_buffer()`` is ``main_grad`` itself (when it is
+fp32, as it is unless a caller attached another): wgrads accumulate in place, with no full-size buffer to
+zero, no add into ``main_grad`` and no reduction. Counting, withdrawals and ``finish_step`` are unchanged;
+the sums are the same fp32 adds in the same order (the buffer started at zero and was added to a zeroed
+``main_grad``), so the gradient is bit-identical to the buffered path.
+
+[Note: .grad is main_grad]
+``finish_step`` hands ``main_grad`` itself to ``.grad`` where their dtypes agree (an fp32 master, or an
+fp32 weight): no full-size copy per step (Megatron's optimizers read ``main_grad`` the same way). The
+next step zeroes ``main_grad`` in place when it opens, so if ``.grad`` still IS ``main_grad`` then
+(``zero_grad(set_to_none=False)``, or gradients kept across steps on purpose) ``.grad`` is first replaced
+by a copy: it keeps its values and the step's gradient is added to it (None initialises, otherwise add).
+``zero_grad()`` (``set_to_none=True``, torch's default) pays no copy at all.
+
 [Note: mixed precision]
 FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, for distwgrad's weights (``param_dtype`` on
 ``ShardedWeight.from_full`` / ``from_shard`` and ``ReplicatedWeight.from_full``; None: no cast).
@@ -165,6 +181,7 @@ class DistributedParameter(nn.Parameter):
         if not isinstance(async_reduce, bool):
             raise TypeError(f"async_reduce must be a bool, got {async_reduce!r}")
         self.group = group
+        self._solo = _comm.group_size(group) == 1  # [Note: a group of one]
         self.async_reduce = async_reduce
         self._inflight: list[Callable[[], torch.Tensor]] = []
         self.reduce_policy = reduce_policy
@@ -213,8 +230,18 @@ class DistributedParameter(nn.Parameter):
                         f"the graph. [Note: captured distributed weights] in distwgrad/graphs.py")
                 self._buffer = graph_buffer.zero_()  # the capture zeroes it where eager code allocates
                 return self._buffer
-            self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
+            if self._in_place():
+                self._buffer = self._main_grad()  # [Note: a group of one]
+            else:
+                self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
         return self._buffer
+
+    def _in_place(self) -> bool:
+        """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one]."""
+        if not self._solo or self._step_closed:  # a closed step's main_grad is zeroed when the next opens
+            return False
+        main_grad = getattr(self, "main_grad", None)
+        return main_grad is None or main_grad.dtype == torch.float32
 
     def finalize_group_grads(self, wgrads: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Counts one contribution; ``wgrads`` is the bare wgrad (a one-member group, as the dispatchers
@@ -257,6 +284,8 @@ class DistributedParameter(nn.Parameter):
             self._step_has_grad = False
             main_grad = getattr(self, "main_grad", None)
             if main_grad is not None:
+                if self.grad is main_grad:  # the last step's .grad is still held: it keeps its values
+                    self.grad = main_grad.clone()  # [Note: .grad is main_grad]
                 main_grad.zero_()
         self._expected += count
 
@@ -293,6 +322,11 @@ class DistributedParameter(nn.Parameter):
 
     def _reduce_pending(self) -> None:
         if self._delivered == self._reduced or self._buffer is None:
+            return
+        if self._buffer is getattr(self, "main_grad", None):  # accumulated in place: nothing to reduce
+            self._buffer = None
+            self._reduced = self._delivered
+            self._step_has_grad = True
             return
         if self.async_reduce:
             _accounting.admit()  # the in-flight bound: [Note: contribution accounting]
@@ -351,10 +385,10 @@ class DistributedParameter(nn.Parameter):
         main_grad = self._main_grad()
         if scale is not None:
             main_grad.mul_(scale)
-        grad = main_grad.to(self.dtype)
+        grad = main_grad.to(self.dtype)  # main_grad itself where the dtypes agree
         if self.grad is None:
-            self.grad = grad if grad is not main_grad else grad.clone()
-        else:
+            self.grad = grad  # [Note: .grad is main_grad]
+        elif self.grad is not grad:
             self.grad.add_(grad)
         self.grad_added_to_main_grad = True
         return True
