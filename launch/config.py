@@ -34,14 +34,14 @@ _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
 PRESETS: dict[str, dict[str, Any]] = {
     # 168 k parameters: the CPU default, 200 steps in about a minute on 2 CPU ranks
     "tiny": dict(vocab_size=64, seq_len=64, d_model=64, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_ff=128,
-                 global_batch=16, microbatches=2, lr=1e-2),
+                 global_batch=16, microbatches=2, lr=1e-2, warmup_steps=0),
     # 2.4 M parameters: CPU benchmarks, 0.3 s a step on 2 CPU ranks (docs/training.md, Numbers)
     "small": dict(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2,
-                  d_ff=256, global_batch=16, microbatches=2, lr=3e-3),
+                  d_ff=256, global_batch=16, microbatches=2, lr=3e-3, warmup_steps=0),
     # 1.27 B parameters (336 M active per token): fp32 masters + AdamW are 20 GB, so it fits one H200
     # unsharded and 2-8 sharded; 32 sequences of 2048 tokens a step
     "large": dict(vocab_size=32768, seq_len=2048, d_model=2048, n_layers=8, n_heads=16, n_experts=16, top_k=2,
-                  d_ff=2048, global_batch=32, microbatches=2, lr=3e-4),
+                  d_ff=2048, global_batch=32, microbatches=2, lr=3e-4, warmup_steps=20),
 }
 _PRESET_FIELDS = tuple(PRESETS["tiny"])
 
@@ -75,7 +75,9 @@ class TrainConfig:
     global_batch: int | None = _opt(None, "sequences per step over all ranks; divisible by world size * "
                                     "microbatches")
     microbatches: int | None = _opt(None, "microbatches per step on each rank (gradients accumulate)")
-    lr: float | None = _opt(None, "AdamW learning rate (constant)")
+    lr: float | None = _opt(None, "AdamW learning rate (after the warm-up)")
+    warmup_steps: int | None = _opt(None, "linear learning-rate warm-up: step s trains at lr * min(1, s / N) "
+                                    "(0: the constant lr)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
     precision: str = _opt("auto", "weights' compute dtype, masters always fp32: auto is bf16 on CUDA and fp32 on "
                           "CPU", choices=PRECISIONS)
@@ -98,11 +100,12 @@ class TrainConfig:
             if getattr(self, k) is None:
                 object.__setattr__(self, k, v)
         positive = {k: getattr(self, k) for k in ("steps", "global_batch", "microbatches")}
-        non_negative = {k: getattr(self, k) for k in ("log_every", "save_every")}
+        non_negative = {k: getattr(self, k) for k in ("log_every", "save_every", "warmup_steps")}
         bad = {k: v for k, v in positive.items() if not _is_int(v) or v <= 0}
         bad.update({k: v for k, v in non_negative.items() if not _is_int(v) or v < 0})
         if bad:
-            raise ValueError(f"these options must be positive (log/save intervals: non-negative) ints: {bad}")
+            raise ValueError(f"these options must be positive (log/save intervals and warm-up: non-negative) ints: "
+                             f"{bad}")
         if self.global_batch % self.microbatches:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by "
                              f"microbatches={self.microbatches}")
@@ -115,6 +118,13 @@ class TrainConfig:
         if not self.out:
             raise ValueError("out must name a folder, got an empty string")
         self.model_config()  # validates the model fields
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of ``step`` (1-based): linear warm-up over ``warmup_steps``, then ``lr``. A pure
+        function of the step, so a resumed run continues the schedule exactly."""
+        if not self.warmup_steps:
+            return self.lr
+        return self.lr * min(1.0, step / self.warmup_steps)
 
     def model_config(self) -> MoEGPTConfig:
         return MoEGPTConfig(**{k: getattr(self, k) for k in _MODEL_FIELDS})

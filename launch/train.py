@@ -154,7 +154,10 @@ def _init(config: TrainConfig) -> _Runtime:
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    """AdamW, fused on CUDA (one kernel over every parameter, distwgrad's shards included)."""
+    params = list(model.parameters())
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
 
 
 # --- one step --------------------------------------------------------------------------------------------
@@ -176,7 +179,10 @@ def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatch
     return total
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+def _optimizer_step(optimizer: torch.optim.Optimizer, lr: float | None = None) -> None:
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -239,7 +245,7 @@ class _Lockstep:
                     self.worst["weight_rel"] = max(self.worst["weight_rel"], _max_rel(full[name], q))
                 q.copy_(full[name])
 
-    def check(self, model: torch.nn.Module, tokens_BS: torch.Tensor, loss: float) -> None:
+    def check(self, model: torch.nn.Module, tokens_BS: torch.Tensor, loss: float, step: int) -> None:
         """After ``finalize_model_grads``: the reference's step on the global batch, compared."""
         grads = self._gather(model, grads=True)
         if self.ref is None:
@@ -254,7 +260,7 @@ class _Lockstep:
         for name, q in self.ref.named_parameters():
             self.worst["grad_rel"] = max(self.worst["grad_rel"], _max_rel(grads[name], q.grad))
             q.grad = grads[name]  # the update is compared given the same gradient: see [Note: parity]
-        _optimizer_step(self.opt)
+        _optimizer_step(self.opt, self.config.lr_at(step))
         self.stepped = True
 
     def verdict(self, final_model: torch.nn.Module) -> dict[str, Any] | None:
@@ -282,7 +288,7 @@ def _free_running(config: TrainConfig, rt: _Runtime, corpus: MarkovCorpus | Toke
         tokens = corpus.global_batch(step, config.global_batch).to(rt.device)
         losses.append(forward_backward(ref, tokens, config.microbatches, config.recipe).item())
         distwgrad.finalize_model_grads([ref])
-        _optimizer_step(opt)
+        _optimizer_step(opt, config.lr_at(step))
     return losses
 
 
@@ -327,9 +333,9 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
         loss = loss.item() / rt.world_size  # .item() synchronises, so the step time is real
         dt = time.perf_counter() - t0
         if lockstep:
-            lockstep.check(model, corpus.global_batch(step, config.global_batch), loss)
+            lockstep.check(model, corpus.global_batch(step, config.global_batch), loss, step)
         t0 = time.perf_counter()
-        _optimizer_step(optimizer)
+        _optimizer_step(optimizer, config.lr_at(step))
         dt += time.perf_counter() - t0
         gathered, reduced = _comm_bytes(model)
         for key, value in (("steps", step), ("loss", loss), ("step_time_s", dt),

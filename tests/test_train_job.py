@@ -534,3 +534,16 @@ def test_every_import_of_the_job_is_a_declared_dependency():
     third_party = imported - set(sys.stdlib_module_names) - {"distwgrad", "__future__"}
     assert third_party <= declared, (third_party - declared, declared)
     assert {"numpy", "matplotlib"} <= third_party
+
+
+def test_learning_rate_warm_up_is_a_pure_function_of_the_step():
+    """``--warmup-steps N``: step s trains at lr * min(1, s / N); the large preset warms up, the CPU presets
+    do not; a negative count is refused naming it."""
+    from launch.config import PRESETS, TrainConfig
+
+    config = TrainConfig(lr=1e-3, warmup_steps=4)
+    assert [config.lr_at(s) for s in (1, 2, 4, 9)] == [2.5e-4, 5e-4, 1e-3, 1e-3]
+    assert TrainConfig(lr=1e-3).lr_at(1) == 1e-3  # tiny: constant
+    assert PRESETS["large"]["warmup_steps"] > 0 and PRESETS["tiny"]["warmup_steps"] == 0
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TrainConfig(warmup_steps=-1)
