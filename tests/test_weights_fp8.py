@@ -81,7 +81,7 @@ def _module_reuses_forward_amax() -> None:
         kw._group_amax = real
 
 
-def _sharded_experts_match_quantize_weight() -> None:
+def _sharded_experts_match_quantize_weight(device: str = "cpu") -> None:
     """A packed ShardedWeight's experts as one QuantizedExperts (one launch, the GEMM's layout) carry the
     bits of quantizing each expert with the weight's amax (``quantize_weight``), forward and dgrad layouts."""
     from distwgrad import ShardedWeight
@@ -89,7 +89,7 @@ def _sharded_experts_match_quantize_weight() -> None:
     from distwgrad.fp8.weights import _global_amax, _sharded_experts, quantize_weight
 
     torch.manual_seed(0)
-    w = ShardedWeight.from_full(torch.randn(3, 32, 16), param_dtype=torch.bfloat16)
+    w = ShardedWeight.from_full(torch.randn(3, 32, 16, device=device), param_dtype=torch.bfloat16)
     recipe = PerTensorScaling()
     ref = quantize_weight(w.detach(), recipe, amax=_global_amax(w))
     for backward in (False, True):
@@ -133,6 +133,7 @@ def test_quantize_weights_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_quantize_weights_gpu():
     _check("cuda")
+    _sharded_experts_match_quantize_weight("cuda")
 
 
 if __name__ == "__main__":  # child of test_quantize_weights_interpreted
