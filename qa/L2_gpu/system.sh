@@ -37,6 +37,7 @@ TRAIN="torchrun --standalone --nproc-per-node 1 -m distwgrad.launch.train --mode
 for step in $STEPS; do
   case $step in
     job_bf16) run job_bf16 $TRAIN --precision bf16 --steps 4 --check-parity --out "$OUT_ABS/job_bf16" ;;
+    job_train) run job_train $TRAIN --precision bf16 --steps ${JOB_STEPS:-30} --log-every 5 --out "$OUT_ABS/job_train" ;;
     job_fp8) run job_fp8 $TRAIN --precision bf16 --recipe fp8_per_tensor --steps 4 --out "$OUT_ABS/job_fp8" ;;
     tests) run tests python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_kernel_threads.py \
              tests/test_cuda_graphs.py tests/test_gpu_modules.py tests/test_mixed_precision.py \
