@@ -42,6 +42,7 @@ from distwgrad.fp8 import (
     roundtrip_error_bound,
     transpose_quantized,
 )
+from distwgrad.testing import sweep
 from distwgrad.testing.stubs import StubKernel
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -431,18 +432,17 @@ def case_rounding(device: str, big: bool) -> None:
 def case_per_tensor(device: str, big: bool) -> None:
     kq = _kernels()
     shapes = [(4096, 8192 + 3), (5,)] if big else [(0,), (1,), (9000,), (7, 33)]
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for f8 in FP8S:
-            for shape in shapes:
-                x = wide_range(shape, dtype, seed=len(shape))
-                for margin in (0, 3):
-                    k = kq.quantize_per_tensor(_on(x, device), f8, margin=margin)
-                    r = quantize_per_tensor(x, f8, margin=margin)
-                    assert_same(k, r, f"{dtype} {f8} {shape} {margin}")
-                for amax in (0.0, 0.5, 1e6):
-                    a = torch.tensor([amax])
-                    k = kq.quantize_per_tensor(_on(x, device), f8, amax=_on(a, device))
-                    assert_same(k, quantize_per_tensor(x, f8, amax=a), f"{dtype} {f8} {shape} amax={amax}")
+    grid = [(d, f8, s) for d in (torch.float32, torch.float16, torch.bfloat16) for f8 in FP8S for s in shapes]
+    for dtype, f8, shape in sweep.sample(grid, 8, seed=0):  # --full: all 24 (12 on the GPU)
+        x = wide_range(shape, dtype, seed=len(shape))
+        for margin in (0, 3):
+            k = kq.quantize_per_tensor(_on(x, device), f8, margin=margin)
+            r = quantize_per_tensor(x, f8, margin=margin)
+            assert_same(k, r, f"{dtype} {f8} {shape} {margin}")
+        for amax in (0.0, 0.5, 1e6):
+            a = torch.tensor([amax])
+            k = kq.quantize_per_tensor(_on(x, device), f8, amax=_on(a, device))
+            assert_same(k, quantize_per_tensor(x, f8, amax=a), f"{dtype} {f8} {shape} amax={amax}")
     x = wide_range((9000,), torch.bfloat16)
     for reverse in (True, False):  # several grid-stride steps per program; cast blocks in either order
         with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024, PER_TENSOR_REVERSE=reverse):
@@ -610,7 +610,8 @@ def case_gluon_fallback(device: str, big: bool) -> None:
 
 def case_sweep(device: str, big: bool) -> None:
     """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/fp8.py --quant-sweep``) on
-    a shape that is no multiple of any tile: same bits as the reference, op by op."""
+    a shape that is no multiple of any tile: same bits as the reference, op by op. CI takes each op's first
+    and last candidate (``sweep.sample``); ``--full`` takes all 21."""
     kq = _kernels()
     ops = {
         "per_tensor": lambda m, x: (m.quantize_per_tensor(x, E4M3),),
@@ -624,7 +625,7 @@ def case_sweep(device: str, big: bool) -> None:
     x = _on(wide_range((4096 + 65, 2048 + 3) if big else (130, 200), torch.bfloat16, seed=7), device)
     for op, candidates in kq.SWEEP.items():
         ref = ops[op](reference, x)  # on the kernel's device, as in case_rowcol
-        for cand in candidates:
+        for cand in sweep.sample(candidates, 2):
             with _tuning(kq, **cand):
                 got = ops[op](kq, x)
             for k, r in zip(got, ref, strict=True):

@@ -40,6 +40,7 @@ import torch
 from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
 from distwgrad.testing import reference_fp8 as RF
+from distwgrad.testing import sweep
 from distwgrad.testing.sm90 import assemble_or_skip, specialize
 from distwgrad.testing.stubs import StubKernel, record_ragged_dispatch
 
@@ -291,6 +292,7 @@ def _case_wgrad_edge_modes():
     """Every TMA edge arrangement of the wgrad kernel gives the oracle's result: mid-tile group starts,
     an empty group, a group inside one chunk, one spanning several, offsets past T."""
     for recipe, modes in EDGE_MODES.items():
+        modes = sweep.sample(modes, 2)  # CI: "edges" (the default) and the last; --full: every mode
         probs = [_problem(*SHAPE_TMA, recipe, splits=[0, 100, 20, 168]), _problem(*SHAPE_TMA, recipe, seed=7),
                  _problem(*SHAPE_TMA, recipe, offs=torch.tensor([10, 10, 200, 400], dtype=torch.int32))]
         for mode in modes:
@@ -505,7 +507,7 @@ def _case_gluon_fallback():
 def _case_custom_ops():
     """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
     k = _kernels()
-    for recipe in ("per_tensor", "per_tensor_fast", "blockwise"):
+    for recipe in sweep.sample(("per_tensor", "per_tensor_fast", "blockwise"), 2):  # --full: per_tensor_fast too
         pb = _problem(96, 3, 160, 144, recipe, seed=8)
         sp = () if recipe != "per_tensor_fast" else (False,)  # the schema's default is True
         (w, w_s), b = _weight_form(pb, "stacked"), torch.randn(3, 144)
