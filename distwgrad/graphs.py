@@ -173,7 +173,7 @@ def _check_devices(mods: tuple[nn.Module, ...], flat_inputs: list[tuple[torch.Te
 
 # --- bookkeeping -------------------------------------------------------------------------------------
 def _deferred_modules(m: nn.Module) -> list[nn.Module]:
-    return [s for s in m.modules() if getattr(s, "need_backward_dw", None) is not None and s.need_backward_dw()]
+    return [s for s in m.modules() if getattr(s, "need_backward_dw", None) is not None and s.need_backward_dw()]  # type: ignore[operator]  # nn.Module attributes
 
 
 def _deferred_params(m: nn.Module) -> set[int]:
@@ -313,7 +313,7 @@ class _GraphSet:
     def check_forward(self, what: str) -> None:
         self.check_alive(what)
         if len(self.pending):
-            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})
+            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})  # type: ignore[type-var]  # nn.Module attributes
             raise DeferredWgradError(
                 f"{what}: graphed deferred wgrads of {owners} are still queued; a forward replay overwrites the "
                 f"static buffers they read. Call backward_dw() (or distwgrad.drain_deferred_wgrads) after each "
@@ -323,7 +323,7 @@ class _GraphSet:
         if not self.alive:
             return
         if len(self.pending):
-            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})
+            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})  # type: ignore[type-var]  # nn.Module attributes
             raise DeferredWgradError(f"reset(): graphed deferred wgrads of {owners} are still queued; drain them "
                                      f"(or clear their stores) first")
         self.alive = False
@@ -403,8 +403,8 @@ def _drain_into(sink: dict, modules: list[nn.Module]) -> None:
     """Runs (without hooks) every queued deferred wgrad, ``.grad`` contributions going to ``sink``."""
     with graph_owned_gradients(sink):
         for m in modules:
-            while len(m.wgrad_store):
-                m.wgrad_store.pop()
+            while len(m.wgrad_store):  # type: ignore[arg-type]  # nn.Module attributes
+                m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
 
 
 def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, recipe: Recipe | None) -> None:
@@ -456,7 +456,7 @@ def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool
         c = calls[i]
         c.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in c.static_outputs)
         outs = [o for o in c.static_outputs if o.requires_grad]
-        before = {k: len(s.wgrad_store) for k, s in stores.items()}
+        before = {k: len(s.wgrad_store) for k, s in stores.items()}  # type: ignore[arg-type]  # nn.Module attributes
         c.bwd_ledger = _Ledger(gs.weights)
         grads: tuple = ()
         if outs:
@@ -470,14 +470,14 @@ def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool
         c.static_grad_inputs = tuple(by_index.get(j) for j in range(len(c.surface)))
         # reverse registration order: drain_deferred_wgrads' default, so a distributed weight's captured
         # buffer zeroing and reduction sit where that drain meets them ([Note: captured distributed weights])
-        queued[i] = [s for k, s in reversed(stores.items()) for _ in range(len(s.wgrad_store) - before[k])]
+        queued[i] = [s for k, s in reversed(stores.items()) for _ in range(len(s.wgrad_store) - before[k])]  # type: ignore[arg-type]  # nn.Module attributes
     return queued
 
 
 def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, list[nn.Module]],
                     recipe: Recipe | None) -> None:
     """One graph per queued item, FIFO per module; every item's inputs stay alive until all are captured."""
-    held = [s.wgrad_store.queued() for mods in queued.values() for s in mods]
+    held = [s.wgrad_store.queued() for mods in queued.values() for s in mods]  # type: ignore[operator]  # nn.Module attributes
     for i in reversed(range(len(calls))):
         for m in queued[i]:
             item = _DwItem(m)
@@ -485,7 +485,7 @@ def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, lis
             item.ledger = _Ledger(gs.weights)
             with _explain(f"the deferred wgrad capture of {m.wgrad_store.owner} (module {i})", recipe), \
                     torch.cuda.graph(item.graph, pool=gs.pool), graph_owned_gradients(sink):
-                m.wgrad_store.pop()
+                m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
             item.ledger.close()
             item.owned = list(sink.values())
             item.main_grads = _MainGrads([(type(m).__name__ + "." + n, p)
@@ -554,12 +554,12 @@ def _install(gs: _GraphSet, c: _Callable, index: int) -> nn.Module:
     def backward_dw() -> None:
         """Replays this callable's queued graphed deferred wgrads (each module's ``backward_dw()``)."""
         for item in c.dw_items:
-            item.module.backward_dw()
+            item.module.backward_dw()  # type: ignore[operator]  # nn.Module attributes
 
     module.forward = forward
-    module.reset = gs.reset
+    module.reset = gs.reset  # type: ignore[assignment]  # nn.Module attributes
     if not hasattr(module, "backward_dw"):
-        module.backward_dw = backward_dw
+        module.backward_dw = backward_dw  # type: ignore[assignment]  # nn.Module attributes
     return module
 
 
@@ -639,12 +639,12 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     finally:
         for p in weights:
             p.discard_step()
-        for k, p in touched.items():
+        for k, p in touched.items():  # type: ignore[assignment]  # nn.Module attributes
             p.main_grad.copy_(saved[k][0])
             if saved[k][1] is None:
                 p.__dict__.pop("grad_added_to_main_grad", None)
             else:
-                p.grad_added_to_main_grad = saved[k][1]
+                p.grad_added_to_main_grad = saved[k][1]  # type: ignore[assignment]  # nn.Module attributes
     for c in calls:
         c.main_grads = _MainGrads([(c.name(p), p) for p in c.params])
     ret = tuple(_install(gs, c, i) for i, c in enumerate(calls))

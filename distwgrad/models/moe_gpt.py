@@ -198,10 +198,10 @@ def _experts(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | Non
     if not sharded:
         return _TorchExperts(weight, param_dtype, experts)
     e, n, k = getattr(weight, "full_shape", weight.shape)
-    experts = GroupedLinear(e, k, n, bias=False, single_grouped_weight=True, delay_wgrad_compute=True,
-                            device="meta")  # built on "meta", then given the real weight
-    experts.weight = weight  # type: ignore[assignment]  # any (distributed) tensor; nn.Module registers it
-    return experts
+    layer = GroupedLinear(e, k, n, bias=False, single_grouped_weight=True, delay_wgrad_compute=True,
+                          device="meta")  # built on "meta", then given the real weight
+    layer.weight = weight  # type: ignore[assignment]  # any (distributed) tensor; nn.Module registers it
+    return layer
 
 
 # --- the model -------------------------------------------------------------------------------------------
@@ -307,6 +307,7 @@ class MoEGPT(nn.Module):
             return ShardedWeight.from_full(t, group=group, async_reduce=True, param_dtype=param_dtype)
 
         c = config
+        self.embedding: nn.Module
         if sharded:
             self.embedding = Embedding(c.vocab_size, c.d_model, weight=weight("embedding.weight"))
         else:

@@ -13,6 +13,7 @@ tanh approximation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ def activation(name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
 
 
-def init_norm(module: nn.Module, hidden: int, *, normalization: str, eps: float, zero_centered_gamma: bool,
+def init_norm(module: Any, hidden: int, *, normalization: str, eps: float, zero_centered_gamma: bool,
               dtype: torch.dtype, device) -> None:
     """Registers ``layer_norm_weight`` (ones, or zeros with ``zero_centered_gamma``) and, for LayerNorm,
     ``layer_norm_bias`` (zeros) on ``module``; sets ``normalization``, ``eps``, ``zero_centered_gamma``."""
@@ -73,7 +74,7 @@ def init_norm(module: nn.Module, hidden: int, *, normalization: str, eps: float,
         module.register_parameter("layer_norm_bias", None)
 
 
-def apply_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def apply_norm(module: Any, x: torch.Tensor) -> torch.Tensor:
     """The module's normalization of ``x`` over its last dim (torch autograd; see the module docstring)."""
     gamma = module.layer_norm_weight
     if module.zero_centered_gamma:

@@ -226,8 +226,9 @@ class LayerNormMLP(WgradModule):
         w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
         b2 = None if self.return_bias else self.fc2_bias
         on = torch.is_grad_enabled()
-        flags = [on and p is not None and p.requires_grad for p in (w1, b1, w2, b2)]
-        uses = self._begin_forward([p for p, f in zip((w1, b1, w2, b2), flags) if f])
+        params: list[torch.Tensor | None] = [w1, b1, w2, b2]  # type: ignore[list-item]  # nn.Module attributes
+        flags = [bool(on and p is not None and p.requires_grad) for p in params]
+        uses = self._begin_forward([p for p, f in zip(params, flags) if f and p is not None])
         recipe, store = current_recipe(), self.wgrad_store
         delay, fuse = self.delay_wgrad_compute, self.fuse_wgrad_accumulation
         fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses)

@@ -127,7 +127,7 @@ def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence
                 raise RuntimeError(f"{type(p).__name__}.grad_buffer() is {b.dtype} but the wgrad must be "
                                    f"{want} (its main_grad's dtype): a narrower buffer would round every "
                                    f"contribution and the reduction")
-        return buffers
+        return list(buffers)
     if fuse:
         return [main_grad_of(p) for p in params]
     return [None] * len(params)

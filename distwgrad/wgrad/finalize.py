@@ -20,6 +20,7 @@ from torch import nn
 from distwgrad.weights import _comm
 from distwgrad.weights.base import _MISSING_CAUSES, DistributedParameter, MissingContributionError
 from distwgrad.wgrad.scheduler import deferred_modules, undrained
+from distwgrad.wgrad.store import WeightGradStore
 
 __all__ = ["finalize_model_grads", "distributed_parameters", "name_weights", "MissingContributionError"]
 
@@ -114,7 +115,8 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
     del pg_collection, force_all_reduce
     if discard:
         for m in deferred_modules(model_chunks):
-            m.wgrad_store.clear()
+            store: WeightGradStore = m.wgrad_store  # type: ignore[assignment]  # WgradModule's
+            store.clear()
         for _, p in distributed_parameters(model_chunks):
             p.discard_step()
         return 0
