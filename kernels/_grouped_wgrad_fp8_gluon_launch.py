@@ -100,10 +100,9 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_pr
     group with zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
     group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers instead
     of a partial added after them ([Note: chained bf16 accumulation])."""
-    ensure_context(dy_TN.device)  # [Note: a current context on any thread] in kernels/_context.py
-
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
+    ensure_context(dy_TN.device)  # [Note: a current context on any thread] in kernels/_context.py
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]
