@@ -21,7 +21,12 @@ checkpoint fits the model before any collective runs.
 All ranks write into ``step_N.tmp``; after DCP's own final barrier rank 0 writes ``meta.json``, renames
 ``step_N.tmp`` to ``step_N`` (one ``os.rename``, atomic on POSIX filesystems), and every rank waits on a
 barrier. A save killed half-way leaves only a ``.tmp`` folder, which is never resumed from and is
-cleared by the next save of that step; the previous ``step_M`` is untouched.
+cleared by the next save of that step; the previous ``step_M`` is untouched. A re-save of an existing
+``step_N`` moves it to ``step_N.old`` just before the rename, so a kill between the two renames loses
+that step (never resumed from) and keeps the older ones. ``keep_last=K`` prunes only after the rename,
+so the newest complete checkpoint exists before any older one goes; a pruned folder is first renamed
+out of the ``step_N`` pattern, so a kill mid-delete leaves nothing that looks complete.
+``tests/test_train_faults.py`` kills a save at each of these points and resumes.
 """
 
 from __future__ import annotations
@@ -129,13 +134,17 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap:
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, group: Any = None,
-                    meta: dict[str, Any] | None = None) -> str:
+                    meta: dict[str, Any] | None = None, keep_last: int = 0) -> str:
     """Saves ``model`` (and ``optimizer``) at ``step`` into ``root/step_{step}``; returns that path.
 
     Collective over ``group`` (None: the default group): every rank calls it with the same arguments.
     ``meta`` (JSON-serialisable; put the model config under ``"model_config"``) is stored in
-    ``meta.json`` and compared by :func:`load_checkpoint`. See [Note: atomic save].
+    ``meta.json`` and compared by :func:`load_checkpoint`. ``keep_last=K > 0`` then deletes all but the
+    newest ``K`` complete ``step_M`` folders of ``root`` (and leftovers of older interrupted saves). See
+    [Note: atomic save].
     """
+    if not isinstance(keep_last, int) or keep_last < 0:
+        raise ValueError(f"keep_last={keep_last!r} must be an int >= 0 (0: keep every checkpoint)")
     group = _comm.resolve_group(group)
     rank = _comm.group_rank(group)
     final = checkpoint_dir(root, step)
@@ -153,8 +162,41 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
                   **(meta or {})}
         _write_json(os.path.join(tmp, META_FILE), record)
         _replace_dir(tmp, final)
+        if keep_last:
+            _prune(os.fspath(root), step, keep_last)
     _barrier(group)
     return final
+
+
+def _prune(root: str, newest: int, keep_last: int) -> None:
+    """Deletes all but the ``keep_last`` newest complete checkpoints of ``root``, and ``.tmp``/``.old``
+    leftovers of steps before ``newest``. Each goes by a rename out of the ``step_N`` pattern first, so a
+    kill mid-delete leaves a ``.deleting`` folder, which the next prune removes."""
+    complete = []
+    for d in os.listdir(root):
+        m = re.match(r"^step_(\d+)(\.tmp|\.old|\.deleting)?$", d)
+        if not m or int(m.group(1)) > newest:
+            continue
+        if m.group(2) == ".deleting":  # a prune killed part-way
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            continue
+        if m.group(2):
+            if int(m.group(1)) < newest:
+                _delete(os.path.join(root, d))
+            continue
+        try:
+            _check_complete(os.path.join(root, d))
+            complete.append((int(m.group(1)), d))
+        except CheckpointError:
+            _delete(os.path.join(root, d))  # not complete: never resumed from, nothing to keep
+    for _, d in sorted(complete)[:-keep_last]:
+        _delete(os.path.join(root, d))
+
+
+def _delete(path: str) -> None:
+    doomed = path + ".deleting"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_json(path: str, obj: Any) -> None:
