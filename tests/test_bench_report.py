@@ -52,11 +52,13 @@ def test_current_keeps_each_cases_newest_run():
 def test_train_step_rows_become_impl_columns_with_ratios():
     rows = [_row(impl=impl, metric=m, value=v, unit=u)
             for impl, scale in (("distwgrad", 1.0), ("fsdp2", 0.5), ("torch", 0.25))
-            for m, v, u in (("tokens_per_s", 1000.0 * scale, "tokens/s"), ("step_ms", 10.0 / scale, "ms"))]
+            for m, v, u in (("tokens_per_s", 1000.0 * scale, "tokens/s"), ("peak_gib", 10.0 / scale, "GiB"),
+                            ("step_ms", 10.0 / scale, "ms"))]
     page = report.render(rows)
     assert "| case | metric | distwgrad | fsdp2 | torch | fsdp2 / distwgrad | torch / distwgrad |" in page
     assert "| tiny b8 | tokens_per_s (tokens/s) | 1,000 | 500 | 250 | 0.50x | 0.25x |" in page
-    assert "| tiny b8 | step_ms (ms) | 10.00 | 20.00 | 40.00 | 2.00x | 4.00x |" in page
+    assert "| tiny b8 | peak_gib (GiB) | 10.00 | 20.00 | 40.00 | 2.00x | 4.00x |" in page
+    assert "step_ms" not in page  # the page shows throughput and memory; every metric stays in the file
     assert "`train_step.py` at" in page and "Device: cpu" in page
 
 

@@ -58,10 +58,14 @@ class Layout:
 
 
 _LAYOUT = {
-    "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch"),
-    "layer_step": Layout("Layer step: distwgrad against FSDP2 and plain torch"),
+    "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch",
+                         metrics=("tokens_per_s", "peak_gib")),
+    "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
+                         columns="precision", baseline="bf16", metrics=("tflops",)),
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
     "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",)),
+    "dtype_paths": Layout("Grouped GEMM by dtype: distwgrad's route against torch's (TFLOP/s, host time included)",
+                          baseline="loop", metrics=("tflops",)),
     "grouped_gemm_tails": Layout("Grouped GEMM tail tiles, bf16 (TFLOP/s)", baseline="distwgrad_full_tail",
                                  on_page=False),
     "fp8_grouped_gemm": Layout("FP8 grouped GEMM against our bf16 (TFLOP/s; `_wT`, `_aligned`, `_bf16out`: "
@@ -70,13 +74,14 @@ _LAYOUT = {
                                only=(("impl", ("distwgrad", "distwgrad_wT", "distwgrad_aligned",
                                                "distwgrad_bf16out")),)),
     "fp8_module": Layout("FP8 GroupedLinear steps (ms per step)", columns="precision", baseline="bf16"),
-    "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16"),
+    "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16",
+                              on_page=False),
     "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone"),
     "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
                             only=(("precision", ("fp8_per_tensor",)),), on_page=False),
 }
-_ORDER = ("train_step", "layer_step", "train_job", "grouped_gemm", "grouped_gemm_tails", "fp8_grouped_gemm",
-          "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose")
+_ORDER = ("train_step", "layer_step", "train_job", "grouped_gemm", "dtype_paths", "grouped_gemm_tails",
+          "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose")
 _KEY = ("case", "impl", "precision", "world", "metric")
 
 
@@ -149,8 +154,12 @@ def _table(bench: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _provenance(rows: Sequence[dict[str, Any]]) -> str:
-    runs = sorted({(r["date"], r["commit"], r["command"]) for r in rows})
-    cmds = "; ".join(f"`{cmd}` at `{commit}` ({date})" for date, commit, cmd in runs)
+    first: dict[tuple[str, str], str] = {}  # (command, commit) -> its first row's date
+    for r in rows:
+        key = (r["command"], r["commit"])
+        first[key] = min(first.get(key, r["date"]), r["date"])
+    cmds = "; ".join(f"`{cmd}` at `{commit}` ({date})" for (cmd, commit), date in sorted(first.items(),
+                                                                                        key=lambda kv: kv[1]))
     return (f"Run: {cmds}. Device: {', '.join(_distinct(rows, 'device'))}; torch "
             f"{', '.join(_distinct(rows, 'torch'))}, triton {', '.join(_distinct(rows, 'triton'))}.")
 
