@@ -7,6 +7,8 @@
 #   bash qa/L2_gpu/system.sh                       # every step
 #   STEPS="job_bf16 bench_bf16" bash qa/L2_gpu/system.sh
 #
+# On a machine whose copy of the tree has no .git of its own, pass the source commit:
+#   DISTWGRAD_COMMIT=<git rev-parse --short HEAD, where the tree came from> bash qa/L2_gpu/system.sh
 # Rows are appended to $OUT_DIR/results.jsonl (DISTWGRAD_RESULTS); append them to
 # docs/benchmarks/results.jsonl and run `PYTHONPATH=. python qa/bench/report.py` to publish them.
 set -uo pipefail

@@ -51,6 +51,10 @@ def default_path() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _commit() -> str:
+    """``$DISTWGRAD_COMMIT`` when set (a copy of the tree whose ``.git`` is not the source's: a device
+    machine's), else ``git rev-parse --short HEAD`` with ``+dirty`` for uncommitted changes."""
+    if os.environ.get("DISTWGRAD_COMMIT"):
+        return os.environ["DISTWGRAD_COMMIT"]
     root = RESULTS.parents[2]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
