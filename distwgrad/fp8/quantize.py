@@ -226,15 +226,15 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
     Returns:
         ``(q_x, q_xt)``: quantizations of ``x_MN`` and of ``x^T_NM``, both with contiguous data.
     """
+    if not isinstance(recipe, (BlockwiseScaling, PerTensorScaling)):
+        raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
     dtype = recipe.dtype_for(grad=grad)
     if isinstance(recipe, BlockwiseScaling):
         return (quantize_blockwise(x, recipe.act_block, dtype, power_of_two=recipe.power_of_two),
                 quantize_blockwise(x.t(), recipe.act_block, dtype, power_of_two=recipe.power_of_two))
-    if isinstance(recipe, PerTensorScaling):
-        _grid(x.shape, (1, 1))
-        q = quantize_per_tensor(x, dtype, margin=recipe.margin)
-        return q, transpose_quantized(q)
-    raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+    _grid(x.shape, (1, 1))
+    q = quantize_per_tensor(x, dtype, margin=recipe.margin)
+    return q, transpose_quantized(q)
 
 
 def _expanded_scale_inv(q: Quantized) -> torch.Tensor:

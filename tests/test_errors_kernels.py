@@ -1,0 +1,56 @@
+"""The kernels' input checks that run on CPU, one case per docs/errors.md ID.
+
+The launchers check their arguments before any launch, so a bad argument raises here without a GPU. Checks
+that only a CUDA launch reaches are catalogued against the interpreter and GPU tests (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distwgrad.kernels import _grouped_gemm_configs as cfg
+from distwgrad.kernels import quantize as kq
+from distwgrad.kernels import token_layout, weights_fp8
+
+F8 = torch.float8_e4m3fn
+
+
+def _interpreting(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read at call time: CPU tensors pass the device check
+
+
+CASES = [
+    ("KRN-022", lambda: cfg.TileConfig(48, 64, 64), ValueError, "got 48"),
+    ("KRN-023", lambda: cfg.TileConfig(64, 64, 64, num_warps=3), ValueError, "num_warps=3"),
+    ("KRN-024", lambda: cfg.TileConfig(64, 64, 64, add_mode="store"), ValueError, "'store'"),
+    ("KRN-025", lambda: cfg.TileConfig(16, 64, 64, half_tail=True), ValueError, "block_m=16"),
+    ("KRN-026", lambda: cfg.TileConfig(64, 64, 64, persistent=9), ValueError, "persistent=9"),
+    ("KRN-027", lambda: cfg.TileConfig(64, 64, 64, subtile=2), ValueError, "subtile=2"),
+    ("KRN-029", lambda: cfg.TileConfig(64, 64, 64, persistent=1, add_mode="prefetch"), ValueError,
+     "no add_mode 'prefetch'"),
+    ("KRN-077", lambda: kq.quantize_per_tensor([1.0], F8), TypeError, "list"),
+    ("KRN-078", lambda: kq.quantize_per_tensor(torch.ones(4, dtype=torch.float64), F8), ValueError,
+     "torch.float64"),
+    ("KRN-080", lambda: kq.quantize_per_tensor(torch.ones(4, 4).t()[:, :2], F8), ValueError,
+     r"strides \(1, 4\)"),
+    ("KRN-081", lambda: kq.quantize_blockwise(torch.ones(4), (1, 4), F8), ValueError, r"shape \(4,\)"),
+    ("KRN-082", lambda: kq.quantize_blockwise(torch.ones(4, 4), (1, 3), F8), ValueError, r"\(1, 3\)"),
+    ("KRN-083", lambda: kq.quantize_per_tensor(torch.ones(4), F8, amax=torch.ones(2)), ValueError,
+     r"shape \(2,\)"),
+    ("KRN-085", lambda: token_layout.transpose(torch.ones(4, 4)), ValueError, "torch.float32"),
+    ("KRN-086", lambda: token_layout.transpose_aligned(torch.zeros(4, 4, dtype=F8), torch.tensor([4])),
+     ValueError, "torch.int64"),
+    ("KRN-087", lambda: token_layout.transpose_aligned(torch.zeros(4, 4, dtype=F8),
+                                                       torch.tensor([4], dtype=torch.int32), align=24),
+     ValueError, "got 24"),
+    ("KRN-088", lambda: weights_fp8.quantize_weights_per_tensor([], F8), ValueError, "no weights"),
+    ("KRN-089", lambda: weights_fp8.quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(2, 4)], F8),
+     ValueError, r"weights\[1\]"),
+]
+
+
+@pytest.mark.parametrize("case, call, exc, match", CASES, ids=[c[0] for c in CASES])
+def test_raises(case, call, exc, match, monkeypatch):
+    _interpreting(monkeypatch)
+    with pytest.raises(exc, match=match):
+        call()
