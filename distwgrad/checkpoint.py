@@ -5,7 +5,11 @@
 each local shard is wrapped, without a copy, as ``DTensor.from_local(shard, mesh, [Shard(0)],
 shape=full_shape, stride=contiguous stride)`` over a 1-D mesh of the weight's group, and DCP records
 which rows each rank wrote. Loading on another world size asks DCP for this rank's rows of the same
-global tensors, so a run saved on 2 ranks resumes on 1 or 3. The state dict holds:
+global tensors, so a run saved on 2 ranks resumes on 1 or 3. A weight on a 2-D (replicate, shard) device
+mesh ([Note: device meshes] in ``weights/sharded.py``) is wrapped on that mesh as ``[Replicate(),
+Shard(0)]``: DCP writes each row block once (the replicas hold the same bytes) and records the same global
+tensor, so a checkpoint saved on a 2 x 2 mesh loads on 1 rank, on 2 (1-D) or on a 2 x 2 mesh again, and
+back. The state dict holds:
 
 * ``model.<name>``: one entry per *distinct* weight, so a tied weight is one entry (saved once, loaded
   once into the one object every user holds; identity survives);
@@ -45,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from distwgrad.weights import ShardedWeight, _comm
 
@@ -101,7 +105,10 @@ class _Wrapper:
         if tuple(t.shape) != tuple(like.shape):
             raise ValueError(f"a tensor of shape {tuple(t.shape)} cannot be laid out like a shard of shape "
                              f"{tuple(like.shape)}")
-        return DTensor.from_local(t, self.mesh(like.group), [Shard(0)], run_check=False,
+        mesh, placements = self.mesh(like.group), [Shard(0)]
+        if like.replicate_group is not None:  # a 2-D (replicate, shard) mesh: [Note: checkpoint layout]
+            mesh, placements = like.mesh, [Replicate(), Shard(0)]
+        return DTensor.from_local(t, mesh, placements, run_check=False,
                                   shape=like.full_shape, stride=_contiguous_stride(like.full_shape))
 
 

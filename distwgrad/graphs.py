@@ -134,9 +134,9 @@ def _check_options(num_warmup_iters: Any, fp8_enabled: Any, fp8_recipe: Any, _or
 def _check_distributed(weights: list[DistributedParameter]) -> None:
     """[Note: captured distributed weights]: what is refused, before any CUDA work (testable on CPU)."""
     for p in weights:
-        group = p.group
-        backend = None if group is None else dist.get_backend(group)
-        if backend is not None and backend != "nccl":
+        backends = {None if group is None else dist.get_backend(group) for group in p._reduction_groups()}
+        backend = next((b for b in sorted(backends - {None}) if b != "nccl"), None)
+        if backend is not None:
             raise RuntimeError(f"make_graphed_callables: {p._name()} reduces over a {backend!r} process group; "
                                f"{backend} collectives cannot be captured in a CUDA graph (only NCCL's can). "
                                f"Graph the model with its weights on an NCCL group, or run it eagerly")

@@ -102,15 +102,23 @@ class Launched:
     """A launched reduction: calling it waits and gives the local result; ``done()`` never blocks.
 
     ``keep`` holds the collective's input alive until the wait; it is dropped as soon as the collective
-    no longer needs it.
+    no longer needs it. ``result`` may itself issue a collective (the all-reduce across replicas after a
+    reduce-scatter: [Note: device meshes] in ``weights/sharded.py``); say so with ``collective_at_wait``,
+    and ``done()`` is then False until the wait: such a reduction lands only at the program points every
+    rank reaches in the same order (the in-flight bound, ``grad_buffer``, the end of the step), never
+    because its first collective happened to finish early on this rank.
     """
 
-    __slots__ = ("_work", "_result", "_keep")
+    __slots__ = ("_work", "_result", "_keep", "_collective_at_wait")
 
-    def __init__(self, work: Any, result: Callable[[], torch.Tensor], keep: Any = None) -> None:
+    def __init__(self, work: Any, result: Callable[[], torch.Tensor], keep: Any = None,
+                 collective_at_wait: bool = False) -> None:
         self._work, self._result, self._keep = work, result, keep
+        self._collective_at_wait = collective_at_wait
 
     def done(self) -> bool:
+        if self._collective_at_wait:
+            return False
         return self._work is None or self._work.is_completed()
 
     def __call__(self) -> torch.Tensor:

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["resolve_group", "group_rank", "group_size", "all_gather_into", "reduce_scatter_sum",
+__all__ = ["resolve_group", "resolve_groups", "group_rank", "group_size", "all_gather_into", "reduce_scatter_sum",
            "all_reduce_sum", "all_gather_objects"]
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 only has the old names.
@@ -24,6 +25,28 @@ def resolve_group(group: Any) -> Any:
     if group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return group
+
+
+def resolve_groups(group: Any, mesh: Any, device_type: str, who: str) -> tuple[Any, Any]:
+    """``(shard group, replicate group or None)`` from ``group`` or ``mesh`` ([Note: device meshes] in
+    ``weights/sharded.py``): a 1-D mesh is its group; a 2-D mesh is ``(replicate, shard)``, FSDP2's HSDP
+    convention (dim 0 replicates, dim 1 shards). ``who`` names the caller in the errors."""
+    if mesh is None:
+        return resolve_group(group), None
+    if group is not None:
+        raise ValueError(f"{who}: pass group or mesh, not both (got group={group!r} and mesh={mesh!r})")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{who}: mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{who}: mesh must be 1-D (shard) or 2-D (replicate, shard), got a {mesh.ndim}-D mesh "
+                         f"of shape {tuple(mesh.shape)} (names {mesh.mesh_dim_names})")
+    if mesh.device_type != device_type:
+        raise ValueError(f"{who}: mesh.device_type={mesh.device_type!r} but the tensor is on {device_type!r}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{who}: rank {dist.get_rank()} is not in mesh {mesh.mesh.tolist()}")
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    return mesh.get_group(1), mesh.get_group(0)
 
 
 def group_size(group: Any) -> int:

@@ -108,6 +108,8 @@ __all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "
 
 # The dtypes a weight may compute in ([Note: mixed precision]); FP8 goes through a recipe instead.
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+# Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
+_SHARED_HANDLES = frozenset({"group", "replicate_group", "mesh"})
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -168,12 +170,15 @@ class DistributedParameter(nn.Parameter):
 
     is_distributed_weight = True
     _distwgrad_weight = True
+    replicate_group: Any = None  # set by _init_state; [Note: device meshes] in weights/sharded.py
+    mesh: Any = None
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
         return super().__new__(cls, data, requires_grad)
 
     def _init_state(self, group: Any, reduce_policy: ReducePolicy, full_shape: torch.Size,
-                    async_reduce: bool = False, param_dtype: torch.dtype | None = None) -> None:
+                    async_reduce: bool = False, param_dtype: torch.dtype | None = None,
+                    replicate_group: Any = None, mesh: Any = None) -> None:
         _check_param_dtype(param_dtype, self.dtype)
         self.param_dtype = param_dtype  # [Note: mixed precision]
         if not isinstance(reduce_policy, ReducePolicy):
@@ -181,7 +186,9 @@ class DistributedParameter(nn.Parameter):
         if not isinstance(async_reduce, bool):
             raise TypeError(f"async_reduce must be a bool, got {async_reduce!r}")
         self.group = group
-        self._solo = _comm.group_size(group) == 1  # [Note: a group of one]
+        self.replicate_group = replicate_group  # [Note: device meshes] in weights/sharded.py
+        self.mesh = mesh
+        self._solo = self.dp_size == 1  # [Note: a group of one]: no shard peers and no replicas
         self.async_reduce = async_reduce
         self._inflight: list[Callable[[], torch.Tensor]] = []
         self.reduce_policy = reduce_policy
@@ -194,6 +201,15 @@ class DistributedParameter(nn.Parameter):
         self._step_has_grad = False
         self.bytes_gathered = 0
         self.bytes_reduced = 0
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks the gradient averages over: the group's size times the replicas'."""
+        return _comm.group_size(self.group) * _comm.group_size(self.replicate_group)
+
+    def _reduction_groups(self) -> tuple[Any, ...]:
+        """The groups a gradient is summed over, in order: the group, then the replicas' (if any)."""
+        return (self.group,) if self.replicate_group is None else (self.group, self.replicate_group)
 
     # --- what subclasses provide -------------------------------------------------------------------
     def _gather(self) -> torch.Tensor:
@@ -401,7 +417,7 @@ class DistributedParameter(nn.Parameter):
         new = type(self)(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            new.__dict__[key] = value if key == "group" else copy.deepcopy(value, memo)
+            new.__dict__[key] = value if key in _SHARED_HANDLES else copy.deepcopy(value, memo)
         return new
 
     def _name(self) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from distwgrad.weights import _comm
 from distwgrad.weights._accounting import Launched
@@ -41,11 +42,18 @@ class ShardedWeight(DistributedParameter):
     """
 
     @classmethod
-    def from_full(cls, tensor: torch.Tensor, *, group: Any = None,
+    def from_full(cls, tensor: torch.Tensor, *, group: Any = None, mesh: DeviceMesh | None = None,
                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
                   requires_grad: bool = True, async_reduce: bool = False,
                   param_dtype: torch.dtype | None = None) -> ShardedWeight:
         """Shards ``tensor``, which must be identical on every rank of ``group`` (None: default group).
+
+        ``mesh`` instead of ``group``: a 1-D ``DeviceMesh`` (the same as passing its group) or a 2-D one
+        whose dims are (replicate, shard), FSDP2's HSDP mesh (``init_device_mesh("cuda", (R, S),
+        mesh_dim_names=("replicate", "shard"))``): the tensor is sharded over the shard dim, each replica
+        holds the same shards, and the gradient is reduce-scattered over the shard dim then all-reduced
+        across replicas, averaged over all ``R * S`` ranks ([Note: device meshes]). Passing both raises
+        ``ValueError``.
 
         ``async_reduce`` launches each reduce-scatter without waiting, to overlap it with the rest of
         backward ([Note: contribution accounting]). ``param_dtype`` (e.g. ``torch.bfloat16``): the shard
@@ -53,31 +61,40 @@ class ShardedWeight(DistributedParameter):
         every all-gather, so modules compute in it ([Note: mixed precision]). Raises ``ValueError`` on
         every rank when the ranks disagree on the shape, dtype or ``param_dtype``.
         """
-        group = _comm.resolve_group(group)
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             raise ValueError(f"ShardedWeight.from_full needs a tensor with at least one dimension, got "
                              f"{tensor!r}")
+        group, replicas = _comm.resolve_groups(group, mesh, tensor.device.type, "ShardedWeight.from_full")
         _check_param_dtype(param_dtype, tensor.dtype)
-        meta = _comm.all_gather_objects((tuple(tensor.shape), str(tensor.dtype), str(param_dtype)), group)
-        if any(m != meta[0] for m in meta):
-            raise ValueError(f"ShardedWeight.from_full: ranks disagree on the full tensor: "
-                             f"{dict(enumerate(meta))} (shape, dtype, param_dtype) by rank")
+        mine = (tuple(tensor.shape), str(tensor.dtype), str(param_dtype))
+        for g in (group, replicas):
+            meta = _comm.all_gather_objects(mine, g)
+            if any(m != meta[0] for m in meta):
+                raise ValueError(f"ShardedWeight.from_full: ranks disagree on the full tensor: "
+                                 f"{dict(enumerate(meta))} (shape, dtype, param_dtype) by rank of "
+                                 f"{'the replicas' if g is replicas else 'the group'}")
         rows = shard_rows(tensor.shape[0], _comm.group_size(group))
         rank = _comm.group_rank(group)
         start = sum(rows[:rank])
         shard = tensor.detach()[start:start + rows[rank]].clone()
-        return cls._build(shard, group, rows, reduce_policy, requires_grad, async_reduce, param_dtype)
+        return cls._build(shard, group, rows, reduce_policy, requires_grad, async_reduce, param_dtype, replicas,
+                          mesh)
 
     @classmethod
-    def from_shard(cls, shard: torch.Tensor, *, group: Any = None,
+    def from_shard(cls, shard: torch.Tensor, *, group: Any = None, mesh: DeviceMesh | None = None,
                    reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
                    requires_grad: bool = True, async_reduce: bool = False,
                    param_dtype: torch.dtype | None = None) -> ShardedWeight:
         """Wraps this rank's rows; ranks must agree on trailing dims, dtype and ``param_dtype`` (as in
         :meth:`from_full`) and the rows must follow the ``torch.chunk`` layout of :func:`shard_rows`
-        (checked on every rank)."""
-        group = _comm.resolve_group(group)
+        (checked on every rank). ``mesh``: as in :meth:`from_full`; with a 2-D mesh the rows follow the
+        shard dim and every replica passes the same shape (checked)."""
+        group, replicas = _comm.resolve_groups(group, mesh, shard.device.type, "ShardedWeight.from_shard")
         _check_param_dtype(param_dtype, shard.dtype)
+        replica_meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype), str(param_dtype)), replicas)
+        if any(m != replica_meta[0] for m in replica_meta):
+            raise ValueError(f"ShardedWeight.from_shard: replicas disagree on the shard: "
+                             f"{dict(enumerate(replica_meta))} (shape, dtype, param_dtype) by replica")
         meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype), str(param_dtype)), group)
         if any(m[0][1:] != meta[0][0][1:] or m[1:] != meta[0][1:] for m in meta):
             raise ValueError(f"ShardedWeight.from_shard: ranks disagree on trailing dims, dtype or param_dtype: "
@@ -86,14 +103,16 @@ class ShardedWeight(DistributedParameter):
         if rows != shard_rows(sum(rows), len(rows)):
             raise ValueError(f"ShardedWeight.from_shard: rows per rank {rows} do not follow the torch.chunk "
                              f"layout {shard_rows(sum(rows), len(rows))} for {sum(rows)} rows")
-        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad, async_reduce, param_dtype)
+        return cls._build(shard.detach(), group, rows, reduce_policy, requires_grad, async_reduce, param_dtype,
+                          replicas, mesh)
 
     @classmethod
     def _build(cls, shard: torch.Tensor, group: Any, rows: list[int], reduce_policy: ReducePolicy,
-               requires_grad: bool, async_reduce: bool, param_dtype: torch.dtype | None) -> ShardedWeight:
+               requires_grad: bool, async_reduce: bool, param_dtype: torch.dtype | None,
+               replicate_group: Any = None, mesh: DeviceMesh | None = None) -> ShardedWeight:
         self = cls(shard, requires_grad)
         full_shape = torch.Size([sum(rows), *shard.shape[1:]])
-        self._init_state(group, reduce_policy, full_shape, async_reduce, param_dtype)
+        self._init_state(group, reduce_policy, full_shape, async_reduce, param_dtype, replicate_group, mesh)
         self.shard_rows = rows
         self.shard_offset = sum(rows[: _comm.group_rank(group)])
         return self
@@ -124,9 +143,14 @@ class ShardedWeight(DistributedParameter):
         return torch.cat([b[:r] for b, r in zip(blocks, self.shard_rows)])
 
     def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
-        size = _comm.group_size(self.group)
-        if size == 1:
+        """Reduce-scatter over the group, then all-reduce across replicas: [Note: device meshes]."""
+        size, total = _comm.group_size(self.group), self.dp_size
+        if total == 1:
             return Launched(None, lambda: buffer)
+        if size == 1:  # the buffer is the shard: only the all-reduce across replicas ([Note: a group of one])
+            work = _comm.all_reduce_sum(buffer, self.replicate_group, async_op=async_op)
+            self.bytes_reduced += buffer.numel() * buffer.element_size()
+            return Launched(work, lambda: buffer.div_(total))
         if len(set(self.shard_rows)) == 1:
             padded = buffer
         else:
@@ -137,5 +161,12 @@ class ShardedWeight(DistributedParameter):
         work = _comm.reduce_scatter_sum(out, padded, self.group, async_op=async_op)
         self.bytes_reduced += padded.numel() * padded.element_size()
         rows = self.shape[0]
-        # Only the collective's input and the 1/N output stay alive; the input goes at the wait.
-        return Launched(work, lambda: out[:rows].div_(size), keep=padded)
+        if self.replicate_group is None:
+            # Only the collective's input and the 1/N output stay alive; the input goes at the wait.
+            return Launched(work, lambda: out[:rows].div_(size), keep=padded)
+        self.bytes_reduced += out.numel() * out.element_size()  # the all-reduce moves the (padded) shard
+
+        def across_replicas() -> torch.Tensor:  # runs after the reduce-scatter landed
+            _comm.all_reduce_sum(out, self.replicate_group)
+            return out[:rows].div_(total)
+        return Launched(work, across_replicas, keep=padded, collective_at_wait=True)

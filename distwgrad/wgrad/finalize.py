@@ -68,25 +68,27 @@ def _missing(params: list[tuple[str, DistributedParameter]]) -> list[str]:
 def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[int, float | None]:
     """Megatron's per-token loss scaling, per weight: grads become sum over ranks / total tokens.
 
-    Weights reduce to the *average* over their own group, so each weight's factor is its group's size
-    over its group's total token count (this rank's ``num_tokens`` summed over that group). One
-    all-reduce per distinct group, in the order the groups first appear (the same on every rank).
+    Weights reduce to the *average* over their own data-parallel ranks (the group, times the replicas on
+    a 2-D mesh: [Note: device meshes] in ``weights/sharded.py``), so each weight's factor is that rank
+    count over their total token count (this rank's ``num_tokens`` summed over the group, then across
+    replicas: float64 sums of counts, exact in any order). One all-reduce per distinct group, in the
+    order the groups first appear (the same on every rank).
     """
     if num_tokens is None:
         return {}
-    by_group: dict[int, list[DistributedParameter]] = {}
+    by_group: dict[tuple[int, ...], list[DistributedParameter]] = {}
     for p in params:
-        by_group.setdefault(id(p.group), []).append(p)
+        by_group.setdefault(tuple(id(g) for g in p._reduction_groups()), []).append(p)
     scales: dict[int, float | None] = {}
     for members in by_group.values():
-        group = members[0].group
         total = torch.as_tensor(num_tokens, dtype=torch.float64).reshape(1).clone().to(members[0].device)
-        _comm.all_reduce_sum(total, group)
+        for group in members[0]._reduction_groups():
+            _comm.all_reduce_sum(total, group)
         tokens = float(total.item())
         if tokens <= 0:
             raise ValueError(f"num_tokens summed over the group is {tokens}; it must be positive")
         for p in members:
-            scales[id(p)] = _comm.group_size(group) / tokens
+            scales[id(p)] = members[0].dp_size / tokens
     return scales
 
 
