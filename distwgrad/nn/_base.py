@@ -4,6 +4,36 @@ The TransformerEngine-compatible surface lives here once: ``delay_wgrad_compute`
 ``fuse_wgrad_accumulation``, ``backward_dw()``, ``need_backward_dw()``,
 ``register_wgrad_accumulation_and_reduce_hooks(hook)`` and ``skip_backward_post_hook`` on the
 parameters of deferred modules (Megatron's DDP then leaves them to the hooks above).
+
+[Note: torch.compile]
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) Linear, GroupedLinear, LayerNormMLP (and
+LayerNormLinear, through Linear) trace as ONE opaque custom op per module call, ``distwgrad::module_forward``,
+whose registered autograd formula is a second opaque op, ``distwgrad::module_backward``
+(``distwgrad/nn/_compiled.py``). The bookkeeping stays outside the graph by design: the forward op's
+implementation runs, at run time, exactly the eager path (the checks, ``_begin_forward``'s use records,
+the autograd function's ``forward`` on a stand-in ctx), and the backward op runs that function's
+``backward`` (dgrad, and the wgrad now or queued for ``backward_dw()``). So compiled gradients are the
+eager ones bit for bit, and every contribution is counted by the same code. Making the bookkeeping
+traceable instead is not possible in dynamo today: it cannot trace ``_current_graph_task_id()`` (the
+activation-checkpoint check above, which never runs in the traced region), the ``Use`` finalizers that
+withdraw a dropped graph's uses, or closures queued in backward.
+* What dynamo traces: ``torch.is_grad_enabled()``, ``requires_grad`` and ``delay_wgrad_compute``
+  (guarded), which decide statically which gradients the main backward hands autograd (a plain
+  parameter not deferred; fused ``main_grad`` hands zeros, as in eager); LayerNormMLP's checks and
+  normalization (torch autograd, as in eager). Parameters are op inputs, for the autograd edges; the op
+  uses the module's own parameter objects, reached through an integer handle (a CPU int64 tensor, so
+  identical layers share one graph).
+* Per-call state: the forward op returns a token (a one-element int64 tensor) that is saved for
+  backward; it keys the call's saved tensors, ``_Call`` and ``Use``s, and owns them: a graph freed
+  without a backward frees the token and withdraws the uses, as in eager ([Note: contribution
+  accounting] in ``weights/base.py``).
+* A foreign distributed weight whose ``finalize_group_grads`` returns a gradient in the main backward
+  has it added to ``.grad`` (the deferred rule of [Note: the finalize contract]); which gradients go to
+  autograd must be known when tracing.
+* FP8: the recipe is read inside the op at run time, as in eager, so ``fp8_autocast`` around a compiled
+  module works (emulated on CPU, bit-equal).
+* Eager speed: outside compilation the modules call the autograd function directly (one
+  ``is_compiling()`` check), as ``kernels/_dispatch.py`` does ([Note: custom op bypass]).
 """
 
 from __future__ import annotations
@@ -13,6 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from distwgrad.nn._compiled import register_module
 from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.store import WeightGradStore
@@ -68,6 +99,12 @@ class WgradModule(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.wgrad_store = WeightGradStore(type(self).__name__)
         self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
+        self._op_handle = register_module(self)  # [Note: torch.compile]
+
+    def __setstate__(self, state) -> None:  # a deep copy or an unpickled module is a module of its own
+        super().__setstate__(state)
+        if "_op_handle" in state:
+            self._op_handle = register_module(self)
 
     # The parameters whose gradients ``backward_dw()`` delivers; None: all of them. A LayerNorm's
     # parameters get their gradients from the main backward, so they keep DDP's post-backward hook.

@@ -27,6 +27,7 @@ from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized_group
 from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
@@ -196,6 +197,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return (dx_TK, None, None, *gws, *gbs)
 
 
+def _op_backward(ctx, dy, need_dx: bool):
+    """``_GroupedLinearFunction.backward`` inside ``distwgrad::module_backward``: ``(dx, grads)``."""
+    ctx.needs_input_grad = (need_dx, False, False) + (False,) * len(ctx.op_params)
+    dx_TK, _, _, *grads = _GroupedLinearFunction.backward(ctx, dy.reshape(-1, dy.shape[-1]))
+    return None if dx_TK is None else dx_TK.reshape(ctx.inp_shape), grads
+
+
 class GroupedLinear(WgradModule):
     """``num_gemms`` linear experts applied to consecutive token groups of sizes ``m_splits``.
 
@@ -295,11 +303,23 @@ class GroupedLinear(WgradModule):
                 is_first_microbatch: bool | None = None):
         del is_first_microbatch  # nothing is cached across microbatches
         weights, all_biases = self._weights(), self._biases()
-        self._check(inp, weights, all_biases)
         biases = [] if self.return_bias else all_biases
+        if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
+            tensor_splits = isinstance(m_splits, torch.Tensor)
+            out = compiled_forward(self, inp, weights + biases, self.out_features,
+                                   aux=[m_splits] if tensor_splits else (), ints=() if tensor_splits else m_splits)
+            return (out, all_biases) if self.return_bias else out
+        x_TK, offs_E, call = self._prepare(inp, m_splits, weights, biases, torch.is_grad_enabled())
+        y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
+        out = y_TN.reshape(*inp.shape[:-1], self.out_features)
+        return (out, all_biases) if self.return_bias else out
+
+    def _prepare(self, inp: torch.Tensor, m_splits, weights: list[torch.Tensor], biases: list[torch.Tensor],
+                 grad_on: bool) -> tuple[torch.Tensor, torch.Tensor, _Call]:
+        """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, offs_E, call)``."""
+        self._check(inp, weights, self._biases())
         x_TK = inp.reshape(-1, self.in_features)
         offs_E = gg.splits_to_offsets(m_splits, self.num_gemms, x_TK.shape[0], x_TK.device)
-        grad_on = torch.is_grad_enabled()
         weight_grad = grad_on and any(p.requires_grad for p in weights)
         bias_grad = grad_on and any(p.requires_grad for p in biases)
         for kind, group, on in (("weights", weights, weight_grad), ("biases", biases, bias_grad)):
@@ -312,9 +332,16 @@ class GroupedLinear(WgradModule):
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
                      ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features),
                      uses)
-        y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
-        out = y_TN.reshape(*inp.shape[:-1], self.out_features)
-        return (out, all_biases) if self.return_bias else out
+        return x_TK, offs_E, call
+
+    def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
+        """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile])."""
+        weights = self._weights()
+        biases = [] if self.return_bias else self._biases()
+        x_TK, offs_E, call = self._prepare(inp, aux[0] if aux else list(ints), weights, biases, grad_on)
+        ctx.op_params, ctx.inp_shape, ctx.run_backward = weights + biases, inp.shape, _op_backward
+        y_TN = _GroupedLinearFunction.forward(ctx, x_TK, offs_E, call, *weights, *biases)
+        return y_TN.reshape(*inp.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

@@ -33,6 +33,7 @@ from torch import nn
 
 from distwgrad.fp8.recipe import Recipe, current_recipe
 from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._compiled import compiled_forward
 from distwgrad.nn._norm import activation as _activation
 from distwgrad.nn._norm import apply_norm, init_norm
 from distwgrad.nn.linear import _Call, _dgrad, _fprop_fp8, _linear_wgrad, _materialize_bias
@@ -132,6 +133,13 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         return dln_TH, gw1, gb1, gw2, gb2, None
 
 
+def _op_backward(ctx, dy, need_dx: bool):
+    """``_LayerNormMLPFunction.backward`` inside ``distwgrad::module_backward``: ``(dln, grads)``."""
+    ctx.needs_input_grad = (need_dx,) + (False,) * 5
+    dln_TH, *grads = _LayerNormMLPFunction.backward(ctx, dy)
+    return dln_TH, [g for p, g in zip(ctx.params, grads) if p is not None]
+
+
 class LayerNormMLP(WgradModule):
     """A normalization, fc1, an activation and fc2, with TransformerEngine's names and deferred wgrads.
 
@@ -199,7 +207,8 @@ class LayerNormMLP(WgradModule):
                 self.register_parameter(f"{name}_bias", None)
 
     def _fc_params(self) -> dict[str, torch.Tensor]:
-        return {n: p for n in _FC_NAMES if (p := getattr(self, n)) is not None}
+        # dynamo traces this ([Note: torch.compile] in nn/_base.py); it cannot trace a walrus in a comprehension
+        return {n: getattr(self, n) for n in _FC_NAMES if getattr(self, n) is not None}
 
     def _check(self, inp: torch.Tensor) -> torch.dtype:
         owner = self.wgrad_store.owner
@@ -223,23 +232,39 @@ class LayerNormMLP(WgradModule):
         del is_first_microbatch  # nothing is cached across microbatches
         self._check(inp)
         ln_TH = apply_norm(self, inp.reshape(-1, self.hidden_size))
-        w1, b1, w2 = self.fc1_weight, self.fc1_bias, self.fc2_weight
-        b2 = None if self.return_bias else self.fc2_bias
-        on = torch.is_grad_enabled()
-        params: list[torch.Tensor | None] = [w1, b1, w2, b2]  # type: ignore[list-item]  # nn.Module attributes
-        flags = [bool(on and p is not None and p.requires_grad) for p in params]
-        uses = self._begin_forward([p for p, f in zip(params, flags) if f and p is not None])
-        recipe, store = current_recipe(), self.wgrad_store
-        delay, fuse = self.delay_wgrad_compute, self.fuse_wgrad_accumulation
-        fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses)
-        fc2 = _Call(flags[2], flags[3], delay, fuse, store, recipe, (self.hidden_size, self.ffn_hidden_size), uses=uses)
-        call = _MLPCall(fc1, fc2, self.activation, self.checkpoint, delay, self.wgrad_store, recipe)
-        y_TH = _LayerNormMLPFunction.apply(ln_TH, w1, b1, w2, b2, call)
+        params = self._op_params()
+        if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
+            y_TH = compiled_forward(self, ln_TH, params, self.hidden_size)
+        else:
+            y_TH = _LayerNormMLPFunction.apply(ln_TH, *params, self._call(torch.is_grad_enabled()))
         out = y_TH.reshape(inp.shape)
         ln_out = ln_TH.reshape(inp.shape)
         if self.return_bias:
             return (out, self.fc2_bias, ln_out) if self.return_layernorm_output else (out, self.fc2_bias)
         return (out, ln_out) if self.return_layernorm_output else out
+
+    def _op_params(self) -> list[torch.Tensor | None]:
+        """fc1's weight and bias, fc2's weight and bias (None where absent, or returned)."""
+        return [self.fc1_weight, self.fc1_bias, self.fc2_weight,  # type: ignore[list-item]  # nn.Module attributes
+                None if self.return_bias else self.fc2_bias]
+
+    def _call(self, grad_on: bool) -> _MLPCall:
+        """Records this forward's uses and fixes its ``_MLPCall``."""
+        params = self._op_params()
+        flags = [bool(grad_on and p is not None and p.requires_grad) for p in params]
+        uses = self._begin_forward([p for p, f in zip(params, flags) if f and p is not None])
+        recipe, store = current_recipe(), self.wgrad_store
+        delay, fuse = self.delay_wgrad_compute, self.fuse_wgrad_accumulation
+        fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses)
+        fc2 = _Call(flags[2], flags[3], delay, fuse, store, recipe, (self.hidden_size, self.ffn_hidden_size), uses=uses)
+        return _MLPCall(fc1, fc2, self.activation, self.checkpoint, delay, self.wgrad_store, recipe)
+
+    def _op_forward(self, ctx, ln_TH: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
+        """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile]); the checks
+        and the norm ran in the traced region."""
+        params = self._op_params()
+        ctx.op_params, ctx.run_backward = [p for p in params if p is not None], _op_backward
+        return _LayerNormMLPFunction.forward(ctx, ln_TH, *params, self._call(grad_on))
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -27,6 +27,7 @@ from distwgrad.fp8.quantize import Quantized, dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized
 from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.ops.gemm import wgrad_mm
 from distwgrad.protocol import (
@@ -171,6 +172,13 @@ class _LinearFunction(torch.autograd.Function):
         return dx_TK, gw, gb, None
 
 
+def _op_backward(ctx, dy, need_dx: bool):
+    """``_LinearFunction.backward`` inside ``distwgrad::module_backward``: ``(dx, [gw, gb])``."""
+    ctx.needs_input_grad = (need_dx, False, False, False)
+    dx_TK, gw, gb, _ = _LinearFunction.backward(ctx, dy.reshape(-1, dy.shape[-1]))
+    return None if dx_TK is None else dx_TK.reshape(ctx.inp_shape), [gw, gb][: len(ctx.op_params)]
+
+
 class Linear(WgradModule):
     """A linear layer whose weight gradient may be deferred, fused into ``main_grad`` or distributed.
 
@@ -263,20 +271,35 @@ class Linear(WgradModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         del is_first_microbatch  # nothing is cached across microbatches
+        bias = None if self.return_bias else self.bias
+        if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
+            out = compiled_forward(self, inp, [self.weight, bias], self.out_features)
+        else:
+            x_TK, call = self._prepare(inp, bias, torch.is_grad_enabled())
+            y_TN = _LinearFunction.apply(x_TK, self.weight, bias, call)
+            out = y_TN.reshape(*inp.shape[:-1], self.out_features)
+        return (out, self.bias) if self.return_bias else out
+
+    def _prepare(self, inp: torch.Tensor, bias: torch.Tensor | None, grad_on: bool) -> tuple[torch.Tensor, _Call]:
+        """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, call)``."""
         self._check_param_shapes()
         self._check_input(inp)
-        bias = None if self.return_bias else self.bias
-        grad_on = torch.is_grad_enabled()
         weight_grad = grad_on and self.weight.requires_grad
         bias_grad = grad_on and bias is not None and bias.requires_grad
         tracked = [p for p, t in ((self.weight, weight_grad), (bias, bias_grad)) if t and p is not None]
         uses = self._begin_forward(tracked)
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                      self.wgrad_store, current_recipe(), (self.out_features, self.in_features), uses)
-        x_TK = inp.reshape(-1, self.in_features)
-        y_TN = _LinearFunction.apply(x_TK, self.weight, bias, call)
-        out = y_TN.reshape(*inp.shape[:-1], self.out_features)
-        return (out, self.bias) if self.return_bias else out
+        return inp.reshape(-1, self.in_features), call
+
+    def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
+        """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile])."""
+        bias = None if self.return_bias else self.bias
+        x_TK, call = self._prepare(inp, bias, grad_on)
+        ctx.op_params = [p for p in (self.weight, bias) if p is not None]
+        ctx.inp_shape, ctx.run_backward = inp.shape, _op_backward
+        y_TN = _LinearFunction.forward(ctx, x_TK, self.weight, bias, call)
+        return y_TN.reshape(*inp.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

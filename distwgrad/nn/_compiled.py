@@ -1,0 +1,197 @@
+"""A module's forward and backward as two opaque custom ops, the path taken under ``torch.compile``.
+
+[Note: torch.compile] in ``distwgrad/nn/_base.py`` says why. Dynamo traces only
+:func:`compiled_forward` (the parameter list, static flags and one ``distwgrad::module_forward`` call);
+the op's implementation runs the module's eager path at run time (checks, ``_begin_forward``, the
+autograd function's ``forward`` on an :class:`OpContext`), and ``distwgrad::module_backward`` runs the
+same function's ``backward``. Two registries join the graph to the Python state it cannot carry:
+
+* ``_MODULES``: handle -> the module, by weak reference. The handle reaches the op as a one-element
+  CPU int64 tensor held as a plain module attribute (not a buffer, so ``module.to("cuda")`` leaves it
+  on the host and reading it never syncs): a tensor is a graph input, so layers of one configuration
+  share one compiled graph, where an int attribute would be a constant and recompile per instance;
+* ``_CALLS``: per-call key -> that call's ``OpContext`` (saved tensors, the call record and its
+  ``Use``s). The key travels as a one-element int64 tensor, the *token*, returned by the forward op and
+  saved for backward, so the backward finds the state of its own call at run time (AOTAutograd traces
+  ``setup_context`` and ``backward`` once, with fake tensors). The token owns the entry: when the graph
+  that saved it is freed, with or without a backward, the entry goes, and with it the ``Use``s (a
+  dropped graph withdraws its uses, as in eager: [Note: contribution accounting] in weights/base.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from distwgrad.protocol import is_distributed_weight
+from distwgrad.wgrad.accumulate import add_to_grad
+
+__all__ = ["OpContext", "register_module", "compiled_forward"]
+
+_MODULES: dict[int, weakref.ref] = {}
+_CALLS: dict[int, OpContext] = {}
+_handles = itertools.count(1)
+_keys = itertools.count(1)
+
+
+def register_module(module: torch.nn.Module) -> torch.Tensor:
+    """A fresh handle for ``module`` (a copy or an unpickled module gets its own)."""
+    handle = next(_handles)
+    _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None))
+    return torch.tensor([handle], dtype=torch.int64)
+
+
+def _module(handle_t: torch.Tensor):
+    handle = int(handle_t[0])
+    ref = _MODULES.get(handle)
+    module = None if ref is None else ref()
+    if module is None:
+        raise RuntimeError(f"distwgrad: a compiled graph called module handle {handle}, whose module no longer "
+                           f"exists (was the graph compiled for a module that was deleted?)")
+    return module
+
+
+class OpContext:
+    """The part of an autograd function's ``ctx`` that distwgrad's functions use, for running their
+    ``forward`` and ``backward`` by hand inside the ops: ``save_for_backward``, ``saved_tensors``,
+    ``needs_input_grad`` and plain attributes."""
+
+    def __init__(self) -> None:
+        self._saved: tuple[torch.Tensor, ...] = ()
+        self.needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self._saved = tensors
+
+    @property
+    def saved_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._saved
+
+
+@contextlib.contextmanager
+def _autograd_dispatch() -> Iterator[None]:
+    """Autograd dispatch as in eager, inside an op's implementation (the op's autograd kernel excludes
+    it): LayerNormMLP's backward differentiates its activation with ``torch.autograd.grad`` under
+    ``enable_grad``. Grad mode itself is left as the caller set it (off, as in an autograd function)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                  torch._C.DispatchKey.AutogradNestedTensor)
+
+
+def _unaliased(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """An op's outputs may alias neither its inputs nor each other: a tensor sharing storage with one
+    is copied (the experts' gradients, views of one product; never on the eager path)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    fresh = []
+    for t in outs:
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        fresh.append(t)
+    return fresh
+
+
+@torch.library.custom_op("distwgrad::module_forward", mutates_args=())
+def module_forward(inp: torch.Tensor, params: list[torch.Tensor], aux: list[torch.Tensor], ints: list[int],
+                   handle: torch.Tensor, grad_on: bool, hands: list[bool],
+                   out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(module(inp), token)``: the module's eager forward, run at run time. ``params`` carry the autograd
+    edges only (the module's own parameter objects are used); ``aux``, ``ints``: the module's extra
+    arguments (GroupedLinear's ``m_splits``, a tensor or ints)."""
+    del hands
+    ctx = OpContext()
+    with _autograd_dispatch(), torch.no_grad():  # as an autograd function's forward runs
+        y = _module(handle)._op_forward(ctx, inp, aux, ints, grad_on)
+    key = next(_keys)
+    token = torch.tensor([key], dtype=torch.int64)
+    _CALLS[key] = ctx
+    weakref.finalize(token, _CALLS.pop, key, None)
+    (y,) = _unaliased([y], [inp, *params, *aux, handle])
+    return y, token
+
+
+@module_forward.register_fake
+def _(inp, params, aux, ints, handle, grad_on, hands, out_cols):
+    return inp.new_empty((*inp.shape[:-1], out_cols)), torch.empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("distwgrad::module_backward", mutates_args=())
+def module_backward(token: torch.Tensor, dy: torch.Tensor, params: list[torch.Tensor], inp_shape: list[int],
+                    need_dx: bool, hands: list[bool]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(dx, grads)``: the eager backward of the call ``token`` names. ``grads[i]`` is what autograd gets
+    for ``params[i]`` where ``hands[i]``, else an empty placeholder; a gradient the static plan did not
+    hand autograd (a foreign distributed weight's ``finalize_group_grads`` result) is added to ``.grad``,
+    the deferred rule of [Note: the finalize contract]."""
+    ctx = _CALLS.get(int(token[0]))
+    if ctx is None:
+        raise RuntimeError("distwgrad: a compiled backward found no state for its forward call (its graph was "
+                           "freed, or backward ran twice without retain_graph=True)")
+    with _autograd_dispatch(), torch.no_grad():  # as an autograd function's backward runs
+        dx, grads = ctx.run_backward(ctx, dy, need_dx)
+    out = []
+    for p, g, hand in zip(ctx.op_params, grads, hands):
+        if hand:
+            assert g is not None, "a gradient the compiled plan hands autograd was not produced"
+            out.append(g)
+        else:
+            add_to_grad(p, g)
+            out.append(dy.new_empty(0))
+    dx, *out = _unaliased([dy.new_empty(0) if dx is None else dx, *out], [token, dy, *params])
+    return dx, out
+
+
+@module_backward.register_fake
+def _(token, dy, params, inp_shape, need_dx, hands):
+    dx = dy.new_empty(inp_shape) if need_dx else dy.new_empty(0)
+    return dx, [torch.empty_like(p) if hand else dy.new_empty(0) for p, hand in zip(params, hands)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    inp, params, aux, ints, _, _, hands, _ = inputs
+    ctx.save_for_backward(output[1], *params)
+    ctx.inp_shape, ctx.hands, ctx.n_aux = list(inp.shape), list(hands), len(aux)
+    ctx.ints_grad = None if ints else []  # the structure register_autograd flattens an int list to
+
+
+def _backward(ctx, dy, _dtoken):
+    token, *params = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    dx, grads = torch.ops.distwgrad.module_backward(token, dy.contiguous(), params, ctx.inp_shape, need_dx,
+                                                    ctx.hands)
+    grads = [g if hand else None for g, hand in zip(grads, ctx.hands)]
+    return (dx if need_dx else None), grads, [None] * ctx.n_aux, ctx.ints_grad, None, None, None, None
+
+
+module_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.fx.node.has_side_effect(torch.ops.distwgrad.module_forward.default)
+torch.fx.node.has_side_effect(torch.ops.distwgrad.module_backward.default)
+
+
+def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | None], out_cols: int, *,
+                     aux: Sequence[torch.Tensor] = (), ints: Sequence[int] = ()) -> torch.Tensor:
+    """What dynamo traces of a module's forward: one ``distwgrad::module_forward`` call.
+
+    ``hands[i]``: whether ``params[i]``'s gradient goes back to autograd from the main backward (a plain
+    parameter whose wgrad is not deferred; fused ``main_grad`` hands zeros), fixed at trace time from
+    what dynamo guards on (grad mode, ``requires_grad``, ``delay_wgrad_compute``). A distributed weight
+    delivers itself, and a deferred wgrad waits for ``backward_dw()``.
+    """
+    present = [p for p in params if p is not None]
+    grad_on = torch.is_grad_enabled()
+    hands = [grad_on and p.requires_grad and not module.delay_wgrad_compute and not is_distributed_weight(p)
+             for p in present]
+    y, _ = torch.ops.distwgrad.module_forward(inp, present, list(aux), list(ints), module._op_handle, grad_on,
+                                              hands, out_cols)
+    return y

@@ -1,0 +1,264 @@
+"""``torch.compile(module, fullgraph=True)`` of Linear, GroupedLinear and LayerNormMLP: [Note: torch.compile].
+
+Each case runs the same two steps on an eager model and on a compiled deep copy (forward, backward,
+deferred wgrads drained by ``backward_dw()``, ``finalize_model_grads`` where a distributed weight is
+present) and requires every gradient (input, ``.grad``, ``main_grad``) to be bit-equal. A compile costs
+seconds on a CPU, so the default run takes a covering sample (both backends, every module and route at
+least once); the rest of the grid carries the ``full`` marker.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import distwgrad.nn as dnn
+from distwgrad import ShardedWeight, finalize_model_grads
+from distwgrad.fp8.recipe import PerTensorScaling, fp8_autocast
+from distwgrad.weights.base import MissingContributionError
+
+E, T, K, N = 3, 10, 8, 6
+SPLITS = [4, 0, 6]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch (the grid would otherwise pile up on one code object's recompiles)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    out = {"input": x.grad}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = p.grad
+        out[f"{name}.main_grad"] = getattr(p, "main_grad", None)
+    return out
+
+
+def _assert_bit_equal(eager: dict, compiled: dict) -> None:
+    assert eager.keys() == compiled.keys()
+    for name, g in eager.items():
+        h = compiled[name]
+        assert (g is None) == (h is None), name
+        if g is not None:
+            assert g.dtype == h.dtype and torch.equal(g, h), f"{name}: max diff {(g.float() - h.float()).abs().max()}"
+
+
+def _step(model, run, x, extra, finalize: bool) -> dict:
+    loss = run(x, *extra).float().square().sum()
+    loss.backward()
+    for m in model.modules():
+        if isinstance(m, dnn.Linear | dnn.GroupedLinear | dnn.LayerNormMLP):
+            while m.pending_backward_dw:
+                m.backward_dw()
+    if finalize:
+        finalize_model_grads(model)
+    return _grads(model, x)
+
+
+def _compare(model: nn.Module, inputs, *, backend: str = "aot_eager", finalize: bool = False,
+             steps: int = 2) -> None:
+    """Eager ``model`` against ``torch.compile`` of a deep copy, ``steps`` steps, every gradient bit-equal."""
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    for step in range(steps):
+        x, extra = inputs(step)
+        xc = x.detach().clone().requires_grad_(x.requires_grad)
+        _assert_bit_equal(_step(model, model, x, extra, finalize), _step(twin, compiled, xc, extra, finalize))
+
+
+def _x(dtype=torch.float32, shape=(2, 5, K)):
+    def inputs(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(shape, generator=g).to(dtype).requires_grad_(), ()
+    return inputs
+
+
+class _Tied(nn.Module):
+    """Two Linears sharing one weight, used in sequence: two contributions per step."""
+
+    def __init__(self, weight: torch.Tensor, **kw) -> None:
+        super().__init__()
+        self.a = dnn.Linear(K, K, bias=False, weight=weight, **kw)
+        self.b = dnn.Linear(K, K, weight=self.a.weight, **kw)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _Experts(nn.Module):
+    def __init__(self, splits, **kw) -> None:
+        super().__init__()
+        self.gl = dnn.GroupedLinear(E, K, N, **kw)
+        self.splits = splits
+
+    def forward(self, x):
+        return self.gl(x, self.splits)
+
+
+def _linear_case(bias, delay, fuse, dtype):
+    torch.manual_seed(0)
+    return dnn.Linear(K, N, bias=bias, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse, params_dtype=dtype)
+
+
+# --- the covering sample: each line one compile -----------------------------------------------------
+def test_linear_aot_eager_no_graph_breaks():
+    model = _linear_case(True, False, False, torch.float32)
+    explain = torch._dynamo.explain(copy.deepcopy(model))(torch.randn(2, 5, K))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    _compare(model, _x())
+
+
+def test_linear_inductor_bf16_no_bias_deferred():
+    _compare(_linear_case(False, True, False, torch.bfloat16), _x(torch.bfloat16), backend="inductor")
+
+
+def test_grouped_linear_discrete_list_splits_deferred():
+    torch.manual_seed(0)
+    model = _Experts(SPLITS, delay_wgrad_compute=True)
+    explain = torch._dynamo.explain(copy.deepcopy(model))(torch.randn(T, K))
+    assert explain.graph_break_count == 0, explain.break_reasons
+    _compare(model, _x(shape=(T, K)))
+
+
+def test_grouped_linear_packed_tensor_splits_fused_inductor():
+    torch.manual_seed(0)
+    model = _Experts(torch.tensor(SPLITS), single_grouped_weight=True, fuse_wgrad_accumulation=True)
+    _compare(model, _x(shape=(T, K)), backend="inductor")
+
+
+def test_layernorm_mlp_deferred_fused():
+    torch.manual_seed(0)
+    model = dnn.LayerNormMLP(K, 2 * K, delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
+                             activation="swiglu")
+    explain = torch._dynamo.explain(copy.deepcopy(model))(torch.randn(2, 5, K))
+    assert explain.graph_break_count == 0, explain.break_reasons
+    _compare(model, _x())
+
+
+def test_tied_sharded_weight_deferred_finalize():
+    """A ShardedWeight on a one-rank group tied between two Linears, deferred, finalized each step."""
+    torch.manual_seed(0)
+    weight = ShardedWeight.from_full(torch.randn(K, K) / K**0.5)
+    model = _Tied(weight, delay_wgrad_compute=True)
+    assert model.a.weight is model.b.weight
+    _compare(model, _x(), finalize=True)
+
+
+def test_accounting_counts_every_compiled_contribution():
+    """A dropped compiled graph withdraws its use; an undrained deferred wgrad refuses to finish; after
+    draining, finalize_model_grads works and the next step starts clean."""
+    torch.manual_seed(0)
+    model = dnn.Linear(K, N, weight=ShardedWeight.from_full(torch.randn(N, K)), delay_wgrad_compute=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(torch.randn(4, K))
+    assert model.weight.pending_contributions == 1
+    del out  # the graph is freed without a backward: the use is withdrawn
+    assert model.weight.pending_contributions == 0
+    compiled(torch.randn(4, K)).sum().backward()
+    assert model.pending_backward_dw == 1 and model.weight.pending_contributions == 1
+    with pytest.raises(RuntimeError, match="never drained"):
+        finalize_model_grads(model)
+    with pytest.raises(MissingContributionError, match="0 of 1 gradient contributions"):
+        model.weight.finish_step()
+    model.backward_dw()
+    assert finalize_model_grads(model) == 1 and model.weight.grad is not None
+    compiled(torch.randn(4, K)).sum().backward()
+    model.backward_dw()
+    assert finalize_model_grads(model) == 1
+
+
+def test_layers_of_one_configuration_share_one_graph():
+    """The module handle is a tensor input, not a constant: ten layers compile once, not ten times."""
+    torch.manual_seed(0)
+    layers = [dnn.Linear(K, K) for _ in range(10)]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        x = torch.randn(4, K, requires_grad=True)
+        for layer in layers:
+            torch.compile(layer, fullgraph=True, backend="aot_eager")(x).sum().backward()
+    assert all(layer.weight.grad is not None for layer in layers)
+
+
+def test_fp8_recipe_under_compile():
+    """The recipe is read inside the op at run time, as in eager: FP8 (emulated on CPU) is bit-equal."""
+    model = _linear_case(True, False, False, torch.float32)
+
+    def fp8(module):
+        def run(x):
+            with fp8_autocast(PerTensorScaling()):
+                return module(x)
+        return run
+
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 5, K, requires_grad=True)
+    xc = x.detach().clone().requires_grad_()
+    _assert_bit_equal(_step(model, fp8(model), x, (), False), _step(twin, fp8(compiled), xc, (), False))
+
+
+def test_eager_modules_never_call_the_op(monkeypatch):
+    """Outside torch.compile the modules call today's path directly ([Note: torch.compile])."""
+    import distwgrad.nn._compiled as compiled_mod
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the eager path went through the custom op")
+
+    for name in ("linear", "grouped_linear", "layernorm_mlp"):
+        monkeypatch.setattr(f"distwgrad.nn.{name}.compiled_forward", refuse)
+    assert compiled_mod.compiled_forward is not refuse
+    dnn.Linear(K, N)(torch.randn(2, K)).sum().backward()
+    dnn.GroupedLinear(E, K, N)(torch.randn(T, K), SPLITS).sum().backward()
+    dnn.LayerNormMLP(K, 2 * K)(torch.randn(2, K)).sum().backward()
+
+
+# --- the rest of the grid ---------------------------------------------------------------------------
+@pytest.mark.full
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("bias,delay,fuse,dtype", [
+    (True, True, True, torch.float32), (False, False, True, torch.float32), (True, False, False, torch.bfloat16),
+    (True, True, False, torch.float32)])
+def test_linear_grid(backend, bias, delay, fuse, dtype):
+    _compare(_linear_case(bias, delay, fuse, dtype), _x(dtype), backend=backend)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("tensor_splits", [False, True])
+@pytest.mark.parametrize("delay,fuse", [(False, False), (True, True)])
+def test_grouped_linear_grid(packed, tensor_splits, delay, fuse):
+    torch.manual_seed(0)
+    splits = torch.tensor(SPLITS) if tensor_splits else SPLITS
+    model = _Experts(splits, single_grouped_weight=packed, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+    _compare(model, _x(shape=(T, K)))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("delay", [False, True])
+def test_sharded_weights_in_every_module(delay):
+    torch.manual_seed(0)
+    mlp = dnn.LayerNormMLP(K, 2 * K, delay_wgrad_compute=delay)
+    mlp.fc1_weight = ShardedWeight.from_full(mlp.fc1_weight.detach())
+    mlp.fc2_weight = ShardedWeight.from_full(mlp.fc2_weight.detach(), param_dtype=None)
+    _compare(mlp, _x(), finalize=True)
+    experts = _Experts(SPLITS, single_grouped_weight=True, delay_wgrad_compute=delay)
+    experts.gl.weight = ShardedWeight.from_full(experts.gl.weight.detach())
+    _compare(experts, _x(shape=(T, K)), finalize=True)
+
+
+@pytest.mark.full
+def test_layernorm_linear():
+    torch.manual_seed(0)
+    _compare(dnn.LayerNormLinear(K, N, delay_wgrad_compute=True, normalization="RMSNorm"), _x())
+
+
+@pytest.mark.full
+def test_tied_plain_weight_bf16_sharded_param_dtype():
+    torch.manual_seed(0)
+    _compare(_Tied(nn.Parameter(torch.randn(K, K) / K**0.5)), _x())
+    weight = ShardedWeight.from_full(torch.randn(K, K) / K**0.5, param_dtype=torch.bfloat16)
+    _compare(_Tied(weight, delay_wgrad_compute=True), _x(torch.bfloat16), finalize=True)
