@@ -40,8 +40,9 @@ full-size fp32 buffer to their local shape (``_reduce``).
   are dropped, reductions in flight are waited for and dropped, the buffer is freed, the counts reset and
   ``.grad`` is left as it was; uses of the abandoned step no longer count. The next step starts clean.
 * Collectives fire in the order contributions complete, which is the same on every rank because every
-  rank runs the same program; the reduction is an fp32 sum divided by the group size (an average, as
-  DDP and FSDP do).
+  rank runs the same program; the reduction is an fp32 sum divided by the number of data-parallel ranks
+  (``dp_size``: the group's size, times the replicas on a 2-D mesh: [Note: device meshes] in
+  ``weights/sharded.py``): an average, as DDP and FSDP do.
 * With ``async_reduce=True`` a reduction is launched without waiting (``async_op``), so it overlaps the
   rest of backward. In-flight bound: at most ``MAX_INFLIGHT_REDUCTIONS`` (1) reductions are in flight in
   a process; launching another first lands the oldest (waits, adds it to its ``main_grad``, frees its
@@ -57,10 +58,12 @@ full-size fp32 buffer to their local shape (``_reduce``).
   with the number of microbatches (``tests/test_gradient_memory.py`` measures it).
 
 [Note: a group of one]
-A weight whose group has one rank (one GPU, or a ``ReplicatedWeight`` alone) has nothing to reduce, and
-its full gradient has ``main_grad``'s shape. There ``grad_buffer()`` is ``main_grad`` itself (when it is
-fp32, as it is unless a caller attached another): wgrads accumulate in place, with no full-size buffer to
-zero, no add into ``main_grad`` and no reduction. Counting, withdrawals and ``finish_step`` are unchanged;
+A weight whose group has one rank (one GPU, or a ``ReplicatedWeight`` alone) and no replicas
+(``dp_size == 1``) has nothing to reduce, and its full gradient has ``main_grad``'s shape. (A shard group of
+one on a 2-D mesh with R > 1 replicas still all-reduces across them: [Note: device meshes].)
+There ``grad_buffer()`` is ``main_grad`` itself (when it is fp32, as it is unless a caller attached
+another): wgrads accumulate in place, with no full-size buffer to zero, no add into ``main_grad`` and no
+reduction. Counting, withdrawals and ``finish_step`` are unchanged;
 the sums are the same fp32 adds in the same order (the buffer started at zero and was added to a zeroed
 ``main_grad``), so the gradient is bit-identical to the buffered path.
 

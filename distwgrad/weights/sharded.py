@@ -9,6 +9,38 @@ Shards may be uneven and follow ``torch.chunk`` (and so DTensor's ``Shard(0)``):
 0). Using DTensor's layout lets ``torch.distributed.checkpoint`` reshard our weights between world
 sizes. Collectives pad every shard to the largest shard's row count, so each rank sends and receives
 equal-sized blocks; padding rows are never read back.
+
+[Note: device meshes]
+``from_full`` / ``from_shard`` take ``group=`` or ``mesh=`` (a ``torch.distributed.DeviceMesh``; both is a
+``ValueError``). FSDP2's conventions: a 1-D mesh shards over its one dim and is exactly its group (the same
+collectives, bit-identical); a 2-D mesh is (replicate, shard), HSDP: dim 0 replicates, dim 1 shards
+(``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``; the dims are read by
+position, the names are the user's). Shard within a node, replicate across nodes.
+* Layout: ``group`` is the shard dim's group and ``replicate_group`` the replicate dim's (None without a
+  2-D mesh). The shards follow ``group`` (``torch.chunk`` over S ranks); the R replicas of a shard hold
+  the same rows and bytes. Every gather (forward, backward, FP8: ``fp8/weights.py`` gathers and takes
+  amaxes over ``w.group``) runs within the shard group, so it moves what an S-rank gather moves.
+* Reduction: reduce-scatter the fp32 buffer over the shard group (sum), then all-reduce the shard over
+  the replicate group (sum), then divide by ``dp_size = R * S``: the average over every data-parallel
+  rank, as FSDP2's HSDP averages (and as DDP would over R * S ranks). Both collectives are fp32.
+  ``bytes_reduced`` counts both: the reduce-scatter's (padded) input plus the all-reduce's (padded) shard.
+* Async: the reduce-scatter is launched without waiting; the all-reduce needs its result, so it is issued
+  when the reduction lands, i.e. only at points every rank reaches in the same order (the in-flight bound,
+  ``grad_buffer``, ``finish_step``, ``wait_for_reductions``, ``discard_step``), never because the
+  reduce-scatter happened to finish early on one rank: an early all-reduce on one rank could wait on a
+  replica that is itself waiting in a shard-group collective on a third rank. The values are those of
+  the synchronous path, bit for bit. The all-reduce does not overlap compute on gloo; on the GPU a stream
+  would order it after the reduce-scatter (FSDP2's way), which is not done here.
+* A shard group of one (S = 1, R > 1): the buffer is the shard, there is no reduce-scatter, and the
+  all-reduce across replicas still runs (async like any all-reduce); [Note: a group of one]'s in-place
+  path is only for ``dp_size == 1``. R = 1 gives the 1-D numbers (an all-reduce over one rank).
+* ``ReplicatedWeight`` on a 2-D mesh replicates over every rank of it: one fp32 all-reduce over the
+  flattened mesh (``DeviceMesh._flatten``, cached by the mesh: every weight shares the group), the same
+  average over R * S ranks as a ``ShardedWeight`` on that mesh; a 1-D mesh is its group.
+* Token scaling (``finalize_model_grads(num_tokens=...)``) sums tokens over the group then across
+  replicas and scales by ``dp_size / tokens`` (``wgrad/finalize.py``).
+* Checkpoints wrap a 2-D mesh's shards as ``DTensor`` ``[Replicate(), Shard(0)]`` on that mesh, so DCP
+  reshards between meshes and world sizes ([Note: checkpoint layout] in ``checkpoint.py``).
 """
 
 from __future__ import annotations
