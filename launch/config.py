@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -89,7 +90,11 @@ class TrainConfig:
     out: str = _opt("runs/moe_gpt", "run folder: report.json, loss.png, checkpoints/step_N")
     log_every: int = _opt(10, "log a line every N steps on rank 0 (0: never)")
     save_every: int = _opt(0, "save a checkpoint every N steps, and at the last step (0: never)")
+    keep_last: int = _opt(0, "keep only the newest K complete checkpoints, pruning older ones once a newer one is "
+                          "complete (0: keep all)")
     resume: str | None = _opt(None, "resume from a checkpoint folder, or the latest complete step_N in it")
+    timeout: float = _opt(600.0, "seconds any collective may wait before the job stops with exit code 3 (a "
+                          "rank died or hangs; docs/training.md, Faults)")
     check_parity: bool = _opt(False, "also train an unsharded single-process copy and compare losses")
     progress: bool = _opt(True, "show a progress bar on rank 0")
 
@@ -100,12 +105,12 @@ class TrainConfig:
             if getattr(self, k) is None:
                 object.__setattr__(self, k, v)
         positive = {k: getattr(self, k) for k in ("steps", "global_batch", "microbatches")}
-        non_negative = {k: getattr(self, k) for k in ("log_every", "save_every", "warmup_steps")}
+        non_negative = {k: getattr(self, k) for k in ("log_every", "save_every", "warmup_steps", "keep_last")}
         bad = {k: v for k, v in positive.items() if not _is_int(v) or v <= 0}
         bad.update({k: v for k, v in non_negative.items() if not _is_int(v) or v < 0})
         if bad:
-            raise ValueError(f"these options must be positive (log/save intervals and warm-up: non-negative) ints: "
-                             f"{bad}")
+            raise ValueError(f"these options must be positive (log/save intervals, warm-up, keep-last: "
+                             f"non-negative) ints: {bad}")
         if self.global_batch % self.microbatches:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by "
                              f"microbatches={self.microbatches}")
@@ -115,6 +120,8 @@ class TrainConfig:
         if not self.lr > 0 or not self.weight_decay >= 0:
             raise ValueError(f"need lr > 0 and weight_decay >= 0, got lr={self.lr}, "
                              f"weight_decay={self.weight_decay}")
+        if not (isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds")
         if not self.out:
             raise ValueError("out must name a folder, got an empty string")
         self.model_config()  # validates the model fields

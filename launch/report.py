@@ -53,15 +53,20 @@ def measure_peak_flops(device: torch.device) -> float | None:
     return 2 * _PEAK_N**3 * _PEAK_ITERS / best
 
 
-def peak_memory(device: torch.device, group: Any, world_size: int) -> dict[str, Any]:
+def peak_memory(device: torch.device, group: Any, world_size: int, *, rank: int | None = None) -> dict[str, Any]:
+    """This process's peak memory, gathered over ``group``; with ``rank`` (an interrupted run, whose group
+    is broken) no collective runs and the other ranks' entries are None."""
     if device.type == "cuda":
         mine, source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     else:  # Linux reports ru_maxrss in KiB
         mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         source = "resource.getrusage(RUSAGE_SELF).ru_maxrss (process RSS high-water mark, whole process)"
     per_rank: list[Any] = [None] * world_size
-    dist.all_gather_object(per_rank, mine, group=group)
-    return {"source": source, "bytes_per_rank": per_rank, "max_bytes": max(per_rank)}
+    if rank is None:
+        dist.all_gather_object(per_rank, mine, group=group)
+    else:
+        per_rank[rank] = mine
+    return {"source": source, "bytes_per_rank": per_rank, "max_bytes": max(m for m in per_rank if m is not None)}
 
 
 def earlier_history(out: str, start: int, model_config: dict[str, Any]) -> dict[str, Any]:

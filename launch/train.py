@@ -68,6 +68,7 @@ from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling, fp8_auto
 from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
+from . import faults as _faults
 from . import report as _out
 from .config import TrainConfig, parse_args
 
@@ -113,11 +114,26 @@ class _Runtime:
     backend: str
     group: Any
     param_dtype: torch.dtype | None  # None: fp32
+    monitor: Any = None  # a gloo group of all ranks for the fault probes only ([Note: lost rank])
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def precision(self) -> str:
         return "fp32" if self.param_dtype is None else "bf16"
+
+
+_HIST = ("steps", "loss", "step_time_s", "tokens_per_s", "bytes_all_gathered", "bytes_reduce_scattered",
+         "checkpoints")
+
+
+@dataclass
+class _Progress:
+    """How far the run got, kept outside the loop so an interrupted run can report it ([Note: lost rank])."""
+    start: int = 0
+    step: int = 0  # the step being trained or saved
+    hist: dict[str, list] = field(default_factory=lambda: {k: [] for k in _HIST})
+    corpus: Any = None
+    peak: list = field(default_factory=list)
 
 
 class _TqdmHandler(logging.Handler):
@@ -140,7 +156,9 @@ def _init(config: TrainConfig) -> _Runtime:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(minutes=30)  # rank 0 alone runs the --check-parity reference
+    timeout = datetime.timedelta(seconds=config.timeout)  # every collective ([Note: lost rank])
+    if backend == "nccl":
+        _faults.nccl_env(config.timeout)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:  # plain `python -m ...`: a group of one, so every code path is the same
@@ -150,7 +168,10 @@ def _init(config: TrainConfig) -> _Runtime:
                         format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
     torch.manual_seed(config.seed)
     bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
-    return _Runtime(rank, world_size, device, backend, dist.group.WORLD, torch.bfloat16 if bf16 else None)
+    monitor = dist.new_group(backend="gloo", timeout=timeout)  # monitored_barrier is gloo's
+    _faults.publish_pid()
+    return _Runtime(rank, world_size, device, backend, dist.group.WORLD, torch.bfloat16 if bf16 else None,
+                    monitor)
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -292,36 +313,33 @@ def _free_running(config: TrainConfig, rt: _Runtime, corpus: MarkovCorpus | Toke
     return losses
 
 
-def _parity_result(config, rt, corpus, lockstep: _Lockstep, model, hist) -> dict[str, Any]:
-    result = [lockstep.verdict(model)]
-    if rt.rank == 0:
-        free = _free_running(config, rt, corpus)
-        ours = hist["loss"]
-        r = result[0]
-        r["free_running_steps"] = hist["steps"]
-        r["free_running_loss"] = [free[s - 1] for s in hist["steps"]]
-        r["free_running_max_abs_diff"] = max((abs(a - b) for a, b in zip(ours, r["free_running_loss"])),
-                                             default=0.0)
-        tol = r["tolerance"]
-        log.info("parity (lockstep, %d steps, %s): max |loss diff| %.2e (tol %.0e), max rel grad diff %.2e "
-                 "(tol %.0e), max rel weight diff %.2e (tol %.0e): %s; free-running max |loss diff| %.2e "
-                 "(chaotic, not gated)", len(ours), rt.precision, r["max"]["loss_abs"], tol["loss_abs"],
-                 r["max"]["grad_rel"], tol["grad_rel"], r["max"]["weight_rel"], tol["weight_rel"],
-                 "PASSED" if r["passed"] else "FAILED", r["free_running_max_abs_diff"])
-    dist.broadcast_object_list(result, src=0, group=rt.group)
-    return result[0]
+def _parity_result(config, rt, corpus, r: dict[str, Any], hist) -> dict[str, Any]:
+    """The lockstep verdict ``r`` with the free-running reference added (rank 0, after the last collective)."""
+    free = _free_running(config, rt, corpus)
+    ours = hist["loss"]
+    r["free_running_steps"] = hist["steps"]
+    r["free_running_loss"] = [free[s - 1] for s in hist["steps"]]
+    r["free_running_max_abs_diff"] = max((abs(a - b) for a, b in zip(ours, r["free_running_loss"])),
+                                         default=0.0)
+    tol = r["tolerance"]
+    log.info("parity (lockstep, %d steps, %s): max |loss diff| %.2e (tol %.0e), max rel grad diff %.2e "
+             "(tol %.0e), max rel weight diff %.2e (tol %.0e): %s; free-running max |loss diff| %.2e "
+             "(chaotic, not gated)", len(ours), rt.precision, r["max"]["loss_abs"], tol["loss_abs"],
+             r["max"]["grad_rel"], tol["grad_rel"], r["max"]["weight_rel"], tol["weight_rel"],
+             "PASSED" if r["passed"] else "FAILED", r["free_running_max_abs_diff"])
+    return r
 
 
 # --- the loop --------------------------------------------------------------------------------------------
 
 def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus | TokenFile, start: int,
-           lockstep: _Lockstep | None) -> dict[str, list]:
-    hist: dict[str, list] = {k: [] for k in ("steps", "loss", "step_time_s", "tokens_per_s",
-                                             "bytes_all_gathered", "bytes_reduce_scattered", "checkpoints")}
+           lockstep: _Lockstep | None, progress: _Progress) -> dict[str, list]:
+    hist = progress.hist
     tokens_per_step = config.global_batch * config.seq_len
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rt.rank != 0 or not config.progress, file=sys.stderr)
     for step in range(start + 1, config.steps + 1):
+        progress.step = step
         local_BS = corpus.local_batch(step, config.global_batch, rt.rank, rt.world_size)
         if lockstep:
             lockstep.sync(model)
@@ -334,6 +352,7 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
         dt = time.perf_counter() - t0
         if lockstep:
             lockstep.check(model, corpus.global_batch(step, config.global_batch), loss, step)
+            _faults.wait_for_rank0(rt.monitor, config.timeout)  # rank 0 alone ran the reference step
         t0 = time.perf_counter()
         _optimizer_step(optimizer, config.lr_at(step))
         dt += time.perf_counter() - t0
@@ -360,23 +379,26 @@ def _model_meta(config: TrainConfig) -> dict[str, Any]:
 
 def _save(config: TrainConfig, rt: _Runtime, step: int, model, optimizer) -> str:
     path = save_checkpoint(os.path.join(config.out, "checkpoints"), step, model, optimizer, group=rt.group,
-                           meta=_model_meta(config))
+                           meta=_model_meta(config), keep_last=config.keep_last)
     log.info("saved %s", path)
     return path
 
 
 # --- report ----------------------------------------------------------------------------------------------
 
-def _report(config: TrainConfig, rt: _Runtime, hist: dict[str, list], start: int, parity: dict | None,
-            corpus: MarkovCorpus | TokenFile, peak_flops: list[float | None]) -> dict[str, Any]:
-    """report.json: this run's steps after the earlier ones kept from ``--out`` ([Note: resumed history])."""
+def _report(config: TrainConfig, rt: _Runtime, progress: _Progress, parity: dict | None, memory: dict[str, Any],
+            interrupted: dict[str, Any] | None = None) -> dict[str, Any]:
+    """report.json: this run's steps after the earlier ones kept from ``--out`` ([Note: resumed history]);
+    ``interrupted`` says where a run that lost a rank stopped ([Note: lost rank] in launch/faults.py)."""
+    hist, start, corpus = progress.hist, progress.start, progress.corpus
+    last = config.steps if interrupted is None else interrupted["last_step_done"]
     rates = hist["tokens_per_s"][1:] or hist["tokens_per_s"]  # the first step pays warm-up
     wall = time.perf_counter() - rt.started
     mc = config.model_config()
     earlier = _out.earlier_history(config.out, start, dict(mc.__dict__)) if config.resume else {}
     ours = dict(zip(_out.PER_STEP, (hist[k] for k in ("steps", "loss", "step_time_s", "tokens_per_s",
                                                        "bytes_all_gathered", "bytes_reduce_scattered"))))
-    segment = {"first_step": start + 1, "last_step": config.steps, "world_size": rt.world_size,
+    segment = {"first_step": start + 1, "last_step": last, "world_size": rt.world_size,
                "resumed_from": config.resume, "wall_time_s": wall}
     report = {
         "config": config.to_dict(), "world_size": rt.world_size, "device": str(rt.device),
@@ -385,13 +407,14 @@ def _report(config: TrainConfig, rt: _Runtime, hist: dict[str, list], start: int
         "tokens_per_s_mean": sum(rates) / len(rates) if rates else None,
         "comm_bytes_note": "per rank, summed over distinct weights: all-gather output and reduce-scatter "
                            "input sizes (shards padded to equal size); the same on every rank",
-        "peak_memory": _out.peak_memory(rt.device, rt.group, rt.world_size),
+        "peak_memory": memory,
         "wall_time_s": wall, "segments": earlier.get("segments", []) + [segment],
         "corpus": corpus.describe(), "checkpoints": hist["checkpoints"], "resumed_from": config.resume,
-        "parity": parity,
+        "parity": parity, "interrupted": interrupted,
     }
     report["summary"] = _out.summary(report, params=mc.num_params(), flops_per_token=mc.flops_per_token(),
-                                     peak_flops=peak_flops, wall_time_s=wall)
+                                     peak_flops=progress.peak, wall_time_s=wall)
+    report["summary"]["interrupted"] = interrupted
     return report
 
 
@@ -412,36 +435,74 @@ def _resume(config: TrainConfig, rt: _Runtime, model, optimizer) -> int:
     return start
 
 
-def _run(config: TrainConfig, rt: _Runtime) -> int:
-    corpus = _data(config)  # DataError on every rank alike, before any collective
+def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
+    corpus = progress.corpus = _data(config)  # DataError on every rank alike, before any collective
     mc = config.model_config()
     log.info("MoEGPT %s: %s parameters (%s active per token), %d layers, d_model %d, %d experts top-%d; "
              "%d rank(s) on %s (%s), %s%s", config.model, f"{mc.num_params():,}",
              f"{(mc.flops_per_token() - 6 * mc.n_layers * mc.seq_len * mc.d_model) // 6:,}", mc.n_layers,
              mc.d_model, mc.n_experts, mc.top_k, rt.world_size, rt.device, rt.backend, rt.precision,
              "" if config.recipe == "none" else f", recipe {config.recipe}")
-    peak: list[float | None] = [None] * rt.world_size
+    peak = progress.peak = [None] * rt.world_size
     dist.all_gather_object(peak, _out.measure_peak_flops(rt.device), group=rt.group)
     model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
     optimizer = _optimizer(model, config)
-    start = _resume(config, rt, model, optimizer) if config.resume else 0
+    start = progress.start = progress.step = _resume(config, rt, model, optimizer) if config.resume else 0
     log.info("%d weights; steps %d..%d; data: %s", len(distwgrad.wgrad.distributed_parameters(model)), start + 1,
              config.steps, config.data or "synthetic Markov corpus")
     lockstep = _Lockstep(config, rt, start) if config.check_parity else None
-    hist = _train(config, rt, model, optimizer, corpus, start, lockstep)
-    parity = _parity_result(config, rt, corpus, lockstep, model, hist) if lockstep else None
-    report = _report(config, rt, hist, start, parity, corpus, peak)
+    hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
+    verdict = lockstep.verdict(model) if lockstep else None  # collective; the verdict on rank 0
+    memory = _out.peak_memory(rt.device, rt.group, rt.world_size)
+    passed = [verdict["passed"] if verdict else True]
+    if lockstep:
+        dist.broadcast_object_list(passed, src=0, group=rt.group)
+    # The last collective: what follows is rank 0's alone, so no rank waits on its free-running
+    # reference (which may take longer than --timeout: docs/training.md, Faults).
     if rt.rank == 0:
-        os.makedirs(config.out, exist_ok=True)
-        with open(os.path.join(config.out, "report.json"), "w") as f:
-            json.dump(report, f, indent=2)
-        _out.plot(report, os.path.join(config.out, "loss.png"))
-        s = report["summary"]
-        log.info("wrote %s and loss.png; final loss %.4f (best %.4f at step %d); %.0f tokens/s; MFU %s; %.1f s",
-                 os.path.join(config.out, "report.json"), s["final_loss"], s["best_loss"], s["best_step"],
-                 s["tokens_per_s"] or 0.0, "n/a (CPU)" if s["mfu"] is None else f"{s['mfu']:.1%}",
-                 s["wall_time_s"])
-    return 1 if parity is not None and not parity["passed"] else 0
+        parity = _parity_result(config, rt, corpus, verdict, hist) if verdict else None
+        _write_report(config, _report(config, rt, progress, parity, memory))
+    return 0 if passed[0] else 1
+
+
+def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
+    """report.json, then loss.png and the closing log line unless interrupted (that run prints its own
+    line, and leaves the plot to the run that resumes it: importing matplotlib takes seconds)."""
+    os.makedirs(config.out, exist_ok=True)
+    with open(os.path.join(config.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    if report["interrupted"] is not None:
+        return
+    _out.plot(report, os.path.join(config.out, "loss.png"))
+    s = report["summary"]
+    log.info("wrote %s and loss.png; final loss %.4f (best %.4f at step %d); %.0f tokens/s; MFU %s; %.1f s",
+             os.path.join(config.out, "report.json"), s["final_loss"], s["best_loss"], s["best_step"],
+             s["tokens_per_s"] or 0.0, "n/a (CPU)" if s["mfu"] is None else f"{s['mfu']:.1%}", s["wall_time_s"])
+
+
+def _interrupted(config: TrainConfig, rt: _Runtime, progress: _Progress, exc: BaseException) -> int:
+    """A collective failed or timed out, or torchrun sent SIGTERM ([Note: lost rank] in launch/faults.py):
+    find the lost ranks; the lowest survivor prints one line and writes report.json. No collective of the
+    job's group runs here."""
+    _faults.ignore_sigterm()
+    lost = _faults.lost_ranks(rt.monitor, _faults.probe_seconds(config.timeout))
+    _faults.end_siblings(lost)
+    if rt.rank != min(r for r in range(rt.world_size) if r not in lost):
+        return _faults.INTERRUPTED_EXIT
+    done = progress.hist["steps"]
+    info = {"step": progress.step, "last_step_done": done[-1] if done else progress.start,
+            "lost_rank": lost[0] if lost else None, "lost_ranks": lost, "reason": _faults.reason(exc),
+            "last_checkpoint": _faults.last_checkpoint(config.out, config.resume), "reported_by": rt.rank}
+    note = ""
+    try:
+        memory = _out.peak_memory(rt.device, None, rt.world_size, rank=rt.rank)
+        _write_report(config, _report(config, rt, progress, None, memory, interrupted=info))
+    except Exception as report_exc:  # the line below is the one thing that must come out
+        note = f"; report.json not written: {_faults.reason(report_exc)}"
+    who = f"rank {', '.join(map(str, lost))} lost" if lost else "no rank lost"
+    print(f"distwgrad.launch.train: interrupted at step {info['step']}: {who} ({info['reason']}); last complete "
+          f"checkpoint: {info['last_checkpoint'] or 'none'}{note}", file=sys.stderr, flush=True)
+    return _faults.INTERRUPTED_EXIT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -452,12 +513,21 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"distwgrad.launch.train: error: {exc}", file=sys.stderr)
         return 2
+    _faults.catch_sigterm()
+    progress = _Progress()
     try:
-        return _run(config, rt)
+        return _run(config, rt, progress)
     except (CheckpointError, DataError) as exc:  # the same check fails on every rank, before any collective
         if rt.rank == 0:
             print(f"distwgrad.launch.train: error: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        if not _faults.is_comm_failure(exc):
+            raise  # this rank's own error: its traceback, and torchrun names the rank
+        code = _interrupted(config, rt, progress, exc)
+        logging.shutdown()
+        # The group is broken (gloo may abort while destroying it): leave without destroying anything.
+        os._exit(code)
     finally:
         dist.destroy_process_group()
 
