@@ -25,6 +25,7 @@ and optimizer state are bit-identical everywhere (DCP moves bytes).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 
@@ -298,6 +299,8 @@ def _bytes_case(case, rank, world):
     mesh = _mesh()
     w = ShardedWeight.from_full(_master(N, K, seed=0), mesh=mesh)
     assert w.group is mesh.get_group("shard") and w.replicate_group is mesh.get_group("replicate")
+    twin = copy.deepcopy(w)  # groups and meshes are shared handles, not data
+    assert twin.mesh is w.mesh and twin.replicate_group is w.replicate_group and twin.group is w.group
     assert torch.equal(w.materialize_group_for_forward()[0], _master(N, K, seed=0))
     assert w.bytes_gathered == 2 * 4 * K * 4  # two padded 4-row shards of fp32
     w.expect_contribution()
@@ -353,6 +356,8 @@ def _errors_case(case, rank, world):
         ShardedWeight.from_shard(torch.zeros(1, 2), mesh=init_device_mesh("cpu", (1, 2, 2)))
     with pytest.raises(TypeError, match=r"mesh must be a torch.distributed.DeviceMesh, got ProcessGroup"):
         ShardedWeight.from_full(torch.zeros(4, 2), mesh=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"a 2-D mesh needs mesh_dim_names"):
+        ReplicatedWeight.from_full(torch.zeros(4), mesh=init_device_mesh("cpu", (2, 2)))
     with pytest.raises(ValueError, match=r"replicas disagree on the shard"):
         ShardedWeight.from_shard(torch.zeros(2 + (rank >= 2), 3), mesh=mesh)
     return True

@@ -41,6 +41,10 @@ class ReplicatedWeight(DistributedParameter):
             raise TypeError(f"ReplicatedWeight.from_full needs a tensor, got {type(tensor).__name__}")
         group, replicas = _comm.resolve_groups(group, mesh, tensor.device.type, "ReplicatedWeight.from_full")
         if replicas is not None:
+            if not mesh.mesh_dim_names:  # DeviceMesh only flattens named dims
+                raise ValueError(f"ReplicatedWeight.from_full: a 2-D mesh needs mesh_dim_names to be flattened "
+                                 f"into one group, got {mesh!r}; build it with init_device_mesh(..., "
+                                 f"mesh_dim_names=('replicate', 'shard'))")
             # One group over every rank of the mesh; DeviceMesh caches it, so all weights share it.
             group = mesh._flatten().get_group()
         _check_param_dtype(param_dtype, tensor.dtype)
