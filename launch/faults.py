@@ -89,7 +89,9 @@ def publish_pid() -> None:
         store.set(f"{_KEY}/pid/{dist.get_rank()}", f"{os.getppid()} {os.getpid()}")
 
 
-_COMM_TEXT = re.compile(r"gloo|nccl|timed out|connection (closed|reset)|broken pipe", re.IGNORECASE)
+# gloo's and NCCL's words for a failed or timed-out transfer ("Timed out waiting 10000ms for recv",
+# "Application timeout caused pair closure", "Connection closed by peer", ...)
+_COMM_TEXT = re.compile(r"gloo|nccl|timed out|timeout|connection (closed|reset)|broken pipe|pair closure", re.I)
 
 
 def is_comm_failure(exc: BaseException) -> bool:

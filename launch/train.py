@@ -19,6 +19,8 @@ Commands::
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --steps 100 --save-every 50 --out runs/a
     torchrun --standalone --nproc-per-node 4 -m distwgrad.launch.train --steps 200 \
         --resume runs/a/checkpoints --out runs/a
+    # give up on a rank that hangs after 60 s (exit code 3), keeping only the 2 newest checkpoints
+    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --timeout 60 --save-every 50 --keep-last 2
     # every option
     python -m distwgrad.launch.train --help
 
@@ -29,7 +31,9 @@ then ``AdamW.step()`` on the shards and ``zero_grad()``. Rank 0 shows a progress
 ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``: final and best loss,
 tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md`` says what they
 hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an unusable
-``--resume`` (one at or past ``--steps`` included).
+``--resume`` (one at or past ``--steps`` included), 3 interrupted: a rank died or hung, or SIGTERM
+(``launch/faults.py``, [Note: lost rank]; the lowest surviving rank prints which rank and the last complete
+checkpoint, and ``report.json`` records it). Every collective waits at most ``--timeout`` seconds.
 
 [Note: parity]
 Top-k routing makes training chaotic: in one process, nudging one weight by 1e-7 moves the loss by 1e-2
