@@ -173,6 +173,20 @@ def test_accounting_counts_every_compiled_contribution():
     assert finalize_model_grads(model) == 1
 
 
+def test_checks_and_retained_graphs_as_in_eager():
+    """The module's own checks run inside the op (its error, not a tracing error); a retained graph's
+    second backward delivers once more."""
+    model = dnn.Linear(K, N)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(TypeError, match=r"Linear\(8, 6\): input dtype torch.float64"):
+        compiled(torch.randn(3, K, dtype=torch.float64))
+    y = compiled(torch.randn(3, K, requires_grad=True))
+    y.sum().backward(retain_graph=True)
+    first = model.weight.grad.clone()
+    y.sum().backward()
+    assert torch.equal(model.weight.grad, first + first)
+
+
 def test_layers_of_one_configuration_share_one_graph():
     """The module handle is a tensor input, not a constant: ten layers compile once, not ten times."""
     torch.manual_seed(0)
