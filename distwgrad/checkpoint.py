@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from distwgrad.weights import ShardedWeight, _comm
 
@@ -105,7 +105,8 @@ class _Wrapper:
         if tuple(t.shape) != tuple(like.shape):
             raise ValueError(f"a tensor of shape {tuple(t.shape)} cannot be laid out like a shard of shape "
                              f"{tuple(like.shape)}")
-        mesh, placements = self.mesh(like.group), [Shard(0)]
+        placements: list[Placement] = [Shard(0)]
+        mesh = self.mesh(like.group)
         if like.replicate_group is not None:  # a 2-D (replicate, shard) mesh: [Note: checkpoint layout]
             mesh, placements = like.mesh, [Replicate(), Shard(0)]
         return DTensor.from_local(t, mesh, placements, run_check=False,

@@ -135,7 +135,7 @@ def _check_distributed(weights: list[DistributedParameter]) -> None:
     """[Note: captured distributed weights]: what is refused, before any CUDA work (testable on CPU)."""
     for p in weights:
         backends = {None if group is None else dist.get_backend(group) for group in p._reduction_groups()}
-        backend = next((b for b in sorted(backends - {None}) if b != "nccl"), None)
+        backend = next((b for b in sorted(str(b) for b in backends if b is not None) if b != "nccl"), None)
         if backend is not None:
             raise RuntimeError(f"make_graphed_callables: {p._name()} reduces over a {backend!r} process group; "
                                f"{backend} collectives cannot be captured in a CUDA graph (only NCCL's can). "

@@ -21,6 +21,7 @@ same function's ``backward``. Two registries join the graph to the Python state 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Iterator, Sequence
@@ -38,10 +39,14 @@ _handles = itertools.count(1)
 _keys = itertools.count(1)
 
 
+def _forget(handle: int, _ref: object) -> None:
+    _MODULES.pop(handle, None)
+
+
 def register_module(module: torch.nn.Module) -> torch.Tensor:
     """A fresh handle for ``module`` (a copy or an unpickled module gets its own)."""
     handle = next(_handles)
-    _MODULES[handle] = weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None))
+    _MODULES[handle] = weakref.ref(module, functools.partial(_forget, handle))
     return torch.tensor([handle], dtype=torch.int64)
 
 

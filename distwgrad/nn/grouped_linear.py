@@ -305,9 +305,10 @@ class GroupedLinear(WgradModule):
         weights, all_biases = self._weights(), self._biases()
         biases = [] if self.return_bias else all_biases
         if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
-            tensor_splits = isinstance(m_splits, torch.Tensor)
-            out = compiled_forward(self, inp, weights + biases, self.out_features,
-                                   aux=[m_splits] if tensor_splits else (), ints=() if tensor_splits else m_splits)
+            if isinstance(m_splits, torch.Tensor):
+                out = compiled_forward(self, inp, weights + biases, self.out_features, aux=[m_splits], ints=())
+            else:
+                out = compiled_forward(self, inp, weights + biases, self.out_features, aux=(), ints=m_splits)
             return (out, all_biases) if self.return_bias else out
         x_TK, offs_E, call = self._prepare(inp, m_splits, weights, biases, torch.is_grad_enabled())
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)

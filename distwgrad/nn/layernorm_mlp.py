@@ -246,7 +246,7 @@ class LayerNormMLP(WgradModule):
     def _op_params(self) -> list[torch.Tensor | None]:
         """fc1's weight and bias, fc2's weight and bias (None where absent, or returned)."""
         return [self.fc1_weight, self.fc1_bias, self.fc2_weight,  # type: ignore[list-item]  # nn.Module attributes
-                None if self.return_bias else self.fc2_bias]
+                None if self.return_bias else self.fc2_bias]  # type: ignore[list-item]
 
     def _call(self, grad_on: bool) -> _MLPCall:
         """Records this forward's uses and fixes its ``_MLPCall``."""
@@ -264,7 +264,7 @@ class LayerNormMLP(WgradModule):
         and the norm ran in the traced region."""
         params = self._op_params()
         ctx.op_params, ctx.run_backward = [p for p in params if p is not None], _op_backward
-        return _LayerNormMLPFunction.forward(ctx, ln_TH, *params, self._call(grad_on))
+        return _LayerNormMLPFunction.forward(ctx, ln_TH, *params, self._call(grad_on))  # type: ignore[call-arg,arg-type]
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
