@@ -376,3 +376,36 @@ def test_transformer_engine_conventions_and_errors():
         mlp(x)
     with pytest.raises(TypeError, match="input dtype torch.bfloat16"):
         LayerNormMLP(H, FFN)(x.bfloat16())
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_mixed_precision_fcs_match_the_cast_inside_autograd_oracle(activation, delay):
+    """fc1 / fc2 as ``ShardedWeight``s with fp32 masters and ``param_dtype=bf16`` (one rank): the module
+    computes in bf16 and the fp32 ``.grad`` equals plain autograd through ``w.to(torch.bfloat16)`` bit for
+    bit (each product rounded once to bf16, then one fp32 add into a zeroed main_grad, as autograd's cast
+    back to fp32 does: [Note: mixed precision] in distwgrad/weights/base.py)."""
+    import distwgrad
+    from distwgrad import ShardedWeight
+
+    torch.manual_seed(0)
+    mlp = LayerNormMLP(H, 2 * H, activation=activation, bias=True, params_dtype=torch.bfloat16,
+                       delay_wgrad_compute=delay)
+    masters = {n: torch.randn(getattr(mlp, n).shape) / 4 for n in ("fc1_weight", "fc2_weight")}
+    for n, w in masters.items():
+        setattr(mlp, n, ShardedWeight.from_full(w, param_dtype=torch.bfloat16))
+    x = torch.randn(6, H, dtype=torch.bfloat16)
+    mlp(x).float().square().sum().backward()
+    if delay:
+        mlp.backward_dw()
+    distwgrad.finalize_model_grads(mlp)
+
+    leaves = {n: w.clone().requires_grad_() for n, w in masters.items()}
+    norm = F.layer_norm(x, (H,), mlp.layer_norm_weight.detach(), mlp.layer_norm_bias.detach(), mlp.eps)
+    h = F.linear(norm, leaves["fc1_weight"].to(torch.bfloat16), mlp.fc1_bias.detach())
+    y = F.linear(_oracle_act(activation, h), leaves["fc2_weight"].to(torch.bfloat16), mlp.fc2_bias.detach())
+    y.float().square().sum().backward()
+    for n, leaf in leaves.items():
+        ours = getattr(mlp, n)
+        assert ours.dtype == torch.float32 and ours.grad.dtype == torch.float32
+        assert torch.equal(ours.grad, leaf.grad), (n, (ours.grad - leaf.grad).abs().max())
