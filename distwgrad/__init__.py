@@ -20,6 +20,7 @@ from distwgrad.weights import (
     ShardedWeight,
     compute_dtype,
 )
+from distwgrad.weights.units import Units, coalesce
 from distwgrad.wgrad import (
     DeferredWgradError,
     deferred_wgrad_scope,
@@ -35,4 +36,5 @@ __all__ = [
     "DistributedParameter", "ShardedWeight", "ReplicatedWeight", "ReducePolicy", "compute_dtype",
     "MissingContributionError", "DeferredWgradError",
     "drain_deferred_wgrads", "deferred_wgrad_scope", "finalize_model_grads", "make_graphed_callables",
+    "coalesce", "Units",
 ]

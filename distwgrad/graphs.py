@@ -134,6 +134,9 @@ def _check_options(num_warmup_iters: Any, fp8_enabled: Any, fp8_recipe: Any, _or
 def _check_distributed(weights: list[DistributedParameter]) -> None:
     """[Note: captured distributed weights]: what is refused, before any CUDA work (testable on CPU)."""
     for p in weights:
+        if p._bucket is not None:
+            raise ValueError(f"make_graphed_callables: {p._name()} is in a distwgrad.coalesce unit, which gathers and "
+                             f"reduces from Python hooks that a replay skips; graph a model that is not coalesced")
         backends = {None if group is None else dist.get_backend(group) for group in p._reduction_groups()}
         backend = next((b for b in sorted(str(b) for b in backends if b is not None) if b != "nccl"), None)
         if backend is not None:

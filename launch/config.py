@@ -84,8 +84,14 @@ class TrainConfig:
                           "CPU", choices=PRECISIONS)
     recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision (bf16 with auto on CUDA)",
                        choices=RECIPES)
+    coalesce: bool = _opt(True, "with several ranks, gather each block's weights in one all-gather and reduce them "
+                          "in one reduce-scatter, the next block's gather prefetched (distwgrad.coalesce; "
+                          "docs/training.md)")
     device: str = _opt("auto", "auto: cuda:LOCAL_RANK with NCCL if CUDA is available, else cpu with gloo",
                        choices=DEVICES)
+    cuda_graph: bool = _opt(False, "replay each transformer block's forward, backward and deferred wgrads from "
+                            "CUDA graphs, the embedding, lm_head and loss eager (CUDA only; with FP8 only "
+                            "fp8_blockwise on one rank; docs/cuda_graphs.md)")
     # output
     out: str = _opt("runs/moe_gpt", "run folder: report.json, loss.png, checkpoints/step_N")
     log_every: int = _opt(10, "log a line every N steps on rank 0 (0: never)")
@@ -124,7 +130,22 @@ class TrainConfig:
             raise ValueError(f"timeout={self.timeout!r} must be a positive number of seconds")
         if not self.out:
             raise ValueError("out must name a folder, got an empty string")
+        if self.cuda_graph:
+            self._check_cuda_graph()
         self.model_config()  # validates the model fields
+
+    def _check_cuda_graph(self) -> None:
+        """What ``--cuda-graph`` refuses without knowing the world size ([Note: the graphed step] in
+        launch/cuda_graph.py)."""
+        if self.device == "cpu":
+            raise ValueError("--cuda-graph needs CUDA devices with NCCL, but device='cpu' runs on the CPU over gloo "
+                             "(CUDA graphs capture CUDA kernels and NCCL collectives only); use --device cuda or "
+                             "auto on a CUDA machine, or leave out --cuda-graph")
+        if self.recipe.startswith("fp8_per_tensor"):
+            raise ValueError(f"--cuda-graph with recipe={self.recipe!r}: a sharded weight's per-tensor amax is cached "
+                             f"on the host and refreshed each step by sync_weight_amax, which a graph replay skips, "
+                             f"so the graphs would quantize with the capture's amax after the optimizer moved the "
+                             f"weights; use --recipe fp8_blockwise (one rank) or none, or leave out --cuda-graph")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step`` (1-based): linear warm-up over ``warmup_steps``, then ``lr``. A pure
@@ -137,11 +158,20 @@ class TrainConfig:
         return MoEGPTConfig(**{k: getattr(self, k) for k in _MODEL_FIELDS})
 
     def check_world_size(self, world_size: int) -> None:
-        """Raises ``ValueError`` if the global batch cannot be split evenly over ``world_size`` ranks."""
+        """Raises ``ValueError`` if the global batch cannot be split evenly over ``world_size`` ranks, or if
+        ``--cuda-graph`` cannot run at that world size."""
         if self.global_batch % (world_size * self.microbatches):
             raise ValueError(f"global_batch={self.global_batch} must be divisible by world size * "
                              f"microbatches = {world_size} * {self.microbatches} = "
                              f"{world_size * self.microbatches}")
+        if self.cuda_graph and self.recipe == "fp8_blockwise" and world_size > 1:
+            raise ValueError(f"--cuda-graph with recipe='fp8_blockwise' runs on one rank only, got world size "
+                             f"{world_size}: sharded over ranks, a weight's block-scale grid is cached on the host "
+                             f"until the weight changes, which a graph replay cannot see; use --recipe none, or "
+                             f"leave out --cuda-graph")
+        if self.cuda_graph and self.coalesce and world_size > 1:
+            raise ValueError(f"--cuda-graph on {world_size} ranks needs --no-coalesce: a coalesced unit gathers and "
+                             f"reduces from Python hooks, which a graph replay skips")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,6 +10,7 @@ Commands::
     python -m distwgrad.launch.train --steps 50
     # bf16 mixed precision (fp32 masters; the default on CUDA), and a bigger preset (--model small/large)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --precision bf16 --model small
+    # on CUDA, --cuda-graph replays each transformer block from CUDA graphs (docs/cuda_graphs.md)
     # also train an unsharded single-process copy and compare (exit code 1 if they disagree)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --check-parity
     # train on a token file (nanoGPT's train.bin: flat uint16; --vocab-size must cover its tokens)
@@ -27,7 +28,9 @@ Commands::
 Each step runs ``--microbatches`` forward/backward passes on this rank's rows of the global batch, drains
 the experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
 ``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``),
-then ``AdamW.step()`` on the shards and ``zero_grad()``. Rank 0 shows a progress bar and logs; the other
+then ``AdamW.step()`` on the shards and ``zero_grad()``. With ``--cuda-graph`` each transformer block replays
+from CUDA graphs captured before the first step, the rest of the step unchanged (launch/cuda_graph.py,
+[Note: the graphed step]). Rank 0 shows a progress bar and logs; the other
 ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``: final and best loss,
 tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md`` says what they
 hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an unusable
@@ -72,6 +75,7 @@ from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling, fp8_auto
 from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
+from . import cuda_graph as _graph
 from . import faults as _faults
 from . import report as _out
 from .config import TrainConfig, parse_args
@@ -138,6 +142,7 @@ class _Progress:
     hist: dict[str, list] = field(default_factory=lambda: {k: [] for k in _HIST})
     corpus: Any = None
     peak: list = field(default_factory=list)
+    graphed: dict | None = None  # what --cuda-graph captured (report.json's cuda_graph)
 
 
 class _TqdmHandler(logging.Handler):
@@ -158,6 +163,8 @@ def _pick_device(config: TrainConfig) -> torch.device:
 def _init(config: TrainConfig) -> _Runtime:
     device = _pick_device(config)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if config.cuda_graph:
+        _graph.check_device(device, backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=config.timeout)  # every collective ([Note: lost rank])
@@ -414,7 +421,7 @@ def _report(config: TrainConfig, rt: _Runtime, progress: _Progress, parity: dict
         "peak_memory": memory,
         "wall_time_s": wall, "segments": earlier.get("segments", []) + [segment],
         "corpus": corpus.describe(), "checkpoints": hist["checkpoints"], "resumed_from": config.resume,
-        "parity": parity, "interrupted": interrupted,
+        "parity": parity, "interrupted": interrupted, "cuda_graph": progress.graphed,
     }
     report["summary"] = _out.summary(report, params=mc.num_params(), flops_per_token=mc.flops_per_token(),
                                      peak_flops=progress.peak, wall_time_s=wall)
@@ -450,12 +457,23 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
     peak = progress.peak = [None] * rt.world_size
     dist.all_gather_object(peak, _out.measure_peak_flops(rt.device), group=rt.group)
     model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
+    if config.coalesce and rt.world_size > 1:  # one gather and one reduction per block: [Note: coalesced units]
+        distwgrad.coalesce(model)
     optimizer = _optimizer(model, config)
     start = progress.start = progress.step = _resume(config, rt, model, optimizer) if config.resume else 0
     log.info("%d weights; steps %d..%d; data: %s", len(distwgrad.wgrad.distributed_parameters(model)), start + 1,
              config.steps, config.data or "synthetic Markov corpus")
     lockstep = _Lockstep(config, rt, start) if config.check_parity else None
+    if config.cuda_graph:
+        rows = config.global_batch // (rt.world_size * config.microbatches)
+        progress.graphed = _graph.graph_blocks(model, rows, recipe=_graph.recipe_for_graphs(config.recipe))
+        log.info("CUDA graphs: %d blocks captured for microbatches of %s in %.1f s (%.2f GiB); %s eager",
+                 len(progress.graphed["graphed"]), "x".join(map(str, progress.graphed["sample_shape"])),
+                 progress.graphed["capture_s"], progress.graphed["graph_bytes"] / 2**30,
+                 ", ".join(progress.graphed["eager"]))
     hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
+    if config.cuda_graph:
+        _graph.release(model)  # the free-running reference below may need the memory
     verdict = lockstep.verdict(model) if lockstep else None  # collective; the verdict on rank 0
     memory = _out.peak_memory(rt.device, rt.group, rt.world_size)
     passed = [verdict["passed"] if verdict else True]

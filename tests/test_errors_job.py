@@ -49,6 +49,8 @@ CASES = [
     ("JOB-018", lambda p: TrainConfig(model="huge"), ValueError, "'huge'"),
     ("JOB-022", lambda p: TrainConfig(lr=0.0), ValueError, "lr=0.0"),
     ("JOB-023", lambda p: TrainConfig(out=""), ValueError, "empty string"),
+    ("JOB-033", lambda p: TrainConfig(cuda_graph=True).check_world_size(2), ValueError,
+     "on 2 ranks needs --no-coalesce"),
     ("CKP-002", lambda p: load_checkpoint(str(p / "nowhere"), nn.Linear(2, 2)), CheckpointError, "nowhere"),
     ("CKP-004", lambda p: load_checkpoint(_damaged(p, "meta.json", os.remove), _model()), CheckpointError,
      "missing .*meta.json"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from distwgrad import ShardedWeight
+from distwgrad import ShardedWeight, coalesce
 from distwgrad.fp8 import quantize as q
 from distwgrad.fp8.recipe import BlockwiseScaling
 from distwgrad.fp8.weights import quantize_weight
@@ -51,6 +51,14 @@ CASES = [
     ("WGT-019", lambda: accumulate.add_to_grad(nn.Parameter(torch.zeros(2, 3)), torch.ones(3, 2)), ValueError,
      r"shape \(3, 2\) for a parameter of shape \(2, 3\)"),
     ("WGT-021", lambda: _finalize_with_tokens(0), ValueError, "is 0"),
+    ("WGT-031", lambda: _units().units[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)]), ValueError,
+     r"Linear is not a unit .* units are \['blocks.0', '<root>'\]"),
+    ("WGT-032", lambda: coalesce([nn.Linear(2, 2)]), TypeError, "got list"),
+    ("WGT-033", lambda: coalesce(_units().model, units=[nn.Linear(2, 2)]), ValueError, "got Linear"),
+    ("WGT-034", lambda: coalesce((m := _units(coalesced=False).model), units=[m]), ValueError, "root unit"),
+    ("WGT-035", lambda: coalesce((m := _units(coalesced=False).model), units=[m.blocks[0], m.blocks[0]]),
+     ValueError, r"twice in units: \['blocks.0', 'blocks.0'\]"),
+    ("WGT-036", lambda: coalesce(_units().model), ValueError, "already belongs to a unit"),
     # protocol
     ("PRO-002", lambda: materialize_weight_for_forward([]), ValueError, "empty list"),
     ("PRO-006", lambda: finalize_weight_grads([ShardedWeight.from_full(torch.ones(4, 2))], []), ValueError,
@@ -100,6 +108,17 @@ CASES = [
                                                            out=torch.zeros(1, 4, 4), out_dtype=torch.bfloat16),
      ValueError, "out_dtype=torch.bfloat16"),
 ]
+
+
+class _Coalesced:
+    def __init__(self, coalesced: bool = True) -> None:
+        self.model = nn.Module()
+        self.model.blocks = nn.ModuleList([Linear(2, 3, bias=False, weight=ShardedWeight.from_full(torch.ones(3, 2)))])
+        self.units = coalesce(self.model) if coalesced else None
+
+
+def _units(coalesced: bool = True) -> _Coalesced:
+    return _Coalesced(coalesced)
 
 
 def _finalize_with_tokens(n):

@@ -57,9 +57,10 @@ def group_rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    """``out`` (``size * len(inp)`` rows) receives every rank's ``inp`` in rank order."""
-    _all_gather_single(out, inp, group=group)
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """``out`` (``size * len(inp)`` rows) receives every rank's ``inp`` in rank order; with ``async_op``
+    returns the work handle to ``wait()`` on (``inp`` and ``out`` must stay alive until then)."""
+    return _all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:

@@ -175,6 +175,8 @@ class DistributedParameter(nn.Parameter):
     _distwgrad_weight = True
     replicate_group: Any = None  # set by _init_state; [Note: device meshes] in weights/sharded.py
     mesh: Any = None
+    _unit: Any = None  # the distwgrad.coalesce unit owning this weight, and its bucket if it coalesces
+    _bucket: Any = None  # [Note: coalesced units] in weights/units.py
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
         return super().__new__(cls, data, requires_grad)
@@ -231,9 +233,13 @@ class DistributedParameter(nn.Parameter):
 
     # --- the protocol --------------------------------------------------------------------------------
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
+        if self._bucket is not None:  # [Note: coalesced units] in weights/units.py
+            return [self._unit.forward_copy(self)]
         return [self._gather()]
 
     def materialize_group_for_backward(self) -> list[torch.Tensor]:
+        if self._bucket is not None:
+            return [self._unit.backward_copy(self)]
         return [self._gather()]
 
     def grad_buffer(self) -> torch.Tensor:
@@ -286,7 +292,10 @@ class DistributedParameter(nn.Parameter):
                 f"torch.utils.checkpoint(..., use_reentrant=False)); this step's gradient is wrong: "
                 f"abandon it with finalize_model_grads(model, discard=True)")
         if self.reduce_policy is ReducePolicy.PER_MICROBATCH and self._delivered == self._expected:
-            self._reduce_pending()
+            if self._bucket is not None:
+                self._bucket.maybe_reduce()  # once no member of the bucket owes one: [Note: coalesced units]
+            else:
+                self._reduce_pending()
         return None
 
     # --- accounting ----------------------------------------------------------------------------------
@@ -306,6 +315,9 @@ class DistributedParameter(nn.Parameter):
                 if self.grad is main_grad:  # the last step's .grad is still held: it keeps its values
                     self.grad = main_grad.clone()  # [Note: .grad is main_grad]
                 main_grad.zero_()
+        elif self._bucket is not None and self.reduce_policy is ReducePolicy.PER_MICROBATCH \
+                and self._bucket.complete(self):
+            self._bucket.flush()  # used again before its bucket reduced: reduce what is complete now
         self._expected += count
 
     def record_use(self) -> _accounting.Use:
@@ -341,6 +353,9 @@ class DistributedParameter(nn.Parameter):
 
     def _reduce_pending(self) -> None:
         if self._delivered == self._reduced or self._buffer is None:
+            return
+        if self._bucket is not None:
+            self._bucket.flush()  # this weight and every complete member of its bucket, in one collective
             return
         if self._buffer is getattr(self, "main_grad", None):  # accumulated in place: nothing to reduce
             self._buffer = None
@@ -387,6 +402,8 @@ class DistributedParameter(nn.Parameter):
         self._expected = self._delivered = self._reduced = 0
         self._step_closed, self._step_has_grad = True, False
         self._step_id += 1
+        if self._unit is not None:
+            self._unit.units.end_step()
 
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
@@ -399,6 +416,8 @@ class DistributedParameter(nn.Parameter):
         self._reduce_pending()
         self._wait_inflight()
         self._step_closed = True
+        if self._unit is not None:
+            self._unit.units.end_step()  # no gathered copy outlives the step
         if not self._step_has_grad:
             return False
         main_grad = self._main_grad()

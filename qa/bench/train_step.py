@@ -5,6 +5,8 @@
     # one H200: every precision, eager and compiled, with a profiler trace per build
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --profile runs/trace
     # 8 GPUs over NCCL: the same command with --nproc-per-node 8
+    # one H200: eager against each build's blocks replayed from CUDA graphs
+    torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --modes eager --cuda-graph
     python qa/bench/train_step.py --help
 
 The builds share the model (``distwgrad.models.MoEGPT``: same config, same initial weights from
@@ -26,12 +28,21 @@ distwgrad under ``distwgrad.fp8.fp8_autocast``; the peers would need torchao's f
 converts ``nn.Linear`` modules only (the plain model uses ``F.linear`` and grouped_mm experts), so they
 are printed and recorded as not run.
 
+``--cuda-graph`` (mode ``cuda_graph``, CUDA only) replays each block's forward, backward and deferred wgrads
+from CUDA graphs, the embedding and loss head eager: distwgrad's blocks through the job's own ``--cuda-graph``
+(``launch/cuda_graph.py``, ``distwgrad.make_graphed_callables``), the plain build's through
+``torch.cuda.make_graphed_callables`` (world 1; at world > 1 it is DDP, not graphed here). FSDP2 is not
+graphed: ``fully_shard`` works through module hooks, which ``make_graphed_callables`` refuses; it is listed
+as not run with that reason, as are the FP8 recipes the job's ``--cuda-graph`` refuses (``launch/config.py``).
+
 Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through the builds of one
 (precision, mode), ``--steps`` steps per build per round, synchronised at the end of each block; the
 median over rounds is reported. After the rounds one more step per build runs under ``torch.profiler`` to
-count its collectives and bytes (``_trace.py`` says how). Peak memory (CUDA only) is the build's
+count its collectives and bytes (``_trace.py`` says how; not for graphed builds, whose collectives replay
+inside the graphs, out of the profiler's and the weights' counters' sight). Peak memory (CUDA only) is the build's
 persistent tensors (parameters, gradients, ``main_grad``, optimizer state) plus the high-water mark of
-``torch.cuda.max_memory_allocated`` above the allocation at the start of its steps; on CPU one process's
+``torch.cuda.max_memory_allocated`` above the allocation at the start of its steps (graphed, plus what the
+capture kept allocated: the graph pool, static buffers and graph-owned gradient buffers); on CPU one process's
 allocations are not separable by build, so it is not reported. MFU: the model's training FLOPs (6 x
 matmul parameters used per token, plus attention 12 x layers x d_model x seq_len, torchtitan's
 convention) over the dense bf16 peak measured at start (an 8192^3 bf16 matmul); CUDA only.
@@ -47,6 +58,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -72,7 +84,7 @@ from distwgrad.models import MoEGPT, MoEGPTConfig  # noqa: E402
 
 IMPLS = ("distwgrad", "fsdp2", "torch")
 PRECISIONS = ("fp32", "bf16", "fp8_per_tensor", "fp8_blockwise")
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "cuda_graph")
 METRICS = ("step_ms", "tokens_per_s", "peak_gib", "mfu", "collectives_per_step", "comm_bytes_per_step")
 # Step-1 loss agreement between builds, by precision. fp32: the job's parity tolerance (the same sums in
 # other orders; launch/train.py PARITY_LOSS_ATOL). bf16 and FP8: every build rounds the same weights to
@@ -113,7 +125,10 @@ def build_model(impl: str, cfg: MoEGPTConfig, param_dtype: torch.dtype, device: 
     facts: dict[str, Any] = {"param_dtype": str(param_dtype).removeprefix("torch."), "master_dtype": "float32"}
     mixed = None if param_dtype == torch.float32 else param_dtype
     if impl == "distwgrad":
-        return MoEGPT(cfg, device=device, group=group, sharded=True, param_dtype=mixed), facts
+        model = MoEGPT(cfg, device=device, group=group, sharded=True, param_dtype=mixed)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:  # as the job does: one gather per block
+            facts["units"] = len(distwgrad.coalesce(model))
+        return model, facts
     facts["experts"] = "torch._grouped_mm"
     return MoEGPT(cfg, device=device, sharded=False, experts="grouped_mm",
                   param_dtype=mixed if impl == "torch" else None), facts
@@ -162,12 +177,55 @@ class Build:
         return loss
 
 
+def _graph_why(impl: str, precision: str, rt: dict) -> str | None:
+    """Why a build is not graphed (None: it is); the job's own checks for distwgrad's FP8 recipes."""
+    if impl == "fsdp2":
+        return ("FSDP2 cannot be graphed: fully_shard all-gathers and reduce-scatters from module hooks (host-side "
+                "unshard state, stream waits), and make_graphed_callables refuses modules with hooks")
+    if impl == "torch" and rt["world"] > 1:
+        return "the plain build is graphed at world 1 only: at world > 1 it is DDP, not graphed here"
+    if impl == "distwgrad":
+        try:
+            sys.modules[_launch_train().__package__ + ".config"].TrainConfig(
+                recipe=precision if precision.startswith("fp8") else "none", cuda_graph=True,
+                global_batch=rt["world"], microbatches=1).check_world_size(rt["world"])
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _graph_torch_blocks(model: nn.Module, rows: int, cfg: MoEGPTConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The plain build's blocks through ``torch.cuda.make_graphed_callables`` (one callable per block)."""
+    device = next(model.parameters()).device
+    samples = tuple((torch.randn(rows, cfg.seq_len, cfg.d_model, device=device, dtype=dtype, requires_grad=True),)
+                    for _ in model.blocks)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.make_graphed_callables(tuple(model.blocks), samples)
+    torch.cuda.synchronize(device)
+    return {"graphed_by": "torch.cuda.make_graphed_callables, one callable per block",
+            "graph_bytes": torch.cuda.memory_allocated(device) - before}
+
+
+def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype: torch.dtype, args,
+           rt: dict) -> dict[str, Any]:
+    rows = args.batch // (rt["world"] * args.microbatches)
+    if impl == "torch":
+        return _graph_torch_blocks(model, rows, cfg, dtype)
+    graphs = sys.modules[_launch_train().__package__ + ".cuda_graph"]
+    info = graphs.graph_blocks(model, rows, recipe=graphs.recipe_for_graphs(precision))
+    return {"graphed_by": "distwgrad.make_graphed_callables, one callable per block (the job's --cuda-graph)",
+            **{k: info[k] for k in ("graph_bytes", "capture_s", "sample_shape", "num_warmup_iters")}}
+
+
 def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict, args) -> Build:
     dtype = _DTYPES["fp32" if precision == "fp32" else args.param_dtype]
     model, facts = build_model(impl, cfg, dtype, rt["device"], rt["group"])
     if mode == "compiled":
         for block in model.blocks:
             block.compile()
+    if mode == "cuda_graph":
+        facts.update(_graph(impl, model, precision, cfg, dtype, args, rt))
     mb = args.microbatches
     if impl == "distwgrad":
         forward_backward = _launch_train().forward_backward
@@ -245,7 +303,8 @@ def _timed_block(b: Build, batches: list[torch.Tensor], device: torch.device) ->
     _sync(device)
     b.times_ms.append((time.perf_counter() - t0) * 1e3 / len(batches))
     if cuda:
-        b.peak_bytes = max(b.peak_bytes, torch.cuda.max_memory_allocated(device) - base + _resident_bytes(b))
+        b.peak_bytes = max(b.peak_bytes, torch.cuda.max_memory_allocated(device) - base + _resident_bytes(b)
+                           + b.facts.get("graph_bytes", 0))
 
 
 def _count_comm(b: Build, tok: torch.Tensor, device: torch.device) -> None:
@@ -346,7 +405,10 @@ def run_group(specs, cfg, corpus, rt: dict, args, not_run: list[dict]) -> list[B
             _timed_block(b, batches, rt["device"])
     after = _batches(corpus, args, rt, args.warmup + args.rounds * args.steps, 1)[0]
     for b in builds:
-        _count_comm(b, after, rt["device"])
+        if b.mode == "cuda_graph":
+            b.comm = {"source": "not counted: the blocks' collectives replay inside the CUDA graphs"}
+        else:
+            _count_comm(b, after, rt["device"])
         if args.profile:
             b.facts.update(_profile(b, after, rt["device"], args.profile, rt["rank"]))
     return builds
@@ -361,9 +423,10 @@ def measurements(b: Build, cfg: MoEGPTConfig, args, rt: dict, peak_tflops: float
     """metric -> (value, unit) for one build; CPU has no peak_gib or mfu (see the module docstring)."""
     ms = statistics.median(b.times_ms)
     tokens = args.batch * cfg.seq_len
-    out = {"step_ms": (ms, "ms"), "tokens_per_s": (tokens / ms * 1e3, "tokens/s"),
-           "collectives_per_step": (b.comm["collectives"], "count"),
-           "comm_bytes_per_step": (b.comm["bytes"], "bytes")}
+    out = {"step_ms": (ms, "ms"), "tokens_per_s": (tokens / ms * 1e3, "tokens/s")}
+    if "collectives" in b.comm:  # graphed builds: not counted (the module docstring says why)
+        out.update(collectives_per_step=(b.comm["collectives"], "count"),
+                   comm_bytes_per_step=(b.comm["bytes"], "bytes"))
     if rt["device"].type == "cuda":
         peak = torch.tensor([float(b.peak_bytes)], device=rt["device"])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=rt["group"])
@@ -373,7 +436,38 @@ def measurements(b: Build, cfg: MoEGPTConfig, args, rt: dict, peak_tflops: float
     return out
 
 
-def _check_losses(builds: list[Build], rt: dict) -> list[dict]:
+@dataclass(frozen=True)
+class Seen:
+    """What the loss check keeps of a build once its model is freed."""
+    impl: str
+    precision: str
+    mode: str
+    loss1: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}/{self.precision}/{self.mode}"
+
+
+def _measure_group(specs, label: str, case: str, cfg: MoEGPTConfig, corpus, rt: dict, args, not_run: list[dict],
+                   peak_tflops: float | None, rows: list[dict], seen: list[Seen]) -> None:
+    """Runs one (precision, mode) group and appends its rows; its models are freed on return."""
+    t0 = time.perf_counter()
+    builds = run_group(specs, cfg, corpus, rt, args, not_run)
+    _say(rt, f"  {label}: {', '.join(b.impl for b in builds) or 'nothing'} measured ({time.perf_counter() - t0:.0f} s)")
+    command = results.provenance(rt["device"])["command"]
+    for b in builds:
+        for metric, (value, unit) in measurements(b, cfg, args, rt, peak_tflops).items():
+            rows.append({**results.row(bench="train_step", case=case, impl=b.impl, precision=b.precision,
+                                       world=rt["world"], metric=metric, value=value, unit=unit,
+                                       device=rt["device"], command=command), **_extras(b, args, peak_tflops)})
+        assert b.loss1 is not None
+        seen.append(Seen(b.impl, b.precision, b.mode, b.loss1))
+        if b.mode == "cuda_graph" and b.impl == "distwgrad":
+            b.model.blocks[0].reset()  # releases the graphs' pool
+
+
+def _check_losses(builds: list[Seen], rt: dict) -> list[dict]:
     """Step-1 losses side by side per precision; a gap above LOSS_ATOL is a failed check."""
     checks = []
     for precision in dict.fromkeys(b.precision for b in builds):
@@ -385,10 +479,14 @@ def _check_losses(builds: list[Build], rt: dict) -> list[dict]:
             diff = abs(b.loss1 - ref.loss1)
             checks.append({"build": b.name, "loss_step1": b.loss1, "reference": ref.name, "abs_diff": diff,
                            "atol": LOSS_ATOL[precision], "ok": diff <= LOSS_ATOL[precision]})
+            own = next((e for e in group if e.impl == b.impl and e.mode == "eager"), None)
+            if b.mode == "cuda_graph" and own is not None:  # shown, not gated: replay runs eager's kernels
+                checks[-1]["vs_eager_abs_diff"] = abs(b.loss1 - own.loss1)
     _say(rt, "step-1 loss (same weights, same data):")
     for c in checks:
         _say(rt, f"  {c['build']:32s} {c['loss_step1']:.7f}   |diff| vs {c['reference']} {c['abs_diff']:.2e} "
-                 f"(atol {c['atol']:.0e}) {'ok' if c['ok'] else 'MISMATCH'}")
+                 f"(atol {c['atol']:.0e}) {'ok' if c['ok'] else 'MISMATCH'}"
+                 + (f"; vs its eager build {c['vs_eager_abs_diff']:.2e}" if "vs_eager_abs_diff" in c else ""))
     return checks
 
 
@@ -442,7 +540,10 @@ def parse_args(argv=None):
                    help="comma-separated subset of " + ",".join(PRECISIONS))
     p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
                    help="compute dtype of the weights under the FP8 recipes (fp32 precision: fp32)")
-    p.add_argument("--modes", default=",".join(MODES), help="eager, compiled (torch.compile per block), or both")
+    p.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager, compiled (torch.compile "
+                   "per block), cuda_graph (each block replayed from CUDA graphs; CUDA only)")
+    p.add_argument("--cuda-graph", action="store_true", help="also time each build with its transformer blocks "
+                   "replayed from CUDA graphs (adds mode cuda_graph; distwgrad and plain torch, not FSDP2; CUDA only)")
     p.add_argument("--warmup", type=int, default=3, help="steps per build before timing")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="steps per build per round")
@@ -455,6 +556,11 @@ def parse_args(argv=None):
         if not chosen or any(v not in allowed for v in chosen):
             p.error(f"--{name} {getattr(args, name)!r}: choose from {','.join(allowed)}")
         setattr(args, name, chosen)
+    if args.cuda_graph and "cuda_graph" not in args.modes:
+        args.modes += ("cuda_graph",)
+    if "cuda_graph" in args.modes and not torch.cuda.is_available():
+        p.error("--cuda-graph (mode cuda_graph) needs a CUDA device: CUDA graphs capture CUDA kernels, and CUDA is "
+                "not available on this machine")
     if min(args.warmup, args.rounds, args.steps) < 1:
         p.error("--warmup, --rounds and --steps must be positive")
     return args
@@ -485,27 +591,22 @@ def _main(args, rt: dict) -> int:
         for impl in args.impls:
             if precision.startswith("fp8") and impl != "distwgrad":
                 not_run.append({"impl": impl, "precision": precision, "mode": "*", "why": _peer_fp8_why()})
-    rows, builds_seen = [], []
-    prov = results.provenance(rt["device"])
+            elif "cuda_graph" in args.modes and _graph_why(impl, precision, rt):
+                not_run.append({"impl": impl, "precision": precision, "mode": "cuda_graph",
+                                "why": _graph_why(impl, precision, rt)})
+    rows: list[dict] = []
+    seen: list[Seen] = []
     for precision in args.precisions:
         for mode in args.modes:
             specs = [(i, precision, mode) for i in args.impls
-                     if not (precision.startswith("fp8") and i != "distwgrad")]
-            t0 = time.perf_counter()
-            builds = run_group(specs, cfg, corpus, rt, args, not_run)
-            _say(rt, f"  {precision}/{mode}: {', '.join(b.impl for b in builds) or 'nothing'} measured "
-                     f"({time.perf_counter() - t0:.0f} s)")
-            for b in builds:
-                for metric, (value, unit) in measurements(b, cfg, args, rt, peak_tflops).items():
-                    rows.append({**results.row(bench="train_step", case=f"{name} b{args.batch}x{cfg.seq_len} {mode}",
-                                               impl=b.impl, precision=precision, world=rt["world"], metric=metric,
-                                               value=value, unit=unit, device=rt["device"],
-                                               command=prov["command"]), **_extras(b, args, peak_tflops)})
-                builds_seen.append(b)
-            del builds
+                     if not (precision.startswith("fp8") and i != "distwgrad")
+                     and not (mode == "cuda_graph" and _graph_why(i, precision, rt))]
+            _measure_group(specs, f"{precision}/{mode}", f"{name} b{args.batch}x{cfg.seq_len} {mode}", cfg, corpus,
+                           rt, args, not_run, peak_tflops, rows, seen)
+            gc.collect()  # a graphed module's forward refers to the module: a cycle holding its graphs
             if rt["device"].type == "cuda":
                 torch.cuda.empty_cache()
-    checks = _check_losses(builds_seen, rt)
+    checks = _check_losses(seen, rt)
     _table(rows, rt)
     for n in not_run:
         _say(rt, f"not run: {n['impl']}/{n['precision']}/{n['mode']}: {n['why']}")
@@ -519,7 +620,8 @@ def _main(args, rt: dict) -> int:
 
 def _extras(b: Build, args, peak_tflops: float | None) -> dict[str, Any]:
     comm = {k: v for k, v in b.comm.items() if k != "by_kind"}
-    comm["by_kind"] = {k: {"count": n, "bytes": nb} for k, (n, nb) in b.comm["by_kind"].items()}
+    if "by_kind" in b.comm:
+        comm["by_kind"] = {k: {"count": n, "bytes": nb} for k, (n, nb) in b.comm["by_kind"].items()}
     return {**b.facts, "comm": comm, "loss_step1": b.loss1, "microbatches": args.microbatches,
             "timing": f"median of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
                       f"interleaved", "rounds_ms": [round(t, 4) for t in b.times_ms],

@@ -1,0 +1,551 @@
+"""Units: the weights of one module gathered in one all-gather and reduced in one reduce-scatter.
+
+``distwgrad.coalesce(model)`` makes each block of the model a *unit* (FSDP2's ``fully_shard`` units).
+
+[Note: coalesced units]
+* Units. By default each member of every ``nn.ModuleList`` that is a direct child of the model is a
+  unit, and the model itself is the root unit, which takes every weight no block owns. ``units=`` names
+  the modules instead (the root always comes last and takes the rest). A weight belongs to exactly one
+  unit: the first unit whose module contains it, unless another unit's module contains it too (a tied
+  weight, e.g. the embedding and the LM head): then it belongs to the root, so it reduces once, after
+  its last use, like FSDP2's shared parameters at the common ancestor.
+* What coalesces. ``ShardedWeight``s of more than one data-parallel rank, grouped into *buckets* by
+  (group, replicas, dtype, ``param_dtype``, device, reduce policy); anything else keeps its own
+  collectives (a group of one has none: [Note: a group of one]; FP8 recipes gather quantized bytes
+  through ``fp8/weights.py``).
+* Gather. Which members a unit's forward (and its backward) materializes is learned: the first time,
+  every member gathers on its own and the unit notes who asked; from then on the unit's forward
+  pre-hook gathers the noted members of each bucket in ONE all-gather: each rank's padded, cast shards
+  side by side in one flat staging buffer, gathered rank-major, then copied out into each member's
+  full tensor (uneven and empty shards included). The copies live until the unit's forward returns
+  (the root's: the whole forward, like FSDP2's root); they are never saved for backward. A member asked
+  for outside the noted set, or outside its unit's forward, gathers on its own and is noted.
+* Backward. The first backward request of a noted member gathers the bucket's backward set in one
+  all-gather; each member's copy is handed out once (a second request gathers again). Copies nobody
+  asked for are dropped when a third unit gathers in backward (at most the current and the next
+  unit's copies are alive), at the unit's next forward, and when the step ends.
+* Prefetch. The unit order is learned from the first forward (pre-hook order) and the first backward
+  (order of first requests), or set with :meth:`Unit.set_modules_to_forward_prefetch` /
+  :meth:`Unit.set_modules_to_backward_prefetch`. When a unit gathers, the next unit's gather is
+  launched asynchronously (``async_op``) and completed when that unit needs it, so it overlaps the
+  current unit's compute. Every copy records each member's ``_version`` at gather time; a copy whose
+  member changed since (an optimizer step, a manual update) is dropped and gathered again, so no
+  prefetched copy ever predates an update.
+* Reduce. A bucket reduces when none of its members has a contribution outstanding (under
+  ``PER_MICROBATCH``): the members' full fp32 buffers are copied into one rank-major staging buffer
+  (each member's rows split by the ``torch.chunk`` layout, padded) and reduce-scattered once; each member
+  adds its slice of the 1/N result to ``main_grad``. A member that is complete while another still
+  waits (a deferred wgrad not drained yet) keeps its buffer unreduced; if it is used again first (the
+  next microbatch's forward), the bucket reduces its complete members then, so every member's buffer is
+  reduced at the same contents as without units and the gradients are bit-identical (two ranks: two-term
+  sums; with more, gloo's reduce-scatter may add in another order: a few ulps). ``PER_STEP`` buckets
+  reduce at ``finish_step``. With ``async_reduce`` the bucket's reduce-scatter is one entry of the
+  in-flight bound ([Note: contribution accounting]); on a 2-D mesh the flat result is then all-reduced
+  across replicas ([Note: device meshes]).
+* Counters. ``bytes_gathered`` / ``bytes_reduced`` count each member's share of the coalesced
+  collective, exactly what its own collective would have moved. ``Units.collectives`` counts the
+  coalesced collectives launched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distwgrad.weights import _accounting, _comm
+from distwgrad.weights.base import DistributedParameter
+from distwgrad.weights.sharded import ShardedWeight
+
+__all__ = ["coalesce", "Unit", "Units"]
+
+
+def _key(w: ShardedWeight) -> tuple:
+    return (id(w.group), id(w.replicate_group), w.dtype, w.param_dtype, w.device, w.reduce_policy)
+
+
+def _coalescable(w: Any) -> bool:
+    return isinstance(w, ShardedWeight) and not w._solo and w.requires_grad
+
+
+class _Layout:
+    """Where each member sits in a bucket's flat per-rank block: offsets in elements."""
+
+    def __init__(self, members: Sequence[ShardedWeight]) -> None:
+        self.members = list(members)
+        self.row_numel = [math.prod(w.shape[1:]) for w in self.members]
+        self.lengths = [w._padded_rows * n for w, n in zip(self.members, self.row_numel)]
+        self.offsets = [sum(self.lengths[:i]) for i in range(len(self.members))]
+        self.per_rank = sum(self.lengths)
+        self.size = _comm.group_size(self.members[0].group)
+
+    def slot(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Member ``i``'s block in a rank-major ``[size * per_rank]`` buffer, as ``[size, padded_rows, ...]``."""
+        w = self.members[i]
+        view = flat.view(self.size, self.per_rank)[:, self.offsets[i]:self.offsets[i] + self.lengths[i]]
+        return view.view(self.size, w._padded_rows, *w.shape[1:])
+
+
+class _Copies:
+    """A gathered set: each member's full tensor and the ``_version`` it was gathered at."""
+
+    def __init__(self, layout: _Layout, work: Any, gathered: torch.Tensor, staging: torch.Tensor) -> None:
+        self.layout, self._work = layout, work
+        self._gathered: torch.Tensor | None = gathered
+        self._staging: torch.Tensor | None = staging  # the collective reads it until the wait
+        self.versions = {id(w): w._version for w in layout.members}
+        self.full: dict[int, torch.Tensor] = {}
+        self.taken: set[int] = set()
+
+    def has(self, w: ShardedWeight) -> bool:
+        return id(w) in self.versions
+
+    def all_fresh(self) -> bool:
+        return all(self.fresh(w) for w in self.layout.members)
+
+    def wait(self) -> None:
+        """Waits for the all-gather (once); a set is only ever dropped after this."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._staging = None
+
+    def ready(self) -> dict[int, torch.Tensor]:
+        """Waits for the all-gather and copies every member out of the flat buffer (once)."""
+        self.wait()
+        if self._gathered is not None:
+            for i, w in enumerate(self.layout.members):
+                block = self.layout.slot(self._gathered, i)
+                if len(set(w.shard_rows)) == 1:
+                    self.full[id(w)] = block.reshape(w.full_shape)
+                else:
+                    self.full[id(w)] = torch.cat([block[r, :rows] for r, rows in enumerate(w.shard_rows)])
+            self._gathered = None
+        return self.full
+
+    def fresh(self, w: ShardedWeight) -> bool:
+        return self.versions.get(id(w)) == w._version
+
+
+def _launch_gather(members: Sequence[ShardedWeight], units: Units) -> _Copies:
+    """One all-gather of ``members``' cast, padded shards through one flat staging buffer."""
+    layout = _Layout(members)
+    locals_ = [w._padded(w._local_for_gather()).reshape(-1) for w in members]
+    staging = torch.cat(locals_) if len(locals_) > 1 else locals_[0]
+    gathered = staging.new_empty(layout.size * layout.per_rank)
+    work = _comm.all_gather_into(gathered, staging, members[0].group, async_op=True)
+    for w, n in zip(members, layout.lengths):
+        w.bytes_gathered += layout.size * n * staging.element_size()
+    units.collectives += 1
+    return _Copies(layout, work, gathered, staging)
+
+
+class _BucketLaunch:
+    """One coalesced reduction in flight: an entry of the process's in-flight bound (``_accounting``)."""
+
+    def __init__(self, launched: _accounting.Launched, members: list[DistributedParameter]) -> None:
+        self._inflight = [launched]
+        self._left = len(members)
+        self._members = members
+        self._shares: list[_Share] = []
+        self._flat: torch.Tensor | None = None
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = self._inflight[0]()
+        return self._flat
+
+    def member_landed(self) -> None:
+        self._left -= 1
+        if self._left == 0:
+            _accounting.forget(self)
+
+    def _land_oldest(self) -> None:
+        """Lands every member's share still in flight (each is its member's oldest); the last forgets this."""
+        for w, share in zip(self._members, self._shares):
+            if not share.landed:
+                w._land_oldest()
+
+
+class _Share:
+    """A member's part of a coalesced reduction: called, it waits (once for all) and gives its slice."""
+
+    __slots__ = ("launch", "start", "numel", "shape", "landed")
+
+    def __init__(self, launch: _BucketLaunch, start: int, numel: int, shape: torch.Size) -> None:
+        self.launch, self.start, self.numel, self.shape = launch, start, numel, shape
+        self.landed = False
+        launch._shares.append(self)
+
+    def done(self) -> bool:
+        return self.launch._inflight[0].done()
+
+    def __call__(self) -> torch.Tensor:
+        out = self.launch.flat()[self.start:self.start + self.numel].view(self.shape)
+        self.landed = True
+        self.launch.member_landed()
+        return out
+
+
+class _Bucket:
+    """The coalescable members of one unit that share a key (``_key``)."""
+
+    def __init__(self, unit: Unit, members: list[ShardedWeight]) -> None:
+        self.unit = unit
+        self.members = members
+        self.forward_set: list[ShardedWeight] | None = None
+        self.backward_set: list[ShardedWeight] | None = None
+        self.learning_backward = False  # until the unit's first backward is over
+        self._fwd_asked: list[ShardedWeight] = []
+
+    # --- reduce --------------------------------------------------------------------------------------
+    @staticmethod
+    def complete(w: DistributedParameter) -> bool:
+        """Every contribution owed so far arrived and is not reduced yet."""
+        return (not w._step_closed and w._delivered == w._expected and w._delivered > w._reduced
+                and w._buffer is not None)
+
+    def maybe_reduce(self) -> None:
+        """PER_MICROBATCH: reduce once no member has a contribution outstanding."""
+        if all(w.pending_contributions == 0 for w in self.members):
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduces every complete member in one collective (several ranks) or on its own (none left)."""
+        ready = [w for w in self.members if self.complete(w)]
+        if not ready:
+            return
+        first = ready[0]
+        size, total = _comm.group_size(first.group), first.dp_size
+        asynchronous = first.async_reduce
+        if asynchronous:
+            _accounting.admit()
+        layout = _Layout(ready)
+        uneven = any(len(set(w.shard_rows)) > 1 for w in ready)
+        staging = (torch.zeros if uneven else torch.empty)(size * layout.per_rank, dtype=torch.float32,
+                                                          device=first.device)
+        for i, w in enumerate(ready):
+            buffer, w._buffer = w._buffer, None
+            slot = layout.slot(staging, i)
+            if len(set(w.shard_rows)) == 1:
+                slot.copy_(buffer.view(size, w._padded_rows, *w.shape[1:]))
+            else:
+                for r, part in enumerate(buffer.split(w.shard_rows)):
+                    slot[r, :part.shape[0]].copy_(part)
+            del buffer
+            w.bytes_reduced += size * layout.lengths[i] * 4
+            if w.replicate_group is not None:
+                w.bytes_reduced += layout.lengths[i] * 4
+        out = staging.new_empty(layout.per_rank)
+        work = _comm.reduce_scatter_sum(out, staging, first.group, async_op=asynchronous)
+        self.unit.units.collectives += 1
+        if first.replicate_group is None:
+            launched = _accounting.Launched(work, lambda: out.div_(size), keep=staging)
+        else:
+            def across_replicas() -> torch.Tensor:  # after the reduce-scatter landed: [Note: device meshes]
+                _comm.all_reduce_sum(out, first.replicate_group)
+                self.unit.units.collectives += 1
+                return out.div_(total)
+            launched = _accounting.Launched(work, across_replicas, keep=staging, collective_at_wait=True)
+        del staging
+        launch = _BucketLaunch(launched, list(ready))
+        for i, w in enumerate(ready):
+            w._inflight.append(_Share(launch, layout.offsets[i], w.numel(), w.shape))
+            w._reduced = w._delivered
+            w._step_has_grad = True
+        if asynchronous:
+            _accounting.launched(launch)
+        else:
+            for w in ready:
+                w._land_oldest()
+
+    # --- gather --------------------------------------------------------------------------------------
+    def gather_forward(self) -> _Copies | None:
+        members = self.forward_set
+        return _launch_gather(members, self.unit.units) if members else None
+
+    def backward_set_or_empty(self) -> list[ShardedWeight]:
+        return self.backward_set or []
+
+    def gather_backward(self, asking: ShardedWeight | None = None) -> _Copies | None:
+        """The backward set's members that still owe a contribution (and ``asking``), in one gather."""
+        members = [w for w in self.backward_set_or_empty() if w is asking or w.pending_contributions > 0]
+        return _launch_gather(members, self.unit.units) if members else None
+
+
+class Unit:
+    """One unit of :func:`coalesce`: a module whose weights gather and reduce together."""
+
+    def __init__(self, units: Units, module: nn.Module, name: str, weights: list[DistributedParameter]) -> None:
+        self.units, self.module, self.name = units, module, name
+        self.weights = weights
+        by_key: dict[tuple, list[ShardedWeight]] = {}
+        for w in weights:
+            if _coalescable(w):
+                by_key.setdefault(_key(w), []).append(w)  # type: ignore[arg-type]
+        self.buckets = [_Bucket(self, ws) for ws in by_key.values()]
+        for b in self.buckets:
+            for w in b.members:
+                w._bucket = b
+        self._forward: dict[int, _Copies] = {}  # bucket id -> the copies of the running forward
+        self._backward: dict[int, _Copies] = {}  # bucket id -> backward copies not handed out yet
+        self._prefetched_fwd: dict[int, _Copies] = {}
+        self._prefetched_bwd: dict[int, _Copies] = {}
+        self.in_forward = 0
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name or '<root>'}: {len(self.weights)} weights, {len(self.buckets)} buckets)"
+
+    # --- explicit prefetch order (FSDP2's set_modules_to_*_prefetch) ---------------------------------
+    def set_modules_to_forward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        """The units whose gathers start when this unit's forward starts (replaces the learned order)."""
+        self.forward_prefetch = [self.units.unit_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[nn.Module]) -> None:
+        """The units whose backward gathers start when this unit's backward gathers (replaces the learned order)."""
+        self.backward_prefetch = [self.units.unit_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    # --- forward ---------------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward: gather on demand
+            return
+        self.in_forward += 1
+        if self.in_forward > 1:
+            return
+        self.units._saw_forward(self)
+        _release(self._backward)  # leftovers of an earlier backward are never reused
+        for b in self.buckets:
+            b._fwd_asked = []
+            b.learning_backward = False
+            pre = self._prefetched_fwd.pop(id(b), None)
+            if pre is not None and pre.all_fresh() and _same(pre.layout.members, b.forward_set):
+                self._forward[id(b)] = pre
+            else:
+                if pre is not None:
+                    pre.wait()
+                copies = b.gather_forward()
+                if copies is not None:
+                    self._forward[id(b)] = copies
+        for nxt in self.units.next_forward(self):
+            nxt._prefetch_forward()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1 or self.in_forward == 0:
+            return
+        self.in_forward -= 1
+        if self.in_forward:
+            return
+        _release(self._forward)
+        for b in self.buckets:
+            if b._fwd_asked:
+                b.forward_set = _ordered(b.members, (b.forward_set or []) + b._fwd_asked)
+
+    def _prefetch_forward(self) -> None:
+        for b in self.buckets:
+            if b.forward_set and id(b) not in self._prefetched_fwd:
+                copies = b.gather_forward()
+                if copies is not None:
+                    self._prefetched_fwd[id(b)] = copies
+
+    def forward_copy(self, w: ShardedWeight) -> torch.Tensor:
+        b = w._bucket
+        b._fwd_asked.append(w)
+        copies = self._forward.get(id(b)) if self.in_forward else None
+        if copies is not None and copies.has(w) and copies.fresh(w):
+            return copies.ready()[id(w)]
+        return w._gather()
+
+    # --- backward --------------------------------------------------------------------------------------
+    def backward_copy(self, w: ShardedWeight) -> torch.Tensor:
+        b = w._bucket
+        self.units._saw_backward(self)
+        if b.backward_set is None or not any(m is w for m in b.backward_set):
+            learning = b.backward_set is None
+            b.backward_set = _ordered(b.members, b.backward_set_or_empty() + [w])
+            if learning:  # the first backward: each member gathers on its own while the set is noted
+                b.learning_backward = True
+        if b.learning_backward:
+            return w._gather()
+        copies = self._backward.get(id(b))
+        if copies is not None and copies.has(w) and id(w) in copies.taken:
+            return w._gather()  # asked twice in one backward (a use repeated inside the unit)
+        if copies is None or not copies.has(w) or not copies.fresh(w):
+            copies = self._prefetched_bwd.pop(id(b), None)
+            if copies is None or not copies.has(w) or not copies.all_fresh():
+                if copies is not None:
+                    copies.wait()
+                copies = b.gather_backward(w)
+            if id(b) in self._backward:
+                self._backward.pop(id(b)).wait()
+            self._backward[id(b)] = copies
+            self.units._backward_live(self)
+            for nxt in self.units.next_backward(self):
+                nxt._prefetch_backward()
+        copies.taken.add(id(w))
+        full = copies.ready()[id(w)]
+        if len(copies.taken) == len(copies.layout.members):
+            del self._backward[id(b)]
+        return full
+
+    def _prefetch_backward(self) -> None:
+        for b in self.buckets:
+            if b.backward_set and id(b) not in self._prefetched_bwd and id(b) not in self._backward:
+                copies = b.gather_backward()
+                if copies is not None:
+                    self._prefetched_bwd[id(b)] = copies
+        self.units._backward_live(self)
+
+    def drop(self) -> None:
+        """Drops every copy (forward, backward, prefetched), waiting for gathers still in flight."""
+        for d in (self._prefetched_fwd, self._prefetched_bwd, self._backward):
+            _release(d)
+
+
+def _release(sets: dict[int, _Copies]) -> None:
+    """Drops gathered sets, each after its all-gather completed (the collective writes into it)."""
+    for copies in sets.values():
+        copies.wait()
+    sets.clear()
+
+
+def _same(a: Sequence[Any], b: Sequence[Any] | None) -> bool:
+    return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _ordered(members: Sequence[Any], chosen: Iterable[Any]) -> list[Any]:
+    ids = {id(w) for w in chosen}
+    return [w for w in members if id(w) in ids]
+
+
+class Units(list):
+    """The units of one :func:`coalesce` call, root last; ``collectives`` counts coalesced collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives = 0
+        self._fwd_order: list[Unit] = []
+        self._bwd_order: list[Unit] = []
+        self._bwd_live: list[Unit] = []
+        self._learning_fwd = True
+        self._learning_bwd = True
+
+    def unit_of(self, module: nn.Module, who: str) -> Unit:
+        for u in self:
+            if u.module is module:
+                return u
+        raise ValueError(f"{who}: {type(module).__name__} is not a unit of this coalesce() call; units are "
+                         f"{[u.name or '<root>' for u in self]}")
+
+    def _saw_forward(self, unit: Unit) -> None:
+        """The first forward's order; a unit seen again opens the next pass and ends the learning."""
+        if self._learning_bwd and self._bwd_order:
+            self._learning_bwd = False  # a forward after a backward: that backward's order is complete
+        if self._learning_fwd:
+            if unit in self._fwd_order:
+                self._learning_fwd = False
+            else:
+                self._fwd_order.append(unit)
+
+    def _saw_backward(self, unit: Unit) -> None:
+        if self._learning_bwd and unit not in self._bwd_order:
+            self._bwd_order.append(unit)
+
+    def next_forward(self, unit: Unit) -> list[Unit]:
+        if unit.forward_prefetch is not None:
+            return unit.forward_prefetch
+        order = self._fwd_order
+        if self._learning_fwd or unit not in order:
+            return []
+        i = order.index(unit)
+        return order[i + 1:i + 2]
+
+    def next_backward(self, unit: Unit) -> list[Unit]:
+        if unit.backward_prefetch is not None:
+            return unit.backward_prefetch
+        order = self._bwd_order
+        if self._learning_bwd or unit not in order:
+            return []
+        i = order.index(unit)
+        return order[i + 1:i + 2]
+
+    def _backward_live(self, unit: Unit) -> None:
+        """At most the current and the next unit keep backward copies."""
+        if unit in self._bwd_live:
+            self._bwd_live.remove(unit)
+        self._bwd_live.append(unit)
+        while len(self._bwd_live) > 2:
+            self._bwd_live.pop(0).drop()
+
+    def end_step(self) -> None:
+        for u in self:
+            u.drop()
+        self._bwd_live = []
+
+
+def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            out += [(f"{name}.{i}", m) for i, m in enumerate(child)]
+    return out
+
+
+def coalesce(model: nn.Module, units: Sequence[nn.Module] | None = None) -> Units:
+    """Makes ``model``'s blocks units whose sharded weights gather and reduce in one collective each.
+
+    ``units``: the unit modules (default: every member of each ``nn.ModuleList`` directly under
+    ``model``); ``model`` is always the last (root) unit and owns every weight the others do not (tied
+    weights shared by several units included). Returns the :class:`Units`, root last. Gradients are
+    those of the uncoalesced weights ([Note: coalesced units]). Call it once per model, after building
+    it and before the first step; a weight already in a unit raises.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"coalesce needs an nn.Module, got {type(model).__name__}")
+    named = dict((id(m), n) for n, m in model.named_modules())
+    if units is None:
+        chosen = _block_modules(model)
+    else:
+        chosen = []
+        for m in units:
+            if not isinstance(m, nn.Module) or id(m) not in named:
+                raise ValueError(f"coalesce: units must be submodules of the model; got {type(m).__name__}"
+                                 f"{'' if isinstance(m, nn.Module) else ' (not a module)'}")
+            if m is model:
+                raise ValueError("coalesce: the model itself is always the root unit; list only its submodules")
+            chosen.append((named[id(m)], m))
+        if len({id(m) for _, m in chosen}) != len(chosen):
+            raise ValueError(f"coalesce: a module is listed twice in units: {[n for n, _ in chosen]}")
+    owners: dict[int, list[int]] = {}
+    weights: dict[int, DistributedParameter] = {}
+    for i, (_, m) in enumerate(chosen):
+        for p in m.parameters():
+            if isinstance(p, DistributedParameter):
+                weights[id(p)] = p
+                if i not in owners.setdefault(id(p), []):
+                    owners[id(p)].append(i)
+    for p in model.parameters():
+        if isinstance(p, DistributedParameter):
+            weights[id(p)] = p
+            if getattr(p, "_unit", None) is not None:
+                raise ValueError(f"coalesce: {p._name()} already belongs to a unit (coalesce was called on this "
+                                 f"model, or on a model sharing its weights, before)")
+    result = Units()
+    per_unit: list[list[DistributedParameter]] = [[] for _ in chosen]
+    root: list[DistributedParameter] = []
+    for pid, p in weights.items():
+        homes = owners.get(pid, [])
+        (per_unit[homes[0]] if len(homes) == 1 else root).append(p)
+    for (name, m), ws in zip(chosen, per_unit):
+        result.append(Unit(result, m, name, ws))
+    result.append(Unit(result, model, "", root))
+    for u in result:
+        for w in u.weights:
+            w._unit = u
+        u.module.register_forward_pre_hook(u._pre_forward)
+        u.module.register_forward_hook(u._post_forward, always_call=True)
+    return result
