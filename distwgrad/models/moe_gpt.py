@@ -249,7 +249,10 @@ class MoE(nn.Module):
         expert_A = expert_TK.reshape(-1)
         order_A = torch.argsort(expert_A, stable=True)
         token_A = order_A // self.top_k
-        m_splits_E = torch.bincount(expert_A, minlength=E)
+        # tokens per expert without a host sync (CUDA bincount reads the max on the host): integer adds,
+        # the same counts as torch.bincount(expert_A, minlength=E), in int64 as it gives them
+        m_splits_E = torch.zeros(E, dtype=torch.int64, device=expert_A.device).scatter_add_(
+            0, expert_A, torch.ones_like(expert_A))
         h_AF = F.gelu(self.fc1(x_TD[token_A], m_splits_E))
         y_AD = self.fc2(h_AF, m_splits_E) * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
         return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The system checks of one H200 in one device call: the job at the large preset (mixed precision with
 # --check-parity, then FP8), the whole-step benchmark beside FSDP2 and plain torch, the layer benchmark,
-# the dtype routes and the GPU tests of the runtime. Each step has a time limit and its exit code goes to
-# the summary; logs and rows land in OUT_DIR (default $OUT, else runs/gpu_system). Usage:
+# the dtype routes and the GPU tests of the runtime; and the CUDA-graphed step (--cuda-graph): the job at
+# the large preset with --check-parity, the whole step and the E=128 MoE layer graphed beside eager, and
+# its GPU tests. Each step has a time limit and its exit code goes to the summary; logs and rows land in
+# OUT_DIR (default $OUT, else runs/gpu_system). Usage:
 #
 #   bash qa/L2_gpu/system.sh                       # every step
 #   STEPS="job_bf16 bench_bf16" bash qa/L2_gpu/system.sh
+#   STEPS="graph_tests job_graph bench_graph layer_graph" bash qa/L2_gpu/system.sh   # the graphed step
 #
 # On a machine whose copy of the tree has no .git of its own, pass the source commit:
 #   DISTWGRAD_COMMIT=<git rev-parse --short HEAD, where the tree came from> bash qa/L2_gpu/system.sh
@@ -18,7 +21,7 @@ OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_system}}
 mkdir -p "$OUT_DIR"
 case $OUT_DIR in /*) OUT_ABS=$OUT_DIR ;; *) OUT_ABS=$PWD/$OUT_DIR ;; esac
 export DISTWGRAD_RESULTS=${DISTWGRAD_RESULTS:-$OUT_ABS/results.jsonl}
-STEPS=${STEPS:-"job_bf16 job_fp8 tests dtype_paths bench_bf16 bench_fp8 layer"}
+STEPS=${STEPS:-"job_bf16 job_fp8 tests dtype_paths bench_bf16 bench_fp8 layer graph_tests job_graph bench_graph layer_graph"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
 if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1
@@ -51,6 +54,13 @@ for step in $STEPS; do
                  --batch 8 --microbatches 1 --impls distwgrad --precisions bf16,fp8_per_tensor,fp8_blockwise \
                  --modes eager --warmup 2 --rounds 3 --steps 3 ${FP8_ARGS:-} ;;
     layer) run layer python3 qa/bench/layer_step.py ;;
+    graph_tests) run graph_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_train_cuda_graph.py ;;
+    job_graph) run job_graph $TRAIN --precision bf16 --steps ${GRAPH_JOB_STEPS:-4} --cuda-graph --check-parity \
+                 --out "$OUT_ABS/job_graph" ;;
+    bench_graph) run bench_graph torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
+                   --batch 8 --microbatches 1 --precisions ${GRAPH_PRECISIONS:-bf16} --modes eager \
+                   --cuda-graph --warmup 2 --rounds 3 --steps 3 ${GRAPH_ARGS:-} ;;
+    layer_graph) run layer_graph python3 qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph ;;
     *) echo "unknown step $step" | tee -a "$LOG"; RESULT[$step]="unknown" ;;
   esac
 done

@@ -3,6 +3,8 @@
     python qa/bench/layer_step.py                 # GPU: the MoE shapes and embeddings below
     python qa/bench/layer_step.py --no-record     # the same, nothing appended
     python qa/bench/layer_step.py --tiny          # CPU smoke: tiny shapes (FP8 emulated)
+    # GPU: the E=128 MoE layer eager and CUDA-graphed, bf16 and both FP8 recipes, no embedding case
+    python qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph
 
 Legend: E experts, T expert rows (token-to-expert assignments), K ``d_model``, N ``d_ff``; V vocabulary,
 D ``d_model``.
@@ -17,11 +19,22 @@ looks up T ids, applies RMSNorm and the tied lm_head, and backpropagates the fp3
 Under ``fp8_autocast`` (``fp8_per_tensor``: ``PerTensorScaling()``, ``fp8_blockwise``:
 ``BlockwiseScaling()``) the GEMMs run in FP8. Times: median of ``triton.testing.do_bench`` on CUDA,
 of ``--reps`` steps on CPU. ``tflops``: the step's GEMM FLOPs (3 x forward) over its time.
+
+``--cuda-graph`` (CUDA only) also times each MoE case with a second copy of the layer (same weights, same
+inputs) graphed by ``distwgrad.make_graphed_callables``: forward, backward and each deferred expert wgrad
+replay from CUDA graphs captured under the case's recipe (the weights reduce synchronously, as the job's
+``--cuda-graph`` builds them: ``launch/cuda_graph.py``); the drain replays the wgrad graphs into the fp32
+``main_grad``, and ``finalize_model_grads`` runs eagerly. Those rows' case ends in ``cuda_graph``; they
+carry ``vs_eager`` (eager time / graphed time), and their ``peak_gib`` is the graphed copy's own (everything
+allocated from its build on: weights, ``main_grad``, the graph pool and graph-owned buffers, the steps).
+The weights do not change between steps here, so every FP8 recipe may be graphed (the job refuses the
+per-tensor ones, whose cached amax would go stale after an update).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -50,14 +63,38 @@ def _model(device: torch.device, **sizes) -> MoEGPT:
     return MoEGPT(cfg, device=device, sharded=True, param_dtype=torch.bfloat16)
 
 
-def moe_problem(E: int, T: int, K: int, N: int, device: torch.device):
-    """(module, step inputs, GEMM FLOPs): the job's MoE layer and T/top_k bf16 tokens (seed 0)."""
+def _moe(E: int, T: int, K: int, N: int, device: torch.device):
+    """The job's MoE layer and T/top_k bf16 tokens with an output gradient (seed 0)."""
     moe = _model(device, vocab_size=8, d_model=K, n_experts=E, top_k=TOP_K, d_ff=N).blocks[0].moe
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T // TOP_K, K, generator=gen).to(device, torch.bfloat16).requires_grad_()
     dy = torch.randn(T // TOP_K, K, generator=gen).to(device, torch.bfloat16)
+    return moe, x, dy
+
+
+def moe_problem(E: int, T: int, K: int, N: int, device: torch.device):
+    """(module, step, GEMM FLOPs): the job's MoE layer on T/top_k tokens."""
+    moe, x, dy = _moe(E, T, K, N, device)
     flops = 3 * (2 * (T // TOP_K) * K * E + 2 * 2 * T * K * N)  # router, fc1 and fc2; forward x 3
     return moe, (lambda: moe(x).backward(dy)), flops
+
+
+def graphed_moe_problem(E: int, T: int, K: int, N: int, device: torch.device, recipe):
+    """(module, step): :func:`moe_problem`'s layer and inputs, CUDA-graphed under ``recipe`` (a class or None)."""
+    moe, x, dy = _moe(E, T, K, N, device)
+    _job_cuda_graph().synchronous_reductions((moe,))
+    distwgrad.make_graphed_callables(moe, (x,), fp8_enabled=recipe is not None,
+                                     fp8_recipe=None if recipe is None else recipe())
+    return moe, (lambda: moe(x).backward(dy))
+
+
+def _job_cuda_graph():
+    try:
+        from distwgrad.launch import cuda_graph
+    except ImportError:  # a bare checkout: the job's package is launch/ at the repository root
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from launch import cuda_graph
+    return cuda_graph
 
 
 def embed_problem(V: int, D: int, T: int, device: torch.device):
@@ -117,10 +154,35 @@ def bench(args, device: torch.device) -> list[dict]:
                                         command=prov["command"], **extra))
             print(f"  {case:45s} {precision:15s} {ms:9.3f} ms  {flops / ms / 1e9:9.3g} TFLOP/s"
                   + (f"  ({extra['vs_bf16']:.2f}x bf16)" if extra["vs_bf16"] else ""), flush=True)
+            if args.cuda_graph and problem is moe_problem:
+                rows += _graphed_rows(case, shape, precision, ms, flops, device, args, prov)
         del module, fwd_bwd
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _graphed_rows(case: str, shape, precision: str, eager_ms: float, flops: int, device: torch.device, args,
+                  prov: dict) -> list[dict]:
+    """The graphed copy of a MoE case: its rows, ``vs_eager`` against the eager time of the same case."""
+    base = torch.cuda.memory_allocated(device)  # the eager copy and its inputs: not this copy's
+    torch.cuda.reset_peak_memory_stats(device)
+    module, fwd_bwd = graphed_moe_problem(*shape, device, RECIPES[precision])
+    ms = _timed(module, fwd_bwd, RECIPES[precision], device, args.reps)
+    metrics = {"step_ms": (ms, "ms"), "tflops": (flops / ms / 1e9, "TFLOP/s"),
+               "peak_gib": ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 30, "GiB")}
+    extra = {"vs_eager": round(eager_ms / ms, 3), "param_dtype": "bfloat16", "master_dtype": "float32",
+             "shape": list(shape), "graphed_by": "distwgrad.make_graphed_callables (forward, backward, deferred "
+             "wgrads; finalize_model_grads eager)"}
+    print(f"  {case + ' cuda_graph':45s} {precision:15s} {ms:9.3f} ms  {flops / ms / 1e9:9.3g} TFLOP/s"
+          f"  ({extra['vs_eager']:.2f}x eager)", flush=True)
+    module.reset()
+    del module, fwd_bwd
+    gc.collect()  # the graphed forward refers to its module: a cycle
+    torch.cuda.empty_cache()
+    return [results.row(bench="layer_step", case=f"{case} cuda_graph", impl="distwgrad", precision=precision, world=1,
+                        metric=metric, value=value, unit=unit, device=device, command=prov["command"], **extra)
+            for metric, (value, unit) in metrics.items()]
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -135,12 +197,17 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke)")
     p.add_argument("--precisions", default=",".join(RECIPES), help="comma-separated subset of " + ",".join(RECIPES))
     p.add_argument("--reps", type=int, default=20, help="CPU: timed steps; CUDA: do_bench rep = 10 x reps ms")
+    p.add_argument("--cuda-graph", action="store_true", help="also time each MoE case CUDA-graphed (forward, "
+                   "backward, deferred wgrads replayed by distwgrad.make_graphed_callables; CUDA only)")
     results.add_arguments(p)
     args = p.parse_args(argv)
     args.precisions = tuple(v for v in args.precisions.split(",") if v)
     if not args.precisions or any(v not in RECIPES for v in args.precisions):
         p.error(f"--precisions: choose from {','.join(RECIPES)}")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.cuda_graph and device.type != "cuda":
+        p.error("--cuda-graph needs a CUDA device: CUDA graphs capture CUDA kernels, and CUDA is not available on "
+                "this machine")
     if args.moe is None:
         args.moe = TINY_MOE if args.tiny or device.type == "cpu" else MOE_SHAPES
     if args.embed is None:
