@@ -66,7 +66,7 @@ def _moe_case(case, rank, world):
     ulps = 0 if world == 2 else 4
     counts = []
     for step in range(3):
-        tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
+        tokens = torch.randint(0, cfg.vocab_size, (2 * case["mb"], cfg.seq_len + 1), generator=gen)
         n_p, _ = _count_collectives(lambda t=tokens: _moe_step(plain, t, case["mb"], case["drain_each"]))
         n_c, _ = _count_collectives(lambda t=tokens: _moe_step(coal, t, case["mb"], case["drain_each"]))
         gp, gc = _grads(plain), _grads(coal)

@@ -89,32 +89,24 @@ class _Layout:
         return view.view(self.size, w._padded_rows, *w.shape[1:])
 
 
-class _Copies:
-    """A gathered set: each member's full tensor and the ``_version`` it was gathered at."""
+class _Gather:
+    """One all-gather in flight: the staging buffer it reads, the flat buffer it writes, the copy-out."""
 
     def __init__(self, layout: _Layout, work: Any, gathered: torch.Tensor, staging: torch.Tensor) -> None:
         self.layout, self._work = layout, work
         self._gathered: torch.Tensor | None = gathered
         self._staging: torch.Tensor | None = staging  # the collective reads it until the wait
-        self.versions = {id(w): w._version for w in layout.members}
         self.full: dict[int, torch.Tensor] = {}
-        self.taken: set[int] = set()
-
-    def has(self, w: ShardedWeight) -> bool:
-        return id(w) in self.versions
-
-    def all_fresh(self) -> bool:
-        return all(self.fresh(w) for w in self.layout.members)
 
     def wait(self) -> None:
-        """Waits for the all-gather (once); a set is only ever dropped after this."""
+        """Waits for the all-gather (once); a gather is only ever dropped after this."""
         if self._work is not None:
             self._work.wait()
             self._work = None
         self._staging = None
 
     def ready(self) -> dict[int, torch.Tensor]:
-        """Waits for the all-gather and copies every member out of the flat buffer (once)."""
+        """Waits, then copies every member out of the flat buffer into its full tensor (once) and frees it."""
         self.wait()
         if self._gathered is not None:
             for i, w in enumerate(self.layout.members):
@@ -126,12 +118,35 @@ class _Copies:
             self._gathered = None
         return self.full
 
+
+class _Copies:
+    """One bucket's share of a gather: its members' full tensors and the ``_version`` each was gathered at."""
+
+    def __init__(self, gather: _Gather, members: Sequence[ShardedWeight]) -> None:
+        self.gather, self.members = gather, list(members)
+        self.versions = {id(w): w._version for w in self.members}
+        self.taken: set[int] = set()
+
+    def has(self, w: ShardedWeight) -> bool:
+        return id(w) in self.versions
+
     def fresh(self, w: ShardedWeight) -> bool:
         return self.versions.get(id(w)) == w._version
 
+    def all_fresh(self) -> bool:
+        return all(self.fresh(w) for w in self.members)
 
-def _launch_gather(members: Sequence[ShardedWeight], units: Units) -> _Copies:
-    """One all-gather of ``members``' cast, padded shards through one flat staging buffer."""
+    def wait(self) -> None:
+        self.gather.wait()
+
+    def ready(self) -> dict[int, torch.Tensor]:
+        return self.gather.ready()
+
+
+def _launch_gather(parts: Sequence[Sequence[ShardedWeight]], units: Units) -> list[_Copies]:
+    """ONE all-gather of every part's members (cast, padded shards through one flat staging buffer);
+    one :class:`_Copies` per part. Parts are buckets of one key: a unit's, and the next unit's prefetch."""
+    members = [w for part in parts for w in part]
     layout = _Layout(members)
     locals_ = [w._padded(w._local_for_gather()).reshape(-1) for w in members]
     staging = torch.cat(locals_) if len(locals_) > 1 else locals_[0]
@@ -140,7 +155,8 @@ def _launch_gather(members: Sequence[ShardedWeight], units: Units) -> _Copies:
     for w, n in zip(members, layout.lengths):
         w.bytes_gathered += layout.size * n * staging.element_size()
     units.collectives += 1
-    return _Copies(layout, work, gathered, staging)
+    gather = _Gather(layout, work, gathered, staging)
+    return [_Copies(gather, part) for part in parts]
 
 
 class _BucketLaunch:
@@ -193,8 +209,8 @@ class _Share:
 class _Bucket:
     """The coalescable members of one unit that share a key (``_key``)."""
 
-    def __init__(self, unit: Unit, members: list[ShardedWeight]) -> None:
-        self.unit = unit
+    def __init__(self, unit: Unit, members: list[ShardedWeight], key: tuple) -> None:
+        self.unit, self.key = unit, key
         self.members = members
         self.forward_set: list[ShardedWeight] | None = None
         self.backward_set: list[ShardedWeight] | None = None
@@ -263,17 +279,15 @@ class _Bucket:
                 w._land_oldest()
 
     # --- gather --------------------------------------------------------------------------------------
-    def gather_forward(self) -> _Copies | None:
-        members = self.forward_set
-        return _launch_gather(members, self.unit.units) if members else None
+    def forward_members(self) -> list[ShardedWeight]:
+        return self.forward_set or []
 
     def backward_set_or_empty(self) -> list[ShardedWeight]:
         return self.backward_set or []
 
-    def gather_backward(self, asking: ShardedWeight | None = None) -> _Copies | None:
-        """The backward set's members that still owe a contribution (and ``asking``), in one gather."""
-        members = [w for w in self.backward_set_or_empty() if w is asking or w.pending_contributions > 0]
-        return _launch_gather(members, self.unit.units) if members else None
+    def backward_members(self, asking: ShardedWeight | None = None) -> list[ShardedWeight]:
+        """The backward set's members that still owe a contribution (and ``asking``)."""
+        return [w for w in self.backward_set_or_empty() if w is asking or w.pending_contributions > 0]
 
 
 class Unit:
@@ -286,7 +300,7 @@ class Unit:
         for w in weights:
             if _coalescable(w):
                 by_key.setdefault(_key(w), []).append(w)  # type: ignore[arg-type]
-        self.buckets = [_Bucket(self, ws) for ws in by_key.values()]
+        self.buckets = [_Bucket(self, ws, key) for key, ws in by_key.items()]
         for b in self.buckets:
             for w in b.members:
                 w._bucket = b
@@ -323,12 +337,12 @@ class Unit:
             b._fwd_asked = []
             b.learning_backward = False
             pre = self._prefetched_fwd.pop(id(b), None)
-            if pre is not None and pre.all_fresh() and _same(pre.layout.members, b.forward_set):
+            if pre is not None and pre.all_fresh() and _same(pre.members, b.forward_set):
                 self._forward[id(b)] = pre
             else:
                 if pre is not None:
                     pre.wait()
-                copies = b.gather_forward()
+                copies = self._gather_with_next(b, b.forward_members(), self.units.next_forward(self), True)
                 if copies is not None:
                     self._forward[id(b)] = copies
         for nxt in self.units.next_forward(self):
@@ -348,9 +362,7 @@ class Unit:
     def _prefetch_forward(self) -> None:
         for b in self.buckets:
             if b.forward_set and id(b) not in self._prefetched_fwd:
-                copies = b.gather_forward()
-                if copies is not None:
-                    self._prefetched_fwd[id(b)] = copies
+                (self._prefetched_fwd[id(b)],) = _launch_gather([b.forward_set], self.units)
 
     def forward_copy(self, w: ShardedWeight) -> torch.Tensor:
         b = w._bucket
@@ -379,7 +391,8 @@ class Unit:
             if copies is None or not copies.has(w) or not copies.all_fresh():
                 if copies is not None:
                     copies.wait()
-                copies = b.gather_backward(w)
+                copies = self._gather_with_next(b, b.backward_members(w), self.units.next_backward(self), False)
+                assert copies is not None  # w itself is a member
             if id(b) in self._backward:
                 self._backward.pop(id(b)).wait()
             self._backward[id(b)] = copies
@@ -388,16 +401,39 @@ class Unit:
                 nxt._prefetch_backward()
         copies.taken.add(id(w))
         full = copies.ready()[id(w)]
-        if len(copies.taken) == len(copies.layout.members):
+        if len(copies.taken) == len(copies.members):
             del self._backward[id(b)]
         return full
+
+    def _gather_with_next(self, b: _Bucket, mine: list[ShardedWeight], nexts: list[Unit],
+                          forward: bool) -> _Copies | None:
+        """``mine`` and, in the same all-gather, the same-key bucket of each next unit not prefetched yet:
+        the first unit of a pass has nothing prefetched, so its gather carries the next one's."""
+        if not mine:
+            return None
+        parts, owners = [mine], []
+        for nxt in nexts:
+            nb = next((x for x in nxt.buckets if x.key == b.key), None)
+            store = nxt._prefetched_fwd if forward else nxt._prefetched_bwd
+            if nb is None or id(nb) in store or (not forward and id(nb) in nxt._backward):
+                continue
+            theirs = nb.forward_members() if forward else nb.backward_members()
+            if theirs:
+                parts.append(theirs)
+                owners.append((nxt, store, nb))
+        copies = _launch_gather(parts, self.units)
+        for (nxt, store, nb), share in zip(owners, copies[1:]):
+            store[id(nb)] = share
+            if not forward:
+                self.units._backward_live(nxt)
+        return copies[0]
 
     def _prefetch_backward(self) -> None:
         for b in self.buckets:
             if b.backward_set and id(b) not in self._prefetched_bwd and id(b) not in self._backward:
-                copies = b.gather_backward()
-                if copies is not None:
-                    self._prefetched_bwd[id(b)] = copies
+                members = b.backward_members()
+                if members:
+                    (self._prefetched_bwd[id(b)],) = _launch_gather([members], self.units)
         self.units._backward_live(self)
 
     def drop(self) -> None:

@@ -94,20 +94,31 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def overlap_fraction(events: Iterable[Any]) -> float | None:
-    """Fraction of communication-kernel time (NCCL kernels on the device timeline) that compute kernels
-    run under; None without device kernels (CPU/gloo: communication runs on gloo's threads, untraced)."""
-    comm, compute = [], []
-    for e in events:
-        if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
-            continue
-        span = (e.time_range.start, e.time_range.end)
-        (comm if "nccl" in e.name.lower() else compute).append(span)
-    if not comm:
-        return None
+def _hidden(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float | None:
     busy = _union(compute)
     total = hidden = 0.0
     for s, e in _union(comm):
         total += e - s
         hidden += sum(max(0.0, min(e, b1) - max(s, b0)) for b0, b1 in busy)
     return hidden / total if total else None
+
+
+def overlap_fraction(events: Iterable[Any]) -> float | None:
+    """Fraction of communication time that compute runs under, None without communication.
+
+    CUDA: NCCL kernels on the device timeline against every other kernel. CPU (gloo): gloo's backend
+    events, which gloo records on its worker threads, against the ``aten::`` operators of the threads
+    that run no gloo event (the training thread). Time the training thread spends waiting, or in
+    Python between operators, counts as exposed, so the CPU figure is a lower bound.
+    """
+    events = list(events)
+    cuda = [e for e in events if str(getattr(e, "device_type", None)) == "DeviceType.CUDA"]
+    if cuda:
+        comm = [(e.time_range.start, e.time_range.end) for e in cuda if "nccl" in e.name.lower()]
+        compute = [(e.time_range.start, e.time_range.end) for e in cuda if "nccl" not in e.name.lower()]
+        return _hidden(comm, compute) if comm else None
+    gloo = [e for e in events if e.name.startswith("gloo:")]
+    workers = {e.thread for e in gloo}
+    compute = [(e.time_range.start, e.time_range.end) for e in events
+               if e.name.startswith("aten::") and e.thread not in workers]
+    return _hidden([(e.time_range.start, e.time_range.end) for e in gloo], compute) if gloo else None

@@ -85,7 +85,8 @@ from distwgrad.models import MoEGPT, MoEGPTConfig  # noqa: E402
 IMPLS = ("distwgrad", "fsdp2", "torch")
 PRECISIONS = ("fp32", "bf16", "fp8_per_tensor", "fp8_blockwise")
 MODES = ("eager", "compiled", "cuda_graph")
-METRICS = ("step_ms", "tokens_per_s", "peak_gib", "mfu", "collectives_per_step", "comm_bytes_per_step")
+METRICS = ("step_ms", "tokens_per_s", "peak_gib", "mfu", "collectives_per_step", "comm_bytes_per_step",
+           "comm_hidden")
 # Step-1 loss agreement between builds, by precision. fp32: the job's parity tolerance (the same sums in
 # other orders; launch/train.py PARITY_LOSS_ATOL). bf16 and FP8: every build rounds the same weights to
 # bf16 but the activations in its own order; a loss is a mean over tokens of per-token errors of a few
@@ -317,6 +318,7 @@ def _count_comm(b: Build, tok: torch.Tensor, device: torch.device) -> None:
         _sync(device)
     b.comm = _trace.comm_from_events(prof.events())
     b.comm["source"] = "torch.profiler c10d:: operators, one step"
+    b.comm["hidden_fraction"] = _trace.overlap_fraction(prof.events())
     if params:  # the weights' own counters: the bytes the job reports (launch/train.py _comm_bytes)
         gathered = sum(p.bytes_gathered - g for p, (g, _) in zip(params, own0))
         reduced = sum(p.bytes_reduced - r for p, (_, r) in zip(params, own0))
@@ -427,6 +429,8 @@ def measurements(b: Build, cfg: MoEGPTConfig, args, rt: dict, peak_tflops: float
     if "collectives" in b.comm:  # graphed builds: not counted (the module docstring says why)
         out.update(collectives_per_step=(b.comm["collectives"], "count"),
                    comm_bytes_per_step=(b.comm["bytes"], "bytes"))
+    if b.comm.get("hidden_fraction") is not None:  # _trace.overlap_fraction: communication under compute
+        out["comm_hidden"] = (b.comm["hidden_fraction"], "fraction")
     if rt["device"].type == "cuda":
         peak = torch.tensor([float(b.peak_bytes)], device=rt["device"])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=rt["group"])
@@ -491,8 +495,9 @@ def _check_losses(builds: list[Seen], rt: dict) -> list[dict]:
 
 
 def _table(rows: list[dict], rt: dict) -> None:
-    cols = ("step_ms", "tokens_per_s", "mfu", "peak_gib", "collectives_per_step", "comm_bytes_per_step")
-    heads = ("ms/step", "tokens/s", "MFU", "peak GiB", "colls/step", "MiB/step")
+    cols = ("step_ms", "tokens_per_s", "mfu", "peak_gib", "collectives_per_step", "comm_bytes_per_step",
+            "comm_hidden")
+    heads = ("ms/step", "tokens/s", "MFU", "peak GiB", "colls/step", "MiB/step", "comm hidden")
     table: dict[tuple, dict] = {}
     for r in rows:
         table.setdefault((r["precision"], r["impl"], r["case"].rsplit(" ", 1)[1]), {})[r["metric"]] = r["value"]
@@ -502,8 +507,8 @@ def _table(rows: list[dict], rt: dict) -> None:
         for c in cols:
             v = vals.get(c)
             cells.append("-" if v is None else f"{v / 2 ** 20:.2f}" if c == "comm_bytes_per_step" else
-                         f"{v:.1%}" if c == "mfu" else f"{v:,.0f}" if c == "tokens_per_s" else f"{v:.2f}"
-                         if c != "collectives_per_step" else f"{v:.0f}")
+                         f"{v:.1%}" if c in ("mfu", "comm_hidden") else f"{v:,.0f}" if c == "tokens_per_s"
+                         else f"{v:.2f}" if c != "collectives_per_step" else f"{v:.0f}")
         _say(rt, f"{precision:15s} {impl:10s} {mode:9s} " + " ".join(f"{c:>11s}" for c in cells))
 
 
