@@ -60,6 +60,10 @@ def _memory_case(case, rank, world, device="cpu"):
     w = ShardedWeight.from_full(torch.zeros(N, K, device=device), reduce_policy=ReducePolicy(case["policy"]),
                                 async_reduce=case["async"])
     lin = Linear(K, N, bias=False, weight=w, delay_wgrad_compute=case["delay"])
+    if case.get("coalesced"):  # the weight as a unit of distwgrad.coalesce: its reduce-scatter staged flat
+        model = torch.nn.Sequential(lin)
+        distwgrad.coalesce(model, units=[lin])
+        lin = model
     x = torch.randn(4, K, device=device)  # no input grad: backward is the wgrad alone
     if device == "cpu":
         _step(lin, w, case, x, _rss_mib)
@@ -73,14 +77,17 @@ def _memory_case(case, rank, world, device="cpu"):
     base = torch.cuda.memory_allocated() / MIB
     peaks = _step(lin, w, case, x, lambda: torch.cuda.max_memory_allocated() / MIB)
     assert max(peaks) == peaks[0], f"peak moved over microbatches: {peaks}"
-    # main_grad (1/N) + the gathered weight in forward + one accumulating buffer + one in flight (async)
-    budget = (N * K * 4 / MIB) * (1 / world + 1 + 1 + (1 if case["async"] else 0))
+    # main_grad (1/N) + the gathered weight in forward + one accumulating buffer + one in flight (async);
+    # coalesced: + the unit's flat staging buffer, which the buffer is copied into before its reduce-scatter
+    budget = (N * K * 4 / MIB) * (1 / world + 1 + 1 + (1 if case["async"] else 0) + (1 if case.get("coalesced") else 0))
     assert peaks[0] - base <= budget, (peaks[0] - base, budget)
     return [round(p) for p in peaks]
 
 
 CASES = [dict(policy=p, delay=d, **{"async": a})
          for p, d, a in itertools.product(["per_microbatch", "per_step"], [False, True], [False, True])]
+CASES += [dict(policy="per_microbatch", delay=d, coalesced=True, **{"async": a})
+          for d, a in itertools.product([False, True], [False, True])]
 
 
 def _sweep(rank, world, cases, device="cpu"):

@@ -160,13 +160,15 @@ def _launch_gather(parts: Sequence[Sequence[ShardedWeight]], units: Units) -> li
 
 
 class _BucketLaunch:
-    """One coalesced reduction in flight: an entry of the process's in-flight bound (``_accounting``)."""
+    """One coalesced reduction in flight: an entry of the process's in-flight bound (``_accounting``).
+
+    Its members' shares (:class:`_Share`) point at it, never the other way (no reference cycle: the flat result
+    is freed as soon as the last member landed, not at the next garbage collection)."""
 
     def __init__(self, launched: _accounting.Launched, members: list[DistributedParameter]) -> None:
-        self._inflight = [launched]
-        self._left = len(members)
+        self._inflight: list[_accounting.Launched] = [launched]
         self._members = members
-        self._shares: list[_Share] = []
+        self._landed: set[int] = set()
         self._flat: torch.Tensor | None = None
 
     def flat(self) -> torch.Tensor:
@@ -174,35 +176,34 @@ class _BucketLaunch:
             self._flat = self._inflight[0]()
         return self._flat
 
-    def member_landed(self) -> None:
-        self._left -= 1
-        if self._left == 0:
+    def member_landed(self, member: DistributedParameter) -> None:
+        self._landed.add(id(member))
+        if len(self._landed) == len(self._members):
             _accounting.forget(self)
+            self._flat, self._members = None, []
 
     def _land_oldest(self) -> None:
         """Lands every member's share still in flight (each is its member's oldest); the last forgets this."""
-        for w, share in zip(self._members, self._shares):
-            if not share.landed:
+        for w in list(self._members):
+            if id(w) not in self._landed:
                 w._land_oldest()
 
 
 class _Share:
     """A member's part of a coalesced reduction: called, it waits (once for all) and gives its slice."""
 
-    __slots__ = ("launch", "start", "numel", "shape", "landed")
+    __slots__ = ("launch", "member", "start", "numel", "shape")
 
-    def __init__(self, launch: _BucketLaunch, start: int, numel: int, shape: torch.Size) -> None:
-        self.launch, self.start, self.numel, self.shape = launch, start, numel, shape
-        self.landed = False
-        launch._shares.append(self)
+    def __init__(self, launch: _BucketLaunch, member: DistributedParameter, start: int) -> None:
+        self.launch, self.member, self.start = launch, member, start
+        self.numel, self.shape = member.numel(), member.shape
 
     def done(self) -> bool:
         return self.launch._inflight[0].done()
 
     def __call__(self) -> torch.Tensor:
         out = self.launch.flat()[self.start:self.start + self.numel].view(self.shape)
-        self.landed = True
-        self.launch.member_landed()
+        self.launch.member_landed(self.member)
         return out
 
 
@@ -269,7 +270,7 @@ class _Bucket:
         del staging
         launch = _BucketLaunch(launched, list(ready))
         for i, w in enumerate(ready):
-            w._inflight.append(_Share(launch, layout.offsets[i], w.numel(), w.shape))
+            w._inflight.append(_Share(launch, w, layout.offsets[i]))
             w._reduced = w._delivered
             w._step_has_grad = True
         if asynchronous:

@@ -429,7 +429,7 @@ def measurements(b: Build, cfg: MoEGPTConfig, args, rt: dict, peak_tflops: float
     if "collectives" in b.comm:  # graphed builds: not counted (the module docstring says why)
         out.update(collectives_per_step=(b.comm["collectives"], "count"),
                    comm_bytes_per_step=(b.comm["bytes"], "bytes"))
-    if b.comm.get("hidden_fraction") is not None:  # _trace.overlap_fraction: communication under compute
+    if rt["world"] > 1 and b.comm.get("hidden_fraction") is not None:  # _trace.overlap_fraction
         out["comm_hidden"] = (b.comm["hidden_fraction"], "fraction")
     if rt["device"].type == "cuda":
         peak = torch.tensor([float(b.peak_bytes)], device=rt["device"])
