@@ -11,7 +11,11 @@ more than once and modules share weights and biases; an optional Embedding in fr
 Linear whose weight is the table (tied) or its own; per-rank token counts and ``m_splits`` with zeros;
 1-4 microbatches; the reduce policy, async reductions, per-module ``delay_wgrad_compute`` and
 ``fuse_wgrad_accumulation``, a caller-attached fp32 ``main_grad``, ``param_dtype`` (none or bf16 on
-fp32 masters), the drain order and when to drain, and what happens to ``.grad`` between two steps.
+fp32 masters), the drain order and when to drain, what happens to ``.grad`` between two steps, and
+whether some of the modules are ``distwgrad.coalesce`` units (the rest, and weights two units share, the
+root's): units change when and in how many collectives weights gather and reduce, never the values, so
+the oracle is the same (only the gathered-bytes count, which depends on what the units learned, is not
+checked for them).
 
 How cases are drawn. World 1 runs in this process: a plain ``@given`` test, so hypothesis shrinks a
 failure to its smallest case. Spawning gloo ranks costs seconds, so worlds 2-4 never spawn per example:
@@ -115,6 +119,8 @@ def _cases(draw, world):
               for row in tokens]
     n_deferred = sum(s["delay"] for s in modules) + (head != "none" and draw(st.booleans()))
     drain = draw(st.sampled_from(["reverse", "forward", "perm"]))
+    n_parts = int(embed) + len(modules) + (head != "none")
+    coalesce = draw(st.one_of(st.none(), st.lists(st.integers(0, n_parts - 1), unique=True)))
     return dict(
         world=world, S=S, E=E, V=V, kinds={f"{p}{i}": k for p, ks in pools.items() for i, k in enumerate(ks)}
         | {"emb": draw(_KIND), "head": draw(_KIND)},
@@ -125,7 +131,7 @@ def _cases(draw, world):
         dtype=draw(st.sampled_from(["fp32", "bf16"])), attach=draw(st.booleans()),
         drain=draw(st.permutations(range(n_deferred))) if drain == "perm" else drain,
         drain_at=draw(st.sampled_from(["each", "end"])), zero=draw(st.sampled_from(["none", "zeros", "keep"])),
-        seed=draw(st.integers(0, 2**16)))
+        seed=draw(st.integers(0, 2**16)), coalesce=coalesce)
 
 
 # --- the model: a list of modules and a chain of calls into them ----------------------------------------
@@ -443,6 +449,8 @@ def _check_one(case, rank, world):
     assert world == case["world"]
     masters = _masters(case)
     model, W = _build(case, masters)
+    if case["coalesce"] is not None:  # these modules as units, the rest the root's: [Note: coalesced units]
+        distwgrad.coalesce(model, units=[model[i] for i in case["coalesce"]])
     attached = {k: torch.zeros(p.shape) for k, p in W.items()} if case["attach"] else {}
     for k, t in attached.items():
         W[k].main_grad = t  # a caller-owned buffer (Megatron's views into its flat buffer)
@@ -463,7 +471,8 @@ def _check_one(case, rank, world):
                 gathered[k] += gathers[k] * case["mbs"] * _gather_bytes(case, p)
                 reduced[k] += n * _reduce_bytes(case, p)
             _check_grad(k, p, *want.get(k, (None, None)), step)
-            assert p.bytes_gathered == gathered[k], (k, step, p.bytes_gathered, gathered[k])
+            if case["coalesce"] is None:  # units gather once per unit call, as they learned to
+                assert p.bytes_gathered == gathered[k], (k, step, p.bytes_gathered, gathered[k])
             assert p.bytes_reduced == reduced[k], (k, step, p.bytes_reduced, reduced[k])
             assert k not in attached or p.main_grad is attached[k], k
             if hasattr(p, "main_grad"):
