@@ -28,7 +28,10 @@
   (order of first requests), or set with :meth:`Unit.set_modules_to_forward_prefetch` /
   :meth:`Unit.set_modules_to_backward_prefetch`. When a unit gathers, the next unit's gather is
   launched asynchronously (``async_op``) and completed when that unit needs it, so it overlaps the
-  current unit's compute. Every copy records each member's ``_version`` at gather time; a copy whose
+  current unit's compute. The first unit of a pass has nothing in flight: its all-gather carries the
+  next unit's members too (one collective, two units' copies). On CUDA the collectives run on the
+  process group's own stream; ``wait()`` orders the compute stream after them, and each staging buffer
+  is held until that wait (the collective reads it). Every copy records each member's ``_version`` at gather time; a copy whose
   member changed since (an optimizer step, a manual update) is dropped and gathered again, so no
   prefetched copy ever predates an update.
 * Reduce. A bucket reduces when none of its members has a contribution outstanding (under
