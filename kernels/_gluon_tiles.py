@@ -1,12 +1,12 @@
-"""What the Gluon grouped GEMM kernels share (bf16 in ``_grouped_gemm_gluon.py``, FP8 in
-``_grouped_gemm_fp8_gluon.py``): the Gluon imports and the portability shims, and where a program's
+"""What the Gluon grouped GEMM kernels share (fprop/dgrad in ``_grouped_gemm_fp8_gluon.py``, wgrad in
+``_grouped_wgrad_fp8_gluon.py``): the Gluon imports and the portability shims, and where a program's
 output tiles lie over ragged token groups whose offsets stay on the device.
 
 Tiles are ordered group-major: group e owns cdiv(tokens_e, BLOCK_M) * cdiv(N, BLOCK_N) consecutive tile
-numbers, swizzled in bands of GROUP_M rows inside the group (``_grouped_wgrad._swizzle``). A program that
-runs one tile finds its group by a search (``find_group``); a persistent program, whose tiles pid,
-pid + grid, ... only grow, walks a cursor forward instead (``cursor``): over its whole life it reads each
-group's offsets once or twice, where a search per tile would reduce over every group each time.
+numbers, swizzled in bands of GROUP_M rows inside the group (``_grouped_wgrad._swizzle``). A persistent
+program, whose tiles pid, pid + grid, ... only grow, walks a cursor forward (``cursor``): over its whole
+life it reads each group's offsets once or twice, where a search per tile (the Triton kernels'
+``grouped_gemm._find_group``) would reduce over every group each time.
 Offsets are clamped into [0, T] and a decreasing offset gives an empty group, as in
 ``grouped_gemm._find_group`` (the launchers check offsets where they can without a device sync).
 """
@@ -62,35 +62,9 @@ def define() -> SimpleNamespace:
     from ._grouped_wgrad import _swizzle
 
     @gluon.jit
-    def find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
-                   num_warps: gl.constexpr):
-        """``grouped_gemm._find_group`` with explicit layouts and without a scan (Triton 3.6's Gluon has no
-        ``cumsum``): (group, tile within it, first token, tokens, total tiles) for tile ``pid``.
-        Group e holds tile pid when the tiles of groups 0..e sum past pid, so e counts the groups j
-        whose inclusive sums stay <= pid; the sums come 16 groups at a time as row sums of a
-        [16, BLOCK_E] lower-triangular selection."""
-        lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-        eidx = gl.arange(0, BLOCK_E, layout=gl.SliceLayout(0, lay))
-        ends = gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0)
-        starts = gl.load(offs_ptr + (eidx - 1) * stride_o, mask=(eidx > 0) & (eidx < E), other=0)
-        ends = gl.minimum(gl.maximum(ends, 0), T)
-        starts = gl.minimum(gl.maximum(starts, 0), T)
-        sizes = gl.maximum(ends - starts, 0)
-        tiles = gl.cdiv(sizes, BLOCK_M) * tiles_n
-        e = pid * 0
-        for j0 in gl.static_range(0, BLOCK_E, 16):
-            js = j0 + gl.arange(0, 16, layout=gl.SliceLayout(1, lay))
-            inclusive = gl.sum(gl.where(eidx[None, :] <= js[:, None], tiles[None, :], 0), axis=1)
-            e += gl.sum((inclusive <= pid).to(gl.int32), axis=0)
-        local = pid - gl.sum(gl.where(eidx < e, tiles, 0), axis=0)
-        start = gl.sum(gl.where(eidx == e, starts, 0), axis=0)
-        size = gl.sum(gl.where(eidx == e, sizes, 0), axis=0)
-        return e, local, start, size, gl.sum(tiles, axis=0)
-
-    @gluon.jit
     def total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                     num_warps: gl.constexpr):
-        """The tiles of all groups (``find_group``'s last value, without the search)."""
+        """The tiles of all groups (``grouped_gemm._find_group``'s last value, without the search)."""
         lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         eidx = gl.arange(0, BLOCK_E, layout=lay)
         ends = gl.minimum(gl.maximum(gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0), 0), T)
@@ -228,6 +202,6 @@ def define() -> SimpleNamespace:
             fence_async_shared()
             thread_barrier()
 
-    return SimpleNamespace(find_group=find_group, total_tiles=total_tiles, group=group, cursor=cursor,
+    return SimpleNamespace(total_tiles=total_tiles, group=group, cursor=cursor,
                            origin=origin, tile=tile, store_rows=store_rows, zero_edges=zero_edges,
                            zero_rows=zero_rows)

@@ -31,25 +31,22 @@ partials alternate between two register sets: no phi copy of an in-flight tile a
 last partial is added inside each branch of the odd/even tail, and each step's MMA takes ``acc`` as its
 (ignored, ``use_acc=False``) input so that LLVM cannot sink the previous add below the issue.
 ``test_gluon_kernel_keeps_the_mma_pipeline`` builds it for sm_90a and fails on any of those messages.
-``ragged_kernel(..., WS=True)`` runs the same loop warp-specialized: one extra warp issues the TMA
-loads, so the MMA warps only wait on the stages' ``ready`` mbarriers and hand each finished stage back
-through an ``empty`` one (one partition barrier per step, where with WS=False the MMA warps pass three
-CTA-wide barriers around their own TMA issue); the MMA warps get the registers (``setmaxnreg`` 240, the
-TMA warp 24). It ran 1.02-1.06x the speed of WS=False in every measured cell.
-``PERSISTENT=True`` (with WS; the default) launches one program per SM over tiles pid, pid + grid, ...:
-both partitions walk the same group cursor forward (``_cursor``), the ring's step count runs on across
-tiles (``base``), and the MMA warps hand the last step's stage back before their epilogue, so the next
-tile's first stages load under this tile's last steps and epilogue instead of after a fresh program's
-launch: 1.04-1.29x the one-program-per-tile kernel at the large MoE shapes, most at few K steps per tile.
-Measured (H200, docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs our bf16 kernels:
-persistent 1.44-1.76x per-tensor and 1.40-1.69x blockwise, one program per tile 1.15-1.64x and
-1.14-1.48x, the Triton kernel 1.36-1.43x and 0.93-1.04x (one run, fp8_gemm_gluon_persistent_h200.json).
+``ragged_kernel`` runs this loop warp-specialized: one extra warp issues the TMA loads, so the MMA
+warps only wait on the stages' ``ready`` mbarriers and hand each finished stage back through an
+``empty`` one (one partition barrier per step); the MMA warps get the registers (``setmaxnreg`` 240, the
+TMA warp 24). It is persistent: one program per SM over tiles pid, pid + grid, ...; both partitions walk
+the same group cursor forward (``_cursor``), the ring's step count runs on across tiles (``base``), and
+the MMA warps hand the last step's stage back before their epilogue, so the next tile's first stages load
+under this tile's last steps and epilogue instead of after a fresh program's launch. Measured (H200,
+docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs our bf16 kernels: 1.44-1.76x per-tensor
+and 1.40-1.69x blockwise, the Triton kernel 1.36-1.43x and 0.93-1.04x (one run,
+fp8_gemm_gluon_persistent_h200.json; the variants this kernel replaced: docs/benchmarks/LOG.md).
 
 [Note: the next tile's first step under the epilogue]
-``OVERLAP=True`` (persistent only) moves each tile's epilogue after the next tile's step 0 is issued:
-the MMA warps would otherwise leave the tensor cores idle from the tile's last MMA (drained by the final
-``wait_group 0``) through the scale, bias and store instructions until the next step 0 is issued, a
-fixed cost per tile that weighs most where tiles have few K steps (16 in the 2048-deep dgrad). The loop
+Each tile's epilogue runs after the next tile's step 0 is issued: otherwise the MMA warps would leave
+the tensor cores idle from the tile's last MMA (drained by the final ``wait_group 0``) through the
+scale, bias and store instructions until the next step 0 is issued, a fixed cost per tile that weighs
+most where tiles have few K steps (16 in the 2048-deep dgrad). The loop
 over tiles has its head between a tile's last MMA and the next one's first, where nothing is in flight
 (an in-flight step 0 carried across the back edge made ptxas serialize every wgmma, C7514): each
 iteration issues its tile's step 0, runs the previous tile's epilogue (the first iteration's covers no
@@ -107,7 +104,7 @@ BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) 
 
 def _define():
     t = _define_tiles()
-    _find_group, _total_tiles, _cursor, _origin, _tile = t.find_group, t.total_tiles, t.cursor, t.origin, t.tile
+    _total_tiles, _cursor, _origin, _tile = t.total_tiles, t.cursor, t.origin, t.tile
     _store_rows = t.store_rows
     _zero_edges = t.zero_edges
     _zero_rows = t.zero_rows
@@ -289,26 +286,6 @@ def _define():
         _store_rows(out_ptr, acc, row0, col0, row_end, N, stride_ot, stride_on, mma)
 
     @gluon.jit
-    def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, rows_ok,
-                 row_end, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse, stride_bsk,
-                 stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
-                 BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr):
-        """The MMA loop and the epilogue of one output tile ([Note: promotion under the next MMA]); the
-        stages arrive through ``ready``, the tile's step 0 in the ring's step ``base``; WS: hand each
-        finished stage back through ``empty``."""
-        a_scale, b_scale = _tile_scales(as_ptr, bs_ptr, e64, stride_bse, BLOCKWISE)
-        prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
-            a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast, stride_ask,
-            stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
-        acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev, prev_as,
-                          prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk, mma, BLOCKWISE,
-                          NUM_STAGES, WS)
-        if WS:  # the last step's stage (a persistent program's producer is loading the next tile)
-            mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
-        _finish(acc, e64, row0, col0, row_end, N, a_scale, b_scale, out_ptr, bias_ptr, stride_ot, stride_on,
-                stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
-
-    @gluon.jit
     def _produce(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k, e, first, pid,
                  total, nprog, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
         """The warp-specialized kernel's TMA warp, over the program's tiles pid, pid + nprog, ... < total:
@@ -332,52 +309,41 @@ def _define():
                        first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
                        stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma: gl.constexpr,
                        GROUP_M: gl.constexpr, BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr):
-        """The warp-specialized kernel's MMA warps over the same tiles as ``_produce``, in the same order.
-        OVERLAP ([Note: the next tile's first step under the epilogue]): each tile's epilogue runs after
-        the next tile's step 0 is issued."""
+                       NUM_STAGES: gl.constexpr):
+        """The warp-specialized kernel's MMA warps over the same tiles as ``_produce``, in the same order;
+        each tile's epilogue runs after the next tile's step 0 is issued ([Note: the next tile's first step
+        under the epilogue])."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         tiles_n = gl.cdiv(N, BLOCK_N)
         base = pid * 0
-        if OVERLAP:
-            # the loop's head lies between a tile's last MMA and the next tile's first, so that no MMA is in
-            # flight there; the epilogue of each tile runs in the next iteration, after that tile's step 0
-            # is issued (the first iteration's epilogue stores nothing: its row range is empty)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-            p_row0 = pid * 0
-            p_col0 = p_row0
-            p_end = p_row0
-            p_e64 = p_row0.to(gl.int64)
-            p_as, p_bs = _tile_scales(as_ptr, bs_ptr, p_e64, stride_bse, True)  # ones: nothing stored first
-            for tile in range(pid, total, nprog):
-                e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
-                row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
-                                                                            W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
-                t_as, t_bs = _tile_scales(as_ptr, bs_ptr, e64, stride_bse, BLOCKWISE)
-                prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
-                    a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast,
-                    stride_ask, stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
-                _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
-                        stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
-                acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev,
-                                  prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk,
-                                  mma, BLOCKWISE, NUM_STAGES, True)
-                mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
-                base += n_k
-                p_row0, p_col0, p_end, p_e64, p_as, p_bs = row0, col0, start + size, e64, t_as, t_bs
+        # the loop's head lies between a tile's last MMA and the next tile's first, so that no MMA is in
+        # flight there; the epilogue of each tile runs in the next iteration, after that tile's step 0
+        # is issued (the first iteration's epilogue stores nothing: its row range is empty)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        p_row0 = pid * 0
+        p_col0 = p_row0
+        p_end = p_row0
+        p_e64 = p_row0.to(gl.int64)
+        p_as, p_bs = _tile_scales(as_ptr, bs_ptr, p_e64, stride_bse, True)  # ones: nothing stored first
+        for tile in range(pid, total, nprog):
+            e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
+            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
+                                                                        W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
+            t_as, t_bs = _tile_scales(as_ptr, bs_ptr, e64, stride_bse, BLOCKWISE)
+            prev, prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base = _begin(
+                a_bufs, b_bufs, ready, base, n_k, e64, col0, rows, rows_ok, as_ptr, bs_ptr, stride_ast,
+                stride_ask, stride_bse, stride_bsk, stride_bsn, mma, BLOCKWISE, NUM_STAGES)
             _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
                     stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
-        else:
-            for tile in range(pid, total, nprog):
-                e, first, start, size = _cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M)
-                row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N,
-                                                                            W_ROWS, mma, GROUP_M, BLOCK_M, BLOCK_N)
-                _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, e64, col0, rows, rows_ok,
-                         start + size, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
-                         stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
-                         HAS_BIAS, NUM_STAGES, True)
-                base += n_k
+            acc = _accumulate(a_desc, b_desc, ready, empty, a_bufs, b_bufs, base, row0, brow0, n_k, prev,
+                              prev_as, prev_bs, nxt_as, nxt_bs, as_ptrs, bs_base, rows_ok, stride_ask, stride_bsk,
+                              mma, BLOCKWISE, NUM_STAGES, True)
+            mbarrier.arrive(empty.index((base + n_k - 1) % NUM_STAGES), count=1)
+            base += n_k
+            p_row0, p_col0, p_end, p_e64, p_as, p_bs = row0, col0, start + size, e64, t_as, t_bs
+        _finish(acc, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, out_ptr, bias_ptr, stride_ot, stride_on,
+                stride_biase, stride_biasn, mma, BLOCKWISE, HAS_BIAS)
 
     @gluon.jit(do_not_specialize=["T", "E"])
     def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
@@ -385,17 +351,12 @@ def _define():
                       stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn,
                       stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                       BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, WS: gl.constexpr, PERSISTENT: gl.constexpr,
-                      OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                      BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
         """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
-        ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. WS: warp-specialized,
-        one extra warp issues the TMA loads and the MMA warps only wait on mbarriers (else the MMA warps
-        issue them, behind CTA-wide barriers). PERSISTENT (needs WS): programs loop over tiles pid,
-        pid + grid, ... (else the grid covers every tile and each program runs its pid's). OVERLAP (needs
-        PERSISTENT): each tile's epilogue after the next tile's step 0 ([Note: the next tile's first step
-        under the epilogue])."""
-        gl.static_assert(WS or not PERSISTENT, "the persistent kernel is the warp-specialized one")
-        gl.static_assert(PERSISTENT or not OVERLAP, "the look-ahead runs across a persistent program's tiles")
+        ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. Warp-specialized (one
+        extra warp issues the TMA loads, the MMA warps only wait on mbarriers) and persistent (programs loop
+        over tiles pid, pid + grid, ...), each tile's epilogue after the next tile's step 0 ([Note: the next
+        tile's first step under the epilogue])."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -403,14 +364,10 @@ def _define():
                                                      instr_shape=[16, BLOCK_N, 32])
         pid = gl.program_id(0)
         tiles_n = gl.cdiv(N, BLOCK_N)
-        if PERSISTENT:  # tiles pid, pid + grid, ...: each program walks a group cursor forward from group 0
-            total = _total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M, BLOCK_E, num_warps)
-            e = pid * 0
-            first = e
-        else:  # one tile per program: found by a search (a walk from group 0 would cost E dependent loads)
-            e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E,
-                                                       num_warps)
-            first = pid - local
+        # tiles pid, pid + grid, ...: each program walks a group cursor forward from group 0
+        total = _total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M, BLOCK_E, num_warps)
+        e = pid * 0
+        first = e
         if pid >= total:
             return
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -419,42 +376,31 @@ def _define():
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
         n_k = gl.cdiv(K, BLOCK_K)  # >= 1 (the host takes this kernel only for K > 0)
-        if WS:
-            nprog = gl.num_programs(0)  # not persistent: the grid covers every tile, pid is the program's only one
-            empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.init(empty.index(i), count=1)
-            # (the argument tuples are written out in each call: a tuple variable would turn the constexprs
-            # in it into tensors)
-            if _WS_PAIRS:
-                gl.warp_specialize([
-                    (_consume_tiles, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
-                                      n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
-                                      stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
-                                      stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES,
-                                      OVERLAP)),
-                    (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
-                                e, first, pid, total, nprog, GROUP_M, NUM_STAGES)),
-                ], [1], [24])
-            else:
-                gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
-                                    n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
-                                    stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
-                                    stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES, OVERLAP),
-                                   _consume_tiles,
-                                   (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
-                                    n_k, e, first, pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [24])
-            for i in gl.static_range(NUM_STAGES):
-                mbarrier.invalidate(empty.index(i))
+        nprog = gl.num_programs(0)
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(empty.index(i), count=1)
+        # (the argument tuples are written out in each call: a tuple variable would turn the constexprs
+        # in it into tensors)
+        if _WS_PAIRS:
+            gl.warp_specialize([
+                (_consume_tiles, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
+                                  n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
+                                  stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
+                                  stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES)),
+                (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS, n_k,
+                            e, first, pid, total, nprog, GROUP_M, NUM_STAGES)),
+            ], [1], [24])
         else:
-            row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, local, start, size, N, W_ROWS, mma,
-                                                                        GROUP_M, BLOCK_M, BLOCK_N)
-            for i in gl.static_range(NUM_STAGES):
-                _issue(a_desc, b_desc, ready, a_bufs, b_bufs, i, i, row0, brow0, i < n_k, NUM_STAGES)
-            _consume(a_desc, b_desc, ready, ready, a_bufs, b_bufs, 0, row0, brow0, n_k, e64, col0, rows, rows_ok,
-                     start + size, N, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast, stride_ask, stride_bse,
-                     stride_bsk, stride_bsn, stride_ot, stride_on, stride_biase, stride_biasn, mma, BLOCKWISE,
-                     HAS_BIAS, NUM_STAGES, False)
+            gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
+                                n_k, e, first, pid, total, nprog, as_ptr, bs_ptr, out_ptr, bias_ptr, stride_ast,
+                                stride_ask, stride_bse, stride_bsk, stride_bsn, stride_ot, stride_on,
+                                stride_biase, stride_biasn, mma, GROUP_M, BLOCKWISE, HAS_BIAS, NUM_STAGES),
+                               _consume_tiles,
+                               (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, W_ROWS,
+                                n_k, e, first, pid, total, nprog, GROUP_M, NUM_STAGES), [_produce], [1], [24])
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(empty.index(i))
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(i))
 

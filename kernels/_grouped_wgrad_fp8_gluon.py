@@ -88,7 +88,7 @@ there). The token is the box's outer coordinate, which TMA takes anywhere, so a 
 its first token and only its last chunk can hold another group's tokens: those token rows of both
 stages are zeroed (``_gluon_tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded
 ([Note: a group's tail zero-filled by TMA]). The persistent schedule and the epilogue partition are the
-FP8 kernel's, the loop its promoting one or chained ([Note: chained bf16 accumulation], the default); the
+FP8 kernel's, the loop chained ([Note: chained bf16 accumulation]); the
 scales are ones. bf16 MMAs run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long
 while its fp32 epilogue stays, for the partition to hide. Accumulating on an H200, chained, tails
 zero-filled by TMA (docs/benchmarks.md, medians of interleaved rounds): 461 TFLOP/s at E=64, 1.13x the
@@ -117,11 +117,10 @@ E=128) they tie or win: chained, 2-5% at each shape.
 [Note: chained bf16 accumulation]
 The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under
 the next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precision), bf16 does not. With
-CHAIN (``launch_tokens_outer(chain=True)``) a bf16 tile's chunks after the first accumulate into the
+CHAIN (what ``launch_tokens_outer`` launches) a bf16 tile's chunks after the first accumulate into the
 registers of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the
 chunk before it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
-On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md), hence the default
-(``grouped_gemm.WGRAD_GLUON_CHAIN``).
+On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md).
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
@@ -245,20 +244,6 @@ def _define():
                 g += 1
 
     @gluon.jit
-    def _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, WARPS: gl.constexpr, PTR_TABLE: gl.constexpr):
-        """One ``prefetch.global.L2::evict_last`` per 128-byte line of the fp32 output tile ([Note: L2
-        prefetch of the accumulated tile] in ``_grouped_wgrad``), rows and columns clamped into it."""
-        LINES: gl.constexpr = BLOCK_N // 32  # 32 fp32 per line
-        lay: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LINES, LINES], [WARPS, 1], [1, 0])
-        rows = gl.minimum(row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, lay)), N - 1)
-        cols = gl.minimum(col0 + gl.arange(0, LINES, layout=gl.SliceLayout(0, lay)) * 32, K - 1)
-        base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
-        ptrs = base + rows.to(gl.int64)[:, None] * stride_on + cols[None, :] * stride_ok
-        gl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _write(acc, out_ptr, e, row0, col0, n_rows, K, a_scale, b_scale, stride_oe, stride_on, stride_ok,
                mma: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr):
         """The epilogue of the tile at (row0, col0) of group e: the per-tensor scales, then store (ADD_MODE
@@ -380,7 +365,7 @@ def _define():
     def _consume(a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total, nprog,
                  as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
                  mma: gl.constexpr, GROUP_M: gl.constexpr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
-                 L2_PREFETCH: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
+                 NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr, trace_ptr,
                  TRACE_TILES, TRACE: gl.constexpr, ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr,
                  CHAIN: gl.constexpr):
         """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
@@ -413,10 +398,6 @@ def _define():
             e1, row1, col1, start1, end1, first1, n_k1 = _tile(gl.minimum(tile + nprog, total - 1), offs_ptr,
                                                                stride_o, T, tiles_m, tiles_n, GROUP_M, BLOCK_M,
                                                                BLOCK_N, BLOCK_K, TOKENS_OUTER)
-            if L2_PREFETCH and ADD_MODE != 0:
-                if n_k > 0:
-                    _prefetch(out_ptr, e, row0, col0, N, K, stride_oe, stride_on, stride_ok, BLOCK_M, BLOCK_N,
-                              mma.warps_per_cta[0], PTR_TABLE)
             if TRACE:
                 t_top = _clock(pid)
             if n_k > 0:
@@ -466,7 +447,7 @@ def _define():
     @gluon.jit(do_not_specialize=["T"])
     def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
                      stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
-                     stride_bt, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr, L2_PREFETCH: gl.constexpr,
+                     stride_bt, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                      GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                      EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                      TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
@@ -521,7 +502,7 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, NUM_STAGES, EPI_WARPS, trace_ptr,
                             TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER, CHAIN)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M, NUM_STAGES, TOKENS_OUTER,
@@ -533,7 +514,7 @@ def _define():
             gl.warp_specialize([
                 (_consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready, c_free,
-                            mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS, trace_ptr,
+                            mma, GROUP_M, ADD_MODE, PTR_TABLE, NUM_STAGES, EPI_WARPS, trace_ptr,
                             TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER, CHAIN)),
                 (_produce, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                             nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M, NUM_STAGES, TOKENS_OUTER,
@@ -542,7 +523,7 @@ def _define():
         else:
             gl.warp_specialize((a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K, pid, total,
                                 nprog, as_ptr, bs_ptr, out_ptr, stride_oe, stride_on, stride_ok, c_smem, c_ready,
-                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, L2_PREFETCH, NUM_STAGES, EPI_WARPS,
+                                c_free, mma, GROUP_M, ADD_MODE, PTR_TABLE, NUM_STAGES, EPI_WARPS,
                                 trace_ptr, TRACE_TILES, TRACE, ZERO_EDGES, TOKENS_OUTER, CHAIN),
                                _consume, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, offs_ptr, stride_o, T, N, K,
                                           pid, total, nprog, a_ptr, b_ptr, stride_at, stride_bt, GROUP_M,

@@ -45,8 +45,8 @@ def _epilogue_meta(epilogue_warps: int, stages: int) -> dict:
                 EPI_ROWS=_k.EPI_ROWS, EPI_REGS=_k.EPI_REGS, num_warps=8)
 
 
-def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-           epilogue_warps: int, num_sms: int, trace=None, zero_edges: bool = True) -> None:
+def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
+           num_sms: int, trace=None, zero_edges: bool = True) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked ``out`` ([E, N, K];
     fp32, or bf16/fp16 for a fresh one) or, with ``table`` (int64 bases), into the per-group buffers shaped and
     strided like ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry
@@ -75,7 +75,7 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, l2_prefetc
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
         offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
         TRACE=trace is not None, ZERO_EDGES=zero_edges, ADD_MODE=add_mode, PTR_TABLE=table is not None,
-        L2_PREFETCH=l2_prefetch and add_mode != 0, **_epilogue_meta(epilogue_warps, stages))
+        **_epilogue_meta(epilogue_warps, stages))
 
 
 @functools.cache
@@ -90,16 +90,16 @@ def _allocator():
     return var if isinstance(var, ContextVar) else None
 
 
-def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_prefetch: bool, stages: int,
-                        epilogue_warps: int, num_sms: int, tail: str = "tma", chain: bool = False) -> None:
+def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
+                        num_sms: int, tail: str = "tma") -> None:
     """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]): dW_e =
     dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the stacked
     ``out`` ([E, N, K]; fp32, or dy's dtype for a fresh one) or the per-group buffers of ``table`` (int64 bases,
     each shaped and strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``:
     "tma" loads each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the
     group with zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
-    group's tail zero-filled by TMA]). ``chain``: each chunk's MMAs accumulate into the tile's registers instead
-    of a partial added after them ([Note: chained bf16 accumulation])."""
+    group's tail zero-filled by TMA]). Each chunk's MMAs accumulate into the tile's registers ([Note: chained
+    bf16 accumulation])."""
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
     ensure_context(dy_TN.device)  # [Note: a current context on any thread] in kernels/_context.py
@@ -123,8 +123,8 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, l2_pr
             _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), ones, ones,
             out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
             dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), TRACE=False, ZERO_EDGES=not group_desc, TOKENS_OUTER=True,
-            GROUP_DESC=group_desc, CHAIN=chain, ADD_MODE=add_mode, PTR_TABLE=table is not None,
-            L2_PREFETCH=l2_prefetch and add_mode != 0, **_epilogue_meta(epilogue_warps, stages))
+            GROUP_DESC=group_desc, CHAIN=True, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+            **_epilogue_meta(epilogue_warps, stages))
     finally:
         if token is not None:
             var.reset(token)

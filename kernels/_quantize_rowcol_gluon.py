@@ -14,10 +14,10 @@ rows, 8 consecutive columns; ``BlockedLayout([1, 4, 8], ...)`` over the tile vie
 - a row's amax reduces over 16 values in a thread, then 4 lanes and 2 warps; a column's over 4 values
   in a thread, then 8 lanes and 4 warps. Every value comes from the same helpers as the Triton kernel
   (``_scale_from_amax``, ``_inverse``, ``_to_fp8_bits``), so the bits are the same;
-- COMPACT (the default) moves each reduced amax to one thread (``gl.convert_layout``: Gluon keeps the
-  conversion where it is written, which Triton's own compiler would not), computes the scale and its
-  inverse there, stores the inverse once, and broadcasts the scale back: 18.1 instructions per element
-  against 24.6 with every holder of a row or column computing its scale.
+- each reduced amax moves to one thread (``gl.convert_layout``: Gluon keeps the conversion where it is
+  written, which Triton's own compiler would not), which computes the scale and its inverse, stores the
+  inverse once and broadcasts the scale back: 18.1 instructions per element (every holder of a row or
+  column computing its scale took 24.6: docs/benchmarks/LOG.md).
 H200 (2026-11-29, ``qa/L2_gpu/rowcol_gluon_check.py`` and ``qa/bench/fp8.py --quant-sweep``): 0.73-0.755
 of the copy bandwidth against 0.59-0.61 for the Triton kernel, bit-exact in every run. A variant with 8
 rows per thread (x^T in 8-byte words; 14.9 instructions per element) built, but gave wrong x^T bits on
@@ -50,43 +50,30 @@ def _define():
     from .quantize import _absmax, _inf_if_nan, _inverse, _scale_from_amax, _to_fp8_bits
 
     @gluon.jit
-    def _row_scales(amax_ir, s_inv_ptr, row0, M, N, pid_n, NUM: tl.constexpr, COMPACT: tl.constexpr):
-        """Scales of the tile's 128 rows ([32, 4], as reduced); their inverses stored. COMPACT computes
-        each once (one per thread) and broadcasts the scales back through shared memory."""
+    def _row_scales(amax_ir, s_inv_ptr, row0, M, N, pid_n, NUM: tl.constexpr):
+        """Scales of the tile's 128 rows ([32, 4], as reduced); their inverses stored. Each is computed
+        once (one per thread) and the scales are broadcast back through shared memory."""
         lay_ir: gl.constexpr = amax_ir.type.layout
-        if COMPACT:
-            one: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
-            rows = (row0 + 4 * gl.arange(0, 32, layout=gl.SliceLayout(1, one))[:, None]
-                    + gl.arange(0, 4, layout=gl.SliceLayout(0, one))[None, :])
-            scale = _scale_from_amax(gl.convert_layout(amax_ir, one), NUM, True)
-            gl.store(s_inv_ptr + rows * ((N + 127) // 128) + pid_n, _inverse(scale, True), mask=rows < M)
-            scale = gl.convert_layout(scale, lay_ir)
-        else:
-            rows = (row0 + 4 * gl.arange(0, 32, layout=gl.SliceLayout(1, lay_ir))[:, None]
-                    + gl.arange(0, 4, layout=gl.SliceLayout(0, lay_ir))[None, :])
-            scale = _scale_from_amax(amax_ir, NUM, True)
-            gl.store(s_inv_ptr + rows * ((N + 127) // 128) + pid_n, _inverse(scale, True), mask=rows < M)
-        return scale
+        one: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
+        rows = (row0 + 4 * gl.arange(0, 32, layout=gl.SliceLayout(1, one))[:, None]
+                + gl.arange(0, 4, layout=gl.SliceLayout(0, one))[None, :])
+        scale = _scale_from_amax(gl.convert_layout(amax_ir, one), NUM, True)
+        gl.store(s_inv_ptr + rows * ((N + 127) // 128) + pid_n, _inverse(scale, True), mask=rows < M)
+        return gl.convert_layout(scale, lay_ir)
 
     @gluon.jit
-    def _col_scales(amax_c, st_inv_ptr, col0, M, N, pid_m, NUM: tl.constexpr, COMPACT: tl.constexpr):
+    def _col_scales(amax_c, st_inv_ptr, col0, M, N, pid_m, NUM: tl.constexpr):
         """Scales of the tile's 128 columns, as ``_row_scales``."""
         lay_c: gl.constexpr = amax_c.type.layout
-        if COMPACT:
-            one: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-            cols = col0 + gl.arange(0, 128, layout=one)
-            scale = _scale_from_amax(gl.convert_layout(amax_c, one), NUM, True)
-            gl.store(st_inv_ptr + cols * ((M + 127) // 128) + pid_m, _inverse(scale, True), mask=cols < N)
-            scale = gl.convert_layout(scale, lay_c)
-        else:
-            cols = col0 + gl.arange(0, 128, layout=lay_c)
-            scale = _scale_from_amax(amax_c, NUM, True)
-            gl.store(st_inv_ptr + cols * ((M + 127) // 128) + pid_m, _inverse(scale, True), mask=cols < N)
-        return scale
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        cols = col0 + gl.arange(0, 128, layout=one)
+        scale = _scale_from_amax(gl.convert_layout(amax_c, one), NUM, True)
+        gl.store(st_inv_ptr + cols * ((M + 127) // 128) + pid_m, _inverse(scale, True), mask=cols < N)
+        return gl.convert_layout(scale, lay_c)
 
     @gluon.jit
     def rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt32_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
-                      FP8: tl.constexpr, COMPACT: tl.constexpr):
+                      FP8: tl.constexpr):
         """One 128x128 tile of x per program: q (x quantized in 1x128 row tiles, scales ``s_inv``
         [M, cdiv(N, 128)]) and x^T (``qt32``: its bytes as int32 words, [N, M / 4]; scales ``st_inv``
         [N, cdiv(M, 128)]). Power-of-two scales, hardware fp8 cast."""
@@ -106,12 +93,12 @@ def _define():
         xf = gl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)      # [32, 4, 128]
 
         # Row tiles (along N): one scale per row.
-        scale_r = _row_scales(_inf_if_nan(_absmax(xf, 2)), s_inv_ptr, pid_m * 128, M, N, pid_n, NUM, COMPACT)
+        scale_r = _row_scales(_inf_if_nan(_absmax(xf, 2)), s_inv_ptr, pid_m * 128, M, N, pid_n, NUM)
         gl.store(q_ptr + offs, _to_fp8_bits(xf * gl.expand_dims(scale_r, 2), FP8, 0.0, 0, 0, True), mask=mask)
 
         # Column tiles (x^T's rows, along M): one scale per column; 4 rows' bytes make one word of x^T.
         amax_c = _inf_if_nan(_absmax(_absmax(xf, 1), 0))                     # [128]
-        scale_c = _col_scales(amax_c, st_inv_ptr, pid_n * 128, M, N, pid_m, NUM, COMPACT)
+        scale_c = _col_scales(amax_c, st_inv_ptr, pid_n * 128, M, N, pid_m, NUM)
         qt = _to_fp8_bits(xf * gl.expand_dims(gl.expand_dims(scale_c, 0), 1), FP8, 0.0, 0, 0, True)
         shift = gl.expand_dims(gl.expand_dims(8 * r, 0), 2)                  # [1, 4, 1]
         words = gl.sum(qt.to(tl.int32) << shift, axis=1)                     # [32, 128], in registers

@@ -34,8 +34,6 @@ Loads: Hopper TMA tensor descriptors when layouts allow (16-byte aligned base an
 inner stride; for dgrad also N a multiple of BLOCK_K, so a reduction step never crosses into the next
 expert's weight), else masked pointer loads (any strides). The results are the same. wgrad's last,
 partial token block always takes the masked path, because a descriptor cannot stop at a group's end.
-On Hopper, fprop/dgrad can also run in a persistent warp-specialized Gluon kernel (``RAGGED_GLUON``,
-off by default: measured slower than the Triton kernel; same bits).
 ``TRITON_INTERPRET=1`` runs everything on CPU tensors; there bf16 operands are upcast to fp32 first
 (the interpreter's bf16 ``tl.dot`` multiplies bit patterns).
 """
@@ -64,35 +62,21 @@ __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 _ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
 # tl.range(..., warp_specialize=) exists in newer Triton only; TileConfig.warp_specialize needs it
 _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
-# fprop / dgrad through the persistent warp-specialized Gluon kernel on Hopper where it applies
-# ([Note: persistent warp-specialized grouped GEMM] in _grouped_gemm_gluon.py); False (the default): the
-# Triton kernel. Measured against it in one process (H200, docs/benchmarks/LOG.md, grouped_gemm_gluon_h200.json,
-# one run): fprop 0.94 / 0.98 / 0.92x, dgrad 0.98 / 0.91 / 0.82x at the three MoE shapes, the same bits in
-# every GPU test. The promotion-free bf16 loop has no per-step work to hide, so persistence only saves the
-# ring's fill, and the 128x256 tile pads ~128-token groups (E=128) where the Triton configs shrink it.
 # The accumulating bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in
 # the fp8 kernel] in _grouped_wgrad_fp8_gluon.py) on Hopper, where the groups hold WGRAD_GLUON_MIN_TOKENS
 # tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tails zero-filled
 # by TMA, medians of interleaved rounds: 1.13-1.17x the Triton kernel at 1024 tokens per group (E=64),
 # 1.02-1.05x at 4096 (E=8), 1.09x and 1.20x at 512, 1.00x and 1.06x at 256, 0.78x at 128 (E=128);
-# docs/benchmarks.md).
+# docs/benchmarks.md). A fresh wgrad (dW in dy's dtype) always runs the Triton kernel.
 WGRAD_GLUON = True
 WGRAD_GLUON_MIN_TOKENS = 256
-# A fresh wgrad (dW in dy's dtype) in the Gluon kernel too, under the same rule: off, as it ran 1.07x the
-# Triton kernel at 4096 tokens per group (E=8), 0.99x at 1024 (E=64) and 0.87x at 128 (E=128; H200, medians
-# of three interleaved rounds, docs/benchmarks.md).
-WGRAD_GLUON_FRESH = False
 WGRAD_GLUON_STAGES = 5
 WGRAD_GLUON_EPILOGUE_WARPS = 2
 WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
-WGRAD_GLUON_CHAIN = True  # chunks accumulate in the MMA's registers ([Note: chained bf16 accumulation])
 WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled by TMA through per-group
 #                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
 #                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
-RAGGED_GLUON = False
-RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (48 KB per stage at 128x256x64)
-RAGGED_GLUON_WIDE_STORES = True  # epilogue: 16-byte rows through a layout conversion (else 4-byte MMA pairs)
-_GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad16" -> why that Gluon kernel did not build here (then Triton runs)
+_GLUON_FAILED: dict[str, str] = {}  # "wgrad16" -> why the Gluon wgrad did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels (fprop/dgrad; the wgrad kernels and the shared tile helpers are in _grouped_wgrad.py)
@@ -365,47 +349,6 @@ def _gluon_failed(key: str, kernel: str, fallback: str, exc: Exception) -> bool:
     return False
 
 
-def _gluon_ragged(a: torch.Tensor, w_ENK: torch.Tensor, out: torch.Tensor, w_trans: bool) -> bool:
-    """Whether the Gluon kernel can take this fprop / dgrad: a Hopper GPU (wgmma) and a Triton with
-    Gluon, bf16 or fp16 operands and output of one dtype, TMA-aligned operands, stacked experts, and for
-    dgrad a contraction (the weight's rows) that is a multiple of its BLOCK_K. ``_launch_ragged`` takes it
-    when it can, unless ``RAGGED_GLUON`` is off, a config was given, or it failed to build here."""
-    if not a.is_cuda or _interpreting() or a.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    from . import _grouped_gemm_gluon as kg
-    E, w_rows, _ = w_ENK.shape
-    sw = w_ENK.stride()
-    return (kg.AVAILABLE and w_ENK.dtype == a.dtype == out.dtype and a.shape[1] > 0
-            and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
-            and (E == 1 or sw[0] == w_rows * sw[1]) and (w_trans or w_rows % kg.BLOCK_K == 0)
-            and torch.cuda.get_device_capability(a.device)[0] == 9)
-
-
-def _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans: bool) -> bool:
-    """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
-    experimental and its API moves between releases): the caller then runs the Triton kernel."""
-    ensure_context(a.device)  # [Note: a current context on any thread]
-    from . import _grouped_gemm_gluon as kg
-    if "ragged" in _GLUON_FAILED:
-        return False
-    T, K = a.shape
-    E, w_rows, w_cols = w_ENK.shape
-    N = out.shape[1]
-    bm, bn, bk = kg.BLOCK_M, kg.BLOCK_N, kg.BLOCK_K
-    w2 = w_ENK.as_strided((E * w_rows, w_cols), (w_ENK.stride(1), 1))
-    tiles = (triton.cdiv(T, bm) + E) * triton.cdiv(N, bn)  # >= the tiles of any split (offsets stay on device)
-    bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
-    try:
-        kg.ragged_kernel[(min(tiles, _num_sms(a.device)),)](
-            kg.descriptor(a, (bm, bk)), kg.descriptor(w2, (bn, bk) if w_trans else (bk, bn)), out, bias_EN, offs_E,
-            T, E, N, K, w_rows, out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
-            W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, GROUP_M=8, BLOCK_E=max(16, triton.next_power_of_2(E)),
-            NUM_STAGES=RAGGED_GLUON_STAGES, WIDE_STORES=RAGGED_GLUON_WIDE_STORES, num_warps=bm // 16)
-    except CompilationError as exc:
-        return _gluon_failed("ragged", "grouped GEMM kernel", "the Triton kernel (same products)", exc)
-    return True
-
-
 def _ran_gluon(gluon: bool | None, what: str, applies: bool, needs, launch) -> bool:
     """The dispatchers' ``gluon=`` contract once the Gluon kernel is wanted: ``launch()`` where it
     ``applies``; whether it ran (else the Triton kernel runs). With ``gluon=True`` a ValueError naming what it
@@ -419,10 +362,8 @@ def _ran_gluon(gluon: bool | None, what: str, applies: bool, needs, launch) -> b
     return False
 
 
-def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma, gluon: bool | None = None):
-    """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]. ``gluon``:
-    None picks (the Gluon kernel if ``RAGGED_GLUON`` and it applies, unless a config or ``use_tma=False``
-    was given), True requires it, False runs the Triton kernel."""
+def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma):
+    """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]."""
     ensure_context(a.device)  # [Note: a current context on any thread]
     T, K = a.shape
     E, w_rows, w_cols = w_ENK.shape
@@ -430,14 +371,6 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     if T == 0 or N == 0 or E == 0:
         return out
     what = "grouped_fprop" if w_trans else "grouped_dgrad"
-    # (the predicate only when the Gluon kernel is wanted: it costs host time on every call)
-    if gluon if gluon is not None else (RAGGED_GLUON and config is None and use_tma is not False):
-        needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned operands of one dtype, "  # noqa: E731
-                         f"stacked weights and (dgrad) weight rows a multiple of 64; got {a.dtype} on {a.device}, "
-                         f"weight {tuple(w_ENK.shape)} strides {tuple(w_ENK.stride())}")
-        if _ran_gluon(gluon, what, _gluon_ragged(a, w_ENK, out, w_trans), needs,
-                      lambda: _launch_gluon_ragged(a, w_ENK, offs_E, bias_EN, out, w_trans)):
-            return out
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
@@ -476,26 +409,25 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
 def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, accumulate: bool = True) -> bool:
     """Whether the Gluon wgrad can take this bf16 / fp16 wgrad: a Hopper GPU, a Triton with Gluon, dy and x
     of one 16-bit dtype, TMA-aligned (16-byte aligned base and row stride, unit inner stride), tokens, and
-    an fp32 output (or, fresh, one in dy's dtype: the epilogue rounds)."""
+    an fp32 output to add into (a fresh wgrad runs the Triton kernel)."""
     if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
         return False
     from . import _grouped_wgrad_fp8_gluon as kw
-    out_ok = out.dtype == torch.float32 or (not accumulate and out.dtype == dy_TN.dtype)
+    out_ok = accumulate and out.dtype == torch.float32
     return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out_ok
             and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1)) and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1))
             and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
 
 
 def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
-    """Whether the default dispatch tries the Gluon wgrad: ``WGRAD_GLUON``, an accumulating call (or
-    ``WGRAD_GLUON_FRESH``), groups of
+    """Whether the default dispatch tries the Gluon wgrad: ``WGRAD_GLUON``, an accumulating call, groups of
     ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, and neither a config nor ``use_tma=False`` asked
     for a Triton kernel (``_gluon_wgrad`` then checks that it applies)."""
-    return (WGRAD_GLUON and (accumulate or WGRAD_GLUON_FRESH) and T >= WGRAD_GLUON_MIN_TOKENS * E and config is None
+    return (WGRAD_GLUON and accumulate and T >= WGRAD_GLUON_MIN_TOKENS * E and config is None
             and use_tma is not False)
 
 
-def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bool:
+def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table) -> bool:
     """Launches the Gluon wgrad; False (and one warning) if this Triton cannot build it: the caller then
     runs the Triton kernel."""
     from . import _grouped_wgrad_fp8_gluon_launch as kl
@@ -503,10 +435,9 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate: bool, table) -> bo
         return False
     try:
         kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
-                               add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate else 0, l2_prefetch=False,
-                               stages=WGRAD_GLUON_STAGES, epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS,
-                               num_sms=_num_sms(dy_TN.device), tail=WGRAD_GLUON_TAIL,
-                               chain=WGRAD_GLUON_CHAIN)
+                               add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE], stages=WGRAD_GLUON_STAGES,
+                               epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(dy_TN.device),
+                               tail=WGRAD_GLUON_TAIL)
     except CompilationError as exc:
         return _gluon_failed("wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True
@@ -527,11 +458,11 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
         return
     if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
         needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and "  # noqa: E731
-                         f"an fp32 output (or a fresh one in their dtype); got {dy_TN.dtype} and {x_TK.dtype} on "
-                         f"{dy_TN.device}, strides "
-                         f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}")
+                         f"an fp32 output to add into; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
+                         f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}, "
+                         f"accumulate={accumulate}")
         if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out, accumulate), needs,
-                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, accumulate, table)):
+                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table)):
             return
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else

@@ -88,21 +88,10 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 # A wgrad chunk that straddles a group edge must zero the other group's tokens, in registers (a TMA box
 # cannot stop at a group's end, and its innermost offset, here the token, must be 16-byte aligned: [Note:
 # fp8 wgrad chunks]).
-# How the TMA path arranges that, per recipe (the EDGES constexpr; tuning constants, measured by
-# ``qa/bench/fp8.py --gemm-sweep``, which also times the alternatives):
-# - "edges" (0): masked head and tail chunks around an unmasked pipelined loop over the full chunks.
-#   The head and tail run outside the pipeline, each waiting out a full TMA round trip.
-# - "loop" (1): one pipelined loop, every chunk masked (both operands in registers, then to the MMA).
-# - "loop_a" (2): as "loop" but masks dy^T only: x^T goes from shared memory straight to the MMA. Exact
-#   when the other group's x^T tokens are finite (0 * finite = 0). Per-tensor only, where it holds for
-#   every tensor our quantizers produce: a non-finite input gives the whole tensor a NaN scale, which
-#   makes every non-empty group's output NaN anyway. fp8 NaN data under a finite scale (a foreign
-#   producer) would reach the neighbouring group's wgrad as NaN: loud, but not the owner's alone.
-# Measured (H200, 2026-11-29, docs/benchmarks/LOG.md, fp8_gemm_sweep_h200.json, ~4096 and ~1024 tokens per
-# group): "edges" wins at every config and shape. "loop" ran at 0.35-0.75x of it, "loop_a" at 0.6-0.97x:
-# the register round trip of a masked operand on every step costs more than two unpipelined chunks.
-# The alternatives stay (tested) for other GPUs and Triton versions.
-WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
+# The TMA path runs masked head and tail chunks around an unmasked pipelined loop over the full chunks
+# (the head and tail run outside the pipeline, each waiting out a full TMA round trip; the arrangements
+# that masked every chunk inside one pipelined loop ran slower at every config and shape:
+# docs/benchmarks/LOG.md).
 
 # [Note: fp8 wgrad chunks]
 # The wgrad contracts each group's tokens in 128-token chunks (the promotion interval, [Note: fp8 split
@@ -123,7 +112,6 @@ WGRAD_EDGES = {"per_tensor": "edges", "blockwise": "edges"}
 # exposes it as ``fp8_gemm_fprop`` / ``fp8_gemm_dgrad`` / ``fp8_gemm_wgrad`` and keeps True for all
 # three by default. The blockwise recipe scales every block's dot before adding it, so it always splits.
 # On CPU (interpreter or emulation) products are exact fp32 either way.
-_EDGE_CODES = {"edges": 0, "loop": 1, "loop_a": 2}
 
 # fprop / dgrad with promotion (per-tensor split accumulator, blockwise) through the Gluon kernel where it
 # applies ([Note: promotion under the next MMA] in _grouped_gemm_fp8_gluon.py); False: the Triton kernel.
@@ -145,22 +133,6 @@ RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, t
 #                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
 RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.87-1.03x
 #                          (persistent: fp8_gemm_gluon_persistent_h200.json)
-# Warp-specialized (one TMA warp; the MMA warps wait on mbarriers only, one partition barrier per step
-# instead of three CTA-wide ones around the TMA issue): 1.02-1.06x the speed of the plain Gluon kernel in
-# every cell of docs/benchmarks/LOG.md, fp8_gemm_gluon_ws_h200.json.
-RAGGED_GLUON_WS = True
-# Persistent (warp-specialized only): one program per SM over tiles pid, pid + #SMs, ...; the TMA warp
-# loads the next tile's first stages under the MMA warps' last steps and epilogue, where a fresh program
-# starts with an empty ring: 1.04-1.29x the non-persistent kernel at the large shapes (table above), most
-# where a tile has few K steps (the 2048-deep dgrad).
-RAGGED_GLUON_PERSISTENT = True
-# Persistent only: each tile's epilogue after the next tile's first MMAs are issued ([Note: the next
-# tile's first step under the epilogue] in _grouped_gemm_fp8_gluon.py). H200, one run at 78ec11e
-# (docs/benchmarks/LOG.md, fp8_gemm_gluon_overlap_h200.json), TFLOP/s with | without, (E, contraction):
-#   per-tensor fprop 1073 | 1048 (8, 4096)   1137 | 1085 (64, 7168); dgrad 1187 | 1192 (8, 14336)   892 | 859 (64, 2048)
-#   blockwise fprop   979 |  953             1018 |  991;             dgrad 1099 | 1082               840 | 838
-# (1.00-1.05x; the E=128 cells are bimodal in both, as above).
-RAGGED_GLUON_OVERLAP = True
 # per-tensor wgrad (split accumulator) through the Gluon kernel that promotes under the next MMA where it
 # applies ([Note: fp8 wgrad under the next MMA] in _grouped_wgrad_fp8_gluon.py); False: the Triton kernel.
 # H200, one run (docs/benchmarks/LOG.md, fp8_wgrad_gluon_variants_h200.json), accumulating, TFLOP/s at (E=8, E=64):
@@ -172,8 +144,6 @@ RAGGED_GLUON_OVERLAP = True
 # 827 / 458 without it, atomic + L2 prefetch s5 936 / 560, load + L2 prefetch s5 901 / 345; fresh s5 1010 / 614.
 WGRAD_GLUON = True
 WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
-WGRAD_GLUON_L2_PREFETCH = False   # accumulating: each old tile prefetched into L2 when its tile starts (beside the
-#                                   epilogue partition it cost 1-4% at the large MoE shapes)
 WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside the 64 KB handed-off tile)
 WGRAD_GLUON_STAGES_16 = 6         # ring depth of a fresh bf16 / fp16 wgrad (beside a 32 KB handed-off tile:
 #                                   _grouped_wgrad_fp8_gluon [Note: a 16-bit handoff]); H200, medians of two runs'
@@ -181,8 +151,7 @@ WGRAD_GLUON_STAGES_16 = 6         # ring depth of a fresh bf16 / fp16 wgrad (bes
 #                                   894 / 888; E=8 plain 1084 / 1093, 1071 / 1068, aligned 1192 / 1177, 1173 / 1188
 WGRAD_GLUON_EPILOGUE_WARPS = 2    # 2: an epilogue partition writes each tile beside the next tile's MMAs; 0: the
 #                                   MMA warps write it (_grouped_wgrad_fp8_gluon [Note: an epilogue partition])
-_GLUON_FAILED: dict[str, str] = {}  # variant ("ws", "ws_persistent", "ws_persistent_overlap", "plain") -> why it
-#                                     did not build here
+_GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad" -> why that Gluon kernel did not build here
 
 # ---------------------------------------------------------------------------------------------------
 # Kernels
@@ -287,11 +256,10 @@ def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n,
 @triton.jit
 def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col0, rows_m, cols_n, N, K, acc,
                          stride_asc, stride_bsc, MASKED: tl.constexpr, BLOCKWISE: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_ACC: tl.constexpr,
-                         MASK_B: tl.constexpr = True):
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_ACC: tl.constexpr):
     """The same chunk by TMA (rows past N or K and tokens past T arrive as zeros); MASKED zeroes the
     tokens outside [lo, hi) in registers: other groups' data, which may even be NaN (a poisoned tile).
-    MASK_B=False masks dy^T only (see [Note: fp8 wgrad edges]). Pointer loads here would need a [BLOCK,
+    Pointer loads here would need a [BLOCK,
     BLOCK_K] tensor of 64-bit addresses per operand and, masked along the contiguous dim, could not
     vectorize: the sm_90 build spilled."""
     a = a_desc.load([row0, t0])
@@ -300,8 +268,7 @@ def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col
         ts = t0 + tl.arange(0, BLOCK_K)
         t_ok = (ts >= lo) & (ts < hi)
         a = tl.where(t_ok[None, :], a, tl.zeros_like(a))
-        if MASK_B:
-            b = tl.where(t_ok[None, :], b, tl.zeros_like(b))
+        b = tl.where(t_ok[None, :], b, tl.zeros_like(b))
     return _wgrad_fp8_scaled(a, b.T, acc, as_ptrs, bs_ptrs, t0 // BLOCK_K, rows_m, cols_n, N, K,
                              stride_asc, stride_bsc, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
 
@@ -325,7 +292,7 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       stride_asn, stride_asc, stride_bsk, stride_bsc,
                       stride_oe, stride_on, stride_ok, stride_o,
                       BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
-                      USE_TMA: tl.constexpr, UPCAST: tl.constexpr, EDGES: tl.constexpr, BLOCK_M: tl.constexpr,
+                      USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                       SPLIT_ACC: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
@@ -349,12 +316,8 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
     # visits none (a masked chunk would still multiply zeros by its tile's scales, and a NaN scale of
     # another group's tile would leak in).
     first = tl.where(end > start, (start // BLOCK_K) * BLOCK_K, end)
-    if USE_TMA and EDGES != 0:  # one pipelined loop, every chunk masked ([Note: fp8 wgrad edges])
-        for t0 in range(first, end, BLOCK_K):
-            acc = _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, start, end, pid_m * BLOCK_M,
-                                       pid_n * BLOCK_N, rows_m, cols_n, N, K, acc, stride_asc, stride_bsc,
-                                       True, BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC, EDGES == 1)
-    elif USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
+    if USE_TMA:  # every chunk by TMA; the group's partial first and last chunks are masked in registers
+        # ([Note: fp8 wgrad edges])
         body_lo = tl.cdiv(start, BLOCK_K) * BLOCK_K   # full chunks [body_lo, body_hi)
         body_hi = (end // BLOCK_K) * BLOCK_K
         if first < start:                            # head: the group starts mid-chunk
@@ -438,27 +401,22 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     T, K = a.shape
     E, _, N = b_EKN.shape
     L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
-    persistent = RAGGED_GLUON_WS and RAGGED_GLUON_PERSISTENT
-    overlap = persistent and RAGGED_GLUON_OVERLAP
-    name = ("ws_persistent" + "_overlap" * overlap if persistent else "ws") if RAGGED_GLUON_WS else "plain"
-    if name in _GLUON_FAILED:
+    if "ragged" in _GLUON_FAILED:
         return False
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
     tiles = (triton.cdiv(T, bm) + E) * triton.cdiv(N, L)  # >= the tiles of any split (offsets stay on device)
     try:
-        kg.ragged_kernel[(min(tiles, _num_sms(a.device)) if persistent else tiles,)](
+        kg.ragged_kernel[(min(tiles, _num_sms(a.device)),)](
             kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
             T, E, N, K, N,
             sas[0], sas[1], sbs[0], sbs[1], sbs[2],
             out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
-            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, WS=RAGGED_GLUON_WS,
-            PERSISTENT=persistent, OVERLAP=overlap, num_warps=bm // 16)
+            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
     except CompilationError as exc:
-        _GLUON_FAILED[name] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon FP8 grouped GEMM kernel ({name}) does not build with triton "
-                      f"{triton.__version__}; "
-                      f"using the Triton kernel (same products, slower): {_GLUON_FAILED[name][:400]}",
+        _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
+        warnings.warn(f"the Gluon FP8 grouped GEMM kernel does not build with triton {triton.__version__}; "
+                      f"using the Triton kernel (same products, slower): {_GLUON_FAILED['ragged'][:400]}",
                       RuntimeWarning, stacklevel=4)
         return False
     return True
@@ -516,14 +474,6 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
     return out
 
 
-def _edges(block: int) -> int:
-    mode = WGRAD_EDGES["blockwise" if block else "per_tensor"]
-    if mode not in _EDGE_CODES or (block and mode == "loop_a"):
-        raise ValueError(f"grouped_wgrad_fp8: WGRAD_EDGES mode {mode!r} is not one of {sorted(_EDGE_CODES)} "
-                         f"(loop_a: per-tensor only)")
-    return _EDGE_CODES[mode]
-
-
 def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> bool:
     """Whether the Gluon wgrad kernel can take this call ([Note: fp8 wgrad under the next MMA]): a Hopper
     GPU and a Triton with Gluon, per-tensor scaling with the split accumulator, TMA-aligned operands."""
@@ -550,8 +500,7 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
         return False
     try:
         kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
-                  else 0, l2_prefetch=WGRAD_GLUON_L2_PREFETCH,
-                  stages=WGRAD_GLUON_STAGES_16 if _handoff_16(out, accumulate, table) else WGRAD_GLUON_STAGES,
+                  else 0, stages=WGRAD_GLUON_STAGES_16 if _handoff_16(out, accumulate, table) else WGRAD_GLUON_STAGES,
                   epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:
         _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -609,7 +558,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         sas[0], sas[1], sbs[0], sbs[1],
         so[0], so[1], so[2], offs_E.stride(0),
         BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
-        PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(), EDGES=_edges(block),
+        PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, L2_PREFETCH=cfg.l2_prefetch and accumulate and not _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -8,8 +8,8 @@ Kernels:
 - per-tensor, two passes: ``_amax_kernel`` (grid-stride max of |x|, one fp32 ``atomic_max`` per
   program) then ``_cast_per_tensor_kernel`` (every program derives the same scale from the amax; the
   first also writes ``scale_inv``). A caller-given amax (a sharded weight's all-reduced one) skips
-  the first pass. The cast pass walks the blocks last to first (``PER_TENSOR_REVERSE``): the amax
-  pass read them last, so the first ones may still be in L2.
+  the first pass. The cast pass walks the blocks last to first: the amax pass read them last, so they
+  may still be in L2.
 - ``_quantize_blocks_kernel``: one program per (bm, bn) block, e.g. 128x128 weights: block amax,
   scale and cast in one pass over the block.
 - ``_quantize_rows_kernel``: 1xL tiles for activations and gradients: a [TILE_M, L] tile per program,
@@ -89,7 +89,6 @@ __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_co
 # Registers below: ptxas -v for sm_90a, Triton 3.9, bf16 input; "k/SM" = programs resident per SM.
 PER_TENSOR_BLOCK = 4096   # elements per program (and amax loop step): 2429, 2432 (two sweeps); 8192: 2294, 2321
 PER_TENSOR_WARPS = 4      # cast 39 regs (12/SM), amax 94 regs (5/SM); 8 warps 2275
-PER_TENSOR_REVERSE = True  # cast pass last block first (L2 reuse after the amax pass): 2294 vs 2284
 AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one address (~8 per SM)
 BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
 ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
@@ -98,21 +97,19 @@ ROWCOL_WARPS = 8          # one 128x128 tile per program; 8 warps with the regis
                           # 2/SM): 2914, 2723, 2763 (graph)
 ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
 ROWCOL_GLUON = True       # the Gluon kernel where it applies ([Note: rows and columns without a transpose]):
-ROWCOL_GLUON_COMPACT = True  # 3096 / 3107 (graph) vs 2505 / 2536 for the Triton kernel; COMPACT (each
-                          # scale computed once) vs 2781 without
+                          # 3096 / 3107 (graph) vs 2505 / 2536 for the Triton kernel
 
 # Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
 # timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
 # per program and per-scale redundancy; the first of each list is the default.
 SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
     "per_tensor": [
-        dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
-        dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=False),
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),    # amax 55 regs
-        dict(PER_TENSOR_BLOCK=2048, PER_TENSOR_WARPS=4, PER_TENSOR_REVERSE=True),
-        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=8, PER_TENSOR_REVERSE=True),
-        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=16, PER_TENSOR_REVERSE=True),
+        dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4),
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4),
+        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=8),    # amax 55 regs
+        dict(PER_TENSOR_BLOCK=2048, PER_TENSOR_WARPS=4),
+        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=8),
+        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=16),
     ],
     "blockwise_1x128": [
         dict(ROWS_TILE_M=32, ROWS_WARPS=4),
@@ -128,10 +125,9 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        # Gluon, sm_90a SASS instructions per element (qa/bench/quantize_sass.py): 18.1 compact, 24.6 not;
-        # the Triton kernel (ROWCOL_GLUON=False): 24.4 at 8 warps
-        dict(ROWCOL_GLUON=True, ROWCOL_GLUON_COMPACT=True),
-        dict(ROWCOL_GLUON=True, ROWCOL_GLUON_COMPACT=False),
+        # Gluon, sm_90a SASS instructions per element (qa/bench/quantize_sass.py): 18.1; the Triton kernel
+        # (ROWCOL_GLUON=False): 24.4 at 8 warps
+        dict(ROWCOL_GLUON=True),
         dict(ROWCOL_GLUON=False, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
         dict(ROWCOL_GLUON=False, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 206 regs (2/SM)
         dict(ROWCOL_GLUON=False, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 64 regs (1/SM)
@@ -255,12 +251,10 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _cast_per_tensor_kernel(x_ptr, amax_ptr, q_ptr, s_inv_ptr, n, NUM: tl.constexpr, FP8: tl.constexpr,
                             FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     scale = _scale_from_amax(tl.load(amax_ptr), NUM, False)
-    blk = pid
-    if REVERSE:  # last block first: the amax pass read it last, so it may still be in L2
-        blk = tl.num_programs(0) - 1 - pid
+    blk = tl.num_programs(0) - 1 - pid  # last block first: the amax pass read it last, so it may still be in L2
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -411,7 +405,7 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, triton.cdiv(n, PER_TENSOR_BLOCK)),)
     _cast_per_tensor_kernel[grid](x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=PER_TENSOR_BLOCK,
-                                  REVERSE=PER_TENSOR_REVERSE, num_warps=PER_TENSOR_WARPS, **_fmt_args(dtype, margin))
+                                  num_warps=PER_TENSOR_WARPS, **_fmt_args(dtype, margin))
     return data, scale_inv
 
 
@@ -485,8 +479,7 @@ def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool
     try:
         kg.rowcol_kernel[(triton.cdiv(M, kg.L), triton.cdiv(N, kg.L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
-            NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], COMPACT=ROWCOL_GLUON_COMPACT,
-            num_warps=kg.NUM_WARPS.value)
+            NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], num_warps=kg.NUM_WARPS.value)
     except CompilationError as exc:
         _GLUON_FAILED = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon rows + columns FP8 quantize kernel does not build with triton "

@@ -444,10 +444,9 @@ def case_per_tensor(device: str, big: bool) -> None:
             k = kq.quantize_per_tensor(_on(x, device), f8, amax=_on(a, device))
             assert_same(k, quantize_per_tensor(x, f8, amax=a), f"{dtype} {f8} {shape} amax={amax}")
     x = wide_range((9000,), torch.bfloat16)
-    for reverse in (True, False):  # several grid-stride steps per program; cast blocks in either order
-        with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024, PER_TENSOR_REVERSE=reverse):
-            k = kq.quantize_per_tensor(_on(x, device), E4M3)
-        assert_same(k, quantize_per_tensor(x, E4M3), f"grid-stride reverse={reverse}")
+    with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024):  # several grid-stride steps per program
+        k = kq.quantize_per_tensor(_on(x, device), E4M3)
+    assert_same(k, quantize_per_tensor(x, E4M3), "grid-stride")
 
 
 def case_nonfinite(device: str, big: bool) -> None:
@@ -543,13 +542,10 @@ def case_pow2_scales(device: str, big: bool) -> None:
             assert_same(k, r, f"{f8} rowcol")
 
 
-GLUON_SETTINGS = [dict(ROWCOL_GLUON=True, ROWCOL_GLUON_COMPACT=c) for c in (True, False)]
-
-
 def case_rowcol_gluon(device: str, big: bool) -> None:
-    """The Gluon rows + columns kernel ([Note: rows and columns without a transpose]) in each setting:
-    the reference's bits on whole and partial tiles, both formats, bf16 and fp32 input, amaxes at every
-    exponent along rows and along columns, and non-finite values. Where it does not apply (CPU, the
+    """The Gluon rows + columns kernel ([Note: rows and columns without a transpose]): the reference's bits
+    on whole and partial tiles, both formats, bf16 and fp32 input, amaxes at every exponent along rows and
+    along columns, and non-finite values. Where it does not apply (CPU, the
     interpreter, M off its row grid) the Triton kernel answers, which this case then checks instead."""
     kq = _kernels()
     grid = _amax_grid()
@@ -559,16 +555,15 @@ def case_rowcol_gluon(device: str, big: bool) -> None:
     odd = wide_range((8192 + 8, 4096 + 65) if big else (40, 136), torch.bfloat16, seed=11)
     odd[3, 5], odd[17, 130] = float("nan"), float("inf")   # one NaN row/column tile, one inf
     xs = [g, gt, odd, wide_range((4096, 7168) if big else (64, 256), torch.float32, seed=12)]
-    for tuning in GLUON_SETTINGS if device == "cuda" else GLUON_SETTINGS[:1]:  # CPU: one Triton fallback
-        with _tuning(kq, **tuning):
-            for x in xs:
-                xd = _on(x, device)
-                for f8 in FP8S:
-                    rec = BlockwiseScaling(dtype=f8)  # 1x128, power-of-two scales: the kernel's case
-                    got = kq.quantize_rowwise_and_columnwise(xd, rec)
-                    ref = quantize_rowwise_and_columnwise(xd, rec)
-                    for k, r in zip(got, ref, strict=True):
-                        assert_same(k, r, f"{tuning} {tuple(x.shape)} {x.dtype} {f8}")
+    with _tuning(kq, ROWCOL_GLUON=True):
+        for x in xs:
+            xd = _on(x, device)
+            for f8 in FP8S:
+                rec = BlockwiseScaling(dtype=f8)  # 1x128, power-of-two scales: the kernel's case
+                got = kq.quantize_rowwise_and_columnwise(xd, rec)
+                ref = quantize_rowwise_and_columnwise(xd, rec)
+                for k, r in zip(got, ref, strict=True):
+                    assert_same(k, r, f"{tuple(x.shape)} {x.dtype} {f8}")
 
 
 def case_gluon_fallback(device: str, big: bool) -> None:
@@ -611,7 +606,7 @@ def case_gluon_fallback(device: str, big: bool) -> None:
 def case_sweep(device: str, big: bool) -> None:
     """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/fp8.py --quant-sweep``) on
     a shape that is no multiple of any tile: same bits as the reference, op by op. CI takes each op's first
-    and last candidate (``sweep.sample``); ``--full`` takes all 21."""
+    and last candidate (``sweep.sample``); ``--full`` takes all 19."""
     kq = _kernels()
     ops = {
         "per_tensor": lambda m, x: (m.quantize_per_tensor(x, E4M3),),
@@ -787,8 +782,8 @@ def test_sm90_build_of_the_rows_and_columns_kernel():
 
 def test_sm90_build_of_the_gluon_rows_and_columns_kernel():
     """[Note: rows and columns without a transpose]: the Gluon kernel builds for sm_90a without a single
-    byte-wise shared-memory load and issues fewer instructions per element than the Triton kernel; the
-    compact scales fewer still."""
+    byte-wise shared-memory load, without spills, and issues fewer instructions per element than the
+    Triton kernel."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _quantize_rowcol_gluon as kg
     if not kg.AVAILABLE:
@@ -798,15 +793,15 @@ def test_sm90_build_of_the_gluon_rows_and_columns_kernel():
         import quantize_sass
     finally:
         sys.path.remove(str(REPO / "qa" / "bench"))
-    names = ["rowcol w8 maxnreg128 (default)", "rowcol gluon", "rowcol gluon, compact scales"]
+    names = ["rowcol w8 maxnreg128 (default)", "rowcol gluon"]
     try:
         r = quantize_sass.main(["--only", *names])
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    triton_k, plain, compact = (r[n] for n in names)
-    assert plain["ops"]["LDS.U8"] == compact["ops"]["LDS.U8"] == 0 < triton_k["ops"]["LDS.U8"]
-    assert compact["spill_bytes"] == 0, compact
-    assert compact["per_element"] < plain["per_element"] and compact["per_element"] < triton_k["per_element"]
+    triton_k, ours = (r[n] for n in names)
+    assert ours["ops"]["LDS.U8"] == 0 < triton_k["ops"]["LDS.U8"]
+    assert ours["spill_bytes"] == 0, ours
+    assert ours["per_element"] < triton_k["per_element"]
 
 
 if __name__ == "__main__":

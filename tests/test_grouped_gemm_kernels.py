@@ -24,7 +24,7 @@ import torch
 
 from distwgrad.testing import reference as R
 from distwgrad.testing import sweep
-from distwgrad.testing.stubs import StubKernel, record_ragged_dispatch
+from distwgrad.testing.stubs import StubKernel
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -379,65 +379,7 @@ def test_checks_name_the_bad_argument():
             k.grouped_fprop(x, w, offs)
 
 
-# ---- the Gluon fprop/dgrad kernel off the GPU: its sm_90a build and its dispatch ----------------------
-
-
-class _OnCuda:
-    """A CPU tensor that says it is on CUDA (for the dispatch predicates; nothing is launched)."""
-    is_cuda = True
-    device = torch.device("cuda", 0)
-
-    def __init__(self, t):
-        self._t = t
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-
-@pytest.mark.parametrize("wide", [True, False])
-@pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_gluon_kernel_keeps_the_mma_pipeline(op, wide):
-    """[Note: persistent warp-specialized grouped GEMM]: the Gluon kernel builds for sm_90a with bf16
-    wgmma at 128x256 per program (m64n256k16: two warpgroups), waits for all but the newest MMA group in
-    its loop, ptxas neither serializes the wgmmas (C7514/C7512) nor spills, and the MMA warps take the
-    registers from the TMA warp (setmaxnreg). dgrad's B is N-inner (wgmma's transposed-B flag set).
-    ``wide``: the epilogue stores 16-byte rows (``st.global.v4``) and its staging fits beside the ring."""
-    triton = pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_gemm_gluon as kg
-    if not kg.AVAILABLE:
-        pytest.skip("this Triton has no Gluon")
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from distwgrad.testing.sm90 import assemble_or_skip, specialize
-    w_trans = op == "fprop"
-    bm, bn, bk = kg.BLOCK_M, kg.BLOCK_N, kg.BLOCK_K
-    b_shape = [bn, bk] if w_trans else [bk, bn]
-    a_lay = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)
-    b_lay = gl.NVMMASharedLayout.get_default_for(b_shape, gl.bfloat16)
-    T, E, K, N = 32768, 8, 4096, 14336
-    vals = dict(a_desc=f"tensordesc<bf16[{bm},{bk}],{a_lay!r}>",
-                b_desc=f"tensordesc<bf16[{b_shape[0]},{b_shape[1]}],{b_lay!r}>",
-                out_ptr="*bf16", bias_ptr="*bf16", offs_ptr="*i32", T=T, E=E, N=N, K=K, W_ROWS=N if w_trans else K,
-                stride_ot=N, stride_on=1, stride_biase=N, stride_biasn=1, stride_o=1)
-    consts = dict(W_TRANS=w_trans, HAS_BIAS=w_trans, GROUP_M=8, BLOCK_E=16, NUM_STAGES=4, num_warps=bm // 16,
-                  WIDE_STORES=wide)
-    sig, attrs = specialize(kg.ragged_kernel, vals, consts, ("T", "E"))
-    kernel = triton.compile(GluonASTSource(kg.ragged_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=bm // 16, enable_fp_fusion=True))
-    ptx = kernel.asm["ptx"]
-    info = assemble_or_skip(ptx)
-    mma = [line.strip() for line in ptx.splitlines() if "wgmma.mma_async" in line]
-    assert mma and all("m64n256k16.f32.bf16.bf16" in m for m in mma), mma[:1]
-    assert all(m.endswith(f"1, 1, 0, {0 if w_trans else 1};") for m in mma), mma[:1]  # B K-inner / N-inner
-    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 1, "one wait per K step, one MMA group in flight"
-    assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
-    assert " 0 bytes spill stores" in info, info
-    assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
-    stores = re.findall(r"st\.global[.\w]*", ptx)
-    assert stores and all((".v4." in st) == wide for st in stores), sorted(set(stores))
-    assert kernel.metadata.shared <= 232448, kernel.metadata.shared  # Hopper's 227 KB per block
+# ---- sm_90a builds and config picks (no GPU needed) ---------------------------------------------------
 
 
 def test_wgrad_l2_prefetch_only_where_it_was_measured_faster():
@@ -555,108 +497,6 @@ def test_half_tail_builds_for_sm90(op, shape):
     assert wides[1] == plain[1] + 4 * 64 * bk * 2 <= 232448 - 1024 + 32, built
 
 
-def test_gluon_kernel_only_where_it_applies(monkeypatch):
-    """``_gluon_ragged``: Hopper (wgmma), bf16/fp16 of one dtype, TMA-aligned, stacked experts, dgrad's
-    contraction a multiple of BLOCK_K (no step across two experts); never in the interpreter."""
-    pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_gemm_gluon as kg
-    k = _kernels()
-    monkeypatch.setattr(k, "_interpreting", lambda: False)
-    cap = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
-    bf = torch.bfloat16
-    a, w = _OnCuda(torch.empty(64, 512, dtype=bf)), torch.empty(4, 256, 512, dtype=bf)
-    y = torch.empty(64, 256, dtype=bf)
-    ok = kg.AVAILABLE
-    assert k._gluon_ragged(a, w, y, True) == ok
-    assert k._gluon_ragged(_OnCuda(torch.empty(64, 256, dtype=bf)), w, torch.empty(64, 512, dtype=bf), False) == ok
-    assert not k._gluon_ragged(_OnCuda(torch.empty(64, 200, dtype=bf)), torch.empty(4, 200, 512, dtype=bf),
-                               torch.empty(64, 512, dtype=bf), False)       # dgrad: 200 rows per expert
-    assert k._gluon_ragged(a, torch.empty(4, 200, 512, dtype=bf), torch.empty(64, 200, dtype=bf), True) == ok
-    f16 = torch.float16
-    assert k._gluon_ragged(_OnCuda(torch.empty(64, 512, dtype=f16)), w.to(f16), y.to(f16), True) == ok
-    assert not k._gluon_ragged(_OnCuda(torch.empty(64, 512)), w.float(), y.float(), True)          # fp32
-    assert not k._gluon_ragged(a, w, y.float(), True)                                               # out dtype
-    assert not k._gluon_ragged(_OnCuda(torch.empty(64, 513, dtype=bf)[:, :512]), w, y, True)        # row stride
-    assert not k._gluon_ragged(a, torch.empty(4, 300, 512, dtype=bf)[:, :256], y, True)              # not stacked
-    assert not k._gluon_ragged(_OnCuda(torch.empty(64, 0, dtype=bf)), torch.empty(4, 256, 0, dtype=bf), y, True)
-    assert not k._gluon_ragged(torch.empty(64, 512, dtype=bf), w, y, True)                           # CPU
-    cap[0] = (10, 0)
-    assert not k._gluon_ragged(a, w, y, True)                                                        # no wgmma
-    cap[0] = (9, 0)
-    monkeypatch.setattr(k, "_interpreting", lambda: True)
-    assert not k._gluon_ragged(a, w, y, True)
-
-
-@pytest.mark.parametrize("kw,expected", [
-    ({}, "gluon"), (dict(use_tma=False), "triton"), (dict(gluon=False), "triton"), (dict(gluon=True), "gluon"),
-    (dict(config="cfg"), "triton"), (dict(off=True), "triton"),
-])
-def test_gluon_dispatch(monkeypatch, kw, expected):
-    """``_launch_ragged``: the Gluon kernel where it applies, unless a config, the pointer path
-    (``use_tma=False``), ``gluon=False`` or ``RAGGED_GLUON = False`` says otherwise."""
-    pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_gemm_configs as C
-    k = _kernels()
-    taken = record_ragged_dispatch(monkeypatch, k, "_ragged_m_kernel")
-    monkeypatch.setattr(k, "RAGGED_GLUON", not kw.pop("off", False))
-    if kw.get("config") == "cfg":
-        kw["config"] = C.INTERPRETER
-    x, w = torch.zeros(64, 128), torch.zeros(2, 96, 128)
-    k._launch_ragged(x, w, torch.tensor([32, 64], dtype=torch.int32), None, torch.empty(64, 96), w_trans=True,
-                     **{"config": None, "use_tma": None, **kw})
-    assert taken == [expected]
-
-
-def test_gluon_required_where_it_cannot_run():
-    """``gluon=True`` off Hopper (here: CPU tensors) fails by name instead of running another kernel."""
-    pytest.importorskip("triton")
-    k = _kernels()
-    x, w = torch.zeros(64, 128), torch.zeros(2, 96, 128)
-    with pytest.raises(ValueError, match=r"grouped_dgrad: gluon=True, but the Gluon kernel needs .* got "
-                                         r"torch.float32 on cpu, weight \(2, 96, 128\)"):
-        k._launch_ragged(torch.zeros(64, 96), w, torch.tensor([32, 64], dtype=torch.int32), None,
-                         torch.empty(64, 128), w_trans=False, config=None, use_tma=None, gluon=True)
-    with pytest.raises(ValueError, match=r"grouped_fprop: gluon=True"):
-        k._launch_ragged(x, w, torch.tensor([32, 64], dtype=torch.int32), None, torch.empty(64, 96), w_trans=True,
-                         config=None, use_tma=None, gluon=True)
-
-
-def test_gluon_launch_and_fallback(monkeypatch):
-    """``_launch_gluon_ragged``: min(bound on the tiles, SMs) programs over the stacked weight's 2-D view
-    (fprop: B tiles [BLOCK_N, BLOCK_K]; dgrad: [BLOCK_K, BLOCK_N]); a Triton that cannot build the kernel
-    gets one warning, and every later call goes to the Triton kernel without trying again."""
-    pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_gemm_gluon as kg
-    from triton.compiler.errors import CompilationError
-    if not kg.AVAILABLE:
-        pytest.skip("this Triton has no Gluon")
-    k = _kernels()
-    launched, blocks = [], []
-    monkeypatch.setattr(kg, "descriptor", lambda t, block: blocks.append((tuple(t.shape), block)))
-    monkeypatch.setattr(k, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(k, "_GLUON_FAILED", {})
-    monkeypatch.setattr(kg, "ragged_kernel", StubKernel(lambda g, *a, **kw: launched.append((g, kw))))
-    bf = torch.bfloat16
-    T, E, K, N = 8192, 4, 512, 1024
-    x, w, offs = torch.zeros(T, K, dtype=bf), torch.zeros(E, N, K, dtype=bf), torch.tensor([0, 4096, 6000, T])
-    assert k._launch_gluon_ragged(x, w, offs.int(), None, torch.empty(T, N, dtype=bf), True)
-    assert k._launch_gluon_ragged(torch.zeros(512, N, dtype=bf), w, torch.tensor([0, 0, 100, 512]).int(), None,
-                                  torch.empty(512, K, dtype=bf), False)
-    (g1, kw1), (g2, kw2) = launched
-    assert g1 == (132,) and g2 == ((4 + 4) * 2,)      # (cdiv(T, 128) + E) * cdiv(N, 256), at most one per SM
-    assert kw1["W_TRANS"] and not kw2["W_TRANS"]
-    assert blocks == [((T, K), (128, 64)), ((E * N, K), (256, 64)), ((512, N), (128, 64)), ((E * N, K), (64, 256))]
-
-    def unbuildable(grid, *a, **kw):
-        raise CompilationError("", None, "no such Gluon API")
-    monkeypatch.setattr(kg, "ragged_kernel", StubKernel(unbuildable))
-    with pytest.warns(RuntimeWarning, match="does not build"):
-        assert not k._launch_gluon_ragged(x, w, offs.int(), None, torch.empty(T, N, dtype=bf), True)
-    assert "no such Gluon API" in k._GLUON_FAILED["ragged"]
-    assert not k._launch_gluon_ragged(x, w, offs.int(), None, torch.empty(T, N, dtype=bf), True)
-
-
 # ---- GPU (bf16, realistic shapes) -------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -742,45 +582,6 @@ def test_gpu_wide_tail(T, E, K, N):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("wide", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T,E,K,N", [
-    (4096, 8, 1024, 1536),     # several tiles per program (persistent), 16 K steps
-    (8192, 64, 512, 384),      # ~128 tokens per group, empty groups, N off the 256 grid
-    (3000, 5, 1000, 1280),     # K off the 64 grid (TMA zero fill), T off the tile
-    (2048, 1, 64, 256),        # one group, one K step
-    (3000, 256, 64, 128),      # E = 256: the cursor walks over many empty and tiny groups
-])
-def test_gpu_gluon_kernel(T, E, K, N, dtype, wide, monkeypatch):
-    """[Note: persistent warp-specialized grouped GEMM]: fprop (with bias) and dgrad through the Gluon
-    kernel against the oracle (NaN-poisoned outputs, rows past the last offset unwritten) and against
-    the Triton kernel; the same products in the same K order, so the bits are expected to agree (the
-    mismatch count is printed, then asserted)."""
-    from distwgrad.kernels import _grouped_gemm_gluon as kg
-    if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-    k = _kernels()
-    monkeypatch.setattr(k, "RAGGED_GLUON_WIDE_STORES", wide)
-    d = _inputs(T, E, K, N, dtype, "cuda", seed=T + E)
-    x, w, dy, b, offs = d["x"], d["w"], d["dy"], d["b"], d["offs"]
-    n = int(offs[-1])
-    diffs = {}
-    for op, a, out_cols in (("fprop", x, N), ("dgrad", dy, K)):
-        bias = b if op == "fprop" else None
-        runs = {g: k._launch_ragged(a, w, offs, bias, _poisoned((T, out_cols), a), w_trans=op == "fprop",
-                                    config=None, use_tma=None, gluon=g) for g in (True, False)}
-        ref = (R.grouped_fprop(x, w, offs, b) if op == "fprop" else R.grouped_dgrad(dy, w, offs))
-        oracle = (R.grouped_fprop(x.double(), w.double(), offs, b.double()) if op == "fprop"
-                  else R.grouped_dgrad(dy.double(), w.double(), offs))
-        _check(f"gluon {op} T={T} E={E} K={K} N={N} {dtype}", runs[True], ref, oracle)
-        assert bool(runs[True][n:].isnan().all()), f"{op}: rows past offs_E[-1] were written"
-        diffs[op] = int((runs[True][:n] != runs[False][:n]).sum())
-    print(f"gluon (wide stores: {wide}) vs triton T={T} E={E} K={K} N={N} {dtype}: differing elements {diffs}")
-    assert diffs == {"fprop": 0, "dgrad": 0}, diffs
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_other_dtypes(dtype):
     _check_all_ops(2048, 6, 256, 384, dtype, "cuda", seed=2)
@@ -844,36 +645,33 @@ def test_gpu_wgrad_persistent(cfg):
     (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # groups inside one chunk, one ending on the chunk grid
     (256, 2, 128, 128, [0, 256]),           # the first group empty
 ])
-@pytest.mark.parametrize("variant", ["tma", "zero", "tma/chain", "zero/chain"])
-def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
-    """[Note: the bf16 wgrad in the fp8 kernel]: the Gluon wgrad (``WGRAD_GLUON``, ``WGRAD_GLUON_FRESH``)
-    accumulating bf16 and fp16 products into a stacked fp32 output and into a list of strided buffers, and
-    writing a fresh one in their dtype, against the oracle, with each group's tail zero-filled by TMA or zeroed
-    by the MMA warps ([Note: a group's tail zero-filled by TMA]), promoted or chained ([Note: chained bf16
-    accumulation]); every call ran in the Gluon kernel."""
+@pytest.mark.parametrize("tail", ["tma", "zero"])
+def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
+    """[Note: the bf16 wgrad in the fp8 kernel]: the Gluon wgrad (``WGRAD_GLUON``) accumulating bf16 and fp16
+    products into a stacked fp32 output and into a list of strided buffers, against the oracle, with each
+    group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail zero-filled by TMA]),
+    chained ([Note: chained bf16 accumulation]); every call ran in the Gluon kernel, and a fresh wgrad in
+    the Triton kernel."""
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON", True)
     monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
-    monkeypatch.setattr(k, "WGRAD_GLUON_FRESH", True)
-    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", variant.split("/")[0])
-    monkeypatch.setattr(k, "WGRAD_GLUON_CHAIN", variant.endswith("/chain"))
+    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
     calls = []
     real = k._launch_gluon_wgrad
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
     for dtype in (torch.bfloat16, torch.float16):
         _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, ops=("wgrad", "wgrad_acc", "wgrad_acc_list"),
                        splits=splits)
-    assert len(calls) == 6 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
+    assert len(calls) == 4 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("tail", ["tma", "zero"])
-@pytest.mark.parametrize("chain", [False, True])
-def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, chain, monkeypatch):
+def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, monkeypatch):
     """A group's last chunk reaches past its end into the next group's tokens or, after the last group,
     into unrouted rows: those must count as zeros, even where they are NaN ([Note: a group's tail
     zero-filled by TMA]). The unrouted rows of dy and x are NaN here; the sums must match the oracle over
@@ -883,7 +681,6 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, chain, monkeypatch):
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
     monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
-    monkeypatch.setattr(k, "WGRAD_GLUON_CHAIN", chain)
     T, K, N, splits = 1024, 272, 400, [100, 37, 0, 500, 64]  # routed: 701 of 1024 rows
     d = _inputs(T, len(splits), K, N, torch.bfloat16, "cuda", seed=7)
     offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)
@@ -911,8 +708,8 @@ def test_gluon_wgrad_reaches_tritons_allocator_setting():
         pytest.skip("this Triton has no Gluon")
     assert isinstance(kl._allocator(), ContextVar)
     with pytest.raises(ValueError, match=r"tail must be one of \('tma', 'zero'\), got 'nan'"):
-        kl.launch_tokens_outer(None, None, None, None, None, add_mode=3, l2_prefetch=False, stages=5,
-                               epilogue_warps=2, num_sms=132, tail="nan")
+        kl.launch_tokens_outer(None, None, None, None, None, add_mode=3, stages=5, epilogue_warps=2, num_sms=132,
+                               tail="nan")
 
 
 @pytest.mark.gpu
@@ -957,9 +754,6 @@ def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     assert not pick(256 * 8 - 1, 8, True, None, None)
     assert not pick(16384, 128, True, None, None)                       # 128 tokens per group
     assert not pick(65536, 64, False, None, None)                       # a fresh output
-    monkeypatch.setattr(k, "WGRAD_GLUON_FRESH", True)
-    assert pick(65536, 64, False, None, None)
-    monkeypatch.setattr(k, "WGRAD_GLUON_FRESH", False)
     assert not pick(65536, 64, True, k._cfg.INTERPRETER, None)          # a config: the Triton kernel
     assert not pick(65536, 64, True, None, False)                       # no TMA: the Triton kernel
     monkeypatch.setattr(k, "WGRAD_GLUON", False)

@@ -14,15 +14,14 @@
 #   train_fp8 (the FP8 job alone), train_fp8_te (per-tensor FP8 with and without TE's fprop accumulation), fp8_audit (qa/L2_gpu/fp8_kernel_audit.py and its bisect variants),
 #   multi_gpu (two GPUs: the job and megatron-core's schedule under torchrun over NCCL, and the multi-rank
 #   tests that run over NCCL: pytest -m gpu -k nccl),
-#   gemm_gluon (bf16 fprop/dgrad: the opt-in Gluon kernel beside the Triton one),
-#   gluon_wgrad16 (the opt-in bf16 Gluon wgrad: its GPU tests, then its variants beside the Triton kernel),
+#   gluon_wgrad16 (the bf16 Gluon wgrad: its GPU tests, then its variants beside the Triton kernel),
 #   half_tail (bf16 fprop/dgrad: the GPU tests of the ragged kernels, then the default config beside itself
 #   with half_tail flipped, three interleaved rounds),
-#   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel's variants beside the Triton kernel),
+#   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel beside the Triton kernel),
 #   gemm_fp8_wgrad (per-tensor FP8 wgrad: the Gluon kernel's launch choices beside the Triton kernel),
 #   wgrad_trace (qa/bench/fp8_wgrad_trace.py: the Gluon FP8 wgrad's tile phases, with and without the
 #   epilogue partition, each also dry and dry without the edge zeroing),
-#   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / Gluon / grouped_mm / dense side by side),
+#   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / grouped_mm / dense side by side),
 #   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
 #   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
@@ -80,10 +79,8 @@ for step in $STEPS; do
                  or gluon_kernel or e256 or cuda_graph or other_dtypes" -q -p no:cacheprovider -rf --tb=short --timeout 150
                run half_tail python3 qa/bench/grouped_gemm.py --ops fprop dgrad --half-tail-rows --rounds 3 \
                  --json "$OUT_DIR/half_tail.json" ;;
-    gemm_gluon) run gemm_gluon python3 qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows \
-                  --json "$OUT_DIR/grouped_gemm_gluon.json" ;;
     gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \
-                      --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants ws_persistent ws_persistent_overlap \
+                      --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants m128 \
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
     gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad \
                       wgrad_accumulate --gemm-recipes per_tensor --gluon-wgrad --json "$OUT_DIR/gemm_fp8_wgrad.json" ;;

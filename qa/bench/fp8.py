@@ -268,10 +268,8 @@ GEMM_RECIPES = {"per_tensor": PerTensorScaling(), "blockwise": BlockwiseScaling(
                 "per_tensor_fast": PerTensorScaling(fp8_gemm_fprop=_FAST, fp8_gemm_dgrad=_FAST, fp8_gemm_wgrad=_FAST)}
 
 
-# the Gluon promoting kernel's variants: (rows per tile, warp-specialized, persistent, epilogue after the next
-# tile's step 0)
-GLUON_VARIANTS = {"m128": (128, False, False, False), "m64": (64, False, False, False), "ws": (128, True, False, False),
-                  "ws_persistent": (128, True, True, False), "ws_persistent_overlap": (128, True, True, True)}
+# the Gluon promoting kernel's variants: rows per tile
+GLUON_VARIANTS = {"m128": 128, "m64": 64}
 
 
 def _add_gemm_args(p: argparse.ArgumentParser) -> None:
@@ -281,8 +279,7 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gemm-recipes", nargs="+", choices=sorted(GEMM_RECIPES), default=sorted(GEMM_RECIPES))
     g.add_argument("--gemm-sweep", action="store_true", help="also time every candidate fp8 tile config")
     g.add_argument("--gemm-sweep-match", nargs="+", default=None,
-                   help="sweep only the candidates whose short name contains one of these (e.g. /l2pf), with the "
-                        "default wgrad edge arrangement")
+                   help="sweep only the candidates whose short name contains one of these (e.g. /l2pf)")
     g.add_argument("--gluon-stages", nargs="+", type=int, default=None,
                    help="also time the Gluon fprop/dgrad kernel at these ring depths, 128- and 64-row tiles "
                         "(the sweep does 3-6)")
@@ -295,8 +292,8 @@ def _add_gemm_args(p: argparse.ArgumentParser) -> None:
                         "'fp8_<recipe>_aligned' (a fresh output in bf16), and that layout's transposed copy "
                         "against the plain one (ops 'transpose_x', 'transpose_dy')")
     g.add_argument("--gluon-wgrad", action="store_true",
-                   help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, L2 "
-                        "prefetch, ring depth, epilogue warps)")
+                   help="also time the Gluon wgrad kernel's launch choices (GLUON_WGRAD_VARIANTS: add mode, ring "
+                        "depth, epilogue warps)")
     g.add_argument("--gluon-wgrad-variants", nargs="+", choices=sorted(GLUON_WGRAD_VARIANTS), default=None,
                    help="which of GLUON_WGRAD_VARIANTS --gluon-wgrad times (default: all)")
     g.add_argument("--gluon-variants", nargs="+", choices=sorted(GLUON_VARIANTS), default=sorted(GLUON_VARIANTS),
@@ -468,43 +465,34 @@ def _gemm_row(args: argparse.Namespace, shape: tuple, op: str, impl: str, ms: fl
 
 
 def _gemm_sweep(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
-    """One row per candidate tile config of ``op``; wgrad also per edge arrangement of the TMA path
-    ([Note: fp8 wgrad edges] in kernels/grouped_gemm_fp8.py), the label's ``/edges=...``."""
+    """One row per candidate tile config of ``op``."""
     from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
-    from distwgrad.kernels import grouped_gemm_fp8 as F
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
     rows = []
     impl = "fp8_wT" if op == "dgrad" else "fp8"  # dgrad: the N-contiguous weight the dispatcher passes
-    recipe = "blockwise" if block else "per_tensor"
     wgrad = op not in ("fprop", "dgrad")
     match = getattr(args, "gemm_sweep_match", None)
-    modes = [m for m in F._EDGE_CODES if not (block and m == "loop_a")] if wgrad and not match else [None]
     for cfg in CF.WGRAD_CANDIDATES if wgrad else CF.RAGGED_CANDIDATES:
         if op != "wgrad_accumulate" and cfg.add_mode != "load":
             continue
         if match and not any(m in cfg.short() for m in match):
             continue
-        for mode in modes:
-            label = f"{impl.replace('fp8', f'fp8_{name}')}@{CF.with_block_k(cfg, block).short()}"
-            label += f"/edges={mode}" if mode else ""
-            try:
-                with _overriding_item(F.WGRAD_EDGES, recipe, mode or F.WGRAD_EDGES[recipe]):
-                    worst = _gemm_check(op, p, q, cfg, impl=impl)
-                    ms = time_ms(_fp8_calls(op, p, q, main, config=cfg)[impl], args.device, args.reps)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
-                print(f"  sweep {op} {shape} {label}: {exc!r}"[:400], flush=True)
-                continue
-            rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
+        label = f"{impl.replace('fp8', f'fp8_{name}')}@{CF.with_block_k(cfg, block).short()}"
+        try:
+            worst = _gemm_check(op, p, q, cfg, impl=impl)
+            ms = time_ms(_fp8_calls(op, p, q, main, config=cfg)[impl], args.device, args.reps)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to build or to check is a result too
+            print(f"  sweep {op} {shape} {label}: {exc!r}"[:400], flush=True)
+            continue
+        rows.append(_gemm_row(args, shape, op, label, ms, vs_bf16=round(bf16_ms / ms, 3), worst=round(worst, 4)))
     return rows + _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, (3, 4, 5, 6))
 
 
-# the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, L2 prefetch, ring
-# depth, epilogue warps)
-GLUON_WGRAD_VARIANTS = {"atomic/s5": ("atomic", False, 5, 0), "atomic_l2pf/s5": ("atomic", True, 5, 0),
-                        "atomic/s4/epi": ("atomic", False, 4, 2), "atomic/s5/epi": ("atomic", False, 5, 2),
-                        "atomic_l2pf/s4/epi": ("atomic", True, 4, 2), "atomic_l2pf/s5/epi": ("atomic", True, 5, 2),
-                        "load_l2pf/s5": ("load", True, 5, 0), "load_l2pf/s5/epi": ("load", True, 5, 2)}
+# the Gluon wgrad kernel's launch choices ([Note: fp8 wgrad under the next MMA]): (add mode, ring depth,
+# epilogue warps)
+GLUON_WGRAD_VARIANTS = {"atomic/s5": ("atomic", 5, 0), "atomic/s4/epi": ("atomic", 4, 2),
+                        "atomic/s5/epi": ("atomic", 5, 2), "load/s5": ("load", 5, 0), "load/s5/epi": ("load", 5, 2)}
 
 
 def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
@@ -516,13 +504,13 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
         return []
     main = torch.zeros(shape[0], shape[3], shape[2], device=args.device)
     rows = []
-    for variant, (add, l2pf, stages, epilogue_warps) in GLUON_WGRAD_VARIANTS.items():
+    for variant, (add, stages, epilogue_warps) in GLUON_WGRAD_VARIANTS.items():
         if args.gluon_wgrad_variants and variant not in args.gluon_wgrad_variants:
             continue
-        if op == "wgrad" and (add != "atomic" or l2pf):  # a fresh output: no add mode, nothing to prefetch
+        if op == "wgrad" and add != "atomic":  # a fresh output: no add mode
             continue
         rows += _gluon_row(args, shape, op, p, q, f"fp8_{name}@gluon/{variant}", bf16_ms, "fp8", main,
-                           WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_L2_PREFETCH=l2pf, WGRAD_GLUON_STAGES=stages,
+                           WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_STAGES=stages,
                            WGRAD_GLUON_EPILOGUE_WARPS=epilogue_warps)
     return rows
 
@@ -554,11 +542,9 @@ def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]
     impl = "fp8_wT" if op == "dgrad" else "fp8"
     rows = []
     for variant in getattr(args, "gluon_variants", None) or sorted(GLUON_VARIANTS):
-        bm, ws, persistent, overlap = GLUON_VARIANTS[variant]
         for n in stages:
             rows += _gluon_row(args, shape, op, p, q, f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}",
-                               bf16_ms, impl, None, RAGGED_GLUON_STAGES=n, RAGGED_GLUON_BLOCK_M=bm,
-                               RAGGED_GLUON_WS=ws, RAGGED_GLUON_PERSISTENT=persistent, RAGGED_GLUON_OVERLAP=overlap)
+                               bf16_ms, impl, None, RAGGED_GLUON_STAGES=n, RAGGED_GLUON_BLOCK_M=GLUON_VARIANTS[variant])
     return rows
 
 
@@ -572,16 +558,6 @@ def _overriding_attr(obj: object, name: str, value: object) -> Iterator[None]:
     finally:
         setattr(obj, name, old)
 
-
-@contextlib.contextmanager
-def _overriding_item(table: dict, key: str, value: object) -> Iterator[None]:
-    """``table[key] = value`` for the duration of the block."""
-    old = table[key]
-    table[key] = value
-    try:
-        yield
-    finally:
-        table[key] = old
 
 
 def bench_grouped_gemm(args: argparse.Namespace, copy_gbps: float) -> list[Row]:

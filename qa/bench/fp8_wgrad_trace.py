@@ -77,7 +77,7 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     sms = _num_sms(out.device)
     tiles = E * -(-N // kw.BLOCK) * -(-K // kw.BLOCK)
     trace = torch.zeros(kl.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
-    kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0, l2_prefetch=F.WGRAD_GLUON_L2_PREFETCH,
+    kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0,
                   stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms, zero_edges=zero_edges)
 
     def call(tr=None):

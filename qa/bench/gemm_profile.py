@@ -1,7 +1,7 @@
-"""Where the grouped GEMM kernels' time goes on a GPU: the bf16 fprop/dgrad kernels (Triton, and the
-opt-in Gluon kernel) timed side by side with torch._grouped_mm and a dense mm of the same FLOPs, the
-FP8 Gluon kernels against other builds of them (``--fp8-ab``, ``--wgrad-ab``), and a handful of launches for Nsight
-Compute to read the hardware counters of (``--ncu``; ``ncu_hotspots.py`` summarises the report).
+"""Where the grouped GEMM kernels' time goes on a GPU: the bf16 fprop/dgrad Triton kernel timed side by
+side with torch._grouped_mm and a dense mm of the same FLOPs, the FP8 Gluon kernels against other builds
+of them (``--fp8-ab``, ``--wgrad-ab``), and a handful of launches for Nsight Compute to read the hardware
+counters of (``--ncu``; ``ncu_hotspots.py`` summarises the report).
 
     python qa/bench/gemm_profile.py --json out.json                    # timings, ratios, bit checks
     python qa/bench/gemm_profile.py --fp8-ab MODULE ...                # A/B of FP8 kernel builds
@@ -10,8 +10,8 @@ Compute to read the hardware counters of (``--ncu``; ``ncu_hotspots.py`` summari
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \\
         python qa/bench/gemm_profile.py --ncu                            # one launch of each target
 
-Every Gluon variant's output is compared with the Triton kernel's bit for bit before it is timed (the
-same wgmma products in the same K order)."""
+Every FP8 Gluon build's output is compared with today's bit for bit before it is timed (the same wgmma
+products in the same K order)."""
 
 from __future__ import annotations
 
@@ -39,17 +39,12 @@ def _bf16_impls(op: str, p) -> dict:
     out_cols = p.N if op == "fprop" else p.K
     w_trans = op == "fprop"
 
-    def ours(gluon: bool, wide: bool = True):
-        out = torch.empty(p.T, out_cols, device=a.device, dtype=a.dtype)
+    out = torch.empty(p.T, out_cols, device=a.device, dtype=a.dtype)
 
-        def call():
-            G.RAGGED_GLUON_WIDE_STORES = wide
-            return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None,
-                                    gluon=gluon)
-        return call
+    def ours():
+        return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=w_trans, config=None, use_tma=None)
     peers = impls_for(op, p)
-    return {"triton": ours(False), "gluon": ours(True), "gluon_narrow_stores": ours(True, False),
-            "torch_grouped_mm": peers["torch_grouped_mm"], "dense": peers["dense"]}
+    return {"triton": ours, "torch_grouped_mm": peers["torch_grouped_mm"], "dense": peers["dense"]}
 
 
 def _fp8_targets(shape) -> dict:
@@ -78,15 +73,6 @@ def time_all(args) -> list[dict]:
         p = make_problem(*shape, "cuda")
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
-            ref = impls["triton"]().clone()
-            for name in ("gluon", "gluon_narrow_stores"):
-                got = impls[name]()
-                same = bool(torch.equal(got, ref))
-                print(f"{op} {shape} {name}: bit-exact vs the Triton kernel: {same}", flush=True)
-                if not same:
-                    raise SystemExit(f"{name} differs from the Triton kernel at {op} {shape}: "
-                                     f"max |diff| {(got.float() - ref.float()).abs().max().item():.3e}")
-            del ref, got
             for rep in range(args.repeats):
                 for name, fn in impls.items():
                     ms = do_bench(fn, warmup=25, rep=args.rep)
@@ -94,7 +80,6 @@ def time_all(args) -> list[dict]:
                                  "tflops": 2.0 * p.T * p.N * p.K / ms / 1e9})
         del p
         torch.cuda.empty_cache()
-    G.RAGGED_GLUON_WIDE_STORES = True
     by = {}
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {}).setdefault(r["impl"], []).append(r["tflops"])
@@ -113,7 +98,7 @@ def ncu_targets(only: list[str] | None) -> None:
         p = make_problem(*SHAPES[0], "cuda")
         for op in ("fprop", "dgrad"):
             impls = _bf16_impls(op, p)
-            for name in ("triton", "gluon", "gluon_narrow_stores", "torch_grouped_mm", "dense"):
+            for name in ("triton", "torch_grouped_mm", "dense"):
                 targets[f"bf16_{op}_e8_{name}"] = impls[name]
     if only and any("_e128" in o for o in only):  # the shape bound by reading every expert's weights
         p128 = make_problem(128, 16384, 2048, 768, "cuda")

@@ -6,7 +6,6 @@ Run on a GPU machine from the repository root::
     PYTHONPATH=. python qa/bench/grouped_gemm.py --rounds 3 --json out.json --plot out.png   # the record
     PYTHONPATH=. python qa/bench/grouped_gemm.py --sweep --sweep-json sweep.json   # + every candidate config
     PYTHONPATH=. python qa/bench/grouped_gemm.py --shapes 8,4096,512,1024 --ops fprop   # a subset
-    PYTHONPATH=. python qa/bench/grouped_gemm.py --ops fprop dgrad --gluon --triton-rows   # Gluon vs Triton
     PYTHONPATH=. python qa/bench/grouped_gemm.py --ops wgrad_accumulate --triton-rows --rounds 3   # + wgrad variants
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/grouped_gemm.py --device cpu --shapes 3,64,32,48   # smoke
 
@@ -88,17 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sweep only the candidates whose short name contains one of these (e.g. /l2pf); the "
                         "default config is always timed")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
-    p.add_argument("--gluon", action="store_true",
-                   help="fprop/dgrad: the 'distwgrad' rows run the opt-in Gluon kernel (grouped_gemm.RAGGED_GLUON)")
     p.add_argument("--gluon-wgrad", action="store_true",
                    help="wgrad_accumulate: the 'distwgrad' rows run the Gluon wgrad at every shape (by default "
                         "it runs where the groups average grouped_gemm.WGRAD_GLUON_MIN_TOKENS tokens)")
     p.add_argument("--triton-rows", action="store_true",
-                   help="also time the Triton kernel where the default may run the Gluon one (impl "
-                        "'distwgrad_triton'); wgrad_accumulate also times the Gluon wgrad's variants: each group's "
-                        "tail zeroed by the MMA warps or zero-filled by TMA, chained or not (impls "
-                        "'distwgrad_gluon_<zero|tma>[_chain]'); wgrad the fresh Gluon wgrad "
-                        "('distwgrad_gluon_fresh', grouped_gemm.WGRAD_GLUON_FRESH)")
+                   help="wgrad_accumulate: also time the Triton kernel where the default may run the Gluon one "
+                        "(impl 'distwgrad_triton') and the Gluon wgrad with each group's tail zeroed by the MMA "
+                        "warps or zero-filled by TMA (impls 'distwgrad_gluon_<zero|tma>')")
     p.add_argument("--half-tail-rows", action="store_true",
                    help="fprop/dgrad: also time the default tile config with half_tail flipped (impl "
                         "'distwgrad_half_tail' or 'distwgrad_full_tail'; [Note: half tail tiles])")
@@ -228,16 +223,9 @@ def _triton_wgrad(p: Problem):
                                    gluon=False)
 
 
-def _gluon_wgrad_fresh(p: Problem, out: torch.Tensor) -> torch.Tensor:
-    """The fresh wgrad (dW in dy's dtype) through the Gluon wgrad kernel (``WGRAD_GLUON_FRESH``)."""
-    G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=False, table=None, config=None, use_tma=None, gluon=True)
-    return out
-
-
 def _gluon_wgrad_variant(p: Problem, **settings):
     """The accumulating Gluon wgrad under other ``grouped_gemm.WGRAD_GLUON_*`` settings (``tail="zero"``:
-    each group's tail zeroed by the MMA warps; ``chain=True``: chained accumulation): a zero-argument
-    callable into a preallocated fp32 output."""
+    each group's tail zeroed by the MMA warps): a zero-argument callable into a preallocated fp32 output."""
     out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
     names = {f"WGRAD_GLUON_{k.upper()}": v for k, v in settings.items()}
 
@@ -259,19 +247,7 @@ def _runs_gluon(op: str, p: Problem) -> bool:
     if op == "wgrad_accumulate":
         return (G._gluon_wgrad_by_default(p.T, p.E, True, None, None)
                 and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32)))
-    if op not in ("fprop", "dgrad"):
-        return False
-    a = p.x if op == "fprop" else p.dy
-    out = a.new_empty(0, p.N if op == "fprop" else p.K)
-    return G.RAGGED_GLUON and G._gluon_ragged(a, p.w, out, op == "fprop")
-
-
-def _triton_kernel(op: str, p: Problem) -> torch.Tensor:
-    """fprop/dgrad through the Triton kernel (default config), where the default may run the Gluon one."""
-    a = p.x if op == "fprop" else p.dy
-    out = a.new_empty(p.T, p.N if op == "fprop" else p.K)
-    return G._launch_ragged(a, p.w, p.offs, None, out, w_trans=op == "fprop", config=None, use_tma=None,
-                            gluon=False)
+    return False
 
 
 def time_ms(fn, args, rep=None) -> float:
@@ -356,8 +332,6 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                       f"fro {res['fro']['ours']:.3e} <= {res['fro']['bound']:.3e}  "
                       f"max {res['max']['ours']:.3e} <= {res['max']['bound']:.3e}", flush=True)
             impls = impls_for(op, p)
-            if args.triton_rows and op in ("fprop", "dgrad"):
-                impls["distwgrad_triton"] = functools.partial(_triton_kernel, op, p)
             cfg = default_config(op, p)
             if op in ("fprop", "dgrad") and cfg.block_m >= 32:
                 for flag, field, names in ((args.half_tail_rows, "half_tail", ("full_tail", "half_tail")),
@@ -368,17 +342,7 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                     and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
                 impls["distwgrad_triton"] = _triton_wgrad(p)
                 for tail in ("zero", "tma"):
-                    for chain in (True, False):
-                        name = f"distwgrad_gluon_{tail}{'_chain' if chain else ''}"
-                        impls[name] = _gluon_wgrad_variant(p, tail=tail, chain=chain)
-            if args.triton_rows and op == "wgrad" and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0), False):
-                fresh = functools.partial(_gluon_wgrad_fresh, p)
-                if not args.no_check:
-                    res = check(fresh, exp)
-                    all_ok &= res["ok"]
-                    print(f"check wgrad (Gluon, fresh) {shape}: {'PASS' if res['ok'] else 'FAIL'}", flush=True)
-                out16 = torch.empty(p.E, p.N, p.K, dtype=p.dy.dtype, device=p.dy.device)
-                impls["distwgrad_gluon_fresh"] = functools.partial(fresh, out16)
+                    impls[f"distwgrad_gluon_{tail}"] = _gluon_wgrad_variant(p, tail=tail)
             times: dict[str, list[float]] = {}
             for _ in range(args.rounds):  # the peers interleaved: clock drift hits each alike
                 for name, fn in impls.items():
@@ -511,7 +475,6 @@ def main(argv=None) -> int:
     import triton
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-    G.RAGGED_GLUON = G.RAGGED_GLUON or args.gluon
     if args.gluon_wgrad:
         G.WGRAD_GLUON, G.WGRAD_GLUON_MIN_TOKENS = True, 0
     rows, sweep_rows, ok = run(args)

@@ -50,9 +50,7 @@ def variants() -> dict[str, tuple]:
     from distwgrad.kernels import quantize as kq
     rowcol = dict(_E4M3, POW2=True, L=128)
     gluon = {} if not kg.AVAILABLE else {  # [Note: rows and columns without a transpose]
-        f"rowcol gluon{', compact scales' if c else ''}": (
-            kg.rowcol_kernel, dict(NUM=448.0, FP8=tl.float8e4nv, COMPACT=c), kg.NUM_WARPS.value, None, 128 * 128)
-        for c in (True, False)}
+        "rowcol gluon": (kg.rowcol_kernel, dict(NUM=448.0, FP8=tl.float8e4nv), kg.NUM_WARPS.value, None, 128 * 128)}
     return {**gluon,
         "rowcol w8 maxnreg128 (default)": (kq._quantize_rowcol_kernel, rowcol, 8, 128, 128 * 128),
         "rowcol w8 maxnreg128, divisions": (kq._quantize_rowcol_kernel, dict(rowcol, POW2=False), 8,
