@@ -62,6 +62,14 @@ def test_train_step_rows_become_impl_columns_with_ratios():
     assert "`train_step.py` at" in page and "Device: cpu" in page
 
 
+def test_rows_of_zeros_are_left_off_the_page():
+    rows = [_row(impl=impl, metric=m, value=v, unit=u) for impl in ("distwgrad", "fsdp2")
+            for m, v, u in (("tokens_per_s", 1000.0, "tokens/s"), ("collectives_per_step", 0.0, "count"))]
+    page = report.render(rows)
+    assert "| tiny b8 | tokens_per_s (tokens/s) | 1,000 | 1,000 | 1.00x |" in page
+    assert "collectives_per_step" not in page  # one rank: nothing to count, nothing to compare
+
+
 def test_check_fails_when_the_page_is_stale(tmp_path, capsys):
     res, page = tmp_path / "results.jsonl", tmp_path / "benchmarks.md"
     results.append([_row()], res)

@@ -59,7 +59,7 @@ class Layout:
 
 _LAYOUT = {
     "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch",
-                         metrics=("tokens_per_s", "peak_gib")),
+                         metrics=("tokens_per_s", "peak_gib", "collectives_per_step", "comm_hidden")),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",)),
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
@@ -73,7 +73,8 @@ _LAYOUT = {
                                metrics=("tflops",),
                                only=(("impl", ("distwgrad", "distwgrad_wT", "distwgrad_aligned",
                                                "distwgrad_bf16out")),)),
-    "fp8_module": Layout("FP8 GroupedLinear steps (ms per step)", columns="precision", baseline="bf16"),
+    "fp8_module": Layout("FP8 GroupedLinear steps (ms per step)", columns="precision", baseline="bf16",
+                         only=(("impl", ("distwgrad",)),)),
     "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16",
                               on_page=False),
     "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone"),
@@ -140,6 +141,8 @@ def _table(bench: str, rows: list[dict[str, Any]]) -> list[str]:
     head = [*keep, *columns, *(f"{c} / {layout.baseline}" for c in ratio_cols)]
     lines = [f"## {layout.title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k, vals in cells.items():
+        if all(v == 0 for v in vals.values()):  # nothing to compare (one rank's collectives, say)
+            continue
         shown = [f"{v} ({units[k]})" if f == "metric" else str(v) for f, v in zip(keep, k, strict=True)]
         shown += [_fmt(vals[c]) if c in vals else "" for c in columns]
         base = vals.get(layout.baseline)
