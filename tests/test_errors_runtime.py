@@ -51,6 +51,8 @@ CASES = [
     ("WGT-019", lambda: accumulate.add_to_grad(nn.Parameter(torch.zeros(2, 3)), torch.ones(3, 2)), ValueError,
      r"shape \(3, 2\) for a parameter of shape \(2, 3\)"),
     ("WGT-021", lambda: _finalize_with_tokens(0), ValueError, "is 0"),
+    ("WGT-037", lambda: ShardedWeight.from_full(torch.ones(4, 2)).gather_rows(torch.ones(3, 2)), ValueError,
+     r"shape \(3, 2\); it must have the shard's 4 rows"),
     ("WGT-031", lambda: _units().units[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)]), ValueError,
      r"Linear is not a unit .* units are \['blocks.0', '<root>'\]"),
     ("WGT-032", lambda: coalesce([nn.Linear(2, 2)]), TypeError, "got list"),

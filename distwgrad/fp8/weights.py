@@ -41,7 +41,6 @@ from distwgrad.fp8.quantize import (
 )
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe
 from distwgrad.protocol import is_distributed_weight, materialize_weight_for_backward, materialize_weight_for_forward
-from distwgrad.weights import _comm
 from distwgrad.weights.base import DistributedParameter
 from distwgrad.weights.sharded import ShardedWeight
 
@@ -101,9 +100,8 @@ def _experts_of(q: Quantized, shape: torch.Size, *, block: tuple[int, int] | Non
 def _global_amax(w: DistributedParameter) -> torch.Tensor:
     if getattr(w, "_fp8_amax_version", None) != w._version:
         amax = compute_amax(w.detach()).reshape(1)
-        if isinstance(w, ShardedWeight) and _comm.group_size(w.group) > 1:
-            _comm.all_reduce_max(amax, w.group)
-            w.amax_allreduces = getattr(w, "amax_allreduces", 0) + 1
+        if isinstance(w, ShardedWeight):
+            w.all_reduce_max(amax)
         w._fp8_amax, w._fp8_amax_version = amax.reshape(()), w._version
     return w._fp8_amax
 
@@ -118,33 +116,22 @@ def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:
                 seen.setdefault(id(p), p)
     by_group: dict[int, list[ShardedWeight]] = {}
     for p in seen.values():
-        by_group.setdefault(id(p.group), []).append(p)
+        by_group.setdefault(id(p.group), []).append(p)  # weights of one group share one all-reduce
     for weights in by_group.values():
         local = torch.stack([compute_amax(p.detach()) for p in weights])
-        _comm.all_reduce_max(local, weights[0].group)
+        weights[0].all_reduce_max(local, count=False)  # the one explicit sync, not a fallback
         for p, a in zip(weights, local):
             p._fp8_amax, p._fp8_amax_version = a, p._version
     return len(seen)
 
 
-def _gather_rows(local: torch.Tensor, w: ShardedWeight, rows: list[int]) -> torch.Tensor:
-    """All-gathers dim-0 blocks of ``rows[r]`` rows per rank (padded on the wire), in rank order."""
-    size = _comm.group_size(w.group)
-    pad_rows = max(rows)
-    padded = torch.cat([local, local.new_zeros(pad_rows - local.shape[0], *local.shape[1:])])
-    out = padded.new_empty(size * pad_rows, *padded.shape[1:])
-    _comm.all_gather_into(out, padded.contiguous(), w.group)
-    w.bytes_gathered += out.numel() * out.element_size()
-    return torch.cat([b[:r] for b, r in zip(out.split(pad_rows), rows)])
-
-
 def _gather_fp8(data: torch.Tensor, w: ShardedWeight) -> torch.Tensor:
-    return _gather_rows(data.view(torch.uint8), w, w.shard_rows).view(data.dtype)
+    return w.gather_rows(data.view(torch.uint8)).view(data.dtype)
 
 
 def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
     local = w.detach()
-    size = _comm.group_size(w.group)
+    size = len(w.shard_rows)
     if isinstance(recipe, PerTensorScaling):
         amax = _global_amax(w)
         qs = quantize_weight(local, recipe, amax=amax)
@@ -169,7 +156,7 @@ def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
         data = _gather_fp8(torch.stack([q.data for q in qs]) if qs else
                            local.new_empty(local.shape, dtype=recipe.dtype), w)
         scales = torch.stack([q.scale_inv for q in qs]) if qs else local.new_empty(0, *grid, dtype=torch.float32)
-        scales = _gather_rows(scales, w, w.shard_rows)
+        scales = w.gather_rows(scales)
         return [Quantized(d, s, recipe.weight_block, w.dtype, d.shape)
                 for d, s in zip(data.unbind(0), scales.unbind(0))]
     scale = _global_block_scales(w, recipe)
@@ -193,7 +180,7 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
     E_local, N, K = local.shape
     E = w.full_shape[0]
     amax = _global_amax(w).reshape(1)
-    size = _comm.group_size(w.group)
+    size = len(w.shard_rows)
     if E_local:
         q = _quantize_alike(list(local.unbind(0)), recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
                             amax=amax.expand(E_local).contiguous())
@@ -223,8 +210,7 @@ def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Te
         grid = torch.zeros(gm, gn, dtype=torch.float32, device=local.device)
         block_of_row = (torch.arange(local.shape[0], device=local.device) + w.shard_offset) // bm
         grid.index_reduce_(0, block_of_row, per_row, "amax")
-        _comm.all_reduce_max(grid, w.group)
-        w.amax_allreduces = getattr(w, "amax_allreduces", 0) + 1
+        w.all_reduce_max(grid)
         w._fp8_grid = compute_scale(grid, recipe.dtype, power_of_two=recipe.power_of_two)
         w._fp8_grid_key = key
     return w._fp8_grid

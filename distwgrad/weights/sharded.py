@@ -147,6 +147,7 @@ class ShardedWeight(DistributedParameter):
         self._init_state(group, reduce_policy, full_shape, async_reduce, param_dtype, replicate_group, mesh)
         self.shard_rows = rows
         self.shard_offset = sum(rows[: _comm.group_rank(group)])
+        self.amax_allreduces = 0  # FP8 recipes' MAX all-reduces of this weight (all_reduce_max)
         return self
 
     @property
@@ -162,17 +163,37 @@ class ShardedWeight(DistributedParameter):
     def _gather(self) -> torch.Tensor:
         """Cast (to ``param_dtype``), pad, all-gather: the gather moves compute-dtype bytes
         ([Note: mixed precision] in ``weights/base.py``)."""
+        return self.gather_rows(self._local_for_gather())
+
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gathers a tensor laid out like this weight: ``local`` holds this rank's ``shard_rows`` rows
+        (any trailing shape and dtype: the cast shard, its FP8 bytes, per-expert scale grids), the result
+        every rank's in rank order (padded to the longest shard on the wire). The bytes moved count in
+        ``bytes_gathered``. With one rank, ``local`` itself."""
+        if local.dim() == 0 or local.shape[0] != self.shape[0]:
+            raise ValueError(f"{self._name()}.gather_rows: local has shape {tuple(local.shape)}; it must have "
+                             f"the shard's {self.shape[0]} rows")
         size = _comm.group_size(self.group)
         if size == 1:
-            return self._local_for_gather()
-        local = self._padded(self._local_for_gather())
-        out = local.new_empty(size * local.shape[0], *local.shape[1:])
-        _comm.all_gather_into(out, local, self.group)
+            return local
+        padded = self._padded(local)
+        out = padded.new_empty(size * padded.shape[0], *padded.shape[1:])
+        _comm.all_gather_into(out, padded, self.group)
         self.bytes_gathered += out.numel() * out.element_size()
         if len(set(self.shard_rows)) == 1:
             return out
         blocks = out.split(self._padded_rows)
         return torch.cat([b[:r] for b, r in zip(blocks, self.shard_rows)])
+
+    def all_reduce_max(self, t: torch.Tensor, *, count: bool = True) -> torch.Tensor:
+        """In place, the element-wise MAX of ``t`` over the shard group (an amax, a block-amax grid: the
+        replicas of a 2-D mesh hold the same shards, so the shard group is enough); counted in
+        ``amax_allreduces`` unless ``count`` is False (one all-reduce on behalf of many weights).
+        Returns ``t``."""
+        if _comm.group_size(self.group) > 1:
+            _comm.all_reduce_max(t, self.group)
+            self.amax_allreduces += count
+        return t
 
     def _reduce(self, buffer: torch.Tensor, async_op: bool = False) -> Callable[[], torch.Tensor]:
         """Reduce-scatter over the group, then all-reduce across replicas: [Note: device meshes]."""
