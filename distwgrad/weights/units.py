@@ -31,9 +31,9 @@
   current unit's compute. The first unit of a pass has nothing in flight: its all-gather carries the
   next unit's members too (one collective, two units' copies). On CUDA the collectives run on the
   process group's own stream; ``wait()`` orders the compute stream after them, and each staging buffer
-  is held until that wait (the collective reads it). Every copy records each member's ``_version`` at gather time; a copy whose
-  member changed since (an optimizer step, a manual update) is dropped and gathered again, so no
-  prefetched copy ever predates an update.
+  is held until that wait (the collective reads it). Every copy records each member's ``_version`` at
+  gather time; a copy whose member changed since (an optimizer step, a manual update) is dropped and
+  gathered again, so no prefetched copy ever predates an update.
 * Reduce. A bucket reduces when none of its members has a contribution outstanding (under
   ``PER_MICROBATCH``): the members' full fp32 buffers are copied into one rank-major staging buffer
   (each member's rows split by the ``torch.chunk`` layout, padded) and reduce-scattered once; each member
