@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from ._tuning import GroupedGemmTuning
+
 __all__ = ["TileConfig", "INTERPRETER", "RAGGED_CANDIDATES", "WGRAD_CANDIDATES", "WGRAD_ACC_CANDIDATES",
            "pick_ragged",
            "pick_wgrad", "smem_bytes", "error_vs_oracle"]
@@ -198,20 +200,16 @@ def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None, margin: int =
 # N=2048) and 128 (E=128, K=2048, N=768). Other GPUs and dtypes get the same tiles, shrunk to fit.
 
 
-# Wide tail tiles ([Note: wide tail tiles] in kernels/grouped_gemm.py) where the groups average this many
-# tokens or fewer. H200, E=128, K=2048, N=768 (docs/benchmarks.md, "Wide tail tiles"), fprop / dgrad TFLOP/s
-# with and without: 128 tokens per group 347 / 351 vs 324 / 324, 160: 437 / 401 vs 369 / 354; 192: 404 /
-# 388 vs 421 / 392, 224: 396 / 362 vs 462 / 421; at 256 (E=64) 405 / 368 vs 436 / 409, and at 1024 and
-# 4096 they lose 27-39%: the build with the wide loop runs every full tile slower.
-WIDE_TAIL_MAX_TOKENS = 160
+_DEFAULTS = GroupedGemmTuning()
 # The fprop/dgrad kernel stages no epilogue in shared memory: its sm_90a builds use the ring plus 32 bytes
 # of barriers (196,640 bytes at 128x256x64/s4; 229,408 with wide tails), so a 1 KB margin suffices there.
 _RAGGED_SMEM_MARGIN = 1024
 
 
 def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,
-                smem_limit: int | None) -> TileConfig:
-    """Config for fprop/dgrad (ragged M)."""
+                smem_limit: int | None, tuning: GroupedGemmTuning = _DEFAULTS) -> TileConfig:
+    """Config for fprop/dgrad (ragged M); wide tail tiles where the groups average
+    ``tuning.wide_tail_max_tokens`` tokens or fewer (the launcher passes the tuning in force)."""
     del n, k
     # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
     # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,
@@ -219,7 +217,7 @@ def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes:
     # docs/benchmarks/LOG.md, grouped_gemm_half_tail_h200.json): 128/expert 331/331 vs 319/312, the large shapes
     # unchanged; with them on, 128x128x64/w4/s3, 128x128x32/w4/s4 and pointer loads came within 3% or lost
     # at 128, 256 and 512 tokens per expert (grouped_gemm_ragged_sweep_round9_h200.json).
-    wide = num_tokens <= WIDE_TAIL_MAX_TOKENS * max(num_groups, 1)
+    wide = num_tokens <= tuning.wide_tail_max_tokens * max(num_groups, 1)
     return _fit(TileConfig(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, wide_tail=wide), elem_bytes,
                 smem_limit, margin=_RAGGED_SMEM_MARGIN)
 

@@ -20,7 +20,7 @@ Here, per K step ``k``:
 
 Three fp32 tiles live per thread (acc, prev, cur): 192 registers at 128x128 over two warpgroups (64 x
 128 each), which is why the tile is 128x128 (a 256-wide tile would need 384); 64x128 over one warpgroup
-(two programs per SM) is the other choice (``grouped_gemm_fp8.RAGGED_GLUON_BLOCK_M``), measured slower.
+(two programs per SM) is the other choice (``GroupedGemmFp8Tuning.ragged_gluon_block_m``), measured slower.
 Operands come through a ring of NUM_STAGES shared-memory stages filled by TMA (one mbarrier per
 stage). The numbers are those of the Triton kernel: the same 128-deep partial sums, added in the same
 order, scaled the same way (bit-identical in every GPU test, both recipes).

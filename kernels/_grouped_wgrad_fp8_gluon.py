@@ -61,7 +61,7 @@ compare it with the fp32 output rounded), and the handed-off tile is 32 KB inste
 warps then store one 4-byte word per column pair (against 8 bytes), half the shared-memory wavefronts;
 the epilogue warps read 8 values per 16-byte load. The swizzle is the fp32 tile's in elements (16-byte
 units over 8 rows), conflict-free for both sides again. The 32 KB saved fit a sixth ring stage
-(``grouped_gemm_fp8.WGRAD_GLUON_STAGES_16``). An accumulating output and a table of bases (fp32) hand
+(``GroupedGemmFp8Tuning.wgrad_gluon_stages_16``). An accumulating output and a table of bases (fp32) hand
 off in fp32 as before. On an H200 (docs/benchmarks.md, medians of 7 interleaved passes against the
 build before it): E=64 fresh bf16 on the aligned layout ([Note: aligned token groups]) 888 / 894 TFLOP/s
 (5 / 6 stages) against 825, 1.60x / 1.62x our bf16 kernel against 1.49x; on the plain layout 686 / 712
@@ -80,7 +80,7 @@ to time what it costs.
 
 [Note: the bf16 wgrad in the fp8 kernel]
 The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``,
-``_grouped_wgrad_fp8_gluon_launch.launch_tokens_outer``; ``grouped_gemm.WGRAD_GLUON``, where groups
+``_grouped_wgrad_fp8_gluon_launch.launch_tokens_outer``; ``GroupedGemmTuning.wgrad_gluon``, where groups
 average 256 tokens or more): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a
 [64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
 and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
@@ -94,7 +94,7 @@ while its fp32 epilogue stays, for the partition to hide. Accumulating on an H20
 zero-filled by TMA (docs/benchmarks.md, medians of interleaved rounds): 461 TFLOP/s at E=64, 1.13x the
 Triton kernel (0.80x grouped_mm's plain wgrad), 1.05x at E=8 (1.01x grouped_mm's plain wgrad) and 0.78x
 at E=128, whose groups of 128 tokens (two chunks per tile, an fp32 epilogue as long as the MMAs) stay
-with the Triton kernel (``grouped_gemm.WGRAD_GLUON_MIN_TOKENS``).
+with the Triton kernel (``GroupedGemmTuning.wgrad_gluon_min_tokens``).
 
 [Note: a group's tail zero-filled by TMA]
 In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or

@@ -56,26 +56,13 @@ from ._context import ensure_context
 from ._dispatch import call
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_wgrad import _mma, _swizzle, _wgrad_kernel, _wgrad_persistent_kernel
+from ._tuning import current as _tuning
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 
 _ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
 # tl.range(..., warp_specialize=) exists in newer Triton only; TileConfig.warp_specialize needs it
 _RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
-# The accumulating bf16 / fp16 wgrad in the Gluon FP8 wgrad kernel (TOKENS_OUTER, [Note: the bf16 wgrad in
-# the fp8 kernel] in _grouped_wgrad_fp8_gluon.py) on Hopper, where the groups hold WGRAD_GLUON_MIN_TOKENS
-# tokens or more on average (T >= that x E); the Triton kernel otherwise (H200, chained, tails zero-filled
-# by TMA, medians of interleaved rounds: 1.13-1.17x the Triton kernel at 1024 tokens per group (E=64),
-# 1.02-1.05x at 4096 (E=8), 1.09x and 1.20x at 512, 1.00x and 1.06x at 256, 0.78x at 128 (E=128);
-# docs/benchmarks.md). A fresh wgrad (dW in dy's dtype) always runs the Triton kernel.
-WGRAD_GLUON = True
-WGRAD_GLUON_MIN_TOKENS = 256
-WGRAD_GLUON_STAGES = 5
-WGRAD_GLUON_EPILOGUE_WARPS = 2
-WGRAD_GLUON_ADD_MODE = "atomic"  # accumulating: fp32 reductions, one addend per element (deterministic)
-WGRAD_GLUON_TAIL = "tma"  # a group's last chunk: rows past its end zero-filled by TMA through per-group
-#                           descriptors ("tma") or zeroed by the MMA warps ("zero"); [Note: a group's tail
-#                           zero-filled by TMA] in _grouped_wgrad_fp8_gluon.py
 _GLUON_FAILED: dict[str, str] = {}  # "wgrad16" -> why the Gluon wgrad did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,7 +131,7 @@ def _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M: tl.constexpr, B
 # ptxas serializes that build's wgmma pipeline (C7515), but that is not the whole cause: a build that ran a
 # wide tile as the full tile's loop and then the half tile's had no C7515 and ran full tiles as slowly (and
 # E=128 at 270 TFLOP/s; docs/benchmarks.md). So ``pick_ragged`` turns it on only where the groups average
-# WIDE_TAIL_MAX_TOKENS tokens or fewer. H200, one process, medians of three interleaved rounds
+# GroupedGemmTuning.wide_tail_max_tokens tokens or fewer. H200, one process, medians of three interleaved rounds
 # (docs/benchmarks.md, "Wide tail tiles"): E=128 fprop 347 vs 324 TFLOP/s, dgrad 351 vs 324.
 
 
@@ -374,7 +361,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
-                                   smem_limit=_device_info(a.device)[1]))
+                                   smem_limit=_device_info(a.device)[1], tuning=_tuning().grouped_gemm))
     if config.persistent:
         raise ValueError(f"grouped_fprop/grouped_dgrad: persistent configs are for wgrad only, got "
                          f"{config.short()}")
@@ -420,11 +407,11 @@ def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, acc
 
 
 def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
-    """Whether the default dispatch tries the Gluon wgrad: ``WGRAD_GLUON``, an accumulating call, groups of
-    ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, and neither a config nor ``use_tma=False`` asked
-    for a Triton kernel (``_gluon_wgrad`` then checks that it applies)."""
-    return (WGRAD_GLUON and accumulate and T >= WGRAD_GLUON_MIN_TOKENS * E and config is None
-            and use_tma is not False)
+    """Whether the default dispatch tries the Gluon wgrad: the tuning wants it for this problem
+    (``GroupedGemmTuning.wgrad_gluon_wanted``: an accumulating call, groups of ``wgrad_gluon_min_tokens``
+    tokens or more on average) and neither a config nor ``use_tma=False`` asked for a Triton kernel
+    (``_gluon_wgrad`` then checks that it applies)."""
+    return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, accumulate)
 
 
 def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table) -> bool:
@@ -433,11 +420,11 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table) -> bool:
     from . import _grouped_wgrad_fp8_gluon_launch as kl
     if "wgrad16" in _GLUON_FAILED:
         return False
+    t = _tuning().grouped_gemm
     try:
-        kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table,
-                               add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE], stages=WGRAD_GLUON_STAGES,
-                               epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(dy_TN.device),
-                               tail=WGRAD_GLUON_TAIL)
+        kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, add_mode=_ADD_MODES[t.wgrad_gluon_add_mode],
+                               stages=t.wgrad_gluon_stages, epilogue_warps=t.wgrad_gluon_epilogue_warps,
+                               num_sms=_num_sms(dy_TN.device), tail=t.wgrad_gluon_tail)
     except CompilationError as exc:
         return _gluon_failed("wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True
@@ -447,9 +434,8 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                   gluon: bool | None = None):
     """dW_e for every group into ``out`` ([E, N, K]) or, with ``table``, into the per-group buffers it
     points to (``out`` is then entry 0, read for its strides); adds to them iff ``accumulate``. ``gluon``:
-    None picks (the Gluon kernel if ``WGRAD_GLUON``, accumulating, ``WGRAD_GLUON_MIN_TOKENS`` tokens per
-    group on average and it applies, unless a config or ``use_tma=False`` was given), True requires it,
-    False runs a Triton kernel."""
+    None picks (the Gluon kernel where ``_gluon_wgrad_by_default`` and it applies), True requires it, False
+    runs a Triton kernel."""
     ensure_context(dy_TN.device)  # [Note: a current context on any thread]
     T, N = dy_TN.shape
     K = x_TK.shape[1]

@@ -5,10 +5,11 @@ gemm dispatch]). dgrad reads the weight N-contiguous (Hopper's fp8 MMA takes B o
 dispatcher passes that copy). With promotion (per-tensor split accumulator, blockwise), fprop/dgrad of
 contractions from 768 run in a persistent warp-specialized Gluon kernel on Hopper that adds each 128-deep
 partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``, [Note: promotion under the next
-MMA]; the same bits as the Triton kernel; ``RAGGED_GLUON*`` below); per-tensor wgrad with the split
-accumulator likewise (``_grouped_wgrad_fp8_gluon.py``, [Note: fp8 wgrad under the next MMA];
-``WGRAD_GLUON*`` below). The tile table (``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. Current
-speeds: docs/benchmarks.md; history: docs/benchmarks/LOG.md.
+MMA]; the same bits as the Triton kernel); per-tensor wgrad with the split accumulator likewise
+(``_grouped_wgrad_fp8_gluon.py``, [Note: fp8 wgrad under the next MMA]). Where the Gluon kernels take over,
+their ring depths and tiles: ``GroupedGemmFp8Tuning`` ([Note: kernel tuning] in ``_tuning.py``). The tile
+table (``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. Current speeds: docs/benchmarks.md;
+history: docs/benchmarks/LOG.md.
 
 Weights from a sharded gather off the 128-row grid come with per-row ``block=(1, 128)`` scales
 (``distwgrad.fp8.weights``): not supported here; the dispatcher emulates those.
@@ -78,6 +79,7 @@ from ._context import ensure_context
 from ._dispatch import call
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
 from ._grouped_wgrad import _prefetch_out_tile, _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
+from ._tuning import current as _tuning
 from .grouped_gemm import _device_info, _find_group, _interpreting, _num_sms, _ptr_table
 
 __all__ = ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"]
@@ -113,44 +115,6 @@ _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _w
 # three by default. The blockwise recipe scales every block's dot before adding it, so it always splits.
 # On CPU (interpreter or emulation) products are exact fp32 either way.
 
-# fprop / dgrad with promotion (per-tensor split accumulator, blockwise) through the Gluon kernel where it
-# applies ([Note: promotion under the next MMA] in _grouped_gemm_fp8_gluon.py); False: the Triton kernel.
-# H200, vs our bf16 kernels in the same process, (E, contraction): persistent warp-specialized Gluon |
-# warp-specialized Gluon, one program per tile | Triton, docs/benchmarks/LOG.md, fp8_gemm_gluon_persistent_h200.json:
-#   per-tensor fprop  1.58 | 1.47 | 1.43 (8, 4096)    1.76 | 1.55 | 1.42 (64, 7168)   0.80 | 0.56 | 1.33 (128, 2048)
-#   per-tensor dgrad  1.70 | 1.64 | 1.43 (8, 14336)   1.49 | 1.15 | 1.36 (64, 2048)   1.00 | 0.62 | 0.97 (128, 768)
-#   blockwise fprop   1.44 | 1.35 | 0.94              1.62 | 1.47 | 1.04              1.16 | 0.49 | 0.63
-#   blockwise dgrad   1.69 | 1.48 | 0.93              1.40 | 1.14 | 0.95              0.89 | 0.62 | 0.80
-# E=128 calls take 0.11-0.3 ms and their times are bimodal: the same kernel ran 0.11 or 0.21 ms in one
-# process (fp8_gemm_gluon_persistent_e128_h200.json: two more runs, per-tensor fprop 1.49 / 1.50 vs Triton
-# 1.34 / 1.35, dgrad 1.10 / 1.11 vs 0.97 / 0.99; blockwise fprop 0.77 / 1.43 vs 0.96 / 1.07, dgrad 1.05 /
-# 1.07 vs 0.80 / 0.82). Earlier runs of the non-persistent kernels: fp8_gemm_gluon_h200*.json,
-# fp8_gemm_gluon_ws_h200.json. Hence the default dispatch: the Gluon kernel from 768-deep contractions,
-# both recipes (the shallowest measured; it won there in every run), the Triton kernel below.
-RAGGED_GLUON = True
-RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 768, "blockwise": 768}
-RAGGED_GLUON_BLOCK_M = 128  # rows per program: 128 (two warpgroups); 64 (one, two programs per SM) ran
-#                             0.98-1.38x bf16 at the large shapes vs 0.99-1.59x (fp8_gemm_gluon_h200_run3.json)
-RAGGED_GLUON_STAGES = 4  # shared-memory ring depth (32 KB per stage); 3: 0.87-0.94x the speed of 4, 5: 0.87-1.03x
-#                          (persistent: fp8_gemm_gluon_persistent_h200.json)
-# per-tensor wgrad (split accumulator) through the Gluon kernel that promotes under the next MMA where it
-# applies ([Note: fp8 wgrad under the next MMA] in _grouped_wgrad_fp8_gluon.py); False: the Triton kernel.
-# H200, one run (docs/benchmarks/LOG.md, fp8_wgrad_gluon_variants_h200.json), accumulating, TFLOP/s at (E=8, E=64):
-#   atomic s4 828 / 344, s5 844 / 466; load s5 874 / 457; atomic + L2 prefetch s4 874 / 410, s5 891 / 486;
-#   load + L2 prefetch s5 861 / 464 (the Triton kernel 695 / 375); fresh: s4 922 / 498, s5 941 / 530. Six
-#   stages (fp8_wgrad_gluon_stages_h200.json): atomic + L2 prefetch 886 / 490 vs s5 866 / 477, within noise.
-# Those ran with the MMA warps writing each tile. With the epilogue partition (d7a6ba6's kernel,
-# docs/benchmarks/LOG.md, fp8_wgrad_epilogue_run2_h200.json), accumulating (E=8 / E=64): atomic s5 946 / 583 against
-# 827 / 458 without it, atomic + L2 prefetch s5 936 / 560, load + L2 prefetch s5 901 / 345; fresh s5 1010 / 614.
-WGRAD_GLUON = True
-WGRAD_GLUON_ADD_MODE = "atomic"   # accumulating: "atomic" (fp32 reductions) or "load" (load-add-store)
-WGRAD_GLUON_STAGES = 5            # ring depth (32 KB per stage, beside the 64 KB handed-off tile)
-WGRAD_GLUON_STAGES_16 = 6         # ring depth of a fresh bf16 / fp16 wgrad (beside a 32 KB handed-off tile:
-#                                   _grouped_wgrad_fp8_gluon [Note: a 16-bit handoff]); H200, medians of two runs'
-#                                   passes, 6 / 5 stages: E=64 plain 727 / 688, 712 / 686, aligned 918 / 896,
-#                                   894 / 888; E=8 plain 1084 / 1093, 1071 / 1068, aligned 1192 / 1177, 1173 / 1188
-WGRAD_GLUON_EPILOGUE_WARPS = 2    # 2: an epilogue partition writes each tile beside the next tile's MMAs; 0: the
-#                                   MMA warps write it (_grouped_wgrad_fp8_gluon [Note: an epilogue partition])
 _GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad" -> why that Gluon kernel did not build here
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,8 +345,8 @@ def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: b
     """Whether the Gluon kernel can take this fprop / dgrad ([Note: promotion under the next MMA]): a
     Hopper GPU (wgmma is sm_90a only) and a Triton with Gluon, a promoting accumulation (per-tensor split
     or 128-blockwise), TMA-aligned operands with B's contraction innermost, and experts stacked so that B
-    is a 2-D ``[E * N, K]`` view. ``_launch_ragged`` takes it when it can, unless ``RAGGED_GLUON`` is off,
-    the contraction is shorter than ``RAGGED_GLUON_MIN_DEPTH`` of the recipe, a config was given, or it
+    is a 2-D ``[E * N, K]`` view. ``_launch_ragged`` takes it when it can, unless the tuning does not want it
+    (``GroupedGemmFp8Tuning.ragged_gluon_wanted``: off, or a contraction too short), a config was given, or it
     failed to build here."""
     if not (tma_k_inner and a.is_cuda) or _interpreting():
         return False
@@ -400,7 +364,8 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     from . import _grouped_gemm_fp8_gluon as kg
     T, K = a.shape
     E, _, N = b_EKN.shape
-    L, bm = kg.BLOCK, RAGGED_GLUON_BLOCK_M
+    t = _tuning().grouped_gemm_fp8
+    L, bm = kg.BLOCK, t.ragged_gluon_block_m
     if "ragged" in _GLUON_FAILED:
         return False
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
@@ -412,7 +377,7 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
             sas[0], sas[1], sbs[0], sbs[1], sbs[2],
             out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
-            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=RAGGED_GLUON_STAGES, num_warps=bm // 16)
+            BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=t.ragged_gluon_stages, num_warps=bm // 16)
     except CompilationError as exc:
         _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon FP8 grouped GEMM kernel does not build with triton {triton.__version__}; "
@@ -447,7 +412,7 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
         raise ValueError(f"{op}: gluon=True, but the Gluon kernel needs a Hopper GPU, a Triton with Gluon, TMA-aligned "
                          f"operands with the contraction innermost, stacked weights and a promoting accumulation; "
                          f"got block={block}, split_accumulator={split_acc}, tma={tma}, weight strides {tuple(sb)}")
-    preferred = RAGGED_GLUON and K >= RAGGED_GLUON_MIN_DEPTH["blockwise" if block else "per_tensor"]
+    preferred = _tuning().grouped_gemm_fp8.ragged_gluon_wanted(K, block)
     if gluon or (gluon is None and applies and config is None and preferred):
         if _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias):
             return out
@@ -485,7 +450,7 @@ def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> 
 
 def _handoff_16(out, accumulate: bool, table) -> bool:
     """Whether the Gluon wgrad hands its tiles off in 16 bits (a fresh bf16 / fp16 stacked output) and so
-    has room for WGRAD_GLUON_STAGES_16 stages ([Note: a 16-bit handoff])."""
+    has room for ``GroupedGemmFp8Tuning.wgrad_gluon_stages_16`` stages ([Note: a 16-bit handoff])."""
     return not accumulate and table is None and out.dtype != torch.float32
 
 
@@ -493,15 +458,13 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
     """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
     then runs the Triton kernel."""
     from . import _grouped_wgrad_fp8_gluon_launch as kl
-    if WGRAD_GLUON_ADD_MODE not in _ADD_MODES:
-        raise ValueError(f"grouped_wgrad_fp8: WGRAD_GLUON_ADD_MODE must be one of {sorted(_ADD_MODES)}, "
-                         f"got {WGRAD_GLUON_ADD_MODE!r}")
     if "wgrad" in _GLUON_FAILED:
         return False
     try:
-        kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[WGRAD_GLUON_ADD_MODE] if accumulate
-                  else 0, stages=WGRAD_GLUON_STAGES_16 if _handoff_16(out, accumulate, table) else WGRAD_GLUON_STAGES,
-                  epilogue_warps=WGRAD_GLUON_EPILOGUE_WARPS, num_sms=_num_sms(a_NT.device))
+        t = _tuning().grouped_gemm_fp8
+        kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[t.wgrad_gluon_add_mode] if accumulate
+                  else 0, stages=t.wgrad_stages(_handoff_16(out, accumulate, table)),
+                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:
         _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon FP8 wgrad kernel does not build with triton {triton.__version__}; using the "
@@ -522,7 +485,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    if gluon or (gluon is None and WGRAD_GLUON and config is None and use_tma is not False):
+    if gluon or (gluon is None and _tuning().grouped_gemm_fp8.wgrad_gluon and config is None and use_tma is not False):
         eligible = (T > 0 and _aligned(a_NT, [a_NT.stride(0)], a_NT.stride(1))
                     and _aligned(b_KT, [b_KT.stride(0)], b_KT.stride(1)))
         can = _gluon_wgrad(a_NT, block, split_acc, eligible)

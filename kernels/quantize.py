@@ -77,60 +77,44 @@ from distwgrad.fp8.quantize import Quantized
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
 
 from ._dispatch import call
+from ._tuning import current as _tuning
 from .token_layout import transpose as _transpose_fp8
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
-# Tuning. Every value here only moves speed: each element's arithmetic is the same for any tiling.
-# GB/s: H200, 2026-11-29, 8192x16384 bf16 -> e4m3, GB/s of minimal traffic (copy ~4135), from
-# `python qa/bench/fp8.py --benchmarks quantize --quant-sweep` (candidates in SWEEP; every row checked
-# bit-exact first). The machine's run-to-run noise was +-15-30% (the same 128x128 config measured 2682
-# and 3837 GB/s in one process), so only differences well beyond that moved a default.
-# Registers below: ptxas -v for sm_90a, Triton 3.9, bf16 input; "k/SM" = programs resident per SM.
-PER_TENSOR_BLOCK = 4096   # elements per program (and amax loop step): 2429, 2432 (two sweeps); 8192: 2294, 2321
-PER_TENSOR_WARPS = 4      # cast 39 regs (12/SM), amax 94 regs (5/SM); 8 warps 2275
-AMAX_MAX_PROGRAMS = 1024  # grid cap of the amax pass: bounds the atomics on one address (~8 per SM)
-BLOCKS_WARPS = 8          # 128x128 blocks, one per program: 3837 vs 3781 (4 warps), 3754 (16); 80 regs (3/SM)
-ROWS_TILE_M = 32          # rows per program, 1x128 row-wise: 3637 (32 rows, 4 warps) vs 3634 (8 warps),
-ROWS_WARPS = 4            # 2680 (16 rows), 1817-2470 (64 rows); 53 regs (9/SM)
-ROWCOL_WARPS = 8          # one 128x128 tile per program; 8 warps with the register cap below (111 regs,
-                          # 2/SM): 2914, 2723, 2763 (graph)
-ROWCOL_MAXNREG = 128      # vs 4 warps 2204, 2758, 2804; 16 warps 1989. Cap: Triton ``maxnreg``.
-ROWCOL_GLUON = True       # the Gluon kernel where it applies ([Note: rows and columns without a transpose]):
-                          # 3096 / 3107 (graph) vs 2505 / 2536 for the Triton kernel
-
-# Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, module-constant overrides, each
-# timed after a bit-exact check. Chosen from the register counts above to vary programs per SM, bytes
+# Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, ``QuantizeTuning`` fields to override
+# (``tuning(quantize=...)``; the tuned values and their measurements: [Note: kernel tuning] in _tuning.py),
+# each timed after a bit-exact check. Chosen from the register counts there to vary programs per SM, bytes
 # per program and per-scale redundancy; the first of each list is the default.
 SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
     "per_tensor": [
-        dict(PER_TENSOR_BLOCK=4096, PER_TENSOR_WARPS=4),
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=4),
-        dict(PER_TENSOR_BLOCK=8192, PER_TENSOR_WARPS=8),    # amax 55 regs
-        dict(PER_TENSOR_BLOCK=2048, PER_TENSOR_WARPS=4),
-        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=8),
-        dict(PER_TENSOR_BLOCK=16384, PER_TENSOR_WARPS=16),
+        dict(per_tensor_block=4096, per_tensor_warps=4),
+        dict(per_tensor_block=8192, per_tensor_warps=4),
+        dict(per_tensor_block=8192, per_tensor_warps=8),    # amax 55 regs
+        dict(per_tensor_block=2048, per_tensor_warps=4),
+        dict(per_tensor_block=16384, per_tensor_warps=8),
+        dict(per_tensor_block=16384, per_tensor_warps=16),
     ],
     "blockwise_1x128": [
-        dict(ROWS_TILE_M=32, ROWS_WARPS=4),
-        dict(ROWS_TILE_M=16, ROWS_WARPS=4),   # 37 regs (12/SM)
-        dict(ROWS_TILE_M=32, ROWS_WARPS=8),   # 37 regs (8/SM)
-        dict(ROWS_TILE_M=64, ROWS_WARPS=4),   # 96 regs (5/SM)
-        dict(ROWS_TILE_M=64, ROWS_WARPS=8),   # 59 regs (4/SM)
-        dict(ROWS_TILE_M=128, ROWS_WARPS=8),  # 97 regs (2/SM)
+        dict(rows_tile_m=32, rows_warps=4),
+        dict(rows_tile_m=16, rows_warps=4),   # 37 regs (12/SM)
+        dict(rows_tile_m=32, rows_warps=8),   # 37 regs (8/SM)
+        dict(rows_tile_m=64, rows_warps=4),   # 96 regs (5/SM)
+        dict(rows_tile_m=64, rows_warps=8),   # 59 regs (4/SM)
+        dict(rows_tile_m=128, rows_warps=8),  # 97 regs (2/SM)
     ],
     "blockwise_128x128": [
-        dict(BLOCKS_WARPS=8),
-        dict(BLOCKS_WARPS=4),   # 167 regs (3/SM), fewest instructions per element
-        dict(BLOCKS_WARPS=16),  # 51 regs (2/SM)
+        dict(blocks_warps=8),
+        dict(blocks_warps=4),   # 167 regs (3/SM), fewest instructions per element
+        dict(blocks_warps=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
         # Gluon, sm_90a SASS instructions per element (qa/bench/quantize_sass.py): 18.1; the Triton kernel
-        # (ROWCOL_GLUON=False): 24.4 at 8 warps
-        dict(ROWCOL_GLUON=True),
-        dict(ROWCOL_GLUON=False, ROWCOL_WARPS=8, ROWCOL_MAXNREG=128),
-        dict(ROWCOL_GLUON=False, ROWCOL_WARPS=4, ROWCOL_MAXNREG=None),  # 206 regs (2/SM)
-        dict(ROWCOL_GLUON=False, ROWCOL_WARPS=16, ROWCOL_MAXNREG=None),  # 64 regs (1/SM)
+        # (rowcol_gluon=False): 24.4 at 8 warps
+        dict(rowcol_gluon=True),
+        dict(rowcol_gluon=False, rowcol_warps=8, rowcol_maxnreg=128),
+        dict(rowcol_gluon=False, rowcol_warps=4, rowcol_maxnreg=None),  # 206 regs (2/SM)
+        dict(rowcol_gluon=False, rowcol_warps=16, rowcol_maxnreg=None),  # 64 regs (1/SM)
     ],
 }
 
@@ -394,18 +378,19 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
                      margin: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=False)
     n = x.numel()
+    t = _tuning().quantize
     if amax is None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        grid = (max(1, min(triton.cdiv(n, PER_TENSOR_BLOCK), AMAX_MAX_PROGRAMS)),)
-        _amax_kernel[grid](x, amax, n, BLOCK=PER_TENSOR_BLOCK, num_warps=PER_TENSOR_WARPS)
+        grid = (max(1, min(triton.cdiv(n, t.per_tensor_block), t.amax_max_programs)),)
+        _amax_kernel[grid](x, amax, n, BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
     elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
         raise ValueError(f"amax must be one float32 value on {x.device}, got shape {tuple(amax.shape)}, "
                          f"{amax.dtype} on {amax.device}")
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    grid = (max(1, triton.cdiv(n, PER_TENSOR_BLOCK)),)
-    _cast_per_tensor_kernel[grid](x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=PER_TENSOR_BLOCK,
-                                  num_warps=PER_TENSOR_WARPS, **_fmt_args(dtype, margin))
+    grid = (max(1, triton.cdiv(n, t.per_tensor_block)),)
+    _cast_per_tensor_kernel[grid](x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=t.per_tensor_block,
+                                  num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data, scale_inv
 
 
@@ -426,14 +411,15 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
     scale_inv = torch.empty(grid, dtype=torch.float32, device=x.device)
     if M * N == 0:
         return data, scale_inv
+    t = _tuning().quantize
     if bm == 1:
-        tile_m = min(ROWS_TILE_M, triton.next_power_of_2(M))
+        tile_m = min(t.rows_tile_m, triton.next_power_of_2(M))
         _quantize_rows_kernel[(triton.cdiv(M, tile_m), grid[1])](
             x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
-            num_warps=ROWS_WARPS, **_fmt_args(dtype))
+            num_warps=t.rows_warps, **_fmt_args(dtype))
     else:
         _quantize_blocks_kernel[grid](x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two,
-                                      BLOCK_M=bm, BLOCK_N=bn, num_warps=BLOCKS_WARPS, **_fmt_args(dtype))
+                                      BLOCK_M=bm, BLOCK_N=bn, num_warps=t.blocks_warps, **_fmt_args(dtype))
     return data, scale_inv
 
 
@@ -457,9 +443,10 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
     if M * N > 0 and not (_gluon_rowcol(x, L, power_of_two)
                           and _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype)):
+        t = _tuning().quantize
         _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, num_warps=ROWCOL_WARPS, maxnreg=ROWCOL_MAXNREG,
+            POW2=power_of_two, L=L, num_warps=t.rowcol_warps, maxnreg=t.rowcol_maxnreg,
             **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
 
@@ -491,9 +478,9 @@ def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool
 
 def _gluon_rowcol(x: torch.Tensor, L: int, power_of_two: bool) -> bool:
     """Whether the Gluon rows + columns kernel takes this call ([Note: rows and columns without a
-    transpose]): asked for (``ROWCOL_GLUON``), available, and its preconditions hold (the 128 tile,
+    transpose]): asked for (``QuantizeTuning.rowcol_gluon``), available, and its preconditions hold (the 128 tile,
     power-of-two scales, M a multiple of 4, compute capability 9 or newer)."""
-    if not ROWCOL_GLUON or not x.is_cuda or _interpreting():
+    if not _tuning().quantize.rowcol_gluon or not x.is_cuda or _interpreting():
         return False
     from . import _quantize_rowcol_gluon as kg
     return (kg.AVAILABLE and L == kg.L and power_of_two and x.shape[0] % 4 == 0

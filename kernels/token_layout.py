@@ -24,11 +24,10 @@ import triton
 import triton.language as tl
 
 from ._dispatch import call
+from ._tuning import current as _tuning
 
 __all__ = ["transpose_aligned", "transpose", "aligned_width", "aligned_offsets"]
 
-BLOCK_T = 128  # output columns (token places) per program
-BLOCK_R = 64   # output rows (features) per program
 
 
 def aligned_width(T: int, E: int, align: int) -> int:
@@ -88,10 +87,11 @@ def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.T
     ends, table = aligned_offsets(offs_E, T, align)
     out = torch.empty(R, W, dtype=data.dtype, device=data.device)
     if R:
-        grid = (triton.cdiv(W, BLOCK_T), triton.cdiv(R, BLOCK_R))
+        t = _tuning().token_layout  # output columns (token places) and rows (features) per program
+        grid = (triton.cdiv(W, t.block_t), triton.cdiv(R, t.block_r))
         _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
                                         data.stride(0), out.stride(0), E_POW2=triton.next_power_of_2(max(E, 1)),
-                                        BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, ONE_GROUP=align % BLOCK_T == 0)
+                                        BLOCK_T=t.block_t, BLOCK_R=t.block_r, ONE_GROUP=align % t.block_t == 0)
     return out, ends
 
 
@@ -108,10 +108,11 @@ def _plain_impl(data: torch.Tensor) -> torch.Tensor:
     T, R = data.shape
     out = torch.empty(R, T, dtype=data.dtype, device=data.device)
     if R and T:
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(R, BLOCK_R))
+        t = _tuning().token_layout
+        grid = (triton.cdiv(T, t.block_t), triton.cdiv(R, t.block_r))
         _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), data, data, R, T, 0,
-                                        data.stride(0), out.stride(0), E_POW2=1, BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R,
-                                        ALIGNED=False)
+                                        data.stride(0), out.stride(0), E_POW2=1, BLOCK_T=t.block_t,
+                                        BLOCK_R=t.block_r, ALIGNED=False)
     return out
 
 

@@ -23,10 +23,8 @@ import triton.language as tl
 
 from distwgrad.fp8.quantize import QuantizedExperts
 
+from ._tuning import current as _tuning
 from .quantize import (
-    AMAX_MAX_PROGRAMS,
-    PER_TENSOR_BLOCK,
-    PER_TENSOR_WARPS,
     _amax_into,
     _check_input,
     _fmt_args,
@@ -37,7 +35,6 @@ from .quantize import (
 
 __all__ = ["quantize_weights_per_tensor", "group_amax"]
 
-TILE = 64  # the transposing cast's [TILE, TILE] tiles
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -115,9 +112,10 @@ def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, shared: Se
     n = w0.numel()
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
     if n:
-        chunks = max(1, min(triton.cdiv(n, PER_TENSOR_BLOCK), AMAX_MAX_PROGRAMS // E))
-        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=PER_TENSOR_BLOCK,
-                                        num_warps=PER_TENSOR_WARPS)
+        t = _tuning().quantize
+        chunks = max(1, min(triton.cdiv(n, t.per_tensor_block), t.amax_max_programs // E))
+        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=t.per_tensor_block,
+                                        num_warps=t.per_tensor_warps)
     if shared is not None and len(set(shared)) < E:
         if len(shared) != E:
             raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
@@ -167,10 +165,12 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> QuantizedExper
     data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w0.device)
     s_inv = torch.empty(E, dtype=torch.float32, device=w0.device)
     n = N * K
-    programs = triton.cdiv(N, TILE) * triton.cdiv(K, TILE) if transpose else triton.cdiv(n, PER_TENSOR_BLOCK)
+    t = _tuning().quantize
+    tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
+    programs = triton.cdiv(N, tile) * triton.cdiv(K, tile) if transpose else triton.cdiv(n, t.per_tensor_block)
     _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
-                                              TRANSPOSE=transpose, BLOCK=PER_TENSOR_BLOCK, TILE=TILE,
-                                              num_warps=PER_TENSOR_WARPS, **fmt)
+                                              TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
+                                              num_warps=t.per_tensor_warps, **fmt)
     return QuantizedExperts(data.transpose(1, 2) if transpose else data, s_inv, w0.dtype, amax)
 
 

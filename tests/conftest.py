@@ -6,10 +6,14 @@ out of its fixed-seed sample, and tests marked ``full``, are skipped without it)
 
 Every test (and every subprocess it starts) writes benchmark rows to a temporary results file
 (``DISTWGRAD_RESULTS``), never to ``docs/benchmarks/results.jsonl``.
+
+``kernel_tuning``: a test's kernel tuning overrides, through ``distwgrad.kernels.tuning`` (the one way to
+override it; [Note: kernel tuning] in kernels/_tuning.py), open until the test ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -52,3 +56,13 @@ def _results_file(tmp_path_factory):
         os.environ.pop("DISTWGRAD_RESULTS", None)
     else:
         os.environ["DISTWGRAD_RESULTS"] = old
+
+
+@pytest.fixture
+def kernel_tuning():
+    """``kernel_tuning(*families, **overrides)`` enters ``distwgrad.kernels.tuning(*families, **overrides)``
+    until the test ends; later calls nest inside earlier ones, and all are left at teardown, innermost
+    first. Returns the ``KernelTuning`` in force."""
+    from distwgrad.kernels import tuning
+    with contextlib.ExitStack() as stack:
+        yield lambda *families, **overrides: stack.enter_context(tuning(*families, **overrides))

@@ -12,7 +12,6 @@ CASE``); the case functions below are shared with the GPU tests, which run them 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -24,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from distwgrad.kernels import tuning
 
 from distwgrad.fp8 import (
     BlockwiseScaling,
@@ -396,19 +396,6 @@ def _on(x: torch.Tensor, device: str) -> torch.Tensor:
     return x.to(device)
 
 
-@contextlib.contextmanager
-def _tuning(kq, **values):
-    """Temporarily overrides the kernels' tuning constants (they must only move speed, never bits)."""
-    old = {k: getattr(kq, k) for k in values}
-    for k, v in values.items():
-        setattr(kq, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(kq, k, v)
-
-
 def case_rounding(device: str, big: bool) -> None:
     """Every fp8 value, every midpoint and its neighbours, subnormals, signed zeros, saturation, NaN:
     with amax = fp8_max the scale is exactly 1, so this tests the kernel's RNE cast value by value."""
@@ -444,7 +431,7 @@ def case_per_tensor(device: str, big: bool) -> None:
             k = kq.quantize_per_tensor(_on(x, device), f8, amax=_on(a, device))
             assert_same(k, quantize_per_tensor(x, f8, amax=a), f"{dtype} {f8} {shape} amax={amax}")
     x = wide_range((9000,), torch.bfloat16)
-    with _tuning(kq, AMAX_MAX_PROGRAMS=2, PER_TENSOR_BLOCK=1024):  # several grid-stride steps per program
+    with tuning(quantize=dict(amax_max_programs=2, per_tensor_block=1024)):  # several grid-stride steps a program
         k = kq.quantize_per_tensor(_on(x, device), E4M3)
     assert_same(k, quantize_per_tensor(x, E4M3), "grid-stride")
 
@@ -486,9 +473,9 @@ def case_blockwise(device: str, big: bool) -> None:
                     assert_same(k, r, f"{dtype} {shape} {f8} {block} pow2={pow2}")
     x = wide_range((70, 100), torch.bfloat16)
     for tile_m in (4, 64):  # 1xL row tiles: many programs along M, or one partial one
-        with _tuning(kq, ROWS_TILE_M=tile_m):
+        with tuning(quantize=dict(rows_tile_m=tile_m)):
             k = kq.quantize_blockwise(_on(x, device), (1, 32), E4M3)
-        assert_same(k, quantize_blockwise(x, (1, 32), E4M3), f"ROWS_TILE_M={tile_m}")
+        assert_same(k, quantize_blockwise(x, (1, 32), E4M3), f"rows_tile_m={tile_m}")
 
 
 def case_rowcol(device: str, big: bool) -> None:
@@ -555,7 +542,7 @@ def case_rowcol_gluon(device: str, big: bool) -> None:
     odd = wide_range((8192 + 8, 4096 + 65) if big else (40, 136), torch.bfloat16, seed=11)
     odd[3, 5], odd[17, 130] = float("nan"), float("inf")   # one NaN row/column tile, one inf
     xs = [g, gt, odd, wide_range((4096, 7168) if big else (64, 256), torch.float32, seed=12)]
-    with _tuning(kq, ROWCOL_GLUON=True):
+    with tuning(quantize=dict(rowcol_gluon=True)):
         for x in xs:
             xd = _on(x, device)
             for f8 in FP8S:
@@ -621,7 +608,7 @@ def case_sweep(device: str, big: bool) -> None:
     for op, candidates in kq.SWEEP.items():
         ref = ops[op](reference, x)  # on the kernel's device, as in case_rowcol
         for cand in sweep.sample(candidates, 2):
-            with _tuning(kq, **cand):
+            with tuning(quantize=cand):
                 got = ops[op](kq, x)
             for k, r in zip(got, ref, strict=True):
                 assert_same(k, r, f"{op} {cand}")
@@ -714,9 +701,8 @@ def test_gluon_rows_and_columns_only_where_it_is_exact(monkeypatch):
     assert not kq._gluon_rowcol(cuda_like(256), 64, True)                    # another tile
     assert not kq._gluon_rowcol(cuda_like(256), 128, False)                  # dividing scales
     assert not kq._gluon_rowcol(SimpleNamespace(is_cuda=False, shape=(256, 256)), 128, True)
-    monkeypatch.setattr(kq, "ROWCOL_GLUON", False)
-    assert not kq._gluon_rowcol(cuda_like(256), 128, True)
-    monkeypatch.setattr(kq, "ROWCOL_GLUON", True)
+    with tuning(quantize=dict(rowcol_gluon=False)):
+        assert not kq._gluon_rowcol(cuda_like(256), 128, True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert not kq._gluon_rowcol(cuda_like(256), 128, True)                   # before Hopper
 

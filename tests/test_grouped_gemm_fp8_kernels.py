@@ -35,6 +35,7 @@ import warnings
 
 import pytest
 import torch
+from distwgrad.kernels import current, tuning
 
 from distwgrad.fp8.quantize import quantize_blockwise, quantize_per_tensor, quantize_rowwise_and_columnwise
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
@@ -445,16 +446,16 @@ def _case_gluon_fallback():
     def launch(grid, *a, **kw):
         calls.append(1)
         raise _Unbuildable()
-    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED), k.RAGGED_GLUON_MIN_DEPTH
+    saved = k._gluon_ragged, kg.ragged_kernel, kg.descriptor, dict(k._GLUON_FAILED)
     k._gluon_ragged = lambda *a: True
     k._GLUON_FAILED.clear()
-    k.RAGGED_GLUON_MIN_DEPTH = {"per_tensor": 0, "blockwise": 0}  # the test's short contractions too
     kg.ragged_kernel = StubKernel(launch)
     kg.descriptor = lambda t, block_shape: None
+    shallow = dict(ragged_gluon_min_depth_per_tensor=0, ragged_gluon_min_depth_blockwise=0)  # the test's too
     try:
         T, E, K, N = SHAPE_TMA
         pb = _problem(T, E, K, N, "per_tensor", seed=5)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, tuning(grouped_gemm_fp8=shallow):
             warnings.simplefilter("always")
             for op in ("fprop", "dgrad", "fprop"):
                 _run_ragged(op, pb, form="kn" if op == "dgrad" else "stacked", use_tma=True)
@@ -467,7 +468,7 @@ def _case_gluon_fallback():
         else:
             raise AssertionError("gluon=True after a failed build must raise")
     finally:
-        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed, k.RAGGED_GLUON_MIN_DEPTH = saved
+        k._gluon_ragged, kg.ragged_kernel, kg.descriptor, failed = saved
         k._GLUON_FAILED.clear()
         k._GLUON_FAILED.update(failed)
 
@@ -898,8 +899,8 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
     (0, 7168, 2048, False, "triton"), (0, 512, 256, True, "gluon"),
 ])
 def test_gluon_dispatch_by_contraction_depth(monkeypatch, block, K, T, gluon, expected):
-    """``RAGGED_GLUON_MIN_DEPTH``: where the Gluon kernel can run, the default dispatch gives it the
-    contractions it measured faster on (from 768 deep, both recipes); ``gluon=`` overrides."""
+    """``GroupedGemmFp8Tuning.ragged_gluon_min_depth_*``: where the Gluon kernel can run, the default dispatch
+    gives it the contractions it measured faster on (from 768 deep, both recipes); ``gluon=`` overrides."""
     pytest.importorskip("triton")
     k = _kernels()
     taken = record_ragged_dispatch(monkeypatch, k, "_fp8_ragged_kernel")
@@ -940,7 +941,8 @@ def test_gluon_launch_grid(monkeypatch, T, grid):
     assert k._launch_gluon_ragged(a, torch.ones(()), b, torch.ones(E), offs, None, out, 0, (0, 0), (1, 0, 0), (0, 0))
     (g, kw), = launched
     assert g == (grid,)
-    assert kw["NUM_STAGES"] == k.RAGGED_GLUON_STAGES and kw["num_warps"] == k.RAGGED_GLUON_BLOCK_M // 16
+    t = current().grouped_gemm_fp8
+    assert kw["NUM_STAGES"] == t.ragged_gluon_stages == 4 and kw["num_warps"] == t.ragged_gluon_block_m // 16 == 8
 
 
 def _wgrad_operands(T=256, E=2, K=128, N=256, block=0):
@@ -976,7 +978,7 @@ def test_gluon_wgrad_only_where_it_applies(monkeypatch):
     (None, None, False, 0, "triton"), (None, None, None, 128, "triton"), (True, None, None, 0, "gluon"),
 ])
 def test_gluon_wgrad_dispatch(monkeypatch, gluon, config, use_tma, block, expected):
-    """``_launch_wgrad``: where the Gluon wgrad can run, the default takes it (``WGRAD_GLUON``) unless a
+    """``_launch_wgrad``: where the Gluon wgrad can run, the default takes it (``wgrad_gluon``) unless a
     config is given, TMA is refused, or ``gluon=False``; blockwise stays on the Triton kernel."""
     pytest.importorskip("triton")
     k = _kernels()
@@ -1044,7 +1046,7 @@ def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
                                                          (True, False, None, 132)])
 def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     """``_grouped_wgrad_fp8_gluon_launch.launch``: min(tiles, SMs) programs; the module's launch choices
-    (``WGRAD_GLUON_*``) and the output form reach the kernel."""
+    (``GroupedGemmFp8Tuning.wgrad_gluon_*``) and the output form reach the kernel."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE:
@@ -1063,8 +1065,9 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     (g, args, kws), = launched
     assert g == (grid,)
     assert kws["ADD_MODE"] == (3 if accumulate else 0) and kws["PTR_TABLE"] is table
-    assert kws["NUM_STAGES"] == k.WGRAD_GLUON_STAGES and kws["num_warps"] == 8
-    assert kws["EPI_WARPS"] == (k.WGRAD_GLUON_EPILOGUE_WARPS if kw._WS_PAIRS else 0)
+    t = current().grouped_gemm_fp8
+    assert kws["NUM_STAGES"] == t.wgrad_gluon_stages and kws["num_warps"] == 8
+    assert kws["EPI_WARPS"] == (t.wgrad_gluon_epilogue_warps if kw._WS_PAIRS else 0)
     assert kws["TRACE"] is False and args[15] == 0  # untraced: no trace buffer, nothing of it built
     assert args[4] is (tbl if table else out)
     strides = args[10:13]
@@ -1231,14 +1234,14 @@ def test_gpu_fp8(recipe, T, E, K, N, use_tma):
     (8192, 64, 512, 384),      # ~128 tokens per group, random splits with empty groups
     (1000, 1, 208, 144),       # one group; K ends inside a step (TMA's zero fill), T off the tile
 ])
-def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
+def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, kernel_tuning):
     """[Note: promotion under the next MMA]: the Gluon kernel against the oracle (bound with the
     128-deep Hopper term) and against the Triton kernel: the same bits (the same 128-deep partial sums,
     added and scaled in the same order; blockwise too in every GPU run so far, asserted per-tensor)."""
     from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-    monkeypatch.setattr(_kernels(), "RAGGED_GLUON_BLOCK_M", 64 if variant == "m64" else 128)
+    kernel_tuning(grouped_gemm_fp8=dict(ragged_gluon_block_m=64 if variant == "m64" else 128))
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))
@@ -1260,7 +1263,7 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, monkeypatch):
 
 
 # the Gluon wgrad kernel's launch choices: (add mode, ring depth, epilogue warps); "atomic_s5_epi" is the default
-# (grouped_gemm_fp8.WGRAD_GLUON*); epilogue warps 0: what a Triton without warp_specialize pairs runs
+# (GroupedGemmFp8Tuning.wgrad_gluon_*); epilogue warps 0: what a Triton without warp_specialize pairs runs
 WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", 5, 2), "atomic_s5": ("atomic", 5, 0),
                         "atomic": ("atomic", 4, 0), "load": ("load", 4, 0), "atomic_s3": ("atomic", 3, 0),
                         "load_epi_s3": ("load", 3, 2)}
@@ -1277,7 +1280,7 @@ WGRAD_GLUON_VARIANTS = {"atomic_s5_epi": ("atomic", 5, 2), "atomic_s5": ("atomic
     (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # a group inside one chunk (head = tail), one exactly on it
     (256, 2, 128, 128, [0, 256]),           # the first group empty, the second on the grid
 ])
-def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
+def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, kernel_tuning):
     """[Note: fp8 wgrad under the next MMA]: the Gluon per-tensor wgrad against the oracle (fresh into a
     NaN-poisoned output, accumulating into a stacked tensor and into a list of strided buffers) and
     against the Triton kernel: the same bits (the same 128-token partial sums, added in the same order);
@@ -1285,13 +1288,11 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, monkeypatch):
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-    k = _kernels()
     add, stages, epilogue_warps = WGRAD_GLUON_VARIANTS[variant]
-    monkeypatch.setattr(k, "WGRAD_GLUON_ADD_MODE", add)
-    monkeypatch.setattr(k, "WGRAD_GLUON_STAGES", stages)
     # a fresh 16-bit output handed off rounded has room for one stage more ([Note: a 16-bit handoff])
-    monkeypatch.setattr(k, "WGRAD_GLUON_STAGES_16", stages + 1 if epilogue_warps else stages)
-    monkeypatch.setattr(k, "WGRAD_GLUON_EPILOGUE_WARPS", epilogue_warps)
+    kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon_add_mode=add, wgrad_gluon_stages=stages,
+                                        wgrad_gluon_stages_16=stages + 1 if epilogue_warps else stages,
+                                        wgrad_gluon_epilogue_warps=epilogue_warps))
     gen = torch.Generator().manual_seed(T + K)
     src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
            torch.randn(T, N, generator=gen))

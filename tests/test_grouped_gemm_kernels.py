@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+from distwgrad.kernels import current, tuning
 
 from distwgrad.testing import reference as R
 from distwgrad.testing import sweep
@@ -572,10 +573,10 @@ def test_gpu_wide_tail(T, E, K, N):
     in the same K order). The splits put group ends at every remainder class of the 128-row tile: one tile
     of 1, 64 (half) or 65, 128 rows; one wide tile of 129 or 192; two tiles (193 = 128 + 65); two with the
     last wide (320, 321), and an empty group; the rest random."""
-    from distwgrad.kernels import _grouped_gemm_configs as C
     splits = _tail_splits([1, 64, 65, 128, 129, 192, 193, 0, 320, 321], T, E, seed=E + 1)
     cfg = _default_ragged_config(T, E, K, N)
-    assert cfg.wide_tail == (T <= C.WIDE_TAIL_MAX_TOKENS * E), cfg.short()  # the default where groups are small
+    # the default where groups are small
+    assert cfg.wide_tail == (T <= current().grouped_gemm.wide_tail_max_tokens * E), cfg.short()
     _check_tiles_agree(T, E, K, N, splits, dataclasses.replace(cfg, wide_tail=True),
                        dataclasses.replace(cfg, half_tail=False, wide_tail=False), "wide")
 
@@ -646,8 +647,8 @@ def test_gpu_wgrad_persistent(cfg):
     (256, 2, 128, 128, [0, 256]),           # the first group empty
 ])
 @pytest.mark.parametrize("tail", ["tma", "zero"])
-def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
-    """[Note: the bf16 wgrad in the fp8 kernel]: the Gluon wgrad (``WGRAD_GLUON``) accumulating bf16 and fp16
+def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch, kernel_tuning):
+    """[Note: the bf16 wgrad in the fp8 kernel]: the Gluon wgrad (``wgrad_gluon``) accumulating bf16 and fp16
     products into a stacked fp32 output and into a list of strided buffers, against the oracle, with each
     group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail zero-filled by TMA]),
     chained ([Note: chained bf16 accumulation]); every call ran in the Gluon kernel, and a fresh wgrad in
@@ -656,9 +657,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    monkeypatch.setattr(k, "WGRAD_GLUON", True)
-    monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
-    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
+    kernel_tuning(grouped_gemm=dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0, wgrad_gluon_tail=tail))
     calls = []
     real = k._launch_gluon_wgrad
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
@@ -671,7 +670,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("tail", ["tma", "zero"])
-def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, monkeypatch):
+def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, kernel_tuning):
     """A group's last chunk reaches past its end into the next group's tokens or, after the last group,
     into unrouted rows: those must count as zeros, even where they are NaN ([Note: a group's tail
     zero-filled by TMA]). The unrouted rows of dy and x are NaN here; the sums must match the oracle over
@@ -680,7 +679,7 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, monkeypatch):
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", tail)
+    kernel_tuning(grouped_gemm=dict(wgrad_gluon_tail=tail))
     T, K, N, splits = 1024, 272, 400, [100, 37, 0, 500, 64]  # routed: 701 of 1024 rows
     d = _inputs(T, len(splits), K, N, torch.bfloat16, "cuda", seed=7)
     offs = torch.tensor(splits).cumsum(0).to(device="cuda", dtype=torch.int32)
@@ -714,7 +713,7 @@ def test_gluon_wgrad_reaches_tritons_allocator_setting():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_gluon_wgrad_restores_the_callers_allocator(monkeypatch):
+def test_gpu_gluon_wgrad_restores_the_callers_allocator(kernel_tuning):
     """The Gluon wgrad's scratch comes from torch for its own launch only: a caller's Triton allocator is
     neither called nor replaced ([Note: a group's tail zero-filled by TMA])."""
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
@@ -722,7 +721,7 @@ def test_gpu_gluon_wgrad_restores_the_callers_allocator(monkeypatch):
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
-    monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", "tma")
+    kernel_tuning(grouped_gemm=dict(wgrad_gluon_tail="tma"))
     calls = []
 
     def mine(size, alignment, stream):
@@ -741,14 +740,15 @@ def test_gpu_gluon_wgrad_restores_the_callers_allocator(monkeypatch):
            d["m"].double() + R.grouped_wgrad(d["dy"].double(), d["x"].double(), d["offs"]))
 
 
-def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
+def test_gluon_wgrad_dispatch_and_refusals(monkeypatch, kernel_tuning):
     """The default dispatch tries the Gluon wgrad for accumulating calls whose groups hold
-    ``WGRAD_GLUON_MIN_TOKENS`` tokens or more on average, unless a config or ``use_tma=False`` asks for a
-    Triton kernel or ``WGRAD_GLUON`` is off; it never runs off Hopper or in the interpreter, and
-    ``gluon=True`` where it cannot run names why."""
+    ``wgrad_gluon_min_tokens`` tokens or more on average, unless a config or ``use_tma=False`` asks for a
+    Triton kernel or ``wgrad_gluon`` is off (``GroupedGemmTuning``); it never runs off Hopper or in the
+    interpreter, and ``gluon=True`` where it cannot run names why."""
     pytest.importorskip("triton")
     k = _kernels()
-    assert k.WGRAD_GLUON is True and k.WGRAD_GLUON_MIN_TOKENS == 256
+    t = current().grouped_gemm
+    assert t.wgrad_gluon is True and t.wgrad_gluon_min_tokens == 256
     pick = k._gluon_wgrad_by_default
     assert pick(65536, 64, True, None, None) and pick(256 * 8, 8, True, None, True)
     assert not pick(256 * 8 - 1, 8, True, None, None)
@@ -756,8 +756,8 @@ def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     assert not pick(65536, 64, False, None, None)                       # a fresh output
     assert not pick(65536, 64, True, k._cfg.INTERPRETER, None)          # a config: the Triton kernel
     assert not pick(65536, 64, True, None, False)                       # no TMA: the Triton kernel
-    monkeypatch.setattr(k, "WGRAD_GLUON", False)
-    assert not pick(65536, 64, True, None, None)
+    with tuning(grouped_gemm=dict(wgrad_gluon=False)):
+        assert not pick(65536, 64, True, None, None)
     dy, x = torch.randn(64, 32).bfloat16(), torch.randn(64, 48).bfloat16()
     out = torch.zeros(2, 32, 48)
     offs = torch.tensor([30, 64], dtype=torch.int32)
@@ -765,8 +765,7 @@ def test_gluon_wgrad_dispatch_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match=r"gluon=True, but the Gluon kernel needs a Hopper GPU.*torch.bfloat16.*cpu"):
         k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
     # where it applies but does not build: gluon=True raises, the default dispatch runs the Triton kernel
-    monkeypatch.setattr(k, "WGRAD_GLUON", True)
-    monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
+    kernel_tuning(grouped_gemm=dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0))
     monkeypatch.setattr(k, "_gluon_wgrad", lambda *a: True)
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: False)
     monkeypatch.setattr(k, "_GLUON_FAILED", {"wgrad16": "CompilationError: no such op"})
@@ -788,20 +787,19 @@ def test_gpu_e256():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("wgrad", ["default", "triton", "gluon/tma", "gluon/zero"])
-def test_gpu_cuda_graph_and_compile(wgrad, monkeypatch):
+def test_gpu_cuda_graph_and_compile(wgrad, kernel_tuning):
     """Captured once, replayed with new routing (offsets on the device change, the graph does not); the
     accumulating wgrad as the default dispatch picks it (256 tokens per group: the Gluon kernel on Hopper),
     through the Triton kernel, and through the Gluon kernel with either tail, whose per-group descriptors
     live in scratch allocated at capture ([Note: a group's tail zero-filled by TMA])."""
     k = _kernels()
     if wgrad == "triton":
-        monkeypatch.setattr(k, "WGRAD_GLUON", False)
+        kernel_tuning(grouped_gemm=dict(wgrad_gluon=False))
     elif wgrad != "default":
         from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
         if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-        monkeypatch.setattr(k, "WGRAD_GLUON_MIN_TOKENS", 0)
-        monkeypatch.setattr(k, "WGRAD_GLUON_TAIL", wgrad.split("/")[1])
+        kernel_tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=0, wgrad_gluon_tail=wgrad.split("/")[1]))
     T, E, K, N = 2048, 8, 256, 512
     d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=4)
     x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]

@@ -15,6 +15,7 @@ import triton
 import triton.testing
 from distwgrad.kernels import _quantize_rowcol_gluon as kg
 from distwgrad.kernels import quantize as kq
+from distwgrad.kernels import tuning
 
 from distwgrad.fp8 import BlockwiseScaling
 from distwgrad.fp8.quantize import quantize_rowwise_and_columnwise as reference
@@ -38,15 +39,9 @@ def _same(got, ref) -> bool:
 
 
 def _quantize(x, rec, **settings):
-    """``quantize_rowwise_and_columnwise`` with the kernels' module settings overridden for the call."""
-    old = {k: getattr(kq, k) for k in settings}
-    for k, v in settings.items():
-        setattr(kq, k, v)
-    try:
+    """``quantize_rowwise_and_columnwise`` with ``QuantizeTuning`` fields overridden for the call."""
+    with tuning(quantize=settings):
         return kq.quantize_rowwise_and_columnwise(x, rec)
-    finally:
-        for k, v in old.items():
-            setattr(kq, k, v)
 
 
 def main(argv=None) -> int:
@@ -63,9 +58,9 @@ def main(argv=None) -> int:
     graph = lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median")
     copy_gbps = gbps(graph(lambda: big.clone()))  # a clone also moves 4 bytes per element
     print(f"copy {copy_gbps:.0f} GB/s; triton kernel "
-          f"{gbps(graph(lambda: _quantize(big, rec, ROWCOL_GLUON=False))) / copy_gbps:.3f} of copy")
+          f"{gbps(graph(lambda: _quantize(big, rec, rowcol_gluon=False))) / copy_gbps:.3f} of copy")
     line = "gluon: "
-    run = lambda x: _quantize(x, rec, ROWCOL_GLUON=True)  # noqa: E731
+    run = lambda x: _quantize(x, rec, rowcol_gluon=True)  # noqa: E731
     bad = [name for _ in range(args.repeats) for name, x in xs.items() if not _same(run(x), refs[name])]
     if kq._GLUON_FAILED is not None:  # the library fell back to the Triton kernel: nothing to judge
         print(line + f"does not build: {kq._GLUON_FAILED}"[:400], flush=True)

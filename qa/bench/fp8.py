@@ -49,17 +49,17 @@ balanced``: T // E tokens per group).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from distwgrad.kernels import tuning
 
 from distwgrad.fp8 import quantize as ref
 from distwgrad.fp8.recipe import BlockwiseScaling, MMParams, PerTensorScaling, split_accumulator
@@ -193,32 +193,20 @@ def _impl_modules(args: argparse.Namespace) -> dict[str, object]:
     return mods
 
 
-@contextlib.contextmanager
-def _overriding(module: object, values: dict) -> Iterator[None]:
-    """Sets module attributes (tuning constants) for the duration of the block, then restores them."""
-    old = {k: getattr(module, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(module, k, v)
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
-
-
 def _same_bits(got: tuple, expected: tuple) -> bool:
     return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected, strict=True))
 
 
 def _quant_sweep(args: argparse.Namespace, op: str, x: torch.Tensor, expected: tuple, nbytes: int,
                  copy_gbps: float, kq) -> list[Row]:
-    """One row per candidate of ``kq.SWEEP[op]``; a candidate that fails to build or differs from the
-    reference is printed and skipped (it is a result too, but not a timing)."""
+    """One row per candidate of ``kq.SWEEP[op]`` (``QuantizeTuning`` fields, set with ``tuning``); a
+    candidate that fails to build or differs from the reference is printed and skipped (it is a result too,
+    but not a timing)."""
     rows = []
     for cand in kq.SWEEP.get(op, []):
         impl = "triton@" + ",".join(f"{k}={v}" for k, v in cand.items())
         try:
-            with _overriding(kq, cand):
+            with tuning(quantize=cand):
                 fn = functools.partial(QUANTIZE_OPS[op][0](kq), x)
                 if not _same_bits(fn(), expected):
                     print(f"  sweep {op} {impl}: differs from the reference; not timed", flush=True)
@@ -510,20 +498,17 @@ def _gluon_wgrad_rows(args, shape, op, p, q, name, bf16_ms) -> list[Row]:
         if op == "wgrad" and add != "atomic":  # a fresh output: no add mode
             continue
         rows += _gluon_row(args, shape, op, p, q, f"fp8_{name}@gluon/{variant}", bf16_ms, "fp8", main,
-                           WGRAD_GLUON_ADD_MODE=add, WGRAD_GLUON_STAGES=stages,
-                           WGRAD_GLUON_EPILOGUE_WARPS=epilogue_warps)
+                           wgrad_gluon_add_mode=add, wgrad_gluon_stages=stages,
+                           wgrad_gluon_epilogue_warps=epilogue_warps)
     return rows
 
 
 def _gluon_row(args, shape, op, p, q, label, bf16_ms, impl, main, **overrides) -> list[Row]:
-    """``impl``'s row through a Gluon kernel (``gluon=True``) with ``grouped_gemm_fp8``'s tuning constants
+    """``impl``'s row through a Gluon kernel (``gluon=True``) with the ``GroupedGemmFp8Tuning`` fields
     ``overrides`` set, checked against the oracle first; none (and a printed line) if it fails to build or
     to check: a result too."""
-    from distwgrad.kernels import grouped_gemm_fp8 as F
     try:
-        with contextlib.ExitStack() as stack:
-            for attr, value in overrides.items():
-                stack.enter_context(_overriding_attr(F, attr, value))
+        with tuning(grouped_gemm_fp8=overrides):
             worst = _gemm_check(op, p, q, impl=impl, gluon=True)
             ms = time_ms(_fp8_calls(op, p, q, main, gluon=True)[impl], args.device, args.reps)
     except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -544,19 +529,8 @@ def _gluon_stage_rows(args, shape, op, p, q, name, bf16_ms, stages) -> list[Row]
     for variant in getattr(args, "gluon_variants", None) or sorted(GLUON_VARIANTS):
         for n in stages:
             rows += _gluon_row(args, shape, op, p, q, f"{impl.replace('fp8', f'fp8_{name}')}@gluon/{variant}/s{n}",
-                               bf16_ms, impl, None, RAGGED_GLUON_STAGES=n, RAGGED_GLUON_BLOCK_M=GLUON_VARIANTS[variant])
+                               bf16_ms, impl, None, ragged_gluon_stages=n, ragged_gluon_block_m=GLUON_VARIANTS[variant])
     return rows
-
-
-@contextlib.contextmanager
-def _overriding_attr(obj: object, name: str, value: object) -> Iterator[None]:
-    """``obj.name = value`` for the duration of the block."""
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 

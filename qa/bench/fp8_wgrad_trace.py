@@ -63,7 +63,7 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
         zero_edges: bool = True) -> dict:
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
     from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
-    from distwgrad.kernels import grouped_gemm_fp8 as F
+    from distwgrad.kernels import current
     from distwgrad.kernels.grouped_gemm import _num_sms
     from triton.testing import do_bench
 
@@ -78,7 +78,8 @@ def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bo
     tiles = E * -(-N // kw.BLOCK) * -(-K // kw.BLOCK)
     trace = torch.zeros(kl.trace_shape(tiles, min(tiles, sms)), dtype=torch.int64, device="cuda")
     kwargs = dict(add_mode=-1 if dry else 3 if accumulate else 0,
-                  stages=F.WGRAD_GLUON_STAGES, epilogue_warps=epilogue_warps, num_sms=sms, zero_edges=zero_edges)
+                  stages=current().grouped_gemm_fp8.wgrad_gluon_stages, epilogue_warps=epilogue_warps, num_sms=sms,
+                  zero_edges=zero_edges)
 
     def call(tr=None):
         kl.launch(a.data, a.scale_inv, b.data, b.scale_inv, p["offs"], out, None, trace=tr, **kwargs)
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--routing", nargs="+", choices=("random", "balanced"), default=["random", "balanced"])
     ap.add_argument("--accumulate", action="store_true", help="fp32 reductions into an existing output")
     ap.add_argument("--epilogue-warps", nargs="+", type=int, choices=(0, 2), default=None,
-                    help="the launch choice(s) to trace (default: grouped_gemm_fp8.WGRAD_GLUON_EPILOGUE_WARPS)")
+                    help="the launch choice(s) to trace (default: the tuning's wgrad_gluon_epilogue_warps)")
     ap.add_argument("--dry", action="store_true", help="also trace runs that write nothing")
     ap.add_argument("--unzeroed", action="store_true", help="also trace dry runs that skip the edge chunks' "
                     "zeroing (what it costs; their sums are wrong, and nothing is written)")
@@ -110,8 +111,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_wgrad_trace.py needs a GPU (Hopper, a Triton with Gluon)")
-    from distwgrad.kernels import grouped_gemm_fp8 as F
-    warps = args.epilogue_warps or [F.WGRAD_GLUON_EPILOGUE_WARPS]
+    from distwgrad.kernels import current
+    warps = args.epilogue_warps or [current().grouped_gemm_fp8.wgrad_gluon_epilogue_warps]
     rows = [run(s, r, args.accumulate, w, dry) for s in args.shapes for r in args.routing for w in warps
             for dry in ((False, True) if args.dry else (False,))]
     if args.unzeroed:

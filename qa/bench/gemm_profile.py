@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distwgrad.kernels import grouped_gemm as G  # noqa: E402
+from distwgrad.kernels import tuning  # noqa: E402
 from grouped_gemm import impls_for, make_problem  # noqa: E402  (the bench's problems and peers)
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
@@ -206,12 +207,14 @@ def wgrad_ab(args) -> list[dict]:
 
     @contextlib.contextmanager
     def build(mod, stages):
-        saved = kl._k, F.WGRAD_GLUON_STAGES, F.WGRAD_GLUON_STAGES_16
-        kl._k, F.WGRAD_GLUON_STAGES, F.WGRAD_GLUON_STAGES_16 = mod, stages, stages
+        """``mod``'s build of the kernel (the launchers look it up on ``kl._k`` at each call) at ``stages``."""
+        saved = kl._k
+        kl._k = mod
         try:
-            yield
+            with tuning(grouped_gemm_fp8=dict(wgrad_gluon_stages=stages, wgrad_gluon_stages_16=stages)):
+                yield
         finally:
-            kl._k, F.WGRAD_GLUON_STAGES, F.WGRAD_GLUON_STAGES_16 = saved
+            kl._k = saved
 
     for shape in SHAPES:
         E, T, K, N = shape

@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as C
 from distwgrad.kernels import grouped_gemm as G
+from distwgrad.kernels import tuning
 
 from distwgrad.testing import reference as R
 
@@ -89,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--gluon-wgrad", action="store_true",
                    help="wgrad_accumulate: the 'distwgrad' rows run the Gluon wgrad at every shape (by default "
-                        "it runs where the groups average grouped_gemm.WGRAD_GLUON_MIN_TOKENS tokens)")
+                        "it runs where the groups average GroupedGemmTuning.wgrad_gluon_min_tokens tokens)")
     p.add_argument("--triton-rows", action="store_true",
                    help="wgrad_accumulate: also time the Triton kernel where the default may run the Gluon one "
                         "(impl 'distwgrad_triton') and the Gluon wgrad with each group's tail zeroed by the MMA "
@@ -224,21 +225,15 @@ def _triton_wgrad(p: Problem):
 
 
 def _gluon_wgrad_variant(p: Problem, **settings):
-    """The accumulating Gluon wgrad under other ``grouped_gemm.WGRAD_GLUON_*`` settings (``tail="zero"``:
+    """The accumulating Gluon wgrad under other ``GroupedGemmTuning.wgrad_gluon_*`` settings (``tail="zero"``:
     each group's tail zeroed by the MMA warps): a zero-argument callable into a preallocated fp32 output."""
     out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
-    names = {f"WGRAD_GLUON_{k.upper()}": v for k, v in settings.items()}
+    fields = {f"wgrad_gluon_{k}": v for k, v in settings.items()}
 
     def run():
-        saved = {n: getattr(G, n) for n in names}
-        try:
-            for n, v in names.items():
-                setattr(G, n, v)
+        with tuning(grouped_gemm=fields):
             G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
                             gluon=True)
-        finally:
-            for n, v in saved.items():
-                setattr(G, n, v)
     return run
 
 
@@ -475,9 +470,9 @@ def main(argv=None) -> int:
     import triton
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-    if args.gluon_wgrad:
-        G.WGRAD_GLUON, G.WGRAD_GLUON_MIN_TOKENS = True, 0
-    rows, sweep_rows, ok = run(args)
+    everywhere = dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0) if args.gluon_wgrad else {}
+    with tuning(grouped_gemm=everywhere):
+        rows, sweep_rows, ok = run(args)
     print(summarize(rows))
     if "wgrad_accumulate" in args.ops:
         gbps = copy_gbps(args.device)
