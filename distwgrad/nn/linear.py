@@ -103,7 +103,10 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> to
         if out is None:  # the parameters' dtype straight from the kernel's epilogue
             return gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out_dtype=dy_TN.dtype,
                                          split_accumulator=split_accumulator(recipe, "wgrad"))[0]
-        gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=[out],
+        # One fp32 contiguous target: the stacked form (a [1, N, K] view), which needs no table of output
+        # pointers, so a CUDA graph can capture it into a buffer the warm-up never saw (graph-owned).
+        target = out.unsqueeze(0) if out.dtype == torch.float32 and out.is_contiguous() else [out]
+        gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=target,
                               split_accumulator=split_accumulator(recipe, "wgrad"))
         return out
     dW_NK = dequantize(dy_qt, dtype=torch.float32).mm(dequantize(x_qt, dtype=torch.float32).t())
