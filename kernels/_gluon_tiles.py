@@ -6,9 +6,9 @@ Tiles are ordered group-major: group e owns cdiv(tokens_e, BLOCK_M) * cdiv(N, BL
 numbers, swizzled in bands of GROUP_M rows inside the group (``_grouped_wgrad._swizzle``). A persistent
 program, whose tiles pid, pid + grid, ... only grow, walks a cursor forward (``cursor``): over its whole
 life it reads each group's offsets once or twice, where a search per tile (the Triton kernels'
-``grouped_gemm._find_group``) would reduce over every group each time.
+``_grouped_ragged._find_group``) would reduce over every group each time.
 Offsets are clamped into [0, T] and a decreasing offset gives an empty group, as in
-``grouped_gemm._find_group`` (the launchers check offsets where they can without a device sync).
+``_grouped_ragged._find_group`` (the launchers check offsets where they can without a device sync).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def define() -> SimpleNamespace:
     @gluon.jit
     def total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                     num_warps: gl.constexpr):
-        """The tiles of all groups (``grouped_gemm._find_group``'s last value, without the search)."""
+        """The tiles of all groups (``_grouped_ragged._find_group``'s last value, without the search)."""
         lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         eidx = gl.arange(0, BLOCK_E, layout=lay)
         ends = gl.minimum(gl.maximum(gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0), 0), T)

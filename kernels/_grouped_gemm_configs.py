@@ -42,9 +42,9 @@ class TileConfig:
     argument of the launcher wins). ``l2_prefetch`` (accumulating wgrad, GPU) prefetches the old fp32 tile
     into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py).
     ``half_tail`` (fprop/dgrad only, ``block_m`` >= 32): a group's last M tile with ``block_m`` / 2 rows or
-    fewer runs a half-height MMA ([Note: half tail tiles] in kernels/grouped_gemm.py). ``wide_tail`` (fprop/dgrad
+    fewer runs a half-height MMA ([Note: half tail tiles] in kernels/_grouped_ragged.py). ``wide_tail`` (fprop/dgrad
     only, ``block_m`` >= 32): such a remainder joins the group's tile before it, which then computes 1.5
-    ``block_m`` rows against each weight stage ([Note: wide tail tiles] in kernels/grouped_gemm.py)."""
+    ``block_m`` rows against each weight stage ([Note: wide tail tiles] in kernels/_grouped_ragged.py)."""
 
     block_m: int
     block_n: int
@@ -113,7 +113,7 @@ RAGGED_CANDIDATES = (
     _T(128, 256, 64, num_warps=8, num_stages=3), _T(128, 256, 64, num_warps=8, num_stages=4),
     _T(256, 128, 64, num_warps=8, num_stages=3), _T(256, 128, 64, num_warps=8, num_stages=4),
     _T(128, 128, 64, num_warps=4, num_stages=3),
-    # Round 9: half tail tiles ([Note: half tail tiles] in kernels/grouped_gemm.py) on the 128-row tiles;
+    # Round 9: half tail tiles ([Note: half tail tiles] in kernels/_grouped_ragged.py) on the 128-row tiles;
     # 128x128 with 4 warps leaves room for two (x64/s3, 96 KB) or three (x32/s4, 64 KB) programs per SM.
     _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True),
     _T(128, 256, 64, num_warps=8, num_stages=3, half_tail=True),
@@ -127,7 +127,7 @@ RAGGED_CANDIDATES = (
     _T(128, 256, 32, num_warps=8, num_stages=8, half_tail=True),
     _T(128, 256, 128, num_warps=8, num_stages=2, half_tail=True),
     _T(128, 128, 128, num_warps=8, num_stages=3, half_tail=True),
-    # wide tail tiles ([Note: wide tail tiles] in kernels/grouped_gemm.py): s4 needs 229,408 bytes of shared
+    # wide tail tiles ([Note: wide tail tiles] in kernels/_grouped_ragged.py): s4 needs 229,408 bytes of shared
     # memory (its wide stage is 56 KB), s3 172,056 (sm_90a builds)
     _T(128, 256, 64, num_warps=8, num_stages=4, half_tail=True, wide_tail=True),
     _T(128, 256, 64, num_warps=8, num_stages=3, half_tail=True, wide_tail=True),

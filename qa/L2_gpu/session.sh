@@ -70,13 +70,13 @@ for step in $STEPS; do
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
     sweep_ragged) run sweep_ragged python3 qa/bench/grouped_gemm.py --ops fprop dgrad --sweep \
                     --sweep-ops fprop dgrad --sweep-json "$OUT_DIR/sweep_ragged.json" ;;
-    gluon_wgrad16) run gluon_wgrad16_tests python3 -m pytest tests/test_grouped_gemm_kernels.py \
-                     tests/test_grouped_gemm_fp8_kernels.py -m gpu -k gluon_wgrad -q -p no:cacheprovider -rf \
+    gluon_wgrad16) run gluon_wgrad16_tests python3 -m pytest tests/test_grouped_gemm_gpu.py \
+                     tests/test_grouped_gemm_fp8_gpu.py -m gpu -k gluon_wgrad -q -p no:cacheprovider -rf \
                      --tb=short --timeout 150
                    run gluon_wgrad16 python3 qa/bench/grouped_gemm.py --ops wgrad_accumulate --gluon-wgrad \
                      --triton-rows --no-check --rep 50 --json "$OUT_DIR/gluon_wgrad16.json" ;;
-    half_tail) run half_tail_tests python3 -m pytest tests/test_grouped_gemm_kernels.py -m gpu -k "half_tail or test_gpu_bf16 \
-                 or gluon_kernel or e256 or cuda_graph or other_dtypes" -q -p no:cacheprovider -rf --tb=short --timeout 150
+    half_tail) run half_tail_tests python3 -m pytest tests/test_grouped_gemm_gpu.py -m gpu -k "half_tail or test_gpu_bf16 \
+                 or wide_tail or e256 or cuda_graph or other_dtypes" -q -p no:cacheprovider -rf --tb=short --timeout 150
                run half_tail python3 qa/bench/grouped_gemm.py --ops fprop dgrad --half-tail-rows --rounds 3 \
                  --json "$OUT_DIR/half_tail.json" ;;
     gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \
