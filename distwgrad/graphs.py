@@ -36,7 +36,9 @@ captured backward is captured as its own graph, which the module's ``backward_dw
 [Note: captured distributed weights]
 A distributed weight's ``grad_buffer()`` is allocated at a step's first contribution and freed at each
 reduction, which a graph cannot bake in. A weight captured here gets a graph-owned persistent fp32
-buffer (``_graph_grad_buffer``, full size, allocated before capture, released by ``reset()``):
+buffer (``_graph_grad_buffer``, full size, allocated before capture, released by ``reset()``; a weight of
+a group of one needs none: it accumulates in its stable ``main_grad`` in place, in the graph as eagerly, so
+k microbatches sum in the same order: [Note: a group of one] in ``weights/base.py``):
 ``grad_buffer()`` under capture zeroes it where it would allocate, so each replay zeroes, accumulates and
 reduces it exactly where the capture did, and the reduction (NCCL collectives, captured) adds into the
 caller's stable ``main_grad``. The accounting runs in Python, which a replay skips, so each replay applies
@@ -263,7 +265,8 @@ class _Ledger:
                                    f"[Note: captured distributed weights]")
             if reduced:
                 p._reduced, p._step_has_grad = p._delivered, True
-            p._buffer = p._graph_grad_buffer if after[3] else None
+            owned = getattr(p, "_graph_grad_buffer", None)  # None: a group of one, accumulating in main_grad
+            p._buffer = (owned if owned is not None else p._main_grad()) if after[3] else None
 
 
 class _DwItem:
@@ -630,8 +633,9 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         _warmup(calls, num_warmup_iters, allow_unused_input, fp8, recipe)
         for p in weights:
             p.discard_step()
-            p._graph_grad_buffer = torch.zeros(p.full_shape, dtype=torch.float32, device=p.device)
             p.expect_contribution(0)  # opens the step eagerly: its main_grad.zero_() stays out of the graph
+            if not p._in_place():  # a group of one accumulates in its stable main_grad, as eagerly
+                p._graph_grad_buffer = torch.zeros(p.full_shape, dtype=torch.float32, device=p.device)
         _capture_forwards(gs, calls, fp8, recipe)
         queued = _capture_backwards(gs, calls, retain_graph_in_backward, recipe)
         _capture_wgrads(gs, calls, queued, recipe)

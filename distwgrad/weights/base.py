@@ -63,9 +63,12 @@ A weight whose group has one rank (one GPU, or a ``ReplicatedWeight`` alone) and
 one on a 2-D mesh with R > 1 replicas still all-reduces across them: [Note: device meshes].)
 There ``grad_buffer()`` is ``main_grad`` itself (when it is fp32, as it is unless a caller attached
 another): wgrads accumulate in place, with no full-size buffer to zero, no add into ``main_grad`` and no
-reduction. Counting, withdrawals and ``finish_step`` are unchanged;
-the sums are the same fp32 adds in the same order (the buffer started at zero and was added to a zeroed
-``main_grad``), so the gradient is bit-identical to the buffered path.
+reduction. Counting, withdrawals and ``finish_step`` are unchanged. With one microbatch per step the sums
+are the buffered path's fp32 adds in the same order (a buffer started at zero, added to a zeroed
+``main_grad``), bit for bit; with several, the microbatches' contributions add into one running sum where
+the buffered path adds one reduced sum per microbatch (``((a1 + b1) + a2) + b2`` against
+``(a1 + b1) + (a2 + b2)``): the same gradient up to fp32 rounding order. A CUDA graph captures the same
+in-place adds (graphs.py), so a graphed step is bit-identical to the eager one.
 
 [Note: .grad is main_grad]
 ``finish_step`` hands ``main_grad`` itself to ``.grad`` where their dtypes agree (an fp32 master, or an
@@ -245,7 +248,11 @@ class DistributedParameter(nn.Parameter):
     def grad_buffer(self) -> torch.Tensor:
         if self._buffer is None:
             self._wait_inflight()  # one full-size buffer per weight at a time: [Note: contribution accounting]
-            if self.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self._in_place():
+                # [Note: a group of one]: main_grad is the caller's stable buffer, so a CUDA graph captures
+                # the same in-place accumulation eager code runs (the same adds in the same order)
+                self._buffer = self._main_grad()
+            elif self.is_cuda and torch.cuda.is_current_stream_capturing():
                 graph_buffer = getattr(self, "_graph_grad_buffer", None)
                 if graph_buffer is None:
                     raise RuntimeError(
@@ -254,9 +261,6 @@ class DistributedParameter(nn.Parameter):
                         f"distwgrad.make_graphed_callables (a graph-owned buffer) or run backward_dw() outside "
                         f"the graph. [Note: captured distributed weights] in distwgrad/graphs.py")
                 self._buffer = graph_buffer.zero_()  # the capture zeroes it where eager code allocates
-                return self._buffer
-            if self._in_place():
-                self._buffer = self._main_grad()  # [Note: a group of one]
             else:
                 self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
         return self._buffer
