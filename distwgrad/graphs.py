@@ -309,6 +309,7 @@ class _GraphSet:
         self.callables: list[_Callable] = []
         self.pending: weakref.WeakSet[_Replay] = weakref.WeakSet()
         self.weights: list[DistributedParameter] = []
+        self.stream: Any = None  # the warm-up's and the captures' side stream
         self.alive = True
 
     def check_alive(self, what: str) -> None:
@@ -413,10 +414,11 @@ def _drain_into(sink: dict, modules: list[nn.Module]) -> None:
                 m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
 
 
-def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, recipe: Recipe | None) -> None:
+def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, recipe: Recipe | None,
+            stream: torch.cuda.Stream) -> None:
     all_deferred = [s for c in calls for s in _deferred_modules(c.module)]
     torch.cuda.synchronize()
-    with torch.cuda.stream(torch.cuda.Stream()):
+    with torch.cuda.stream(stream):
         for i, c in enumerate(calls):
             wants = [j for j, t in enumerate(c.surface) if t.requires_grad]
             grads: tuple = ()
@@ -445,8 +447,8 @@ def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, r
 def _capture_forwards(gs: _GraphSet, calls: list[_Callable], fp8: Callable, recipe: Recipe | None) -> None:
     for i, c in enumerate(calls):
         c.fwd_ledger = _Ledger(gs.weights)
-        with _explain(f"the forward capture of module {i}", recipe), torch.cuda.graph(c.fwd_graph, pool=gs.pool), \
-                fp8():
+        with _explain(f"the forward capture of module {i}", recipe), \
+                torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8():
             out = c.module(*c.args, **c.kwargs)
         c.fwd_ledger.close()
         flat, c.spec = pytree.tree_flatten(out)
@@ -467,7 +469,7 @@ def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool
         grads: tuple = ()
         if outs:
             with _explain(f"the backward capture of module {i}", recipe), \
-                    torch.cuda.graph(c.bwd_graph, pool=gs.pool):
+                    torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream):
                 grads = torch.autograd.grad(outs, [c.surface[j] for j in c.bwd_inputs],
                                             [g for g in c.static_grad_outputs if g is not None],
                                             only_inputs=True, allow_unused=True, retain_graph=retain_graph)
@@ -490,7 +492,7 @@ def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, lis
             sink: dict = {}
             item.ledger = _Ledger(gs.weights)
             with _explain(f"the deferred wgrad capture of {m.wgrad_store.owner} (module {i})", recipe), \
-                    torch.cuda.graph(item.graph, pool=gs.pool), graph_owned_gradients(sink):
+                    torch.cuda.graph(item.graph, pool=gs.pool, stream=gs.stream), graph_owned_gradients(sink):
                 m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
             item.ledger.close()
             item.owned = list(sink.values())
@@ -630,7 +632,10 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(mods, args, kwargs, flat)]
     gs.callables = calls
     try:
-        _warmup(calls, num_warmup_iters, allow_unused_input, fp8, recipe)
+        # One side stream for the warm-up and every capture: the per-stream library workspaces (cuBLAS)
+        # are allocated in the warm-up, outside the graphs' pool, so reset() can release the whole pool.
+        gs.stream = torch.cuda.Stream()
+        _warmup(calls, num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream)
         for p in weights:
             p.discard_step()
             p.expect_contribution(0)  # opens the step eagerly: its main_grad.zero_() stays out of the graph
