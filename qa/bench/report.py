@@ -59,7 +59,7 @@ class Layout:
 
 _LAYOUT = {
     "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch",
-                         metrics=("tokens_per_s", "peak_gib", "collectives_per_step", "comm_hidden")),
+                         metrics=("tokens_per_s", "peak_gib", "collectives_per_step")),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",)),
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
