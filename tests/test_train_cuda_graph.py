@@ -159,7 +159,8 @@ class _ModelGraph:
 def modelled_cuda(monkeypatch):
     for name, value in (("is_available", lambda: True), ("synchronize", lambda *a: None),
                         ("Stream", lambda *a, **k: None), ("stream", lambda s: contextlib.nullcontext()),
-                        ("CUDAGraph", _ModelGraph), ("graph", lambda g, pool=None: contextlib.nullcontext()),
+                        ("CUDAGraph", _ModelGraph),
+                        ("graph", lambda g, pool=None, stream=None: contextlib.nullcontext()),
                         ("graph_pool_handle", lambda: "pool"), ("get_sync_debug_mode", lambda: 0),
                         ("set_sync_debug_mode", lambda mode: None), ("empty_cache", lambda: None),
                         ("memory_allocated", lambda *a: 0)):
