@@ -26,6 +26,7 @@ import torch
 import distwgrad
 from distwgrad import ReducePolicy, ShardedWeight
 from distwgrad.nn import Linear
+from distwgrad.testing import sweep
 from distwgrad.testing.multiprocess import for_each_case, run_distributed
 from distwgrad.weights import _accounting
 
@@ -86,8 +87,9 @@ def _memory_case(case, rank, world, device="cpu"):
 
 CASES = [dict(policy=p, delay=d, **{"async": a})
          for p, d, a in itertools.product(["per_microbatch", "per_step"], [False, True], [False, True])]
-CASES += [dict(policy="per_microbatch", delay=d, coalesced=True, **{"async": a})
-          for d, a in itertools.product([False, True], [False, True])]
+# Coalesced units (distwgrad.coalesce): CI samples the sync eager and the async deferred case, --full runs 4.
+CASES += sweep.sample([dict(policy="per_microbatch", delay=d, coalesced=True, **{"async": a})
+                       for d, a in itertools.product([False, True], [False, True])], 2)
 
 
 def _sweep(rank, world, cases, device="cpu"):

@@ -234,7 +234,8 @@ class _Bucket:
             self.flush()
 
     def flush(self) -> None:
-        """Reduces every complete member in one collective (several ranks) or on its own (none left)."""
+        """Reduces every complete member of the bucket in one reduce-scatter (then, on a 2-D mesh, one
+        all-reduce across replicas); members with contributions outstanding keep their buffers."""
         ready = [w for w in self.members if self.complete(w)]
         if not ready:
             return
