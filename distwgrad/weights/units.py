@@ -497,22 +497,10 @@ class Units(list):
             self._bwd_order.append(unit)
 
     def next_forward(self, unit: Unit) -> list[Unit]:
-        if unit.forward_prefetch is not None:
-            return unit.forward_prefetch
-        order = self._fwd_order
-        if self._learning_fwd or unit not in order:
-            return []
-        i = order.index(unit)
-        return order[i + 1:i + 2]
+        return _after(unit, unit.forward_prefetch, self._fwd_order, self._learning_fwd)
 
     def next_backward(self, unit: Unit) -> list[Unit]:
-        if unit.backward_prefetch is not None:
-            return unit.backward_prefetch
-        order = self._bwd_order
-        if self._learning_bwd or unit not in order:
-            return []
-        i = order.index(unit)
-        return order[i + 1:i + 2]
+        return _after(unit, unit.backward_prefetch, self._bwd_order, self._learning_bwd)
 
     def _backward_live(self, unit: Unit) -> None:
         """At most the current and the next unit keep backward copies."""
@@ -526,6 +514,16 @@ class Units(list):
         for u in self:
             u.drop()
         self._bwd_live = []
+
+
+def _after(unit: Unit, explicit: list[Unit] | None, order: list[Unit], learning: bool) -> list[Unit]:
+    """The units to prefetch after ``unit``: the explicit list if set, else the next one of a learned order."""
+    if explicit is not None:
+        return explicit
+    if learning or unit not in order:
+        return []
+    i = order.index(unit)
+    return order[i + 1:i + 2]
 
 
 def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
