@@ -131,3 +131,23 @@ def test_grouped_linear_fused_into_any_main_grad_dtype(main_dtype):
         tol = (2 ** -7 if main_dtype == torch.bfloat16 else 2 ** -14) * want.abs().max().item()  # output rounding
         assert (got.double() - want).abs().max().item() <= tol, main_dtype
         s += m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgrad_mm_accumulates_in_place_in_fp32(dtype):
+    """``wgrad_mm`` into an fp32 buffer: one GEMM whose epilogue adds into the buffer (no fp32 product
+    written and read back), as close to fp64 as the two-step ``out + mm(out_dtype=fp32)``."""
+    from distwgrad.ops.gemm import wgrad_mm
+
+    torch.manual_seed(0)
+    dy, x = (torch.randn(4096, n, device="cuda", dtype=dtype) for n in (384, 640))
+    out = torch.randn(384, 640, device="cuda") * 8
+    before = out.clone()
+    exact = before.double() + dy.double().t() @ x.double()
+    two_step = before + torch.mm(dy.t(), x, out_dtype=torch.float32)
+    ptr = out.data_ptr()
+    assert wgrad_mm(dy, x, out) is out and out.data_ptr() == ptr
+    err = (out.double() - exact).abs().max().item()
+    ref_err = (two_step.double() - exact).abs().max().item()
+    floor = torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert err <= 2 * ref_err + floor, (err, ref_err, floor)
