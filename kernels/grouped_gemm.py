@@ -194,7 +194,7 @@ def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, acc
     an fp32 output to add into (a fresh wgrad runs the Triton kernel)."""
     if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
         return False
-    from . import _grouped_wgrad_fp8_gluon as kw
+    from .gluon import grouped_wgrad_fp8 as kw
     out_ok = accumulate and out.dtype == torch.float32
     return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out_ok
             and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1)) and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1))
@@ -212,7 +212,7 @@ def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -
 def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table) -> bool:
     """Launches the Gluon wgrad; False (and one warning) if this Triton cannot build it: the caller then
     runs the Triton kernel."""
-    from . import _grouped_wgrad_fp8_gluon_launch as kl
+    from .gluon import grouped_wgrad_fp8_launch as kl
     if "wgrad16" in _GLUON_FAILED:
         return False
     t = _tuning().grouped_gemm

@@ -137,8 +137,8 @@ def test_gluon_wgrad_reaches_tritons_allocator_setting():
     pytest.importorskip("triton")
     from contextvars import ContextVar
 
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     assert isinstance(kl._allocator(), ContextVar)

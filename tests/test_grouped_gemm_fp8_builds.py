@@ -97,7 +97,7 @@ def test_compiles_for_sm90(variant):
 def _sm90_gluon_ptxas(blockwise: bool, a_dt: str, block_m: int = 128) -> tuple[str, str]:
     """(PTX, ptxas -v messages) of the Gluon promoting kernel for sm_90a at the first MoE shape, tiles of
     ``block_m`` rows (one warpgroup per 64)."""
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     from triton.experimental.gluon import language as gl
     E, T, K, N = _MOE["E"], _MOE["T"], _MOE["K"], _MOE["N"]
     L = kg.BLOCK
@@ -135,7 +135,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     serializes the wgmmas (C7514: a non-wgmma instruction reading an in-flight accumulator; C7512:
     registers) nor spills."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     if not kg.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     recipe, a_ty, *rest = variant.split("/")
@@ -168,7 +168,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     ([Note: a group's edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
     likewise into a stacked output; 8 elements of a fresh bf16 / fp16 output)."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     from triton.experimental.gluon import language as gl
@@ -236,7 +236,7 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     warps and fenced for the async proxy ("zero"; [Note: a group's tail zero-filled by TMA]); chained, one
     wait per step and no promotion ([Note: chained bf16 accumulation])."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     from triton.experimental.gluon import language as gl

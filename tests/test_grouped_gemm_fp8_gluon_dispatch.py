@@ -31,7 +31,7 @@ def test_gluon_kernel_only_where_it_applies(monkeypatch):
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     k = _kernels()
     a, cap = _pretend_hopper(monkeypatch, k)
     w = torch.empty(4, 256, 512)                       # [E, N, K]
@@ -82,7 +82,7 @@ def test_gluon_launch_grid(monkeypatch, T, grid):
     """``_launch_gluon_ragged``: the persistent kernel gets min(bound on the tiles, SMs) programs (the
     offsets stay on the device, so the host bounds the tiles by cdiv(T, 128) + E row tiles per column)."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     if not kg.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     k = _kernels()
@@ -116,7 +116,7 @@ def test_gluon_wgrad_only_where_it_applies(monkeypatch):
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     k = _kernels()
     a, cap = _pretend_hopper(monkeypatch, k)
     assert k._gluon_wgrad(a, 0, True, True) == kw.AVAILABLE
@@ -175,7 +175,7 @@ def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
     """A Triton whose Gluon cannot build the wgrad kernel: one RuntimeWarning naming the error, then the
     Triton kernel, and no second attempt."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
     from triton.compiler.errors import CompilationError
     k = _kernels()
     calls, taken = [], []
@@ -203,10 +203,10 @@ def test_gluon_wgrad_build_failure_falls_back_once(monkeypatch):
 @pytest.mark.parametrize("accumulate,table,tiles,grid", [(False, False, 2 * 2 * 1, 4), (True, True, 2 * 2 * 1, 4),
                                                          (True, False, None, 132)])
 def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
-    """``_grouped_wgrad_fp8_gluon_launch.launch``: min(tiles, SMs) programs; the module's launch choices
+    """``grouped_wgrad_fp8_launch.launch``: min(tiles, SMs) programs; the module's launch choices
     (``GroupedGemmFp8Tuning.wgrad_gluon_*``) and the output form reach the kernel."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     k = _kernels()
@@ -236,8 +236,8 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
     """[Note: tracing the MMA warps' tile phases]: ``launch(..., trace=)`` hands the kernel the buffer and
     its tiles per program, and refuses a buffer of another shape, naming both."""
     pytest.importorskip("triton")
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
     if not kw.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     launched = []

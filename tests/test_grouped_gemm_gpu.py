@@ -165,7 +165,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch, kernel_tuning):
     group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail zero-filled by TMA]),
     chained ([Note: chained bf16 accumulation]); every call ran in the Gluon kernel, and a fresh wgrad in
     the Triton kernel."""
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
@@ -187,7 +187,7 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, kernel_tuning):
     into unrouted rows: those must count as zeros, even where they are NaN ([Note: a group's tail
     zero-filled by TMA]). The unrouted rows of dy and x are NaN here; the sums must match the oracle over
     the routed rows alone."""
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     k = _kernels()
@@ -212,7 +212,7 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, kernel_tuning):
 def test_gpu_gluon_wgrad_restores_the_callers_allocator(kernel_tuning):
     """The Gluon wgrad's scratch comes from torch for its own launch only: a caller's Triton allocator is
     neither called nor replaced ([Note: a group's tail zero-filled by TMA])."""
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     from triton.runtime import _allocation
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
@@ -254,7 +254,7 @@ def test_gpu_cuda_graph_and_compile(wgrad, kernel_tuning):
     if wgrad == "triton":
         kernel_tuning(grouped_gemm=dict(wgrad_gluon=False))
     elif wgrad != "default":
-        from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+        from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
         if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
         kernel_tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=0, wgrad_gluon_tail=wgrad.split("/")[1]))

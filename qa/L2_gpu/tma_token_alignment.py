@@ -3,7 +3,7 @@
 [Note: fp8 wgrad chunks] (``kernels/grouped_gemm_fp8.py``) rests on it: the wgrad's operands dy^T and x^T
 hold tokens innermost, so where a chunk may start is the TMA box's innermost coordinate. Each offset runs
 in its own process (a faulting load ends the CUDA context) through a Triton descriptor load and a Gluon
-one (``_gluon_tiles.tma_load``, 128-byte swizzle) of a 128 x 128 box, compared byte for byte with the
+one (``gluon.tma_load``, 128-byte swizzle) of a 128 x 128 box, compared byte for byte with the
 torch slice. On an H200 (2026-11-30, Triton 3.6) offsets 0 and 16 loaded right and 1, 5, 17 and 100
 raised an illegal instruction, in both. Usage: ``python3 qa/L2_gpu/tma_token_alignment.py [offsets...]``.
 """
@@ -16,7 +16,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from distwgrad.kernels._gluon_tiles import descriptor, fence_async_shared, gl, gluon, mbarrier, tma_load
+from distwgrad.kernels.gluon import descriptor, fence_async_shared, gl, gluon, mbarrier, tma_load
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 BOX = 128

@@ -1,5 +1,5 @@
 """Where the Gluon FP8 wgrad kernel's time goes, tile by tile ([Note: tracing the MMA warps' tile phases]
-in ``kernels/_grouped_wgrad_fp8_gluon.py``): one traced launch per shape and routing, the MMA warps'
+in ``kernels/gluon/grouped_wgrad_fp8.py``): one traced launch per shape and routing, the MMA warps'
 cycle counter read at four points of each tile, summarised as shares of the programs' spans.
 
     python qa/bench/fp8_wgrad_trace.py                                   # E=64 and E=8, both routings
@@ -61,9 +61,9 @@ def summarize(trace: torch.Tensor) -> dict:
 
 def run(shape: str, routing: str, accumulate: bool, epilogue_warps: int, dry: bool = False,
         zero_edges: bool = True) -> dict:
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
     from distwgrad.kernels import current
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
     from distwgrad.kernels.grouped_gemm import _num_sms
     from triton.testing import do_bench
 

@@ -138,7 +138,7 @@ def fp8_ab(args) -> list[dict]:
     import importlib
 
     import fp8 as B
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     from triton.testing import do_bench
 
     from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
@@ -180,7 +180,7 @@ def fp8_ab(args) -> list[dict]:
 
 def wgrad_ab(args) -> list[dict]:
     """The FP8 per-tensor wgrad (the Gluon kernel) through today's build and each ``--wgrad-ab`` module's
-    (other builds of ``_grouped_wgrad_fp8_gluon``, modules of ``distwgrad.kernels``), at each ring depth of
+    (other builds of ``gluon.grouped_wgrad_fp8``, modules of ``distwgrad.kernels``), at each ring depth of
     ``--wgrad-stages``, interleaved in one process (medians of ``--repeats`` passes, each in a rotated
     order), beside our bf16 kernel: fresh in
     fp32 and in bf16, fresh in bf16 on the aligned layout ([Note: aligned token groups]), and added into fp32.
@@ -192,10 +192,10 @@ def wgrad_ab(args) -> list[dict]:
     import statistics
 
     import fp8 as B
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon_launch as kl
     from distwgrad.kernels import grouped_gemm_fp8 as F
     from distwgrad.kernels import token_layout as kt
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
     from triton.testing import do_bench
 
     from distwgrad.fp8.recipe import PerTensorScaling

@@ -46,8 +46,8 @@ def _tools() -> tuple[str, str]:
 def variants() -> dict[str, tuple]:
     """name -> (kernel, constexprs, num_warps, maxnreg, elements per program); bf16 input, e4m3 output,
     power-of-two scales, L = 128 (the blockwise recipe's defaults)."""
-    from distwgrad.kernels import _quantize_rowcol_gluon as kg
     from distwgrad.kernels import quantize as kq
+    from distwgrad.kernels.gluon import quantize_rowcol as kg
     rowcol = dict(_E4M3, POW2=True, L=128)
     gluon = {} if not kg.AVAILABLE else {  # [Note: rows and columns without a transpose]
         "rowcol gluon": (kg.rowcol_kernel, dict(NUM=448.0, FP8=tl.float8e4nv), kg.NUM_WARPS.value, None, 128 * 128)}

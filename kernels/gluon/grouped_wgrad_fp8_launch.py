@@ -1,4 +1,4 @@
-"""Host launchers of the Gluon wgrad kernel (``_grouped_wgrad_fp8_gluon.wgrad_kernel``).
+"""Host launchers of the Gluon wgrad kernel (``grouped_wgrad_fp8.wgrad_kernel``).
 
 ``launch``: the FP8 wgrad, per-tensor recipe, from dy^T [N, T] and x^T [K, T] (tokens innermost).
 ``launch_tokens_outer``: the bf16 / fp16 wgrad from dy [T, N] and x [T, K] as the caller holds them
@@ -15,8 +15,8 @@ import functools
 
 import torch
 
-from . import _grouped_wgrad_fp8_gluon as _k
-from ._context import ensure_context
+from .._context import ensure_context
+from . import grouped_wgrad_fp8 as _k
 
 __all__ = ["launch", "launch_tokens_outer", "trace_shape", "TAILS"]
 

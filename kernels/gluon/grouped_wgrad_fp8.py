@@ -1,0 +1,456 @@
+"""FP8 wgrad over ragged token groups in Gluon, per-tensor recipe with the split accumulator: the
+products of ``grouped_gemm_fp8._wgrad_fp8_kernel`` (``EDGES`` "edges"), with each 128-token partial sum
+added to the fp32 accumulator while the next chunk's MMAs run.
+
+[Note: fp8 wgrad under the next MMA]
+The Triton FP8 wgrad promotes every 128 tokens (``max_num_imprecise_acc``), and Triton waits for each
+chunk's MMAs before the add (``wgmma.wait_group 0``): Nsight Compute on an H200 found its tensor pipes
+34% busy at ~1024 tokens per group, with those waits among the most-sampled stalls. This kernel runs
+the fprop/dgrad Gluon kernel's promoting loop (``grouped_gemm_fp8``, [Note: promotion under the
+next MMA]: the same functions) over wgrad tiles: a = dy^T [N, T], b = x^T [K, T], both fp8 with the
+tokens innermost; output tile [BLOCK_M of N, BLOCK_N of K] of group e, contracted over the group's tokens
+in chunks on the global 128-token grid (the Triton kernel's chunks, so the same partial sums in the same
+order: the same bits).
+
+Persistent and warp-specialized: one program per SM walks tiles pid, pid + grid, ... (group-major,
+``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition
+loads the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps zero the edge chunks' foreign
+tokens (below), run the loop and apply the per-tensor scales; the epilogue (store, load-add-store or
+fp32 reductions into ``out``, 16 bytes of a row per instruction) runs in two epilogue warps from a
+shared-memory copy of the tile ([Note: an epilogue partition]; with EPI_WARPS = 0 the MMA warps write it
+themselves). Each tile's handoff (or epilogue) comes after the next tile's first chunk is issued
+([Note: the next tile's first step under the epilogue]).
+
+[Note: a group's edge chunks in shared memory]
+A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may
+even be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop at a group's edge, and
+the MMA reads its operands from shared memory, so they are zeroed there: the MMA warps, once the chunk
+has landed and before they issue its MMAs, rewrite the other group's token columns of both operands
+(``tiles.zero_edges``, one 16-byte unit per thread per pass, the 128-byte swizzle undone in the
+index math, the byte masks computed once per chunk for every pass over both operands), fence the writes
+for the async proxy and synchronize their warps. Only a group's first
+and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128); a last chunk
+is rewritten while the previous chunk's MMAs run.
+Why the MMA warps zero the edge chunks (and what the zeroing costs beside the epilogue partition):
+docs/benchmarks/LOG.md.
+
+[Note: an epilogue partition]
+At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written,
+or read and written) about as long: written by the MMA warps, it stalls the tensor pipes between tiles
+(balanced routing, 4 stages, no prefetch: 393 TFLOP/s accumulating where the Triton kernel, two CTAs per
+SM, hides one CTA's epilogue under the other's MMAs, ran 501). With EPI_WARPS = 2 the MMA warps hand the
+scaled tile over in shared memory instead (``_hand_off``: wait until the previous tile has been read,
+store, arrive; ~0.5 us), and two epilogue warps (``_epilogue``) write it to global memory, EPI_ROWS rows
+at a time, while the MMA warps run the next tile. One 64 KB buffer (32 KB for a fresh 16-bit output,
+[Note: a 16-bit handoff]): the handoff of tile i + 1 waits for the epilogue warps to have read tile i, a
+whole tile's MMAs later. Its layout swizzles 32-byte units over
+8 rows so that both the MMA layout's 8-byte stores and the epilogue's row-wise 16-byte loads are free of
+bank conflicts (``gl.bank_conflicts``: 0 and 0; unswizzled the stores take 4 wavefronts for 1).
+The epilogue warps share the TMA warp's warpgroup (3 of its 4 warps), so the MMA warps keep their 232
+registers; the shared memory is 5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the
+MMA warps' own epilogue goes away). Both partitions walk the same tiles and agree on which tiles write
+(``_writes``), so every handoff has its reader. Traced ([Note: tracing the MMA warps' tile phases]), the
+handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%. Why this writer and not
+a TMA store or direct stores: docs/benchmarks/LOG.md.
+
+[Note: a 16-bit handoff]
+A fresh bf16 / fp16 output (``grouped_wgrad_fp8(..., out_dtype=)``, what the modules take without
+``main_grad``) is rounded by the MMA warps before the handoff instead of by the epilogue warps after it:
+the same fp32 value rounded to nearest even by the same conversion, so the same bits (the GPU tests
+compare it with the fp32 output rounded), and the handed-off tile is 32 KB instead of 64 KB. The MMA
+warps then store one 4-byte word per column pair (against 8 bytes), half the shared-memory wavefronts;
+the epilogue warps read 8 values per 16-byte load. The swizzle is the fp32 tile's in elements (16-byte
+units over 8 rows), conflict-free for both sides again. The 32 KB saved fit a sixth ring stage
+(``GroupedGemmFp8Tuning.wgrad_gluon_stages_16``). An accumulating output and a table of bases (fp32) hand
+off in fp32 as before. On an H200 (docs/benchmarks.md, medians of 7 interleaved passes against the
+build before it): E=64 fresh bf16 on the aligned layout ([Note: aligned token groups]) 888 / 894 TFLOP/s
+(5 / 6 stages) against 825, 1.60x / 1.62x our bf16 kernel against 1.49x; on the plain layout 686 / 712
+against 689 (the edge chunks' zeroing bounds it there); E=8 aligned 1188 / 1173 against 1141.
+
+[Note: tracing the MMA warps' tile phases]
+Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
+(``grouped_wgrad_fp8_launch.launch(..., trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA
+warps read the SM's cycle counter at four points of each tile with tokens: the loop's top, the first
+chunk's MMAs issued (``_begin``: the wait for its stage, the edge zeroing), the previous tile handed off
+or written (``_flush``), and the last chunk done (``_accumulate``), and store them with the tile's chunk
+count. Off (the default), nothing of it is built. A traced launch may also write nothing (ADD_MODE -1:
+the epilogue warps read each handed-off tile from shared memory and drop it), to time the chunks without
+the output's global traffic, and such a dry run may skip the edge chunks' zeroing (ZERO_EDGES = False),
+to time what it costs.
+
+[Note: the bf16 wgrad in the fp8 kernel]
+The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``,
+``grouped_wgrad_fp8_launch.launch_tokens_outer``; ``GroupedGemmTuning.wgrad_gluon``, where groups
+average 256 tokens or more): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a
+[64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
+and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
+there). The token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at
+its first token and only its last chunk can hold another group's tokens: those token rows of both
+stages are zeroed (``tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded
+([Note: a group's tail zero-filled by TMA]). The persistent schedule and the epilogue partition are the
+FP8 kernel's, the loop chained ([Note: chained bf16 accumulation]); the
+scales are ones. bf16 MMAs run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long
+while its fp32 epilogue stays, for the partition to hide. Accumulating on an H200, chained, tails
+zero-filled by TMA (docs/benchmarks.md, medians of interleaved rounds): 461 TFLOP/s at E=64, 1.13x the
+Triton kernel (0.80x grouped_mm's plain wgrad), 1.05x at E=8 (1.01x grouped_mm's plain wgrad) and 0.78x
+at E=128, whose groups of 128 tokens (two chunks per tile, an fp32 epilogue as long as the MMAs) stay
+with the Triton kernel (``GroupedGemmTuning.wgrad_gluon_min_tokens``).
+
+[Note: a group's tail zero-filled by TMA]
+In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or
+unrouted rows (which may be NaN). With GROUP_DESC (``launch_tokens_outer(tail="tma")``, the default) the
+TMA warp builds descriptors of dy and x whose base is the group's first token and whose row extent is
+the group's size, whenever its next tile belongs to another group than the last
+(``tma.make_tensor_descriptor``: 128 bytes each in Triton's global scratch, published to the TMA unit
+through the tensormap proxy's fences), so TMA fills the rows past the end with zeros and the MMA warps
+zero nothing. A base at any token is 16-byte aligned because the row stride is
+(a TMA requirement of the whole tensor already), which is why this serves the tokens-outer bf16 stages
+and not the fp8 ones: there the token is the inner coordinate, and a group starting off a 16-token
+boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``). With
+tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero the rows past the end
+(``tiles.zero_rows``); a Triton whose allocator setting cannot be reached runs that. Measured on
+an H200 (docs/benchmarks.md): built for every tile, the descriptors cost more than the zeroing (E=64 418
+against 444 TFLOP/s, E=8 565 against 577; not profiled: the TMA warp waits for its fences before each
+tile's first load); rebuilt on a change of group only (every ~7 tiles per program at E=64, every tile at
+E=128) they tie or win: chained, 2-5% at each shape.
+
+[Note: chained bf16 accumulation]
+The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under
+the next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precision), bf16 does not. With
+CHAIN (what ``launch_tokens_outer`` launches) a bf16 tile's chunks after the first accumulate into the
+registers of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the
+chunk before it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
+On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md).
+
+Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
+TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
+output ``[E, N, K]`` (bf16 / fp16 when fresh) or a table of per-group fp32 bases (``PTR_TABLE``).
+Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-features (x^T rows), E groups.
+"""
+
+from . import (
+    AVAILABLE,
+    aggregate,
+    constexpr_function,
+    descriptor,
+    field,
+    gl,
+    gluon,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from . import WS_PAIRS as _WS_PAIRS
+from . import tma_load as _tma_load
+from .grouped_gemm_fp8 import Chunks, Scales, _accumulate, _begin
+from .tiles import Ring, WgradSchedule
+from .tiles import wgrad_tile as _tile
+from .tiles import zero_rows as _zero_rows
+from .wgrad_epilogue import Handoff, Out
+from .wgrad_epilogue import epilogue as _epilogue
+from .wgrad_epilogue import flush as _flush
+
+__all__ = ["AVAILABLE", "BLOCK", "BLOCK_K_16", "wgrad_kernel", "descriptor"]
+
+BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion interval)
+BLOCK_K_16 = 64  # tokens per chunk of the bf16/fp16 wgrad (TOKENS_OUTER): 128 bytes, the swizzle's line
+EPI_ROWS = 8   # rows of the handed-off tile the epilogue warps write per step ([Note: an epilogue partition])
+EPI_REGS = 40  # registers per epilogue thread: what the MMA warps' 232 leave in 64K (it shares the TMA warp's
+#                warpgroup)
+_Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT specializes it (a 1)
+
+
+@aggregate
+class GroupSource:
+    """Where the TMA warp builds per-group descriptors from (GROUP_DESC, [Note: a group's tail zero-filled
+    by TMA]): dy at ``a_ptr`` and x at ``b_ptr``, token strides ``stride_at`` and ``stride_bt``."""
+
+    a_ptr: gl.tensor
+    b_ptr: gl.tensor
+    stride_at: _Scalar
+    stride_bt: _Scalar
+    GROUP_DESC: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC):
+        self.a_ptr = field(a_ptr)
+        self.b_ptr = field(b_ptr)
+        self.stride_at = field(stride_at)
+        self.stride_bt = field(stride_bt)
+        self.GROUP_DESC = field(GROUP_DESC)
+
+
+@aggregate
+class Trace:
+    """With TRACE, where the MMA warps record their tile phases: ``trace_ptr`` [programs, TRACE_TILES, 5]
+    ([Note: tracing the MMA warps' tile phases])."""
+
+    trace_ptr: gl.tensor
+    TRACE_TILES: _Scalar
+    TRACE: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, trace_ptr, TRACE_TILES, TRACE):
+        self.trace_ptr = field(trace_ptr)
+        self.TRACE_TILES = field(TRACE_TILES)
+        self.TRACE = field(TRACE)
+
+
+@gluon.jit
+def _chain(ring, ch, acc, mma: gl.constexpr):
+    """Steps 1 .. n_k - 1 of a bf16 tile whose step 0 (``_begin``) is in flight as ``acc``, each chunk's
+    MMAs accumulating into the same registers ([Note: chained bf16 accumulation]); the tile's sum, every
+    MMA of it done. A step's stage goes back to the TMA warp once the next step's MMAs are issued."""
+    NUM_STAGES: gl.constexpr = ring.NUM_STAGES
+    for k in range(1, ch.n_k):
+        g = ch.base + k
+        s = g % NUM_STAGES
+        mbarrier.wait(ring.ready.index(s), (g // NUM_STAGES) & 1)
+        if ch.EDGES:
+            _zero_rows(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[1], ch.t_hi,
+                       mma.warps_per_cta[0])
+        acc = warpgroup_mma(ring.a_bufs.index(s).permute((1, 0)), ring.b_bufs.index(s), acc, use_acc=True,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(ring.empty.index((g - 1) % NUM_STAGES), count=1)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Descriptors of dy and x over the group's rows [start, end) alone: a chunk's rows past its end load
+    as zeros (an empty group's, one row long, is never loaded from)."""
+    rows_g = gl.maximum(end - start, 1)
+    a_g = tma.make_tensor_descriptor(src.a_ptr + start.to(gl.int64) * src.stride_at, [rows_g, N], [src.stride_at, 1],
+                                     [BLOCK_K, BLOCK_M], ring.a_desc.layout)
+    b_g = tma.make_tensor_descriptor(src.b_ptr + start.to(gl.int64) * src.stride_bt, [rows_g, K], [src.stride_bt, 1],
+                                     [BLOCK_K, BLOCK_N], ring.b_desc.layout)
+    return a_g, b_g
+
+
+@gluon.jit
+def _produce(ring, sched, src, TOKENS_OUTER: gl.constexpr):
+    """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
+    (a fresh mbarrier counts as released for the first round), then loads it. GROUP_DESC (the bf16
+    wgrad): each tile loads through descriptors of its group's tokens alone, built here from ``src``
+    ([Note: a group's tail zero-filled by TMA])."""
+    a_desc = ring.a_desc
+    b_desc = ring.b_desc
+    NUM_STAGES: gl.constexpr = ring.NUM_STAGES
+    GROUP_DESC: gl.constexpr = src.GROUP_DESC
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
+    N = sched.N
+    K = sched.K
+    tiles_m = gl.cdiv(N, BLOCK_M)
+    tiles_n = gl.cdiv(K, BLOCK_N)
+    g = sched.pid * 0
+    if GROUP_DESC:
+        gl.static_assert(TOKENS_OUTER, "per-group descriptors serve the tokens-outer (bf16) wgrad")
+        e, row0, col0, start, end, first, n_k = _tile(sched.pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                      TOKENS_OUTER)
+        a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
+        g_e = e
+    for tile in range(sched.pid, sched.total, sched.nprog):
+        e, row0, col0, start, end, first, n_k = _tile(tile, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                      TOKENS_OUTER)
+        if GROUP_DESC:
+            if e != g_e:  # rebuilt when the program's tiles move to another group
+                a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
+                g_e = e
+        for k in range(n_k):
+            s = g % NUM_STAGES
+            mbarrier.wait(ring.empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
+            bar = ring.ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if GROUP_DESC:
+                _tma_load(a_g, [k * BLOCK_K, row0], bar, ring.a_bufs.index(s))
+                _tma_load(b_g, [k * BLOCK_K, col0], bar, ring.b_bufs.index(s))
+            elif TOKENS_OUTER:
+                _tma_load(a_desc, [first + k * BLOCK_K, row0], bar, ring.a_bufs.index(s))
+                _tma_load(b_desc, [first + k * BLOCK_K, col0], bar, ring.b_bufs.index(s))
+            else:
+                _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, ring.a_bufs.index(s))
+                _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, ring.b_bufs.index(s))
+            g += 1
+
+
+@gluon.jit
+def _clock(like):
+    """The SM's cycle counter (``%clock64``; ``like``: any scalar of the partition, for the shape)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [like], dtype=gl.int64, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
+def _trace(trace, pid, j, t_top, t_begun, t_flushed, t_done, n_k):
+    """Record j of program pid ([Note: tracing the MMA warps' tile phases]): its four clocks and chunks."""
+    if j < trace.TRACE_TILES:
+        rec = trace.trace_ptr + (pid.to(gl.int64) * trace.TRACE_TILES + j) * 5
+        gl.store(rec, t_top)
+        gl.store(rec + 1, t_begun)
+        gl.store(rec + 2, t_flushed)
+        gl.store(rec + 3, t_done)
+        gl.store(rec + 4, n_k.to(gl.int64))
+
+
+@gluon.jit
+def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
+             ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr, CHAIN: gl.constexpr):
+    """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
+    its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
+    With TRACE, [Note: tracing the MMA warps' tile phases]."""
+    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if TOKENS_OUTER else ring.a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = ring.a_desc.block_type.shape[0] if TOKENS_OUTER else ring.a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if TOKENS_OUTER else ring.b_desc.block_type.shape[0]
+    TRACE: gl.constexpr = trace.TRACE
+    pid = sched.pid
+    nprog = sched.nprog
+    total = sched.total
+    N = sched.N
+    K = sched.K
+    tiles_m = gl.cdiv(N, BLOCK_M)
+    tiles_n = gl.cdiv(K, BLOCK_N)
+    a_scale = gl.load(as_ptr)
+    b_scale = gl.load(bs_ptr)
+    zero = pid * 0
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))  # the loop's blockwise scale rows: unused
+    rows_ok = rows < 0
+    sc = Scales(as_ptr, bs_ptr, 0, 0, 0, 0, 0, False)  # per-tensor: applied in the epilogue
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    base = zero
+    p_e = zero
+    p_row0 = zero
+    p_col0 = zero
+    p_rows = zero      # rows the previous tile writes (0: nothing)
+    p_as = a_scale
+    p_bs = b_scale
+    h = zero           # handoffs to the epilogue warps so far
+    # each tile's place is read one tile ahead: its offsets' loads run under the tile before, not
+    # between the two tiles' MMAs (the last tile reads its own again)
+    e, row0, col0, start, end, first, n_k = _tile(pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                  TOKENS_OUTER)
+    for tile in range(pid, total, nprog):
+        e1, row1, col1, start1, end1, first1, n_k1 = _tile(gl.minimum(tile + nprog, total - 1), sched, tiles_m,
+                                                           tiles_n, BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
+        if TRACE:
+            t_top = _clock(pid)
+        if n_k > 0:
+            ch = Chunks(base, n_k, first, start, end, ZERO_EDGES, TOKENS_OUTER)
+            prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, sc, zero.to(gl.int64), zero, rows, rows_ok,
+                                                                mma)
+            if TRACE:
+                t_begun = _clock(pid)
+            h = _flush(acc, out, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, hand, h, mma, EPI_WARPS)
+            if TRACE:
+                t_flushed = _clock(pid)
+            if CHAIN:
+                acc = _chain(ring, ch, prev, mma)
+            else:
+                acc = _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma)
+            mbarrier.arrive(ring.empty.index((base + n_k - 1) % ring.NUM_STAGES), count=1)
+            if TRACE:
+                _trace(trace, pid, (tile - pid) // nprog, t_top, t_begun, t_flushed, _clock(pid), n_k)
+        else:  # an empty group: zeros for a fresh output (scales 1, even NaN ones), nothing to add
+            h = _flush(acc, out, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, hand, h, mma, EPI_WARPS)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        base += n_k
+        p_e = e
+        p_row0 = row0
+        p_col0 = col0
+        p_rows = gl.where(n_k > 0, N, 0)
+        if out.ADD_MODE == 0:  # a fresh output gets every tile, an empty group's too
+            p_rows = N + zero
+        p_as = gl.where(n_k > 0, a_scale, 1.0)
+        p_bs = gl.where(n_k > 0, b_scale, 1.0)
+        e = e1
+        row0 = row1
+        col0 = col1
+        start = start1
+        end = end1
+        first = first1
+        n_k = n_k1
+    _flush(acc, out, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, hand, h, mma, EPI_WARPS)
+
+
+@gluon.jit(do_not_specialize=["T"])
+def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
+                 stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
+                 stride_bt, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
+                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
+                 EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
+                 TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
+                 TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
+                 CHAIN: gl.constexpr = False):
+    """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
+    ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
+    load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
+    with PTR_TABLE, a table of per-group bases."""
+    gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
+    gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
+    INSTR_K: gl.constexpr = 32 if a_desc.dtype.primitive_bitwidth == 8 else 16  # wgmma's k: fp8 32, bf16 16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                 instr_shape=[16, BLOCK_N, INSTR_K])
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    total = E * gl.cdiv(N, BLOCK_M) * gl.cdiv(K, BLOCK_N)
+    if TOKENS_OUTER:  # [tokens, rows] stages (the bf16 wgrad)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    else:
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    # the handed-off tile ([Note: an epilogue partition]; one row without the epilogue warps): units of 8
+    # elements swizzled over 8 rows, so the MMA layout's stores and the row-wise loads are both conflict-free
+    C_ROWS: gl.constexpr = BLOCK_M if EPI_WARPS > 0 else 1
+    # a fresh 16-bit output is handed off rounded ([Note: a 16-bit handoff]); every other in fp32
+    if ADD_MODE == 0 and not PTR_TABLE and out_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        c_smem = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [C_ROWS, BLOCK_N],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    else:
+        c_smem = gl.allocate_shared_memory(gl.float32, [C_ROWS, BLOCK_N],
+                                           gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0]))
+    c_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    c_ready = c_bars.index(0)
+    c_free = c_bars.index(1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_free, count=1)
+    ring = Ring(a_desc, b_desc, ready, empty, a_bufs, b_bufs, NUM_STAGES)
+    sched = WgradSchedule(offs_ptr, stride_o, T, N, K, pid, total, nprog, GROUP_M)
+    out = Out(out_ptr, stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE)
+    hand = Handoff(c_smem, c_ready, c_free)
+    src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
+    trace = Trace(trace_ptr, TRACE_TILES, TRACE)
+    if EPI_WARPS > 0:
+        gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
+                                    "(function, args) pairs")
+        gl.warp_specialize([
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
+                        CHAIN)),
+            (_produce, (ring, sched, src, TOKENS_OUTER)),
+            (_epilogue, (hand, out, sched, EPI_WARPS, EPI_ROWS)),
+        ], [1, EPI_WARPS], [40, EPI_REGS])
+    elif _WS_PAIRS:
+        gl.warp_specialize([
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
+                        CHAIN)),
+            (_produce, (ring, sched, src, TOKENS_OUTER)),
+        ], [1], [40])
+    else:
+        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
+                            CHAIN), _consume, (ring, sched, src, TOKENS_OUTER), [_produce], [1], [40])
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    mbarrier.invalidate(c_ready)
+    mbarrier.invalidate(c_free)
