@@ -20,5 +20,6 @@ def test_step_phases_rows_per_phase(tmp_path):
     assert phases == {("distwgrad", p) for p in ("forward", "backward", "drain", "finalize", "optimizer")} | {
         ("torch", p) for p in ("forward", "backward", "optimizer")}
     assert {r["metric"] for r in rows} == {"host_ms"}  # CPU: no device time
-    assert all(r["value"] > 0 and r["bench"] == "step_phases" for r in rows)
+    assert all(r["value"] > 0 and r["bench"] == "step_phases" and r["device"] == "cpu" for r in rows)
+    assert all(r["real_step_ms"] > 0 for r in rows)
     assert "real step" in run.stdout and "tottime" in run.stdout  # the table and the cProfile listing

@@ -78,11 +78,12 @@ _LAYOUT = {
     "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16",
                               on_page=False),
     "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone"),
+    "step_phases": Layout("Host against device time per phase of a training step (ms)", on_page=False),
     "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
                             only=(("precision", ("fp8_per_tensor",)),), on_page=False),
 }
 _ORDER = ("train_step", "layer_step", "train_job", "grouped_gemm", "dtype_paths", "grouped_gemm_tails",
-          "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose")
+          "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose", "step_phases")
 _KEY = ("case", "impl", "precision", "world", "metric")
 
 

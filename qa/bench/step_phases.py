@@ -219,9 +219,8 @@ def _run_build(impl, precision, mode, name, cfg, corpus, rt, args, own) -> list[
         print(profile_host(b, batches[0], device, own.cprofile))
     case = f"{name} b{args.batch}x{cfg.seq_len} {mode}"
     out = [results.row(bench="step_phases", case=f"{case} {k}", impl=impl, precision=precision, world=rt["world"],
-                       metric="host_ms", value=round(v, 4), unit="ms") for k, v in host.items()]
-    out += [results.row(bench="step_phases", case=f"{case} {k}", impl=impl, precision=precision, world=rt["world"],
-                        metric="device_ms", value=round(v, 4), unit="ms") for k, v in (dev or {}).items()]
+                       metric=metric, value=round(v, 4), unit="ms", device=device, real_step_ms=round(real, 4))
+           for metric, times in (("host_ms", host), ("device_ms", dev or {})) for k, v in times.items()]
     del b
     if device.type == "cuda":
         torch.cuda.empty_cache()
