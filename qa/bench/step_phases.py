@@ -21,7 +21,9 @@ A phase whose host time exceeds its device time leaves the device idle in a real
 ahead in an earlier phase; ``real step`` is the build's median step time without the cuts, for comparison.
 ``--cprofile N`` prints the N functions with the most own host time over one extra step of each build
 (cProfile, synchronised between phases like the host measurement; autograd's multithreading is off for
-that step, so backward's Python runs on the profiled thread). Rows go to the results file (bench
+that step, so backward's Python runs on the profiled thread). Python that torch's C++ calls back into
+(autograd functions' ``forward``/``backward``, custom ops' implementations) is often missed by cProfile: its
+time then shows as the own time of the caller (``Function.apply``, ``run_backward``, ``backend_impl``). Rows go to the results file (bench
 ``step_phases``, metrics ``host_ms`` and ``device_ms``, the phase in ``case``).
 """
 
