@@ -12,8 +12,13 @@ Each call rendezvouses through a FileStore in its own temporary directory (no TC
 parallel threads or under ``pytest -n auto`` do not collide. Children run ``torch.set_num_threads(1)``
 so several ranks do not oversubscribe a 2-core CI machine. Nothing is seeded: tests seed themselves.
 
-Start-up (a fresh interpreter importing torch per rank) costs seconds, so sweep a grid of cases
-inside one spawn instead of spawning per case::
+Start-up: on CPU, ranks are forked from a fork server (``multiprocessing``'s ``forkserver`` start
+method) that has imported torch and distwgrad once per test process, so a rank starts in a fraction of a
+second instead of the seconds a fresh interpreter importing torch takes; each rank is still a new
+process, with the caller's environment and working directory (a call that changed the environment gets
+fresh interpreters, see ``_context``). The rank still
+imports the test module (to unpickle ``fn``), so sweep a grid of cases inside one spawn instead of
+spawning per case::
 
     def _rank_fn(rank, world_size, cases):            # module level, so the spawn can pickle it
         for_each_case(cases, _check_one, rank, world_size)
@@ -53,6 +58,12 @@ _POLL_S = 0.05  # parent's wait granularity; never blocks longer than this on a 
 _GRACE_S = 1.0  # after the first failure, how long peers get to report their own errors
 _PG_SLACK_S = 30.0  # group timeout = timeout + slack, so the parent's deadline fires first
 _STACK_WAIT_S = 1.0  # how long to wait for faulthandler stack dumps before killing
+# What the CPU ranks' fork server imports once (the rest of what a test module imports, ranks import
+# themselves). Importing does not start threads or touch CUDA, so forking after it is safe.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.functional",
+                       "torch.utils.checkpoint", "pytest", "distwgrad", "distwgrad.models", "distwgrad.nn",
+                       "distwgrad.fp8", "distwgrad.testing.multiprocess", "distwgrad.testing.sweep"]
+_forkserver_env: dict[str, str] | None = None  # the environment the fork server started with
 
 
 class DistributedTestError(RuntimeError):
@@ -94,7 +105,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     backend: str | None = None, device: str = "cpu", **kwargs: Any) -> list[Any]:
     """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks with a default group.
 
-    Spawn mode (the default): starts ``world_size`` processes (spawn context); each initialises the
+    Spawn mode (the default): starts ``world_size`` processes (forked from the fork server on CPU, spawn
+    context on CUDA), each with the caller's environment and working directory; each initialises the
     default process group through a ``file://`` store in a fresh temporary directory, calls ``fn``,
     sends back its return value and destroys the group (also on failure, best effort). With
     ``device="cuda"`` each rank first calls ``torch.cuda.set_device(rank)``.
@@ -138,14 +150,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     except Exception as exc:
         raise TypeError(f"fn={fn!r} and its arguments must be picklable (define fn at module "
                         f"level): {exc}") from exc
-    ctx = mp.get_context("spawn")
+    ctx = _context(device)
     with tempfile.TemporaryDirectory(prefix="distwgrad-rdzv-") as tmp:
         procs, readers = [], []
         try:
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 spec = (rank, world_size, f"file://{tmp}/store", backend, device, timeout,
-                        os.path.join(tmp, f"stack-{rank}.txt"), writer, fn, args, kwargs)
+                        os.path.join(tmp, f"stack-{rank}.txt"), writer, dict(os.environ), os.getcwd(),
+                        fn, args, kwargs)
                 # Not daemonic, so a rank may start its own workers; the finally below kills every rank.
                 procs.append(ctx.Process(target=_child_main, args=spec))
                 procs[-1].start()
@@ -159,6 +172,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.join()
             for r in readers:
                 r.close()
+
+
+def _context(device: str):
+    """The fork server for CPU ranks, spawn otherwise: CUDA ranks keep the plain spawn they were tested with
+    on the GPU machines (where start-up is not what a test costs), and so does a call whose environment
+    differs from the one the fork server started with, since a variable read at a process's start (glibc's
+    ``MALLOC_*``, say) only reaches a fresh interpreter."""
+    global _forkserver_env
+    if device != "cpu" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest sets it per test
+    if _forkserver_env is None:
+        _forkserver_env = env  # the server starts with it at this call's first rank
+        mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    elif env != _forkserver_env:
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
 
 
 def _skip(reason: str) -> None:
@@ -185,8 +215,13 @@ def _run_under_torchrun(fn, world_size, args, kwargs, timeout, backend, device) 
     return results
 
 
-def _child_main(rank, world_size, init_method, backend, device, timeout, stack_path, writer,
+def _child_main(rank, world_size, init_method, backend, device, timeout, stack_path, writer, environ, cwd,
                 fn, args, kwargs) -> None:
+    # A forked rank inherits the fork server's environment and directory, not the caller's: take the
+    # caller's (a test may have set a variable or changed directory for its ranks).
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ["OMP_NUM_THREADS"] = "1"  # for anything this rank launches
     torch.set_num_threads(1)
     stack_file = open(stack_path, "w")  # stays open: faulthandler writes to its fd on SIGUSR1
