@@ -46,6 +46,15 @@ def pytest_configure(config):
     atexit.register(_filter_nanobind_leak_report)  # runs before the bindings' own exit check
 
 
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="outside the sweep's sample: run with --full")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
+
+
 # Copies stdin to stderr except nanobind's leak report: the lines from "nanobind: leaked ..." to its
 # "See https://nanobind..." line, none other.
 _LEAK_FILTER = r"""
