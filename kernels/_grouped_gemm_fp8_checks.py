@@ -1,14 +1,9 @@
 """Argument checks of the FP8 grouped GEMMs (``grouped_gemm_fp8.py``): eager launchers, fake
-implementations and public wrappers all call these, so a bad argument fails the same way everywhere; the
-public wrappers unpack their ``Quantized`` operands here too (``_act``, ``_weights``)."""
+implementations and public wrappers all call these, so a bad argument fails the same way everywhere."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-from distwgrad.fp8.quantize import Quantized
 
 from ._grouped_gemm_checks import _check_tensor, _check_wgrad_out
 from .grouped_gemm import _interpreting
@@ -98,8 +93,6 @@ def _check_runnable(op: str, t: torch.Tensor) -> None:
                          f"distwgrad.testing.reference_fp8 computes the same products with torch")
 
 
-
-
 def _check_split(op: str, block: int, split_accumulator: object) -> None:
     """``split_accumulator`` is a bool, and False only under per-tensor scaling: the blockwise recipe
     promotes every scale block by construction (each block's dot is scaled before it is added)."""
@@ -108,33 +101,3 @@ def _check_split(op: str, block: int, split_accumulator: object) -> None:
     if block and not split_accumulator:
         raise ValueError(f"{op}: split_accumulator=False applies to per-tensor scaling only; the 1x{block} "
                          f"blockwise recipe promotes every {block}-deep block to fp32 by construction")
-
-
-def _act(op: str, name: str, q) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(data, scale_inv, L) of an activation/gradient ``Quantized``; L = 0 for per-tensor."""
-    if not isinstance(q, Quantized):
-        raise TypeError(f"{op}: {name} must be a distwgrad.fp8.quantize.Quantized, got {type(q).__name__}")
-    if q.block is None:
-        return q.data, q.scale_inv, 0
-    if q.block[0] != 1:
-        raise ValueError(f"{op}: {name} must be quantized per tensor or in 1xL tiles along its last dim, "
-                         f"got block {q.block}")
-    return q.data, q.scale_inv, q.block[1]
-
-
-def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_ENK, scale_inv) from a sequence of per-expert ``Quantized`` or a (data, scale_inv) tuple."""
-    if isinstance(w_qs, tuple) and len(w_qs) == 2 and all(isinstance(t, torch.Tensor) for t in w_qs):
-        return w_qs
-    if isinstance(w_qs, (Quantized, torch.Tensor)) or not isinstance(w_qs, Sequence) or len(w_qs) == 0:
-        raise TypeError(f"{op}: w_qs must be a non-empty sequence of per-expert Quantized or a (w_ENK, "
-                        f"scale_inv) tuple of tensors, got {type(w_qs).__name__}")
-    want = (block, block) if block else None
-    for i, q in enumerate(w_qs):
-        if not isinstance(q, Quantized):
-            raise TypeError(f"{op}: w_qs[{i}] must be a Quantized, got {type(q).__name__}")
-        if q.block != want or len(q.shape) != 2:
-            raise ValueError(f"{op}: w_qs[{i}] has block {q.block} and shape {tuple(q.shape)}; with "
-                             f"{'per-tensor' if not block else f'1x{block}'} activations every expert must be a "
-                             f"2-D weight quantized {'per tensor' if not block else f'in {block}x{block} blocks'}")
-    return torch.stack([q.data for q in w_qs]), torch.stack([q.scale_inv for q in w_qs])

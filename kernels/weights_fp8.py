@@ -8,7 +8,8 @@ spent more time in these copies and on the host than in its GEMMs (docs/benchmar
 takes every expert's amax (programs over (chunk, expert), experts found through a table of their
 addresses, so separate parameters need no stacking) and one launch casts them all into ONE stacked
 buffer, in the layout the GEMM reads: ``[E, N, K]`` for fprop, ``[E, K, N]`` (each expert transposed
-in the cast's tiles) for dgrad, handed over as one ``QuantizedExperts`` that the GEMMs read in place.
+in the cast's tiles) for dgrad, handed over as one ``(data, scale_inv, amax)`` that the runtime wraps in one
+``QuantizedExperts`` (``distwgrad.ops.quantize``) and the GEMMs read in place.
 Each expert's bits are those of ``distwgrad.fp8.weights.quantize_weight`` on it alone (same amax, same
 scale arithmetic, same cast; tests/test_weights_fp8.py).
 """
@@ -21,17 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from distwgrad.fp8.quantize import QuantizedExperts
-
+from ._host import to_device
+from ._quantize_kernels import _amax_into, _inverse, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
-from .quantize import (
-    _amax_into,
-    _check_input,
-    _fmt_args,
-    _inverse,
-    _scale_from_amax,
-    _to_fp8_bits,
-)
+from .quantize import _check_input, _fmt_args
 
 __all__ = ["quantize_weights_per_tensor", "group_amax"]
 
@@ -127,19 +121,21 @@ def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, shared: Se
 
 def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
                                 transpose: bool = False, shared: Sequence[int] | None = None,
-                                amax: torch.Tensor | None = None) -> QuantizedExperts:
-    """Each ``[N, K]`` weight quantized per tensor into one stacked buffer ([Note: a group of weights in two
-    launches]): ``[E, N, K]``, stored as such or, with ``transpose``, as ``[E, K, N]`` (the dgrad GEMM's
-    layout; the ``QuantizedExperts`` is its ``[E, N, K]`` view either way). The weights must be contiguous, of
-    one shape, dtype and device. ``shared``: weight e's amax is the max over the weights of its number
-    ``shared[e]`` (the experts of one packed parameter share one scale), else each its own. ``amax``: the
-    weights' ``group_amax`` when the caller has it (then ``shared`` is not read)."""
+                                amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data, scale_inv, amax)``: each ``[N, K]`` weight quantized per tensor into one stacked float8 buffer
+    ([Note: a group of weights in two launches]): ``[E, N, K]``, stored as such or, with ``transpose``, as
+    ``[E, K, N]`` (the dgrad GEMM's layout; ``data`` is its ``[E, N, K]`` view either way); fp32 ``[E]``
+    ``scale_inv`` (expert e's dequantize factor) and the ``[E]`` amaxes the scales came from. The weights
+    must be contiguous, of one shape, dtype and device. ``shared``: weight e's amax is the max over the
+    weights of its number ``shared[e]`` (the experts of one packed parameter share one scale), else each its
+    own. ``amax``: the weights' ``group_amax`` when the caller has it (then ``shared`` is not read)."""
     _check_weights(weights)
     return _quantize(weights, dtype, margin, transpose, shared, amax)
 
 
 def _quantize_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0, transpose: bool = False,
-                    shared: Sequence[int] | None = None, amax: torch.Tensor | None = None) -> QuantizedExperts | None:
+                    shared: Sequence[int] | None = None, amax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`quantize_weights_per_tensor` where the weights are alike (``_first_unlike``), else None (the
     caller quantizes each alone): one pass over the group decides and checks. A first weight the kernels
     cannot take raises as there."""
@@ -151,7 +147,7 @@ def _quantize_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, marg
     return _quantize(weights, dtype, margin, transpose, shared, amax)
 
 
-def _quantize(weights, dtype, margin, transpose, shared, amax) -> QuantizedExperts:
+def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_weights_per_tensor` of checked ``weights``."""
     w0 = weights[0]
     E, (N, K) = len(weights), w0.shape
@@ -171,7 +167,7 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> QuantizedExper
     _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
                                               TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
                                               num_warps=t.per_tensor_warps, **fmt)
-    return QuantizedExperts(data.transpose(1, 2) if transpose else data, s_inv, w0.dtype, amax)
+    return data.transpose(1, 2) if transpose else data, s_inv, amax
 
 
 _TABLES: dict = {}  # (values, device) -> int64 device tensor: parameters keep their addresses across steps
@@ -180,11 +176,10 @@ _TABLES_MAX = 64
 
 def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``, cached (addresses are just numbers: a cached table is
-    valid whatever has moved since), copied without a host sync (``distwgrad.ops.grouped_gemm.to_device``)."""
+    valid whatever has moved since), copied without a host sync (``to_device``)."""
     key = (values, device)
     t = _TABLES.get(key)
     if t is None:
-        from distwgrad.ops.grouped_gemm import to_device
         if len(_TABLES) >= _TABLES_MAX:
             _TABLES.pop(next(iter(_TABLES)))
         t = _TABLES[key] = to_device(values, torch.int64, device)

@@ -31,7 +31,15 @@ WORST: dict[str, float] = {}       # error/bound ratios, printed by the GPU test
 
 
 def _kernels():
-    from distwgrad.kernels import grouped_gemm_fp8
+    """The FP8 grouped GEMMs' launchers and raw products (what the public kernels and custom ops run); the
+    custom ops registered."""
+    from distwgrad.kernels import _grouped_gemm_fp8_launch, grouped_gemm_fp8  # noqa: F401
+    return _grouped_gemm_fp8_launch
+
+
+def _quantized():
+    """The kernels on ``Quantized`` operands (``kernel_grouped_*_fp8``, no emulation fallback)."""
+    from distwgrad.ops import grouped_gemm_fp8
     return grouped_gemm_fp8
 
 
@@ -99,7 +107,7 @@ def _run_ragged(op, pb, *, out_dtype=torch.bfloat16, bias=None, form="list", con
     k = _kernels()
     fprop = op == "fprop"
     a_q, w_in = (pb.x_q if fprop else pb.dy_q), _weight_form(pb, form)
-    w, w_s = k._weights(op, w_in, pb.block)
+    w, w_s = _quantized()._weights(op, w_in, pb.block)
     rows, depth = (pb.N, pb.K) if fprop else (pb.K, pb.N)
     out = torch.full((pb.T, rows), float("nan"), dtype=out_dtype, device=pb.device)
     kw = dict(config=config, use_tma=use_tma, out=out, split_accumulator=pb.split[op], gluon=gluon)

@@ -1,6 +1,6 @@
 """[Note: custom op bypass] (kernels/_dispatch.py): when the kernels' public functions may call a custom
 op's implementation directly, and when they must go through the op. The kernels' own tests check that
-both paths give the same bits (test_fp8_quantize.py ``case_opcheck``, test_grouped_gemm_kernels.py
+both paths give the same bits (test_fp8_quantize_kernels.py ``case_opcheck``, test_grouped_gemm_kernels.py
 ``custom_ops``)."""
 
 import pytest

@@ -37,6 +37,7 @@ CASES = [
     ("KRN-082", lambda: kq.quantize_blockwise(torch.ones(4, 4), (1, 3), F8), ValueError, r"\(1, 3\)"),
     ("KRN-083", lambda: kq.quantize_per_tensor(torch.ones(4), F8, amax=torch.ones(2)), ValueError,
      r"shape \(2,\)"),
+    ("KRN-100", lambda: kq.quantize_per_tensor(torch.ones(4), torch.int8), ValueError, "torch.int8"),
     ("KRN-085", lambda: token_layout.transpose(torch.ones(4, 4)), ValueError, "torch.float32"),
     ("KRN-086", lambda: token_layout.transpose_aligned(torch.zeros(4, 4, dtype=F8), torch.tensor([4])),
      ValueError, "torch.int64"),

@@ -85,14 +85,15 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
         for b in biases:
             b.normal_()
     counts = _counting(setattr_fn, K, ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"])
-    forms, real_fprop = [], K.grouped_fprop_fp8  # the weights' form: per-expert list or one stacked pair
-    setattr_fn(K, "grouped_fprop_fp8", lambda x_q, w_qs, *a, **kw: (forms.append(type(w_qs).__name__),
-                                                                    real_fprop(x_q, w_qs, *a, **kw))[1])
+    # the weights' form as the fprop hands them to the kernel: per-expert list or one stacked pair
+    forms, real_fprop = [], gg8.kernel_grouped_fprop_fp8
+    setattr_fn(gg8, "kernel_grouped_fprop_fp8", lambda x_q, w_qs, *a, **kw: (forms.append(type(w_qs).__name__),
+                                                                             real_fprop(x_q, w_qs, *a, **kw))[1])
     widths = []
     real_wgrad = K.grouped_wgrad_fp8
-    setattr_fn(K, "grouped_wgrad_fp8", lambda dy_qt, x_qt, offs_E, *a, **kw: (
-        widths.append((dy_qt.data.shape[1], x_qt.data.shape[1], offs_E.tolist())),
-        real_wgrad(dy_qt, x_qt, offs_E, *a, **kw))[1])
+    setattr_fn(K, "grouped_wgrad_fp8", lambda dy_t, dy_s, x_t, x_s, offs_E, *a, **kw: (
+        widths.append((dy_t.shape[1], x_t.shape[1], offs_E.tolist())),
+        real_wgrad(dy_t, dy_s, x_t, x_s, offs_E, *a, **kw))[1])
     x = torch.randn(T, K_, device=device, dtype=dtype, requires_grad=True)
     with fp8_autocast(recipe):
         y = mod(x, splits) if module != "linear" else mod(x)
@@ -270,20 +271,25 @@ def test_modules_pass_each_gemms_accumulation(module, monkeypatch):
 
 
 def _emulating(gemm: str):
-    """A stand-in for the kernel ``grouped_<gemm>_fp8`` computing the product with the FP8 oracle."""
+    """A stand-in for the kernel ``grouped_<gemm>_fp8`` (tensors in) computing the product with the FP8 oracle
+    (``Quantized`` in)."""
+    from distwgrad.fp8.quantize import Quantized
     from distwgrad.testing import reference_fp8 as RF
 
-    def run(*a, split_accumulator, **kw):
+    def act(data, scale_inv, block):
+        return Quantized(data, scale_inv, (1, block) if block else None, torch.float32, data.shape)
+
+    def run(a, a_s, b, b_s, offs_E, *rest, block, split_accumulator, **kw):
         assert isinstance(split_accumulator, bool)
         if gemm == "wgrad":
-            out, out_dtype = kw.pop("out", None), kw.pop("out_dtype", torch.float32)
-            res = RF.grouped_wgrad_fp8(*a, **kw)
+            out, out_dtype = (rest[0] if rest else kw.get("out")), kw.get("out_dtype") or torch.float32
+            res = RF.grouped_wgrad_fp8(act(a, a_s, block), act(b, b_s, block), offs_E)
             if out is None:
                 return res.to(out_dtype)
             for o, r in zip(out, res):
                 o.add_(r)
             return out
-        return getattr(RF, f"grouped_{gemm}_fp8")(*a, **kw)
+        return getattr(RF, f"grouped_{gemm}_fp8")(act(a, a_s, block), (b, b_s), offs_E, *rest, **kw)
     return run
 
 

@@ -16,6 +16,7 @@ from grouped_gemm_fp8_cases import (
     _kernels,
     _offsets,
     _problem,
+    _quantized,
     _run_ragged,
     _run_wgrad,
     _weight_form,
@@ -63,7 +64,7 @@ def test_gpu_gluon_promoting_kernel(recipe, T, E, K, N, variant, kernel_tuning):
     """[Note: promotion under the next MMA]: the Gluon kernel against the oracle (bound with the
     128-deep Hopper term) and against the Triton kernel: the same bits (the same 128-deep partial sums,
     added and scaled in the same order; blockwise too in every GPU run so far, asserted per-tensor)."""
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     if not kg.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     kernel_tuning(grouped_gemm_fp8=dict(ragged_gluon_block_m=64 if variant == "m64" else 128))
@@ -110,7 +111,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, kernel_tuning):
     NaN-poisoned output, accumulating into a stacked tensor and into a list of strided buffers) and
     against the Triton kernel: the same bits (the same 128-token partial sums, added in the same order);
     a fresh bf16 / fp16 output holds the fp32 output's bits rounded to nearest even."""
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     add, stages, epilogue_warps = WGRAD_GLUON_VARIANTS[variant]
@@ -140,7 +141,7 @@ def test_gpu_wgrad_chunk_order(path):
     """[Note: fp8 wgrad chunks] on the GPU: the Gluon kernel and the Triton kernel's paths add a group's
     chunks in token order (the Hopper fp8 MMA sums these powers of two exactly)."""
     if path == "gluon":
-        from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+        from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
         if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
         _check_chunk_order("cuda", gluon=True, use_tma=None)
@@ -153,7 +154,7 @@ def test_gpu_wgrad_chunk_order(path):
 def test_gpu_gluon_wgrad_foreign_nan_masked():
     """[Note: a group's edge chunks in shared memory]: fp8 NaN data of another group's token in a shared
     chunk stays out of this group's wgrad, for either operand (the TMA warp zeroes both)."""
-    from distwgrad.kernels import _grouped_wgrad_fp8_gluon as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     T, E, K, N = SHAPE_TMA
@@ -230,7 +231,7 @@ def test_gpu_wgrad_foreign_nan_masked(use_tma):
 @gpu
 def test_gpu_cuda_graph():
     """Captured once, replayed with new routing (offsets on the device change, the graph does not)."""
-    k = _kernels()
+    k = _quantized()
     T, E, K, N = 2048, 8, 256, 512
     pb = _problem(T, E, K, N, "blockwise", device="cuda", seed=4)
     m = torch.randn(E, N, K, device="cuda")
@@ -238,8 +239,8 @@ def test_gpu_cuda_graph():
     w = _weight_form(pb, "stacked")
 
     def step():
-        return (k.grouped_fprop_fp8(pb.x_q, w, pb.offs), k.grouped_dgrad_fp8(pb.dy_q, w, pb.offs),
-                k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs))
+        return (k.kernel_grouped_fprop_fp8(pb.x_q, w, pb.offs), k.kernel_grouped_dgrad_fp8(pb.dy_q, w, pb.offs),
+                k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs))
     step()  # warm-up: compile, pointer table
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -249,7 +250,7 @@ def test_gpu_cuda_graph():
         bufs[e].copy_(m[e])
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(y, k.grouped_fprop_fp8(pb.x_q, w, pb.offs), rtol=0, atol=0)
-    torch.testing.assert_close(dx, k.grouped_dgrad_fp8(pb.dy_q, w, pb.offs), rtol=0, atol=0)
-    torch.testing.assert_close(torch.stack(bufs), k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone()),
+    torch.testing.assert_close(y, k.kernel_grouped_fprop_fp8(pb.x_q, w, pb.offs), rtol=0, atol=0)
+    torch.testing.assert_close(dx, k.kernel_grouped_dgrad_fp8(pb.dy_q, w, pb.offs), rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(bufs), k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone()),
                                rtol=0, atol=0)

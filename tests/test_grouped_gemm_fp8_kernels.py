@@ -44,6 +44,7 @@ from grouped_gemm_fp8_cases import (
     _check_chunk_order,
     _kernels,
     _problem,
+    _quantized,
     _rough,
     _rounded,
     _run_ragged,
@@ -91,11 +92,11 @@ def _case_no_split_accumulator():
         _run_ragged(op, pb, use_tma=True, form="stacked")
     _run_wgrad(pb, "acc", use_tma=True)
     _run_wgrad(pb, "fresh", use_tma=False)
-    k, bw = _kernels(), _problem(*SHAPE_TMA, "blockwise")
+    k, bw = _quantized(), _problem(*SHAPE_TMA, "blockwise")
     with pytest.raises(ValueError, match="split_accumulator=False applies to per-tensor scaling only"):
-        k.grouped_fprop_fp8(bw.x_q, bw.wq, bw.offs, split_accumulator=False)
+        k.kernel_grouped_fprop_fp8(bw.x_q, bw.wq, bw.offs, split_accumulator=False)
     with pytest.raises(TypeError, match="split_accumulator must be a bool"):
-        k.grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, split_accumulator=0)
+        k.kernel_grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, split_accumulator=0)
 
 
 def _case_ragged_blockwise():
@@ -177,8 +178,8 @@ def _case_edges():
             assert bool((k._wgrad(*raw) == 0).all())
             m = torch.randn(E, N, K)
             assert torch.equal(k._wgrad(*raw, m.clone()), m)
-            y = k._fprop(pb.x_q.data, pb.x_q.scale_inv, *k._weights("f", pb.wq, pb.block), pb.offs, None, pb.block,
-                         torch.float32)
+            w = _quantized()._weights("f", pb.wq, pb.block)
+            y = k._fprop(pb.x_q.data, pb.x_q.scale_inv, *w, pb.offs, None, pb.block, torch.float32)
             assert y.shape == (pb.T, N)
     # strided activation data (row stride K + 16): pointer path, and TMA refused by name
     pb = _problem(T, E, K, N, "blockwise", seed=6)
@@ -260,7 +261,7 @@ def _case_gluon_fallback():
     """A Triton whose Gluon cannot build the promoting fprop / dgrad kernel: one warning, then the Triton
     kernel (checked against the oracle), no further attempt; ``gluon=True`` then fails by name."""
 
-    from distwgrad.kernels import _grouped_gemm_fp8_gluon as kg
+    from distwgrad.kernels.gluon import grouped_gemm_fp8 as kg
     from triton.compiler.errors import CompilationError
     k = _kernels()
 
@@ -303,7 +304,8 @@ def _case_gluon_fallback():
 
 def _case_custom_ops():
     """Public API through torch.library: opcheck (schema, fake, autograd registration) and compile."""
-    k = _kernels()
+    _kernels()  # the custom ops registered
+    k = _quantized()
     for recipe in sweep.sample(("per_tensor", "per_tensor_fast", "blockwise"), 2):  # --full: per_tensor_fast too
         pb = _problem(96, 3, 160, 144, recipe, seed=8)
         sp = () if recipe != "per_tensor_fast" else (False,)  # the schema's default is True
@@ -324,13 +326,13 @@ def _case_custom_ops():
         check(ops.grouped_wgrad_fp8_accumulate_list.default, (*raw_t, list(m.clone()), *sp))
 
         def step(acc, bufs, pb=pb, b=b):
-            y = k.grouped_fprop_fp8(pb.x_q, pb.wq, pb.offs, b, split_accumulator=pb.split["fprop"])
-            dx = k.grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, torch.float32, split_accumulator=pb.split["dgrad"])
+            y = k.kernel_grouped_fprop_fp8(pb.x_q, pb.wq, pb.offs, b, split_accumulator=pb.split["fprop"])
+            dx = k.kernel_grouped_dgrad_fp8(pb.dy_q, pb.wq, pb.offs, torch.float32, split_accumulator=pb.split["dgrad"])
             kw = dict(split_accumulator=pb.split["wgrad"])
-            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=acc, **kw)
-            k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs, **kw)
-            return (y, dx, k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, **kw),
-                    k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out_dtype=torch.bfloat16, **kw))
+            k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=acc, **kw)
+            k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=bufs, **kw)
+            return (y, dx, k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, **kw),
+                    k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out_dtype=torch.bfloat16, **kw))
 
         eager = step(m.clone(), list(m.clone()))
         acc, bufs = m.clone(), list(m.clone())
@@ -338,7 +340,7 @@ def _case_custom_ops():
         for a, c in zip(eager, compiled):
             torch.testing.assert_close(c, a, rtol=0, atol=0, equal_nan=True)  # same kernels, same inputs
         assert eager[3].dtype == torch.bfloat16 and torch.equal(eager[3], _rounded(eager[2], torch.bfloat16))
-        ref_acc = k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone())
+        ref_acc = k.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, pb.offs, out=m.clone())
         torch.testing.assert_close(acc, ref_acc, rtol=0, atol=0)
         torch.testing.assert_close(torch.stack(bufs), ref_acc, rtol=0, atol=0)
 
@@ -431,55 +433,55 @@ def test_bench_gemm_sweep_smoke(tmp_path):
 
 def test_checks_name_the_bad_argument():
     pytest.importorskip("triton")
-    k = _kernels()
+    k, q8 = _kernels(), _quantized()
     pb = _problem(64, 2, 160, 144, "blockwise", seed=9)
     pt = _problem(64, 2, 160, 144, "per_tensor", seed=9)
     offs, w = pb.offs, _weight_form(pb, "stacked")
     with pytest.raises(TypeError, match=r"x_q must be a distwgrad.fp8.quantize.Quantized, got Tensor"):
-        k.grouped_fprop_fp8(pb.x_q.data, pb.wq, offs)
+        q8.kernel_grouped_fprop_fp8(pb.x_q.data, pb.wq, offs)
     with pytest.raises(ValueError, match=r"w_qs\[0\] has block None"):
-        k.grouped_fprop_fp8(pb.x_q, pt.wq, offs)
+        q8.kernel_grouped_fprop_fp8(pb.x_q, pt.wq, offs)
     with pytest.raises(TypeError, match=r"w_qs must be a non-empty sequence"):
-        k.grouped_fprop_fp8(pb.x_q, w[0], offs)
+        q8.kernel_grouped_fprop_fp8(pb.x_q, w[0], offs)
     with pytest.raises(ValueError, match=r"w's scale_inv has shape \(2,\), expected \(2, 2, 2\)"):
-        k.grouped_fprop_fp8(pb.x_q, (w[0], torch.ones(2)), offs)
+        q8.kernel_grouped_fprop_fp8(pb.x_q, (w[0], torch.ones(2)), offs)
     with pytest.raises(TypeError, match=r"x must be float8_e4m3fn or float8_e5m2, got torch.float32"):
         k._fprop(pb.x_q.data.float(), pb.x_q.scale_inv, *w, offs, None, pb.block, torch.bfloat16)
     with pytest.raises(TypeError, match=r"w's scale_inv must be a float32 tensor"):
-        k.grouped_fprop_fp8(pb.x_q, (w[0], w[1].double()), offs)
+        q8.kernel_grouped_fprop_fp8(pb.x_q, (w[0], w[1].double()), offs)
     with pytest.raises(ValueError, match=r"x \(64, 160\) and w \(2, 160, 144\) disagree on the contraction"):
-        k.grouped_fprop_fp8(pb.x_q, (w[0].transpose(1, 2), w[1]), offs)
+        q8.kernel_grouped_fprop_fp8(pb.x_q, (w[0].transpose(1, 2), w[1]), offs)
     with pytest.raises(TypeError, match=r"int32 end offsets, got torch.int64"):
-        k.grouped_fprop_fp8(pb.x_q, w, offs.long())
+        q8.kernel_grouped_fprop_fp8(pb.x_q, w, offs.long())
     with pytest.raises(ValueError, match=r"offs_E has 3 entries, expected one per group \(2\)"):
-        k.grouped_dgrad_fp8(pb.dy_q, w, torch.tensor([1, 2, 64], dtype=torch.int32))
+        q8.kernel_grouped_dgrad_fp8(pb.dy_q, w, torch.tensor([1, 2, 64], dtype=torch.int32))
     with pytest.raises(TypeError, match=r"out_dtype must be one of"):
-        k.grouped_fprop_fp8(pb.x_q, w, offs, out_dtype=torch.float8_e4m3fn)
+        q8.kernel_grouped_fprop_fp8(pb.x_q, w, offs, out_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"bias_EN must be a bf16/fp16/fp32 \[E, N\] = \(2, 144\)"):
-        k.grouped_fprop_fp8(pb.x_q, w, offs, torch.randn(2, 143))
+        q8.kernel_grouped_fprop_fp8(pb.x_q, w, offs, torch.randn(2, 143))
     with pytest.raises(ValueError, match=r"dy_q must be quantized per tensor or in 1xL tiles"):
-        k.grouped_dgrad_fp8(dataclasses.replace(pb.dy_q, block=(128, 128), scale_inv=torch.ones(1, 2)), w, offs)
+        q8.kernel_grouped_dgrad_fp8(dataclasses.replace(pb.dy_q, block=(128, 128), scale_inv=torch.ones(1, 2)), w, offs)
     with pytest.raises(ValueError, match=r"scale block must be 0 \(per-tensor\) or a power of two >= 32"):
-        k.grouped_fprop_fp8(dataclasses.replace(pb.x_q, scale_inv=torch.ones(64, 10), block=(1, 16)), w, offs)
+        q8.kernel_grouped_fprop_fp8(dataclasses.replace(pb.x_q, scale_inv=torch.ones(64, 10), block=(1, 16)), w, offs)
     with pytest.raises(ValueError, match=r"dy_qt and x_qt must share one recipe"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pt.x_qt, offs)
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pt.x_qt, offs)
     with pytest.raises(ValueError, match=r"disagree on T"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_q, offs)
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_q, offs)
     with pytest.raises(TypeError, match=r"out must be float32"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 144, 160, dtype=torch.bfloat16))
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 144, 160, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"out must be \[E, N, K\] = \(2, 144, 160\)"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 160, 144))
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 160, 144))
     with pytest.raises(ValueError, match=r"out has 1 buffers"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[torch.zeros(144, 160)])
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[torch.zeros(144, 160)])
     with pytest.raises(ValueError, match=r"out_dtype=torch.bfloat16 is a fresh output's dtype; an out to add"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 144, 160), out_dtype=torch.bfloat16)
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(2, 144, 160), out_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"grouped_wgrad_fp8: out_dtype must be one of .*got torch.int32"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out_dtype=torch.int32)
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out_dtype=torch.int32)
     shared = torch.zeros(144, 160)
     with pytest.raises(ValueError, match=r"share memory"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[shared, shared])
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=[shared, shared])
     with pytest.raises(ValueError, match=r"groups overlap"):
-        k.grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(144, 160).expand(2, 144, 160))
+        q8.kernel_grouped_wgrad_fp8(pb.dy_qt, pb.x_qt, offs, out=torch.zeros(144, 160).expand(2, 144, 160))
     with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32, add_mode in"):
         k._config("grouped_fprop_fp8", _cfg(block_k=16), 0, False, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"fp8 configs need block_k >= 32, add_mode in"):
@@ -490,7 +492,7 @@ def test_checks_name_the_bad_argument():
             k._config("grouped_fprop_fp8", _cfg(**{tail: True}), 0, False, torch.device("cpu"))
     if not _INTERPRETED:
         with pytest.raises(ValueError, match=r"need CUDA tensors \(or TRITON_INTERPRET=1\)"):
-            k.grouped_fprop_fp8(pb.x_q, w, offs)
+            q8.kernel_grouped_fprop_fp8(pb.x_q, w, offs)
 
 
 def test_default_picks(monkeypatch):

@@ -24,17 +24,17 @@ def _weights(E: int, N: int, K: int, dtype: torch.dtype, device: str) -> list[to
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality, any NaN equal to any NaN (the NaN sign is not specified; tests/test_fp8_quantize.py)."""
+    """Bitwise equality, any NaN equal to any NaN (the NaN sign is not specified;
+    tests/test_fp8_quantize_kernels.py)."""
     a, b = a.cpu(), b.cpu()
     view = torch.uint8 if a.element_size() == 1 else torch.int32
     return bool(((a.view(view) == b.view(view)) | (a.float().isnan() & b.float().isnan())).all())
 
 
 def _check(device: str) -> None:
-    from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
-
     from distwgrad.fp8.recipe import PerTensorScaling
     from distwgrad.fp8.weights import quantize_weight
+    from distwgrad.ops.quantize import quantize_weights_per_tensor
     for E, N, K, dtype, fp8, margin in ((5, 48, 80, torch.float32, torch.float8_e4m3fn, 0),
                                         (4, 130, 66, torch.bfloat16, torch.float8_e5m2, 2)):
         ws = _weights(E, N, K, dtype, device)
@@ -104,7 +104,7 @@ def _case_interpreter() -> None:
     _check("cpu")
     _module_reuses_forward_amax()
     _sharded_experts_match_quantize_weight()
-    from distwgrad.kernels.weights_fp8 import quantize_weights_per_tensor
+    from distwgrad.ops.quantize import quantize_weights_per_tensor
     with pytest.raises(ValueError, match=r"weights\[1\] is torch.float32 \(4, 8\) on cpu, weights\[0\] torch.float32 "
                                          r"\(4, 4\)"):
         quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(4, 8)], torch.float8_e4m3fn)

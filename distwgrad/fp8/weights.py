@@ -50,10 +50,10 @@ __all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_gr
 def _quantizers(w: torch.Tensor):
     """(quantize_per_tensor, quantize_blockwise, contiguous): the Triton kernels where the grouped-GEMM
     kernels run (CUDA), else the torch reference. The two produce the same bits
-    (tests/test_fp8_quantize.py), so the choice moves speed only ([Note: fp8 gemm dispatch])."""
+    (tests/test_fp8_quantize_kernels.py), so the choice moves speed only ([Note: fp8 gemm dispatch])."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     if gg.kernels_available(w):
-        from distwgrad.kernels import quantize as kq
+        from distwgrad.ops import quantize as kq
         return kq.quantize_per_tensor, kq.quantize_blockwise, True
     return quantize_per_tensor, quantize_blockwise, False
 
@@ -174,7 +174,7 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
     this rank's experts quantized in one launch with the weight's group-wide amax, in the layout the GEMM
     reads (``backward``: dgrad's, each expert transposed), then one all-gather of the FP8 bytes. Every
     expert shares the one amax, as :func:`quantize_weight` gives them: the same bits as that path."""
-    from distwgrad.kernels.weights_fp8 import _quantize_alike  # late: CUDA only
+    from distwgrad.ops.quantize import quantize_weights_alike  # late: distwgrad.ops imports this package
 
     local = w.detach()
     E_local, N, K = local.shape
@@ -182,8 +182,8 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
     amax = _global_amax(w).reshape(1)
     size = len(w.shard_rows)
     if E_local:
-        q = _quantize_alike(list(local.unbind(0)), recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
-                            amax=amax.expand(E_local).contiguous())
+        q = quantize_weights_alike(list(local.unbind(0)), recipe.fwd_dtype, margin=recipe.margin,
+                                   transpose=backward, amax=amax.expand(E_local).contiguous())
         assert q is not None, "a contiguous shard's experts are alike"
         if size == 1:
             return q
@@ -261,9 +261,9 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
         else:  # a packed parameter's experts share its one amax, as quantize_weight gives them
             mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
             owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
-        from distwgrad.kernels.weights_fp8 import _quantize_alike  # (None unless one shape, dtype, device)
-        experts = _quantize_alike(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward, shared=owner,
-                                  amax=amax)
+        from distwgrad.ops.quantize import quantize_weights_alike  # (None unless one shape, dtype, device)
+        experts = quantize_weights_alike(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
+                                         shared=owner, amax=amax)
         if experts is not None:
             return experts if stacked else experts.unbind()
     return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]

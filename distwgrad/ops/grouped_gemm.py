@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from distwgrad.kernels._host import to_device  # (torch only: no Triton, no kernel)
 from distwgrad.ops import reference
 
 __all__ = ["splits_to_offsets", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "kernels_available", "torch_route"]
@@ -77,16 +78,6 @@ def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, n
         total += s
         ends.append(total)
     return to_device(ends, torch.int32, device)
-
-
-def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on ``device`` without waiting for the device: staged in pinned memory and
-    copied asynchronously on the current stream (a plain ``torch.tensor(..., device="cuda")`` copies from
-    pageable memory, which waits for the stream's queued work: a sync per call)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _kernels_on_cpu() -> bool:

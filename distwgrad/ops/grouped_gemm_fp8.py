@@ -9,8 +9,11 @@ Legend: E experts (groups), T tokens, K in-features, N out-features; ``offs_E`` 
     grouped_dgrad_fp8(dy_q, w_qs, offs_E, out_dtype)           dx_TK[g]  = deq(dy)[g] @ deq(w_e)
     grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=None, out_dtype) dW_ENK[e] = deq(dy)[g]^T @ deq(x)[g]
 
-Each also takes ``split_accumulator`` (the recipe's ``MMParams`` for that GEMM, from
-``distwgrad.fp8.recipe.split_accumulator``): it reaches the kernels; emulation is exact fp32 either way.
+Each of these dispatches ([Note: fp8 gemm dispatch]); ``kernel_grouped_fprop_fp8`` / ``_dgrad_`` /
+``_wgrad_`` run the kernels on the same operands without a fallback (the kernels take tensors: these
+unpack each ``Quantized`` into its data, its scales and the recipe's block L). Each also takes
+``split_accumulator`` (the recipe's ``MMParams`` for that GEMM, from ``distwgrad.fp8.recipe.split_accumulator``):
+it reaches the kernels; emulation is exact fp32 either way.
 
 ``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``)
 or, per-tensor, one ``QuantizedExperts`` (``materialize_quantized_group(..., stacked=True)``).
@@ -20,7 +23,7 @@ or a list of E ``[N, K]``) the product is ADDED, as ``grouped_gemm.grouped_wgrad
 
 [Note: fp8 gemm dispatch]
 Operands are quantized once, by the Triton quantize kernels on CUDA and by the torch reference
-elsewhere: the two are bit-identical (tests/test_fp8_quantize.py), so every device sees the same fp8
+elsewhere: the two are bit-identical (tests/test_fp8_quantize_kernels.py), so every device sees the same fp8
 values and scales. The products then run:
 * on CUDA, in the FP8 Triton kernels (``distwgrad.kernels.grouped_gemm_fp8``: fp8 tensor-core products,
   scales applied in the kernel, fp32 accumulation) when they accept the operands: per-tensor scales, or
@@ -48,8 +51,8 @@ from distwgrad.fp8.recipe import PerTensorScaling, Recipe
 from distwgrad.ops import grouped_gemm as gg
 
 __all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8", "align_token_groups",
-           "align_wgrad", "wgrad_offsets",
-           "fp8_kernels_accept", "saved_tensors", "saved_meta", "from_saved"]
+           "align_wgrad", "wgrad_offsets", "kernel_grouped_fprop_fp8", "kernel_grouped_dgrad_fp8",
+           "kernel_grouped_wgrad_fp8", "fp8_kernels_accept", "saved_tensors", "saved_meta", "from_saved"]
 
 
 # The grouped modules lay the per-tensor wgrad operands out with each token group on the 128-token grid
@@ -91,15 +94,15 @@ def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
         if not isinstance(recipe, PerTensorScaling):
             raise ValueError(f"quantize_operand: the aligned layout is for per-tensor scaling, got {recipe!r}")
         if gg.kernels_available(x_MK):
-            from distwgrad.kernels import quantize as kq
             from distwgrad.kernels import token_layout as kt
+            from distwgrad.ops import quantize as kq
             q = kq.quantize_per_tensor(x_MK.contiguous(), recipe.dtype_for(grad=grad), margin=recipe.margin)
             data_t, _ = kt.transpose_aligned(q.data, aligned_offs, ALIGN)
             return q, Quantized(data_t, q.scale_inv, None, q.orig_dtype, data_t.shape)
         q, q_t = reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
         return q, align_token_groups(q_t, aligned_offs, ALIGN)[0]
     if gg.kernels_available(x_MK):
-        from distwgrad.kernels import quantize as kq
+        from distwgrad.ops import quantize as kq
         return kq.quantize_rowwise_and_columnwise(x_MK.contiguous(), recipe, grad=grad)
     return reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
 
@@ -202,10 +205,9 @@ def grouped_fprop_fp8(x_q: Quantized, w_qs: Sequence[Quantized] | QuantizedExper
                       split_accumulator: bool = True) -> torch.Tensor:
     """``y_TN`` in ``out_dtype`` (bias added in fp32); see the module docstring."""
     if fp8_kernels_accept([x_q], w_qs):
-        from distwgrad.kernels import grouped_gemm_fp8 as k
         w = list(w_qs) if not isinstance(w_qs, QuantizedExperts) else (  # K contiguous, as fprop reads it
             w_qs.data if w_qs.data.stride(2) == 1 else w_qs.data.contiguous(), w_qs.scale_inv)
-        return k.grouped_fprop_fp8(x_q, w, offs_E, bias_EN, out_dtype, split_accumulator=split_accumulator)
+        return kernel_grouped_fprop_fp8(x_q, w, offs_E, bias_EN, out_dtype, split_accumulator=split_accumulator)
     x_TK = dequantize(x_q, dtype=torch.float32)
     bias = None if bias_EN is None else bias_EN.float()
     return gg.grouped_fprop(x_TK, _emulated_weights(w_qs), offs_E, bias).to(out_dtype)
@@ -215,9 +217,8 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized] | QuantizedExpe
                       out_dtype: torch.dtype, *, split_accumulator: bool = True) -> torch.Tensor:
     """``dx_TK`` in ``out_dtype``; see the module docstring."""
     if fp8_kernels_accept([dy_q], w_qs):
-        from distwgrad.kernels import grouped_gemm_fp8 as k
-        return k.grouped_dgrad_fp8(dy_q, _contraction_contiguous(w_qs), offs_E, out_dtype,
-                                   split_accumulator=split_accumulator)
+        return kernel_grouped_dgrad_fp8(dy_q, _contraction_contiguous(w_qs), offs_E, out_dtype,
+                                        split_accumulator=split_accumulator)
     dy_TN = dequantize(dy_q, dtype=torch.float32)
     return gg.grouped_dgrad(dy_TN, _emulated_weights(w_qs), offs_E).to(out_dtype)
 
@@ -230,15 +231,88 @@ def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor, *
         raise ValueError(f"grouped_wgrad_fp8: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
                          f"into) or out_dtype, not both")
     if fp8_kernels_accept([dy_qt, x_qt]):
-        from distwgrad.kernels import grouped_gemm_fp8 as k
-        kw = dict(split_accumulator=split_accumulator)
+        split = split_accumulator
         if out is not None and not gg.all_fp32(out):  # the fused add is into fp32 only
-            return gg.add_per_group(out, k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, **kw))
+            return gg.add_per_group(out, kernel_grouped_wgrad_fp8(dy_qt, x_qt, offs_E, split_accumulator=split))
         if out is None:
-            return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out_dtype=out_dtype, **kw)
-        return k.grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, **kw)
+            return kernel_grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out_dtype=out_dtype, split_accumulator=split)
+        return kernel_grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, split_accumulator=split)
     dy_TN = dequantize(dy_qt, dtype=torch.float32).t().contiguous()
     x_TK = dequantize(x_qt, dtype=torch.float32).t().contiguous()
     if out is None:
         return gg.grouped_wgrad(dy_TN, x_TK, offs_E).to(out_dtype)
     return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+
+
+# ---- the FP8 kernels on Quantized operands: unpacked into data, scales and the recipe's block L ----
+
+
+def _act(op: str, name: str, q) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(data, scale_inv, L) of an activation/gradient ``Quantized``; L = 0 for per-tensor."""
+    if not isinstance(q, Quantized):
+        raise TypeError(f"{op}: {name} must be a distwgrad.fp8.quantize.Quantized, got {type(q).__name__}")
+    if q.block is None:
+        return q.data, q.scale_inv, 0
+    if q.block[0] != 1:
+        raise ValueError(f"{op}: {name} must be quantized per tensor or in 1xL tiles along its last dim, "
+                         f"got block {q.block}")
+    return q.data, q.scale_inv, q.block[1]
+
+
+def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_ENK, scale_inv) from a sequence of per-expert ``Quantized`` or a (data, scale_inv) tuple."""
+    if isinstance(w_qs, tuple) and len(w_qs) == 2 and all(isinstance(t, torch.Tensor) for t in w_qs):
+        return w_qs
+    if isinstance(w_qs, (Quantized, torch.Tensor)) or not isinstance(w_qs, Sequence) or len(w_qs) == 0:
+        raise TypeError(f"{op}: w_qs must be a non-empty sequence of per-expert Quantized or a (w_ENK, "
+                        f"scale_inv) tuple of tensors, got {type(w_qs).__name__}")
+    want = (block, block) if block else None
+    for i, q in enumerate(w_qs):
+        if not isinstance(q, Quantized):
+            raise TypeError(f"{op}: w_qs[{i}] must be a Quantized, got {type(q).__name__}")
+        if q.block != want or len(q.shape) != 2:
+            raise ValueError(f"{op}: w_qs[{i}] has block {q.block} and shape {tuple(q.shape)}; with "
+                             f"{'per-tensor' if not block else f'1x{block}'} activations every expert must be a "
+                             f"2-D weight quantized {'per tensor' if not block else f'in {block}x{block} blocks'}")
+    return torch.stack([q.data for q in w_qs]), torch.stack([q.scale_inv for q in w_qs])
+
+
+def kernel_grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch.Tensor | None = None,
+                             out_dtype: torch.dtype = torch.bfloat16, *,
+                             split_accumulator: bool = True) -> torch.Tensor:
+    """``distwgrad.kernels.grouped_gemm_fp8.grouped_fprop_fp8`` on ``x_q`` ``[T, K]`` (per-tensor or 1xL tiles
+    along K) and ``w_qs``: E per-expert ``[N, K]`` ``Quantized`` (per-tensor, or LxL blocks with the same L;
+    stacked here, one copy) or a ``(w_ENK, scale_inv)`` tuple (scale_inv ``[E]`` or ``[E, cdiv(N, L),
+    cdiv(K, L)]``)."""
+    from distwgrad.kernels import grouped_gemm_fp8 as k
+    x, x_s, block = _act("grouped_fprop_fp8", "x_q", x_q)
+    w, w_s = _weights("grouped_fprop_fp8", w_qs, block)
+    return k.grouped_fprop_fp8(x, x_s, w, w_s, offs_E, bias_EN, out_dtype, block=block,
+                               split_accumulator=split_accumulator)
+
+
+def kernel_grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                             *, split_accumulator: bool = True) -> torch.Tensor:
+    """``distwgrad.kernels.grouped_gemm_fp8.grouped_dgrad_fp8`` on ``dy_q`` ``[T, N]`` (per-tensor or 1xL tiles
+    along N) and the weights as in :func:`kernel_grouped_fprop_fp8` (forward layout; block (nb, kb) serves
+    contraction block nb)."""
+    from distwgrad.kernels import grouped_gemm_fp8 as k
+    dy, dy_s, block = _act("grouped_dgrad_fp8", "dy_q", dy_q)
+    w, w_s = _weights("grouped_dgrad_fp8", w_qs, block)
+    return k.grouped_dgrad_fp8(dy, dy_s, w, w_s, offs_E, out_dtype, block=block, split_accumulator=split_accumulator)
+
+
+def kernel_grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
+                             out: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
+                             split_accumulator: bool = True, out_dtype: torch.dtype | None = None):
+    """``distwgrad.kernels.grouped_gemm_fp8.grouped_wgrad_fp8`` on the TRANSPOSED quantizations ``dy_qt``
+    ``[N, T]`` and ``x_qt`` ``[K, T]`` (per-tensor, or 1xL tiles along the tokens:
+    ``quantize_rowwise_and_columnwise(...)[1]``); ``out`` and ``out_dtype`` as there."""
+    from distwgrad.kernels import grouped_gemm_fp8 as k
+    dy_t, dy_s, block = _act("grouped_wgrad_fp8", "dy_qt", dy_qt)
+    x_t, x_s, x_block = _act("grouped_wgrad_fp8", "x_qt", x_qt)
+    if x_block != block:
+        raise ValueError(f"grouped_wgrad_fp8: dy_qt and x_qt must share one recipe, got blocks {dy_qt.block} "
+                         f"and {x_qt.block}")
+    return k.grouped_wgrad_fp8(dy_t, dy_s, x_t, x_s, offs_E, out, block=block, split_accumulator=split_accumulator,
+                               out_dtype=out_dtype)

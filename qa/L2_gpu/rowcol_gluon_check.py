@@ -1,5 +1,5 @@
 """Repeats the Gluon rows + columns quantize kernel ([Note: rows and columns without a transpose] in
-kernels/_quantize_rowcol_gluon.py) in both settings against the torch reference, several times per input,
+kernels/gluon/quantize_rowcol.py) in both settings against the torch reference, several times per input,
 and times the settings that always matched (a setting that differed only sometimes would have a race),
 beside the Triton kernel (CUDA-graph replays; fractions of a clone's bandwidth).
 
@@ -13,12 +13,13 @@ import argparse
 import torch
 import triton
 import triton.testing
-from distwgrad.kernels import _quantize_rowcol_gluon as kg
 from distwgrad.kernels import quantize as kq
 from distwgrad.kernels import tuning
+from distwgrad.kernels.gluon import quantize_rowcol as kg
 
 from distwgrad.fp8 import BlockwiseScaling
 from distwgrad.fp8.quantize import quantize_rowwise_and_columnwise as reference
+from distwgrad.ops.quantize import quantize_rowwise_and_columnwise
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -41,7 +42,7 @@ def _same(got, ref) -> bool:
 def _quantize(x, rec, **settings):
     """``quantize_rowwise_and_columnwise`` with ``QuantizeTuning`` fields overridden for the call."""
     with tuning(quantize=settings):
-        return kq.quantize_rowwise_and_columnwise(x, rec)
+        return quantize_rowwise_and_columnwise(x, rec)
 
 
 def main(argv=None) -> int:

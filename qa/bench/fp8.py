@@ -20,7 +20,8 @@ device's copy bandwidth, measured here with a clone of the same input. Bytes are
 traffic (read x once, write the fp8 data and the fp32 scales) for every implementation, so GB/s
 compares times at equal work: a two-pass or padding implementation is not credited for its extra
 traffic. "eager" and "compile" run the reference ``distwgrad.fp8.quantize`` (eagerly, and under
-``torch.compile``); "triton" runs ``distwgrad.kernels.quantize``, checked bit-exact against eager
+``torch.compile``); "triton" runs ``distwgrad.kernels.quantize`` (through ``distwgrad.ops.quantize``, which
+wraps its tensors as the reference returns them), checked bit-exact against eager
 before it is timed. ``--quant-sweep`` adds one row per candidate tuning of each op (the ``SWEEP`` table
 of ``distwgrad.kernels.quantize``: module tuning constants, overridden while that candidate is built,
 checked bit-exact against eager and timed), ``impl`` "triton@NAME=VALUE,...".
@@ -182,7 +183,7 @@ def _impl_modules(args: argparse.Namespace) -> dict[str, object]:
     mods: dict[str, object] = {}
     if "triton" in args.impls:
         if args.device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
-            from distwgrad.kernels import quantize as kq
+            from distwgrad.ops import quantize as kq
             mods["triton"] = kq
         else:
             print(f"skipping impl triton on {args.device}")
@@ -199,11 +200,12 @@ def _same_bits(got: tuple, expected: tuple) -> bool:
 
 def _quant_sweep(args: argparse.Namespace, op: str, x: torch.Tensor, expected: tuple, nbytes: int,
                  copy_gbps: float, kq) -> list[Row]:
-    """One row per candidate of ``kq.SWEEP[op]`` (``QuantizeTuning`` fields, set with ``tuning``); a
-    candidate that fails to build or differs from the reference is printed and skipped (it is a result too,
-    but not a timing)."""
+    """One row per candidate of ``distwgrad.kernels.quantize.SWEEP[op]`` (``QuantizeTuning`` fields, set with
+    ``tuning``), run through ``kq`` (``distwgrad.ops.quantize``); a candidate that fails to build or differs
+    from the reference is printed and skipped (it is a result too, but not a timing)."""
+    from distwgrad.kernels.quantize import SWEEP
     rows = []
-    for cand in kq.SWEEP.get(op, []):
+    for cand in SWEEP.get(op, []):
         impl = "triton@" + ",".join(f"{k}={v}" for k, v in cand.items())
         try:
             with tuning(quantize=cand):

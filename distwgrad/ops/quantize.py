@@ -1,0 +1,88 @@
+"""The Triton FP8 quantize kernels on the runtime's types: recipes in, ``Quantized`` / ``QuantizedExperts`` out.
+
+The kernels (``distwgrad.kernels.quantize``, ``distwgrad.kernels.weights_fp8``) take tensors, float8 dtypes
+and block sizes and return tensors; this module translates a recipe into those arguments and wraps the
+results, so that each function here is the kernel twin of its namesake in ``distwgrad.fp8.quantize`` (same
+arguments, same bits; tests/test_fp8_quantize*.py). No device dispatch happens here: the callers choose the
+kernels where they run ([Note: fp8 gemm dispatch] in ``distwgrad/ops/grouped_gemm_fp8.py``), and the kernel
+modules are imported at the first call, so that importing this module needs no Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from distwgrad.fp8.quantize import Quantized, QuantizedExperts
+from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
+
+__all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise",
+           "quantize_weights_per_tensor", "quantize_weights_alike"]
+
+
+def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
+                        margin: int = 0) -> Quantized:
+    """Kernel version of ``distwgrad.fp8.quantize.quantize_per_tensor`` (same arguments, same bits).
+
+    ``amax``, when given, must be a one-element fp32 tensor on ``x``'s device (e.g. the MAX all-reduce
+    of ``compute_amax(shard)`` over the shard group); it is read on the device, never synced.
+    """
+    from distwgrad.kernels import quantize as kq
+    fp8_format(dtype)
+    data, scale_inv = kq.quantize_per_tensor(x, dtype, amax=amax, margin=margin)
+    return Quantized(data, scale_inv, None, x.dtype, x.shape)
+
+
+def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
+                       power_of_two: bool = True) -> Quantized:
+    """Kernel version of ``distwgrad.fp8.quantize.quantize_blockwise``; blocks must be powers of two."""
+    from distwgrad.kernels import quantize as kq
+    fp8_format(dtype)
+    data, scale_inv = kq.quantize_blockwise(x, block, dtype, power_of_two=power_of_two)
+    return Quantized(data, scale_inv, (int(block[0]), int(block[1])), x.dtype, x.shape)
+
+
+def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
+                                    grad: bool = False) -> tuple[Quantized, Quantized]:
+    """Kernel version of ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``.
+
+    ``BlockwiseScaling``: one read of ``x`` for both outputs. ``PerTensorScaling``: the per-tensor
+    kernels, then a transposed copy of the fp8 data (the scale is shared, so this is exact).
+    """
+    from distwgrad.kernels import quantize as kq
+    dtype = recipe.dtype_for(grad=grad)
+    if isinstance(recipe, BlockwiseScaling):
+        L = recipe.act_block[1]
+        data, s_inv, data_t, s_inv_t = kq.quantize_rowwise_and_columnwise(x, dtype, block=L,
+                                                                          power_of_two=recipe.power_of_two)
+        return (Quantized(data, s_inv, (1, L), x.dtype, x.shape),
+                Quantized(data_t, s_inv_t, (1, L), x.dtype, torch.Size((x.shape[1], x.shape[0]))))
+    if isinstance(recipe, PerTensorScaling):
+        data, s_inv, data_t, _ = kq.quantize_rowwise_and_columnwise(x, dtype, block=0, margin=recipe.margin)
+        return Quantized(data, s_inv, None, x.dtype, x.shape), Quantized(data_t, s_inv, None, x.dtype, data_t.shape)
+    raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+
+
+def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
+                                transpose: bool = False, shared: Sequence[int] | None = None,
+                                amax: torch.Tensor | None = None) -> QuantizedExperts:
+    """``distwgrad.kernels.weights_fp8.quantize_weights_per_tensor`` (E alike ``[N, K]`` weights quantized per
+    tensor in two launches, [Note: a group of weights in two launches]) as one ``QuantizedExperts``."""
+    from distwgrad.kernels import weights_fp8 as kw
+    data, scale_inv, amax = kw.quantize_weights_per_tensor(weights, dtype, margin=margin, transpose=transpose,
+                                                           shared=shared, amax=amax)
+    return QuantizedExperts(data, scale_inv, weights[0].dtype, amax)
+
+
+def quantize_weights_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
+                           transpose: bool = False, shared: Sequence[int] | None = None,
+                           amax: torch.Tensor | None = None) -> QuantizedExperts | None:
+    """:func:`quantize_weights_per_tensor` where the weights are alike (one shape, dtype and device, each
+    contiguous), else None (the caller quantizes each alone); a first weight the kernels cannot take raises."""
+    from distwgrad.kernels import weights_fp8 as kw
+    got = kw._quantize_alike(weights, dtype, margin=margin, transpose=transpose, shared=shared, amax=amax)
+    if got is None:
+        return None
+    data, scale_inv, amax = got
+    return QuantizedExperts(data, scale_inv, weights[0].dtype, amax)
