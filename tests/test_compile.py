@@ -276,3 +276,28 @@ def test_tied_plain_weight_bf16_sharded_param_dtype():
     _compare(_Tied(nn.Parameter(torch.randn(K, K) / K**0.5)), _x())
     weight = ShardedWeight.from_full(torch.randn(K, K) / K**0.5, param_dtype=torch.bfloat16)
     _compare(_Tied(weight, delay_wgrad_compute=True), _x(torch.bfloat16), finalize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_backward_op_outputs_are_aligned_for_inductor():
+    """[Note: aligned op outputs]: the backward op's outputs, and what attention's backward computes from
+    them, are 16-byte aligned buffers in inductor's code (the token lives on the input's device)."""
+    from torch._inductor.utils import run_fw_bw_and_get_code
+
+    torch.manual_seed(0)
+    a = dnn.Linear(256, 3 * 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    b = dnn.Linear(256, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+
+    def block(x):
+        q, k, v = a(x).view(2, 128, 3, 4, 64).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return b(y.transpose(1, 2).reshape(2, 128, 256))
+
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True)
+    _, codes = run_fw_bw_and_get_code(lambda: compiled(x).float().sum())
+    backward = codes[-1]
+    assert "distwgrad.module_backward" in backward
+    unaligned = [line.strip() for line in backward.splitlines() if "is assumed to be not aligned" in line]
+    assert not unaligned, unaligned
