@@ -18,6 +18,7 @@ from torch import nn
 import distwgrad.nn as dnn
 from distwgrad import ShardedWeight, finalize_model_grads
 from distwgrad.fp8.recipe import PerTensorScaling, fp8_autocast
+from distwgrad.nn import _compiled
 from distwgrad.weights.base import MissingContributionError
 
 E, T, K, N = 3, 10, 8, 6
@@ -280,9 +281,9 @@ def test_tied_plain_weight_bf16_sharded_param_dtype():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_backward_op_outputs_are_aligned_for_inductor():
-    """[Note: aligned op outputs]: the backward op's outputs, and what attention's backward computes from
-    them, are 16-byte aligned buffers in inductor's code (the token lives on the input's device)."""
+def test_op_outputs_are_aligned_for_inductor():
+    """[Note: aligned op outputs]: both ops' outputs, and what attention's backward computes from them, are
+    16-byte aligned buffers in inductor's code (the handle and the token live on the GPU)."""
     from torch._inductor.utils import run_fw_bw_and_get_code
 
     torch.manual_seed(0)
@@ -297,7 +298,23 @@ def test_backward_op_outputs_are_aligned_for_inductor():
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compiled = torch.compile(block, fullgraph=True)
     _, codes = run_fw_bw_and_get_code(lambda: compiled(x).float().sum())
-    backward = codes[-1]
-    assert "distwgrad.module_backward" in backward
-    unaligned = [line.strip() for line in backward.splitlines() if "is assumed to be not aligned" in line]
+    assert a._op_handle.device.type == "cuda"
+    forward, backward = codes[0], codes[-1]
+    assert "distwgrad.module_forward" in forward and "distwgrad.module_backward" in backward
+    unaligned = [line.strip() for code in (forward, backward) for line in code.splitlines()
+                 if "is assumed to be not aligned" in line]
     assert not unaligned, unaligned
+
+
+def test_op_handle_follows_the_parameters():
+    """[Note: aligned op outputs]: the handle moves with the module, and a copy gets its own."""
+    lin = dnn.Linear(K, N, bias=False, device="meta")
+    assert lin._op_handle.device.type == "cpu"  # a meta module's handle stays on the CPU
+    lin = dnn.Linear(K, N, bias=False)
+    handle = lin._op_handle
+    twin = copy.deepcopy(lin)
+    assert twin._op_handle.data_ptr() != handle.data_ptr()
+    assert _compiled._module(twin._op_handle) is twin and _compiled._module(handle) is lin
+    if torch.cuda.is_available():
+        lin.cuda()
+        assert lin._op_handle.device.type == "cuda" and _compiled._module(lin._op_handle) is lin

@@ -104,7 +104,19 @@ class WgradModule(nn.Module):
     def __setstate__(self, state) -> None:  # a deep copy or an unpickled module is a module of its own
         super().__setstate__(state)
         if "_op_handle" in state:
-            self._op_handle = register_module(self)
+            self._op_handle = register_module(self, state["_op_handle"].device)
+
+    def _place_op_handle(self, device: torch.device) -> None:
+        """The compiled path's module handle lives where the parameters do: [Note: aligned op outputs]."""
+        if device.type != "meta" and self._op_handle.device != device:
+            self._op_handle = register_module(self, device)
+
+    def _apply(self, fn, recurse: bool = True):
+        module = super()._apply(fn, recurse)  # module.to(...), .cuda(), .to_empty(...): the handle follows
+        for p in self.parameters(recurse=False):
+            self._place_op_handle(p.device)
+            break
+        return module
 
     # The parameters whose gradients ``backward_dw()`` delivers; None: all of them. A LayerNorm's
     # parameters get their gradients from the main backward, so they keep DDP's post-backward hook.
@@ -115,6 +127,8 @@ class WgradModule(nn.Module):
                 and (self.deferred_param_names is None or name in self.deferred_param_names)):
             value.skip_backward_post_hook = True
         super().__setattr__(name, value)
+        if isinstance(value, nn.Parameter) and "_op_handle" in self.__dict__:
+            self._place_op_handle(value.device)
 
     # --- TransformerEngine-compatible API ------------------------------------------------------------
     def need_backward_dw(self) -> bool:

@@ -7,9 +7,9 @@ autograd function's ``forward`` on an :class:`OpContext`), and ``distwgrad::modu
 same function's ``backward``. Two registries join the graph to the Python state it cannot carry:
 
 * ``_MODULES``: handle -> the module, by weak reference. The handle reaches the op as a one-element
-  CPU int64 tensor held as a plain module attribute (not a buffer, so ``module.to("cuda")`` leaves it
-  on the host and reading it never syncs): a tensor is a graph input, so layers of one configuration
-  share one compiled graph, where an int attribute would be a constant and recompile per instance;
+  int64 tensor held as a plain module attribute on the parameters' device (``WgradModule`` moves it with
+  them): a tensor is a graph input, so layers of one configuration share one compiled graph, where an int
+  attribute would be a constant and recompile per instance. Its address is the key, never its value;
 * ``_CALLS``: per-call key -> that call's ``OpContext`` (saved tensors, the call record and its
   ``Use``s). The key travels as the *token*, a one-element int64 tensor on the input's device returned by
   the forward op and saved for backward, so the backward finds the state of its own call at run time
@@ -22,19 +22,17 @@ same function's ``backward``. Two registries join the graph to the Python state 
 [Note: aligned op outputs]
 Inductor marks the outputs of an op that takes any CPU tensor as not 16-byte aligned, and every buffer
 computed from them by another extern op likewise; a Triton kernel that reads such a buffer gets no
-divisibility hint, so its loads are not vectorized. The module handle is a CPU tensor, so the forward op's
-outputs carry that mark; the token is on the input's device, so the backward op, whose inputs are the
-token, the CUDA ``dy`` and the parameters, returns aligned gradients, and what consumes them (attention's
-backward, then the rotary and qkv kernels inductor fuses after it) reads them with vector loads. On one
-H200 the large preset's fused rotary/qkv backward kernel took 0.62 ms with a CPU token and 0.30 ms in
-plain torch's graph (docs/benchmarks/LOG.md).
+divisibility hint, so its loads are not vectorized. So neither op takes a CPU tensor where the module runs
+on a GPU: the module handle lives on the parameters' device and the token on the input's, and what
+consumes the ops' outputs (the kernels inductor fuses after a ``Linear``; attention's backward, then the
+rotary and qkv kernels after it) reads them with vector loads. On one H200 the large preset's fused
+rotary/qkv backward kernel took 0.62 ms with a CPU token and 0.30 ms in plain torch's graph
+(docs/benchmarks/LOG.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -45,29 +43,39 @@ from distwgrad.wgrad.accumulate import add_to_grad
 
 __all__ = ["OpContext", "register_module", "compiled_forward"]
 
-_MODULES: dict[int, weakref.ref] = {}
-_CALLS: dict[int, OpContext] = {}
-_handles = itertools.count(1)
+_MODULES: dict[tuple[str, int, int], weakref.ref] = {}
+_CALLS: dict[tuple[str, int, int], OpContext] = {}
 
 
-def _forget(handle: int, _ref: object) -> None:
-    _MODULES.pop(handle, None)
+def _key(t: torch.Tensor) -> tuple[str, int, int]:
+    """A live tensor's identity, its device and address; never its value (reading a CUDA tensor syncs)."""
+    return t.device.type, -1 if t.device.index is None else t.device.index, t.data_ptr()
 
 
-def register_module(module: torch.nn.Module) -> torch.Tensor:
-    """A fresh handle for ``module`` (a copy or an unpickled module gets its own)."""
-    handle = next(_handles)
-    _MODULES[handle] = weakref.ref(module, functools.partial(_forget, handle))
-    return torch.tensor([handle], dtype=torch.int64)
+def _owned_key(t: torch.Tensor, registry: dict, value) -> None:
+    """Registers ``value`` under ``t``'s key for as long as ``t`` lives (the entry goes before ``t``'s memory
+    can be reused, so a later tensor at the same address never finds it)."""
+    key = _key(t)
+    registry[key] = value
+    weakref.finalize(t, registry.pop, key, None)
+
+
+def register_module(module: torch.nn.Module, device: torch.device | str | None = None) -> torch.Tensor:
+    """A fresh handle for ``module`` on ``device`` (default CPU; a meta device keeps it on the CPU): an
+    allocated, never written one-element tensor whose address names the module ([Note: aligned op
+    outputs]). A copy or an unpickled module gets its own."""
+    device = torch.device("cpu" if device is None else device)
+    handle = torch.empty((1,), dtype=torch.int64, device="cpu" if device.type == "meta" else device)
+    _owned_key(handle, _MODULES, weakref.ref(module))
+    return handle
 
 
 def _module(handle_t: torch.Tensor):
-    handle = int(handle_t[0])
-    ref = _MODULES.get(handle)
+    ref = _MODULES.get(_key(handle_t))
     module = None if ref is None else ref()
     if module is None:
-        raise RuntimeError(f"distwgrad: a compiled graph called module handle {handle}, whose module no longer "
-                           f"exists (was the graph compiled for a module that was deleted?)")
+        raise RuntimeError(f"distwgrad: a compiled graph called a module handle on {handle_t.device} whose module "
+                           f"no longer exists (was the graph compiled for a module that was deleted?)")
     return module
 
 
@@ -131,9 +139,7 @@ def module_forward(inp: torch.Tensor, params: list[torch.Tensor], aux: list[torc
     with _autograd_dispatch(), torch.no_grad():  # as an autograd function's forward runs
         y = _module(handle)._op_forward(ctx, inp, aux, ints, grad_on)
     token = inp.new_empty((1,), dtype=torch.int64)  # [Note: aligned op outputs]: on the input's device
-    key = token.data_ptr()
-    _CALLS[key] = ctx
-    weakref.finalize(token, _CALLS.pop, key, None)
+    _owned_key(token, _CALLS, ctx)
     (y,) = _unaliased([y], [inp, *params, *aux, handle])
     return y, token
 
@@ -150,7 +156,7 @@ def module_backward(token: torch.Tensor, dy: torch.Tensor, params: list[torch.Te
     for ``params[i]`` where ``hands[i]``, else an empty placeholder; a gradient the static plan did not
     hand autograd (a foreign distributed weight's ``finalize_group_grads`` result) is added to ``.grad``,
     the deferred rule of [Note: the finalize contract]."""
-    ctx = _CALLS.get(token.data_ptr())
+    ctx = _CALLS.get(_key(token))
     if ctx is None:
         raise RuntimeError("distwgrad: a compiled backward found no state for its forward call (its graph was "
                            "freed, or backward ran twice without retain_graph=True)")
