@@ -29,15 +29,10 @@ __all__ = ["TileConfig", "INTERPRETER", "RAGGED_CANDIDATES", "WGRAD_CANDIDATES",
 class TileConfig:
     """One launch configuration. ``group_m`` tiles along M share one column of B (L2 reuse).
     ``add_mode`` only matters to the accumulating wgrad: "load" reads the old fp32 tile after the main
-    loop, "prefetch" before it (held in registers while the MMAs run), "atomic" sends fp32 reductions
-    to L2 instead of a read-modify-write round trip (deterministic: each element gets one addend),
-    "tma_add" one asynchronous bulk tensor reduction per tile (Hopper, stacked ``out`` with 16-byte
-    aligned strides; otherwise, and in the interpreter, it runs as "atomic").
+    loop, "atomic" sends fp32 reductions to L2 instead of a read-modify-write round trip (deterministic:
+    each element gets one addend), "tma_add" one asynchronous bulk tensor reduction per tile (Hopper,
+    stacked ``out`` with 16-byte aligned strides; otherwise, and in the interpreter, it runs as "atomic").
 
-    wgrad only: ``persistent`` > 0 launches that many programs per SM, each looping over tiles, instead
-    of one program per tile ([Note: persistent wgrad] in kernels/_grouped_wgrad.py; no "prefetch"
-    there); with it, ``subtile`` = 2 writes the tile in two column halves and ``warp_specialize`` asks
-    Triton to warp-specialize the tile loop (newer Triton only: the launch refuses it otherwise).
     ``tma=False`` keeps masked pointer loads where TMA descriptors would apply (an explicit ``use_tma``
     argument of the launcher wins). ``l2_prefetch`` (accumulating wgrad, GPU) prefetches the old fp32 tile
     into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py).
@@ -53,9 +48,6 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     add_mode: str = "load"
-    persistent: int = 0
-    subtile: int = 1
-    warp_specialize: bool = False
     tma: bool = True
     l2_prefetch: bool = False
     half_tail: bool = False
@@ -69,36 +61,22 @@ class TileConfig:
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"bad TileConfig: group_m={self.group_m}, num_warps={self.num_warps}, "
                              f"num_stages={self.num_stages}")
-        if self.add_mode not in ("load", "prefetch", "atomic", "tma_add"):
-            raise ValueError(f"TileConfig.add_mode must be 'load', 'prefetch', 'atomic' or 'tma_add', got "
-                             f"{self.add_mode!r}")
+        if self.add_mode not in ("load", "atomic", "tma_add"):
+            raise ValueError(f"TileConfig.add_mode must be 'load', 'atomic' or 'tma_add', got {self.add_mode!r}")
         for name in ("half_tail", "wide_tail"):
             if getattr(self, name) and self.block_m < 32:
                 raise ValueError(f"TileConfig: {name} needs block_m >= 32 (a half tile is a tl.dot of 16 rows or "
                                  f"more), got block_m={self.block_m}")
-        self._check_persistent()
-
-    def _check_persistent(self):
-        if not 0 <= self.persistent <= 8 or self.subtile not in (1, 2):
-            raise ValueError(f"TileConfig.persistent must be 0-8 programs per SM and subtile 1 or 2, got "
-                             f"persistent={self.persistent}, subtile={self.subtile}")
-        if not self.persistent and (self.subtile != 1 or self.warp_specialize):
-            raise ValueError(f"TileConfig: subtile={self.subtile} and warp_specialize={self.warp_specialize} "
-                             f"need persistent > 0")
-        if self.l2_prefetch and (self.block_n < 32 or self.add_mode == "prefetch"):
-            raise ValueError(f"TileConfig: l2_prefetch needs block_n >= 32 (one 128-byte line) and an add_mode "
-                             f"other than 'prefetch', got block_n={self.block_n}, add_mode={self.add_mode!r}")
-        if self.persistent and self.add_mode == "prefetch":
-            raise ValueError("TileConfig: the persistent wgrad kernel has no add_mode 'prefetch'")
+        if self.l2_prefetch and self.block_n < 32:
+            raise ValueError(f"TileConfig: l2_prefetch needs block_n >= 32 (one 128-byte line), got "
+                             f"block_n={self.block_n}")
 
     def short(self) -> str:
         mode = "" if self.add_mode == "load" else f"/{self.add_mode}"
-        pers = "" if not self.persistent else (f"/p{self.persistent}" + ("/sub2" if self.subtile == 2 else "")
-                                               + ("/ws" if self.warp_specialize else ""))
-        pers += ("" if self.tma else "/ptr") + ("/l2pf" if self.l2_prefetch else "")
-        pers += ("/half" if self.half_tail else "") + ("/wide" if self.wide_tail else "")
+        flags = ("" if self.tma else "/ptr") + ("/l2pf" if self.l2_prefetch else "")
+        flags += ("/half" if self.half_tail else "") + ("/wide" if self.wide_tail else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/w{self.num_warps}"
-                f"/s{self.num_stages}{mode}{pers}")
+                f"/s{self.num_stages}{mode}{flags}")
 
 
 # Tiny tiles for TRITON_INTERPRET=1: several tiles per group and masked edges at test shapes.
@@ -149,18 +127,6 @@ WGRAD_ACC_CANDIDATES = (
     _T(128, 128, 64, num_warps=8, num_stages=3, add_mode="tma_add"),
     _T(256, 128, 64, num_warps=8, num_stages=2, add_mode="tma_add"),
     _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False),
-    # Round 4: the persistent kernel, [Note: persistent wgrad]; it never beat the best one-tile-per-
-    # program config (H200, 2026-11-29: 631 vs 641, 403 vs 421, 80 vs 91). Shared memory per program
-    # (bf16): 128x128x64/s3 96 KB and 128x128x32/s4 64 KB of operands, plus the "tma_add" staging tile
-    # (64 KB, 32 KB with subtile=2); two programs per SM need both to fit 227 KB together.
-    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1),
-    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="atomic", persistent=2),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", persistent=2, subtile=2),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", persistent=2),
-    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="tma_add", persistent=1, subtile=2),
-    _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
-    _T(256, 128, 64, num_warps=8, num_stages=3, add_mode="atomic", persistent=1),
-    _T(128, 128, 64, num_warps=4, num_stages=3, add_mode="tma_add", persistent=1, warp_specialize=True),
     # Round 7: the old tile prefetched into L2 under the main loop ([Note: L2 prefetch of the accumulated
     # tile]), on the picks of rounds 2-4 at each shape.
     _T(128, 256, 64, num_warps=8, num_stages=3, add_mode="atomic", l2_prefetch=True),
@@ -168,7 +134,6 @@ WGRAD_ACC_CANDIDATES = (
     _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", l2_prefetch=True),
     _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", l2_prefetch=True),
     _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="atomic", tma=False, l2_prefetch=True),
-    _T(128, 128, 32, num_warps=4, num_stages=4, add_mode="tma_add", persistent=2, subtile=2, l2_prefetch=True),
 )
 
 
@@ -229,7 +194,7 @@ def pick_wgrad(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: 
     big = num_tokens / max(num_groups, 1) >= 2048
     if accumulate:
         # add_mode "atomic" beat "load" at every shape (round 2): 4096/expert 629 (256x128x64/w8/s3)
-        # vs 552; 1024: 397 (128x128x32/w4/s4) vs 362; 128: 81 vs 75. "prefetch": 542, 351, 70.
+        # vs 552; 1024: 397 (128x128x32/w4/s4) vs 362; 128: 81 vs 75.
         # Round 3, "tma_add" vs "atomic": 602 vs 621, 414 vs 392, 81 vs 80. Round 4 (all candidates
         # in one run): 4096/expert 128x256x64/w8/s3/atomic 641 vs 256x128x64 589; 1024: 128x128x32/
         # w4/s4/tma_add 421 vs atomic 397 (the second run in which tma_add led at 1024); 128/expert:

@@ -33,7 +33,7 @@ from ._grouped_gemm_configs import TileConfig, _fit
 
 __all__ = ["INTERPRETER", "RAGGED_CANDIDATES", "WGRAD_CANDIDATES", "ADD_MODES", "pick", "with_block_k"]
 
-ADD_MODES = ("load", "atomic")  # of TileConfig.add_mode; "prefetch" and "tma_add" are bf16-only so far
+ADD_MODES = ("load", "atomic")  # of TileConfig.add_mode; "tma_add" is bf16-only so far
 
 # TRITON_INTERPRET=1: small M/N tiles so test shapes have several tiles per group and masked edges;
 # BLOCK_K 32 (the smallest fp8 tl.dot depth on GPUs) so per-tensor K loops have several steps.

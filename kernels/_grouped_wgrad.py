@@ -1,34 +1,13 @@
-"""Triton wgrad kernels of ``distwgrad.kernels.grouped_gemm`` (and the tile helpers its kernels share).
+"""The Triton wgrad kernel of ``distwgrad.kernels.grouped_gemm`` (and the tile helpers its kernels share).
 
 Legend and layouts as in ``grouped_gemm``: dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of
 group e, where g runs over ``[offs_E[e-1], offs_E[e])``; fp32 accumulation. Split out of grouped_gemm.py
 to keep both files small; the launcher, the custom ops and the public API stay there.
 
-Two schedules over the same tiles (E * cdiv(N, BLOCK_M) * cdiv(K, BLOCK_N) of them, ordered group-major,
-swizzled in bands of GROUP_M along M, with the group's tokens as the reduction):
-
-- ``_wgrad_kernel``: one program per tile. The one the default configs use.
-- ``_wgrad_persistent_kernel``: ``num_programs`` programs (``TileConfig.persistent`` per SM), each
-  looping over tiles ``pid, pid + num_programs, ...``. See [Note: persistent wgrad].
-
-[Note: persistent wgrad]
-Accumulating into fp32 ``main_grad`` costs a read-modify-write of E*N*K*4 bytes on top of the MMAs. With
-one program per tile the H200 sweeps (docs/benchmarks/LOG.md) showed that traffic NOT hidden
-(E=64, K=7168, N=2048: 4.80 ms accumulating vs 3.34 ms fresh, the difference being 7.5 GB at ~5 TB/s).
-The persistent kernel ends each tile with a reduction that needs no reply, so the program goes on to
-the next tile's loads and MMAs while the reduction drains: a TMA bulk tensor reduction
-(``out_desc.atomic_add``, add_mode "tma_add": the wait before the next tile only covers reading the
-staging buffer in shared memory, not the L2 update) or fp32 ``red.global.add`` (add_mode "atomic"; also
-the pointer-table case and the interpreter). Every element still receives exactly one addend per launch,
-so the result is deterministic. Options (``TileConfig``, picked by the GPU sweep):
-``subtile=2`` reduces the fp32 tile in two column halves (half the staging buffer and registers live at
-once); ``warp_specialize=True`` passes ``warp_specialize`` to the tile loop's ``tl.range`` (Triton
-splits producer and consumer warps; only where ``tl.range`` takes the argument). ``flatten=True`` is not
-offered: Triton flattens loop nests on Blackwell only (tritonbench, "AutoWS matmul kernels on Hopper").
-Empty groups run no main-loop step and skip the reduction; a fresh output still gets its zeros.
-Neither this kernel nor delaying each first-wave program by a different few microseconds, so that the
-programs' reductions would not all fall together (round 6 in docs/benchmarks/LOG.md), beat the
-one-tile-per-program kernel beyond the run-to-run noise on an H200.
+One program per output tile: E * cdiv(N, BLOCK_M) * cdiv(K, BLOCK_N) tiles, ordered group-major, swizzled
+in bands of GROUP_M along M, with the group's tokens as the reduction. Accumulating into fp32 ``main_grad``
+costs a read-modify-write of E*N*K*4 bytes on top of the MMAs; the add modes (``_wgrad_kernel``) and the L2
+prefetch below are how the kernel overlaps part of it (the measurements: docs/benchmarks/LOG.md).
 
 [Note: L2 prefetch of the accumulated tile]
 Accumulating into ``main_grad`` reads each fp32 output tile once, after the tile's main loop (add_mode
@@ -65,10 +44,11 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _wgrad_tile_at(tile, offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   GROUP_M: tl.constexpr):
-    """Wgrad tile ``tile``'s group ``e``, its (swizzled) output tile and the group's token range
-    ``[start, end)``, offsets clamped into ``[0, T]``."""
+def _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """This program's wgrad tile (one program per tile; also the FP8 wgrad kernel's): its group ``e``, its
+    (swizzled) output tile and the group's token range ``[start, end)``, offsets clamped into ``[0, T]``."""
+    tile = tl.program_id(0)
     tiles_m = tl.cdiv(N, BLOCK_M)
     tiles_n = tl.cdiv(K, BLOCK_N)
     e = tile // (tiles_m * tiles_n)
@@ -78,15 +58,8 @@ def _wgrad_tile_at(tile, offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLO
     return e, pid_m, pid_n, start, tl.maximum(end, start)
 
 
-@triton.jit
-def _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr):
-    """``_wgrad_tile_at`` for this program's tile (one program per tile; also the FP8 wgrad kernel's)."""
-    return _wgrad_tile_at(tl.program_id(0), offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
-
-
 # ---------------------------------------------------------------------------------------------------
-# Main loop and output addressing (both wgrad schedules)
+# Main loop and output addressing
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -154,66 +127,11 @@ def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-# ---------------------------------------------------------------------------------------------------
-# One program per tile
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=["T"])
-def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
-                  T, N, K,
-                  stride_dt, stride_dn, stride_xt, stride_xk,
-                  stride_oe, stride_on, stride_ok, stride_o,
-                  ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
-                  UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
-    """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
-    output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
-    fresh output; 1-4 add into fp32 ``out``: 1 loads the old tile after the main loop, 2 before it
-    (the read streams under the MMAs, held in registers), 3 sends fp32 reductions to L2 (no round trip;
-    still deterministic: every element receives exactly one addend), 4 does the same with one bulk
-    tensor reduction per tile through ``out_desc`` ([E, N, K], asynchronous; GPU only). L2_PREFETCH
-    (accumulating modes): the old tile is prefetched into L2 before the main loop ([Note: L2 prefetch of
-    the accumulated tile])."""
-    e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
-    if ADD_MODE != 0:
-        if end == start:
-            return
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
-    if L2_PREFETCH and ADD_MODE != 0:
-        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
-    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
-    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
-    if ADD_MODE == 2:
-        old = tl.load(o_ptrs, mask=mask, other=0.0)
-    acc = _wgrad_mainloop(dy_desc, x_desc, dy_ptr, x_ptr, start, end, pid_m, pid_n, N, K, stride_dt,
-                          stride_dn, stride_xt, stride_xk, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
-                          BLOCK_K)
-    if ADD_MODE == 3:
-        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
-    elif ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
-        out_desc.atomic_add([e, pid_m * BLOCK_M, pid_n * BLOCK_N], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)))
-    else:
-        if ADD_MODE == 1:
-            acc += tl.load(o_ptrs, mask=mask, other=0.0)
-        if ADD_MODE == 2:
-            acc += old
-        tl.store(o_ptrs, acc.to(base.dtype.element_ty), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Persistent: a fixed number of programs loop over the tiles ([Note: persistent wgrad])
-# ---------------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
                  ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """Writes (0), load-adds (1), reduces (3, fp32 atomics) or bulk-reduces (4, TMA) the [BLOCK_M, WIDTH]
-    part of group e's output at (row0, col0)."""
+    part of group e's output at (row0, col0) (the FP8 wgrad kernel's epilogue)."""
     if ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
         out_desc.atomic_add([e, row0, col0], tl.reshape(part, (1, BLOCK_M, WIDTH)))
     else:
@@ -229,62 +147,46 @@ def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok
             tl.store(ptrs, part.to(base.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _wgrad_persistent_tile(tile, dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, T, N, K,
-                           stride_dt, stride_dn, stride_xt, stride_xk,
-                           stride_oe, stride_on, stride_ok, stride_o,
-                           ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
-                           UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           SUBTILE: tl.constexpr, L2_PREFETCH: tl.constexpr):
-    e, pid_m, pid_n, start, end = _wgrad_tile_at(tile, offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N,
-                                                 GROUP_M)
-    if L2_PREFETCH and ADD_MODE != 0:
-        _prefetch_out_tile(_wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE), pid_m * BLOCK_M, pid_n * BLOCK_N, N,
-                           K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
-    # An empty group runs no step (acc stays 0): no branch around the main loop, which keeps the loop
-    # nest simple for the pipeliner and the warp specializer.
-    acc = _wgrad_mainloop(dy_desc, x_desc, dy_ptr, x_ptr, start, end, pid_m, pid_n, N, K, stride_dt,
-                          stride_dn, stride_xt, stride_xk, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
-                          BLOCK_K)
-    if (ADD_MODE == 0) | (end > start):
-        base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
-        row0 = pid_m * BLOCK_M
-        col0 = pid_n * BLOCK_N
-        if SUBTILE == 1:
-            _wgrad_write(acc, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
-                         ADD_MODE, BLOCK_M, BLOCK_N)
-        else:  # column halves [col0, col0 + BLOCK_N/2) and [col0 + BLOCK_N/2, col0 + BLOCK_N)
-            lo, hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            _wgrad_write(lo, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
-                         ADD_MODE, BLOCK_M, BLOCK_N // 2)
-            _wgrad_write(hi, out_desc, base, e, row0, col0 + BLOCK_N // 2, N, K, stride_on, stride_ok,
-                         ADD_MODE, BLOCK_M, BLOCK_N // 2)
+# ---------------------------------------------------------------------------------------------------
+# The wgrad kernel: one program per tile
+# ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=["T"])
-def _wgrad_persistent_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
-                             T, N, K, E, num_programs,
-                             stride_dt, stride_dn, stride_xt, stride_xk,
-                             stride_oe, stride_on, stride_ok, stride_o,
-                             ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
-                             UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                             L2_PREFETCH: tl.constexpr = False):
-    """``_wgrad_kernel``'s tiles (same order, same ADD_MODE values except 2, which this kernel lacks)
-    taken ``num_programs`` apart by each of ``num_programs`` programs; SUBTILE 1 or 2 column parts per
-    epilogue. [Note: persistent wgrad]"""
-    num_tiles = E * tl.cdiv(N, BLOCK_M) * tl.cdiv(K, BLOCK_N)
-    if WARP_SPECIALIZE:  # a separate loop: tl.range takes warp_specialize= only in newer Triton
-        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=True):
-            _wgrad_persistent_tile(tile, dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, T, N,
-                                   K, stride_dt, stride_dn, stride_xt, stride_xk, stride_oe, stride_on,
-                                   stride_ok, stride_o, ADD_MODE, PTR_TABLE, USE_TMA, UPCAST, PRECISION,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, L2_PREFETCH)
+def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
+                  T, N, K,
+                  stride_dt, stride_dn, stride_xt, stride_xk,
+                  stride_oe, stride_on, stride_ok, stride_o,
+                  ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
+    """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
+    output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
+    fresh output; 1, 3 and 4 add into fp32 ``out``: 1 loads the old tile after the main loop, 3 sends
+    fp32 reductions to L2 (no round trip; still deterministic: every element receives exactly one
+    addend), 4 does the same with one bulk tensor reduction per tile through ``out_desc`` ([E, N, K],
+    asynchronous; GPU only). L2_PREFETCH (accumulating modes): the old tile is prefetched into L2 before
+    the main loop ([Note: L2 prefetch of the accumulated tile])."""
+    e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
+    if ADD_MODE != 0:
+        if end == start:
+            return
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
+    if L2_PREFETCH and ADD_MODE != 0:
+        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
+    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
+    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
+    acc = _wgrad_mainloop(dy_desc, x_desc, dy_ptr, x_ptr, start, end, pid_m, pid_n, N, K, stride_dt,
+                          stride_dn, stride_xt, stride_xk, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
+                          BLOCK_K)
+    if ADD_MODE == 3:
+        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
+    elif ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
+        out_desc.atomic_add([e, pid_m * BLOCK_M, pid_n * BLOCK_N], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)))
     else:
-        for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
-            _wgrad_persistent_tile(tile, dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, T, N,
-                                   K, stride_dt, stride_dn, stride_xt, stride_xk, stride_oe, stride_on,
-                                   stride_ok, stride_o, ADD_MODE, PTR_TABLE, USE_TMA, UPCAST, PRECISION,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SUBTILE, L2_PREFETCH)
+        if ADD_MODE == 1:
+            acc += tl.load(o_ptrs, mask=mask, other=0.0)
+        tl.store(o_ptrs, acc.to(base.dtype.element_ty), mask=mask)

@@ -26,10 +26,8 @@ column of B for L2 reuse. For fprop/dgrad the number of M tiles per group lives 
 covers the bound ``cdiv(T, BLOCK_M) + E`` M tiles and every program finds its group with a prefix sum
 over the offsets (at most 256 lanes); spare programs exit at once; a group's last M tile of half the rows
 or fewer runs at half height ([Note: half tail tiles]); these kernels live in ``_grouped_ragged``. wgrad
-tiles the fixed [N, K] output of every group and walks that group's tokens as its reduction; its kernels
-live in ``_grouped_wgrad``, with a persistent variant (``TileConfig.persistent`` programs per SM loop over
-the tiles, so that one tile's fp32 reduction into ``out`` drains while the next tile's main loop runs;
-[Note: persistent wgrad]).
+tiles the fixed [N, K] output of every group and walks that group's tokens as its reduction; its kernel
+lives in ``_grouped_wgrad``.
 
 Loads: Hopper TMA tensor descriptors when layouts allow (16-byte aligned base and row strides, unit
 inner stride; for dgrad also N a multiple of BLOCK_K, so a reduction step never crosses into the next
@@ -41,14 +39,12 @@ partial token block always takes the masked path, because a descriptor cannot st
 
 import collections
 import functools
-import inspect
 import os
 import warnings
 from collections.abc import Sequence
 
 import torch
 import triton
-import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -57,14 +53,12 @@ from ._context import ensure_context
 from ._dispatch import call
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_ragged import _ragged_m_kernel
-from ._grouped_wgrad import _wgrad_kernel, _wgrad_persistent_kernel
+from ._grouped_wgrad import _wgrad_kernel
 from ._tuning import current as _tuning
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 
-_ADD_MODES = {"load": 1, "prefetch": 2, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
-# tl.range(..., warp_specialize=) exists in newer Triton only; TileConfig.warp_specialize needs it
-_RANGE_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+_ADD_MODES = {"load": 1, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
 _GLUON_FAILED: dict[str, str] = {}  # "wgrad16" -> why the Gluon wgrad did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
@@ -87,8 +81,8 @@ def _device_info(device: torch.device) -> tuple[int, int | None]:
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device: persistent kernels launch a multiple of it. Elsewhere
-    (the interpreter) 4, so that test programs loop over several tiles."""
+    """Streaming multiprocessors of a CUDA device: the persistent Gluon kernels launch a multiple of it.
+    Elsewhere 4 (those kernels run on CUDA only)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -157,9 +151,6 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_ragged(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=a.element_size(),
                                    smem_limit=_device_info(a.device)[1], tuning=_tuning().grouped_gemm))
-    if config.persistent:
-        raise ValueError(f"grouped_fprop/grouped_dgrad: persistent configs are for wgrad only, got "
-                         f"{config.short()}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     sw = w_ENK.stride()
     eligible = (K > 0 and _tma_2d_ok(a, a.stride(0), a.stride(1)) and _tma_2d_ok(w_ENK, sw[1], sw[2])
@@ -266,7 +257,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     out_desc = None
     if add_mode == 4:  # bulk tensor reduction: Hopper, stacked out with TMA-able strides; else mode 3
         if table is None and tma and not _interpreting() and _tma_2d_ok(out, so[1], so[2]) and so[0] % 4 == 0:
-            out_desc = TensorDescriptor(out, [E, N, K], list(so), [1, bm, bn // config.subtile])
+            out_desc = TensorDescriptor(out, [E, N, K], list(so), [1, bm, bn])
         else:
             add_mode = 3
     upcast, precision = _dot_flags(dy_TN.dtype, dy_TN.device)
@@ -278,15 +269,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                 L2_PREFETCH=config.l2_prefetch and add_mode != 0 and not _interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages)
     num_tiles = E * triton.cdiv(N, bm) * triton.cdiv(K, bn)
-    if not config.persistent:
-        _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
-        return
-    if config.warp_specialize and not _RANGE_WARP_SPECIALIZE:
-        raise ValueError(f"grouped_wgrad: {config.short()} asks for warp specialization, which "
-                         f"tl.range of triton {triton.__version__} does not take")
-    programs = min(num_tiles, _num_sms(dy_TN.device) * config.persistent)
-    _wgrad_persistent_kernel[(programs,)](*args, E, programs, *strides, SUBTILE=config.subtile,
-                                          WARP_SPECIALIZE=config.warp_specialize, **meta)
+    _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
 
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:

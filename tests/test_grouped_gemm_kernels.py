@@ -26,7 +26,6 @@ import torch
 from grouped_gemm_cases import _check, _check_all_ops, _inputs, _kernels
 
 from distwgrad.testing import reference as R
-from distwgrad.testing import sweep
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -105,7 +104,7 @@ def _case_wgrad():
         _check_all_ops(50, 4, 45, 33, dtype, "cpu", seed=8, ops=("wgrad", "wgrad_acc", "wgrad_acc_list"))
     # the ways of adding into fp32 out ("tma_add" runs as "atomic" in the interpreter)
     from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
-    for mode in ("prefetch", "atomic", "tma_add"):
+    for mode in ("atomic", "tma_add"):
         cfg = dataclasses.replace(INTERPRETER, add_mode=mode)
         for use_tma in (False, True):
             _check_all_ops(64, 5, 48, 40, torch.float32, "cpu", seed=12, use_tma=use_tma, config=cfg,
@@ -113,49 +112,6 @@ def _case_wgrad():
     # bf16 operands, fp32 outputs only (see the module docstring)
     _check_all_ops(64, 5, 48, 40, torch.bfloat16, "cpu", seed=9, ops=("wgrad_acc", "wgrad_acc_list"))
     _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=10, use_tma=True, ops=("wgrad_acc",))
-
-
-def _persistent_configs():
-    """Persistent variants of the interpreter config: 4 programs (the interpreter's SM count) x 1 or 2,
-    each add mode ("tma_add" runs as "atomic" here; "load" also covers the fresh output), both
-    epilogue widths, and the warp-specialized loop where this Triton has it."""
-    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
-    ws = _kernels()._RANGE_WARP_SPECIALIZE
-    return [dataclasses.replace(INTERPRETER, persistent=p, add_mode=mode, subtile=sub, warp_specialize=w)
-            for p, mode, sub, w in ((1, "atomic", 1, False), (2, "tma_add", 2, False), (1, "load", 2, False),
-                                    (1, "load", 1, ws), (2, "atomic", 2, ws))]
-
-
-def _case_wgrad_persistent():
-    """Tiles per program > 1, so programs cross group boundaries; empty groups in the random splits."""
-    ops = ("wgrad", "wgrad_acc", "wgrad_acc_list")
-    for i, cfg in sweep.sample(list(enumerate(_persistent_configs())), 3, seed=0):  # --full: all five
-        for dtype in (torch.float16, torch.float32):
-            for use_tma in (False, True):     # 5 groups x 9 tiles over 4 or 8 programs
-                _check_all_ops(64, 5, 48, 40, dtype, "cpu", seed=20 + i, use_tma=use_tma, config=cfg, ops=ops)
-        _check_all_ops(50, 4, 45, 33, torch.float32, "cpu", seed=30 + i, config=cfg, ops=ops)  # off the grid
-
-
-def _case_wgrad_persistent_splits():
-    """Edge splits: E=1, all tokens in one group, no tokens at all, many one-tile groups (E=37 over 4
-    or 8 programs), bf16 operands into fp32."""
-    ops = ("wgrad", "wgrad_acc", "wgrad_acc_list")
-    for i, cfg in sweep.sample(list(enumerate(_persistent_configs())), 3, seed=5):  # --full: all five
-        _check_all_ops(37, 1, 40, 24, torch.float32, "cpu", seed=40 + i, config=cfg, ops=ops)
-        _check_all_ops(33, 4, 48, 40, torch.float16, "cpu", seed=41 + i, use_tma=True, config=cfg, ops=ops,
-                       splits=[0, 0, 33, 0])
-        _check_all_ops(0, 3, 24, 16, torch.float32, "cpu", seed=42 + i, config=cfg, ops=ops, splits=[0, 0, 0])
-        _check_all_ops(90, 37, 16, 16, torch.float16, "cpu", seed=43 + i, config=cfg, ops=ops)
-        _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=44 + i, use_tma=True, config=cfg,
-                       ops=("wgrad_acc", "wgrad_acc_list"))
-    # the config checks
-    from distwgrad.kernels._grouped_gemm_configs import INTERPRETER
-    for bad in (dict(persistent=-1), dict(persistent=1, subtile=3), dict(subtile=2), dict(warp_specialize=True),
-                dict(persistent=1, add_mode="prefetch")):
-        with pytest.raises(ValueError, match="TileConfig"):
-            dataclasses.replace(INTERPRETER, **bad)
-    with pytest.raises(ValueError, match="persistent configs are for wgrad only"):
-        _check_all_ops(16, 2, 16, 16, torch.float32, "cpu", config=_persistent_configs()[0], ops=("fprop",))
 
 
 def _case_e256():
@@ -243,23 +199,14 @@ _INTERPRETER_CASES = {
     "half_tail": _case_half_tail,
     "wide_tail": _case_wide_tail,
     "wgrad": _case_wgrad,
-    "wgrad_persistent": _case_wgrad_persistent,
-    "wgrad_persistent_splits": _case_wgrad_persistent_splits,
     "e256": _case_e256,
     "layouts_and_offsets": _case_layouts_and_offsets,
     "custom_ops": _case_custom_ops,
 }
 
 
-# The persistent wgrad is a TileConfig no problem picks by default (LOG.md, the wgrad_accumulate sweep: 631
-# vs 641, 403 vs 421, 80 vs 91 TFLOP/s at the three MoE shapes); its interpreter cases run with --full, and
-# tests/test_grouped_gemm_gpu.py::test_gpu_wgrad_persistent runs it on the GPU.
-_FULL_ONLY = {"wgrad_persistent", "wgrad_persistent_splits"}
-
-
 @pytest.mark.interpret
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full) if c in _FULL_ONLY else c
-                                  for c in sorted(_INTERPRETER_CASES)])
+@pytest.mark.parametrize("case", sorted(_INTERPRETER_CASES))
 def test_interpreter(case):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1",

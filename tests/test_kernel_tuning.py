@@ -78,7 +78,7 @@ MODULE_CONSTANTS = {
     "_grouped_gemm_fp8_launch.py": ["_ADD_MODES", "_GLUON_FAILED"],
     "_quantize_kernels.py": ["_FLT_MAX", "_FLT_MIN_NORMAL", "_INF"],
     "_tuning.py": ["_CLASSES", "_FAMILIES", "_WARPS"],
-    "grouped_gemm.py": ["_ADD_MODES", "_GLUON_FAILED", "_PTR_TABLES", "_PTR_TABLES_MAX", "_RANGE_WARP_SPECIALIZE"],
+    "grouped_gemm.py": ["_ADD_MODES", "_GLUON_FAILED", "_PTR_TABLES", "_PTR_TABLES_MAX"],
     "quantize.py": ["SWEEP", "_GLUON_FAILED", "_INPUT_DTYPES", "_TL_FP8"],
     "weights_fp8.py": ["_TABLES", "_TABLES_MAX", "_TL"],
     "gluon/__init__.py": ["AVAILABLE", "REINTERPRET", "WS_PAIRS", "_GL_DTYPES"],
