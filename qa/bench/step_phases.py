@@ -23,8 +23,9 @@ ahead in an earlier phase; ``real step`` is the build's median step time without
 (cProfile, synchronised between phases like the host measurement; autograd's multithreading is off for
 that step, so backward's Python runs on the profiled thread). Python that torch's C++ calls back into
 (autograd functions' ``forward``/``backward``, custom ops' implementations) is often missed by cProfile: its
-time then shows as the own time of the caller (``Function.apply``, ``run_backward``, ``backend_impl``). Rows go to the results file (bench
-``step_phases``, metrics ``host_ms`` and ``device_ms``, the phase in ``case``).
+time then shows as the own time of the caller (``Function.apply``, ``run_backward``, ``backend_impl``).
+Rows go to the results file (bench ``step_phases``, metrics ``host_ms`` and ``device_ms``, the phase in
+``case``).
 """
 
 from __future__ import annotations
