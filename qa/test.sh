@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The README's test command: L0 (unit) then L1 (multi-rank, gloo). CPU only.
+# The README's test command: L0 (unit) and L1 (multi-rank, gloo) in one pytest session, CPU only. One
+# session collects once and keeps both cores busy to the end: xdist's work stealing hands a worker that
+# has run out some of the other's queue (tests/conftest.py puts the long tests first). qa/L0_unit and
+# qa/L1_distributed run either suite alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash qa/L0_unit/test.sh
-bash qa/L1_distributed/test.sh
+bash qa/_pytest.sh tests -m "not gpu" -n "${PYTEST_WORKERS:-auto}" --dist worksteal -q "$@"

@@ -47,6 +47,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Longest first: the multi-rank and interpreter tests take 5-60 s each on two cores, nearly all others
+    # under a second, so with xdist's work stealing (qa/_pytest.sh) no worker is left with a minute-long
+    # test at the end while the other idles (a stable sort: the same order on every worker, as xdist needs).
+    items.sort(key=lambda item: 0 if "distributed" in item.keywords else 1 if "interpret" in item.keywords else 2)
     if config.getoption("--full"):
         return
     skip = pytest.mark.skip(reason="outside the sweep's sample: run with --full")
