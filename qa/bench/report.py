@@ -43,6 +43,7 @@ class Layout:
         only: ``(field, values)`` pairs: rows whose field is not among the values are left off the page
             (they stay in results.jsonl).
         on_page: False keeps the whole bench off the page (an A/B whose result the log discusses).
+        off_page: cases kept off the page (likewise: a variant of a run that the log discusses).
     """
 
     title: str
@@ -51,6 +52,7 @@ class Layout:
     metrics: tuple[str, ...] | None = None
     only: tuple[tuple[str, tuple[str, ...]], ...] = ()
     on_page: bool = True
+    off_page: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.columns not in ("impl", "precision"):
@@ -59,7 +61,8 @@ class Layout:
 
 _LAYOUT = {
     "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch",
-                         metrics=("tokens_per_s", "peak_gib", "collectives_per_step")),
+                         metrics=("tokens_per_s", "peak_gib", "collectives_per_step"),
+                         off_page=("large b8x2048 compiled, two builds",)),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",)),
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
@@ -117,6 +120,7 @@ def _table(bench: str, rows: list[dict[str, Any]]) -> list[str]:
         rows = [r for r in rows if r["metric"] in layout.metrics]
     for field, values in layout.only:
         rows = [r for r in rows if r[field] in values]
+    rows = [r for r in rows if r["case"] not in layout.off_page]
     if not rows:
         return []
     col = layout.columns
