@@ -1,6 +1,7 @@
 """Errors of the training job's pieces (options, data, model, checkpoints), one case per docs/errors.md ID.
 
-In process and on one rank: the job's own exit-code tests (tests/test_train_job.py) run torchrun.
+In process and on one rank: the job's own exit-code tests (tests/test_train_job_config.py,
+tests/test_train_job_runs.py) run torchrun.
 """
 
 from __future__ import annotations

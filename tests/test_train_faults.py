@@ -38,7 +38,7 @@ MODULE = f"{LAUNCH}.train"
 if LAUNCH == "launch" and REPO not in sys.path:
     sys.path.insert(0, REPO)
 _faults = importlib.import_module(f"{LAUNCH}.faults")
-LOSS_ATOL = importlib.import_module(f"{LAUNCH}.train").PARITY_LOSS_ATOL  # as in tests/test_train_job.py
+LOSS_ATOL = importlib.import_module(f"{LAUNCH}.train").PARITY_LOSS_ATOL  # as in tests/train_job_cases.py
 
 TIMEOUT = 10  # --timeout of the fault runs
 PROBE = _faults.probe_seconds(TIMEOUT)

@@ -1,0 +1,116 @@
+"""The job as documented: every command of ``--help`` and the README's runs as written, the README's usage
+example prints per rank, and a fresh ``pip install -e .`` declares every third-party module the job imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from train_job_cases import MODULE, REPO, _launch, _report, _token_file
+
+
+def _help_commands() -> list[str]:
+    """The command lines of ``--help`` (the module docstring's ``Commands::`` block)."""
+    doc = _launch("train").__doc__.split("Commands::")[1].split("\n\n\n")[0]
+    return [line.strip() for line in doc.splitlines() if line.strip().startswith(("torchrun ", "python "))]
+
+
+def _readme() -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        return f.read()
+
+
+def _readme_job_command() -> str:
+    """The torchrun half of the README's first command (``qa/fresh_install.sh`` runs the pip half too)."""
+    first = _readme().split("```bash\n")[1].split("```")[0].strip()
+    assert first.startswith("pip install torch==") and " && torchrun " in first, first
+    return first.split(" && ", 1)[1]
+
+
+def _shell(command: str, cwd) -> subprocess.Popen:
+    """One documented command, as written but for the interpreter and, in a bare checkout, the module name;
+    a ``--steps`` override is appended (argparse takes the last), 4 for a resume and 2 otherwise."""
+    argv = command.split()
+    if argv[0] == "torchrun":
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    elif argv[0] == "python":
+        argv[0] = sys.executable
+    argv = [MODULE if a == "distwgrad.launch.train" else a for a in argv]
+    if "--help" not in argv:
+        argv += ["--steps", "4" if "--resume" in argv else "2", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(command: str, proc: subprocess.Popen, timeout: float = 600) -> str:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{command}\nexit {proc.returncode}\n{stderr[-6000:]}"
+    return stdout
+
+
+@pytest.mark.distributed
+def test_every_documented_command_runs(tmp_path):
+    """Each in its own folder, three at a time (start-up dominates), but the resume after its save."""
+    commands = _help_commands()
+    assert len(commands) >= 8 and _readme_job_command() in commands
+    resume = [c for c in commands if "--resume" in c]
+    assert len(resume) == 1 and "--nproc-per-node 4" in resume[0]
+    save = [c for c in commands if "--out runs/a" in c and c not in resume]
+    assert len(save) == 1
+    others = [c for c in commands if c not in resume + save]
+    _token_file(tmp_path / "train.bin")  # the --data example's file
+    _wait(save[0], _shell(save[0], tmp_path))
+    batches = [[resume[0]] + others[:2]] + [others[i:i + 3] for i in range(2, len(others), 3)]
+    outputs = {}
+    for batch in batches:
+        running = []
+        for i, command in enumerate(batch):
+            cwd = tmp_path if command in resume else tmp_path / f"{len(outputs)}_{i}"
+            os.makedirs(cwd, exist_ok=True)
+            if "--data" in command:
+                shutil.copy(tmp_path / "train.bin", cwd)
+            running.append((command, _shell(command, cwd)))
+        outputs.update({command: _wait(command, proc) for command, proc in running})
+    assert "usage: distwgrad.launch.train" in outputs["python -m distwgrad.launch.train --help"]
+    resumed = _report(str(tmp_path / "runs" / "a"))  # saved at step 2, resumed to 4 into the same folder
+    assert resumed["steps"] == [1, 2, 3, 4] and [s["world_size"] for s in resumed["segments"]] == [2, 4]
+
+
+@pytest.mark.distributed
+def test_readme_usage_example_prints_per_rank(tmp_path):
+    snippet = _readme().split("## Use")[1].split("```python\n")[1].split("```")[0]
+    (tmp_path / "use.py").write_text(snippet)
+    command = "torchrun --standalone --nproc-per-node 2 use.py --help"  # --help: no --steps appended
+    stdout = _wait(command, _shell(command, tmp_path))
+    # the two ranks share one pipe, so their lines may interleave
+    found = re.findall(r"rank (\d): loss \d+\.\d{4}, gradient norm of this rank's rows \d+\.\d{4}", stdout)
+    assert sorted(found) == ["0", "1"], stdout
+
+
+def test_every_import_of_the_job_is_a_declared_dependency():
+    """A fresh ``pip install -e .`` must be all the job needs: every third-party module the job's files
+    import (at the top or inside a function) is in ``[project] dependencies``."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~ \[]", d)[0].lower() for d in deps}
+    files = [os.path.join(REPO, "launch", n) for n in os.listdir(os.path.join(REPO, "launch")) if n.endswith(".py")]
+    files += [os.path.join(REPO, "distwgrad", n) for n in ("data.py", "checkpoint.py")]
+    files += [os.path.join(REPO, "distwgrad", "models", "moe_gpt.py")]
+    imported = set()
+    for path in files:
+        with open(path) as f:
+            for node in ast.walk(ast.parse(f.read())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - {"distwgrad", "__future__"}
+    assert third_party <= declared, (third_party - declared, declared)
+    assert {"numpy", "matplotlib"} <= third_party
