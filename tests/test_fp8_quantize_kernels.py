@@ -31,6 +31,7 @@ from distwgrad.fp8 import (
     quantize_rowwise_and_columnwise,
 )
 from distwgrad.testing import sweep
+from distwgrad.testing.interpreter import run_interpreted
 from distwgrad.testing.stubs import StubKernel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -330,11 +331,7 @@ KERNEL_CASES = {f.__name__[5:]: f for f in (case_rounding, case_per_tensor, case
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_kernel_bit_exact_interpreted(case):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, __file__, case], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreted case {case!r} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    run_interpreted(__file__, case, cwd=str(REPO), timeout=300)
 
 
 def test_kernel_launchers_reject_cpu_tensors():

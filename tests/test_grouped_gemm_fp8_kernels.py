@@ -53,6 +53,7 @@ from grouped_gemm_fp8_cases import (
 )
 
 from distwgrad.testing import sweep
+from distwgrad.testing.interpreter import run_interpreted
 from distwgrad.testing.stubs import StubKernel
 
 _HERE = os.path.abspath(__file__)
@@ -372,9 +373,7 @@ def _child_env() -> dict:
 @pytest.mark.parametrize("case", sorted(_INTERPRETER_CASES))
 def test_interpreter(case):
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, _HERE, case], env=_child_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreter case {case} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    run_interpreted(_HERE, case, timeout=300)
 
 
 # ---- the benchmark's bookkeeping -------------------------------------------------------------------

@@ -18,7 +18,6 @@ without a GPU (``test_grouped_gemm_builds.py``) and the GPU tests (``test_groupe
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 from grouped_gemm_cases import _check, _check_all_ops, _inputs, _kernels
 
 from distwgrad.testing import reference as R
+from distwgrad.testing.interpreter import run_interpreted
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -209,11 +209,7 @@ _INTERPRETER_CASES = {
 @pytest.mark.parametrize("case", sorted(_INTERPRETER_CASES))
 def test_interpreter(case):
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.run([sys.executable, _HERE, case], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"interpreter case {case} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    run_interpreted(_HERE, case, timeout=300)
 
 
 # ---- argument checks (no launch; run in-process) ---------------------------------------------------
