@@ -11,7 +11,6 @@ per-tensor). ``a``/``b`` are a launch's operands: fprop/dgrad ``out[g] = a[g] @ 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +23,7 @@ from ._context import ensure_context
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
 from ._grouped_gemm_fp8_kernels import _fp8_ragged_kernel, _wgrad_fp8_kernel
 from ._tuning import current as _tuning
-from .grouped_gemm import _device_info, _interpreting, _num_sms, _ptr_table
+from .grouped_gemm import _device_info, _gluon_failed, _interpreting, _num_sms, _ptr_table, _resolve_tma
 
 _ADD_MODES = {"load": 1, "atomic": 3}  # ADD_MODE values as in grouped_gemm's _wgrad_kernel
 _GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad" -> why that Gluon kernel did not build here
@@ -33,16 +32,6 @@ _GLUON_FAILED: dict[str, str] = {}  # "ragged", "wgrad" -> why that Gluon kernel
 def _aligned(t: torch.Tensor, outer_strides: Sequence[int], inner_stride: int) -> bool:
     """TMA-able 1-byte layout: 16-byte aligned base and outer strides, unit inner stride."""
     return t.data_ptr() % 16 == 0 and inner_stride == 1 and all(s % 16 == 0 for s in outer_strides)
-
-
-def _resolve_tma(requested: bool | None, eligible: bool, device: torch.device, op: str) -> bool:
-    """None: TMA iff Hopper or newer and the layouts allow. True: required (tests), else ValueError."""
-    if requested is None:
-        return eligible and not _interpreting() and _device_info(device)[0] >= 9
-    if requested and not eligible:
-        raise ValueError(f"{op}: TMA was requested but the layouts do not allow it (16-byte aligned base "
-                         f"and outer strides of the fp8 operands, unit inner stride)")
-    return requested
 
 
 def _config(op: str, config, block: int, accumulate: bool, device: torch.device, tokens_per_group: float = 0.0,
@@ -97,11 +86,8 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
             BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
             BLOCK_E=max(16, triton.next_power_of_2(E)), NUM_STAGES=t.ragged_gluon_stages, num_warps=bm // 16)
     except CompilationError as exc:
-        _GLUON_FAILED["ragged"] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon FP8 grouped GEMM kernel does not build with triton {triton.__version__}; "
-                      f"using the Triton kernel (same products, slower): {_GLUON_FAILED['ragged'][:400]}",
-                      RuntimeWarning, stacklevel=4)
-        return False
+        return _gluon_failed(_GLUON_FAILED, "ragged", "FP8 grouped GEMM kernel",
+                             "the Triton kernel (same products, slower)", exc)
     return True
 
 
@@ -184,11 +170,8 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
                   else 0, stages=t.wgrad_stages(_handoff_16(out, accumulate, table)),
                   epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device))
     except CompilationError as exc:
-        _GLUON_FAILED["wgrad"] = f"{type(exc).__name__}: {exc}"[:2000]
-        warnings.warn(f"the Gluon FP8 wgrad kernel does not build with triton {triton.__version__}; using the "
-                      f"Triton kernel (same products, slower): {_GLUON_FAILED['wgrad'][:400]}",
-                      RuntimeWarning, stacklevel=4)
-        return False
+        return _gluon_failed(_GLUON_FAILED, "wgrad", "FP8 wgrad kernel", "the Triton kernel (same products, slower)",
+                             exc)
     return True
 
 

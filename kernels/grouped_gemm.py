@@ -108,7 +108,7 @@ def _resolve_tma(requested: bool | None, eligible: bool, device: torch.device, w
         return eligible and not _interpreting() and _device_info(device)[0] >= 9
     if requested and not eligible:
         raise ValueError(f"{what}: TMA was requested but the layouts do not allow it (16-byte aligned "
-                         f"base and row strides, unit inner stride; dgrad: N a multiple of BLOCK_K)")
+                         f"base and outer strides, unit inner stride; bf16 dgrad: N a multiple of BLOCK_K)")
     return requested
 
 
@@ -116,12 +116,13 @@ def _elem_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _gluon_failed(key: str, kernel: str, fallback: str, exc: Exception) -> bool:
-    """Records why a Gluon kernel did not build here (``_GLUON_FAILED[key]``: later calls skip it) and warns
-    once; returns False, for the launcher to return (its caller then runs ``fallback``)."""
-    _GLUON_FAILED[key] = f"{type(exc).__name__}: {exc}"[:2000]
+def _gluon_failed(failed: dict[str, str], key: str, kernel: str, fallback: str, exc: Exception) -> bool:
+    """Records why a Gluon kernel did not build here (``failed[key]``, the launcher module's
+    ``_GLUON_FAILED``: later calls skip it) and warns once; returns False, for the launcher to return (its
+    caller then runs ``fallback``)."""
+    failed[key] = f"{type(exc).__name__}: {exc}"[:2000]
     warnings.warn(f"the Gluon {kernel} does not build with triton {triton.__version__}; using {fallback}: "
-                  f"{_GLUON_FAILED[key][:400]}", RuntimeWarning, stacklevel=5)
+                  f"{failed[key][:400]}", RuntimeWarning, stacklevel=5)
     return False
 
 
@@ -212,7 +213,7 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table) -> bool:
                                stages=t.wgrad_gluon_stages, epilogue_warps=t.wgrad_gluon_epilogue_warps,
                                num_sms=_num_sms(dy_TN.device), tail=t.wgrad_gluon_tail)
     except CompilationError as exc:
-        return _gluon_failed("wgrad16", "wgrad kernel", "the Triton kernel", exc)
+        return _gluon_failed(_GLUON_FAILED, "wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True
 
 
