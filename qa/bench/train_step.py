@@ -165,6 +165,8 @@ class Build:
     peak_bytes: int = 0
     comm: dict[str, Any] = field(default_factory=dict)
     loss1: float | None = None
+    allocator: dict[str, int] = field(default_factory=dict)  # _ALLOCATOR_STATS summed over the timed steps
+    timed_steps: int = 0
 
     @property
     def name(self) -> str:
@@ -292,18 +294,34 @@ def _resident_bytes(b: Build) -> int:
     return sum(seen.values())
 
 
+# The caching allocator's counters of its slow paths: a retry frees every cached block and synchronizes
+# the device; cudaMalloc / cudaFree mean the cache did not hold a fitting block. A build whose steps show
+# them pays for allocator churn (for instance where the other builds' cached blocks fill the device).
+_ALLOCATOR_STATS = {"num_alloc_retries": "retries", "num_device_alloc": "cuda_mallocs",
+                    "num_device_free": "cuda_frees"}
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for key, name in _ALLOCATOR_STATS.items()}
+
+
 def _timed_block(b: Build, batches: list[torch.Tensor], device: torch.device) -> None:
     cuda = device.type == "cuda"
     _sync(device)
     if cuda:
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        before = _allocator_counts(device)
     t0 = time.perf_counter()
     for tok in batches:
         b.run_step(tok)
     _sync(device)
     b.times_ms.append((time.perf_counter() - t0) * 1e3 / len(batches))
+    b.timed_steps += len(batches)
     if cuda:
+        for name, n in _allocator_counts(device).items():
+            b.allocator[name] = b.allocator.get(name, 0) + n - before[name]
         b.peak_bytes = max(b.peak_bytes, torch.cuda.max_memory_allocated(device) - base + _resident_bytes(b)
                            + b.facts.get("graph_bytes", 0))
 
@@ -461,6 +479,9 @@ def _measure_group(specs, label: str, case: str, cfg: MoEGPTConfig, corpus, rt: 
     _say(rt, f"  {label}: {', '.join(b.impl for b in builds) or 'nothing'} measured ({time.perf_counter() - t0:.0f} s)")
     command = results.provenance(rt["device"])["command"]
     for b in builds:
+        if b.allocator:
+            _say(rt, f"    {b.name} allocator per timed step: " + ", ".join(
+                f"{k} {v:g}" for k, v in _allocator_extras(b)["allocator_per_step"].items()))
         for metric, (value, unit) in measurements(b, cfg, args, rt, peak_tflops).items():
             rows.append({**results.row(bench="train_step", case=case, impl=b.impl, precision=b.precision,
                                        world=rt["world"], metric=metric, value=value, unit=unit,
@@ -630,7 +651,13 @@ def _extras(b: Build, args, peak_tflops: float | None) -> dict[str, Any]:
     return {**b.facts, "comm": comm, "loss_step1": b.loss1, "microbatches": args.microbatches,
             "timing": f"median of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
                       f"interleaved", "rounds_ms": [round(t, 4) for t in b.times_ms],
-            "peak_bf16_tflops": peak_tflops}
+            "peak_bf16_tflops": peak_tflops, **_allocator_extras(b)}
+
+
+def _allocator_extras(b: Build) -> dict[str, Any]:
+    if not b.allocator:
+        return {}
+    return {"allocator_per_step": {k: round(n / b.timed_steps, 2) for k, n in b.allocator.items()}}
 
 
 def _peer_fp8_why() -> str:
