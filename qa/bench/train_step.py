@@ -43,9 +43,11 @@ inside the graphs, out of the profiler's and the weights' counters' sight). Peak
 persistent tensors (parameters, gradients, ``main_grad``, optimizer state) plus the high-water mark of
 ``torch.cuda.max_memory_allocated`` above the allocation at the start of its steps (graphed, plus what the
 capture kept allocated: the graph pool, static buffers and graph-owned gradient buffers); on CPU one process's
-allocations are not separable by build, so it is not reported. MFU: the model's training FLOPs (6 x
-matmul parameters used per token, plus attention 12 x layers x d_model x seq_len, torchtitan's
-convention) over the dense bf16 peak measured at start (an 8192^3 bf16 matmul); CUDA only.
+allocations are not separable by build, so it is not reported. The rows' ``allocator_per_step`` (CUDA
+only) counts the caching allocator's slow paths in the timed steps: retries, cudaMalloc and cudaFree.
+MFU: the model's training FLOPs (6 x matmul parameters used per token, plus attention 12 x layers x
+d_model x seq_len, torchtitan's convention) over the dense bf16 peak measured at start (an 8192^3 bf16
+matmul); CUDA only.
 
 Rows go to ``docs/benchmarks/results.jsonl`` (``qa/bench/results.py``; ``--no-record`` skips it), one per
 (impl, precision, mode, metric). The step-1 losses of all builds are printed side by side and compared
