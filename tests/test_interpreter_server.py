@@ -1,0 +1,118 @@
+"""The interpreter cases' fork server changes how fast the interpreter runs a kernel, never what it computes.
+
+``distwgrad/testing/_interpreter_server.py``: [Note: interpreter overflow checks] turns Triton's
+``sanitize_overflow`` off because the interpreter's ``device_assert`` drops the check's result, and
+[Note: interpreter NaN-max reductions] reduces the quantizers' ``_max_nan`` with ``numpy.max``. This file
+holds Triton to the first premise and the second to Triton's own reduction, bit for bit, in cases forked
+from the server like every other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+from distwgrad.testing.interpreter import run_interpreted
+
+_HERE = os.path.abspath(__file__)
+
+
+def _case() -> None:
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def add_one(x_ptr, o_ptr):
+        offs = tl.arange(0, 4)
+        tl.store(o_ptr + offs, tl.load(x_ptr + offs) + 1)  # int32 + int32: a checked add
+
+    builder = interpreter.interpreter_builder
+    server = builder.options
+    assert server.sanitize_overflow is False and server.debug is False, server
+    x = torch.tensor([2**31 - 1, 7, -(2**31), 0], dtype=torch.int32)
+    wrapped = torch.tensor([-(2**31), 8, -(2**31) + 1, 1], dtype=torch.int32)
+    for sanitize in (True, False):  # Triton's default, then the server's
+        builder.options = dataclasses.replace(server, sanitize_overflow=sanitize)
+        out = torch.empty_like(x)
+        add_one[(1,)](x, out)  # with the check on: the overflow is computed, and no error follows
+        assert torch.equal(out, wrapped), (sanitize, out)
+    builder.options = server
+
+
+def _case_nan_max() -> None:
+    global _max_nan  # the kernel below reads it from this module's globals, as Triton resolves names
+    import triton
+    import triton.language as tl
+    from distwgrad.kernels._quantize_kernels import _max_nan
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def reduce_max(x_ptr, rows_ptr, cols_ptr, all_ptr, M: tl.constexpr, N: tl.constexpr):
+        m, n = tl.arange(0, M), tl.arange(0, N)
+        x = tl.load(x_ptr + m[:, None] * N + n[None, :])
+        tl.store(rows_ptr + m, tl.reduce(x, 1, _max_nan))
+        tl.store(cols_ptr + n, tl.reduce(x, 0, _max_nan))
+        tl.store(all_ptr, tl.reduce(tl.reduce(x, 1, _max_nan), 0, _max_nan))
+
+    ops = interpreter.ReduceOps
+    fast, generic = ops.apply_impl, ops._distwgrad_generic
+    calls = []
+
+    def counted(self, input):
+        calls.append(1)
+        return generic(self, input)
+    ops._distwgrad_generic = counted
+
+    def run(x: torch.Tensor, impl) -> list[torch.Tensor]:
+        ops.apply_impl = impl
+        try:
+            out = [torch.empty(8), torch.empty(16), torch.empty(1)]
+            reduce_max[(1,)](x, *out, M=8, N=16)
+            return out
+        finally:
+            ops.apply_impl = fast
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=gen) * 100
+    x[1, 3] = x[5, 0] = float("nan")
+    x[2, 7], x[3, 2], x[6] = float("inf"), float("-inf"), -1.0   # a row of negatives
+    x[4] = 0.0
+    signed = x.clone()
+    signed[7, :8], signed[7, 8:] = -0.0, 0.0                   # order-dependent: element by element
+    for data, expect_generic in ((x, False), (x.abs(), False), (signed, True)):
+        calls.clear()
+        got = run(data, fast)
+        assert bool(calls) == expect_generic, (expect_generic, len(calls))
+        for g, r in zip(got, run(data, generic), strict=True):
+            torch.testing.assert_close(g, r, rtol=0, atol=0, equal_nan=True)
+            assert torch.equal(g.signbit(), r.signbit()), (g, r)
+        assert got[0][1].isnan() and got[1][3].isnan() and got[2].isnan().all()
+    ops._distwgrad_generic = generic
+
+
+_CASES = {"overflow": _case, "nan_max": _case_nan_max}
+
+
+@pytest.mark.interpret
+def test_the_server_skips_only_discarded_overflow_checks():
+    pytest.importorskip("triton")
+    out = run_interpreted(_HERE, "overflow", timeout=120)
+    assert "case ok" in out, out
+
+
+@pytest.mark.interpret
+def test_nan_max_reductions_in_numpy_give_tritons_bits():
+    pytest.importorskip("triton")
+    out = run_interpreted(_HERE, "nan_max", timeout=120)
+    assert "case ok" in out, out
+
+
+if __name__ == "__main__":  # the child of the tests above, forked from the interpreter server
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest"
+    _CASES[sys.argv[1]]()
+    print("case ok", file=sys.stdout)
