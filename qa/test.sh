@@ -5,4 +5,8 @@
 # qa/L1_distributed run either suite alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One intra-op thread per process: the workers already fill the cores, and the tests' ranks, interpreter
+# cases and subprocesses would otherwise each start as many OpenMP threads as there are cores (which spin
+# while they wait) on top of them. The ranks set it themselves (distwgrad/testing/multiprocess.py).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 bash qa/_pytest.sh tests -m "not gpu" -n "${PYTEST_WORKERS:-auto}" --dist worksteal -q "$@"
