@@ -52,8 +52,8 @@ def _skip_discarded_overflow_checks() -> None:
 
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if (dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False)
-            and not getattr(options, "debug", True)):
+    if (dataclasses.is_dataclass(options) and not isinstance(options, type)
+            and getattr(options, "sanitize_overflow", False) and not getattr(options, "debug", True)):
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
