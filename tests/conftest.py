@@ -47,13 +47,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # Longest first: the multi-rank, interpreter and `slow` tests take 5-70 s each on two cores, nearly all
+    # Longest first: the multi-rank and interpreter tests take 5-70 s each on two cores, nearly all
     # others under a second, so with xdist's work stealing (qa/test.sh) no worker is left with a minute-long
     # test at the end while the other idles. Whole modules move, in their order, so that a module fixture
     # (the training job's shared run, say) is still set up once; the sort is stable, the same on every worker.
     rank = {}
     for item in items:
-        r = 0 if "distributed" in item.keywords else 1 if {"interpret", "slow"} & set(item.keywords) else 2
+        r = 0 if "distributed" in item.keywords else 1 if "interpret" in item.keywords else 2
         rank[item.module] = min(rank.get(item.module, 2), r)
     items.sort(key=lambda item: rank[item.module])
     if config.getoption("--full"):

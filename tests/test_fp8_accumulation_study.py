@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +36,6 @@ def test_hopper_dot_exact_with_enough_bits_and_truncating_with_few():
     assert bool((low <= pos.float()).all()) and bool((low < pos.float()).any()), "truncation is toward zero"
 
 
-@pytest.mark.slow  # the study's emulated job, two steps, in a fresh interpreter
 def test_study_control_reproduces_the_emulation():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.run([sys.executable, _STUDY, "--bits", "40", "--steps", "2"], env=env, cwd=_ROOT,

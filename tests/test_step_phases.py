@@ -5,12 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # the bench's three builds in a fresh interpreter
 def test_step_phases_rows_per_phase(tmp_path):
     out = tmp_path / "rows.jsonl"
     cmd = [sys.executable, str(ROOT / "qa/bench/step_phases.py"), "--model", "tiny", "--modes", "eager",
