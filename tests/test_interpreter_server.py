@@ -21,7 +21,7 @@ from distwgrad.testing.interpreter import run_interpreted
 _HERE = os.path.abspath(__file__)
 
 
-def _case() -> None:
+def _case_overflow() -> None:
     import triton
     import triton.language as tl
     from triton.runtime import interpreter
@@ -95,7 +95,7 @@ def _case_nan_max() -> None:
     ops._distwgrad_generic = generic
 
 
-_CASES = {"overflow": _case, "nan_max": _case_nan_max}
+_CASES = {"overflow": _case_overflow, "nan_max": _case_nan_max}
 
 
 @pytest.mark.interpret
