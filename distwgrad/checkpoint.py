@@ -31,6 +31,12 @@ that step (never resumed from) and keeps the older ones. ``keep_last=K`` prunes 
 so the newest complete checkpoint exists before any older one goes; a pruned folder is first renamed
 out of the ``step_N`` pattern, so a kill mid-delete leaves nothing that looks complete.
 ``tests/test_train_faults.py`` kills a save at each of these points and resumes.
+
+[Note: DCP imported on use]
+``torch.distributed.checkpoint`` (and the DTensor ops it pulls in) takes about a second to import on a
+CPU, more than a third of the job's start-up. Every process of a job imports this module (the fault
+handling resolves checkpoint folders), most never save or load, so DCP and DTensor are imported by the
+functions that use them.
 """
 
 from __future__ import annotations
@@ -42,14 +48,15 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 from distwgrad.weights import ShardedWeight, _comm
 
@@ -105,6 +112,8 @@ class _Wrapper:
         if tuple(t.shape) != tuple(like.shape):
             raise ValueError(f"a tensor of shape {tuple(t.shape)} cannot be laid out like a shard of shape "
                              f"{tuple(like.shape)}")
+        from torch.distributed.tensor import DTensor, Replicate, Shard  # [Note: DCP imported on use]
+
         placements: list[Placement] = [Shard(0)]
         mesh = self.mesh(like.group)
         if like.replicate_group is not None:  # a 2-D (replicate, shard) mesh: [Note: checkpoint layout]
@@ -117,6 +126,8 @@ def full_tensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The full tensor of ``local``, laid out like ``like``'s shard (a weight, its ``.grad``, its optimizer
     state); collective over ``like.group`` for a ``ShardedWeight``, the tensor itself otherwise. Goes
     through DTensor, so the weights' own traffic counters do not see it."""
+    from torch.distributed.tensor import DTensor  # [Note: DCP imported on use]
+
     wrapped = _Wrapper(getattr(like, "group", None), local.device.type)(local, like)
     return wrapped.full_tensor() if isinstance(wrapped, DTensor) else local
 
@@ -162,6 +173,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
         os.makedirs(tmp)
     _barrier(group)
     state = _state_dict(model, optimizer, _Wrapper(group, _device_type(model)), step)
+    import torch.distributed.checkpoint as dcp  # [Note: DCP imported on use]
+
     with _single_process_quiet(group):
         dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=group is None)
     if rank == 0:
@@ -280,6 +293,8 @@ def _check_complete(path: str) -> None:
     if missing:
         raise CheckpointError(f"checkpoint {path!r} is incomplete: missing {missing} (an interrupted save "
                               f"leaves step_N.tmp, never resumed from)")
+    import torch.distributed.checkpoint as dcp  # [Note: DCP imported on use]
+
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as exc:
@@ -340,6 +355,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     path = resolve_checkpoint(path)
     meta = _read_meta(path)
     _check_fits(path, meta, model, expect or {})
+    import torch.distributed.checkpoint as dcp  # [Note: DCP imported on use]
+
     group = _comm.resolve_group(group)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wrap = _Wrapper(group, _device_type(model))
@@ -385,6 +402,8 @@ def _load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None, wra
 
 
 def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor  # [Note: DCP imported on use]
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 

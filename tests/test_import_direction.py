@@ -3,11 +3,15 @@ references (``distwgrad.ops.reference``), never the other way round.
 
 Walks every module of ``distwgrad/`` (but ``distwgrad/testing/``) and ``kernels/`` with ``ast`` and
 fails on any import of ``distwgrad.testing``, at module level or inside a function, absolute or relative.
+And the job starts without DCP: importing it pulls in neither ``torch.distributed.checkpoint`` nor
+DTensor ([Note: DCP imported on use] in ``distwgrad/checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -75,3 +79,12 @@ def test_the_walk_sees_every_form_of_import(tmp_path):
         names = _imported(ast.parse(src), "distwgrad.ops.grouped_gemm", False)
         hit = any(n == _FORBIDDEN or n.startswith(_FORBIDDEN + ".") for _, n in names)
         assert hit == bad, src
+
+
+def test_the_job_starts_without_dcp():
+    """A fresh interpreter imports the job and the checkpoint module; DCP and DTensor stay unloaded."""
+    probe = ("import sys, distwgrad.launch.train, distwgrad.checkpoint\n"
+             "print([m for m in sys.modules if m.startswith(('torch.distributed.checkpoint', "
+             "'torch.distributed.tensor'))])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
