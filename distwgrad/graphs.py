@@ -201,7 +201,7 @@ def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
                         main_grad_of(p)
         for p in m.parameters():
             if isinstance(p, DistributedParameter):
-                main_grad_of(p)
+                p._main_grad(keep=True)  # the graphs bake in its address: [Note: main_grad lifetime]
 
 
 class _MainGrads:

@@ -231,6 +231,25 @@ def test_replaced_main_grad_is_refused(modelled_cuda):
     distwgrad.drain_deferred_wgrads(model)
 
 
+def test_a_graphed_distributed_weight_keeps_its_main_grad(modelled_cuda):
+    """A weight's own ``main_grad`` (from an eager step before graphing) is kept once graphed: the graphs
+    bake in its address, so the next step zeroes it in place ([Note: main_grad lifetime])."""
+    w = distwgrad.ShardedWeight.from_full(torch.randn(8, 8))
+    m = Linear(8, 8, bias=False, weight=w, delay_wgrad_compute=True)
+    x = _x(4, 8)
+    m(x).sum().backward()
+    distwgrad.drain_deferred_wgrads(m)
+    distwgrad.finalize_model_grads(m)
+    kept, w.grad = w.main_grad, None
+    graphed = distwgrad.make_graphed_callables(m, (x,))
+    for _ in range(2):
+        graphed(x).sum().backward()
+        distwgrad.drain_deferred_wgrads(m)
+        distwgrad.finalize_model_grads(m)
+        w.grad = None
+    assert w.main_grad is kept
+
+
 def test_grouped_linear_and_training_state(modelled_cuda):
     torch.manual_seed(0)
     layer = GroupedLinear(2, 8, 8, delay_wgrad_compute=True)

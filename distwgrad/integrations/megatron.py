@@ -262,9 +262,10 @@ def attach_main_grads(model_chunks: nn.Module | Sequence[nn.Module], *,
 def zero_grad_buffer(model_chunks: nn.Module | Sequence[nn.Module]) -> None:
     """Between steps: zero the plain parameters' ``main_grad`` and reset their ``grad_added_to_main_grad``.
 
-    As Megatron's ``model.zero_grad_buffer()``. distwgrad weights are left alone: they zero ``main_grad``
-    when their next step opens, and zeroing it mid-step would drop reduced microbatches. ``.grad`` is the
-    optimizer's (``optimizer.zero_grad()``).
+    As Megatron's ``model.zero_grad_buffer()``. distwgrad weights are left alone: they zero an attached
+    ``main_grad`` when their next step opens ([Note: main_grad lifetime] in ``weights/base.py``), and
+    zeroing it mid-step would drop reduced microbatches. ``.grad`` is the optimizer's
+    (``optimizer.zero_grad()``).
     """
     for _, p in named_distinct_params(chunks_of(model_chunks, "zero_grad_buffer")):
         if is_distributed_weight(p):

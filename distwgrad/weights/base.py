@@ -33,7 +33,8 @@ full-size fp32 buffer to their local shape (``_reduce``).
   is missing, reduces what is left, applies the token scaling, then adds the step's gradient to
   ``.grad`` (None initialises, otherwise add, as autograd does) so any ``torch.optim`` optimizer works.
   A second ``finish_step`` with no new contribution is a no-op. The next ``expect_contribution`` opens a
-  new step and zeroes ``main_grad`` (the caller's ``main_grad`` tensor is zeroed in place, never replaced).
+  new step: it releases the ``main_grad`` the weight created, or zeroes in place one it was given
+  ([Note: main_grad lifetime]).
 * Reset after an error: an error leaves the step open, so the caller may fix it (drain the deferred
   wgrads, run the missing backward) and finish again, or abandon it with
   ``finalize_model_grads(model, discard=True)`` (``discard_step()`` per weight): queued deferred wgrads
@@ -72,11 +73,27 @@ in-place adds (graphs.py), so a graphed step is bit-identical to the eager one.
 
 [Note: .grad is main_grad]
 ``finish_step`` hands ``main_grad`` itself to ``.grad`` where their dtypes agree (an fp32 master, or an
-fp32 weight): no full-size copy per step (Megatron's optimizers read ``main_grad`` the same way). The
-next step zeroes ``main_grad`` in place when it opens, so if ``.grad`` still IS ``main_grad`` then
-(``zero_grad(set_to_none=False)``, or gradients kept across steps on purpose) ``.grad`` is first replaced
-by a copy: it keeps its values and the step's gradient is added to it (None initialises, otherwise add).
-``zero_grad()`` (``set_to_none=True``, torch's default) pays no copy at all.
+fp32 weight): no full-size copy per step (Megatron's optimizers read ``main_grad`` the same way). When
+the next step opens, ``.grad`` keeps its values whatever happens to ``main_grad`` ([Note: main_grad
+lifetime]): a released ``main_grad`` simply stays ``.grad``'s tensor; one zeroed in place is first copied
+into a new ``.grad`` if ``.grad`` still IS it (``zero_grad(set_to_none=False)``, or gradients kept
+across steps on purpose). The step's gradient is then added to ``.grad`` (None initialises, otherwise
+add). ``zero_grad()`` (``set_to_none=True``, torch's default) pays no copy at all.
+
+[Note: main_grad lifetime]
+Who created a weight's ``main_grad`` decides how long it lives.
+* The weight (none was attached when its first contribution arrived): the weight's own. It lives from
+  the step's first contribution to the next step's opening, which releases it (``main_grad`` is None
+  until the next contribution creates it again). So between ``zero_grad()`` and the next backward no
+  fp32 gradient is held, as with FSDP2 or plain torch, where ``zero_grad(set_to_none=True)`` frees
+  ``.grad``; with an fp32 master that is 4 bytes per local parameter the step does not hold through its
+  forward. Creating it is the same fp32 zeros the step's opening used to write, so nothing is added.
+* A caller (Megatron attaches views into its flat buffer, ``attach_main_grads``; a TransformerEngine user
+  attaches their own), or a CUDA graph, which bakes in its address (``make_graphed_callables`` and any
+  capture that accumulates into it keep it): kept, and zeroed in place when the next step opens; never
+  replaced.
+Read ``main_grad`` between ``finalize_model_grads`` and the next forward, or use ``.grad``, which the
+optimizer steps on and which keeps its values either way.
 
 [Note: mixed precision]
 FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, for distwgrad's weights (``param_dtype`` on
@@ -141,7 +158,9 @@ def _check_param_dtype(param_dtype: torch.dtype | None, tensor_dtype: torch.dtyp
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor:
     """The parameter's ``main_grad`` (local shape), created as fp32 zeros at the first contribution if
-    absent; a caller-attached one (Megatron attaches views into its flat buffer) is used in place."""
+    absent; a caller-attached one (Megatron attaches views into its flat buffer) is used in place. A
+    plain parameter keeps one it was given or got (its owner zeroes it between steps); a distributed
+    weight releases one it created when its next step opens ([Note: main_grad lifetime])."""
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
@@ -249,9 +268,9 @@ class DistributedParameter(nn.Parameter):
         if self._buffer is None:
             self._wait_inflight()  # one full-size buffer per weight at a time: [Note: contribution accounting]
             if self._in_place():
-                # [Note: a group of one]: main_grad is the caller's stable buffer, so a CUDA graph captures
-                # the same in-place accumulation eager code runs (the same adds in the same order)
-                self._buffer = self._main_grad()
+                # [Note: a group of one]: a CUDA graph captures the same in-place accumulation eager code
+                # runs (the same adds in the same order), and keeps main_grad: [Note: main_grad lifetime]
+                self._buffer = self._main_grad(keep=self.is_cuda and torch.cuda.is_current_stream_capturing())
             elif self.is_cuda and torch.cuda.is_current_stream_capturing():
                 graph_buffer = getattr(self, "_graph_grad_buffer", None)
                 if graph_buffer is None:
@@ -267,7 +286,7 @@ class DistributedParameter(nn.Parameter):
 
     def _in_place(self) -> bool:
         """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one]."""
-        if not self._solo or self._step_closed:  # a closed step's main_grad is zeroed when the next opens
+        if not self._solo or self._step_closed:  # a closed step's main_grad is released or zeroed at the next
             return False
         main_grad = getattr(self, "main_grad", None)
         return main_grad is None or main_grad.dtype == torch.float32
@@ -314,8 +333,12 @@ class DistributedParameter(nn.Parameter):
             self._step_id += 1
             self._expected = self._delivered = self._reduced = 0
             self._step_has_grad = False
-            main_grad = getattr(self, "main_grad", None)
-            if main_grad is not None:
+            main_grad, own = getattr(self, "main_grad", None), self._own_main_grad
+            self._own_main_grad = None
+            capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
+            if main_grad is not None and main_grad is own and not capturing:
+                self.main_grad = None  # released; a .grad that is it keeps it: [Note: main_grad lifetime]
+            elif main_grad is not None:
                 if self.grad is main_grad:  # the last step's .grad is still held: it keeps its values
                     self.grad = main_grad.clone()  # [Note: .grad is main_grad]
                 main_grad.zero_()
@@ -341,8 +364,18 @@ class DistributedParameter(nn.Parameter):
         """Uses recorded this step whose gradient has not been delivered yet."""
         return self._expected - self._delivered
 
-    def _main_grad(self) -> torch.Tensor:
-        return main_grad_of(self)
+    _own_main_grad: torch.Tensor | None = None  # the main_grad this weight created: [Note: main_grad lifetime]
+
+    def _main_grad(self, keep: bool = False) -> torch.Tensor:
+        """``main_grad_of(self)``; one it creates is the weight's own, released when the next step opens,
+        unless ``keep`` (a CUDA graph bakes in its address): [Note: main_grad lifetime]."""
+        created = getattr(self, "main_grad", None) is None
+        main_grad = main_grad_of(self)
+        if keep:
+            self._own_main_grad = None
+        elif created:
+            self._own_main_grad = main_grad
+        return main_grad
 
     def reduce_now(self) -> bool:
         """Reduces what the buffer holds now, if every contribution owed so far has arrived.
@@ -398,7 +431,8 @@ class DistributedParameter(nn.Parameter):
     def discard_step(self) -> None:
         """Abandons the open step: reductions in flight are waited for (their collectives were launched on
         every rank) and dropped, the buffer is freed, the counts reset; ``.grad`` and ``main_grad`` are
-        left as they are (the next step zeroes ``main_grad``). Uses of the abandoned step no longer count."""
+        left as they are (the next step releases or zeroes ``main_grad``: [Note: main_grad lifetime]). Uses
+        of the abandoned step no longer count."""
         while self._inflight:
             _accounting.forget(self)
             self._inflight.pop(0)()
