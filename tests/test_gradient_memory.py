@@ -11,13 +11,14 @@ when the first one's reduction is still in flight, and it then stays. It is the 
 appear during a step, once, so the measures below leave it out while it is live, and check its size.
 
 On CPU (gloo) the measure is each rank's resident set less the live ``main_grad``, read from
-``/proc/self/statm`` after every microbatch of the second step (the first warms the allocator). The ranks run with a fixed glibc mmap
-threshold (``MALLOC_MMAP_THRESHOLD_``, 1 MiB): every large tensor is then its own mapping, returned to
-the system when freed, so RSS follows the live tensors; with glibc's adaptive threshold, freed 32 MiB
-chunks fragment the heap and RSS creeps by 16 MiB now and then even on the synchronous path. The
-margin, 8 MiB, is a quarter of one buffer: above the noise measured (about 2 MiB), far below one
-leaked buffer. On GPU the measure is ``torch.cuda.max_memory_allocated``, whose per-microbatch peak
-must not move at all from the second microbatch on; the first one's may be lower by ``main_grad``.
+``/proc/self/statm`` after every microbatch of the second step (the first warms the allocator). The
+ranks run with a fixed glibc mmap threshold (``MALLOC_MMAP_THRESHOLD_``, 1 MiB): every large tensor is
+then its own mapping, returned to the system when freed, so RSS follows the live tensors; with glibc's
+adaptive threshold, freed 32 MiB chunks fragment the heap and RSS creeps by 16 MiB now and then even on
+the synchronous path. The margin, 8 MiB, is a quarter of one buffer: above the noise measured (about
+2 MiB), far below one leaked buffer. On GPU the measure is ``torch.cuda.max_memory_allocated``, whose
+per-microbatch peak must not move at all from the second microbatch on; the first one's may be lower
+by ``main_grad``.
 """
 
 from __future__ import annotations
