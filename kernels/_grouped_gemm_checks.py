@@ -71,7 +71,7 @@ def _data_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-def _check_wgrad(dy_TN, x_TK, offs_E, out) -> None:
+def _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype=None) -> None:
     op = "grouped_wgrad"
     _check_tensor(op, "dy_TN", dy_TN, 2)
     _check_tensor(op, "x_TK", x_TK, 2)
@@ -80,6 +80,13 @@ def _check_wgrad(dy_TN, x_TK, offs_E, out) -> None:
     _check_tensor(op, "offs_E", offs_E, 1)
     E, N, K = offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1]
     _check_operands(op, {"dy_TN": dy_TN, "x_TK": x_TK}, offs_E, E)
+    if out_dtype is not None:
+        if out is not None:
+            raise ValueError(f"{op}: out_dtype={out_dtype} is a fresh output's dtype; pass out (added into) or "
+                             f"out_dtype, not both")
+        if out_dtype not in (dy_TN.dtype, torch.float32):
+            raise ValueError(f"{op}: out_dtype must be dy's dtype ({dy_TN.dtype}) or torch.float32, got "
+                             f"{out_dtype!r}")
     if out is None:
         return
     _check_wgrad_out(op, out, E, N, K, dy_TN.device, "dy_TN")

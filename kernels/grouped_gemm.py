@@ -183,33 +183,34 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
 def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, accumulate: bool = True) -> bool:
     """Whether the Gluon wgrad can take this bf16 / fp16 wgrad: a Hopper GPU, a Triton with Gluon, dy and x
     of one 16-bit dtype, TMA-aligned (16-byte aligned base and row stride, unit inner stride), tokens, and
-    an fp32 output to add into (a fresh wgrad runs the Triton kernel)."""
+    an fp32 output, added into or fresh (a fresh output in dy's dtype runs the Triton kernel)."""
     if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
         return False
     from .gluon import grouped_wgrad_fp8 as kw
-    out_ok = accumulate and out.dtype == torch.float32
+    out_ok = out.dtype == torch.float32
     return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out_ok
             and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1)) and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1))
             and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
 
 
-def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
+def _gluon_wgrad_by_default(T: int, E: int, fp32_out: bool, config, use_tma) -> bool:
     """Whether the default dispatch tries the Gluon wgrad: the tuning wants it for this problem
-    (``GroupedGemmTuning.wgrad_gluon_wanted``: an accumulating call, groups of ``wgrad_gluon_min_tokens``
-    tokens or more on average) and neither a config nor ``use_tma=False`` asked for a Triton kernel
-    (``_gluon_wgrad`` then checks that it applies)."""
-    return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, accumulate)
+    (``GroupedGemmTuning.wgrad_gluon_wanted``: an fp32 output, added into or fresh, and groups of
+    ``wgrad_gluon_min_tokens`` tokens or more on average) and neither a config nor ``use_tma=False`` asked
+    for a Triton kernel (``_gluon_wgrad`` then checks that it applies)."""
+    return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, fp32_out)
 
 
-def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table) -> bool:
-    """Launches the Gluon wgrad; False (and one warning) if this Triton cannot build it: the caller then
-    runs the Triton kernel."""
+def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool) -> bool:
+    """Launches the Gluon wgrad (adding into ``out`` iff ``accumulate``); False (and one warning) if this
+    Triton cannot build it: the caller then runs the Triton kernel."""
     from .gluon import grouped_wgrad_fp8_launch as kl
     if "wgrad16" in _GLUON_FAILED:
         return False
     t = _tuning().grouped_gemm
+    add_mode = _ADD_MODES[t.wgrad_gluon_add_mode] if accumulate else 0
     try:
-        kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, add_mode=_ADD_MODES[t.wgrad_gluon_add_mode],
+        kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, add_mode=add_mode,
                                stages=t.wgrad_gluon_stages, epilogue_warps=t.wgrad_gluon_epilogue_warps,
                                num_sms=_num_sms(dy_TN.device), tail=t.wgrad_gluon_tail)
     except CompilationError as exc:
@@ -229,13 +230,13 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
+    if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, out.dtype == torch.float32, config, use_tma):
         needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and "  # noqa: E731
-                         f"an fp32 output to add into; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
+                         f"an fp32 output; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
                          f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}, "
                          f"accumulate={accumulate}")
         if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out, accumulate), needs,
-                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table)):
+                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate)):
             return
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
@@ -321,12 +322,12 @@ def _dgrad(dy_TN, w_ENK, offs_E, *, config=None, use_tma=None) -> torch.Tensor:
     return _launch_ragged(dy_TN, w_ENK, offs_E, None, dx_TK, w_trans=False, config=config, use_tma=use_tma)
 
 
-def _wgrad(dy_TN, x_TK, offs_E, out=None, *, config=None, use_tma=None):
-    _check_wgrad(dy_TN, x_TK, offs_E, out)
+def _wgrad(dy_TN, x_TK, offs_E, out=None, *, out_dtype=None, config=None, use_tma=None):
+    _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype)
     _check_runnable("grouped_wgrad", dy_TN)
     kw = dict(config=config, use_tma=use_tma)
-    if out is None:
-        dW_ENK = dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1])
+    if out is None:  # every tile is written, an empty group's as zeros
+        dW_ENK = dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1], dtype=out_dtype or dy_TN.dtype)
         _launch_wgrad(dy_TN, x_TK, offs_E, dW_ENK, accumulate=False, table=None, **kw)
         return dW_ENK
     if isinstance(out, torch.Tensor):
@@ -369,17 +370,18 @@ def _(dy_TN, w_ENK, offs_E):
     return dy_TN.new_empty(dy_TN.shape[0], w_ENK.shape[2])
 
 
-def _wgrad_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    return _wgrad(dy_TN, x_TK, offs_E)
+def _wgrad_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _wgrad(dy_TN, x_TK, offs_E, out_dtype=out_dtype)
 
 
 _wgrad_op = torch.library.custom_op("distwgrad::grouped_wgrad", _wgrad_impl, mutates_args=())
 
 
 @_wgrad_op.register_fake
-def _(dy_TN, x_TK, offs_E):
-    _check_wgrad(dy_TN, x_TK, offs_E, None)
-    return dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1])
+def _(dy_TN, x_TK, offs_E, out_dtype=None):
+    _check_wgrad(dy_TN, x_TK, offs_E, None, out_dtype)
+    return dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1], dtype=out_dtype or dy_TN.dtype)
 
 
 def _wgrad_acc_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, out: torch.Tensor) -> None:
@@ -432,22 +434,24 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 
 
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
-                  out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, out_dtype: torch.dtype | None = None):
     """``dW_e = dy_TN[g]^T @ x_TK[g]`` summed over the tokens g of each group e.
 
     Args:
         dy_TN: ``[T, N]`` output gradients; x_TK: ``[T, K]`` inputs (same dtype, device, token order).
         offs_E: ``[E]`` int32 end offsets on the same device.
-        out: None for a fresh ``[E, N, K]`` tensor in dy's dtype (an empty group gives zeros); or fp32
-            buffers to ADD into in the same pass (``main_grad``): a stacked ``[E, N, K]`` tensor, or a
-            list of E ``[N, K]`` tensors sharing shape and strides (an empty group adds nothing).
+        out: None for a fresh ``[E, N, K]`` tensor (an empty group gives zeros); or fp32 buffers to ADD
+            into in the same pass (``main_grad``): a stacked ``[E, N, K]`` tensor, or a list of E ``[N, K]``
+            tensors sharing shape and strides (an empty group adds nothing).
+        out_dtype: a fresh tensor's dtype, dy's (the default) or float32 (the fp32 accumulator as it is,
+            never rounded: what adding into zeros would hold); only without ``out``.
 
     Returns:
         The fresh tensor, or ``out`` itself.
     """
-    _check_wgrad(dy_TN, x_TK, offs_E, out)
+    _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype)
     if out is None:
-        return call(torch.ops.distwgrad.grouped_wgrad, _wgrad_impl, dy_TN, x_TK, offs_E)
+        return call(torch.ops.distwgrad.grouped_wgrad, _wgrad_impl, dy_TN, x_TK, offs_E, out_dtype)
     if isinstance(out, torch.Tensor):
         call(torch.ops.distwgrad.grouped_wgrad_accumulate, _wgrad_acc_impl, dy_TN, x_TK, offs_E, out, mutated=(3,))
     else:

@@ -50,9 +50,10 @@ def _poisoned(shape, like):
 
 
 def _check_all_ops(T, E, K, N, dtype, device, *, seed=0, use_tma=None, config=None, bias=True,
-                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list"), splits=None):
+                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list"), splits=None, exact_fresh=False):
     """Runs the launchers on NaN-poisoned outputs and checks each op against the oracle; ``splits``
-    (tokens per group) replaces the random split."""
+    (tokens per group) replaces the random split. ``exact_fresh``: "wgrad_fp32" must also be bit-equal to
+    the accumulating wgrad into zeros (where both run one kernel with one tile order)."""
     k = _kernels()
     d = _inputs(T, E, K, N, dtype, device, seed)
     x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]
@@ -75,6 +76,15 @@ def _check_all_ops(T, E, K, N, dtype, device, *, seed=0, use_tma=None, config=No
         dw = _poisoned((E, N, K), x)
         k._launch_wgrad(dy, x, offs, dw, accumulate=False, table=None, **kw)
         _check(f"wgrad {tag}", dw, R.grouped_wgrad(dy, x, offs), oracle_dw)
+    if "wgrad_fp32" in ops:  # a fresh fp32 output: what adding into zeros holds ([Note: a fresh first contribution])
+        dw = torch.full((E, N, K), float("nan"), device=device)
+        k._launch_wgrad(dy, x, offs, dw, accumulate=False, table=None, **kw)
+        assert not dw.isnan().any(), f"wgrad_fp32 {tag}: a tile left unwritten"
+        zeros = torch.zeros(E, N, K, device=device)
+        _check(f"wgrad_fp32 {tag}", dw, R.grouped_wgrad(dy, x, offs, out=zeros.clone()), oracle_dw)
+        if exact_fresh:  # the same kernel and tile order with and without the add into zeros
+            added = k._wgrad(dy, x, offs, out=zeros.clone(), **kw)
+            assert torch.equal(dw, added), f"wgrad_fp32 {tag}: not the bits of the add into zeros"
     if "wgrad_acc" in ops:
         out = k._wgrad(dy, x, offs, out=m.clone(), **kw)
         _check(f"wgrad_acc {tag}", out, R.grouped_wgrad(dy, x, offs, out=m.clone()), m.double() + oracle_dw)

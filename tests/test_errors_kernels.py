@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as cfg
+from distwgrad.kernels import grouped_gemm as kg
 from distwgrad.kernels import quantize as kq
 from distwgrad.kernels import token_layout, weights_fp8
 
@@ -34,6 +35,12 @@ CASES = [
     ("KRN-083", lambda: kq.quantize_per_tensor(torch.ones(4), F8, amax=torch.ones(2)), ValueError,
      r"shape \(2,\)"),
     ("KRN-100", lambda: kq.quantize_per_tensor(torch.ones(4), torch.int8), ValueError, "torch.int8"),
+    ("KRN-101", lambda: kg.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), torch.tensor([4], dtype=torch.int32),
+                                         out=torch.zeros(1, 3, 2), out_dtype=torch.float32),
+     ValueError, "out_dtype=torch.float32"),
+    ("KRN-102", lambda: kg.grouped_wgrad(torch.ones(4, 3, dtype=torch.float16), torch.ones(4, 2, dtype=torch.float16),
+                                         torch.tensor([4], dtype=torch.int32), out_dtype=torch.bfloat16),
+     ValueError, "got torch.bfloat16"),
     ("KRN-085", lambda: token_layout.transpose(torch.ones(4, 4)), ValueError, "torch.float32"),
     ("KRN-086", lambda: token_layout.transpose_aligned(torch.zeros(4, 4, dtype=F8), torch.tensor([4])),
      ValueError, "torch.int64"),

@@ -17,7 +17,7 @@ from distwgrad.fp8.weights import quantize_weight
 from distwgrad.integrations import megatron
 from distwgrad.integrations._megatron_hooks import register_grad_ready_hook
 from distwgrad.nn import Embedding, GroupedLinear, LayerNormMLP, Linear
-from distwgrad.ops import grouped_gemm_fp8
+from distwgrad.ops import gemm, grouped_gemm, grouped_gemm_fp8
 from distwgrad.protocol import finalize_weight_grads, materialize_weight_for_forward
 from distwgrad.weights.base import main_grad_of
 from distwgrad.weights.replicated import ReplicatedWeight
@@ -33,6 +33,10 @@ def _param_with_main_grad(shape, main_shape):
 
 def _quantized(x=None):
     return q.quantize_per_tensor(torch.ones(4, 4) if x is None else x, torch.float8_e4m3fn)
+
+
+def _offs4() -> torch.Tensor:
+    return torch.tensor([4], dtype=torch.int32)
 
 
 CASES = [
@@ -109,6 +113,14 @@ CASES = [
                                                            torch.tensor([4], dtype=torch.int32),
                                                            out=torch.zeros(1, 4, 4), out_dtype=torch.bfloat16),
      ValueError, "out_dtype=torch.bfloat16"),
+    ("FP8-041", lambda: gemm.wgrad_mm(torch.ones(4, 3), torch.ones(4, 2), torch.zeros(3, 2), out_dtype=torch.float32),
+     ValueError, "out_dtype=torch.float32"),
+    ("MOD-043", lambda: grouped_gemm.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs4(),
+                                                   out=torch.zeros(1, 3, 2), out_dtype=torch.float32),
+     ValueError, "out_dtype=torch.float32"),
+    ("MOD-044", lambda: grouped_gemm.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs4(),
+                                                   out_dtype=torch.float16),
+     ValueError, "got torch.float16"),
 ]
 
 

@@ -111,6 +111,10 @@ def _case_wgrad():
                            ops=("wgrad_acc", "wgrad_acc_list"))
     # bf16 operands, fp32 outputs only (see the module docstring)
     _check_all_ops(64, 5, 48, 40, torch.bfloat16, "cpu", seed=9, ops=("wgrad_acc", "wgrad_acc_list"))
+    # a fresh fp32 output, empty groups included: the bits of the add into zeros (one config here)
+    for dtype in (torch.float16, torch.bfloat16):
+        _check_all_ops(64, 5, 48, 40, dtype, "cpu", seed=13, ops=("wgrad_fp32",), exact_fresh=True,
+                       splits=[20, 0, 30, 14, 0])
     _check_all_ops(61, 3, 32, 24, torch.bfloat16, "cpu", seed=10, use_tma=True, ops=("wgrad_acc",))
 
 
@@ -156,6 +160,7 @@ def _case_custom_ops():
     torch.library.opcheck(ops.grouped_fprop.default, (x, w, offs, b))
     torch.library.opcheck(ops.grouped_dgrad.default, (dy, w, offs))
     torch.library.opcheck(ops.grouped_wgrad.default, (dy, x, offs))
+    torch.library.opcheck(ops.grouped_wgrad.default, (dy, x, offs, torch.float32))
     torch.library.opcheck(ops.grouped_wgrad_accumulate.default, (dy, x, offs, m.clone()))
     torch.library.opcheck(ops.grouped_wgrad_accumulate_list.default, (dy, x, offs, list(m.clone())))
 

@@ -76,15 +76,15 @@ def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Qua
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
                 x_qt: Quantized | None = None, wgrad_offs: torch.Tensor | None = None):
-    """The wgrad product for ``run_wgrad``: ``x_TK`` without a recipe, else ``x_qt`` (x^T saved by
+    """The wgrad product for ``run_wgrad`` and its fresh fp32 form (``fresh=``: [Note: a fresh first
+    contribution] in ``wgrad/accumulate.py``): ``x_TK`` without a recipe, else ``x_qt`` (x^T saved by
     forward). Under a recipe both operands are quantized along the tokens (the contraction) over the
     whole token range, so a tile may span two experts' tokens (a valid quantization; per-group tiles
     would need the offsets on the host). ``wgrad_offs``: x^T (and so dy^T) is in the aligned layout whose
     end offsets these are ([Note: aligned token groups] in kernels/token_layout.py)."""
-    out_dtype = dy_TN.dtype
     if recipe is None:
-        def product(out):
-            return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+        def product(out, out_dtype=None):
+            return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out, out_dtype=out_dtype)
     else:
         assert x_qt is not None
         if dy_qt is None:
@@ -92,18 +92,22 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt:
                                          aligned_offs=None if wgrad_offs is None else offs_E)[1]
         offs_w = offs_E if wgrad_offs is None else wgrad_offs
 
-        def product(out):  # a fresh product in the parameters' dtype straight from the kernel's epilogue
+        def product(out, out_dtype=None):  # a fresh product straight from the kernel's epilogue
             return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_w, out=out, out_dtype=torch.float32 if out is not None
-                                         else out_dtype, split_accumulator=split_accumulator(recipe, "wgrad"))
+                                         else out_dtype or dy_TN.dtype,
+                                         split_accumulator=split_accumulator(recipe, "wgrad"))
+
+    def fresh(out_dtype=None) -> list[torch.Tensor]:  # every expert written, one with no tokens as zeros
+        dW_ENK = product(None, out_dtype)
+        return [dW_ENK] if packed else list(dW_ENK.unbind(0))
 
     def gemm(targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
         if targets[0] is None:
-            dW_ENK = product(None)
-            return [dW_ENK] if packed else list(dW_ENK.unbind(0))
+            return fresh()
         if packed:
             return [product(targets[0])]
         return list(product([t for t in targets if t is not None]))
-    return gemm
+    return gemm, lambda: fresh(torch.float32)
 
 
 def _bias_gemm(dy_TN, offs_E, packed: bool):
@@ -121,9 +125,9 @@ def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: 
     gws: list[torch.Tensor | None] = [None] * len(weights)
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
-        gws = run_wgrad(weights, _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs),
-                        fuse=call.fuse, deferred=deferred, shape=call.weight_shape, dtype=dy_TN.dtype,
-                        uses=call.uses)
+        gemm, fresh = _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs)
+        gws = run_wgrad(weights, gemm, fuse=call.fuse, deferred=deferred, shape=call.weight_shape,
+                        dtype=dy_TN.dtype, uses=call.uses, fresh=fresh)
     if call.bias_grad:
         shape = None if call.weight_shape is None else call.weight_shape[:-1]
         gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred, shape=shape,

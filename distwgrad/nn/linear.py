@@ -93,15 +93,18 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
 
-def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> torch.Tensor:
-    """``x_TK`` without a recipe, else ``x_qt`` (x^T quantized, saved by forward)."""
+def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_dtype=None) -> torch.Tensor:
+    """``x_TK`` without a recipe, else ``x_qt`` (x^T quantized, saved by forward). Without ``out``, a fresh
+    product in ``out_dtype`` (default: dy's; fp32 for a fresh first contribution: [Note: a fresh first
+    contribution] in ``wgrad/accumulate.py``)."""
     if recipe is None:
-        return wgrad_mm(dy_TN, x_TK, out)
+        return wgrad_mm(dy_TN, x_TK, out, out_dtype=None if out is not None else out_dtype)
     assert x_qt is not None
     dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
+    fresh_dtype = out_dtype or dy_TN.dtype
     if gg8.fp8_kernels_accept([dy_qt, x_qt]):
-        if out is None:  # the parameters' dtype straight from the kernel's epilogue
-            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out_dtype=dy_TN.dtype,
+        if out is None:  # straight from the kernel's epilogue
+            return gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out_dtype=fresh_dtype,
                                          split_accumulator=split_accumulator(recipe, "wgrad"))[0]
         # One fp32 contiguous target: the stacked form (a [1, N, K] view), which needs no table of output
         # pointers, so a CUDA graph can capture it into a buffer the warm-up never saw (graph-owned).
@@ -110,7 +113,7 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None) -> to
                               split_accumulator=split_accumulator(recipe, "wgrad"))
         return out
     dW_NK = dequantize(dy_qt, dtype=torch.float32).mm(dequantize(x_qt, dtype=torch.float32).t())
-    return dW_NK.to(dy_TN.dtype) if out is None else out.add_(dW_NK)
+    return dW_NK.to(fresh_dtype) if out is None else out.add_(dW_NK)
 
 
 def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
@@ -124,7 +127,8 @@ def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
     shape = call.weight_shape
     if call.weight_grad:
         (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt, x_qt)],
-                          fuse=call.fuse, deferred=deferred, shape=shape, dtype=dy_TN.dtype, uses=call.uses)
+                          fuse=call.fuse, deferred=deferred, shape=shape, dtype=dy_TN.dtype, uses=call.uses,
+                          fresh=lambda: [_wgrad(dy_TN, x_TK, None, call.recipe, dy_qt, x_qt, torch.float32)])
     if call.bias_grad:
         assert bias is not None
         db = dy_TN.sum(0) if db_N is None else db_N

@@ -149,6 +149,11 @@ def _torch_wgrad(dy_TN, x_TK, offs_E, out):
     return dW_ENK if out is None else add_per_group(out, dW_ENK)
 
 
+def _as(dW_ENK: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """A fresh product in ``out_dtype``: the bits adding it into zeros of that dtype would leave."""
+    return dW_ENK if out_dtype is None else dW_ENK.to(out_dtype)
+
+
 def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
                   bias_EN: torch.Tensor | None = None) -> torch.Tensor:
     """``y_TN`` for every group; see the module docstring."""
@@ -171,18 +176,28 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 
 
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, *,
-                  out: torch.Tensor | Sequence[torch.Tensor] | None = None):
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, out_dtype: torch.dtype | None = None):
     """``dW`` per group; with ``out`` it is added into ``out`` and ``out`` is returned. The kernels fuse
     the add into fp32 buffers; other buffers (a bf16 ``main_grad``, a foreign weight's bf16
-    ``grad_buffer()``) get a fresh product added afterwards."""
+    ``grad_buffer()``) get a fresh product added afterwards. ``out_dtype`` (without ``out``): a fresh
+    product's dtype, dy's by default; ``torch.float32`` holds exactly what adding the product into fp32
+    zeros would (the kernels write their fp32 accumulator; elsewhere the product is cast)."""
+    if out is not None and out_dtype is not None:
+        raise ValueError(f"grouped_wgrad: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
+                         f"into) or out_dtype, not both")
+    if out_dtype not in (None, dy_TN.dtype, torch.float32):
+        raise ValueError(f"grouped_wgrad: out_dtype must be None, dy's dtype ({dy_TN.dtype}) or torch.float32, "
+                         f"got {out_dtype!r}")
     if torch_route(dy_TN):
-        return _torch_wgrad(dy_TN, x_TK, offs_E, out)
+        return _as(_torch_wgrad(dy_TN, x_TK, offs_E, out), out_dtype)
     if kernels_available(dy_TN):
         from distwgrad.kernels import grouped_gemm as k
         if out is not None and not all_fp32(out):
             return add_per_group(out, k.grouped_wgrad(dy_TN, x_TK, offs_E))
+        if out is None:
+            return k.grouped_wgrad(dy_TN, x_TK, offs_E, out_dtype=out_dtype)
         return k.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
-    return reference.grouped_wgrad(dy_TN, x_TK, offs_E, out=out)
+    return _as(reference.grouped_wgrad(dy_TN, x_TK, offs_E, out=out), out_dtype)
 
 
 def all_fp32(out: torch.Tensor | Sequence[torch.Tensor]) -> bool:

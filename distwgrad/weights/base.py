@@ -12,7 +12,9 @@ full-size fp32 buffer to their local shape (``_reduce``).
   counts all of its users. ``expect_contribution()`` alone records a use that nothing can withdraw.
 * Every wgrad GEMM of such a use (now, or deferred to ``backward_dw``) accumulates into
   ``grad_buffer()`` (fp32, full size: None -> zeros, then add; never assign) and calls
-  ``finalize_group_grads``, which counts one delivery. A delivery that no recorded use accounts for
+  ``finalize_group_grads``, which counts one delivery. A module's GEMM may instead write the step's
+  first contribution as a fresh fp32 tensor that becomes the buffer (None -> initialise with it: [Note: a
+  fresh first contribution] in ``wgrad/accumulate.py``). A delivery that no recorded use accounts for
   raises: nothing is counted twice.
 * Withdrawn uses: a ``Use`` freed before its contribution arrived withdraws its use. That is a forward
   whose graph was dropped without a backward (a metric, a logged value): torch would produce no gradient
@@ -284,6 +286,33 @@ class DistributedParameter(nn.Parameter):
                 self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
         return self._buffer
 
+    def _ready_for_fresh_grad(self) -> bool:
+        """Whether the step's next contribution may arrive as a fresh fp32 tensor that becomes the buffer
+        ([Note: a fresh first contribution] in ``wgrad/accumulate.py``): none has arrived since the last
+        reduction, no CUDA graph is capturing (a capture's buffers are baked in), and in place only while
+        the weight has no ``main_grad`` (one that exists, attached or this step's, is added into). Lands the
+        weight's reductions in flight first, as ``grad_buffer()`` does before it allocates."""
+        if self._buffer is not None or self._step_closed:
+            return False
+        if self.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        self._wait_inflight()
+        return not self._in_place() or getattr(self, "main_grad", None) is None
+
+    def _adopt_grad_buffer(self, wgrad: torch.Tensor) -> None:
+        """Takes ``wgrad`` (a fresh fp32 product the caller made for this weight alone) as the buffer, after
+        ``_ready_for_fresh_grad()``; in place it is the weight's own ``main_grad`` ([Note: main_grad
+        lifetime]). ``finalize_group_grads(wgrad)`` then counts it without an add."""
+        if (tuple(wgrad.shape) != tuple(self.full_shape) or wgrad.dtype != torch.float32
+                or wgrad.device != self.device or not wgrad.is_contiguous()):
+            raise RuntimeError(f"{self._name()}: a fresh first contribution must be a contiguous float32 tensor of "
+                               f"the full shape {tuple(self.full_shape)} on {self.device}, got "
+                               f"{wgrad.dtype} {tuple(wgrad.shape)} on {wgrad.device} (contiguous: "
+                               f"{wgrad.is_contiguous()})")
+        if self._in_place():
+            self.main_grad = self._own_main_grad = wgrad
+        self._buffer = wgrad
+
     def _in_place(self) -> bool:
         """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one]."""
         if not self._solo or self._step_closed:  # a closed step's main_grad is released or zeroed at the next
@@ -365,6 +394,7 @@ class DistributedParameter(nn.Parameter):
         return self._expected - self._delivered
 
     _own_main_grad: torch.Tensor | None = None  # the main_grad this weight created: [Note: main_grad lifetime]
+    main_grad: torch.Tensor | None  # annotation only: an attribute that does not exist until set (hasattr)
 
     def _main_grad(self, keep: bool = False) -> torch.Tensor:
         """``main_grad_of(self)``; one it creates is the weight's own, released when the next step opens,

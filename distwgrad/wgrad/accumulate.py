@@ -16,6 +16,22 @@ drained in any order. Every contribution is therefore added, never assigned:
   memory, so the dummy is zeros whether or not it is set).
 * distributed weight: the GEMM accumulates into ``grad_buffer()`` and ``finalize_weight_grads`` counts
   the contribution; its return value is used once (see [Note: the finalize contract] in protocol.py).
+  The step's first contribution may be written instead of added ([Note: a fresh first contribution]).
+
+[Note: a fresh first contribution]
+A weight's buffer starts each accumulation as fp32 zeros that the first wgrad is added into: a memset
+and a read of 4 bytes per element that change nothing (0 + x is x). A module's wgrad that can also
+produce its product as a new fp32 tensor passes ``run_wgrad(..., fresh=)``; where every weight of the
+call is a ``DistributedParameter`` that has nothing accumulated yet (``_ready_for_fresh_grad``: the
+step's or the microbatch's first contribution, no CUDA graph capturing, and in place only while it has
+no ``main_grad``), the GEMM writes that tensor and it becomes the buffer (``_adopt_grad_buffer``; in
+place, the weight's own ``main_grad``), so ``finalize_weight_grads`` counts it without an add. Opt-in per
+call site, so no path ever adds into memory nobody wrote: ``fresh`` must return tensors it just made,
+each written in full (an expert with no tokens as zeros), one per weight, each weight once. The bits are
+those of the add into zeros (the GEMM's fp32 accumulator, or on CPU the product in the compute dtype,
+cast), except that a -0.0 stays -0.0. Everything else is unchanged: a caller's ``main_grad`` (Megatron's
+buffer, TE's convention) is added into, and later contributions, the embedding's row scatter and the
+bias are adds.
 
 [Note: no capture into caller-owned gradients]
 A CUDA graph that captures ``param.grad.add_(g)`` bakes in the address of ``.grad``;
@@ -49,7 +65,7 @@ from distwgrad.protocol import (
     weight_grad_dtype,
 )
 from distwgrad.weights._accounting import Uses, arriving
-from distwgrad.weights.base import main_grad_of
+from distwgrad.weights.base import DistributedParameter, main_grad_of
 
 __all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad", "graph_owned_gradients"]
 
@@ -158,10 +174,29 @@ def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor
     return results
 
 
+def _fresh_first(params: Sequence[torch.Tensor]) -> bool:
+    """Whether every weight of the call takes its next contribution fresh: [Note: a fresh first contribution]."""
+    if not params or not all(isinstance(p, DistributedParameter) for p in params):
+        return False
+    if len({id(p) for p in params}) != len(params):  # a weight twice in one call: its second wgrad is an add
+        return False
+    return all([p._ready_for_fresh_grad() for p in params])  # each one's reductions land (a list: no short cut)
+
+
 def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
               *, fuse: bool, deferred: bool, shape: Sequence[int] | None = None,
-              dtype: torch.dtype | None = None, uses: Uses | None = None) -> list[torch.Tensor | None]:
+              dtype: torch.dtype | None = None, uses: Uses | None = None,
+              fresh: Callable[[], Sequence[torch.Tensor]] | None = None) -> list[torch.Tensor | None]:
     """Picks targets (``shape``, ``dtype``: as :func:`wgrad_targets`), runs ``gemm(targets)`` (which returns
-    per-param wgrads), delivers them."""
+    per-param wgrads), delivers them. ``fresh()``: the same product as new fp32 tensors, one per param,
+    each written in full; given, distributed weights with nothing accumulated take it as their buffer
+    instead of zeros added into ([Note: a fresh first contribution])."""
+    if fresh is not None and _fresh_first(params):
+        wgrads = list(fresh())
+        if len(wgrads) != len(params):
+            raise RuntimeError(f"run_wgrad: fresh() gave {len(wgrads)} wgrads for {len(params)} weights")
+        for p, g in zip(params, wgrads):
+            p._adopt_grad_buffer(g)
+        return deliver_wgrads(params, wgrads, fuse=fuse, deferred=deferred, uses=uses)
     targets = wgrad_targets(params, fuse, shape=shape, dtype=dtype)
     return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred, uses=uses)
