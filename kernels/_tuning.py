@@ -76,9 +76,11 @@ class GroupedGemmTuning:
     tokens or more on average (T >= that x E); the Triton kernel otherwise, and always with False (the
     fallback, for tests and benchmarks). H200, chained, tails zero-filled by TMA, medians of interleaved
     rounds: 1.13-1.17x the Triton kernel at 1024 tokens per group (E=64), 1.02-1.05x at 4096 (E=8), 1.09x
-    and 1.20x at 512, 1.00x and 1.06x at 256, 0.78x at 128 (E=128; docs/benchmarks.md). A fresh wgrad in dy's
-    dtype always runs the Triton kernel; a fresh fp32 one (a step's first contribution: [Note: a fresh first
-    contribution] in ``distwgrad/wgrad/accumulate.py``) takes the rule above. ``wgrad_gluon_stages``: its ring
+    and 1.20x at 512, 1.00x and 1.06x at 256, 0.78x at 128 (E=128; docs/benchmarks.md). A fresh wgrad (in dy's
+    dtype, or fp32: a step's first contribution, [Note: a fresh first contribution] in
+    ``distwgrad/wgrad/accumulate.py``) runs the Triton kernel by default; fp32, Triton / Gluon ms at E, T,
+    K, N = 16, 32768, 2048, 2048: 0.540 / 0.690; 8, 32768, 4096, 14336: 6.31 / 6.21; 64, 65536, 7168, 2048:
+    3.80 / 3.85 (H200; docs/benchmarks/LOG.md, 2026-12-01). ``wgrad_gluon_stages``: its ring
     depth; ``wgrad_gluon_epilogue_warps``: 2, an epilogue partition writes each tile beside the next tile's
     MMAs, or 0, the MMA warps write it (what a Triton without ``warp_specialize`` pairs runs);
     ``wgrad_gluon_add_mode``: "atomic" (fp32 reductions, one addend per element: deterministic) or "load"
@@ -106,11 +108,10 @@ class GroupedGemmTuning:
             "wgrad_gluon_tail": (lambda v: v in ("tma", "zero"), "'tma' or 'zero'"),
         })
 
-    def wgrad_gluon_wanted(self, num_tokens: int, num_groups: int, fp32_out: bool) -> bool:
-        """Whether the default dispatch tries the Gluon wgrad for this problem: an fp32 output (added into,
-        or fresh) and groups this large (it then checks that it applies: a Hopper GPU, TMA-aligned 16-bit
-        operands)."""
-        return self.wgrad_gluon and fp32_out and num_tokens >= self.wgrad_gluon_min_tokens * num_groups
+    def wgrad_gluon_wanted(self, num_tokens: int, num_groups: int, accumulate: bool) -> bool:
+        """Whether the default dispatch tries the Gluon wgrad for this problem (it then checks that it
+        applies: a Hopper GPU, TMA-aligned 16-bit operands)."""
+        return self.wgrad_gluon and accumulate and num_tokens >= self.wgrad_gluon_min_tokens * num_groups
 
 
 @dataclasses.dataclass(frozen=True)

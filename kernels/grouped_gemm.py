@@ -193,12 +193,12 @@ def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, acc
             and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
 
 
-def _gluon_wgrad_by_default(T: int, E: int, fp32_out: bool, config, use_tma) -> bool:
+def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
     """Whether the default dispatch tries the Gluon wgrad: the tuning wants it for this problem
-    (``GroupedGemmTuning.wgrad_gluon_wanted``: an fp32 output, added into or fresh, and groups of
-    ``wgrad_gluon_min_tokens`` tokens or more on average) and neither a config nor ``use_tma=False`` asked
-    for a Triton kernel (``_gluon_wgrad`` then checks that it applies)."""
-    return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, fp32_out)
+    (``GroupedGemmTuning.wgrad_gluon_wanted``: an accumulating call, groups of ``wgrad_gluon_min_tokens``
+    tokens or more on average) and neither a config nor ``use_tma=False`` asked for a Triton kernel
+    (``_gluon_wgrad`` then checks that it applies)."""
+    return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, accumulate)
 
 
 def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool) -> bool:
@@ -230,7 +230,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, out.dtype == torch.float32, config, use_tma):
+    if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
         needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and "  # noqa: E731
                          f"an fp32 output; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
                          f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}, "

@@ -200,9 +200,9 @@ def _accumulation_bound(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fresh_products_match_the_adds_into_zeros(adopted):
     """On CUDA the fresh dense wgrad is cuBLAS's fp32 output (``mm`` with ``out_dtype``) and the added one
-    its epilogue add (``addmm``, beta 1), possibly another algorithm: within the accumulation bound. The
-    grouped wgrad (the Gluon kernel at 512 tokens per expert, an idle expert among them) writes its fp32
-    accumulator where the add would have added it into zeros: the same bits."""
+    its epilogue add (``addmm``, beta 1), possibly another algorithm; the fresh grouped wgrad runs the
+    Triton kernel and the added one the Gluon kernel (512 tokens per expert), another order of the same
+    fp32 sums. So each is within the accumulation bound of the other, and the idle expert is exact zeros."""
     torch.manual_seed(6)
     T, E, K, N = 2048, 4, 512, 256
     splits = [512, 0, 1024, 512]
@@ -229,5 +229,8 @@ def test_gpu_fresh_products_match_the_adds_into_zeros(adopted):
         added_dense, added_experts = grads()
     assert len(adopted) == 2, "the second build added into zeros"
     assert ((fresh_dense.double() - added_dense.double()).abs() <= _accumulation_bound(dy, x)).all()
-    assert torch.equal(fresh_experts, added_experts)
+    for e, (dy_e, x_e) in enumerate(zip(dy.split(splits), x.split(splits))):
+        if splits[e]:
+            diff = (fresh_experts[e].double() - added_experts[e].double()).abs()
+            assert (diff <= _accumulation_bound(dy_e, x_e)).all(), f"expert {e}"
     assert torch.equal(fresh_experts[1], torch.zeros(N, K, device="cuda"))

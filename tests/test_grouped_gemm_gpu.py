@@ -139,9 +139,10 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch, kernel_tuning):
     """[Note: the bf16 wgrad in the fp8 kernel]: the Gluon wgrad (``wgrad_gluon``) accumulating bf16 and fp16
     products into a stacked fp32 output and into a list of strided buffers, against the oracle, with each
     group's tail zero-filled by TMA or zeroed by the MMA warps ([Note: a group's tail zero-filled by TMA]),
-    chained ([Note: chained bf16 accumulation]); a fresh fp32 output bit-equal to the add into zeros
-    ([Note: a fresh first contribution]); every call ran in the Gluon kernel, and a fresh wgrad in dy's
-    dtype in the Triton kernel."""
+    chained ([Note: chained bf16 accumulation]); a fresh fp32 output (asked of the Gluon kernel: by default
+    a fresh wgrad runs the Triton kernel) bit-equal to its add into zeros ([Note: a fresh first
+    contribution]); every call ran in the Gluon kernel, and a fresh wgrad in dy's dtype in the Triton
+    kernel."""
     from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
@@ -151,7 +152,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, tail, monkeypatch, kernel_tuning):
     real = k._launch_gluon_wgrad
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: calls.append(a[0].dtype) is None and real(*a))
     for dtype in (torch.bfloat16, torch.float16):
-        _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, splits=splits, exact_fresh=True,
+        _check_all_ops(T, E, K, N, dtype, "cuda", seed=T + K, splits=splits, exact_fresh=True, fresh_gluon=True,
                        ops=("wgrad", "wgrad_acc", "wgrad_acc_list", "wgrad_fp32"))
     assert len(calls) == 8 and "wgrad16" not in k._GLUON_FAILED, (calls, k._GLUON_FAILED)
 
