@@ -103,3 +103,30 @@ def test_fp8_wgrad_trace_summary():
     assert (s["share_begin"], s["share_handoff"], s["share_chunks"]) == pytest.approx((25 / 260, 25 / 260, 200 / 260))
     assert s["share_between"] == pytest.approx(10 / 260)          # program 0's 10 cycles between its tiles
 
+
+
+def test_idle_gaps_charge_each_gap_to_the_host_work_beside_it():
+    """``_trace.idle_gaps`` ([Note: idle device time]): three kernels with two gaps (4 and 30 us; the first
+    below the 5 us floor); the second (100-130 us) is charged to the host's outermost ops overlapping it
+    (20 us in ``module_forward``, 4 in ``aten::mm``, 6 in none) and, whole, to the innermost op enclosing
+    the late kernel's launch."""
+    tr = _load("_trace")
+    host = [
+        {"ph": "X", "cat": "cpu_op", "name": "distwgrad::module_forward", "ts": 90, "dur": 30, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 125, "dur": 4, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 126, "dur": 1, "tid": 1,
+         "args": {"correlation": 3}},
+    ]
+    device = [
+        {"ph": "X", "cat": "kernel", "name": "a", "ts": 0, "dur": 50, "tid": 7, "args": {"correlation": 1}},
+        {"ph": "X", "cat": "kernel", "name": "b", "ts": 54, "dur": 46, "tid": 7, "args": {"correlation": 2}},
+        {"ph": "X", "cat": "gpu_memset", "name": "m", "ts": 60, "dur": 10, "tid": 8},  # under b: no gap
+        {"ph": "X", "cat": "kernel", "name": "c", "ts": 130, "dur": 20, "tid": 7, "args": {"correlation": 3}},
+    ]
+    g = tr.idle_gaps({"traceEvents": host + device + [{"ph": "M", "name": "meta"}]})
+    assert (g["window_us"], g["busy_us"], g["idle_us"], g["gaps"]) == (150, 116, 30, 1)
+    assert g["by_host_op"] == {"distwgrad::module_forward": 20, "aten::mm": 4, "(python between ops)": 6}, g
+    assert g["by_launch_op"] == {"aten::mm": 30}
+    text = tr.idle_table(g)
+    assert "idle 0.03 ms in 1 gaps" in text and "distwgrad::module_forward" in text
+    assert tr.idle_gaps({"traceEvents": host})["gaps"] == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction"]
+__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction", "idle_gaps", "idle_table"]
 
 # c10d operator -> (kind, index of the input whose shape is the bytes moved)
 COLLECTIVES = {
@@ -122,3 +122,86 @@ def overlap_fraction(events: Iterable[Any]) -> float | None:
     compute = [(e.time_range.start, e.time_range.end) for e in events
                if e.name.startswith("aten::") and e.thread not in workers]
     return _hidden([(e.time_range.start, e.time_range.end) for e in gloo], compute) if gloo else None
+
+
+# ---- [Note: idle device time] ---------------------------------------------------------------------------
+# A step is device-bound where the device is always busy; it loses time wherever the device waits for the
+# host. ``idle_gaps`` reads a chrome trace (``prof.export_chrome_trace``): the device's busy time is the
+# union of its kernels, copies and memsets on every stream; a gap is the time between two busy intervals
+# inside the window from the first to the last of them. Each gap is charged to what the host thread that
+# launched the next kernel was doing meanwhile: the outermost operator (``cpu_op``, ``user_annotation``) of
+# that thread overlapping the gap (time in none: "(python between ops)"), and to the innermost operator
+# enclosing the launch itself (the op whose kernel the device waited for).
+
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CATS = ("cpu_op", "user_annotation")
+
+
+def _outermost(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The intervals that no other one contains (one host thread's top-level operators), by start."""
+    out: list[tuple[float, float, str]] = []
+    for s, e, name in sorted(intervals, key=lambda t: (t[0], -t[1])):
+        if out and e <= out[-1][1]:
+            continue
+        out.append((s, e, name))
+    return out
+
+
+def idle_gaps(trace: dict[str, Any], min_us: float = 5.0) -> dict[str, Any]:
+    """Where the device idled in a chrome trace (a dict, as ``json.load`` gives it): ``{"window_us",
+    "busy_us", "idle_us", "gaps", "by_host_op": {name: us}, "by_launch_op": {name: us}}``, counting gaps of
+    at least ``min_us``. See [Note: idle device time]."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    device = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                    if e.get("cat") in _DEVICE_CATS)
+    if not device:
+        return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "by_host_op": {}, "by_launch_op": {}}
+    launches = {e.get("args", {}).get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
+    host: dict[Any, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in _HOST_CATS:
+            host.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+    top = {tid: _outermost(v) for tid, v in host.items()}
+    by_host: dict[str, float] = {}
+    by_launch: dict[str, float] = {}
+    busy_us = idle_us = 0.0
+    gaps = 0
+    start0 = end = device[0][0]
+    for s, e, ev in device:
+        gap = s - end
+        if gap >= min_us:
+            gaps += 1
+            idle_us += gap
+            launch = launches.get(ev.get("args", {}).get("correlation"))
+            tid = None if launch is None else launch.get("tid")
+            covered = 0.0
+            for hs, he, name in top.get(tid, []):
+                part = min(he, s) - max(hs, end)
+                if part > 0:
+                    by_host[name] = by_host.get(name, 0.0) + part
+                    covered += part
+            if gap - covered > 0:
+                by_host["(python between ops)"] = by_host.get("(python between ops)", 0.0) + gap - covered
+            inner = "(no launch found)"
+            if launch is not None:
+                t = float(launch["ts"])
+                enclosing = [(he - hs, name) for hs, he, name in host.get(tid, []) if hs <= t <= he]
+                inner = min(enclosing)[1] if enclosing else "(python between ops)"
+            by_launch[inner] = by_launch.get(inner, 0.0) + gap
+        if e > end:
+            busy_us += e - max(s, end)
+            end = e
+    return {"window_us": end - start0, "busy_us": busy_us, "idle_us": idle_us, "gaps": gaps,
+            "by_host_op": by_host, "by_launch_op": by_launch}
+
+
+def idle_table(gaps: dict[str, Any], rows: int = 12) -> str:
+    """``idle_gaps``'s result as text: totals, then the largest shares by host op and by launching op."""
+    lines = [f"device window {gaps['window_us'] / 1e3:.2f} ms: busy {gaps['busy_us'] / 1e3:.2f} ms, idle "
+             f"{gaps['idle_us'] / 1e3:.2f} ms in {gaps['gaps']} gaps"]
+    for title, key in (("host thread was in (outermost op)", "by_host_op"),
+                       ("the kernel after the gap was launched by", "by_launch_op")):
+        lines.append(f"  idle ms, {title}:")
+        for name, us in sorted(gaps[key].items(), key=lambda kv: -kv[1])[:rows]:
+            lines.append(f"    {us / 1e3:8.3f}  {name[:90]}")
+    return "\n".join(lines)

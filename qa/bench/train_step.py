@@ -358,9 +358,16 @@ def _profile(b: Build, tok: torch.Tensor, device: torch.device, out: str, rank: 
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{b.impl}_{b.precision}_{b.mode}_rank{rank}.json")
     prof.export_chrome_trace(path)
+    idle = None
+    if device.type == "cuda":  # where the device waited for the host: [Note: idle device time] in _trace.py
+        with open(path) as f:
+            idle = _trace.idle_gaps(json.load(f))
     if rank == 0:
         print(f"== {b.name}: two steps, {path}\n{_trace.op_table(prof)}", flush=True)
-    return {"trace": path, "comm_hidden_fraction": _trace.overlap_fraction(prof.events())}
+        if idle is not None:
+            print(_trace.idle_table(idle), flush=True)
+    return {"trace": path, "comm_hidden_fraction": _trace.overlap_fraction(prof.events()),
+            "idle_ms": None if idle is None else idle["idle_us"] / 1e3}
 
 
 def peak_bf16_tflops(device: torch.device) -> float | None:
