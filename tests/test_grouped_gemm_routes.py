@@ -66,3 +66,40 @@ def test_route_is_fp32_on_cuda_only():
     assert not gg.torch_route(torch.zeros(2, dtype=torch.bfloat16))
     meta = torch.zeros(2, dtype=torch.float32, device="meta")
     assert not gg.torch_route(meta)
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_one_routing_computes_its_offsets_once(device):
+    """[Note: one routing, two GEMMs]: the same device ``m_splits`` again (fc2 after fc1) reuses its
+    offsets; an in-place change, another tensor with the same values or another token count computes them
+    afresh. The meta device runs the same code path as CUDA without a GPU."""
+    dev = torch.device(device)
+    m = torch.tensor([3, 0, 5], device=dev)
+    first = gg.splits_to_offsets(m, 3, 8, dev)
+    assert gg.splits_to_offsets(m, 3, 8, dev) is first
+    assert gg.splits_to_offsets(m.clone(), 3, 8, dev) is not first
+    again = gg.splits_to_offsets(m, 3, 8, dev)
+    assert again is not first, "another tensor came between: the entry is the last one's"
+    m.add_(0)  # an in-place change bumps the version counter
+    changed = gg.splits_to_offsets(m, 3, 8, dev)
+    assert changed is not again and gg.splits_to_offsets(m, 3, 8, dev) is changed
+    assert gg.splits_to_offsets(m, 3, 9, dev) is not changed
+    if dev.type == "cuda":
+        assert torch.equal(changed.cpu(), torch.tensor([3, 3, 8], dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_capture_computes_its_own_offsets():
+    """A CUDA graph replays the cumulative sum of its own ``m_splits``, never offsets an eager call left."""
+    m = torch.tensor([3, 0, 5], device="cuda")
+    eager = gg.splits_to_offsets(m, 3, 8, m.device)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = gg.splits_to_offsets(m, 3, 8, m.device)
+    assert captured is not eager
+    m.copy_(torch.tensor([1, 6, 1], device="cuda"))
+    graph.replay()
+    assert torch.equal(captured.cpu(), torch.tensor([1, 7, 8], dtype=torch.int32))

@@ -351,3 +351,18 @@ def test_transformer_engine_constructor_and_forward_conventions():
     torch.testing.assert_close(out, x.sum(1, keepdim=True).expand(5, 4))  # a matmul vs a sum: rounding
     with pytest.raises(NotImplementedError, match="sequence_parallel"):
         GroupedLinear(2, D, 4, sequence_parallel=True)
+
+
+def test_parameter_checks_rerun_when_a_parameter_changes():
+    """[Note: per-call host work] in nn/_base.py, for GroupedLinear's packed and per-expert weights."""
+    x = torch.randn(4, D)
+    packed = GroupedLinear(2, D, D, bias=False, single_grouped_weight=True)
+    packed(x, [2, 2])
+    packed.weight = torch.nn.Parameter(torch.randn(3, D, D))
+    with pytest.raises(ValueError, match=rf"weight full shapes \[\(3, {D}, {D}\)\], expected \[\(2, {D}, {D}\)\]"):
+        packed(x, [2, 2])
+    experts = GroupedLinear(2, D, D, bias=False)
+    experts(x, [1, 3])
+    experts.weight1 = ShardedWeight.from_full(torch.randn(D, D), param_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="parameters compute in different dtypes"):
+        experts(x, [1, 3])

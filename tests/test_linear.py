@@ -337,3 +337,24 @@ def test_transformer_engine_constructor_and_forward_conventions():
     assert torch.equal(lin.bias.grad, torch.full((8,), 4.0))
     with pytest.raises(NotImplementedError, match=r"tensor parallelism is not implemented \(\{'tp_size': 2\}\)"):
         Linear(16, 8, tp_size=2)
+
+
+def test_parameter_checks_rerun_when_a_parameter_changes():
+    """[Note: per-call host work] in nn/_base.py: the parameter checks are skipped while nothing they read
+    changed, and run again (with their errors) once a parameter is replaced, cast or given a param_dtype."""
+    m = Linear(6, 8, bias=False)
+    x = torch.randn(3, 6)
+    m(x)
+    m.weight = torch.nn.Parameter(torch.randn(8, 5))
+    with pytest.raises(ValueError, match=r"weight has full shape \(8, 5\), expected \(8, 6\)"):
+        m(x)
+    m.weight = distwgrad.ShardedWeight.from_full(torch.randn(8, 6), param_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="input dtype torch.float32 does not match the weight dtype torch.bfloat16"):
+        m(x)
+    assert m(x.bfloat16()).dtype == torch.bfloat16
+    m.weight.param_dtype = None  # the same object, computing in fp32 again
+    assert m(x).dtype == torch.float32
+    with torch.no_grad():
+        m.weight.data = m.weight.data.double()
+    with pytest.raises(TypeError, match="input dtype torch.float32 does not match the weight dtype torch.float64"):
+        m(x)

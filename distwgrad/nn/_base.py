@@ -159,6 +159,28 @@ class WgradModule(nn.Module):
         return len(self.wgrad_store)
 
     # --- helpers for subclasses ----------------------------------------------------------------------
+    def _checked_params(self, params: Iterable[torch.Tensor | None], check: Callable[[], torch.dtype]) -> torch.dtype:
+        """``check()`` (the parameters' shape and dtype checks; it returns the compute dtype), run only when
+        what it reads changed since its last run here.
+
+        [Note: per-call host work]
+        A module's forward runs on the host before its first kernel can start, so on a GPU its host time
+        is device idle time wherever a stretch of small modules (the router, the experts' routing) outruns
+        the kernels. The parameter checks read only the parameters' full shapes, dtypes and
+        ``param_dtype``s and the module's ``params_dtype`` (and its sizes, fixed at construction), so they
+        are keyed by exactly that: any change of a parameter (replaced by one of another shape or dtype,
+        cast, another ``param_dtype``) runs them again, and an unchanged module skips them. Input checks
+        run on every call.
+        """
+        key = (getattr(self, "params_dtype", None), *(None if p is None else (
+            tuple(getattr(p, "full_shape", p.shape)), p.dtype, getattr(p, "param_dtype", None)) for p in params))
+        cached = self.__dict__.get("_params_checked")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        dtype = check()
+        self.__dict__["_params_checked"] = (key, dtype)  # a plain attribute: no nn.Module bookkeeping
+        return dtype
+
     def _begin_forward(self, tracked: Iterable[torch.Tensor]) -> Uses | None:
         """Checks the calling order and records one use per tracked distributed weight.
 

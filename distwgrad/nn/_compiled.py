@@ -32,9 +32,8 @@ rotary/qkv backward kernel took 0.62 ms with a CPU token and 0.30 ms in plain to
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -96,16 +95,15 @@ class OpContext:
         return self._saved
 
 
-@contextlib.contextmanager
-def _autograd_dispatch() -> Iterator[None]:
+def _autograd_dispatch() -> torch._C._ForceDispatchKeyGuard:
     """Autograd dispatch as in eager, inside an op's implementation (the op's autograd kernel excludes
     it): LayerNormMLP's backward differentiates its activation with ``torch.autograd.grad`` under
-    ``enable_grad``. Grad mode itself is left as the caller set it (off, as in an autograd function)."""
+    ``enable_grad``. Grad mode itself is left as the caller set it (off, as in an autograd function).
+    The guard itself, used with ``with`` (no generator around it: [Note: per-call host work] in nn/_base.py)."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in _AUTOGRAD_KEYS:
         exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        yield
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,

@@ -280,7 +280,7 @@ class GroupedLinear(WgradModule):
             return [self.bias]
         return [getattr(self, f"bias{e}") for e in range(self.num_gemms)]
 
-    def _check(self, inp: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
+    def _check_params(self, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.dtype:
         owner = self.wgrad_store.owner
         E, N, K = self.num_gemms, self.out_features, self.in_features
         want_w = [(E, N, K)] if self.single_grouped_weight else [(N, K)] * E
@@ -289,13 +289,17 @@ class GroupedLinear(WgradModule):
             shapes = [tuple(getattr(p, "full_shape", p.shape)) for p in got]
             if shapes != want:
                 raise ValueError(f"{owner}: {kind} full shapes {shapes}, expected {want}")
-        if not isinstance(inp, torch.Tensor) or inp.dim() == 0 or inp.shape[-1] != K:
-            shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
-            raise ValueError(f"{owner}: input of shape {shape}, expected last dim in_features={K}")
         names = [f"weight{e}" for e in range(len(weights))] + [f"bias{e}" for e in range(len(biases))]
         if self.single_grouped_weight:
             names = ["weight", "bias"][: len(weights) + len(biases)]
-        dtype = check_compute_dtype(owner, dict(zip(names, weights + biases)), self.params_dtype)
+        return check_compute_dtype(owner, dict(zip(names, weights + biases)), self.params_dtype)
+
+    def _check(self, inp: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
+        owner = self.wgrad_store.owner
+        dtype = self._checked_params(weights + biases, lambda: self._check_params(weights, biases))
+        if not isinstance(inp, torch.Tensor) or inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            shape = tuple(inp.shape) if isinstance(inp, torch.Tensor) else type(inp).__name__
+            raise ValueError(f"{owner}: input of shape {shape}, expected last dim in_features={self.in_features}")
         if inp.dtype != dtype:
             raise TypeError(f"{owner}: input dtype {inp.dtype} does not match the weights' compute dtype {dtype} "
                             f"(their param_dtype, else their dtype); cast the input")

@@ -213,6 +213,8 @@ class Linear(WgradModule):
     accepted and has no effect.
     """
 
+    _compute_dtype: torch.dtype  # set by the parameter checks (a plain attribute)
+
     def __init__(self, in_features: int, out_features: int, bias: bool | torch.Tensor = True, *,
                  params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
@@ -250,7 +252,7 @@ class Linear(WgradModule):
             self.register_parameter("bias", None)
         self._check_param_shapes()
 
-    def _check_param_shapes(self) -> None:
+    def _check_param_shapes(self) -> torch.dtype:
         full = tuple(getattr(self.weight, "full_shape", self.weight.shape))
         if full != (self.out_features, self.in_features):
             raise ValueError(f"Linear({self.in_features}, {self.out_features}): weight has full shape {full}, "
@@ -261,7 +263,8 @@ class Linear(WgradModule):
                 raise ValueError(f"Linear({self.in_features}, {self.out_features}): bias has shape {bfull}, "
                                  f"expected {(self.out_features,)}")
         params = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
-        self._compute_dtype = check_compute_dtype(self.wgrad_store.owner, params, self.params_dtype)
+        self.__dict__["_compute_dtype"] = dtype = check_compute_dtype(self.wgrad_store.owner, params, self.params_dtype)
+        return dtype
 
     def _check_input(self, inp: torch.Tensor) -> None:
         if not isinstance(inp, torch.Tensor):
@@ -289,7 +292,7 @@ class Linear(WgradModule):
 
     def _prepare(self, inp: torch.Tensor, bias: torch.Tensor | None, grad_on: bool) -> tuple[torch.Tensor, _Call]:
         """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, call)``."""
-        self._check_param_shapes()
+        self.__dict__["_compute_dtype"] = self._checked_params((self.weight, self.bias), self._check_param_shapes)
         self._check_input(inp)
         weight_grad = grad_on and self.weight.requires_grad
         bias_grad = grad_on and bias is not None and bias.requires_grad

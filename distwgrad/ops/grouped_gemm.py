@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -43,13 +44,35 @@ from distwgrad.ops import reference
 __all__ = ["splits_to_offsets", "grouped_fprop", "grouped_dgrad", "grouped_wgrad", "kernels_available", "torch_route"]
 
 
+_last_offsets: list = []  # [(weakref to a device m_splits, its _version, num_groups, num_tokens, device, offs)]
+
+
+def _remembered_offsets(m_splits: torch.Tensor, num_groups: int, num_tokens: int, device: torch.device):
+    """The offsets computed last for this very tensor, unchanged since (``_version``), and the same problem.
+
+    [Note: one routing, two GEMMs]
+    An MoE layer hands the same device ``m_splits`` to fc1 and fc2: the cumulative sum and the two device
+    assertions (six small kernels) are the same for both, so the second call reuses the first's offsets.
+    The entry names the tensor by a weak reference and its version counter, so an in-place change, a new
+    tensor at the same address or another token count computes afresh. Never while a CUDA graph captures,
+    neither read nor written: a graph must compute its offsets from its own inputs on every replay.
+    """
+    if not _last_offsets or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return None
+    ref, version, groups, tokens, dev, offs = _last_offsets[0]
+    if ref() is m_splits and version == m_splits._version and (groups, tokens, dev) == (num_groups, num_tokens,
+                                                                                          device):
+        return offs
+    return None
+
+
 def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_tokens: int,
                       device: torch.device) -> torch.Tensor:
     """Validates ``m_splits`` and returns int32 end offsets on ``device``.
 
     A list (or CPU tensor) is checked on the host: length, no negative split, sum equals the token
     count. A CUDA tensor is never read on the host (no sync): the cumulative sum runs on the device and
-    the sum check is an asynchronous device assertion.
+    the sum check is an asynchronous device assertion, once per tensor ([Note: one routing, two GEMMs]).
     """
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.numel() != num_groups:
@@ -59,9 +82,14 @@ def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, n
             raise TypeError(f"m_splits must be an integer tensor, got {m_splits.dtype}")
         if m_splits.device.type == "cpu":
             return splits_to_offsets(m_splits.tolist(), num_groups, num_tokens, device)
+        offs = _remembered_offsets(m_splits, num_groups, num_tokens, device)
+        if offs is not None:
+            return offs
         offs = torch.cumsum(m_splits.to(device=device, dtype=torch.int32), 0, dtype=torch.int32)
         torch._assert_async(offs[-1] == num_tokens, "m_splits do not sum to the number of tokens")
         torch._assert_async((m_splits >= 0).all(), "m_splits has a negative split")
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _last_offsets[:] = [(weakref.ref(m_splits), m_splits._version, num_groups, num_tokens, device, offs)]
         return offs
     splits = list(m_splits)
     if len(splits) != num_groups:

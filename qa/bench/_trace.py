@@ -135,6 +135,7 @@ def overlap_fraction(events: Iterable[Any]) -> float | None:
 
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_CATS = ("cpu_op", "user_annotation")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel; Triton launches with cuLaunchKernelEx
 
 
 def _outermost(intervals: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
@@ -156,7 +157,7 @@ def idle_gaps(trace: dict[str, Any], min_us: float = 5.0) -> dict[str, Any]:
                     if e.get("cat") in _DEVICE_CATS)
     if not device:
         return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": 0, "by_host_op": {}, "by_launch_op": {}}
-    launches = {e.get("args", {}).get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
+    launches = {e.get("args", {}).get("correlation"): e for e in events if e.get("cat") in _LAUNCH_CATS}
     host: dict[Any, list[tuple[float, float, str]]] = {}
     for e in events:
         if e.get("cat") in _HOST_CATS:
