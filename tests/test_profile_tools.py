@@ -130,3 +130,7 @@ def test_idle_gaps_charge_each_gap_to_the_host_work_beside_it():
     text = tr.idle_table(g)
     assert "idle 0.03 ms in 1 gaps" in text and "distwgrad::module_forward" in text
     assert tr.idle_gaps({"traceEvents": host})["gaps"] == 0
+    # a Triton kernel's launch is a driver call (cuLaunchKernelEx), correlated the same way
+    driver = [dict(e, cat="cuda_driver", name="cuLaunchKernelEx") if e.get("cat") == "cuda_runtime" else e
+              for e in host]
+    assert tr.idle_gaps({"traceEvents": driver + device})["by_launch_op"] == {"aten::mm": 30}
