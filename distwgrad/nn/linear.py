@@ -292,7 +292,7 @@ class Linear(WgradModule):
 
     def _prepare(self, inp: torch.Tensor, bias: torch.Tensor | None, grad_on: bool) -> tuple[torch.Tensor, _Call]:
         """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, call)``."""
-        self.__dict__["_compute_dtype"] = self._checked_params((self.weight, self.bias), self._check_param_shapes)
+        self._checked_params((self.weight, self.bias), self._check_param_shapes)  # sets _compute_dtype
         self._check_input(inp)
         weight_grad = grad_on and self.weight.requires_grad
         bias_grad = grad_on and bias is not None and bias.requires_grad
