@@ -81,8 +81,9 @@ class GroupedGemmTuning:
     ``distwgrad/wgrad/accumulate.py``) runs the Triton kernel by default; fp32, Triton / Gluon ms at E, T,
     K, N = 16, 32768, 2048, 2048: 0.540 / 0.690; 8, 32768, 4096, 14336: 6.31 / 6.21; 64, 65536, 7168, 2048:
     3.80 / 3.85 (H200, one call between two CUDA events, its host launch included; docs/benchmarks/LOG.md,
-    2026-12-01). ``wgrad_gluon_stages``: its ring depth; ``wgrad_gluon_epilogue_warps``: 2, an epilogue partition writes each tile beside the next tile's
-    MMAs, or 0, the MMA warps write it (what a Triton without ``warp_specialize`` pairs runs);
+    2026-12-01). ``wgrad_gluon_stages``: its ring depth; ``wgrad_gluon_epilogue_warps``: 2, an epilogue
+    partition writes each tile beside the next tile's MMAs, or 0, the MMA warps write it (what a Triton
+    without ``warp_specialize`` pairs runs);
     ``wgrad_gluon_add_mode``: "atomic" (fp32 reductions, one addend per element: deterministic) or "load"
     (load-add-store); ``wgrad_gluon_tail``: a group's last chunk loses the rows past the group's end to TMA's
     zero fill through per-group descriptors ("tma") or to the MMA warps ("zero", what a Triton without the
