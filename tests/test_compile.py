@@ -231,6 +231,72 @@ def test_eager_modules_never_call_the_op(monkeypatch):
     dnn.LayerNormMLP(K, 2 * K)(torch.randn(2, K)).sum().backward()
 
 
+class _Counted:
+    """An op overload whose ``redispatch`` is counted (the ops' Autograd kernels redispatch through it)."""
+
+    def __init__(self, op) -> None:
+        self.op, self.calls = op, 0
+
+    def redispatch(self, *args):
+        self.calls += 1
+        return self.op.redispatch(*args)
+
+
+class _PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_ops_run_directly_at_run_time_and_redispatch_elsewhere(monkeypatch):
+    """[Note: the ops' run-time path]: a compiled graph's calls run the module without a redispatch; under
+    a dispatch mode the same graph redispatches; both give eager's gradients bit for bit, and under fake
+    tensors the op runs its fake implementation, never the module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(dnn.Linear(K, K, delay_wgrad_compute=True), _Experts(SPLITS, bias=True))
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    x = torch.randn(T, K, requires_grad=True)
+    _step(twin, compiled, x.detach().clone().requires_grad_(), (), False)  # compiles (traced: redispatches)
+    for p in twin.parameters():
+        p.grad = None
+    fwd, bwd = _Counted(_compiled._FORWARD), _Counted(_compiled._BACKWARD)
+    monkeypatch.setattr(_compiled, "_FORWARD", fwd)
+    monkeypatch.setattr(_compiled, "_BACKWARD", bwd)
+    want = _step(model, model, x, (), False)
+    xc = x.detach().clone().requires_grad_()
+    _assert_bit_equal(want, _step(twin, compiled, xc, (), False))
+    assert (fwd.calls, bwd.calls) == (0, 0)
+    lin = twin[0]  # the ops called by hand, as a graph calls them: without and with a dispatch mode
+
+    def call():
+        lin.weight.grad = lin.bias.grad = None
+        with torch.no_grad():
+            y, token = torch.ops.distwgrad.module_forward(x, [lin.weight, lin.bias], [], [], lin._op_handle, True,
+                                                         [False, False], K)
+            dx, _ = torch.ops.distwgrad.module_backward(token, torch.ones_like(y), [lin.weight, lin.bias],
+                                                        list(x.shape), True, [False, False])
+        lin.backward_dw()
+        return y, dx, lin.weight.grad.clone(), lin.bias.grad.clone()
+
+    direct = call()
+    assert (fwd.calls, bwd.calls) == (0, 0)
+    with _PassThrough():
+        dispatched = call()
+    assert (fwd.calls, bwd.calls) == (1, 1)
+    for a, b in zip(direct, dispatched):
+        assert torch.equal(a, b)
+
+    def refuse(*args):
+        raise AssertionError("the op ran the module on fake tensors")
+
+    monkeypatch.setattr(_compiled, "module_forward", refuse)
+    with torch._subclasses.FakeTensorMode() as mode, torch.no_grad():
+        lin = model[0]
+        y, token = torch.ops.distwgrad.module_forward(mode.from_tensor(x), [mode.from_tensor(lin.weight)], [], [],
+                                                     mode.from_tensor(lin._op_handle), False, [False], K)
+    assert isinstance(y, torch._subclasses.FakeTensor) and y.shape == (T, K) and token.shape == (1,)
+
+
 # --- the rest of the grid ---------------------------------------------------------------------------
 @pytest.mark.full
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

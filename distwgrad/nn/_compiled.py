@@ -1,4 +1,4 @@
-"""A module's forward and backward as two opaque custom ops, the path taken under ``torch.compile``.
+"""A module's forward and backward as two opaque ops, the path taken under ``torch.compile``.
 
 [Note: torch.compile] in ``distwgrad/nn/_base.py`` says why. Dynamo traces only
 :func:`compiled_forward` (the parameter list, static flags and one ``distwgrad::module_forward`` call);
@@ -28,10 +28,26 @@ consumes the ops' outputs (the kernels inductor fuses after a ``Linear``; attent
 rotary and qkv kernels after it) reads them with vector loads. On one H200 the large preset's fused
 rotary/qkv backward kernel took 0.62 ms with a CPU token and 0.30 ms in plain torch's graph
 (docs/benchmarks/LOG.md).
+
+[Note: the ops' run-time path]
+A compiled graph calls both ops through the dispatcher on every module call, and there their host time
+is the device's idle time wherever a stretch of small modules outruns the kernels ([Note: per-call host
+work] in nn/_base.py). ``torch.library.custom_op`` puts three Python layers around an implementation: an
+autograd kernel that redispatches below autograd, a backend wrapper under dynamo's ``disable`` and an
+output aliasing check. On the CPU those cost as much host time as a ``Linear``'s whole eager forward. So
+the ops are defined with ``torch.library.Library``, and each one's Autograd kernel runs the
+implementation itself where a redispatch would reach nothing else: real tensors (``torch.Tensor``
+itself, no dispatch mode on the stack) and, for the forward, grad off, which is how a compiled graph runs
+it. With grad on (tracing, or a direct call), the forward goes through :class:`_ModuleForward`, an
+autograd function that redispatches below autograd: AOTAutograd records the forward op and, for its
+backward, one ``module_backward``. Under a dispatch mode or with tensor subclasses (fake tensors,
+functionalization, a user's mode) both ops redispatch, as a custom op does. The implementations run
+outside dynamo, as a custom op's do, and ``_unaliased`` is the aliasing rule.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -125,7 +141,13 @@ def _unaliased(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> 
     return fresh
 
 
-@torch.library.custom_op("distwgrad::module_forward", mutates_args=())
+_LIB = torch.library.Library("distwgrad", "FRAGMENT")  # the kernels' custom ops share the namespace
+_LIB.define("module_forward(Tensor inp, Tensor[] params, Tensor[] aux, SymInt[] ints, Tensor handle, bool grad_on, "
+            "bool[] hands, SymInt out_cols) -> (Tensor, Tensor)")
+_LIB.define("module_backward(Tensor token, Tensor dy, Tensor[] params, SymInt[] inp_shape, bool need_dx, "
+            "bool[] hands) -> (Tensor, Tensor[])")
+
+
 def module_forward(inp: torch.Tensor, params: list[torch.Tensor], aux: list[torch.Tensor], ints: list[int],
                    handle: torch.Tensor, grad_on: bool, hands: list[bool],
                    out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,12 +164,10 @@ def module_forward(inp: torch.Tensor, params: list[torch.Tensor], aux: list[torc
     return y, token
 
 
-@module_forward.register_fake
-def _(inp, params, aux, ints, handle, grad_on, hands, out_cols):
+def _forward_fake(inp, params, aux, ints, handle, grad_on, hands, out_cols):
     return inp.new_empty((*inp.shape[:-1], out_cols)), inp.new_empty((1,), dtype=torch.int64)
 
 
-@torch.library.custom_op("distwgrad::module_backward", mutates_args=())
 def module_backward(token: torch.Tensor, dy: torch.Tensor, params: list[torch.Tensor], inp_shape: list[int],
                     need_dx: bool, hands: list[bool]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(dx, grads)``: the eager backward of the call ``token`` names. ``grads[i]`` is what autograd gets
@@ -172,31 +192,76 @@ def module_backward(token: torch.Tensor, dy: torch.Tensor, params: list[torch.Te
     return dx, out
 
 
-@module_backward.register_fake
-def _(token, dy, params, inp_shape, need_dx, hands):
+def _backward_fake(token, dy, params, inp_shape, need_dx, hands):
     dx = dy.new_empty(inp_shape) if need_dx else dy.new_empty(0)
     return dx, [torch.empty_like(p) if hand else dy.new_empty(0) for p, hand in zip(params, hands)]
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    inp, params, aux, ints, _, _, hands, _ = inputs
-    ctx.save_for_backward(output[1], *params)
-    ctx.inp_shape, ctx.hands, ctx.n_aux = list(inp.shape), list(hands), len(aux)
-    ctx.ints_grad = None if ints else []  # the structure register_autograd flattens an int list to
+class _ModuleForward(torch.autograd.Function):
+    """The forward op's autograd formula, for tracing: AOTAutograd records the forward op below autograd
+    and, for its backward, one ``module_backward`` call. ``flat``: the op's arguments with ``params``
+    spread out (an autograd function sees only its direct tensor arguments)."""
+
+    @staticmethod
+    def forward(ctx, keyset, n_params, inp, *flat):
+        params, (aux, ints, handle, grad_on, hands, out_cols) = list(flat[:n_params]), flat[n_params:]
+        with torch._C._AutoDispatchBelowAutograd():
+            y, token = _FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, inp, params, aux, ints, handle,
+                                           grad_on, hands, out_cols)
+        ctx.save_for_backward(token, *params)
+        ctx.inp_shape, ctx.hands = list(inp.shape), list(hands)
+        ctx.mark_non_differentiable(token)
+        return y, token
+
+    @staticmethod
+    def backward(ctx, dy, _dtoken):
+        token, *params = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[2]
+        dx, grads = torch.ops.distwgrad.module_backward(token, dy.contiguous(), params, ctx.inp_shape, need_dx,
+                                                        ctx.hands)
+        grads = [g if hand else None for g, hand in zip(grads, ctx.hands)]
+        return None, None, (dx if need_dx else None), *grads, None, None, None, None, None, None
 
 
-def _backward(ctx, dy, _dtoken):
-    token, *params = ctx.saved_tensors
-    need_dx = ctx.needs_input_grad[0]
-    dx, grads = torch.ops.distwgrad.module_backward(token, dy.contiguous(), params, ctx.inp_shape, need_dx,
-                                                    ctx.hands)
-    grads = [g if hand else None for g, hand in zip(grads, ctx.hands)]
-    return (dx if need_dx else None), grads, [None] * ctx.n_aux, ctx.ints_grad, None, None, None, None
+@functools.cache
+def _outside_dynamo(fn):
+    """``fn`` never traced by dynamo, as a custom op's implementation: the ops run eager code, and an op
+    called where dynamo evaluates frames must run it, not compile it (made on first use: the ops run only
+    where dynamo is already imported)."""
+    return torch.compiler.disable(fn)
 
 
-module_forward.register_autograd(_backward, setup_context=_setup_context)
-torch.fx.node.has_side_effect(torch.ops.distwgrad.module_forward.default)
-torch.fx.node.has_side_effect(torch.ops.distwgrad.module_backward.default)
+def _forward_autograd(keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols):
+    """The forward op's Autograd kernel ([Note: the ops' run-time path])."""
+    if torch.is_grad_enabled() and (inp.requires_grad or any(p.requires_grad for p in params)):
+        return _ModuleForward.apply(keyset, len(params), inp, *params, aux, ints, handle, grad_on, hands, out_cols)
+    if torch._C._len_torch_dispatch_stack() == 0 and type(inp) is torch.Tensor:
+        return _outside_dynamo(module_forward)(inp, params, aux, ints, handle, grad_on, hands, out_cols)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, inp, params, aux, ints, handle,
+                                   grad_on, hands, out_cols)
+
+
+def _backward_autograd(keyset, token, dy, params, inp_shape, need_dx, hands):
+    """The backward op's Autograd kernel ([Note: the ops' run-time path]). The op has no formula of its
+    own: a compiled backward runs it without grad (AOTAutograd refuses a double backward)."""
+    if torch._C._len_torch_dispatch_stack() == 0 and type(dy) is torch.Tensor:
+        return _outside_dynamo(module_backward)(token, dy, params, inp_shape, need_dx, hands)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _BACKWARD.redispatch(keyset & torch._C._after_autograd_keyset, token, dy, params, inp_shape, need_dx,
+                                    hands)
+
+
+_LIB.impl("module_forward", lambda *args: _outside_dynamo(module_forward)(*args), "CompositeExplicitAutograd")
+_LIB.impl("module_backward", lambda *args: _outside_dynamo(module_backward)(*args), "CompositeExplicitAutograd")
+_LIB.impl("module_forward", _forward_autograd, "Autograd", with_keyset=True)
+_LIB.impl("module_backward", _backward_autograd, "Autograd", with_keyset=True)
+torch.library.register_fake("distwgrad::module_forward", _forward_fake, lib=_LIB)
+torch.library.register_fake("distwgrad::module_backward", _backward_fake, lib=_LIB)
+_FORWARD = torch.ops.distwgrad.module_forward.default
+_BACKWARD = torch.ops.distwgrad.module_backward.default
+torch.fx.node.has_side_effect(_FORWARD)
+torch.fx.node.has_side_effect(_BACKWARD)
 
 
 def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | None], out_cols: int, *,
