@@ -228,12 +228,26 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))
 
 
+def combine(y_AD: torch.Tensor, order_A: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's ``top_k`` expert outputs, summed: ``y_AD`` holds them in expert order, ``order_A`` is the
+    sort that put the flattened ``[T, top_k]`` assignments there ([Note: the experts' combine])."""
+    return torch.empty_like(y_AD).index_copy(0, order_A, y_AD).view(-1, top_k, y_AD.shape[-1]).sum(dim=1)
+
+
 class MoE(nn.Module):
     """Top-k routed experts: a softmax router, then ``fc2(gelu(fc1(x)))`` per expert, gate-weighted.
 
     Tokens are sorted by expert (stable) so each expert's tokens are one contiguous group, which is the
     layout ``GroupedLinear`` takes (``m_splits`` tokens per expert). The experts' packed ``[E, N, K]``
     weights defer their wgrads.
+
+    [Note: the experts' combine]
+    The experts' outputs go back to token order by the inverse of the sort (``index_copy``: each row is
+    written once) and each token's ``top_k`` rows are summed, instead of an ``index_add`` of every row into
+    its token. On CUDA an ``index_add`` in bf16 is an atomic add per element; the sum reads each token's
+    rows once, and its backward is a gather, as the ``index_add``'s was. For ``top_k <= 2`` the result is
+    bit-equal to the ``index_add``'s (a sum of two values has one rounding, in either order); for more it
+    is the sum in a fixed order, where the atomics' order varied from run to run.
     """
 
     def __init__(self, config: MoEGPTConfig, router: nn.Module, fc1: nn.Module, fc2: nn.Module) -> None:
@@ -255,7 +269,7 @@ class MoE(nn.Module):
             0, expert_A, torch.ones_like(expert_A))
         h_AF = F.gelu(self.fc1(x_TD[token_A], m_splits_E))
         y_AD = self.fc2(h_AF, m_splits_E) * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
-        return torch.zeros_like(x_TD).index_add(0, token_A, y_AD)
+        return combine(y_AD, order_A, self.top_k)
 
 
 class Block(nn.Module):
