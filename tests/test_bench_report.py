@@ -49,6 +49,19 @@ def test_current_keeps_each_cases_newest_run():
     assert sorted(r["value"] for r in report.current([old, new, other])) == [2.0, 3.0]
 
 
+def test_a_line_compares_one_process_only():
+    """[Note: one process per line]: at one commit, the full comparison's rows make the line, not a later
+    process's that measured fewer builds; a precision only the later process measured still shows."""
+    t0, t1 = "2026-02-01T00:00:00+00:00", "2026-02-01T01:00:00+00:00"
+    full = [_row(impl=i, value=v, date=t0, command="full") for i, v in (("distwgrad", 1000.0), ("fsdp2", 900.0))]
+    alone = [_row(value=500.0, date=t1, command="alone"), _row(precision="fp8_blockwise", value=800.0, date=t1,
+                                                              command="alone")]
+    kept = report.current(full + alone)
+    assert sorted((r["command"], r["precision"], r["value"]) for r in kept) == [
+        ("alone", "fp8_blockwise", 800.0), ("full", "bf16", 900.0), ("full", "bf16", 1000.0)]
+    assert "| 1,000 | 900 | 0.90x |" in report.render(full + alone)
+
+
 def test_train_step_rows_become_impl_columns_with_ratios():
     rows = [_row(impl=impl, metric=m, value=v, unit=u)
             for impl, scale in (("distwgrad", 1.0), ("fsdp2", 0.5), ("torch", 0.25))
