@@ -151,6 +151,19 @@ def test_compute_amax():
     assert compute_amax(torch.tensor([1.5], dtype=torch.bfloat16)).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", [None, math.nan, math.inf, -math.inf])
+def test_compute_amax_is_the_max_of_abs_in_one_reduction(dtype, poison):
+    """The one-pass amax (the infinity norm) against ``x.abs().amax()``, on a tensor of many reduction
+    blocks with one non-finite value deep inside: equal bits, NaN as +inf."""
+    x = (torch.randn(300, 517, generator=torch.Generator().manual_seed(3)) * 30).to(dtype)
+    if poison is not None:
+        x[211, 401] = poison
+    want = x.abs().amax().float()
+    want = torch.where(want.isnan(), math.inf, want)
+    assert torch.equal(compute_amax(x), want)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Reference: round trip, saturation, zeros, non-finite values
 # ----------------------------------------------------------------------------------------------------

@@ -109,12 +109,14 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a 0-d fp32 tensor on ``x.device``: +inf if ``x`` has a NaN or inf, 0 if empty.
 
     Mapping NaN to +inf keeps a cross-rank ``all_reduce(MAX)`` of amaxes well defined (the MAX of a NaN
-    is not), and +inf yields the same NaN scale as NaN would (see [Note: fp8 scale arithmetic]).
+    is not), and +inf yields the same NaN scale as NaN would (see [Note: fp8 scale arithmetic]). The max
+    of ``|x|`` is one reduction (the infinity norm, which propagates NaN), not ``x.abs()`` written out and
+    read again: a weight's amax reads it once.
     """
     _check_input(x)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return _nonfinite_to_inf(x.abs().amax().float())
+    return _nonfinite_to_inf(torch.linalg.vector_norm(x, ord=math.inf).float())
 
 
 def compute_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, *,
