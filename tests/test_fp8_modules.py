@@ -164,6 +164,23 @@ def test_fp8_all_gather_over_nccl():
     assert all(r <= 0.55 for per_rank in ratios for r in per_rank)
 
 
+def test_synced_amaxes_are_each_weights_compute_amax():
+    """``sync_weight_amax`` computes every weight's amax in one stacked pass: the values of ``compute_amax``
+    one weight at a time, bit for bit, NaN as +inf, an empty shard's 0."""
+    from distwgrad.fp8 import compute_amax
+    from distwgrad.fp8.weights import _local_amaxes
+
+    full = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(4)]
+    full[1][2, 3] = float("nan")
+    full[2][0, 0] = -float("inf")
+    full[3].zero_()
+    model = torch.nn.Sequential(*[Linear(8, 8, bias=False, weight=ShardedWeight.from_full(f)) for f in full])
+    assert sync_weight_amax(model) == 4
+    for f, p in zip(full, model.parameters()):
+        assert torch.equal(p._fp8_amax, compute_amax(f)), (p._fp8_amax, compute_amax(f))
+    assert _local_amaxes([torch.zeros(0, 3), torch.tensor([[-2.0, 1.0]])]).tolist() == [0.0, 2.0]
+
+
 def _amax_rank(rank, world, dev="cpu"):
     from distwgrad.weights import _comm
 

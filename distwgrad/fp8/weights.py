@@ -34,6 +34,7 @@ from distwgrad.fp8.quantize import (
     Quantized,
     QuantizedExperts,
     _cast,
+    _nonfinite_to_inf,
     compute_amax,
     compute_scale,
     quantize_blockwise,
@@ -106,6 +107,14 @@ def _global_amax(w: DistributedParameter) -> torch.Tensor:
     return w._fp8_amax
 
 
+def _local_amaxes(weights: list[ShardedWeight]) -> torch.Tensor:
+    """``compute_amax`` of each weight's shard, stacked: one reduction per weight, then one NaN -> +inf map for
+    all of them (the same values in fewer launches; a step syncs every weight's amax)."""
+    norms = [torch.linalg.vector_norm(p.detach(), ord=math.inf).float() if p.numel()
+             else torch.zeros((), dtype=torch.float32, device=p.device) for p in weights]
+    return _nonfinite_to_inf(torch.stack(norms))
+
+
 def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:
     """One MAX all-reduce of every sharded weight's local amax (per group); returns weights synced."""
     mods = [model] if isinstance(model, nn.Module) else list(model)
@@ -118,7 +127,7 @@ def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:
     for p in seen.values():
         by_group.setdefault(id(p.group), []).append(p)  # weights of one group share one all-reduce
     for weights in by_group.values():
-        local = torch.stack([compute_amax(p.detach()) for p in weights])
+        local = _local_amaxes(weights)
         weights[0].all_reduce_max(local, count=False)  # the one explicit sync, not a fallback
         for p, a in zip(weights, local):
             p._fp8_amax, p._fp8_amax_version = a, p._version
