@@ -134,3 +134,27 @@ def test_idle_gaps_charge_each_gap_to_the_host_work_beside_it():
     driver = [dict(e, cat="cuda_driver", name="cuLaunchKernelEx") if e.get("cat") == "cuda_runtime" else e
               for e in host]
     assert tr.idle_gaps({"traceEvents": driver + device})["by_launch_op"] == {"aten::mm": 30}
+
+
+def test_host_self_times_subtract_what_runs_inside():
+    """``_trace.host_self_times`` ([Note: host self time]): a Python function (100 us) calling a launcher
+    (30 us, of which 10 in a driver call that is no host event) and an operator (20 us) with a nested
+    operator (5 us); another thread's function; method names without their object's address."""
+    tr = _load("_trace")
+    events = [
+        {"ph": "X", "cat": "python_function", "name": "m.py(1): forward", "ts": 0, "dur": 100, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "jit.py(7): run", "ts": 10, "dur": 30, "tid": 1},
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 20, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 50, "dur": 20, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 52, "dur": 5, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "<built-in method to of Tensor object at 0x7f01>",
+         "ts": 0, "dur": 8, "tid": 2},
+        {"ph": "X", "cat": "python_function", "name": "<built-in method to of Tensor object at 0x7f02>",
+         "ts": 9, "dur": 4, "tid": 2},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 500, "tid": 7},
+    ]
+    got = tr.host_self_times({"traceEvents": events})
+    assert got == {"m.py(1): forward": 50, "jit.py(7): run": 30, "op: aten::mm": 15, "op: aten::empty": 5,
+                   "<built-in method to of Tensor object>": 12}, got
+    text = tr.host_self_table(got)
+    assert "host self time 0.11 ms" in text and "44.6%  m.py(1): forward" in text  # 50 of 112 us
