@@ -96,9 +96,13 @@ def test_check_fails_when_the_page_is_stale(tmp_path, capsys):
 
 
 def test_the_repositorys_page_is_current():
-    """docs/benchmarks.md is what qa/bench/report.py makes of docs/benchmarks/results.jsonl."""
+    """docs/benchmarks.md is what qa/bench/report.py makes of docs/benchmarks/results.jsonl, in at most
+    150 lines."""
     assert report.main(["--check", "--results", str(results.RESULTS), "--page", str(report.PAGE)]) == 0, (
         "docs/benchmarks.md is stale: run `PYTHONPATH=. python qa/bench/report.py`")
+    lines = len(report.PAGE.read_text().splitlines())
+    assert lines <= 150, (f"docs/benchmarks.md has {lines} lines: it shows current results only (<= 150); "
+                          f"take a table off the page (Layout on_page / off_page) once LOG.md records it")
 
 
 def test_the_plot_is_drawn_from_the_rows(tmp_path):

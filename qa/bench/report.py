@@ -69,7 +69,7 @@ _LAYOUT = {
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
     "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",)),
     "dtype_paths": Layout("Grouped GEMM by dtype: distwgrad's route against torch's (TFLOP/s, host time included)",
-                          baseline="loop", metrics=("tflops",)),
+                          baseline="loop", metrics=("tflops",), on_page=False),  # LOG, 2026-12-01
     "grouped_gemm_tails": Layout("Grouped GEMM tail tiles, bf16 (TFLOP/s)", baseline="distwgrad_full_tail",
                                  on_page=False),
     "fp8_grouped_gemm": Layout("FP8 grouped GEMM against our bf16 (TFLOP/s; `_wT`, `_aligned`, `_bf16out`: "
