@@ -114,9 +114,14 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     read again: a weight's amax reads it once.
     """
     _check_input(x)
+    return _nonfinite_to_inf(_abs_max(x))
+
+
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as 0-d fp32, NaN kept (``compute_amax`` without its mapping; 0 if empty)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return _nonfinite_to_inf(torch.linalg.vector_norm(x, ord=math.inf).float())
+    return torch.linalg.vector_norm(x, ord=math.inf).float()
 
 
 def compute_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, *,

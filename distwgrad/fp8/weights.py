@@ -33,6 +33,7 @@ from torch import nn
 from distwgrad.fp8.quantize import (
     Quantized,
     QuantizedExperts,
+    _abs_max,
     _cast,
     _nonfinite_to_inf,
     compute_amax,
@@ -110,9 +111,7 @@ def _global_amax(w: DistributedParameter) -> torch.Tensor:
 def _local_amaxes(weights: list[ShardedWeight]) -> torch.Tensor:
     """``compute_amax`` of each weight's shard, stacked: one reduction per weight, then one NaN -> +inf map for
     all of them (the same values in fewer launches; a step syncs every weight's amax)."""
-    norms = [torch.linalg.vector_norm(p.detach(), ord=math.inf).float() if p.numel()
-             else torch.zeros((), dtype=torch.float32, device=p.device) for p in weights]
-    return _nonfinite_to_inf(torch.stack(norms))
+    return _nonfinite_to_inf(torch.stack([_abs_max(p.detach()) for p in weights]))
 
 
 def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:

@@ -197,6 +197,12 @@ def _backward_fake(token, dy, params, inp_shape, need_dx, hands):
     return dx, [torch.empty_like(p) if hand else dy.new_empty(0) for p, hand in zip(params, hands)]
 
 
+def _below_autograd(op, keyset, *args):
+    """``op`` redispatched past the Autograd key, as a custom op's autograd kernel does."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+
 class _ModuleForward(torch.autograd.Function):
     """The forward op's autograd formula, for tracing: AOTAutograd records the forward op below autograd
     and, for its backward, one ``module_backward`` call. ``flat``: the op's arguments with ``params``
@@ -205,9 +211,7 @@ class _ModuleForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, n_params, inp, *flat):
         params, (aux, ints, handle, grad_on, hands, out_cols) = list(flat[:n_params]), flat[n_params:]
-        with torch._C._AutoDispatchBelowAutograd():
-            y, token = _FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, inp, params, aux, ints, handle,
-                                           grad_on, hands, out_cols)
+        y, token = _below_autograd(_FORWARD, keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols)
         ctx.save_for_backward(token, *params)
         ctx.inp_shape, ctx.hands = list(inp.shape), list(hands)
         ctx.mark_non_differentiable(token)
@@ -237,9 +241,7 @@ def _forward_autograd(keyset, inp, params, aux, ints, handle, grad_on, hands, ou
         return _ModuleForward.apply(keyset, len(params), inp, *params, aux, ints, handle, grad_on, hands, out_cols)
     if torch._C._len_torch_dispatch_stack() == 0 and type(inp) is torch.Tensor:
         return _outside_dynamo(module_forward)(inp, params, aux, ints, handle, grad_on, hands, out_cols)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _FORWARD.redispatch(keyset & torch._C._after_autograd_keyset, inp, params, aux, ints, handle,
-                                   grad_on, hands, out_cols)
+    return _below_autograd(_FORWARD, keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols)
 
 
 def _backward_autograd(keyset, token, dy, params, inp_shape, need_dx, hands):
@@ -247,9 +249,7 @@ def _backward_autograd(keyset, token, dy, params, inp_shape, need_dx, hands):
     own: a compiled backward runs it without grad (AOTAutograd refuses a double backward)."""
     if torch._C._len_torch_dispatch_stack() == 0 and type(dy) is torch.Tensor:
         return _outside_dynamo(module_backward)(token, dy, params, inp_shape, need_dx, hands)
-    with torch._C._AutoDispatchBelowAutograd():
-        return _BACKWARD.redispatch(keyset & torch._C._after_autograd_keyset, token, dy, params, inp_shape, need_dx,
-                                    hands)
+    return _below_autograd(_BACKWARD, keyset, token, dy, params, inp_shape, need_dx, hands)
 
 
 _LIB.impl("module_forward", lambda *args: _outside_dynamo(module_forward)(*args), "CompositeExplicitAutograd")
