@@ -57,7 +57,7 @@ def _remembered_offsets(m_splits: torch.Tensor, num_groups: int, num_tokens: int
     tensor at the same address or another token count computes afresh. Never while a CUDA graph captures,
     neither read nor written: a graph must compute its offsets from its own inputs on every replay.
     """
-    if not _last_offsets or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not _last_offsets:
         return None
     ref, version, groups, tokens, dev, offs = _last_offsets[0]
     if ref() is m_splits and version == m_splits._version and (groups, tokens, dev) == (num_groups, num_tokens,
@@ -82,13 +82,14 @@ def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, n
             raise TypeError(f"m_splits must be an integer tensor, got {m_splits.dtype}")
         if m_splits.device.type == "cpu":
             return splits_to_offsets(m_splits.tolist(), num_groups, num_tokens, device)
-        offs = _remembered_offsets(m_splits, num_groups, num_tokens, device)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        offs = None if capturing else _remembered_offsets(m_splits, num_groups, num_tokens, device)
         if offs is not None:
             return offs
         offs = torch.cumsum(m_splits.to(device=device, dtype=torch.int32), 0, dtype=torch.int32)
         torch._assert_async(offs[-1] == num_tokens, "m_splits do not sum to the number of tokens")
         torch._assert_async((m_splits >= 0).all(), "m_splits has a negative split")
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing:
             _last_offsets[:] = [(weakref.ref(m_splits), m_splits._version, num_groups, num_tokens, device, offs)]
         return offs
     splits = list(m_splits)
