@@ -30,21 +30,53 @@ import os
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 
 RATE = 250  # py-spy samples per second and thread
+NATIVE_RATE = 50  # with C frames: each sample pauses the process while py-spy unwinds every thread
 
 
-def _sampled_steps(build, batches, seconds: float, stacks: str | None) -> tuple[int, float, float]:
-    """Steps for ``seconds`` under py-spy when ``stacks`` is a path: (steps, wall s, s to issue them)."""
+def _find_syncs(build, tokens) -> list[str]:
+    """One step under CUDA's sync debug mode: each host-device synchronisation once, with where it was."""
+    import torch
+
+    seen: dict[str, int] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        where = " <- ".join(f"{f.name} {Path(f.filename).name}:{f.lineno}"
+                            for f in reversed(traceback.extract_stack()[-9:-2]))
+        key = f"{message}: {where}"
+        seen[key] = seen.get(key, 0) + 1
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            build.run_step(tokens)
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    finally:
+        warnings.showwarning = old
+    return [f"{n} x {k}" for k, n in seen.items()]
+
+
+def _sampled_steps(build, batches, seconds: float, stacks: str | None, native: bool) -> tuple[int, float, float]:
+    """Steps for ``seconds`` under py-spy when ``stacks`` is a path: (steps, wall s, s to issue them).
+    ``native``: py-spy pauses the process for each sample and records C frames and idle threads too."""
     import torch
 
     device = batches[0].device
     sampler = None
     if stacks:
         Path(stacks).parent.mkdir(parents=True, exist_ok=True)
-        sampler = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--nonblocking", "--rate", str(RATE),
+        how = ["--native", "--idle", "--rate", str(NATIVE_RATE)] if native else ["--nonblocking", "--rate", str(RATE)]
+        sampler = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), *how,
                                     "--format", "raw", "--duration", str(math.ceil(seconds)), "-o", stacks],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(1.0)  # py-spy attached
@@ -76,6 +108,10 @@ def run(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--impl", default="distwgrad", choices=ts.IMPLS)
     p.add_argument("--stacks", default=None, help="py-spy's samples (raw format) to this file")
+    p.add_argument("--native", action="store_true", help="with --stacks: C frames and idle threads too (py-spy "
+                   "pauses the process for each sample)")
+    p.add_argument("--find-syncs", action="store_true", help="first, one step under CUDA's sync debug mode: "
+                   "print each host-device synchronisation and where it happened")
     own, rest = p.parse_known_args(argv)
     args = ts.parse_args(rest)
     if len(args.precisions) != 1 or len(args.modes) != 1:
@@ -92,7 +128,10 @@ def run(argv: list[str]) -> int:
             build.run_step(tok)
         ts._sync(rt["device"])
         batches = ts._batches(corpus, args, rt, args.warmup, 4)
-        steps, wall, issue = _sampled_steps(build, batches, own.seconds, own.stacks)
+        if own.find_syncs and rt["device"].type == "cuda":
+            syncs = _find_syncs(build, batches[0])
+            print(f"{len(syncs)} synchronising call sites in one step" + "".join(f"\n  {s}" for s in syncs))
+        steps, wall, issue = _sampled_steps(build, batches, own.seconds, own.stacks, own.native)
         print(f"{build.name} {name} batch {args.batch}: {steps} steps sampled in {wall:.2f} s: "
               f"{1e3 * wall / steps:.2f} ms a step, the host issued a step in {1e3 * issue / steps:.2f} ms", flush=True)
     finally:
@@ -103,10 +142,10 @@ def run(argv: list[str]) -> int:
 def _frame(f: str) -> str:
     """``fn (path/file.py:line)`` -> ``fn file.py``: one entry per function."""
     fn, _, where = f.partition(" (")
-    return f"{fn} {where.split(':')[0].rsplit('/', 1)[-1]}" if where else fn
+    return f"{fn} {where.split(':')[0].rstrip(')').rsplit('/', 1)[-1]}" if where else fn
 
 
-def summarize(path: str, steps: int | None = None, rows: int = 40) -> str:
+def summarize(path: str, steps: int | None = None, rate: int = RATE, rows: int = 40) -> str:
     """Self and total sample shares of each function (and host milliseconds a step, given ``steps``)."""
     self_n: Counter[str] = Counter()
     total_n: Counter[str] = Counter()
@@ -123,7 +162,7 @@ def summarize(path: str, steps: int | None = None, rows: int = 40) -> str:
             total_n[fn] += n
     if not kept:
         return f"{path}: no samples"
-    ms_per = 1e3 / RATE / steps if steps else None
+    ms_per = 1e3 / rate / steps if steps else None
     unit = f", host ms a step ({kept * ms_per:.1f} in all)" if ms_per else ""
     lines = [f"{kept} samples; each function's share, self (innermost Python frame) and total{unit}:"]
     for title, counts in (("self", self_n), ("total", total_n)):
@@ -140,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="host_sample.py --summarize")
         p.add_argument("stacks", help="py-spy record --format raw output")
         p.add_argument("--steps", type=int, default=None, help="the steps sampled (the run prints them)")
+        p.add_argument("--rate", type=int, default=RATE, help=f"samples per second ({NATIVE_RATE} with --native)")
         a = p.parse_args(argv[1:])
-        if a.steps is not None and a.steps < 1:
-            p.error(f"--steps must be positive, got {a.steps}")
-        print(summarize(a.stacks, a.steps))
+        if a.steps is not None and a.steps < 1 or a.rate < 1:
+            p.error(f"--steps and --rate must be positive, got {a.steps} and {a.rate}")
+        print(summarize(a.stacks, a.steps, a.rate))
         return 0
     return run(argv)
 
