@@ -37,7 +37,6 @@ partial token block always takes the masked path, because a descriptor cannot st
 (the interpreter's bf16 ``tl.dot`` multiplies bit patterns).
 """
 
-import collections
 import functools
 import os
 import warnings
@@ -54,6 +53,7 @@ from ._dispatch import call
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_ragged import _ragged_m_kernel
 from ._grouped_wgrad import _wgrad_kernel
+from ._host import device_table
 from ._tuning import current as _tuning
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
@@ -280,29 +280,9 @@ def _check_runnable(op: str, t: torch.Tensor) -> None:
                          f"{t.device}; distwgrad.ops.grouped_gemm runs the torch reference elsewhere")
 
 
-# ---- pointer tables for a list of per-group outputs -------------------------------------------------
-# Kept for the process's life (up to _PTR_TABLES_MAX, 2 KB each at E=256): a CUDA graph that captured a
-# launch keeps reading its table, so a table must not be freed while graphs may replay.
-_PTR_TABLES: collections.OrderedDict = collections.OrderedDict()
-_PTR_TABLES_MAX = 4096
-
-
 def _ptr_table(outs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    key = (str(device), tuple(t.data_ptr() for t in outs))
-    hit = _PTR_TABLES.get(key)
-    if hit is not None:
-        _PTR_TABLES.move_to_end(key)
-        return hit[1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("grouped_wgrad: first use of this list of out buffers inside a CUDA graph "
-                           "capture; call once before capturing (a warm-up, as Triton's compile needs)")
-    host = torch.tensor(key[1], dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    _PTR_TABLES[key] = (host, host.to(device, non_blocking=True))
-    while len(_PTR_TABLES) > _PTR_TABLES_MAX:
-        _PTR_TABLES.popitem(last=False)
-    return _PTR_TABLES[key][1]
+    """The addresses of a list of per-group outputs on ``device`` ([Note: device tables] in ``_host.py``)."""
+    return device_table(tuple(t.data_ptr() for t in outs), device, "grouped_wgrad (a list of out buffers)")
 
 
 # ---- the three products (config and use_tma are for tests and benchmarks) --------------------------

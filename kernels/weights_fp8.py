@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import to_device
+from ._host import device_table
 from ._quantize_kernels import _amax_into, _inverse, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
 from .quantize import _check_input, _fmt_args
@@ -170,17 +170,7 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     return data.transpose(1, 2) if transpose else data, s_inv, amax
 
 
-_TABLES: dict = {}  # (values, device) -> int64 device tensor: parameters keep their addresses across steps
-_TABLES_MAX = 64
-
-
 def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, cached (addresses are just numbers: a cached table is
-    valid whatever has moved since), copied without a host sync (``to_device``)."""
-    key = (values, device)
-    t = _TABLES.get(key)
-    if t is None:
-        if len(_TABLES) >= _TABLES_MAX:
-            _TABLES.pop(next(iter(_TABLES)))
-        t = _TABLES[key] = to_device(values, torch.int64, device)
-    return t
+    """``values`` (the weights' addresses, an index map) as an int64 table on ``device``, made once
+    ([Note: device tables] in ``_host.py``: addresses are just numbers, valid whatever has moved since)."""
+    return device_table(values, device, "quantize_weights_per_tensor")

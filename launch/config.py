@@ -21,12 +21,26 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling
+from distwgrad.fp8.recipe import Recipe
 from distwgrad.models import MoEGPTConfig
 
-__all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "build_parser", "parse_args"]
+__all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "build_parser", "parse_args", "fp8_recipe"]
 
-RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")  # launch/train.py: _RECIPES
+RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def fp8_recipe(name: str) -> Recipe | None:
+    """The FP8 recipe ``--recipe name`` runs under (None for ``none``): the step's ``fp8_autocast`` and the
+    graphs of ``--cuda-graph`` take it from here."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe={name!r} must be one of {RECIPES}")
+    return {"none": None,
+            "fp8_per_tensor": PerTensorScaling(),
+            # TransformerEngine's Float8CurrentScaling accumulation: fprop without the split accumulator
+            "fp8_per_tensor_te": PerTensorScaling(fp8_gemm_fprop=MMParams(False)),
+            "fp8_blockwise": BlockwiseScaling()}[name]
 PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on CUDA, fp32 on CPU (launch/train.py: _param_dtype)
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
 
@@ -141,11 +155,6 @@ class TrainConfig:
             raise ValueError("--cuda-graph needs CUDA devices with NCCL, but device='cpu' runs on the CPU over gloo "
                              "(CUDA graphs capture CUDA kernels and NCCL collectives only); use --device cuda or "
                              "auto on a CUDA machine, or leave out --cuda-graph")
-        if self.recipe.startswith("fp8_per_tensor"):
-            raise ValueError(f"--cuda-graph with recipe={self.recipe!r}: a sharded weight's per-tensor amax is cached "
-                             f"on the host and refreshed each step by sync_weight_amax, which a graph replay skips, "
-                             f"so the graphs would quantize with the capture's amax after the optimizer moved the "
-                             f"weights; use --recipe fp8_blockwise (one rank) or none, or leave out --cuda-graph")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of ``step`` (1-based): linear warm-up over ``warmup_steps``, then ``lr``. A pure
@@ -164,11 +173,11 @@ class TrainConfig:
             raise ValueError(f"global_batch={self.global_batch} must be divisible by world size * "
                              f"microbatches = {world_size} * {self.microbatches} = "
                              f"{world_size * self.microbatches}")
-        if self.cuda_graph and self.recipe == "fp8_blockwise" and world_size > 1:
-            raise ValueError(f"--cuda-graph with recipe='fp8_blockwise' runs on one rank only, got world size "
-                             f"{world_size}: sharded over ranks, a weight's block-scale grid is cached on the host "
-                             f"until the weight changes, which a graph replay cannot see; use --recipe none, or "
-                             f"leave out --cuda-graph")
+        if self.cuda_graph and self.recipe != "none" and world_size > 1:
+            raise ValueError(f"--cuda-graph with recipe={self.recipe!r} runs on one rank only, got world size "
+                             f"{world_size}: sharded over ranks, the graphs would all-reduce every weight's amax (or "
+                             f"block-scale grid) inside each replay, an NCCL capture not yet run on several GPUs; "
+                             f"use --recipe none, or leave out --cuda-graph")
         if self.cuda_graph and self.coalesce and world_size > 1:
             raise ValueError(f"--cuda-graph on {world_size} ranks needs --no-coalesce: a coalesced unit gathers and "
                              f"reduces from Python hooks, which a graph replay skips")

@@ -18,12 +18,14 @@
   weights before any step opens (:func:`synchronous_reductions`) is building them with
   ``async_reduce=False``; the sums are bit-identical either way ([Note: contribution accounting] in
   ``distwgrad/weights/base.py``).
+* FP8. The blocks are captured under the step's recipe (``--recipe``). The weights' amaxes (per tensor)
+  and block-scale grids (blockwise) are computed inside the graphs from the weights each replay reads,
+  never taken from the host-side cache that ``sync_weight_amax`` refreshes for the eager parts ([Note: amax
+  under capture] in ``distwgrad/fp8/weights.py``); a block's backward reuses its forward's amax.
 * Refused before any process group exists (exit code 2, one line; ``launch/config.py`` and
-  :func:`check_device`): a CPU device (gloo collectives and CPU kernels cannot be captured); the per-tensor
-  FP8 recipes (a sharded weight's amax is cached by its host-side ``_version`` and refreshed by
-  ``sync_weight_amax`` each step, which a replay skips: the graphs would read the capture's amax after
-  the optimizer moved the weights); ``fp8_blockwise`` at world > 1 (the same for its cached block-scale
-  grid; at world 1 every forward quantizes the weight afresh, inside the graph).
+  :func:`check_device`): a CPU device (gloo collectives and CPU kernels cannot be captured); an FP8 recipe
+  at world > 1 (its graphs would all-reduce each weight's amax or grid inside every replay: an NCCL capture
+  not yet run on several GPUs).
 * Replays skip Python, so the weights' ``bytes_gathered`` / ``bytes_reduced`` counters do not move for the
   blocks' collectives: with ``--cuda-graph`` the report's per-step byte counts cover the eager embedding
   and lm_head only (``report.json``'s ``cuda_graph.comm_bytes`` says so).
@@ -39,10 +41,11 @@ import torch
 from torch import nn
 
 import distwgrad
-from distwgrad.fp8 import BlockwiseScaling
 from distwgrad.fp8.recipe import Recipe
 from distwgrad.models import MoEGPT
 from distwgrad.weights.base import DistributedParameter
+
+from .config import fp8_recipe
 
 __all__ = ["check_device", "recipe_for_graphs", "synchronous_reductions", "graph_blocks", "release"]
 
@@ -59,8 +62,8 @@ def check_device(device: torch.device, backend: str) -> None:
 
 
 def recipe_for_graphs(name: str) -> Recipe | None:
-    """The FP8 recipe the blocks are captured under (``launch/config.py`` has refused the others)."""
-    return BlockwiseScaling() if name == "fp8_blockwise" else None
+    """The FP8 recipe the blocks are captured under: the step's own (``launch/config.py``'s ``fp8_recipe``)."""
+    return fp8_recipe(name)
 
 
 def synchronous_reductions(modules: tuple[nn.Module, ...]) -> int:

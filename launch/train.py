@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import math
@@ -71,14 +72,14 @@ from tqdm import tqdm
 import distwgrad
 from distwgrad.checkpoint import CheckpointError, full_tensor, load_checkpoint, save_checkpoint
 from distwgrad.data import DataError, MarkovCorpus, TokenFile
-from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling, fp8_autocast
+from distwgrad.fp8 import fp8_autocast
 from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
 from . import cuda_graph as _graph
 from . import faults as _faults
 from . import report as _out
-from .config import TrainConfig, parse_args
+from .config import RECIPES, TrainConfig, fp8_recipe, parse_args
 
 __all__ = ["main", "forward_backward"]
 
@@ -104,14 +105,15 @@ PARITY_BF16 = {
     "weight_rel": PARITY_WEIGHT_RTOL,  # AdamW on fp32 masters: as in fp32
 }
 
-# Context each forward/backward runs in, per precision recipe (distwgrad.fp8; emulated on CPU).
-_RECIPES = {
-    "none": contextlib.nullcontext,
-    "fp8_per_tensor": lambda: fp8_autocast(PerTensorScaling()),
-    # TransformerEngine's Float8CurrentScaling accumulation: fprop without the split accumulator
-    "fp8_per_tensor_te": lambda: fp8_autocast(PerTensorScaling(fp8_gemm_fprop=MMParams(False))),
-    "fp8_blockwise": lambda: fp8_autocast(BlockwiseScaling()),
-}
+
+def _autocast(recipe: str) -> contextlib.AbstractContextManager:
+    """The context each forward/backward runs in: ``fp8_autocast`` of the recipe (distwgrad.fp8; emulated on
+    CPU), or none."""
+    fp8 = fp8_recipe(recipe)
+    return contextlib.nullcontext() if fp8 is None else fp8_autocast(fp8)
+
+
+_RECIPES = {name: functools.partial(_autocast, name) for name in RECIPES}
 
 
 @dataclass

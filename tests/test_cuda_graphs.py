@@ -310,3 +310,49 @@ def test_sharded_weight_one_rank_nccl(nccl_world, delay):
         eager.zero_grad(set_to_none=True)
         graphed.zero_grad(set_to_none=True)
     g.reset()
+
+
+@pytest.mark.parametrize("kind", ["linear", "packed"])
+def test_fp8_per_tensor_scales_follow_the_weights(nccl_world, kind):
+    """Per-tensor FP8 on tied ShardedWeights (bf16 compute on fp32 masters), graphed: every replay quantizes
+    with the amax of the weights it reads ([Note: amax under capture] in ``distwgrad/fp8/weights.py``). The
+    weights grow 4x between steps, their amax with them, and ``sync_weight_amax`` refreshes the eager cache as
+    the job's step does; the graphed gradients stay eager's, bit for bit. A graph that read the capture's
+    cached amax (freed by the next refresh) would quantize with a stale scale and saturate."""
+    _need_kernels(kind)
+    from distwgrad.fp8 import PerTensorScaling, fp8_autocast
+    from distwgrad.fp8.weights import sync_weight_amax
+
+    recipe = PerTensorScaling()
+    torch.manual_seed(0)
+    full = torch.randn(*((E,) if kind == "packed" else ()), K, K, device="cuda") / 8
+
+    def layer(w):
+        if kind == "linear":
+            return Linear(K, K, bias=False, weight=w, device="cuda", delay_wgrad_compute=True)
+        m = GroupedLinear(E, K, K, bias=False, single_grouped_weight=True, delay_wgrad_compute=True, device="meta")
+        m.weight = w
+        return m
+
+    def build():
+        w = distwgrad.ShardedWeight.from_full(full, group=nccl_world, param_dtype=torch.bfloat16)
+        return _Chain(layer(w), layer(w), grouped=kind == "packed")
+
+    eager, graphed = build(), build()
+    extra = (torch.tensor(SPLITS, device="cuda"),) if kind == "packed" else ()
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    g = distwgrad.make_graphed_callables(graphed, (x, *extra), fp8_enabled=True, fp8_recipe=recipe)
+    for step in range(3):
+        for m, run in ((eager, eager), (graphed, g)):
+            sync_weight_amax(m)
+            with fp8_autocast(recipe):
+                run(x, *extra).float().square().sum().backward()
+            distwgrad.drain_deferred_wgrads(m)
+            distwgrad.finalize_model_grads(m)
+        _assert_same(_grads(graphed), _grads(eager), f"step {step}")
+        with torch.no_grad():
+            for m in (eager, graphed):
+                for p in m.parameters():
+                    p.mul_(4.0)
+                m.zero_grad(set_to_none=True)
+    g.reset()

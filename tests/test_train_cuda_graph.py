@@ -95,9 +95,8 @@ def test_router_counts_equal_bincount(kind, T, E, top_k):
 
 @pytest.mark.parametrize("kwargs, world, match", [
     (dict(device="cpu"), 1, r"--cuda-graph needs CUDA devices with NCCL, but device='cpu' runs on the CPU over gloo"),
-    (dict(recipe="fp8_per_tensor"), 1, r"--cuda-graph with recipe='fp8_per_tensor': .*sync_weight_amax"),
-    (dict(recipe="fp8_per_tensor_te"), 1, r"--cuda-graph with recipe='fp8_per_tensor_te'"),
-    (dict(recipe="fp8_blockwise"), 2, r"recipe='fp8_blockwise' runs on one rank only, got world size 2"),
+    *[(dict(recipe=r), 2, rf"--cuda-graph with recipe='{r}' runs on one rank only, got world size 2: .*amax")
+      for r in ("fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")],
 ])
 def test_config_refuses_what_cannot_be_graphed(kwargs, world, match):
     with pytest.raises(ValueError, match=match):
@@ -106,20 +105,26 @@ def test_config_refuses_what_cannot_be_graphed(kwargs, world, match):
 
 
 def test_allowed_combinations_and_the_device_check():
-    job_config.TrainConfig(cuda_graph=True, recipe="fp8_blockwise").check_world_size(1)
+    for recipe in job_config.RECIPES:  # every recipe on one rank ([Note: amax under capture])
+        job_config.TrainConfig(cuda_graph=True, recipe=recipe).check_world_size(1)
+        assert repr(cuda_graph.recipe_for_graphs(recipe)) == repr(job_config.fp8_recipe(recipe))  # the step's own
     job_config.TrainConfig(cuda_graph=True, check_parity=True, save_every=1).check_world_size(1)
     with pytest.raises(ValueError, match=r"this run is on cpu over gloo"):
         cuda_graph.check_device(torch.device("cpu"), "gloo")
     cuda_graph.check_device(torch.device("cuda", 0), "nccl")  # no CUDA call: the check reads the names
     assert cuda_graph.recipe_for_graphs("none") is None
     assert isinstance(cuda_graph.recipe_for_graphs("fp8_blockwise"), distwgrad.fp8.BlockwiseScaling)
+    assert cuda_graph.recipe_for_graphs("fp8_per_tensor_te").fp8_gemm_fprop.use_split_accumulator is False
+    with pytest.raises(ValueError, match=r"recipe='fp8' must be one of \('none', "):
+        job_config.fp8_recipe("fp8")
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("args, message", [
     (["-m", "launch.train", "--cuda-graph"], "distwgrad.launch.train: error: --cuda-graph needs CUDA devices with "
                                              "NCCL, but this run is on cpu over gloo"),
-    (["-m", "launch.train", "--cuda-graph", "--recipe", "fp8_per_tensor"], "--cuda-graph with recipe="),
+    (["-m", "launch.train", "--cuda-graph", "--recipe", "fp8_per_tensor"], "distwgrad.launch.train: error: "
+                                                                           "--cuda-graph needs CUDA devices"),
     (["qa/bench/train_step.py", "--cuda-graph"], "--cuda-graph (mode cuda_graph) needs a CUDA device"),
     (["qa/bench/train_step.py", "--modes", "cuda_graph"], "--cuda-graph (mode cuda_graph) needs a CUDA device"),
     (["qa/bench/layer_step.py", "--cuda-graph", "--tiny"], "layer_step.py: error: --cuda-graph needs a CUDA device"),
@@ -203,9 +208,10 @@ def _job(tmp_path, name: str, *extra: str) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_job_graphed_matches_eager(tmp_path):
-    eager = _job(tmp_path, "eager")
-    graphed = _job(tmp_path, "graphed", "--cuda-graph", "--check-parity")
+@pytest.mark.parametrize("recipe", ["none", "fp8_per_tensor"])
+def test_job_graphed_matches_eager(tmp_path, recipe):
+    eager = _job(tmp_path, "eager", "--recipe", recipe)
+    graphed = _job(tmp_path, "graphed", "--recipe", recipe, "--cuda-graph", "--check-parity")
     assert eager["cuda_graph"] is None and graphed["config"]["cuda_graph"] is True
     assert graphed["cuda_graph"]["graphed"] == ["blocks.0", "blocks.1"]
     assert graphed["cuda_graph"]["sample_shape"] == [8, 64, 64]  # 16 sequences / 2 microbatches
@@ -243,9 +249,10 @@ def test_train_step_bench_graphed_mode(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     graphed = {(r["impl"], r["precision"]) for r in report["rows"] if r["case"] == "tiny b16x64 cuda_graph"}
-    assert graphed == {("distwgrad", "bf16"), ("torch", "bf16"), ("distwgrad", "fp8_blockwise")}, graphed
+    assert graphed == {("distwgrad", "bf16"), ("torch", "bf16"), ("distwgrad", "fp8_per_tensor"),
+                       ("distwgrad", "fp8_blockwise")}, graphed
     not_run = {(n["impl"], n["precision"]) for n in report["not_run"] if n["mode"] == "cuda_graph"}
-    assert {("fsdp2", "bf16"), ("distwgrad", "fp8_per_tensor")} <= not_run, report["not_run"]
+    assert not_run == {("fsdp2", "bf16")}, report["not_run"]
     checks = {c["build"]: c for c in report["loss_checks"]}
     assert checks["distwgrad/bf16/cuda_graph"]["vs_eager_abs_diff"] == 0.0, checks  # replay: eager's kernels
     assert all(c["ok"] for c in checks.values()), checks

@@ -92,12 +92,16 @@ def _sharded_experts_match_quantize_weight(device: str = "cpu") -> None:
     w = ShardedWeight.from_full(torch.randn(3, 32, 16, device=device), param_dtype=torch.bfloat16)
     recipe = PerTensorScaling()
     ref = quantize_weight(w.detach(), recipe, amax=_global_amax(w))
-    for backward in (False, True):
-        q = _sharded_experts(w, recipe, backward=backward)
+    forward = _sharded_experts(w, recipe, backward=False)
+    for backward, amax in ((False, None), (True, None), (True, forward.amax)):  # backward reuses forward's amax
+        q = _sharded_experts(w, recipe, backward=backward, amax=amax)
         assert q.data.shape == (3, 32, 16) and (q.data.stride(1) == 1) == backward
         for e, r in enumerate(ref):
             assert torch.equal(q.data[e].view(torch.uint8), r.data.view(torch.uint8)), (backward, e)
             assert torch.equal(q.scale_inv[e], r.scale_inv.reshape(())), (backward, e)
+    # the given amax is the one used: 4x the amax is 4x the scale_inv (powers of two scale exactly)
+    assert torch.equal(_sharded_experts(w, recipe, backward=True, amax=forward.amax * 4).scale_inv,
+                       forward.scale_inv * 4)
 
 
 def _case_interpreter() -> None:

@@ -19,6 +19,18 @@
 * A weight with ``param_dtype`` ([Note: mixed precision] in ``weights/base.py``) is quantized from its
   own data, the fp32 master, never from its ``param_dtype`` cast: one rounding, the bytes of quantizing
   the fp32 full weight (``tests/test_mixed_precision.py``).
+
+[Note: amax under capture]
+The per-tensor amax and the blockwise scale grid are cached on the weight, keyed by its host-side
+``_version``, and refreshed by :func:`sync_weight_amax`: host state that a CUDA graph replay never sees.
+A graph that read the cache would quantize every replay with the capture's amax, read from a tensor the
+next refresh frees, after the optimizer had moved the weights. So while the weight's device is capturing
+(``torch.cuda.is_current_stream_capturing``) the amax, or the grid, is computed afresh from the weight
+inside the graph (its MAX all-reduce too, where the weight is sharded), and the cache is neither read nor
+written: every replay quantizes with the amax of the weights it reads. The values are those of the eager
+path (a max is exact); a grouped layer's backward reuses its forward's amax within the graph as it does
+eagerly (``materialize_quantized_group(amax=...)``), so a replayed step reads each weight once for its
+amax, as :func:`sync_weight_amax` does in an eager step.
 """
 
 from __future__ import annotations
@@ -99,7 +111,19 @@ def _experts_of(q: Quantized, shape: torch.Size, *, block: tuple[int, int] | Non
     return [Quantized(d, s, block, q.orig_dtype, d.shape) for d, s in zip(data.unbind(0), scales.unbind(0))]
 
 
+def _capturing(w: torch.Tensor) -> bool:
+    """Whether ``w``'s device is capturing a CUDA graph: host caches are off ([Note: amax under capture])."""
+    return w.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _global_amax(w: DistributedParameter) -> torch.Tensor:
+    """The whole weight's amax (MAX over the shard group), cached until the weight changes; computed in the
+    graph while capturing ([Note: amax under capture])."""
+    if _capturing(w):
+        amax = compute_amax(w.detach()).reshape(1)
+        if isinstance(w, ShardedWeight):
+            w.all_reduce_max(amax)
+        return amax.reshape(())
     if getattr(w, "_fp8_amax_version", None) != w._version:
         amax = compute_amax(w.detach()).reshape(1)
         if isinstance(w, ShardedWeight):
@@ -177,17 +201,19 @@ def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
     return [Quantized(_gather_fp8(data, w), scale_inv, recipe.weight_block, w.dtype, w.full_shape)]
 
 
-def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bool) -> QuantizedExperts:
+def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bool,
+                     amax: torch.Tensor | None = None) -> QuantizedExperts:
     """A packed ``[E, N, K]`` sharded weight's experts under per-tensor scaling as one ``QuantizedExperts``:
     this rank's experts quantized in one launch with the weight's group-wide amax, in the layout the GEMM
     reads (``backward``: dgrad's, each expert transposed), then one all-gather of the FP8 bytes. Every
-    expert shares the one amax, as :func:`quantize_weight` gives them: the same bits as that path."""
+    expert shares the one amax, as :func:`quantize_weight` gives them: the same bits as that path.
+    ``amax``: the ``QuantizedExperts.amax`` of an earlier call on the unchanged weight (else its global amax)."""
     from distwgrad.ops.quantize import quantize_weights_alike  # late: distwgrad.ops imports this package
 
     local = w.detach()
     E_local, N, K = local.shape
     E = w.full_shape[0]
-    amax = _global_amax(w).reshape(1)
+    amax = _global_amax(w).reshape(1) if amax is None else amax[:1]
     size = len(w.shard_rows)
     if E_local:
         q = quantize_weights_alike(list(local.unbind(0)), recipe.fwd_dtype, margin=recipe.margin,
@@ -207,9 +233,11 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
 
 def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
     """The full weight's block scale grid from the shards: blocks that straddle ranks combine their
-    ranks' partial amaxes with one small MAX all-reduce of the grid (cached until the weight changes)."""
+    ranks' partial amaxes with one small MAX all-reduce of the grid (cached until the weight changes; computed
+    in the graph while capturing: [Note: amax under capture])."""
     key = (recipe.weight_block, recipe.dtype, recipe.power_of_two, w._version)
-    if getattr(w, "_fp8_grid_key", None) != key:
+    capturing = _capturing(w)
+    if capturing or getattr(w, "_fp8_grid_key", None) != key:
         (bm, bn), (N, K) = recipe.weight_block, w.full_shape
         gm, gn = -(-N // bm), -(-K // bn)
         local = w.detach().float().abs()
@@ -219,8 +247,10 @@ def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Te
         block_of_row = (torch.arange(local.shape[0], device=local.device) + w.shard_offset) // bm
         grid.index_reduce_(0, block_of_row, per_row, "amax")
         w.all_reduce_max(grid)
-        w._fp8_grid = compute_scale(grid, recipe.dtype, power_of_two=recipe.power_of_two)
-        w._fp8_grid_key = key
+        scale = compute_scale(grid, recipe.dtype, power_of_two=recipe.power_of_two)
+        if capturing:  # [Note: amax under capture]
+            return scale
+        w._fp8_grid, w._fp8_grid_key = scale, key
     return w._fp8_grid
 
 
@@ -256,12 +286,13 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
     [Note: a group of weights in two launches] in ``kernels/weights_fp8.py``): the same bits. (Not while
     torch.compile traces: that launch reads the weights' addresses.) ``stacked``: those come as one
     ``QuantizedExperts`` (no per-expert objects, its ``amax`` kept); the others are a list as always.
-    ``amax``: those weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
-    ``amax``; the caller checks their ``_version``s): backward skips that pass."""
+    ``amax``: the weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
+    ``amax``; the caller checks their ``_version``s), for plain weights and a packed sharded one: backward
+    skips that pass (and, under a CUDA graph, computes no second amax: [Note: amax under capture])."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
             and weights[0].dim() == 3 and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
-        return _sharded_experts(weights[0], recipe, backward=backward)
+        return _sharded_experts(weights[0], recipe, backward=backward, amax=amax)
     if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
         if all(w.dim() == 2 for w in weights):  # one matrix per weight (the kernels read only their addresses)
