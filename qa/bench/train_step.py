@@ -221,7 +221,7 @@ def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype
     if impl == "torch":
         return _graph_torch_blocks(model, rows, cfg, dtype)
     graphs = sys.modules[_launch_train().__package__ + ".cuda_graph"]
-    info = graphs.graph_blocks(model, rows, recipe=graphs.recipe_for_graphs(precision))
+    info = graphs.graph_blocks(model, rows, recipe=graphs.recipe_for_graphs(precision if precision.startswith("fp8") else "none"))
     return {"graphed_by": "distwgrad.make_graphed_callables, one callable per block (the job's --cuda-graph)",
             **{k: info[k] for k in ("graph_bytes", "capture_s", "sample_shape", "num_warmup_iters")}}
 
