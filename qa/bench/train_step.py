@@ -52,6 +52,15 @@ MFU: the model's training FLOPs (6 x matmul parameters used per token, plus atte
 d_model x seq_len, torchtitan's convention) over the dense bf16 peak measured at start (an 8192^3 bf16
 matmul); CUDA only.
 
+[Note: garbage collection in the timed steps]
+Python's automatic collector runs when allocations outnumber frees by a threshold, at whatever point of a
+step that happens, and a full collection walks every object in the process: every build's model, optimizer
+and compiled graphs. So a build that allocates many Python objects per step (distwgrad's modules: autograd
+contexts, closures, per-call records) pays for the other builds' objects, and more so the more builds share
+the process. The bench trains as torchtitan does (its ``gc_freq``): automatic collection off, and a
+generation-1 collection before each build's timed block, outside its timing; every build alike.
+``--python-gc`` leaves the automatic collector on.
+
 Rows go to ``docs/benchmarks/results.jsonl`` (``qa/bench/results.py``; ``--no-record`` skips it), one per
 (impl, precision, mode, metric). The step-1 losses of all builds are printed side by side and compared
 (``LOSS_ATOL``): same weights, same data, so a gap is a bug in a build (or in this bench).
@@ -441,6 +450,8 @@ def run_group(specs, cfg, corpus, rt: dict, args, not_run: list[dict]) -> list[B
         start = args.warmup + r * args.steps
         batches = _batches(corpus, args, rt, start, args.steps)
         for b in builds:
+            if not args.python_gc:  # [Note: garbage collection in the timed steps]
+                gc.collect(1)
             _timed_block(b, batches, rt["device"])
     after = _batches(corpus, args, rt, args.warmup + args.rounds * args.steps, 1)[0]
     for b in builds:
@@ -595,6 +606,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR", help="a torch.profiler trace per build in DIR")
     p.add_argument("--profile-python", action="store_true", help="with --profile: record Python frames too and "
                    "print each function's host self time (slows the host: shares, not real times)")
+    p.add_argument("--python-gc", action="store_true", help="leave Python's automatic garbage collection on in "
+                   "the timed steps (default: off, a generation-1 collection before each build's block, as torchtitan "
+                   "trains)")
     p.add_argument("--json", default=None, help="also write rows, losses and checks to this file")
     results.add_arguments(p)  # --no-record, --results
     args = p.parse_args(argv)
@@ -626,6 +640,8 @@ def main(argv=None) -> int:
 
 def _main(args, rt: dict) -> int:
     name, cfg, args.batch, args.microbatches = model_config(args)
+    if not args.python_gc:
+        gc.disable()  # [Note: garbage collection in the timed steps]
     if args.batch % (rt["world"] * args.microbatches):
         raise ValueError(f"--batch {args.batch} must divide over {rt['world']} ranks x {args.microbatches} "
                          f"microbatches")
@@ -673,7 +689,7 @@ def _extras(b: Build, args, peak_tflops: float | None) -> dict[str, Any]:
         comm["by_kind"] = {k: {"count": n, "bytes": nb} for k, (n, nb) in b.comm["by_kind"].items()}
     return {**b.facts, "comm": comm, "loss_step1": b.loss1, "microbatches": args.microbatches,
             "timing": f"median of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
-                      f"interleaved", "rounds_ms": [round(t, 4) for t in b.times_ms],
+                      f"interleaved", "python_gc": "automatic" if args.python_gc else "off, gc.collect(1) per block", "rounds_ms": [round(t, 4) for t in b.times_ms],
             "peak_bf16_tflops": peak_tflops, **_allocator_extras(b)}
 
 
