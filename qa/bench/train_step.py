@@ -230,7 +230,8 @@ def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype
     if impl == "torch":
         return _graph_torch_blocks(model, rows, cfg, dtype)
     graphs = sys.modules[_launch_train().__package__ + ".cuda_graph"]
-    info = graphs.graph_blocks(model, rows, recipe=graphs.recipe_for_graphs(precision if precision.startswith("fp8") else "none"))
+    recipe = graphs.recipe_for_graphs(precision if precision.startswith("fp8") else "none")  # the job's names
+    info = graphs.graph_blocks(model, rows, recipe=recipe)
     return {"graphed_by": "distwgrad.make_graphed_callables, one callable per block (the job's --cuda-graph)",
             **{k: info[k] for k in ("graph_bytes", "capture_s", "sample_shape", "num_warmup_iters")}}
 
@@ -689,7 +690,8 @@ def _extras(b: Build, args, peak_tflops: float | None) -> dict[str, Any]:
         comm["by_kind"] = {k: {"count": n, "bytes": nb} for k, (n, nb) in b.comm["by_kind"].items()}
     return {**b.facts, "comm": comm, "loss_step1": b.loss1, "microbatches": args.microbatches,
             "timing": f"median of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
-                      f"interleaved", "python_gc": "automatic" if args.python_gc else "off, gc.collect(1) per block", "rounds_ms": [round(t, 4) for t in b.times_ms],
+                      f"interleaved", "rounds_ms": [round(t, 4) for t in b.times_ms],
+            "python_gc": "automatic" if args.python_gc else "off, gc.collect(1) before each block",
             "peak_bf16_tflops": peak_tflops, **_allocator_extras(b)}
 
 
