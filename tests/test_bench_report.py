@@ -1,5 +1,5 @@
 """The results file and the page generated from it, on CPU: ``qa/bench/results.py`` refuses malformed
-rows, ``qa/bench/report.py`` keeps each case's newest run, lays a training-step bench out as impl columns
+rows, ``qa/bench/report.py`` keeps each line's newest run, lays a training-step bench out as impl columns
 with ratios to distwgrad, and ``--check`` fails when ``docs/benchmarks.md`` is stale."""
 
 from __future__ import annotations
@@ -47,6 +47,16 @@ def test_current_keeps_each_cases_newest_run():
     new = _row(value=2.0, date="2026-02-01T00:00:00+00:00", commit="bbbbbbb")
     other = _row(case="other", value=3.0, date="2025-01-01T00:00:00+00:00", commit="ccccccc")
     assert sorted(r["value"] for r in report.current([old, new, other])) == [2.0, 3.0]
+
+
+def test_a_line_keeps_its_own_newest_run():
+    """A newer commit that measured bf16 only replaces the bf16 line; the FP8 line stays at its newest run."""
+    t0, t1 = "2026-02-01T00:00:00+00:00", "2026-02-02T00:00:00+00:00"
+    old = [_row(precision=p, value=v, date=t0, commit="aaaaaaa") for p, v in (("bf16", 1.0), ("fp8_blockwise", 2.0))]
+    new = [_row(value=3.0, date=t1, commit="bbbbbbb")]
+    kept = report.current(old + new)
+    assert sorted((r["precision"], r["value"], r["commit"]) for r in kept) == [
+        ("bf16", 3.0, "bbbbbbb"), ("fp8_blockwise", 2.0, "aaaaaaa")]
 
 
 def test_a_line_compares_one_process_only():

@@ -3,9 +3,8 @@
     PYTHONPATH=. python qa/bench/report.py            # rewrite docs/benchmarks.md and the plot
     PYTHONPATH=. python qa/bench/report.py --check    # exit 1 when docs/benchmarks.md is stale (CI, tests)
 
-The page shows current results only: rows are grouped by ``(bench, case)`` and each group keeps the rows
-of its newest run (the latest ``date``; its ``commit``), each line of a table from one process ([Note: one
-process per line]). Each bench is one table: one row per case,
+The page shows current results only: each line of a table (a case, world and precision) keeps the rows
+of its newest run (the latest ``date``; its ``commit``), from one process ([Note: one process per line]). Each bench is one table: one row per case,
 precision, world and metric, one column per ``impl`` (or per ``precision``, where a bench compares
 precisions), and the ratio of every other column to the baseline column (``distwgrad`` unless ``_LAYOUT``
 says otherwise). Under each table: the commands, commits, dates, devices and versions its rows came from.
@@ -92,32 +91,32 @@ _KEY = ("case", "impl", "precision", "world", "metric")
 
 
 def current(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of each ``(bench, case)`` group's newest commit (that of the latest date), and of each line
-    of its table one process only.
+    """The rows of each line of each ``(bench, case)`` table (its world and the field that is not the
+    columns: precision where the columns are impls, impl where they are precisions) from the line's newest
+    commit (that of its latest date), and of that commit one process only.
 
     [Note: one process per line]
     A line's cells are compared with each other (the ratio columns), and only measurements of one process
-    compare. At one commit several processes may have measured a case (the full comparison, an A/B of two
-    builds, one build's precisions), so each line (a case, world and the field that is not the columns:
-    precision where the columns are impls, impl where they are precisions) keeps the rows of one command:
-    the one that measured the most columns, the newest of those.
+    compare. At one commit several processes may have measured a line (the full comparison, an A/B of two
+    builds, one build's precisions), so each line keeps the rows of one command: the one that measured the
+    most columns, the newest of those. Lines are current each on its own: a newer run that measured only
+    some precisions of a case leaves the other precisions' lines at their newest run.
     """
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    lines: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        groups[(r["bench"], r["case"])].append(r)
+        col = _LAYOUT.get(r["bench"], Layout(r["bench"])).columns
+        field = "impl" if col == "precision" else "precision"
+        lines[(r["bench"], r["case"], r["world"], r[field])].append(r)
     out = []
-    for (bench, _), group in groups.items():
+    for (bench, *_), group in lines.items():
+        col = _LAYOUT.get(bench, Layout(bench)).columns
         newest = max(r["date"] for r in group)
         commit = next(r["commit"] for r in group if r["date"] == newest)
-        col = _LAYOUT.get(bench, Layout(bench)).columns
-        line = "impl" if col == "precision" else "precision"
-        by_line: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in group:
             if r["commit"] == commit:
-                by_line[(r["world"], r[line])][r["command"]].append(r)
-        for runs in by_line.values():
-            best = max(runs.values(), key=lambda rs: (len({r[col] for r in rs}), max(r["date"] for r in rs)))
-            out += best
+                runs[r["command"]].append(r)
+        out += max(runs.values(), key=lambda rs: (len({r[col] for r in rs}), max(r["date"] for r in rs)))
     return out
 
 
