@@ -1,7 +1,8 @@
 """The GPU profiling tools of ``qa/bench`` on the CPU: ``gemm_profile.py`` starts (its runs need a GPU),
 and ``ncu_hotspots.py`` reads Nsight Compute's CSV pages as ncu 2025 writes them (the shapes below are
 those of a real report of the FP8 kernel, trimmed): headline metrics per kernel, stall reasons as
-shares, the SASS lines with the most stall samples first."""
+shares, the SASS lines with the most stall samples first; ``_trace.py`` reads idle device time from a
+trace; ``host_sample.py`` summarizes py-spy's samples of a step."""
 
 from __future__ import annotations
 
@@ -136,25 +137,36 @@ def test_idle_gaps_charge_each_gap_to_the_host_work_beside_it():
     assert tr.idle_gaps({"traceEvents": driver + device})["by_launch_op"] == {"aten::mm": 30}
 
 
-def test_host_self_times_subtract_what_runs_inside():
-    """``_trace.host_self_times`` ([Note: host self time]): a Python function (100 us) calling a launcher
-    (30 us, of which 10 in a driver call that is no host event) and an operator (20 us) with a nested
-    operator (5 us); another thread's function; method names without their object's address."""
-    tr = _load("_trace")
-    events = [
-        {"ph": "X", "cat": "python_function", "name": "m.py(1): forward", "ts": 0, "dur": 100, "tid": 1},
-        {"ph": "X", "cat": "python_function", "name": "jit.py(7): run", "ts": 10, "dur": 30, "tid": 1},
-        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 20, "dur": 10, "tid": 1},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 50, "dur": 20, "tid": 1},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 52, "dur": 5, "tid": 1},
-        {"ph": "X", "cat": "python_function", "name": "<built-in method to of Tensor object at 0x7f01>",
-         "ts": 0, "dur": 8, "tid": 2},
-        {"ph": "X", "cat": "python_function", "name": "<built-in method to of Tensor object at 0x7f02>",
-         "ts": 9, "dur": 4, "tid": 2},
-        {"ph": "X", "cat": "kernel", "name": "k", "ts": 0, "dur": 500, "tid": 7},
-    ]
-    got = tr.host_self_times({"traceEvents": events})
-    assert got == {"m.py(1): forward": 50, "jit.py(7): run": 30, "op: aten::mm": 15, "op: aten::empty": 5,
-                   "<built-in method to of Tensor object>": 12}, got
-    text = tr.host_self_table(got)
-    assert "host self time 0.11 ms" in text and "44.6%  m.py(1): forward" in text  # 50 of 112 us
+def test_host_sample_summarizes_py_spy_stacks(tmp_path):
+    """``host_sample.py --summarize`` ([Note: sampling the host]): self and total shares of py-spy's raw
+    samples (``stack count`` lines, frames ``fn (path:line)`` or native ``fn (lib.so)``), one entry per
+    function, and host milliseconds a step from the rate and the sampled steps."""
+    hs = _load("host_sample")
+    stacks = tmp_path / "stacks.txt"
+    stacks.write_text("\n".join([
+        "<module> (run.py:1);step (/x/train.py:10);quantize (/x/kernels/quantize.py:5) 6",
+        "<module> (run.py:1);step (/x/train.py:12);quantize (/x/kernels/quantize.py:9);launch (cuda.so) 2",
+        "<module> (run.py:1);step (/x/train.py:10) 2",
+        "not a sample line",
+    ]) + "\n")
+    text = hs.summarize(str(stacks), steps=2, rate=100)
+    assert "10 samples" in text and "host ms a step (50.0 in all)" in text  # 10 samples / 100 Hz / 2 steps
+    self_part, total_part = text.split("  by total:")
+    assert "60.0%    30.00  quantize quantize.py" in self_part  # lines 5 and 9: one function
+    assert "20.0%    10.00  launch cuda.so" in self_part and "20.0%    10.00  step train.py" in self_part
+    assert "100.0%    50.00  step train.py" in total_part and "80.0%    40.00  quantize quantize.py" in total_part
+    assert hs.summarize(str(stacks)).startswith("10 samples; each function's share")  # shares only
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert hs.summarize(str(empty)) == f"{empty}: no samples"
+    proc = subprocess.run([sys.executable, os.path.join(_ROOT, "qa", "bench", "host_sample.py"), "--summarize",
+                           str(stacks), "--steps", "0"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--steps and --rate must be positive, got 0 and 250" in proc.stderr
+
+
+def test_host_sample_samples_one_build():
+    proc = subprocess.run([sys.executable, os.path.join(_ROOT, "qa", "bench", "host_sample.py"), "--model", "tiny",
+                           "--precisions", "bf16,fp8_per_tensor", "--modes", "eager"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": _ROOT})
+    assert proc.returncode == 1 and "give one --precisions and one --modes, got bf16,fp8_per_tensor and eager" in (
+        proc.stderr), proc.stderr[-2000:]

@@ -9,8 +9,8 @@
 #   bash qa/L2_gpu/system.sh                       # every step
 #   STEPS="job_bf16 bench_bf16" bash qa/L2_gpu/system.sh
 #   STEPS="graph_tests job_graph bench_graph layer_graph" bash qa/L2_gpu/system.sh   # the graphed step
-#   STEPS=profile_fp8 bash qa/L2_gpu/system.sh   # (not in the default) the FP8 step's profile: its device
-#                                                # idle map and each host function's self time
+#   STEPS=host_fp8 bash qa/L2_gpu/system.sh   # (not in the default) where the FP8 step's host time goes
+#                                             # (qa/bench/host_sample.py; needs py-spy, e.g. carried in .whl/)
 #
 # On a machine whose copy of the tree has no .git of its own, pass the source commit:
 #   DISTWGRAD_COMMIT=<git rev-parse --short HEAD, where the tree came from> bash qa/L2_gpu/system.sh
@@ -55,9 +55,9 @@ for step in $STEPS; do
     bench_fp8) run bench_fp8 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                  --batch 8 --microbatches 1 --impls distwgrad --precisions bf16,fp8_per_tensor,fp8_blockwise \
                  --modes eager --warmup 2 --rounds 3 --steps 3 ${FP8_ARGS:-} ;;
-    profile_fp8) run profile_fp8 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
-                   --batch 8 --microbatches 1 --impls distwgrad --precisions ${PROFILE_PRECISIONS:-fp8_per_tensor} \
-                   --modes eager --warmup 2 --rounds 1 --steps 2 --profile "$OUT_ABS/trace" --profile-python ;;
+    host_fp8) run host_fp8 python3 qa/bench/host_sample.py --model large --batch 8 --microbatches 1 \
+                --precisions ${HOST_PRECISIONS:-fp8_per_tensor} --modes eager --warmup 3 --seconds 15 \
+                --stacks "$OUT_ABS/host_stacks.txt" ;;
     layer) run layer python3 qa/bench/layer_step.py ;;
     graph_tests) run graph_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_train_cuda_graph.py ;;
     job_graph) run job_graph $TRAIN --precision bf16 --steps ${GRAPH_JOB_STEPS:-4} --cuda-graph --check-parity \

@@ -10,12 +10,10 @@ at the ``c10d::`` layer, so its size is read from the backend event it launches.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction", "idle_gaps", "idle_table",
-           "host_self_times", "host_self_table"]
+__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction", "idle_gaps", "idle_table"]
 
 # c10d operator -> (kind, index of the input whose shape is the bytes moved)
 COLLECTIVES = {
@@ -209,53 +207,3 @@ def idle_table(gaps: dict[str, Any], rows: int = 12) -> str:
             lines.append(f"    {us / 1e3:8.3f}  {name[:90]}")
     return "\n".join(lines)
 
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def host_self_times(trace: dict[str, Any]) -> dict[str, float]:
-    """Host self time (us) of each Python function and operator of a ``with_stack`` chrome trace: an
-    event's duration less that of the events directly inside it, summed by name over every thread
-    (operators prefixed ``op:``). Where a step waits on the host, this says in which function its time
-    goes, the launches of Triton kernels included (Python, not operators).
-
-    [Note: host self time]
-    The idle map charges the device's idle time to the operators the host was in and calls the rest
-    "python between ops"; for a host-bound step that rest is most of it (Triton's launcher, a module's
-    Python). With Python frames recorded (``torch.profiler``'s ``with_stack``) every host microsecond
-    has an innermost event, so self times add up to the threads' recorded time. Recording frames slows
-    the host, so these are shares, not the step's real host time."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e
-              and e.get("cat") in ("python_function", *_HOST_CATS)]
-    by_tid: dict[Any, list[dict[str, Any]]] = {}
-    for e in events:
-        by_tid.setdefault(e.get("tid"), []).append(e)
-    out: dict[str, float] = {}
-    for evs in by_tid.values():
-        evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-        stack: list[list[Any]] = []  # [end, name, self us]
-
-        def close(entry: list[Any]) -> None:
-            out[entry[1]] = out.get(entry[1], 0.0) + max(entry[2], 0.0)
-
-        for e in evs:
-            s, d = float(e["ts"]), float(e["dur"])
-            while stack and stack[-1][0] <= s:
-                close(stack.pop())
-            if stack:
-                stack[-1][2] -= d  # time inside a child is not the parent's own
-            name = (_ADDRESS.sub("", e["name"]) if e.get("cat") == "python_function"  # one entry per method,
-                    else "op: " + e["name"])                                              # not per object
-            stack.append([s + d, name, d])
-        while stack:
-            close(stack.pop())
-    return out
-
-
-def host_self_table(times: dict[str, float], rows: int = 30) -> str:
-    """``host_self_times``'s largest entries as text, with each one's share of the total."""
-    total = sum(times.values()) or 1.0
-    lines = [f"host self time {total / 1e3:.2f} ms (every thread; Python frames recorded), largest:"]
-    for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:rows]:
-        lines.append(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  {name[:100]}")
-    return "\n".join(lines)

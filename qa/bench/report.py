@@ -4,10 +4,11 @@
     PYTHONPATH=. python qa/bench/report.py --check    # exit 1 when docs/benchmarks.md is stale (CI, tests)
 
 The page shows current results only: each line of a table (a case, world and precision) keeps the rows
-of its newest run (the latest ``date``; its ``commit``), from one process ([Note: one process per line]). Each bench is one table: one row per case,
-precision, world and metric, one column per ``impl`` (or per ``precision``, where a bench compares
-precisions), and the ratio of every other column to the baseline column (``distwgrad`` unless ``_LAYOUT``
-says otherwise). Under each table: the commands, commits, dates, devices and versions its rows came from.
+of its newest run (the latest ``date``; its ``commit``), from one process ([Note: one process per line]).
+Each bench is one table: one row per case, precision, world and metric, one column per ``impl`` (or per
+``precision``, where a bench compares precisions), and the ratio of every other column to the baseline
+column (``distwgrad`` unless ``_LAYOUT`` says otherwise). Under each table: the commands, commits, dates,
+devices and versions its rows came from.
 History (what was tried, what lost, and why) lives in ``docs/benchmarks/LOG.md``.
 """
 

@@ -4,9 +4,7 @@
     torchrun --standalone --nproc-per-node 2 qa/bench/train_step.py --model small --modes eager
     # one H200: every precision, eager and compiled, with a profiler trace per build
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --profile runs/trace
-    # one H200: where a host-bound FP8 step's host time goes (each function's self time, Python frames on)
-    torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --impls distwgrad \
-        --precisions fp8_per_tensor --modes eager --profile runs/trace --profile-python
+    # where a host-bound step's host time goes: qa/bench/host_sample.py (py-spy, outside the process)
     # 8 GPUs over NCCL: the same command with --nproc-per-node 8
     # one H200: eager against each build's blocks replayed from CUDA graphs
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --modes eager --cuda-graph
@@ -360,32 +358,25 @@ def _count_comm(b: Build, tok: torch.Tensor, device: torch.device) -> None:
                       "collectives from torch.profiler c10d:: operators, one step")
 
 
-def _profile(b: Build, tok: torch.Tensor, device: torch.device, out: str, rank: int,
-             python: bool = False) -> dict[str, Any]:
+def _profile(b: Build, tok: torch.Tensor, device: torch.device, out: str, rank: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts, with_stack=python) as prof:
+    with profile(activities=acts) as prof:
         for t in (tok, tok):
             b.run_step(t)
         _sync(device)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{b.impl}_{b.precision}_{b.mode}_rank{rank}.json")
     prof.export_chrome_trace(path)
-    idle = host = None
-    if device.type == "cuda" or python:
+    idle = None
+    if device.type == "cuda":  # where the device waited for the host: [Note: idle device time] in _trace.py
         with open(path) as f:
-            trace = json.load(f)
-        if device.type == "cuda":  # where the device waited for the host: [Note: idle device time] in _trace.py
-            idle = _trace.idle_gaps(trace)
-        if python:  # where the host's time goes: [Note: host self time] in _trace.py
-            host = _trace.host_self_times(trace)
+            idle = _trace.idle_gaps(json.load(f))
     if rank == 0:
         print(f"== {b.name}: two steps, {path}\n{_trace.op_table(prof)}", flush=True)
         if idle is not None:
             print(_trace.idle_table(idle), flush=True)
-        if host is not None:
-            print(_trace.host_self_table(host), flush=True)
     return {"trace": path, "comm_hidden_fraction": _trace.overlap_fraction(prof.events()),
             "idle_ms": None if idle is None else idle["idle_us"] / 1e3}
 
@@ -461,7 +452,7 @@ def run_group(specs, cfg, corpus, rt: dict, args, not_run: list[dict]) -> list[B
         else:
             _count_comm(b, after, rt["device"])
         if args.profile:
-            b.facts.update(_profile(b, after, rt["device"], args.profile, rt["rank"], args.profile_python))
+            b.facts.update(_profile(b, after, rt["device"], args.profile, rt["rank"]))
     return builds
 
 
@@ -605,8 +596,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="steps per build per round")
     p.add_argument("--profile", default=None, metavar="DIR", help="a torch.profiler trace per build in DIR")
-    p.add_argument("--profile-python", action="store_true", help="with --profile: record Python frames too and "
-                   "print each function's host self time (slows the host: shares, not real times)")
     p.add_argument("--python-gc", action="store_true", help="leave Python's automatic garbage collection on in "
                    "the timed steps (default: off, a generation-1 collection before each build's block, as torchtitan "
                    "trains)")
@@ -618,8 +607,6 @@ def parse_args(argv=None):
         if not chosen or any(v not in allowed for v in chosen):
             p.error(f"--{name} {getattr(args, name)!r}: choose from {','.join(allowed)}")
         setattr(args, name, chosen)
-    if args.profile_python and not args.profile:
-        p.error("--profile-python records Python frames into the --profile traces; give --profile DIR too")
     if args.cuda_graph and "cuda_graph" not in args.modes:
         args.modes += ("cuda_graph",)
     if "cuda_graph" in args.modes and not torch.cuda.is_available():
