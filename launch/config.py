@@ -29,18 +29,6 @@ __all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "build_
 
 RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def fp8_recipe(name: str) -> Recipe | None:
-    """The FP8 recipe ``--recipe name`` runs under (None for ``none``): the step's ``fp8_autocast`` and the
-    graphs of ``--cuda-graph`` take it from here."""
-    if name not in RECIPES:
-        raise ValueError(f"recipe={name!r} must be one of {RECIPES}")
-    return {"none": None,
-            "fp8_per_tensor": PerTensorScaling(),
-            # TransformerEngine's Float8CurrentScaling accumulation: fprop without the split accumulator
-            "fp8_per_tensor_te": PerTensorScaling(fp8_gemm_fprop=MMParams(False)),
-            "fp8_blockwise": BlockwiseScaling()}[name]
 PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on CUDA, fp32 on CPU (launch/train.py: _param_dtype)
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
 
@@ -59,6 +47,18 @@ PRESETS: dict[str, dict[str, Any]] = {
                   d_ff=2048, global_batch=32, microbatches=2, lr=3e-4, warmup_steps=20),
 }
 _PRESET_FIELDS = tuple(PRESETS["tiny"])
+
+
+def fp8_recipe(name: str) -> Recipe | None:
+    """The FP8 recipe ``--recipe name`` runs under (None for ``none``): the step's ``fp8_autocast`` and the
+    graphs of ``--cuda-graph`` take it from here."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe={name!r} must be one of {RECIPES}")
+    return {"none": None,
+            "fp8_per_tensor": PerTensorScaling(),
+            # TransformerEngine's Float8CurrentScaling accumulation: fprop without the split accumulator
+            "fp8_per_tensor_te": PerTensorScaling(fp8_gemm_fprop=MMParams(False)),
+            "fp8_blockwise": BlockwiseScaling()}[name]
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:

@@ -28,9 +28,9 @@ next refresh frees, after the optimizer had moved the weights. So while the weig
 (``torch.cuda.is_current_stream_capturing``) the amax, or the grid, is computed afresh from the weight
 inside the graph (its MAX all-reduce too, where the weight is sharded), and the cache is neither read nor
 written: every replay quantizes with the amax of the weights it reads. The values are those of the eager
-path (a max is exact); a grouped layer's backward reuses its forward's amax within the graph as it does
-eagerly (``materialize_quantized_group(amax=...)``), so a replayed step reads each weight once for its
-amax, as :func:`sync_weight_amax` does in an eager step.
+path (a max is exact). A grouped layer's backward reuses its forward's amax within the graph, as it does
+eagerly (``materialize_quantized_group(amax=...)``), so the graphs read each expert weight once for its
+amax; a ``Linear``'s backward takes its weight's amax again (the attention weights: a small share).
 """
 
 from __future__ import annotations
