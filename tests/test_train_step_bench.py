@@ -63,6 +63,7 @@ def test_world_1(tmp_path):
     _check(report, stdout, 1)
     rows = [r for r in report["rows"] if r["impl"] == "torch"]
     assert all(r["torch_mode"] == "single" for r in rows)
+    assert {r["python_gc"] for r in report["rows"]} == {"off, gc.collect(1) before each block"}
     assert _comm(report, "distwgrad", "bf16")["bytes"] == 0  # one rank: nothing gathered or reduced
 
 
@@ -94,3 +95,36 @@ def test_layer_step_tiny():
     for case in ("moe E=4", "tied_embedding V=256"):
         for p in PRECISIONS:
             assert any(line.startswith(case) and f" {p} " in line for line in lines), (case, p, proc.stdout)
+
+
+@pytest.mark.parametrize("python_gc", [False, True])
+def test_timed_blocks_run_without_automatic_gc(monkeypatch, python_gc):
+    """[Note: garbage collection in the timed steps]: with automatic collection off, every build's timed block
+    runs with the collector disabled and after a generation-1 collection; ``--python-gc`` leaves it alone;
+    ``main`` gives the process its collector back."""
+    import gc
+    import types
+
+    sys.path.insert(0, os.path.join(REPO, "qa", "bench"))
+    import train_step as ts
+
+    seen, collects = [], []
+    builds = [types.SimpleNamespace(name=n, mode="eager") for n in "ab"]
+    monkeypatch.setattr(ts, "_warm_up", lambda *a: builds)
+    monkeypatch.setattr(ts, "_batches", lambda *a: [None])
+    monkeypatch.setattr(ts, "_count_comm", lambda *a: None)
+    monkeypatch.setattr(ts, "_timed_block", lambda b, batches, device: seen.append((b.name, gc.isenabled())))
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collects.append(generation))
+
+    def fake_main(args, rt):
+        ts.run_group([], None, None, rt, args, [])
+        return 0
+    monkeypatch.setattr(ts, "_main", fake_main)
+    monkeypatch.setattr(ts, "_runtime", lambda: {"device": None})
+    monkeypatch.setattr(ts.dist, "destroy_process_group", lambda: None)
+    assert gc.isenabled()
+    flags = ["--rounds", "2", "--no-record"] + (["--python-gc"] if python_gc else [])
+    assert ts.main(flags) == 0
+    assert gc.isenabled()
+    assert seen == [("a", python_gc), ("b", python_gc)] * 2
+    assert collects == ([] if python_gc else [1] * 4)

@@ -620,16 +620,19 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     rt = _runtime()
+    collecting = gc.isenabled()
+    if not args.python_gc:
+        gc.disable()  # [Note: garbage collection in the timed steps]
     try:
         return _main(args, rt)
     finally:
+        if collecting:
+            gc.enable()
         dist.destroy_process_group()
 
 
 def _main(args, rt: dict) -> int:
     name, cfg, args.batch, args.microbatches = model_config(args)
-    if not args.python_gc:
-        gc.disable()  # [Note: garbage collection in the timed steps]
     if args.batch % (rt["world"] * args.microbatches):
         raise ValueError(f"--batch {args.batch} must divide over {rt['world']} ranks x {args.microbatches} "
                          f"microbatches")
