@@ -51,18 +51,16 @@ def _find_syncs(build, tokens) -> list[str]:
         key = f"{message}: {where}"
         seen[key] = seen.get(key, 0) + 1
 
-    old = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():  # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")  # its own notice
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             build.run_step(tokens)
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-    finally:
-        warnings.showwarning = old
+    torch.cuda.synchronize()
     return [f"{n} x {k}" for k, n in seen.items()]
 
 
