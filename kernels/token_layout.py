@@ -38,13 +38,45 @@ def aligned_width(T: int, E: int, align: int) -> int:
 def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(end offsets of the aligned layout, int32; each group's [new start, size, old start - new start] as
     an int32 [3, E] table), on ``offs_E``'s device (offsets clamped into [0, T], a decreasing one gives an
-    empty group)."""
+    empty group). Computed once per offsets tensor and layout: [Note: one layout per routing]."""
+    memo = _memo(offs_E)
+    key = (T, align)
+    if memo is not None and key in memo:
+        return memo[key]
     ends = offs_E.long().clamp(0, T)
     sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
     padded = -(-sizes // align) * align
     new_ends = padded.cumsum(0)
     starts = new_ends - padded
-    return new_ends.to(torch.int32), torch.stack([starts, sizes, (ends - sizes) - starts]).to(torch.int32)
+    layout = new_ends.to(torch.int32), torch.stack([starts, sizes, (ends - sizes) - starts]).to(torch.int32)
+    if memo is not None:
+        memo[key] = layout
+    return layout
+
+
+# [Note: one layout per routing]
+# A grouped module under per-tensor FP8 needs the aligned layout of its routing six times a step: x^T of
+# fc1 and fc2 in forward, their wgrads' offsets, dy^T of both in backward. All take the same offsets
+# tensor (``splits_to_offsets`` gives fc1 and fc2 one), and the layout is a dozen small device ops: on the
+# host they cost more than the transposes they serve. So the layout is kept on the offsets tensor itself
+# (an attribute: it lives and dies with the routing, and backward's saved offsets carry it), keyed by
+# (T, align) and valid while the tensor's version is unchanged (an in-place write recomputes it). Not
+# while torch.compile traces (the ops become the graph's) or a CUDA graph captures (a capture records
+# the ops; a layout made outside it would be read from memory the graph does not own), and only for
+# plain tensors.
+_ATTR = "_distwgrad_aligned_layouts"
+
+
+def _memo(offs_E: torch.Tensor) -> dict | None:
+    if type(offs_E) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    if offs_E.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    version, memo = getattr(offs_E, _ATTR, (None, None))
+    if version != offs_E._version:
+        memo = {}
+        setattr(offs_E, _ATTR, (offs_E._version, memo))
+    return memo
 
 
 @triton.jit
@@ -80,11 +112,10 @@ def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, st
     tl.store(dst, tl.trans(tile), mask=(rows < R)[:, None] & (cols < W)[None, :])
 
 
-def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _impl(data: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, align: int) -> torch.Tensor:
     T, R = data.shape
-    E = offs_E.shape[0]
+    E = ends.shape[0]
     W = aligned_width(T, E, align)
-    ends, table = aligned_offsets(offs_E, T, align)
     out = torch.empty(R, W, dtype=data.dtype, device=data.device)
     if R:
         t = _tuning().token_layout  # output columns (token places) and rows (features) per program
@@ -92,16 +123,16 @@ def _impl(data: torch.Tensor, offs_E: torch.Tensor, align: int) -> tuple[torch.T
         _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
                                         data.stride(0), out.stride(0), E_POW2=triton.next_power_of_2(max(E, 1)),
                                         BLOCK_T=t.block_t, BLOCK_R=t.block_r, ONE_GROUP=align % t.block_t == 0)
-    return out, ends
+    return out
 
 
 _op = torch.library.custom_op("distwgrad::fp8_transpose_aligned", _impl, mutates_args=())
 
 
 @_op.register_fake
-def _(data, offs_E, align):
+def _(data, ends, table, align):
     T, R = data.shape
-    return data.new_empty(R, aligned_width(T, offs_E.shape[0], align)), offs_E.new_empty(offs_E.shape[0])
+    return data.new_empty(R, aligned_width(T, ends.shape[0], align))
 
 
 def _plain_impl(data: torch.Tensor) -> torch.Tensor:
@@ -153,4 +184,5 @@ def transpose_aligned(data: torch.Tensor, offs_E: torch.Tensor, align: int = 128
                          f"{tuple(offs_E.shape)} on {offs_E.device}")
     if not isinstance(align, int) or align <= 0 or align % 16:
         raise ValueError(f"transpose_aligned: align must be a positive multiple of 16, got {align!r}")
-    return call(torch.ops.distwgrad.fp8_transpose_aligned, _impl, data, offs_E, align)
+    ends, table = aligned_offsets(offs_E, data.shape[0], align)
+    return call(torch.ops.distwgrad.fp8_transpose_aligned, _impl, data, ends, table, align), ends

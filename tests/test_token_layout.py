@@ -57,7 +57,8 @@ def _case_interpreter() -> None:
     from distwgrad.kernels import token_layout as kt
     q = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
     offs = torch.tensor([20, 64], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.distwgrad.fp8_transpose_aligned.default, (q, offs, 128),
+    ends, table = kt.aligned_offsets(offs, 64, 128)
+    torch.library.opcheck(torch.ops.distwgrad.fp8_transpose_aligned.default, (q, ends, table, 128),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(torch.ops.distwgrad.fp8_transpose.default, (q,),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
@@ -69,6 +70,35 @@ def _case_interpreter() -> None:
                        ((q, offs, 100), "align must be a positive multiple of 16, got 100")):
         with pytest.raises(ValueError, match=match):
             kt.transpose_aligned(*bad)
+
+
+def test_layout_computed_once_per_routing():
+    """[Note: one layout per routing]: the same offsets tensor gets the same layout tensors back; another
+    (T, align) its own; an in-place write to the offsets, or a compiled trace, computes afresh."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import token_layout as kt
+    from distwgrad.fp8.quantize import quantize_per_tensor, transpose_quantized
+    from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
+
+    def reference(offs, T, align):
+        q = quantize_per_tensor(torch.zeros(T, 16), torch.float8_e4m3fn)
+        return align_token_groups(transpose_quantized(q), offs.clone(), align)[1]
+
+    offs = torch.tensor([100, 100, 350, 600, 650], dtype=torch.int32)
+    first = kt.aligned_offsets(offs, 700, 128)
+    assert kt.aligned_offsets(offs, 700, 128) is first
+    other = kt.aligned_offsets(offs, 700, 64)
+    assert other is not first and torch.equal(other[0], reference(offs, 700, 64))
+    assert kt.aligned_offsets(offs, 700, 128) is first  # both kept
+    offs[1] = 300  # an in-place write: the layouts of the old values are dropped
+    again = kt.aligned_offsets(offs, 700, 128)
+    assert again is not first and torch.equal(again[0], reference(offs, 700, 128))
+    assert not torch.equal(again[0], first[0])
+    ends, table = kt.aligned_offsets(offs.clone(), 700, 128)  # another tensor: its own layout, the same values
+    assert torch.equal(ends, again[0]) and torch.equal(table, again[1])
+    seen = []
+    traced = torch.compile(lambda o: kt.aligned_offsets(o, 700, 128)[0] + 0, backend=lambda gm, _: seen.append(gm) or gm)
+    assert torch.equal(traced(offs), again[0]) and seen, "the layout's ops are traced into the graph"
 
 
 @pytest.mark.interpret

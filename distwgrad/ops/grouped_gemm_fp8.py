@@ -80,7 +80,12 @@ def _aligned_groups(offs_E: torch.Tensor, num_tokens: int, align: int) -> tuple[
 
 def wgrad_offsets(offs_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The int32 end offsets of the aligned layout of ``num_tokens`` tokens in groups ending at ``offs_E``
-    (each group's zero padding counted in it; [Note: aligned token groups])."""
+    (each group's zero padding counted in it; [Note: aligned token groups]). On the kernels' route it is the
+    ``ends`` the operands' ``transpose_aligned`` took, computed once per routing ([Note: one layout per
+    routing] in kernels/token_layout.py)."""
+    if gg.kernels_available(offs_E):
+        from distwgrad.kernels import token_layout as kt
+        return kt.aligned_offsets(offs_E, num_tokens, ALIGN)[0]
     return _aligned_groups(offs_E, num_tokens, ALIGN)[3].to(torch.int32)
 
 
