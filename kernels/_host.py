@@ -7,7 +7,19 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["to_device", "device_table"]
+__all__ = ["to_device", "device_table", "cdiv", "next_pow2"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints for grids and shapes. Triton's ``triton.cdiv`` and ``next_power_of_2``
+    are ``constexpr_function`` objects in recent releases: about 3 µs a call from Python, and the launchers
+    take several a launch."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

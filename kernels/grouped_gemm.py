@@ -53,7 +53,7 @@ from ._dispatch import call
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_ragged import _ragged_m_kernel
 from ._grouped_wgrad import _wgrad_kernel
-from ._host import device_table
+from ._host import cdiv, device_table, next_pow2
 from ._tuning import current as _tuning
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
@@ -167,7 +167,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     stride_bk, stride_bn = (sw[2], sw[1]) if w_trans else (sw[1], sw[2])
     bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
     upcast, precision = _dot_flags(a.dtype, a.device)
-    grid = ((triton.cdiv(T, bm) + E) * triton.cdiv(N, bn),)
+    grid = ((cdiv(T, bm) + E) * cdiv(N, bn),)
     _ragged_m_kernel[grid](
         a_desc, a_half_desc, w_desc, a, w_ENK, out, bias_EN, offs_E,
         T, E, N, K, w_rows,
@@ -175,7 +175,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
         out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
         W_TRANS=w_trans, HAS_BIAS=bias_EN is not None, USE_TMA=tma, UPCAST=upcast, PRECISION=precision,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
-        BLOCK_E=max(16, triton.next_power_of_2(E)), HALF_TAIL=half_tail, WIDE_TAIL=wide_tail,
+        BLOCK_E=max(16, next_pow2(E)), HALF_TAIL=half_tail, WIDE_TAIL=wide_tail,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
@@ -270,7 +270,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                 PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
                 L2_PREFETCH=config.l2_prefetch and add_mode != 0 and not _interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages)
-    num_tiles = E * triton.cdiv(N, bm) * triton.cdiv(K, bn)
+    num_tiles = E * cdiv(N, bm) * cdiv(K, bn)
     _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
 
 

@@ -76,6 +76,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 
 from ._dispatch import call
+from ._host import cdiv, next_pow2
 from ._quantize_kernels import (
     _amax_kernel,
     _cast_per_tensor_kernel,
@@ -176,14 +177,14 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
     t = _tuning().quantize
     if amax is None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        grid = (max(1, min(triton.cdiv(n, t.per_tensor_block), t.amax_max_programs)),)
+        grid = (max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs)),)
         _amax_kernel[grid](x, amax, n, BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
     elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
         raise ValueError(f"amax must be one float32 value on {x.device}, got shape {tuple(amax.shape)}, "
                          f"{amax.dtype} on {amax.device}")
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    grid = (max(1, triton.cdiv(n, t.per_tensor_block)),)
+    grid = (max(1, cdiv(n, t.per_tensor_block)),)
     _cast_per_tensor_kernel[grid](x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=t.per_tensor_block,
                                   num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data, scale_inv
@@ -201,15 +202,15 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
                     power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=True)
     bm, bn = _check_block((block_m, block_n))
-    (M, N), grid = x.shape, (triton.cdiv(x.shape[0], bm), triton.cdiv(x.shape[1], bn))
+    (M, N), grid = x.shape, (cdiv(x.shape[0], bm), cdiv(x.shape[1], bn))
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale_inv = torch.empty(grid, dtype=torch.float32, device=x.device)
     if M * N == 0:
         return data, scale_inv
     t = _tuning().quantize
     if bm == 1:
-        tile_m = min(t.rows_tile_m, triton.next_power_of_2(M))
-        _quantize_rows_kernel[(triton.cdiv(M, tile_m), grid[1])](
+        tile_m = min(t.rows_tile_m, next_pow2(M))
+        _quantize_rows_kernel[(cdiv(M, tile_m), grid[1])](
             x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
             num_warps=t.rows_warps, **_fmt_args(dtype))
     else:
@@ -233,13 +234,13 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     _, L = _check_block((1, tile))
     M, N = x.shape
     data = torch.empty((M, N), dtype=dtype, device=x.device)
-    scale_inv = torch.empty((M, triton.cdiv(N, L)), dtype=torch.float32, device=x.device)
+    scale_inv = torch.empty((M, cdiv(N, L)), dtype=torch.float32, device=x.device)
     data_t = torch.empty((N, M), dtype=dtype, device=x.device)
-    scale_inv_t = torch.empty((N, triton.cdiv(M, L)), dtype=torch.float32, device=x.device)
+    scale_inv_t = torch.empty((N, cdiv(M, L)), dtype=torch.float32, device=x.device)
     if M * N > 0 and not (_gluon_rowcol(x, L, power_of_two)
                           and _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype)):
         t = _tuning().quantize
-        _quantize_rowcol_kernel[(triton.cdiv(M, L), triton.cdiv(N, L))](
+        _quantize_rowcol_kernel[(cdiv(M, L), cdiv(N, L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
             POW2=power_of_two, L=L, num_warps=t.rowcol_warps, maxnreg=t.rowcol_maxnreg,
             **_fmt_args(dtype))
@@ -259,7 +260,7 @@ def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool
     from .gluon import quantize_rowcol as kg
     M, N = x.shape
     try:
-        kg.rowcol_kernel[(triton.cdiv(M, kg.L), triton.cdiv(N, kg.L))](
+        kg.rowcol_kernel[(cdiv(M, kg.L), cdiv(N, kg.L))](
             x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
             NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], num_warps=kg.NUM_WARPS.value)
     except CompilationError as exc:

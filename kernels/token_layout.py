@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import call
+from ._host import cdiv, next_pow2
 from ._tuning import current as _tuning
 
 __all__ = ["transpose_aligned", "transpose", "aligned_width", "aligned_offsets"]
@@ -119,9 +120,9 @@ def _impl(data: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, align: in
     out = torch.empty(R, W, dtype=data.dtype, device=data.device)
     if R:
         t = _tuning().token_layout  # output columns (token places) and rows (features) per program
-        grid = (triton.cdiv(W, t.block_t), triton.cdiv(R, t.block_r))
+        grid = (cdiv(W, t.block_t), cdiv(R, t.block_r))
         _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
-                                        data.stride(0), out.stride(0), E_POW2=triton.next_power_of_2(max(E, 1)),
+                                        data.stride(0), out.stride(0), E_POW2=next_pow2(max(E, 1)),
                                         BLOCK_T=t.block_t, BLOCK_R=t.block_r, ONE_GROUP=align % t.block_t == 0)
     return out
 
@@ -140,7 +141,7 @@ def _plain_impl(data: torch.Tensor) -> torch.Tensor:
     out = torch.empty(R, T, dtype=data.dtype, device=data.device)
     if R and T:
         t = _tuning().token_layout
-        grid = (triton.cdiv(T, t.block_t), triton.cdiv(R, t.block_r))
+        grid = (cdiv(T, t.block_t), cdiv(R, t.block_r))
         _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), data, data, R, T, 0,
                                         data.stride(0), out.stride(0), E_POW2=1, BLOCK_T=t.block_t,
                                         BLOCK_R=t.block_r, ALIGNED=False)

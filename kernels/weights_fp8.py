@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import device_table
+from ._host import cdiv, device_table
 from ._quantize_kernels import _amax_into, _inverse, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
 from .quantize import _check_input, _fmt_args
@@ -107,7 +107,7 @@ def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, shared: Se
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
     if n:
         t = _tuning().quantize
-        chunks = max(1, min(triton.cdiv(n, t.per_tensor_block), t.amax_max_programs // E))
+        chunks = max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs // E))
         _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=t.per_tensor_block,
                                         num_warps=t.per_tensor_warps)
     if shared is not None and len(set(shared)) < E:
@@ -163,7 +163,7 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     n = N * K
     t = _tuning().quantize
     tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
-    programs = triton.cdiv(N, tile) * triton.cdiv(K, tile) if transpose else triton.cdiv(n, t.per_tensor_block)
+    programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(n, t.per_tensor_block)
     _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
                                               TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
                                               num_warps=t.per_tensor_warps, **fmt)

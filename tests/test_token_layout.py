@@ -77,6 +77,7 @@ def test_layout_computed_once_per_routing():
     (T, align) its own; an in-place write to the offsets, or a compiled trace, computes afresh."""
     pytest.importorskip("triton")
     from distwgrad.kernels import token_layout as kt
+
     from distwgrad.fp8.quantize import quantize_per_tensor, transpose_quantized
     from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
 
@@ -97,7 +98,8 @@ def test_layout_computed_once_per_routing():
     ends, table = kt.aligned_offsets(offs.clone(), 700, 128)  # another tensor: its own layout, the same values
     assert torch.equal(ends, again[0]) and torch.equal(table, again[1])
     seen = []
-    traced = torch.compile(lambda o: kt.aligned_offsets(o, 700, 128)[0] + 0, backend=lambda gm, _: seen.append(gm) or gm)
+    traced = torch.compile(lambda o: kt.aligned_offsets(o, 700, 128)[0] + 0,
+                           backend=lambda gm, _: seen.append(gm) or gm)
     assert torch.equal(traced(offs), again[0]) and seen, "the layout's ops are traced into the graph"
 
 
