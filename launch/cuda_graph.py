@@ -21,7 +21,9 @@
 * FP8. The blocks are captured under the step's recipe (``--recipe``). The weights' amaxes (per tensor)
   and block-scale grids (blockwise) are computed inside the graphs from the weights each replay reads,
   never taken from the host-side cache that ``sync_weight_amax`` refreshes for the eager parts ([Note: amax
-  under capture] in ``distwgrad/fp8/weights.py``); a block's backward reuses its forward's amax.
+  under capture] in ``distwgrad/fp8/weights.py``); a block's backward reuses its forward's amax. So the
+  per-tensor step syncs the amaxes of the eager parts' weights only (:func:`eager_modules`): the blocks'
+  would be computed and never read (a whole pass over their fp32 masters a step).
 * Refused before any process group exists (exit code 2, one line; ``launch/config.py`` and
   :func:`check_device`): a CPU device (gloo collectives and CPU kernels cannot be captured); an FP8 recipe
   at world > 1 (its graphs would all-reduce each weight's amax or grid inside every replay: an NCCL capture
@@ -47,7 +49,7 @@ from distwgrad.weights.base import DistributedParameter
 
 from .config import fp8_recipe
 
-__all__ = ["check_device", "recipe_for_graphs", "synchronous_reductions", "graph_blocks", "release"]
+__all__ = ["check_device", "recipe_for_graphs", "synchronous_reductions", "graph_blocks", "eager_modules", "release"]
 
 NUM_WARMUP_ITERS = 3  # make_graphed_callables' default
 EAGER_PARTS = ("embedding", "final rms_norm", "lm_head (tied to the embedding)", "loss")
@@ -110,6 +112,12 @@ def graph_blocks(model: MoEGPT, rows: int, *, recipe: Recipe | None = None) -> d
             "weights_made_synchronous": switched, "capture_s": seconds, "graph_bytes": pool,
             "comm_bytes": "the blocks' collectives replay inside the graphs, which skip the weights' byte "
                           "counters: bytes_*_per_step count the eager embedding and lm_head only"}
+
+
+def eager_modules(model: MoEGPT) -> tuple[nn.Module, ...]:
+    """The modules of ``model`` outside its graphed blocks (the embedding, whose weight the lm_head ties):
+    the ones whose weights' amaxes the eager step syncs ([Note: the graphed step])."""
+    return tuple(m for name, m in model.named_children() if name != "blocks")
 
 
 def release(model: MoEGPT) -> None:

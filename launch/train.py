@@ -62,6 +62,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,13 +198,16 @@ def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optim
 # --- one step --------------------------------------------------------------------------------------------
 
 def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatches: int,
-                     recipe: str = "none") -> torch.Tensor:
+                     recipe: str = "none", amax_modules: Sequence[torch.nn.Module] | None = None) -> torch.Tensor:
     """Forward and backward of every microbatch of ``tokens_BS`` (``[B, S + 1]``: inputs, then shifted
     targets), deferred wgrads drained; returns the loss (token mean, summed over microbatches), detached.
-    The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer."""
+    The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer. ``amax_modules``:
+    whose sharded weights' amaxes a per-tensor step syncs first (default: the whole model; under
+    ``--cuda-graph`` the eager parts, ``cuda_graph.eager_modules``: the graphs compute their own)."""
     total = torch.zeros((), device=tokens_BS.device)
     if recipe.startswith("fp8_per_tensor"):
-        sync_weight_amax(model)  # one amax all-reduce for every sharded weight of the step
+        # one amax all-reduce for every sharded weight of the step
+        sync_weight_amax(model if amax_modules is None else amax_modules)
     for mb in tokens_BS.chunk(microbatches):
         with _RECIPES[recipe]():
             loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches
@@ -351,6 +355,7 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
     tokens_per_step = config.global_batch * config.seq_len
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rt.rank != 0 or not config.progress, file=sys.stderr)
+    amax_modules = _graph.eager_modules(model) if config.cuda_graph else None
     for step in range(start + 1, config.steps + 1):
         progress.step = step
         local_BS = corpus.local_batch(step, config.global_batch, rt.rank, rt.world_size)
@@ -358,7 +363,7 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
             lockstep.sync(model)
         gathered0, reduced0 = _comm_bytes(model)
         t0 = time.perf_counter()
-        loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe)
+        loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe, amax_modules)
         distwgrad.finalize_model_grads([model])
         dist.all_reduce(loss, group=rt.group)
         loss = loss.item() / rt.world_size  # .item() synchronises, so the step time is real

@@ -195,6 +195,24 @@ def test_graphed_step_wiring(modelled_cuda):
         model.blocks[0](torch.zeros(2, 16, 32))
 
 
+def test_graphed_per_tensor_step_syncs_the_eager_weights_only(monkeypatch):
+    """Under --cuda-graph the blocks' graphs compute their weights' amaxes in every replay, so the step's
+    ``sync_weight_amax`` covers the eager parts only (``eager_modules``: every weight outside the blocks)."""
+    model = MoEGPT(MoEGPTConfig(seq_len=16, d_model=32, d_ff=32))
+    eager = cuda_graph.eager_modules(model)
+    ids = lambda mods: {id(p) for m in mods for p in m.parameters()}  # noqa: E731
+    assert ids(eager) | ids([model.blocks]) == ids([model]) and not ids(eager) & ids([model.blocks])
+    assert model.embedding in eager
+    synced = []
+    monkeypatch.setattr(train, "sync_weight_amax", lambda mods: synced.append(mods))
+    tokens = torch.randint(model.config.vocab_size, (2, 17))
+    train.forward_backward(model, tokens, 1, "fp8_per_tensor", eager)
+    train.forward_backward(model, tokens, 1, "fp8_per_tensor")
+    train.forward_backward(model, tokens, 1, "none", eager)
+    assert synced == [eager, model]
+    distwgrad.finalize_model_grads([model])
+
+
 # --- GPU -------------------------------------------------------------------------------------------------
 
 def _job(tmp_path, name: str, *extra: str) -> dict:

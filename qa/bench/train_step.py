@@ -246,9 +246,11 @@ def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict
     if impl == "distwgrad":
         forward_backward = _launch_train().forward_backward
         recipe = precision if precision.startswith("fp8") else "none"
+        amax_modules = (sys.modules[_launch_train().__package__ + ".cuda_graph"].eager_modules(model)
+                        if mode == "cuda_graph" else None)  # as the job does
 
         def step_fn(tok):
-            loss = forward_backward(model, tok, mb, recipe)
+            loss = forward_backward(model, tok, mb, recipe, amax_modules)
             distwgrad.finalize_model_grads([model])
             return loss
         runner = model
