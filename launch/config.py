@@ -94,6 +94,8 @@ class TrainConfig:
     warmup_steps: int | None = _opt(None, "linear learning-rate warm-up: step s trains at lr * min(1, s / N) "
                                     "(0: the constant lr)")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
+    gc_every: int = _opt(50, "Python's automatic garbage collection off while training, a generation-1 collection "
+                         "every N steps instead, as torchtitan trains (0: the automatic collector)")
     precision: str = _opt("auto", "weights' compute dtype, masters always fp32: auto is bf16 on CUDA and fp32 on "
                           "CPU", choices=PRECISIONS)
     recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision (bf16 with auto on CUDA)",
@@ -104,8 +106,8 @@ class TrainConfig:
     device: str = _opt("auto", "auto: cuda:LOCAL_RANK with NCCL if CUDA is available, else cpu with gloo",
                        choices=DEVICES)
     cuda_graph: bool = _opt(False, "replay each transformer block's forward, backward and deferred wgrads from "
-                            "CUDA graphs, the embedding, lm_head and loss eager (CUDA only; with FP8 only "
-                            "fp8_blockwise on one rank; docs/cuda_graphs.md)")
+                            "CUDA graphs, the embedding, lm_head and loss eager (CUDA only; with an FP8 recipe "
+                            "on one rank only; docs/cuda_graphs.md)")
     # output
     out: str = _opt("runs/moe_gpt", "run folder: report.json, loss.png, checkpoints/step_N")
     log_every: int = _opt(10, "log a line every N steps on rank 0 (0: never)")
@@ -125,11 +127,12 @@ class TrainConfig:
             if getattr(self, k) is None:
                 object.__setattr__(self, k, v)
         positive = {k: getattr(self, k) for k in ("steps", "global_batch", "microbatches")}
-        non_negative = {k: getattr(self, k) for k in ("log_every", "save_every", "warmup_steps", "keep_last")}
+        non_negative = {k: getattr(self, k) for k in ("log_every", "save_every", "warmup_steps", "keep_last",
+                                                       "gc_every")}
         bad = {k: v for k, v in positive.items() if not _is_int(v) or v <= 0}
         bad.update({k: v for k, v in non_negative.items() if not _is_int(v) or v < 0})
         if bad:
-            raise ValueError(f"these options must be positive (log/save intervals, warm-up, keep-last: "
+            raise ValueError(f"these options must be positive (log/save/gc intervals, warm-up, keep-last: "
                              f"non-negative) ints: {bad}")
         if self.global_batch % self.microbatches:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by "

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import json
 import logging
 import math
@@ -349,6 +350,27 @@ def _parity_result(config, rt, corpus, r: dict[str, Any], hist) -> dict[str, Any
 
 # --- the loop --------------------------------------------------------------------------------------------
 
+# [Note: garbage collection in training]
+# Python's automatic collector runs when allocations outnumber frees by a threshold, wherever in a step that
+# happens, and its full collections walk every object of the process (the model, the optimizer, compiled
+# graphs); a step of distwgrad's modules allocates many short-lived Python objects (autograd contexts,
+# per-call records). So, as torchtitan trains (its ``gc_freq``), the loop switches the automatic collector
+# off and runs a generation-1 collection every ``--gc-every`` steps, after the optimizer, inside the step's
+# timing; the collector's state is restored when training ends. ``--gc-every 0`` leaves it on.
+
+@contextlib.contextmanager
+def _collector(every: int):
+    """Automatic garbage collection off while training if ``every`` ([Note: garbage collection in training])."""
+    was = gc.isenabled()
+    if every:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus | TokenFile, start: int,
            lockstep: _Lockstep | None, progress: _Progress) -> dict[str, list]:
     hist = progress.hist
@@ -373,6 +395,8 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
             _faults.wait_for_rank0(rt.monitor, config.timeout)  # rank 0 alone ran the reference step
         t0 = time.perf_counter()
         _optimizer_step(optimizer, config.lr_at(step))
+        if config.gc_every and step % config.gc_every == 0:
+            gc.collect(1)  # [Note: garbage collection in training]
         dt += time.perf_counter() - t0
         gathered, reduced = _comm_bytes(model)
         for key, value in (("steps", step), ("loss", loss), ("step_time_s", dt),
@@ -478,7 +502,8 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
                  len(progress.graphed["graphed"]), "x".join(map(str, progress.graphed["sample_shape"])),
                  progress.graphed["capture_s"], progress.graphed["graph_bytes"] / 2**30,
                  ", ".join(progress.graphed["eager"]))
-    hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
+    with _collector(config.gc_every):
+        hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
     if config.cuda_graph:
         _graph.release(model)  # the free-running reference below may need the memory
     verdict = lockstep.verdict(model) if lockstep else None  # collective; the verdict on rank 0

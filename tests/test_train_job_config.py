@@ -171,3 +171,25 @@ def test_learning_rate_warm_up_is_a_pure_function_of_the_step():
     assert PRESETS["large"]["warmup_steps"] > 0 and PRESETS["tiny"]["warmup_steps"] == 0
     with pytest.raises(ValueError, match="warmup_steps"):
         TrainConfig(warmup_steps=-1)
+
+
+@pytest.mark.parametrize("every, collected_at", [(2, [2, 4]), (0, [])])
+def test_training_collects_garbage_every_n_steps(every, collected_at, tmp_path, monkeypatch):
+    """[Note: garbage collection in training]: with ``--gc-every N`` the automatic collector is off while the
+    loop trains and a generation-1 collection runs after the optimizer of every N-th step; the collector is
+    on again when the job returns. ``--gc-every 0`` leaves it on and collects nothing itself."""
+    import gc
+    train = _launch("train")
+    seen = []
+    monkeypatch.setattr(train.gc, "collect", lambda generation=2: seen.append((generation, gc.isenabled())))
+    original_step = train._optimizer_step
+    enabled = []
+    monkeypatch.setattr(train, "_optimizer_step", lambda *a: (enabled.append(gc.isenabled()), original_step(*a)))
+    assert gc.isenabled()
+    code = train.main(["--model", "tiny", "--steps", "5", "--device", "cpu", "--no-progress", "--gc-every",
+                       str(every), "--out", str(tmp_path / "run"), "--log-every", "0"])
+    assert code == 0 and gc.isenabled()
+    assert enabled == [every == 0] * 5
+    assert [g for g, _ in seen] == [1] * len(collected_at) and len(seen) == len(collected_at)
+    with pytest.raises(ValueError, match="gc_every"):
+        _launch("config").TrainConfig(gc_every=-1)
