@@ -72,6 +72,19 @@ def test_a_line_compares_one_process_only():
     assert "| 1,000 | 900 | 0.90x |" in report.render(full + alone)
 
 
+def test_a_later_run_of_fewer_builds_keeps_the_comparison():
+    """[Note: one process per line]: a later commit's run of distwgrad alone does not replace an earlier side by
+    side comparison of the same line; a line only that later run measured shows it."""
+    t0, t1 = "2026-02-01T00:00:00+00:00", "2026-02-03T00:00:00+00:00"
+    full = [_row(impl=i, value=v, date=t0, commit="aaaaaaa", command="full")
+            for i, v in (("distwgrad", 1000.0), ("fsdp2", 900.0))]
+    later = [_row(value=1100.0, date=t1, commit="bbbbbbb", command="alone"),
+             _row(precision="fp8_per_tensor", value=1200.0, date=t1, commit="bbbbbbb", command="alone")]
+    kept = report.current(full + later)
+    assert sorted((r["commit"], r["precision"], r["value"]) for r in kept) == [
+        ("aaaaaaa", "bf16", 900.0), ("aaaaaaa", "bf16", 1000.0), ("bbbbbbb", "fp8_per_tensor", 1200.0)]
+
+
 def test_train_step_rows_become_impl_columns_with_ratios():
     rows = [_row(impl=impl, metric=m, value=v, unit=u)
             for impl, scale in (("distwgrad", 1.0), ("fsdp2", 0.5), ("torch", 0.25))

@@ -4,7 +4,8 @@
     PYTHONPATH=. python qa/bench/report.py --check    # exit 1 when docs/benchmarks.md is stale (CI, tests)
 
 The page shows current results only: each line of a table (a case, world and precision) keeps the rows
-of its newest run (the latest ``date``; its ``commit``), from one process ([Note: one process per line]).
+of its newest run that measured the most columns (its ``date`` and ``commit``), from one process ([Note: one
+process per line]).
 Each bench is one table: one row per case, precision, world and metric, one column per ``impl`` (or per
 ``precision``, where a bench compares precisions), and the ratio of every other column to the baseline
 column (``distwgrad`` unless ``_LAYOUT`` says otherwise). Under each table: the commands, commits, dates,
@@ -98,10 +99,12 @@ def current(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
     [Note: one process per line]
     A line's cells are compared with each other (the ratio columns), and only measurements of one process
-    compare. At one commit several processes may have measured a line (the full comparison, an A/B of two
-    builds, one build's precisions), so each line keeps the rows of one command: the one that measured the
-    most columns, the newest of those. Lines are current each on its own: a newer run that measured only
-    some precisions of a case leaves the other precisions' lines at their newest run.
+    compare. Several processes may have measured a line (the full comparison, an A/B of two builds, one
+    build's precisions), so each line keeps the rows of one run (a commit and a command): the one that
+    measured the most columns, the newest of those. So a later run of distwgrad alone does not replace a
+    side-by-side comparison on the page (it is in the results file and the log). Lines are current each on
+    its own: a newer run that measured only some precisions of a case leaves the other precisions' lines
+    at their newest run.
     """
     lines: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -111,12 +114,9 @@ def current(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (bench, *_), group in lines.items():
         col = _LAYOUT.get(bench, Layout(bench)).columns
-        newest = max(r["date"] for r in group)
-        commit = next(r["commit"] for r in group if r["date"] == newest)
-        runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
         for r in group:
-            if r["commit"] == commit:
-                runs[r["command"]].append(r)
+            runs[(r["commit"], r["command"])].append(r)
         out += max(runs.values(), key=lambda rs: (len({r[col] for r in rs}), max(r["date"] for r in rs)))
     return out
 
