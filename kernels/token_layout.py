@@ -42,8 +42,9 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
     empty group). Computed once per offsets tensor and layout: [Note: one layout per routing]."""
     memo = _memo(offs_E)
     key = (T, align)
-    if memo is not None and key in memo:
-        return memo[key]
+    kept = memo.get(key) if memo is not None else None
+    if kept is not None and all(t._version == v for t, v in zip(*kept)):
+        return kept[0]
     ends = offs_E.long().clamp(0, T)
     sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
     padded = -(-sizes // align) * align
@@ -51,7 +52,7 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
     starts = new_ends - padded
     layout = new_ends.to(torch.int32), torch.stack([starts, sizes, (ends - sizes) - starts]).to(torch.int32)
     if memo is not None:
-        memo[key] = layout
+        memo[key] = (layout, tuple(t._version for t in layout))
     return layout
 
 
@@ -61,7 +62,8 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
 # tensor (``splits_to_offsets`` gives fc1 and fc2 one), and the layout is a dozen small device ops: on the
 # host they cost more than the transposes they serve. So the layout is kept on the offsets tensor itself
 # (an attribute: it lives and dies with the routing, and backward's saved offsets carry it), keyed by
-# (T, align) and valid while the tensor's version is unchanged (an in-place write recomputes it). Not
+# (T, align) and valid while neither the offsets nor the layout's own tensors were written in place (a write
+# to either recomputes it: a caller that edits the returned ends cannot corrupt the next layout). Not
 # while torch.compile traces (the ops become the graph's) or a CUDA graph captures (a capture records
 # the ops; a layout made outside it would be read from memory the graph does not own), and only for
 # plain tensors.

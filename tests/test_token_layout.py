@@ -95,6 +95,10 @@ def test_layout_computed_once_per_routing():
     again = kt.aligned_offsets(offs, 700, 128)
     assert again is not first and torch.equal(again[0], reference(offs, 700, 128))
     assert not torch.equal(again[0], first[0])
+    again[0].add_(1)  # a caller writes into the returned ends: the next call does not hand them out
+    fresh = kt.aligned_offsets(offs, 700, 128)
+    assert fresh[0] is not again[0] and torch.equal(fresh[0], reference(offs, 700, 128))
+    again = fresh
     ends, table = kt.aligned_offsets(offs.clone(), 700, 128)  # another tensor: its own layout, the same values
     assert torch.equal(ends, again[0]) and torch.equal(table, again[1])
     seen = []
