@@ -5,6 +5,8 @@
     python qa/bench/layer_step.py --tiny          # CPU smoke: tiny shapes (FP8 emulated)
     # GPU: the E=128 MoE layer eager and CUDA-graphed, bf16 and both FP8 recipes, no embedding case
     python qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph
+    # GPU: also where each case's device time goes (torch.profiler over three steps, the top kernels)
+    python qa/bench/layer_step.py --embed --profile --no-record
 
 Legend: E experts, T expert rows (token-to-expert assignments), K ``d_model``, N ``d_ff``; V vocabulary,
 D ``d_model``.
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _trace  # noqa: E402
 import results  # noqa: E402
 
 import distwgrad  # noqa: E402
@@ -112,12 +115,7 @@ def embed_problem(V: int, D: int, T: int, device: torch.device):
 
 def _timed(module: torch.nn.Module, fwd_bwd, recipe, device: torch.device, reps: int) -> float:
     def step():
-        with fp8_autocast(recipe()) if recipe is not None else torch.enable_grad():
-            fwd_bwd()
-        distwgrad.drain_deferred_wgrads(module)
-        distwgrad.finalize_model_grads([module])
-        for p in module.parameters():
-            p.grad = None
+        _step(module, fwd_bwd, recipe)
     step()
     if device.type == "cuda":
         import triton
@@ -129,6 +127,29 @@ def _timed(module: torch.nn.Module, fwd_bwd, recipe, device: torch.device, reps:
         step()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _profile(module: torch.nn.Module, fwd_bwd, recipe, case: str, precision: str, steps: int = 3) -> None:
+    """Print where ``steps`` warm steps spend device time: the top kernels and the total per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _step(module, fwd_bwd, recipe)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")) == "DeviceType.CUDA"]
+    busy_ms = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3 / steps
+    print(f"== {case} {precision}: {steps} steps, kernels {busy_ms:.3f} ms a step\n"
+          f"{_trace.op_table(prof, rows=18)}", flush=True)
+
+
+def _step(module: torch.nn.Module, fwd_bwd, recipe) -> None:
+    with fp8_autocast(recipe()) if recipe is not None else torch.enable_grad():
+        fwd_bwd()
+    distwgrad.drain_deferred_wgrads(module)
+    distwgrad.finalize_model_grads([module])
+    for p in module.parameters():
+        p.grad = None
 
 
 def bench(args, device: torch.device) -> list[dict]:
@@ -154,6 +175,8 @@ def bench(args, device: torch.device) -> list[dict]:
                                         command=prov["command"], **extra))
             print(f"  {case:45s} {precision:15s} {ms:9.3f} ms  {flops / ms / 1e9:9.3g} TFLOP/s"
                   + (f"  ({extra['vs_bf16']:.2f}x bf16)" if extra["vs_bf16"] else ""), flush=True)
+            if args.profile:
+                _profile(module, fwd_bwd, RECIPES[precision], case, precision)
             if args.cuda_graph and problem is moe_problem:
                 rows += _graphed_rows(case, shape, precision, ms, flops, device, args, prov)
         del module, fwd_bwd
@@ -199,6 +222,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20, help="CPU: timed steps; CUDA: do_bench rep = 10 x reps ms")
     p.add_argument("--cuda-graph", action="store_true", help="also time each MoE case CUDA-graphed (forward, "
                    "backward, deferred wgrads replayed by distwgrad.make_graphed_callables; CUDA only)")
+    p.add_argument("--profile", action="store_true", help="also print each case's top kernels over three steps "
+                   "(torch.profiler; CUDA only)")
     results.add_arguments(p)
     args = p.parse_args(argv)
     args.precisions = tuple(v for v in args.precisions.split(",") if v)
@@ -208,6 +233,8 @@ def main(argv=None) -> int:
     if args.cuda_graph and device.type != "cuda":
         p.error("--cuda-graph needs a CUDA device: CUDA graphs capture CUDA kernels, and CUDA is not available on "
                 "this machine")
+    if args.profile and device.type != "cuda":
+        p.error("--profile needs a CUDA device: it reports kernel times, and CUDA is not available on this machine")
     if args.moe is None:
         args.moe = TINY_MOE if args.tiny or device.type == "cpu" else MOE_SHAPES
     if args.embed is None:
