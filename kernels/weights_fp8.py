@@ -12,6 +12,16 @@ in the cast's tiles) for dgrad, handed over as one ``(data, scale_inv, amax)`` t
 ``QuantizedExperts`` (``distwgrad.ops.quantize``) and the GEMMs read in place.
 Each expert's bits are those of ``distwgrad.fp8.weights.quantize_weight`` on it alone (same amax, same
 scale arithmetic, same cast; tests/test_weights_fp8.py).
+
+[Note: aligned table entries]
+An address loaded from the table is a plain integer to Triton's compiler, which then knows nothing of its
+alignment and reads the weights one 4-byte element per instruction, where a tensor argument (specialized
+as 16-byte aligned) gets 16-byte loads: on an H200 the cast then ran at about 2.3 TB/s instead of near copy
+bandwidth, the largest non-GEMM item of a per-tensor FP8 MoE layer step (docs/benchmarks/LOG.md). When
+every address is a multiple of 16 bytes (any weight the caching allocator gave its own block; a view at an
+offset may not be), the kernels are told so (``ALIGNED``) and the loads are vectorized wherever the shapes
+allow, as for a tensor argument; otherwise they keep the element-wise loads. The arithmetic per element is
+the same either way.
 """
 
 from __future__ import annotations
@@ -33,21 +43,31 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 
 
 @triton.jit
-def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, BLOCK: tl.constexpr):
+def _expert_ptr(table_ptr, e, X_TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """Expert e's address from the table, as a pointer to X_TY. [Note: aligned table entries]"""
+    x_ptr = tl.load(table_ptr + e).to(tl.pointer_type(X_TY))
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+    return x_ptr
+
+
+@triton.jit
+def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """amax[e] = max |w_e| (+inf for a NaN or inf) over expert e's n elements, programs (chunk, e)."""
     e = tl.program_id(1)
-    x_ptr = tl.load(table_ptr + e).to(tl.pointer_type(X_TY))
+    x_ptr = _expert_ptr(table_ptr, e, X_TY, ALIGNED)
     _amax_into(x_ptr, amax_ptr + e, n, tl.program_id(0), tl.num_programs(0), BLOCK)
 
 
 @triton.jit
 def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
                        FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                       HW_CAST: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+                       HW_CAST: tl.constexpr, ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
+                       TILE: tl.constexpr):
     """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
-    x_ptr = tl.load(table_ptr + e).to(tl.pointer_type(X_TY))
+    x_ptr = _expert_ptr(table_ptr, e, X_TY, ALIGNED)
     scale = _scale_from_amax(tl.load(amax_ptr + e), NUM, False)
     q_e = q_ptr + e.to(tl.int64) * N * K
     if TRANSPOSE:
@@ -97,19 +117,27 @@ def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = N
     """fp32 ``[E]``: each weight's ``max |w|`` (+inf for a NaN or inf), in one launch; ``shared`` as in
     :func:`quantize_weights_per_tensor` (the max over the weights of one number)."""
     _check_weights(weights)
-    return _group_amax(weights, _on_device(tuple(w.data_ptr() for w in weights), weights[0].device), shared)
+    ptrs = tuple(w.data_ptr() for w in weights)
+    return _group_amax(weights, _on_device(ptrs, weights[0].device), _aligned(ptrs), shared)
 
 
-def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, shared: Sequence[int] | None) -> torch.Tensor:
-    """:func:`group_amax` of checked ``weights`` whose addresses ``table`` holds."""
+def _aligned(ptrs: tuple[int, ...]) -> bool:
+    """Whether every address is a multiple of 16 bytes. [Note: aligned table entries]"""
+    return all(p % 16 == 0 for p in ptrs)
+
+
+def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, aligned: bool,
+                shared: Sequence[int] | None) -> torch.Tensor:
+    """:func:`group_amax` of checked ``weights`` whose addresses ``table`` holds (``aligned``: all of them
+    multiples of 16 bytes)."""
     w0, E = weights[0], len(weights)
     n = w0.numel()
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
     if n:
         t = _tuning().quantize
         chunks = max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs // E))
-        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], BLOCK=t.per_tensor_block,
-                                        num_warps=t.per_tensor_warps)
+        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], ALIGNED=aligned,
+                                        BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
     if shared is not None and len(set(shared)) < E:
         if len(shared) != E:
             raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
@@ -152,9 +180,10 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     w0 = weights[0]
     E, (N, K) = len(weights), w0.shape
     fmt = _fmt_args(dtype, margin)
-    table = _on_device(tuple(w.data_ptr() for w in weights), w0.device)
+    ptrs = tuple(w.data_ptr() for w in weights)
+    table, aligned = _on_device(ptrs, w0.device), _aligned(ptrs)
     if amax is None:
-        amax = _group_amax(weights, table, shared)
+        amax = _group_amax(weights, table, aligned, shared)
     elif tuple(amax.shape) != (E,) or amax.dtype != torch.float32 or amax.device != w0.device:
         raise ValueError(f"quantize_weights_per_tensor: amax must be fp32 [{E}] on {w0.device}, got "
                          f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
@@ -165,8 +194,8 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(n, t.per_tensor_block)
     _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
-                                              TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
-                                              num_warps=t.per_tensor_warps, **fmt)
+                                              ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block,
+                                              TILE=tile, num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
 
 

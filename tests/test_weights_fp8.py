@@ -47,6 +47,17 @@ def _check(device: str) -> None:
             for e, (g, r) in enumerate(zip(experts.unbind(), ref)):
                 assert g.data.shape == (N, K) and g.scale_inv.shape == () and g.orig_dtype == dtype
                 assert _same(g.data, r.data) and _same(g.scale_inv, r.scale_inv), (E, e, transpose)
+        # the same weights 4 bytes off 16-byte alignment (views into one buffer): the kernels' unaligned
+        # loads ([Note: aligned table entries]), the bits the same
+        from distwgrad.kernels.weights_fp8 import _aligned
+        buf = torch.empty(E * N * K + 2, dtype=dtype, device=device)
+        off = 4 // buf.element_size()
+        shifted = [buf[off + e * N * K:off + (e + 1) * N * K].view(N, K).copy_(w) for e, w in enumerate(ws)]
+        assert _aligned(tuple(w.data_ptr() for w in ws)) and not _aligned(tuple(w.data_ptr() for w in shifted))
+        for transpose in (False, True):
+            got = quantize_weights_per_tensor(shifted, fp8, margin=margin, transpose=transpose)
+            for e, (g, r) in enumerate(zip(got.unbind(), ref)):
+                assert _same(g.data, r.data) and _same(g.scale_inv, r.scale_inv), ("unaligned", E, e, transpose)
         # a packed [E, N, K] parameter: its experts share one amax, as quantize_weight gives them
         packed = torch.stack([w for w in ws if bool(torch.isfinite(w).all())])  # one amax: the largest expert's
         ref = quantize_weight(packed.cpu(), recipe)
