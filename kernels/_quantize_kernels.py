@@ -140,11 +140,13 @@ def _cast_per_tensor_kernel(x_ptr, amax_ptr, q_ptr, s_inv_ptr, n, NUM: tl.conste
 
 
 @triton.jit
-def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8: tl.constexpr,
+def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, GROUP_ROWS, NUM: tl.constexpr, FP8: tl.constexpr,
                             FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                            HW_CAST: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) block per program, held in registers: amax, scale, cast."""
+                            HW_CAST: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) block per program, held in registers: amax, scale, cast. ``TRANSPOSE``: x is
+    stacked ``[GROUP_ROWS, N]`` matrices (GROUP_ROWS a multiple of BLOCK_M), each stored transposed
+    (``[N, GROUP_ROWS]``, one after another); the scale grid is x's either way."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,7 +157,13 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP
     amax = _inf_if_nan(tl.reduce(_absmax(x, 1), 0, _max_nan))
     scale = _scale_from_amax(amax, NUM, POW2)
     q = _to_fp8_bits(x.to(tl.float32) * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
-    tl.store(q_ptr + offs, q, mask=mask)
+    if TRANSPOSE:
+        g = (pid_m * BLOCK_M) // GROUP_ROWS  # the matrix this block lies in
+        rows = offs_m - g * GROUP_ROWS
+        q_g = q_ptr + g.to(tl.int64) * GROUP_ROWS * N
+        tl.store(q_g + offs_n.to(tl.int64)[:, None] * GROUP_ROWS + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    else:
+        tl.store(q_ptr + offs, q, mask=mask)
     s_inv = _inverse(scale, POW2)
     tl.store(s_inv_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, s_inv)
 

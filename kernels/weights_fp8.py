@@ -1,4 +1,5 @@
-"""Per-tensor FP8 quantization of a group of weights (the experts of a GroupedLinear) in two launches.
+"""FP8 quantization of a group of weights (the experts of a GroupedLinear) into the layout the GEMM reads:
+per tensor in two launches, blockwise (a packed ``[E, N, K]`` weight) in one.
 
 [Note: a group of weights in two launches]
 Quantized one by one, E experts cost E amax passes and E casts (five launches each with the torch amax),
@@ -33,11 +34,11 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, device_table
-from ._quantize_kernels import _amax_into, _inverse, _scale_from_amax, _to_fp8_bits
+from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
-from .quantize import _check_input, _fmt_args
+from .quantize import _check_block, _check_input, _fmt_args
 
-__all__ = ["quantize_weights_per_tensor", "group_amax"]
+__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_experts_blockwise"]
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -197,6 +198,30 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
                                               ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block,
                                               TILE=tile, num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
+
+
+def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
+                               power_of_two: bool = True, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale_inv)``: a packed ``[E, N, K]`` weight quantized in square ``block`` blocks in one launch,
+    each expert's bits those of ``distwgrad.kernels.quantize.quantize_blockwise`` on it alone (N a multiple of
+    the block side, so no block holds two experts' rows). ``data`` is the ``[E, N, K]`` float8 tensor, stored
+    as such or, with ``transpose``, as ``[E, K, N]`` (the dgrad GEMM's layout; ``data`` its ``[E, N, K]``
+    view); ``scale_inv`` the fp32 ``[E, N / B, cdiv(K, B)]`` grid, the same for both layouts (block (n, k) of
+    an expert transposed is block (k, n) of its transpose, with the same scale)."""
+    _check_input(w_ENK, two_d=False)
+    bm, bn = _check_block(block)
+    if w_ENK.dim() != 3 or bm != bn or w_ENK.shape[1] % bm:
+        raise ValueError(f"quantize_experts_blockwise: a [E, N, K] weight with N a multiple of a square block's "
+                         f"side, got shape {tuple(w_ENK.shape)} and block {tuple(block)}")
+    E, N, K = w_ENK.shape
+    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
+    grid = (E * N // bm, cdiv(K, bn))
+    s_inv = torch.empty(E, N // bm, grid[1], dtype=torch.float32, device=w_ENK.device)
+    if data.numel():
+        _quantize_blocks_kernel[grid](w_ENK, data.view(torch.uint8), s_inv, E * N, K, N, POW2=power_of_two,
+                                      TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn,
+                                      num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))
+    return data.transpose(1, 2) if transpose else data, s_inv
 
 
 def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -115,8 +115,50 @@ def _sharded_experts_match_quantize_weight(device: str = "cpu") -> None:
                        forward.scale_inv * 4)
 
 
+def _blockwise_experts(device: str) -> None:
+    """A packed weight's experts quantized blockwise in one launch (``quantize_experts_blockwise``), in the
+    forward layout and stored transposed (dgrad's), hold the bits of quantizing each expert alone with the
+    kernel (and the torch reference), whatever the block grid's edge; the module route
+    (``materialize_quantized_group(..., stacked=True)``) hands them over so for a packed ShardedWeight of one
+    rank and a plain packed parameter, and keeps the per-expert path for a packed weight whose rows straddle
+    blocks."""
+    from distwgrad import ShardedWeight
+    from distwgrad.fp8 import BlockwiseScaling, QuantizedExperts, quantize_blockwise
+    from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
+    from distwgrad.kernels.quantize import quantize_blockwise as kernel_blockwise
+    from distwgrad.ops.quantize import quantize_experts_blockwise
+    for E, N, K, B, dtype, fp8 in ((3, 64, 80, 32, torch.float32, torch.float8_e4m3fn),
+                                   (3, 128, 136, 128, torch.bfloat16, torch.float8_e5m2)):
+        w = torch.stack(_weights(E, N, K, dtype, device))  # a zero expert, a NaN, an inf
+        recipe = BlockwiseScaling(weight_block=(B, B), dtype=fp8)
+        for transpose in (False, True):
+            got = quantize_experts_blockwise(w, recipe, transpose=transpose)
+            assert isinstance(got, QuantizedExperts) and got.block == (B, B) and got.data.shape == (E, N, K)
+            assert (got.data.stride(1) == 1) is transpose and got.scale_inv.shape == (E, N // B, -(-K // B))
+            for e in range(E):
+                data, s_inv = kernel_blockwise(w[e], (B, B), fp8)
+                ref = quantize_blockwise(w[e].cpu(), (B, B), fp8)
+                assert _same(got.data[e], data) and _same(got.scale_inv[e], s_inv), (E, e, transpose)
+                assert _same(got.data[e], ref.data) and _same(got.scale_inv[e], ref.scale_inv), (E, e, transpose)
+    recipe = BlockwiseScaling(weight_block=(32, 32))
+    torch.manual_seed(0)
+    full = torch.randn(3, 64, 48, device=device)
+    for w in (ShardedWeight.from_full(full.clone(), param_dtype=torch.bfloat16), torch.nn.Parameter(full.clone())):
+        ref = materialize_quantized(w, recipe, backward=False)
+        for backward in (False, True):
+            q = materialize_quantized_group([w], recipe, backward=backward, stacked=True)
+            assert isinstance(q, QuantizedExperts) and (q.data.stride(1) == 1) is backward
+            assert all(_same(g.data, r.data) and _same(g.scale_inv, r.scale_inv) for g, r in zip(q.unbind(), ref))
+    odd = torch.nn.Parameter(torch.randn(3, 40, 48, device=device))  # 40 rows: a block would hold two experts
+    assert isinstance(materialize_quantized_group([odd], recipe, backward=False, stacked=True), list)
+    with pytest.raises(ValueError, match=r"N a multiple of a square block's side, got shape \(3, 40, 48\) and "
+                                         r"block \(32, 32\)"):
+        quantize_experts_blockwise(odd.detach(), recipe)
+
+
 def _case_interpreter() -> None:
     _check("cpu")
+    _blockwise_experts("cpu")
     _module_reuses_forward_amax()
     _sharded_experts_match_quantize_weight()
     from distwgrad.ops.quantize import quantize_weights_per_tensor
@@ -148,6 +190,7 @@ def test_quantize_weights_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_quantize_weights_gpu():
     _check("cuda")
+    _blockwise_experts("cuda")
     _sharded_experts_match_quantize_weight("cuda")
 
 
@@ -178,7 +221,13 @@ def test_quantized_experts():
     assert got.stride(1) == 1 and torch.equal(got.float(), data.float())     # copied into dgrad's layout
     act, _ = gg8.quantize_operand(torch.randn(4, 10), PerTensorScaling(), grad=False)
     assert gg8.fp8_kernels_accept([act], experts) is gg8.gg.kernels_available(act.data)
-    with pytest.raises(ValueError, match=r"data must be \[E, N, K\] and scale_inv \[E\], got \(3, 6, 10\) and \(2,\)"):
+    with pytest.raises(ValueError, match=r"data \(3, 6, 10\) with block None needs scale_inv \[3\], got \(2,\)"):
         QuantizedExperts(data, scales[:2], torch.float32)
+    with pytest.raises(ValueError, match=r"with block \(4, 4\) needs scale_inv \[3, 2, 3\], got \(3,\)"):
+        QuantizedExperts(data, scales, torch.float32, None, (4, 4))
+    with pytest.raises(ValueError, match=r"block must be None or a square \(B, B\), got \(4, 8\)"):
+        QuantizedExperts(data, scales, torch.float32, None, (4, 8))
+    with pytest.raises(ValueError, match=r"data must be \[E, N, K\], got \(6, 10\)"):
+        QuantizedExperts(data[0], scales, torch.float32)
     with pytest.raises(ValueError, match="scale_inv must be float32"):
         QuantizedExperts(data, scales.double(), torch.float32)

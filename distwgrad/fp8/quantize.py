@@ -253,27 +253,41 @@ def _expanded_scale_inv(q: Quantized) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedExperts:
-    """E ``[N, K]`` weights each quantized per tensor, stacked: what a grouped GEMM reads, without one
-    ``Quantized`` object per expert (at E=128 those objects cost more host time than the GEMMs take).
+    """E ``[N, K]`` weights each quantized per tensor or in square blocks, stacked: what a grouped GEMM reads,
+    without one ``Quantized`` object per expert (at E=128 those objects cost more host time than the GEMMs
+    take) and without stacking copies.
 
     Attributes:
         data: float8 ``[E, N, K]``, any strides (a GEMM that needs another layout copies).
-        scale_inv: fp32 ``[E]``, expert e's ``dequantize`` factor.
+        scale_inv: fp32 ``[E]`` (per tensor: expert e's ``dequantize`` factor) or, with ``block`` ``(B, B)``,
+            ``[E, cdiv(N, B), cdiv(K, B)]`` (expert e's block grid, as ``Quantized.scale_inv``).
         orig_dtype: dtype of the weights that were quantized.
-        amax: fp32 ``[E]``, the amaxes the scales came from (a later quantization of the same, unchanged
-            weights may start from them), or None.
+        amax: fp32 ``[E]``, the amaxes the per-tensor scales came from (a later quantization of the same,
+            unchanged weights may start from them), or None.
+        block: None (per tensor) or the square weight block ``(B, B)``.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     orig_dtype: torch.dtype
     amax: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         fp8_format(self.data.dtype)
-        if self.data.dim() != 3 or tuple(self.scale_inv.shape) != (self.data.shape[0],):
-            raise ValueError(f"QuantizedExperts: data must be [E, N, K] and scale_inv [E], got "
-                             f"{tuple(self.data.shape)} and {tuple(self.scale_inv.shape)}")
+        if self.data.dim() != 3:
+            raise ValueError(f"QuantizedExperts: data must be [E, N, K], got {tuple(self.data.shape)}")
+        E, N, K = self.data.shape
+        if self.block is None:
+            grid = (E,)
+        elif (len(self.block) != 2 or self.block[0] != self.block[1] or not all(isinstance(b, int) and b > 0
+                                                                                for b in self.block)):
+            raise ValueError(f"QuantizedExperts.block must be None or a square (B, B), got {self.block!r}")
+        else:
+            grid = (E, -(-N // self.block[0]), -(-K // self.block[1]))
+        if tuple(self.scale_inv.shape) != grid:
+            raise ValueError(f"QuantizedExperts: data {tuple(self.data.shape)} with block {self.block} needs "
+                             f"scale_inv {list(grid)}, got {tuple(self.scale_inv.shape)}")
         if self.scale_inv.dtype != torch.float32:
             raise ValueError(f"QuantizedExperts.scale_inv must be float32, got {self.scale_inv.dtype}")
 
@@ -282,7 +296,7 @@ class QuantizedExperts:
 
     def unbind(self) -> list[Quantized]:
         """One ``Quantized`` per expert (views)."""
-        return [Quantized(d, s, None, self.orig_dtype, d.shape) for d, s in zip(self.data, self.scale_inv)]
+        return [Quantized(d, s, self.block, self.orig_dtype, d.shape) for d, s in zip(self.data, self.scale_inv)]
 
 
 def dequantize(q: Quantized, *, dtype: torch.dtype | None = None) -> torch.Tensor:

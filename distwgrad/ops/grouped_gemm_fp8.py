@@ -16,7 +16,7 @@ unpack each ``Quantized`` into its data, its scales and the recipe's block L). E
 it reaches the kernels; emulation is exact fp32 either way.
 
 ``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``)
-or, per-tensor, one ``QuantizedExperts`` (``materialize_quantized_group(..., stacked=True)``).
+or one ``QuantizedExperts`` (``materialize_quantized_group(..., stacked=True)``).
 A fresh wgrad is in ``out_dtype`` (fp32 by default; the kernels round their fp32 accumulator to bf16 or fp16
 in the epilogue, so a module without ``main_grad`` writes its gradient once); with ``out`` (fp32 ``[E, N, K]``
 or a list of E ``[N, K]``) the product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
@@ -148,7 +148,7 @@ def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] | 
         return False
     want = (L, L) if L else None
     if isinstance(w_qs, QuantizedExperts):
-        return want is None
+        return w_qs.block == want
     return all(q.block == want and len(q.shape) == 2 for q in w_qs)
 
 
@@ -185,8 +185,10 @@ def align_token_groups(q_t: Quantized, offs_E: torch.Tensor, align: int = 128) -
 
 
 def _emulated_weights(w_qs: Sequence[Quantized] | QuantizedExperts) -> torch.Tensor:
-    if isinstance(w_qs, QuantizedExperts):  # fp32(data) * scale_inv, as dequantize per expert
+    if isinstance(w_qs, QuantizedExperts) and w_qs.block is None:  # fp32(data) * scale_inv, as dequantize
         return w_qs.data.float() * w_qs.scale_inv[:, None, None]
+    if isinstance(w_qs, QuantizedExperts):
+        w_qs = w_qs.unbind()
     return dequantize_weights(list(w_qs), packed=True)
 
 
@@ -279,6 +281,8 @@ def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"{op}: w_qs[{i}] has block {q.block} and shape {tuple(q.shape)}; with "
                              f"{'per-tensor' if not block else f'1x{block}'} activations every expert must be a "
                              f"2-D weight quantized {'per tensor' if not block else f'in {block}x{block} blocks'}")
+    if len(w_qs) == 1:  # one weight (a Linear's): a one-expert view, no copy
+        return w_qs[0].data.unsqueeze(0), w_qs[0].scale_inv.unsqueeze(0)
     return torch.stack([q.data for q in w_qs]), torch.stack([q.scale_inv for q in w_qs])
 
 

@@ -18,7 +18,7 @@ from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise",
-           "quantize_weights_per_tensor", "quantize_weights_alike"]
+           "quantize_weights_per_tensor", "quantize_weights_alike", "quantize_experts_blockwise"]
 
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
@@ -86,3 +86,15 @@ def quantize_weights_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, 
         return None
     data, scale_inv, amax = got
     return QuantizedExperts(data, scale_inv, weights[0].dtype, amax)
+
+
+def quantize_experts_blockwise(w_ENK: torch.Tensor, recipe: BlockwiseScaling, *, transpose: bool = False
+                               ) -> QuantizedExperts:
+    """``distwgrad.kernels.weights_fp8.quantize_experts_blockwise`` (a packed ``[E, N, K]`` weight in the
+    recipe's square blocks, one launch, stored ``[E, K, N]`` with ``transpose``) as one ``QuantizedExperts``:
+    each expert's bits those of ``quantize_blockwise`` on it alone."""
+    from distwgrad.kernels import weights_fp8 as kw
+    fp8_format(recipe.dtype)
+    data, scale_inv = kw.quantize_experts_blockwise(w_ENK, recipe.weight_block, recipe.dtype,
+                                                    power_of_two=recipe.power_of_two, transpose=transpose)
+    return QuantizedExperts(data, scale_inv, w_ENK.dtype, None, tuple(recipe.weight_block))

@@ -58,7 +58,8 @@ def variants() -> dict[str, tuple]:
         "rowcol w4": (kq._quantize_rowcol_kernel, rowcol, 4, None, 128 * 128),
         "rows 1x128, 32 rows w4": (kq._quantize_rows_kernel, dict(_E4M3, POW2=True, TILE_M=32, L=128), 4, None,
                                    32 * 128),
-        "blocks 128x128 w8": (kq._quantize_blocks_kernel, dict(_E4M3, POW2=True, BLOCK_M=128, BLOCK_N=128), 8, None,
+        "blocks 128x128 w8": (kq._quantize_blocks_kernel, dict(_E4M3, POW2=True, TRANSPOSE=False, BLOCK_M=128,
+                                                                 BLOCK_N=128), 8, None,
                               128 * 128),
     }
 
