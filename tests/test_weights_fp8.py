@@ -122,10 +122,11 @@ def _blockwise_experts(device: str) -> None:
     (``materialize_quantized_group(..., stacked=True)``) hands them over so for a packed ShardedWeight of one
     rank and a plain packed parameter, and keeps the per-expert path for a packed weight whose rows straddle
     blocks."""
-    from distwgrad import ShardedWeight
-    from distwgrad.fp8 import BlockwiseScaling, QuantizedExperts, quantize_blockwise
-    from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
     from distwgrad.kernels.quantize import quantize_blockwise as kernel_blockwise
+
+    from distwgrad import ShardedWeight
+    from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, QuantizedExperts, quantize_blockwise
+    from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
     from distwgrad.ops.quantize import quantize_experts_blockwise
     for E, N, K, B, dtype, fp8 in ((3, 64, 80, 32, torch.float32, torch.float8_e4m3fn),
                                    (3, 128, 136, 128, torch.bfloat16, torch.float8_e5m2)):
@@ -149,6 +150,13 @@ def _blockwise_experts(device: str) -> None:
             q = materialize_quantized_group([w], recipe, backward=backward, stacked=True)
             assert isinstance(q, QuantizedExperts) and (q.data.stride(1) == 1) is backward
             assert all(_same(g.data, r.data) and _same(g.scale_inv, r.scale_inv) for g, r in zip(q.unbind(), ref))
+    # a Linear's matrix ShardedWeight of one rank, both recipes: handed over in dgrad's layout, same bits
+    for r in (recipe, PerTensorScaling()):
+        w = ShardedWeight.from_full(full[0].clone(), param_dtype=torch.bfloat16)
+        ref = materialize_quantized(w, r, backward=True)
+        q = materialize_quantized_group([w], r, backward=True, stacked=True)
+        assert isinstance(q, QuantizedExperts) and q.data.shape == (1, 64, 48) and q.data.stride(1) == 1, r
+        assert _same(q.data[0], ref[0].data) and _same(q.scale_inv[0], ref[0].scale_inv), r
     odd = torch.nn.Parameter(torch.randn(3, 40, 48, device=device))  # 40 rows: a block would hold two experts
     assert isinstance(materialize_quantized_group([odd], recipe, backward=False, stacked=True), list)
     with pytest.raises(ValueError, match=r"N a multiple of a square block's side, got shape \(3, 40, 48\) and "

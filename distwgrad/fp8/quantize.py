@@ -278,6 +278,7 @@ class QuantizedExperts:
         if self.data.dim() != 3:
             raise ValueError(f"QuantizedExperts: data must be [E, N, K], got {tuple(self.data.shape)}")
         E, N, K = self.data.shape
+        grid: tuple[int, ...]
         if self.block is None:
             grid = (E,)
         elif (len(self.block) != 2 or self.block[0] != self.block[1] or not all(isinstance(b, int) and b > 0

@@ -277,15 +277,19 @@ def _plain(weight: torch.Tensor) -> bool:
     return not isinstance(weight, DistributedParameter) and not is_distributed_weight(weight)
 
 
-def _whole_experts(w: torch.Tensor, recipe: BlockwiseScaling) -> bool:
-    """Whether ``w`` is a packed ``[E, N, K]`` weight held whole here (plain, or a ShardedWeight of one rank),
-    contiguous, N a multiple of the block side, on the kernels and not under torch.compile tracing: then
-    its experts quantize blockwise in one launch straight into the layout their GEMM reads, as
-    ``quantize_weight`` quantizes them (the same kernel arithmetic, per block)."""
+def _held_whole(w: torch.Tensor) -> bool:
+    """Whether ``w`` is held whole here (plain, or a ShardedWeight of one rank), contiguous, on the kernels,
+    and not under torch.compile tracing (the group kernels read the weights' addresses)."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     whole = _plain(w) or (isinstance(w, ShardedWeight) and len(w.shard_rows) == 1)
-    return (whole and w.dim() == 3 and w.shape[1] % recipe.weight_block[0] == 0 and w.is_contiguous()
-            and gg.kernels_available(w) and not torch.compiler.is_compiling())
+    return whole and w.is_contiguous() and gg.kernels_available(w) and not torch.compiler.is_compiling()
+
+
+def _whole_experts(w: torch.Tensor, recipe: BlockwiseScaling) -> bool:
+    """Whether ``w`` is a matrix or a packed ``[E, N, K]`` weight held whole here (``_held_whole``), N a
+    multiple of the block side: then it quantizes blockwise in one launch straight into the layout its GEMM
+    reads, as ``quantize_weight`` quantizes it (the same kernel arithmetic, per block)."""
+    return w.dim() in (2, 3) and w.shape[-2] % recipe.weight_block[0] == 0 and _held_whole(w)
 
 
 def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
@@ -296,9 +300,11 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
     buffer in the layout of the GEMM that reads them (``backward``: dgrad's, each expert transposed;
     [Note: a group of weights in two launches] in ``kernels/weights_fp8.py``): the same bits. (Not while
     torch.compile traces: that launch reads the weights' addresses.) ``stacked``: those come as one
-    ``QuantizedExperts`` (no per-expert objects, its ``amax`` kept), and so does one packed weight held
-    whole here under blockwise scaling (``_whole_experts``: one launch, in the GEMM's layout); the others
-    are a list as always.
+    ``QuantizedExperts`` (no per-expert objects, its ``amax`` kept), and so does one weight held whole
+    here (``_held_whole``) under blockwise scaling (a packed one or a matrix: one launch, in the GEMM's
+    layout) or, a matrix ShardedWeight, under per-tensor scaling (with its global amax); the others are a
+    list as always. (So a Linear's dgrad reads its weight in place, stored transposed, where a stack of
+    one transposed matrix would copy it.)
     ``amax``: the weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
     ``amax``; the caller checks their ``_version``s), for plain weights and a packed sharded one: backward
     skips that pass (and, under a CUDA graph, computes no second amax: [Note: amax under capture])."""
@@ -308,7 +314,16 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
         return _sharded_experts(weights[0], recipe, backward=backward, amax=amax)
     if stacked and isinstance(recipe, BlockwiseScaling) and len(weights) == 1 and _whole_experts(weights[0], recipe):
         from distwgrad.ops.quantize import quantize_experts_blockwise
-        return quantize_experts_blockwise(weights[0].detach(), recipe, transpose=backward)
+        local = weights[0].detach()
+        return quantize_experts_blockwise(local if local.dim() == 3 else local[None], recipe, transpose=backward)
+    if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
+            and _held_whole(weights[0]) and weights[0].dim() == 2):
+        from distwgrad.ops.quantize import quantize_weights_alike
+        w = weights[0]
+        experts = quantize_weights_alike([w.detach()], recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
+                                         amax=_global_amax(w).reshape(1) if amax is None else amax)
+        if experts is not None:
+            return experts
     if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
         if all(w.dim() == 2 for w in weights):  # one matrix per weight (the kernels read only their addresses)

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.fp8.emulate import dequantize_weights
-from distwgrad.fp8.quantize import Quantized, dequantize
+from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
-from distwgrad.fp8.weights import materialize_quantized
+from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
 from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm_fp8 as gg8
@@ -84,12 +84,13 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     if recipe is None:
         (w_NK,) = materialize_weight_for_backward([weight])
         return dy_TN.mm(w_NK)
-    # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision.
-    w_qs = materialize_quantized(weight, recipe, backward=True)
+    # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision; held
+    # whole here, it is quantized straight into dgrad's layout (materialize_quantized_group).
+    w_qs = materialize_quantized_group([weight], recipe, backward=True, stacked=True)
     if gg8.fp8_kernels_accept([dy_q], w_qs):
         return gg8.grouped_dgrad_fp8(dy_q, w_qs, _one_group(dy_TN), dy_TN.dtype,
                                      split_accumulator=split_accumulator(recipe, "dgrad"))
-    w_NK = dequantize_weights(w_qs, packed=False)
+    w_NK = dequantize_weights(w_qs.unbind() if isinstance(w_qs, QuantizedExperts) else w_qs, packed=False)
     return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
 

@@ -97,4 +97,5 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, recipe: BlockwiseScaling, *,
     fp8_format(recipe.dtype)
     data, scale_inv = kw.quantize_experts_blockwise(w_ENK, recipe.weight_block, recipe.dtype,
                                                     power_of_two=recipe.power_of_two, transpose=transpose)
-    return QuantizedExperts(data, scale_inv, w_ENK.dtype, None, tuple(recipe.weight_block))
+    bm, bn = recipe.weight_block
+    return QuantizedExperts(data, scale_inv, w_ENK.dtype, None, (bm, bn))
