@@ -47,6 +47,8 @@ CASES = [
     ("KRN-087", lambda: token_layout.transpose_aligned(torch.zeros(4, 4, dtype=F8),
                                                        torch.tensor([4], dtype=torch.int32), align=24),
      ValueError, "got 24"),
+    ("KRN-103", lambda: weights_fp8.quantize_experts_blockwise(torch.ones(2, 40, 48), (32, 32), F8), ValueError,
+     r"N a multiple of a square block's side, got shape \(2, 40, 48\) and block \(32, 32\)"),
     ("KRN-088", lambda: weights_fp8.quantize_weights_per_tensor([], F8), ValueError, "no weights"),
     ("KRN-089", lambda: weights_fp8.quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(2, 4)], F8),
      ValueError, r"weights\[1\]"),
