@@ -66,6 +66,7 @@ Partial edge blocks are masked: masked lanes load 0 and are never stored.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -155,19 +156,34 @@ def _check_block(block: tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
-    """(largest finite value, explicit mantissa bits, exponent of the smallest normal) of a float8 dtype:
-    448, 3, -6 for E4M3FN and 57344, 2, -14 for E5M2 (``torch.finfo``)."""
-    if dtype not in _TL_FP8:
-        raise ValueError(f"the fp8 quantize kernels write float8_e4m3fn or float8_e5m2, got {dtype!r}")
+def _format_of(dtype: torch.dtype) -> tuple[float, int, int]:
     info = torch.finfo(dtype)
     return info.max, -round(math.log2(info.eps)), round(math.log2(info.tiny))
 
 
+# (taken once: every quantize call reads them, and torch.finfo costs microseconds of host time a call)
+_FORMATS = {dtype: _format_of(dtype) for dtype in _TL_FP8}
+
+
+def _fp8_format(dtype: torch.dtype) -> tuple[float, int, int]:
+    """(largest finite value, explicit mantissa bits, exponent of the smallest normal) of a float8 dtype:
+    448, 3, -6 for E4M3FN and 57344, 2, -14 for E5M2 (``torch.finfo``)."""
+    fmt = _FORMATS.get(dtype) if isinstance(dtype, torch.dtype) else None
+    if fmt is None:
+        raise ValueError(f"the fp8 quantize kernels write float8_e4m3fn or float8_e5m2, got {dtype!r}")
+    return fmt
+
+
 def _fmt_args(dtype: torch.dtype, margin: int = 0) -> dict:
+    """The kernels' format constexprs for ``dtype`` and ``margin`` (a shared dict: spread it, never edit it)."""
+    return _fmt_args_of(dtype, margin, not _interpreting())
+
+
+@functools.lru_cache(maxsize=64)
+def _fmt_args_of(dtype: torch.dtype, margin: int, hw_cast: bool) -> dict:
     fp8_max, mantissa_bits, min_normal_exp = _fp8_format(dtype)
     return dict(NUM=fp8_max * 2.0**-margin, FP8=_TL_FP8[dtype], FP8_MAX=fp8_max, MANT=mantissa_bits,
-                EMIN_BIASED=min_normal_exp + 127, HW_CAST=not _interpreting())
+                EMIN_BIASED=min_normal_exp + 127, HW_CAST=hw_cast)
 
 
 def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,

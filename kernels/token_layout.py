@@ -19,6 +19,8 @@ last group, and its end offsets count each group's padding. ``distwgrad.ops.grou
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -45,15 +47,55 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
     kept = memo.get(key) if memo is not None else None
     if kept is not None and all(t._version == v for t, v in zip(*kept)):
         return kept[0]
+    layout = _layout_kernel_call(offs_E, T, align) if _on_kernel(offs_E) else _layout_torch(offs_E, T, align)
+    if memo is not None:
+        memo[key] = (layout, tuple(t._version for t in layout))
+    return layout
+
+
+def _layout_torch(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`aligned_offsets`' layout in torch operations (what a torch.compile trace records, and the CPU's)."""
     ends = offs_E.long().clamp(0, T)
     sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
     padded = -(-sizes // align) * align
     new_ends = padded.cumsum(0)
     starts = new_ends - padded
-    layout = new_ends.to(torch.int32), torch.stack([starts, sizes, (ends - sizes) - starts]).to(torch.int32)
-    if memo is not None:
-        memo[key] = (layout, tuple(t._version for t in layout))
-    return layout
+    return new_ends.to(torch.int32), torch.stack([starts, sizes, (ends - sizes) - starts]).to(torch.int32)
+
+
+def _on_kernel(offs_E: torch.Tensor) -> bool:
+    """Whether the layout comes from :func:`_layout_kernel` (one launch where ``_layout_torch`` issues a dozen
+    small operations, each a launch and host time, once per routing): a plain tensor on CUDA (or the CPU under
+    TRITON_INTERPRET=1), not while torch.compile traces (the torch operations then belong in the graph)."""
+    if type(offs_E) is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    return offs_E.is_cuda or (offs_E.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _layout_kernel(offs_ptr, ends_ptr, table_ptr, E, T, align, BLOCK: tl.constexpr):
+    """``_layout_torch`` in one program of BLOCK >= E lanes, the same integer arithmetic (int64)."""
+    i = tl.arange(0, BLOCK)
+    inside = i < E
+    ends = tl.minimum(tl.maximum(tl.load(offs_ptr + i, mask=inside, other=0).to(tl.int64), 0), T)
+    prev = tl.load(offs_ptr + i - 1, mask=inside & (i > 0), other=0).to(tl.int64)
+    sizes = tl.maximum(ends - tl.minimum(tl.maximum(prev, 0), T), 0)
+    padded = (sizes + align - 1) // align * align
+    new_ends = tl.cumsum(padded, 0)
+    starts = new_ends - padded
+    tl.store(ends_ptr + i, new_ends.to(tl.int32), mask=inside)
+    tl.store(table_ptr + i, starts.to(tl.int32), mask=inside)
+    tl.store(table_ptr + E + i, sizes.to(tl.int32), mask=inside)
+    tl.store(table_ptr + 2 * E + i, ((ends - sizes) - starts).to(tl.int32), mask=inside)
+
+
+def _layout_kernel_call(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    E = offs_E.shape[0]
+    ends = torch.empty(E, dtype=torch.int32, device=offs_E.device)
+    table = torch.empty(3, E, dtype=torch.int32, device=offs_E.device)
+    if E:
+        _layout_kernel[(1,)](offs_E, ends, table, E, T, align, BLOCK=next_pow2(E))
+    return ends, table
 
 
 # [Note: one layout per routing]

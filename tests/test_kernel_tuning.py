@@ -80,7 +80,7 @@ MODULE_CONSTANTS = {
     "_quantize_kernels.py": ["_FLT_MAX", "_FLT_MIN_NORMAL", "_INF"],
     "_tuning.py": ["_CLASSES", "_FAMILIES", "_WARPS"],
     "grouped_gemm.py": ["_ADD_MODES", "_GLUON_FAILED"],
-    "quantize.py": ["SWEEP", "_GLUON_FAILED", "_INPUT_DTYPES", "_TL_FP8"],
+    "quantize.py": ["SWEEP", "_FORMATS", "_GLUON_FAILED", "_INPUT_DTYPES", "_TL_FP8"],
     "token_layout.py": ["_ATTR"],
     "weights_fp8.py": ["_TL"],
     "gluon/__init__.py": ["AVAILABLE", "REINTERPRET", "WS_PAIRS", "_GL_DTYPES"],

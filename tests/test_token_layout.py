@@ -52,8 +52,24 @@ def _check_cases(device: str) -> None:
             assert torch.equal(ends.cpu(), ref_ends), (T, R, offs, align)
 
 
+def _layout_kernel_matches_torch(device: str) -> None:
+    """The layout kernel (one launch) gives ``_layout_torch``'s values, whatever the offsets: unsorted,
+    negative or past T, int32 or int64, one group, none, 1000 groups."""
+    from distwgrad.kernels import token_layout as kt
+    gen = torch.Generator().manual_seed(5)
+    cases = [([100, 50, 350, -3, 900], 700), ([7], 7), ([], 10), ([0, 0, 5], 0),
+             (torch.randint(-20, 1100, (1000,), generator=gen).tolist(), 1000)]
+    for (offs, T), dtype in zip(cases, [torch.int32, torch.int64] * len(cases)):
+        for align in (16, 128):
+            offs_E = torch.tensor(offs, dtype=dtype)
+            assert kt._on_kernel(offs_E.to(device))
+            got, want = kt._layout_kernel_call(offs_E.to(device), T, align), kt._layout_torch(offs_E, T, align)
+            assert all(g.dtype == torch.int32 and torch.equal(g.cpu(), w) for g, w in zip(got, want)), (offs, T, align)
+
+
 def _case_interpreter() -> None:
     _check_cases("cpu")
+    _layout_kernel_matches_torch("cpu")
     from distwgrad.kernels import token_layout as kt
     q = torch.zeros(64, 32, dtype=torch.float8_e4m3fn)
     offs = torch.tensor([20, 64], dtype=torch.int32)
@@ -105,6 +121,7 @@ def test_layout_computed_once_per_routing():
     traced = torch.compile(lambda o: kt.aligned_offsets(o, 700, 128)[0] + 0,
                            backend=lambda gm, _: seen.append(gm) or gm)
     assert torch.equal(traced(offs), again[0]) and seen, "the layout's ops are traced into the graph"
+    assert not kt._on_kernel(offs) or os.environ.get("TRITON_INTERPRET") == "1"  # the CPU: torch's operations
 
 
 @pytest.mark.interpret
@@ -118,6 +135,7 @@ def test_transpose_aligned_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_transpose_aligned_gpu():
     _check_cases("cuda")
+    _layout_kernel_matches_torch("cuda")
 
 
 if __name__ == "__main__":  # child of test_transpose_aligned_interpreted
