@@ -38,7 +38,7 @@ from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _s
 from ._tuning import current as _tuning
 from .quantize import _check_block, _check_input, _fmt_args
 
-__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_experts_blockwise"]
+__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_packed_per_tensor", "quantize_experts_blockwise"]
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -64,12 +64,17 @@ def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, ALIGNED: tl.c
 def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
                        FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                        HW_CAST: tl.constexpr, ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
-                       TILE: tl.constexpr):
-    """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE."""
+                       TILE: tl.constexpr, PACKED: tl.constexpr = False):
+    """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE. PACKED:
+    ``table_ptr`` is the packed ``[E, N, K]`` weight itself and every expert's scale comes from amax[0]."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
-    x_ptr = _expert_ptr(table_ptr, e, X_TY, ALIGNED)
-    scale = _scale_from_amax(tl.load(amax_ptr + e), NUM, False)
+    if PACKED:
+        x_ptr = table_ptr + e.to(tl.int64) * N * K
+        scale = _scale_from_amax(tl.load(amax_ptr), NUM, False)
+    else:
+        x_ptr = _expert_ptr(table_ptr, e, X_TY, ALIGNED)
+        scale = _scale_from_amax(tl.load(amax_ptr + e), NUM, False)
     q_e = q_ptr + e.to(tl.int64) * N * K
     if TRANSPOSE:
         tiles_k = tl.cdiv(K, TILE)
@@ -198,6 +203,32 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
                                               ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block,
                                               TILE=tile, num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
+
+
+def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, *, margin: int = 0,
+                               transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale_inv)``: a packed ``[E, N, K]`` weight (contiguous) quantized per tensor with its one
+    ``amax`` (fp32, one element: the whole weight's, as ``quantize_weight`` scales a packed weight) in one
+    launch, into the layout of :func:`quantize_weights_per_tensor` (``transpose``: stored ``[E, K, N]``);
+    each expert's bits those of that function given the amax per expert. The experts are addressed from
+    the weight itself: no per-expert views, no address table, no per-expert amax copy (host time a call)."""
+    _check_input(w_ENK, two_d=False)
+    if w_ENK.dim() != 3:
+        raise ValueError(f"quantize_packed_per_tensor: a packed [E, N, K] weight, got shape {tuple(w_ENK.shape)}")
+    if amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != w_ENK.device:
+        raise ValueError(f"quantize_packed_per_tensor: amax must be one fp32 value on {w_ENK.device}, got "
+                         f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
+    E, N, K = w_ENK.shape
+    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
+    s_inv = torch.empty(E, dtype=torch.float32, device=w_ENK.device)
+    t = _tuning().quantize
+    tile = t.weights_tile
+    programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
+    if E:
+        _cast_group_kernel[(max(programs, 1), E)](w_ENK, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w_ENK.dtype],
+                                          ALIGNED=True, TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
+                                          PACKED=True, num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
+    return data.transpose(1, 2) if transpose else data, s_inv
 
 
 def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,

@@ -58,6 +58,17 @@ def _check(device: str) -> None:
             got = quantize_weights_per_tensor(shifted, fp8, margin=margin, transpose=transpose)
             for e, (g, r) in enumerate(zip(got.unbind(), ref)):
                 assert _same(g.data, r.data) and _same(g.scale_inv, r.scale_inv), ("unaligned", E, e, transpose)
+        # the same weights packed into one [E, N, K] tensor with one amax, quantized from the tensor itself
+        # (quantize_packed_per_tensor): the bits of the table-driven launch given that amax per expert
+        from distwgrad.kernels.weights_fp8 import quantize_packed_per_tensor
+        packed_all = torch.stack(ws)
+        one = torch.tensor([3.0], device=device)
+        for transpose in (False, True):
+            want = quantize_weights_per_tensor(list(packed_all.unbind(0)), fp8, margin=margin, transpose=transpose,
+                                               amax=one.expand(E).contiguous())
+            data, s_inv = quantize_packed_per_tensor(packed_all, fp8, one, margin=margin, transpose=transpose)
+            assert data.shape == (E, N, K) and (data.stride(1) == 1) is transpose
+            assert _same(data, want.data) and _same(s_inv, want.scale_inv), ("packed", E, transpose)
         # a packed [E, N, K] parameter: its experts share one amax, as quantize_weight gives them
         packed = torch.stack([w for w in ws if bool(torch.isfinite(w).all())])  # one amax: the largest expert's
         ref = quantize_weight(packed.cpu(), recipe)

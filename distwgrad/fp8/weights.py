@@ -208,7 +208,7 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
     reads (``backward``: dgrad's, each expert transposed), then one all-gather of the FP8 bytes. Every
     expert shares the one amax, as :func:`quantize_weight` gives them: the same bits as that path.
     ``amax``: the ``QuantizedExperts.amax`` of an earlier call on the unchanged weight (else its global amax)."""
-    from distwgrad.ops.quantize import quantize_weights_alike  # late: distwgrad.ops imports this package
+    from distwgrad.ops.quantize import quantize_packed_per_tensor  # late: distwgrad.ops imports this package
 
     local = w.detach()
     E_local, N, K = local.shape
@@ -216,9 +216,7 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
     amax = _global_amax(w).reshape(1) if amax is None else amax[:1]
     size = len(w.shard_rows)
     if E_local:
-        q = quantize_weights_alike(list(local.unbind(0)), recipe.fwd_dtype, margin=recipe.margin,
-                                   transpose=backward, amax=amax.expand(E_local).contiguous())
-        assert q is not None, "a contiguous shard's experts are alike"
+        q = quantize_packed_per_tensor(local, recipe.fwd_dtype, amax, margin=recipe.margin, transpose=backward)
         if size == 1:
             return q
         stored = q.data.transpose(1, 2) if backward else q.data  # the contiguous storage

@@ -18,7 +18,8 @@ from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise",
-           "quantize_weights_per_tensor", "quantize_weights_alike", "quantize_experts_blockwise"]
+           "quantize_weights_per_tensor", "quantize_weights_alike", "quantize_packed_per_tensor",
+           "quantize_experts_blockwise"]
 
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
@@ -86,6 +87,17 @@ def quantize_weights_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, 
         return None
     data, scale_inv, amax = got
     return QuantizedExperts(data, scale_inv, weights[0].dtype, amax)
+
+
+def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, *, margin: int = 0,
+                               transpose: bool = False) -> QuantizedExperts:
+    """``distwgrad.kernels.weights_fp8.quantize_packed_per_tensor`` (a packed ``[E, N, K]`` weight quantized per
+    tensor with its one amax, in one launch; stored ``[E, K, N]`` with ``transpose``) as one
+    ``QuantizedExperts``, its ``amax`` the one value for every expert."""
+    from distwgrad.kernels import weights_fp8 as kw
+    fp8_format(dtype)
+    data, scale_inv = kw.quantize_packed_per_tensor(w_ENK, dtype, amax, margin=margin, transpose=transpose)
+    return QuantizedExperts(data, scale_inv, w_ENK.dtype, amax.reshape(1).expand(w_ENK.shape[0]))
 
 
 def quantize_experts_blockwise(w_ENK: torch.Tensor, recipe: BlockwiseScaling, *, transpose: bool = False
