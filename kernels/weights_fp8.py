@@ -225,9 +225,10 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
     tile = t.weights_tile
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
     if E:
-        _cast_group_kernel[(max(programs, 1), E)](w_ENK, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w_ENK.dtype],
-                                          ALIGNED=True, TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
-                                          PACKED=True, num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
+        _cast_group_kernel[(max(programs, 1), E)](w_ENK, amax, data.view(torch.uint8), s_inv, N, K,
+                                                  X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
+                                                  BLOCK=t.per_tensor_block, TILE=tile, PACKED=True,
+                                                  num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data.transpose(1, 2) if transpose else data, s_inv
 
 
