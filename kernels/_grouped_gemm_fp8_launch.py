@@ -232,10 +232,12 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
 
 
 def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, use_tma=None, out=None,
-           split_accumulator: bool = True, gluon: bool | None = None):
-    """``out``: a preallocated [T, N] output in ``out_dtype`` (tests poison it), else a fresh one."""
-    _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
-    _check_split("grouped_fprop_fp8", block, split_accumulator)
+           split_accumulator: bool = True, gluon: bool | None = None, checked: bool = False):
+    """``out``: a preallocated [T, N] output in ``out_dtype`` (tests poison it), else a fresh one.
+    ``checked``: the public function checked the arguments already (each check once a call)."""
+    if not checked:
+        _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
+        _check_split("grouped_fprop_fp8", block, split_accumulator)
     _check_runnable("grouped_fprop_fp8", x)
     y = torch.empty(x.shape[0], w.shape[1], dtype=out_dtype, device=x.device) if out is None else out
     return _launch_ragged(x, x_s, w.transpose(1, 2), w_s.transpose(1, 2) if block else w_s, offs_E, bias_EN, y,
@@ -244,9 +246,10 @@ def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, us
 
 
 def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=None, out=None,
-           split_accumulator: bool = True, gluon: bool | None = None):
-    _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
-    _check_split("grouped_dgrad_fp8", block, split_accumulator)
+           split_accumulator: bool = True, gluon: bool | None = None, checked: bool = False):
+    if not checked:
+        _check_ragged("grouped_dgrad_fp8", dy, dy_s, w, w_s, offs_E, block, out_dtype)
+        _check_split("grouped_dgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_dgrad_fp8", dy)
     dx = torch.empty(dy.shape[0], w.shape[2], dtype=out_dtype, device=dy.device) if out is None else out
     return _launch_ragged(dy, dy_s, w, w_s, offs_E, None, dx, block=block, op="grouped_dgrad_fp8",
@@ -254,9 +257,10 @@ def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=N
 
 
 def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, out_dtype: torch.dtype = torch.float32, config=None,
-           use_tma=None, split_accumulator: bool = True, gluon: bool | None = None):
-    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype)
-    _check_split("grouped_wgrad_fp8", block, split_accumulator)
+           use_tma=None, split_accumulator: bool = True, gluon: bool | None = None, checked: bool = False):
+    if not checked:
+        _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype)
+        _check_split("grouped_wgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_wgrad_fp8", dy_t)
     kw = dict(block=block, config=config, use_tma=use_tma, split_acc=split_accumulator, gluon=gluon)
     args = (dy_t, dy_s, x_t, x_s, offs_E)

@@ -192,6 +192,30 @@ def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumu
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
 
 
+# What the public functions below run in plain eager mode, after checking their arguments once ([Note: custom
+# op bypass]); the ops' own implementations above check, for whoever calls an op directly.
+
+
+def _fprop_checked(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype, split_accumulator):
+    return _fprop(x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN, block, out_dtype,
+                  split_accumulator=split_accumulator, checked=True)
+
+
+def _dgrad_checked(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, split_accumulator):
+    return _dgrad(dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, split_accumulator=split_accumulator,
+                  checked=True)
+
+
+def _wgrad_checked(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out_dtype, split_accumulator):
+    return _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out_dtype=out_dtype,
+                  split_accumulator=split_accumulator, checked=True)
+
+
+def _wgrad_acc_checked(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator,
+           checked=True)
+
+
 def grouped_fprop_fp8(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
                       offs_E: torch.Tensor, bias_EN: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.bfloat16, *, block: int,
@@ -216,8 +240,8 @@ def grouped_fprop_fp8(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tenso
     """
     _check_ragged("grouped_fprop_fp8", x, x_scale_inv, w, w_scale_inv, offs_E, block, out_dtype, bias_EN)
     _check_split("grouped_fprop_fp8", block, split_accumulator)
-    return call(torch.ops.distwgrad.grouped_fprop_fp8, _fprop_impl, x, x_scale_inv, w, w_scale_inv, offs_E, bias_EN,
-                block, out_dtype, split_accumulator)
+    return call(torch.ops.distwgrad.grouped_fprop_fp8, _fprop_checked, x, x_scale_inv, w, w_scale_inv, offs_E,
+                bias_EN, block, out_dtype, split_accumulator)
 
 
 def grouped_dgrad_fp8(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
@@ -228,8 +252,8 @@ def grouped_dgrad_fp8(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Ten
     N-contiguous layout reads fastest), ``block`` and ``split_accumulator`` as there."""
     _check_ragged("grouped_dgrad_fp8", dy, dy_scale_inv, w, w_scale_inv, offs_E, block, out_dtype)
     _check_split("grouped_dgrad_fp8", block, split_accumulator)
-    return call(torch.ops.distwgrad.grouped_dgrad_fp8, _dgrad_impl, dy, dy_scale_inv, w, w_scale_inv, offs_E, block,
-                out_dtype, split_accumulator)
+    return call(torch.ops.distwgrad.grouped_dgrad_fp8, _dgrad_checked, dy, dy_scale_inv, w, w_scale_inv, offs_E,
+                block, out_dtype, split_accumulator)
 
 
 def grouped_wgrad_fp8(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
@@ -263,11 +287,11 @@ def grouped_wgrad_fp8(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: tor
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
     ops, split = torch.ops.distwgrad, split_accumulator
     if out is None:
-        return call(ops.grouped_wgrad_fp8, _wgrad_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out_dtype, split)
+        return call(ops.grouped_wgrad_fp8, _wgrad_checked, dy_t, dy_s, x_t, x_s, offs_E, block, out_dtype, split)
     if isinstance(out, torch.Tensor):
-        call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_impl, dy_t, dy_s, x_t, x_s, offs_E, block, out, split,
+        call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_checked, dy_t, dy_s, x_t, x_s, offs_E, block, out, split,
              mutated=(6,))
     else:
-        call(ops.grouped_wgrad_fp8_accumulate_list, _wgrad_acc_list_impl, dy_t, dy_s, x_t, x_s, offs_E, block,
+        call(ops.grouped_wgrad_fp8_accumulate_list, _wgrad_acc_checked, dy_t, dy_s, x_t, x_s, offs_E, block,
              list(out), split, mutated=(6,))
     return out
