@@ -43,10 +43,11 @@ _TABLES: collections.OrderedDict = collections.OrderedDict()
 _TABLES_MAX = 4096
 
 
-def device_table(values: tuple[int, ...], device: torch.device, op: str) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, made once and kept ([Note: device tables]); ``op`` names
-    the caller in the error a first use inside a CUDA graph capture raises."""
-    key = (str(device), values)
+def device_table(values: tuple[int, ...], device: torch.device, op: str, dtype: torch.dtype = torch.int64
+                 ) -> torch.Tensor:
+    """``values`` as a ``dtype`` (int64) tensor on ``device``, made once and kept ([Note: device tables]);
+    ``op`` names the caller in the error a first use inside a CUDA graph capture raises."""
+    key = (str(device), dtype, values)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
@@ -54,7 +55,7 @@ def device_table(values: tuple[int, ...], device: torch.device, op: str) -> torc
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{op}: first use of this table of {len(values)} values inside a CUDA graph capture; "
                            f"call once before capturing (a warm-up, as Triton's compile needs)")
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()
     _TABLES[key] = (host, host.to(device, non_blocking=True))

@@ -68,24 +68,17 @@ def _one_group(t_TX: torch.Tensor) -> torch.Tensor:
     """Offsets of one group holding every token: Linear on the grouped FP8 kernels (no host sync).
 
     [Note: one-group offsets]
-    Each FP8 Linear call takes them three times a step (fprop, dgrad, wgrad), and a new one-element
-    tensor is an allocation and a fill kernel (about 15 µs of host time on a GPU; a host-bound FP8 step
-    spent 1.2 ms a step here). So they are kept per (device, tokens), handed out while unwritten
-    (``_version`` 0), at most 64 of them; not while torch.compile traces (the op belongs in the graph) or
-    a CUDA graph captures (the graph would read memory it does not own), and only for a plain tensor."""
+    Each FP8 Linear call takes them three times a step (fprop, dgrad, wgrad), and a new one-element tensor
+    is an allocation and a fill kernel (about 15 µs of host time on a GPU; a host-bound FP8 step spent 1.2
+    ms a step here). So they are a device table, made once per (device, tokens) and kept ([Note: device
+    tables] in ``kernels/_host.py``); not while torch.compile traces (the op belongs in the graph) or a CUDA
+    graph captures (a first use there could not copy), and only for a plain tensor."""
     T, device = t_TX.shape[0], t_TX.device
     if (type(t_TX) is not torch.Tensor or torch.compiler.is_compiling()
             or (t_TX.is_cuda and torch.cuda.is_current_stream_capturing())):
         return torch.full((1,), T, dtype=torch.int32, device=device)
-    offs = _ONE_GROUP.get((device, T))
-    if offs is None or offs._version:
-        if len(_ONE_GROUP) >= 64:
-            _ONE_GROUP.clear()
-        offs = _ONE_GROUP[device, T] = torch.full((1,), T, dtype=torch.int32, device=device)
-    return offs
-
-
-_ONE_GROUP: dict[tuple[torch.device, int], torch.Tensor] = {}
+    from distwgrad.kernels._host import device_table  # (torch only)
+    return device_table((T,), device, "Linear's one-group offsets", dtype=torch.int32)
 
 
 def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe) -> torch.Tensor:
