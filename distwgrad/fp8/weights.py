@@ -315,13 +315,12 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
         local = weights[0].detach()
         return quantize_experts_blockwise(local if local.dim() == 3 else local[None], recipe, transpose=backward)
     if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
-            and _held_whole(weights[0]) and weights[0].dim() == 2):
-        from distwgrad.ops.quantize import quantize_weights_alike
+            and weights[0].dim() == 2 and _held_whole(weights[0])):  # a matrix as one expert, from itself
+        from distwgrad.ops.quantize import quantize_packed_per_tensor
         w = weights[0]
-        experts = quantize_weights_alike([w.detach()], recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
-                                         amax=_global_amax(w).reshape(1) if amax is None else amax)
-        if experts is not None:
-            return experts
+        return quantize_packed_per_tensor(w.detach()[None], recipe.fwd_dtype,
+                                          _global_amax(w).reshape(1) if amax is None else amax[:1],
+                                          margin=recipe.margin, transpose=backward)
     if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
         if all(w.dim() == 2 for w in weights):  # one matrix per weight (the kernels read only their addresses)
