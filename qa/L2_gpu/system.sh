@@ -9,6 +9,8 @@
 #   bash qa/L2_gpu/system.sh                       # every step
 #   STEPS="job_bf16 bench_bf16" bash qa/L2_gpu/system.sh
 #   STEPS="graph_tests job_graph bench_graph layer_graph" bash qa/L2_gpu/system.sh   # the graphed step
+#   STEPS="fp8_tests bench_fp8" FP8_MODES=eager,compiled bash qa/L2_gpu/system.sh   # FP8: tests, then each
+#                                             # precision's step in a process of its own
 #   STEPS=host_fp8 bash qa/L2_gpu/system.sh   # (not in the default) where the FP8 step's host time goes
 #                                             # (qa/bench/host_sample.py; needs py-spy, e.g. carried in .whl/)
 #
@@ -23,7 +25,7 @@ OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_system}}
 mkdir -p "$OUT_DIR"
 case $OUT_DIR in /*) OUT_ABS=$OUT_DIR ;; *) OUT_ABS=$PWD/$OUT_DIR ;; esac
 export DISTWGRAD_RESULTS=${DISTWGRAD_RESULTS:-$OUT_ABS/results.jsonl}
-STEPS=${STEPS:-"job_bf16 job_fp8 tests dtype_paths bench_bf16 bench_fp8 layer graph_tests job_graph bench_graph layer_graph"}
+STEPS=${STEPS:-"job_bf16 job_fp8 tests fp8_tests dtype_paths bench_bf16 bench_fp8 layer graph_tests job_graph bench_graph layer_graph"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
 if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1
@@ -32,8 +34,10 @@ python3 -c "import distwgrad.kernels" || { echo "distwgrad.kernels does not impo
 LOG="$OUT_DIR/system.log"
 : >"$LOG"
 declare -A RESULT
+ORDER=()
 run() {
   local name=$1; shift
+  ORDER+=("$name")
   echo "== $name: $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$STEP_TIMEOUT" "$@" >>"$LOG" 2>&1
@@ -52,9 +56,14 @@ for step in $STEPS; do
     dtype_paths) run dtype_paths python3 qa/bench/dtype_paths.py ;;
     bench_bf16) run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                   --batch 8 --microbatches 1 --precisions bf16 --warmup 2 --rounds 3 --steps 3 ${BENCH_ARGS:-} ;;
-    bench_fp8) run bench_fp8 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
-                 --batch 8 --microbatches 1 --impls distwgrad --precisions bf16,fp8_per_tensor,fp8_blockwise \
-                 --modes eager --warmup 2 --rounds 3 --steps 3 ${FP8_ARGS:-} ;;
+    bench_fp8)  # one build a process: a host-bound FP8 build runs slower beside other builds (LOG.md)
+      for p in ${FP8_PRECISIONS:-bf16 fp8_per_tensor fp8_blockwise}; do
+        run "bench_fp8_$p" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
+          --batch 8 --microbatches 1 --impls distwgrad --precisions "$p" --modes ${FP8_MODES:-eager} \
+          --warmup 2 --rounds 3 --steps 3 ${FP8_ARGS:-}
+      done ;;
+    fp8_tests) run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu ${FP8_TESTS:-tests/test_weights_fp8.py \
+                 tests/test_fp8_gemm_dispatch.py tests/test_token_layout.py tests/test_fp8_capture.py} ;;
     host_fp8) run host_fp8 python3 qa/bench/host_sample.py --model large --batch 8 --microbatches 1 \
                 --precisions ${HOST_PRECISIONS:-fp8_per_tensor} --modes eager --warmup 3 --seconds 15 \
                 --stacks "$OUT_ABS/host_stacks.txt" ;;
@@ -66,8 +75,8 @@ for step in $STEPS; do
                    --batch 8 --microbatches 1 --precisions ${GRAPH_PRECISIONS:-bf16} --modes eager \
                    --cuda-graph --warmup 2 --rounds 3 --steps 3 ${GRAPH_ARGS:-} ;;
     layer_graph) run layer_graph python3 qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph ;;
-    *) echo "unknown step $step" | tee -a "$LOG"; RESULT[$step]="unknown" ;;
+    *) echo "unknown step $step" | tee -a "$LOG"; RESULT[$step]="unknown"; ORDER+=("$step") ;;
   esac
 done
 echo "== summary" | tee -a "$LOG"
-for step in $STEPS; do echo "$step: ${RESULT[$step]:-not run}" | tee -a "$LOG"; done
+for step in "${ORDER[@]}"; do echo "$step: ${RESULT[$step]}" | tee -a "$LOG"; done
