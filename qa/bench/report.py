@@ -67,6 +67,9 @@ _LAYOUT = {
                          off_page=("large b8x2048 compiled, two builds",)),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",)),
+    "loss_curve": Layout("The job's loss curves: an FP8 run's distance from bf16's, bf16's from fp32's "
+                         "([Note: the FP8 loss bound] in `qa/bench/loss_curves.py`: within the bound at <= 2.00x)",
+                         columns="precision", baseline="bf16", metrics=("distance",)),
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
     "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",)),
     "dtype_paths": Layout("Grouped GEMM by dtype: distwgrad's route against torch's (TFLOP/s, host time included)",
@@ -79,7 +82,7 @@ _LAYOUT = {
                                only=(("impl", ("distwgrad", "distwgrad_wT", "distwgrad_aligned",
                                                "distwgrad_bf16out")),)),
     "fp8_module": Layout("FP8 GroupedLinear steps (ms per step)", columns="precision", baseline="bf16",
-                         only=(("impl", ("distwgrad",)),)),
+                         only=(("impl", ("distwgrad",)),), on_page=False),  # the layer step supersedes it
     "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16",
                               on_page=False),
     "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone"),
@@ -87,7 +90,7 @@ _LAYOUT = {
     "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
                             only=(("precision", ("fp8_per_tensor",)),), on_page=False),
 }
-_ORDER = ("train_step", "layer_step", "train_job", "grouped_gemm", "dtype_paths", "grouped_gemm_tails",
+_ORDER = ("train_step", "layer_step", "loss_curve", "train_job", "grouped_gemm", "dtype_paths", "grouped_gemm_tails",
           "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose", "step_phases")
 _KEY = ("case", "impl", "precision", "world", "metric")
 
