@@ -9,8 +9,8 @@
 #   bash qa/L2_gpu/system.sh                       # every step
 #   STEPS="job_bf16 bench_bf16" bash qa/L2_gpu/system.sh
 #   STEPS="graph_tests job_graph bench_graph layer_graph" bash qa/L2_gpu/system.sh   # the graphed step
-#   STEPS="fp8_tests bench_fp8" FP8_MODES=eager,compiled bash qa/L2_gpu/system.sh   # FP8: tests, then each
-#                                             # precision's step in a process of its own
+#   STEPS="fp8_tests bench_fp8" bash qa/L2_gpu/system.sh   # FP8: tests, then each precision's eager step in
+#                                             # a process of its own (FP8_MODES=compiled: the compiled ones)
 #   STEPS=host_fp8 bash qa/L2_gpu/system.sh   # (not in the default) where the FP8 step's host time goes
 #                                             # (qa/bench/host_sample.py; needs py-spy, e.g. carried in .whl/)
 #
