@@ -4,13 +4,11 @@ fp32 run's, the FP8 bound of twice bf16's distance from fp32, and runs that cann
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "qa" / "bench"))
-import loss_curves as lc  # noqa: E402
+from qa.bench import loss_curves as lc
 
 CONFIG = {"model": "tiny", "seed": 0, "steps": 4, "lr": 0.01, "precision": "fp32", "recipe": "none", "out": "x"}
 

@@ -28,8 +28,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402
+if __package__ in (None, ""):  # run as a script: put the repository root on the path for ``qa.bench``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from qa.bench import results  # noqa: E402
 
 WINDOW = 20
 # what may differ between the compared runs; every other config field must agree
