@@ -105,7 +105,9 @@ def test_timed_blocks_run_without_automatic_gc(monkeypatch, python_gc):
     import gc
     import types
 
-    sys.path.insert(0, os.path.join(REPO, "qa", "bench"))
+    # the bench puts qa/bench on sys.path as it imports: restored after this test (its grouped_gemm.py would
+    # shadow the grouped_gemm package that megatron-core imports in later tests)
+    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])
     import train_step as ts
 
     seen, collects = [], []
