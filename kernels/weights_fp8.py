@@ -1,5 +1,6 @@
 """FP8 quantization of a group of weights (the experts of a GroupedLinear) into the layout the GEMM reads:
-per tensor in two launches, blockwise (a packed ``[E, N, K]`` weight) in one.
+per tensor in two launches (one for a packed ``[E, N, K]`` weight whose amax the caller has), blockwise (a
+packed weight) in one.
 
 [Note: a group of weights in two launches]
 Quantized one by one, E experts cost E amax passes and E casts (five launches each with the torch amax),
