@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PER_STEP", "measure_peak_flops", "peak_memory", "earlier_history", "summary", "plot"]
+__all__ = ["PER_STEP", "device_name", "triton_version", "measure_peak_flops", "peak_memory", "earlier_history",
+           "summary", "plot"]
 
 log = logging.getLogger("distwgrad.train")
 
@@ -28,6 +29,20 @@ log = logging.getLogger("distwgrad.train")
 PER_STEP = ("steps", "loss", "step_time_s", "tokens_per_s", "bytes_all_gathered_per_step",
             "bytes_reduce_scattered_per_step")
 _PEAK_N, _PEAK_ITERS = 8192, 20  # one 8192^3 bf16 GEMM is 1.1 TFLOP: 20 take ~30 ms on an H200
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (``torch.cuda.get_device_name``), or ``cpu``: what ran, readable where it did not."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def triton_version() -> str | None:
+    """Triton's version, or None where it is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def measure_peak_flops(device: torch.device) -> float | None:

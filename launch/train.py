@@ -444,7 +444,8 @@ def _report(config: TrainConfig, rt: _Runtime, progress: _Progress, parity: dict
                "resumed_from": config.resume, "wall_time_s": wall}
     report = {
         "config": config.to_dict(), "world_size": rt.world_size, "device": str(rt.device),
-        "backend": rt.backend, "torch": torch.__version__, "precision": rt.precision, "start_step": start,
+        "device_name": _out.device_name(rt.device), "backend": rt.backend, "torch": torch.__version__,
+        "triton": _out.triton_version(), "precision": rt.precision, "start_step": start,
         **{k: earlier.get(k, []) + ours[k] for k in _out.PER_STEP},
         "tokens_per_s_mean": sum(rates) / len(rates) if rates else None,
         "comm_bytes_note": "per rank, summed over distinct weights: all-gather output and reduce-scatter "

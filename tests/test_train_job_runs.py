@@ -21,6 +21,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import triton
 from train_job_cases import CONFIG, LOSS_ATOL, SMALL, _launch, _ok, _report, _run, _token_file
 
 from distwgrad.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
@@ -72,7 +73,8 @@ def test_fp8_recipes_train_with_lockstep_parity(recipe, tmp_path):
 def test_report_plot_and_counters(base_run):
     out, proc = base_run
     r = _report(out)
-    assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu"
+    assert r["world_size"] == 2 and r["backend"] == "gloo" and r["device"] == "cpu" and r["device_name"] == "cpu"
+    assert r["torch"] == torch.__version__ and r["triton"] == triton.__version__
     assert r["config"]["steps"] == STEPS and r["config"]["recipe"] == "none"
     assert len(r["tokens_per_s"]) == STEPS and r["tokens_per_s_mean"] > 0 and r["wall_time_s"] > 0
     assert r["peak_memory"]["source"].startswith("resource.getrusage")

@@ -82,10 +82,28 @@ def load_runs(dirs: list[str]) -> dict[str, dict]:
     return runs
 
 
+def above(a: list[float], b: list[float], scale: list[float], window: int = WINDOW) -> float:
+    """How far a's trailing mean rose above b's at most, over ``scale``'s trailing mean (negative: a was below b
+    at every step). Printed beside the distance, which counts a run below its reference as much as one above."""
+    return max((x - y) / abs(z) for x, y, z in zip(trailing_means(a, window), trailing_means(b, window),
+                                                  trailing_means(scale, window)))
+
+
+def first_steps(runs: dict[str, dict], steps: int | None) -> dict[str, dict]:
+    """Each run's losses cut to its first ``steps`` (all of them for None): a run stopped early is compared over
+    the steps every run trained."""
+    if steps is None:
+        return runs
+    short = {name: len(run["loss"]) for name, run in runs.items() if len(run["loss"]) < steps}
+    if short:
+        raise ValueError(f"loss_curves: steps={steps} but these runs trained fewer: {short}")
+    return {name: {**run, "loss": run["loss"][:steps]} for name, run in runs.items()}
+
+
 def compare(runs: dict[str, dict], window: int = WINDOW) -> list[dict]:
     """One record per run but fp32: its distance from its reference (bf16 from fp32, FP8 from bf16), the bound on
-    that distance (bf16's: none; FP8's: 2 d(bf16, fp32)), whether it is within (None for bf16), and its
-    distance from fp32."""
+    that distance (bf16's: none; FP8's: 2 d(bf16, fp32)), whether it is within (None for bf16), how far it rose
+    above its reference at most (``above``), and its distance from fp32."""
     fp32 = runs["fp32"]["loss"]
     base = distance(runs["bf16"]["loss"], fp32, fp32, window)
     out = []
@@ -97,9 +115,17 @@ def compare(runs: dict[str, dict], window: int = WINDOW) -> list[dict]:
         bound = None if name == "bf16" else 2 * base
         out.append({"precision": name, "reference": ref, "distance": d, "bound": bound,
                     "within": None if bound is None else d <= bound,
+                    "above": above(run["loss"], runs[ref]["loss"], fp32, window),
                     "from_fp32": distance(run["loss"], fp32, fp32, window),
                     "final_mean": trailing_means(run["loss"], window)[-1]})
     return out
+
+
+def _provenance(run: dict) -> dict:
+    """Where the runs ran, from their report (the job's ``device_name``; reports written before it had only the
+    device, ``cuda:0``), so that the rows name the machine of the runs, not of this comparison."""
+    return {"device": run.get("device_name", run["device"]), "torch": run.get("torch"),
+            "triton": run.get("triton")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,30 +134,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="run folders of distwgrad.launch.train (--out), one fp32 and one bf16 "
                    "among them")
     p.add_argument("--window", type=int, default=WINDOW, help="steps in each trailing mean")
+    p.add_argument("--steps", type=int, default=None, help="compare the first N steps of every run (default: all; "
+                   "for a run stopped early)")
     results.add_arguments(p)
     args = p.parse_args(argv)
     if args.window < 1:
         p.error(f"--window must be >= 1, got {args.window}")
-    runs = load_runs(args.runs)
+    if args.steps is not None and args.steps < args.window:
+        p.error(f"--steps must be >= --window ({args.window}), got {args.steps}")
+    runs = first_steps(load_runs(args.runs), args.steps)
     records = compare(runs, args.window)
     cfg = runs["fp32"]["config"]
     case = f"{cfg['model']} {len(runs['fp32']['loss'])} steps seed {cfg['seed']}"
     base = next(r["distance"] for r in records if r["precision"] == "bf16")
     print(f"{case}: distance = largest difference of {args.window}-step trailing mean losses over fp32's; "
           f"d(bf16, fp32) = {base:.4f}, so an FP8 run's bound from bf16 is {2 * base:.4f}")
-    print(f"{'run':16s} {'vs':5s} {'distance':>9s} {'bound':>7s} {'from fp32':>10s} {'final mean':>11s}  within")
+    print(f"{'run':16s} {'vs':5s} {'distance':>9s} {'bound':>7s} {'above':>8s} {'from fp32':>10s} "
+          f"{'final mean':>11s}  within")
     for r in records:
         bound = "-" if r["bound"] is None else f"{r['bound']:.4f}"
-        print(f"{r['precision']:16s} {r['reference']:5s} {r['distance']:9.4f} {bound:>7s} {r['from_fp32']:10.4f} "
-              f"{r['final_mean']:11.4f}  {'-' if r['within'] is None else 'yes' if r['within'] else 'NO'}")
+        print(f"{r['precision']:16s} {r['reference']:5s} {r['distance']:9.4f} {bound:>7s} {r['above']:8.4f} "
+              f"{r['from_fp32']:10.4f} {r['final_mean']:11.4f}  "
+              f"{'-' if r['within'] is None else 'yes' if r['within'] else 'NO'}")
     fp32_final = trailing_means(runs["fp32"]["loss"], args.window)[-1]
-    print(f"{'fp32':16s} {'':5s} {'':9s} {'':7s} {0.0:10.4f} {fp32_final:11.4f}")
-    device = runs["fp32"]["device"]
-    rows = [results.row(bench="loss_curve", case=case, impl="distwgrad", precision=r["precision"],
-                        world=int(runs["fp32"]["world_size"]), metric="distance", value=r["distance"],
-                        unit="relative", device=None if str(device).startswith("cpu") else device,
-                        reference=r["reference"], bound=r["bound"], within=r["within"], from_fp32=r["from_fp32"],
-                        window=args.window)
+    print(f"{'fp32':16s} {'':5s} {'':9s} {'':7s} {'':8s} {0.0:10.4f} {fp32_final:11.4f}")
+    rows = [{**results.row(bench="loss_curve", case=case, impl="distwgrad", precision=r["precision"],
+                           world=int(runs["fp32"]["world_size"]), metric="distance", value=r["distance"],
+                           unit="relative", reference=r["reference"], bound=r["bound"], within=r["within"],
+                           above=r["above"], from_fp32=r["from_fp32"], window=args.window),
+             **_provenance(runs["fp32"])}
             for r in records]
     results.record(rows, args)
     return 0 if all(r["within"] is not False for r in records) else 1
