@@ -38,7 +38,7 @@ def _bench(tmp_path, nproc: int | None) -> tuple[dict, str]:
 def _check(report: dict, stdout: str, world: int) -> None:
     got: dict[tuple[str, str], set[str]] = {}
     for r in report["rows"]:
-        assert r["bench"] == "train_step" and r["world"] == world and r["case"] == "tiny b16x64 eager", r
+        assert r["bench"] == "train_step" and r["world"] == world and r["case"] == "tiny b16x64 mb2 eager", r
         got.setdefault((r["impl"], r["precision"]), set()).add(r["metric"])
     want = {("distwgrad", p) for p in PRECISIONS} | {("fsdp2", "bf16"), ("torch", "bf16")}
     assert set(got) == want, sorted(got)

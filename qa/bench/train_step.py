@@ -633,6 +633,13 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
 
 
+def case_name(preset: str, batch: int, seq_len: int, microbatches: int, mode: str) -> str:
+    """The rows' ``case``: ``large b8x2048 eager``, with ``mb2`` before the mode when the step accumulates over
+    microbatches (a step of two microbatches is another measurement than one of the same batch in one)."""
+    mb = f" mb{microbatches}" if microbatches > 1 else ""
+    return f"{preset} b{batch}x{seq_len}{mb} {mode}"
+
+
 def _main(args, rt: dict) -> int:
     name, cfg, args.batch, args.microbatches = model_config(args)
     if args.batch % (rt["world"] * args.microbatches):
@@ -659,8 +666,9 @@ def _main(args, rt: dict) -> int:
             specs = [(i, precision, mode) for i in args.impls
                      if not (precision.startswith("fp8") and i != "distwgrad")
                      and not (mode == "cuda_graph" and _graph_why(i, precision, rt))]
-            _measure_group(specs, f"{precision}/{mode}", f"{name} b{args.batch}x{cfg.seq_len} {mode}", cfg, corpus,
-                           rt, args, not_run, peak_tflops, rows, seen)
+            case = case_name(name, args.batch, cfg.seq_len, args.microbatches, mode)
+            _measure_group(specs, f"{precision}/{mode}", case, cfg, corpus, rt, args, not_run, peak_tflops, rows,
+                           seen)
             gc.collect()  # a graphed module's forward refers to the module: a cycle holding its graphs
             if rt["device"].type == "cuda":
                 torch.cuda.empty_cache()
