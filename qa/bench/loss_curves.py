@@ -43,14 +43,25 @@ def trailing_means(losses: list[float], window: int = WINDOW) -> list[float]:
     return [sum(losses[i - window:i]) / window for i in range(window, len(losses) + 1)]
 
 
-def distance(a: list[float], b: list[float], scale: list[float], window: int = WINDOW) -> float:
-    """[Note: the FP8 loss bound]: the largest difference of a's and b's trailing means, each over ``scale``'s
-    (the fp32 run's losses) trailing mean at that step."""
+def _differences(a: list[float], b: list[float], scale: list[float], window: int) -> list[float]:
+    """a's trailing mean minus b's at each step, over ``scale``'s trailing mean there."""
     if not len(a) == len(b) == len(scale) or len(a) < window:
         raise ValueError(f"loss_curves: curves of one length >= {window} steps, got {len(a)}, {len(b)} and "
                          f"{len(scale)}")
-    return max(abs(x - y) / abs(z) for x, y, z in zip(trailing_means(a, window), trailing_means(b, window),
-                                                      trailing_means(scale, window)))
+    return [(x - y) / abs(z) for x, y, z in zip(trailing_means(a, window), trailing_means(b, window),
+                                               trailing_means(scale, window))]
+
+
+def distance(a: list[float], b: list[float], scale: list[float], window: int = WINDOW) -> float:
+    """[Note: the FP8 loss bound]: the largest difference of a's and b's trailing means, each over ``scale``'s
+    (the fp32 run's losses) trailing mean at that step."""
+    return max(abs(d) for d in _differences(a, b, scale, window))
+
+
+def above(a: list[float], b: list[float], scale: list[float], window: int = WINDOW) -> float:
+    """How far a's trailing mean rose above b's at most, over ``scale``'s trailing mean (negative: a was below b
+    at every step). Printed beside the distance, which counts a run below its reference as much as one above."""
+    return max(_differences(a, b, scale, window))
 
 
 def _name(config: dict) -> str:
@@ -80,13 +91,6 @@ def load_runs(dirs: list[str]) -> dict[str, dict]:
         if need not in runs:
             raise ValueError(f"loss_curves: no {need} run among {sorted(runs)}: the bound needs fp32 and bf16")
     return runs
-
-
-def above(a: list[float], b: list[float], scale: list[float], window: int = WINDOW) -> float:
-    """How far a's trailing mean rose above b's at most, over ``scale``'s trailing mean (negative: a was below b
-    at every step). Printed beside the distance, which counts a run below its reference as much as one above."""
-    return max((x - y) / abs(z) for x, y, z in zip(trailing_means(a, window), trailing_means(b, window),
-                                                  trailing_means(scale, window)))
 
 
 def first_steps(runs: dict[str, dict], steps: int | None) -> dict[str, dict]:
