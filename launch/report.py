@@ -11,6 +11,7 @@ this process's; its losses cover the whole history.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -37,12 +38,12 @@ def device_name(device: torch.device) -> str:
 
 
 def triton_version() -> str | None:
-    """Triton's version, or None where it is not installed."""
+    """Triton's installed version, or None where it is not installed (read from its package metadata: the
+    job does not import Triton, an optional dependency)."""
     try:
-        import triton
-    except ImportError:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return triton.__version__
 
 
 def measure_peak_flops(device: torch.device) -> float | None:
