@@ -61,12 +61,18 @@ def test_first_steps_of_a_run_stopped_early(tmp_path, capsys):
     pt = _run(tmp_path, "pt", [4.0, 4.2, 2.0, 2.0], precision="bf16", recipe="fp8_per_tensor")  # stopped at 4
     with pytest.raises(ValueError, match="curves of one length >= 2 steps, got 4, 5 and 5"):
         lc.compare(lc.load_runs([fp32, bf16, pt]), window=2)
+    with pytest.raises(ValueError, match=r"different numbers of steps, \{'fp32': 5, 'bf16': 5, 'fp8_per_tensor': 4\}; "
+                       r"--steps N compares the first N"):
+        lc.first_steps(lc.load_runs([fp32, bf16, pt]), None)
     runs = lc.first_steps(lc.load_runs([fp32, bf16, pt]), 4)
     assert [len(r["loss"]) for r in runs.values()] == [4, 4, 4]
     assert {r["precision"]: r["distance"] for r in lc.compare(runs, window=2)}["fp8_per_tensor"] == \
         pytest.approx(0.1 / 2.0)   # as in test_distances_and_the_bound, the fifth step ignored
     with pytest.raises(ValueError, match=r"steps=5 but these runs trained fewer: \{'fp8_per_tensor': 4\}"):
         lc.first_steps(lc.load_runs([fp32, bf16, pt]), 5)
+    with pytest.raises(SystemExit):
+        lc.main([fp32, bf16, pt, "--window", "2", "--no-record"])
+    assert "different numbers of steps" in capsys.readouterr().err
     assert lc.main([fp32, bf16, pt, "--window", "2", "--steps", "4", "--no-record"]) == 0
     assert "4 steps seed 0" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -94,3 +100,11 @@ def test_rows_name_the_machine_of_the_runs(tmp_path, monkeypatch):
     assert [r["precision"] for r in rows] == ["bf16", "fp8_per_tensor"]
     assert {(r["device"], r["torch"], r["triton"]) for r in rows} == {("NVIDIA H200", "2.11.0+cu130", "3.6.0")}
     assert rows[1]["above"] == 0.0 and rows[1]["within"] is True
+
+
+def test_a_report_file_is_a_run(tmp_path):
+    fp32 = _run(tmp_path, "fp32", [4.0, 4.0, 2.0, 2.0])
+    bf16 = _run(tmp_path, "bf16", [4.0, 4.4, 2.0, 2.2], precision="bf16")
+    by_dir = lc.compare(lc.load_runs([fp32, bf16]), window=2)
+    by_file = lc.compare(lc.load_runs([str(Path(fp32) / "report.json"), str(Path(bf16) / "report.json")]), window=2)
+    assert by_file == by_dir and by_file[0]["distance"] == pytest.approx(0.2 / 3.0)

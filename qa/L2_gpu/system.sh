@@ -13,6 +13,13 @@
 #                                             # a process of its own (FP8_MODES=compiled: the compiled ones)
 #   STEPS=host_fp8 bash qa/L2_gpu/system.sh   # (not in the default) where the FP8 step's host time goes
 #                                             # (qa/bench/host_sample.py; needs py-spy, e.g. carried in .whl/)
+#   STEPS=curves CURVE_SEEDS="0 1" CURVE_STEPS=200 bash qa/L2_gpu/system.sh   # (not in the default) the FP8
+#       loss bound's four runs a seed at the large preset, then qa/bench/loss_curves.py; each run's report
+#       lands in $OUT_DIR/curves/s<seed>_<precision>_<recipe>.json (CURVE_RUNS picks some of the four, for
+#       runs spread over several calls; compare the reports afterwards with loss_curves.py)
+#   STEPS=multi_build bash qa/L2_gpu/system.sh   # (not in the default) per-tensor eager alone, beside the
+#       bf16 and blockwise builds in one process, then alone again: one machine start, so the host's speed
+#       is the same for the three
 #
 # On a machine whose copy of the tree has no .git of its own, pass the source commit:
 #   DISTWGRAD_COMMIT=<git rev-parse --short HEAD, where the tree came from> bash qa/L2_gpu/system.sh
@@ -67,6 +74,28 @@ for step in $STEPS; do
     host_fp8) run host_fp8 python3 qa/bench/host_sample.py --model large --batch 8 --microbatches 1 \
                 --precisions ${HOST_PRECISIONS:-fp8_per_tensor} --modes eager --warmup 3 --seconds 15 \
                 --stacks "$OUT_ABS/host_stacks.txt" ;;
+    curves)  # docs/fp8.md "Loss curves"; the runs' folders stay out of OUT_DIR, only their reports come back
+      mkdir -p "$OUT_ABS/curves"
+      for seed in ${CURVE_SEEDS:-0}; do
+        for spec in ${CURVE_RUNS:-fp32:none bf16:none bf16:fp8_per_tensor bf16:fp8_blockwise}; do
+          prec=${spec%%:*} recipe=${spec##*:} dir=${TMPDIR:-/tmp}/distwgrad_curves/s$seed/${spec/:/_}
+          STEP_TIMEOUT=${CURVE_TIMEOUT:-580} run "curve_s${seed}_${spec/:/_}" $TRAIN --global-batch 8 \
+            --microbatches 2 --steps "${CURVE_STEPS:-200}" --seed "$seed" --precision "$prec" --recipe "$recipe" \
+            --log-every 25 --out "$dir"
+          [ -f "$dir/report.json" ] && cp "$dir/report.json" "$OUT_ABS/curves/s${seed}_${spec/:/_}.json"
+        done
+        reports=()
+        for name in fp32_none bf16_none bf16_fp8_per_tensor bf16_fp8_blockwise; do
+          [ -f "$OUT_ABS/curves/s${seed}_$name.json" ] && reports+=("$OUT_ABS/curves/s${seed}_$name.json")
+        done
+        if [ ${#reports[@]} -ge 2 ]; then run "curves_s$seed" python3 qa/bench/loss_curves.py "${reports[@]}"; fi
+      done ;;
+    multi_build)
+      MB="torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --microbatches 1
+          --impls distwgrad --modes eager --warmup 2 --rounds 3 --steps 3"
+      run multi_alone $MB --precisions fp8_per_tensor
+      run multi_beside $MB --precisions bf16,fp8_per_tensor,fp8_blockwise
+      run multi_alone_again $MB --precisions fp8_per_tensor ;;
     layer) run layer python3 qa/bench/layer_step.py ;;
     graph_tests) run graph_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_train_cuda_graph.py ;;
     job_graph) run job_graph $TRAIN --precision bf16 --steps ${GRAPH_JOB_STEPS:-4} --cuda-graph --check-parity \

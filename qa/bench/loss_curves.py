@@ -69,13 +69,14 @@ def _name(config: dict) -> str:
 
 
 def load_runs(dirs: list[str]) -> dict[str, dict]:
-    """Each run's report (``report.json`` of the job's ``--out``), by its precision name; the runs must agree
-    on every config field but the precision, the recipe and where they wrote."""
+    """Each run's report (``report.json`` of the job's ``--out``, or a report file itself), by its precision
+    name; the runs must agree on every config field but the precision, the recipe and where they wrote."""
     runs: dict[str, dict] = {}
     for d in dirs:
-        path = Path(d) / "report.json"
+        path = Path(d) if Path(d).is_file() else Path(d) / "report.json"
         if not path.is_file():
-            raise FileNotFoundError(f"loss_curves: {path} does not exist (a run folder of distwgrad.launch.train)")
+            raise FileNotFoundError(f"loss_curves: {path} does not exist (a run folder of distwgrad.launch.train, "
+                                    f"or its report.json)")
         report = json.loads(path.read_text())
         name = _name(report["config"])
         if name in runs:
@@ -97,6 +98,10 @@ def first_steps(runs: dict[str, dict], steps: int | None) -> dict[str, dict]:
     """Each run's losses cut to its first ``steps`` (all of them for None): a run stopped early is compared over
     the steps every run trained."""
     if steps is None:
+        lengths = {name: len(run["loss"]) for name, run in runs.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"loss_curves: the runs trained different numbers of steps, {lengths}; --steps N "
+                             f"compares the first N of each")
         return runs
     short = {name: len(run["loss"]) for name, run in runs.items() if len(run["loss"]) < steps}
     if short:
@@ -135,8 +140,8 @@ def _provenance(run: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run folders of distwgrad.launch.train (--out), one fp32 and one bf16 "
-                   "among them")
+    p.add_argument("runs", nargs="+", help="run folders of distwgrad.launch.train (--out) or their report.json "
+                   "files, one fp32 and one bf16 among them")
     p.add_argument("--window", type=int, default=WINDOW, help="steps in each trailing mean")
     p.add_argument("--steps", type=int, default=None, help="compare the first N steps of every run (default: all; "
                    "for a run stopped early)")
@@ -146,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--window must be >= 1, got {args.window}")
     if args.steps is not None and args.steps < args.window:
         p.error(f"--steps must be >= --window ({args.window}), got {args.steps}")
-    runs = first_steps(load_runs(args.runs), args.steps)
-    records = compare(runs, args.window)
+    try:
+        runs = first_steps(load_runs(args.runs), args.steps)
+        records = compare(runs, args.window)
+    except (ValueError, FileNotFoundError) as exc:  # runs that cannot be compared: the reason, no traceback
+        p.error(str(exc))
     cfg = runs["fp32"]["config"]
     case = f"{cfg['model']} {len(runs['fp32']['loss'])} steps seed {cfg['seed']}"
     base = next(r["distance"] for r in records if r["precision"] == "bf16")
