@@ -79,6 +79,7 @@ for step in $STEPS; do
       for seed in ${CURVE_SEEDS:-0}; do
         for spec in ${CURVE_RUNS:-fp32:none bf16:none bf16:fp8_per_tensor bf16:fp8_blockwise}; do
           prec=${spec%%:*} recipe=${spec##*:} dir=${TMPDIR:-/tmp}/distwgrad_curves/s$seed/${spec/:/_}
+          rm -rf "$dir"  # a run that fails must not leave an earlier call's report to be taken for its own
           STEP_TIMEOUT=${CURVE_TIMEOUT:-580} run "curve_s${seed}_${spec/:/_}" $TRAIN --global-batch 8 \
             --microbatches 2 --steps "${CURVE_STEPS:-200}" --seed "$seed" --precision "$prec" --recipe "$recipe" \
             --log-every 25 --out "$dir"
