@@ -35,6 +35,15 @@ from CUDA graphs, the embedding and loss head eager: distwgrad's blocks through 
 ``torch.cuda.make_graphed_callables`` (world 1; at world > 1 it is DDP, not graphed here). FSDP2 is not
 graphed: ``fully_shard`` works through module hooks, which ``make_graphed_callables`` refuses; it is listed
 as not run with that reason, as are the FP8 recipes the job's ``--cuda-graph`` refuses (``launch/config.py``).
+Mode ``compiled_cuda_graph`` does both: each block's forward compiled, then the blocks graphed as above.
+
+[Note: compiled blocks under CUDA graphs]
+``nn.Module.compile()`` routes every call of the module through dynamo, and ``make_graphed_callables``
+replaces the module's ``forward`` with the replay: a compiled module would then trace the replay, not run
+it. So this mode compiles the block's ``forward`` (``block.forward = torch.compile(block.forward)``, the same
+compiled code), the warm-up and capture run it, and the replay that replaces it is called without dynamo.
+The graphs hold inductor's kernels as well as the custom ops', so a step issues the eager embedding, head,
+loss and optimizer only: what a host-bound build (eager FP8: quantization launches per call) gains.
 
 Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through the builds of one
 (precision, mode), ``--steps`` steps per build per round, synchronised at the end of each block; the
@@ -96,7 +105,8 @@ from distwgrad.models import MoEGPT, MoEGPTConfig  # noqa: E402
 
 IMPLS = ("distwgrad", "fsdp2", "torch")
 PRECISIONS = ("fp32", "bf16", "fp8_per_tensor", "fp8_blockwise")
-MODES = ("eager", "compiled", "cuda_graph")
+MODES = ("eager", "compiled", "cuda_graph", "compiled_cuda_graph")
+GRAPHED = ("cuda_graph", "compiled_cuda_graph")  # modes whose blocks replay from CUDA graphs
 METRICS = ("step_ms", "tokens_per_s", "peak_gib", "mfu", "collectives_per_step", "comm_bytes_per_step",
            "comm_hidden")
 # Step-1 loss agreement between builds, by precision. fp32: the job's parity tolerance (the same sums in
@@ -240,14 +250,17 @@ def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict
     if mode == "compiled":
         for block in model.blocks:
             block.compile()
-    if mode == "cuda_graph":
+    if mode == "compiled_cuda_graph":  # [Note: compiled blocks under CUDA graphs]
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    if mode in GRAPHED:
         facts.update(_graph(impl, model, precision, cfg, dtype, args, rt))
     mb = args.microbatches
     if impl == "distwgrad":
         forward_backward = _launch_train().forward_backward
         recipe = precision if precision.startswith("fp8") else "none"
         amax_modules = (sys.modules[_launch_train().__package__ + ".cuda_graph"].eager_modules(model)
-                        if mode == "cuda_graph" else None)  # as the job does
+                        if mode in GRAPHED else None)  # as the job does
 
         def step_fn(tok):
             loss = forward_backward(model, tok, mb, recipe, amax_modules)
@@ -449,7 +462,7 @@ def run_group(specs, cfg, corpus, rt: dict, args, not_run: list[dict]) -> list[B
             _timed_block(b, batches, rt["device"])
     after = _batches(corpus, args, rt, args.warmup + args.rounds * args.steps, 1)[0]
     for b in builds:
-        if b.mode == "cuda_graph":
+        if b.mode in GRAPHED:
             b.comm = {"source": "not counted: the blocks' collectives replay inside the CUDA graphs"}
         else:
             _count_comm(b, after, rt["device"])
@@ -512,7 +525,7 @@ def _measure_group(specs, label: str, case: str, cfg: MoEGPTConfig, corpus, rt: 
                                        device=rt["device"], command=command), **_extras(b, args, peak_tflops)})
         assert b.loss1 is not None
         seen.append(Seen(b.impl, b.precision, b.mode, b.loss1))
-        if b.mode == "cuda_graph" and b.impl == "distwgrad":
+        if b.mode in GRAPHED and b.impl == "distwgrad":
             b.model.blocks[0].reset()  # releases the graphs' pool
 
 
@@ -528,8 +541,9 @@ def _check_losses(builds: list[Seen], rt: dict) -> list[dict]:
             diff = abs(b.loss1 - ref.loss1)
             checks.append({"build": b.name, "loss_step1": b.loss1, "reference": ref.name, "abs_diff": diff,
                            "atol": LOSS_ATOL[precision], "ok": diff <= LOSS_ATOL[precision]})
-            own = next((e for e in group if e.impl == b.impl and e.mode == "eager"), None)
-            if b.mode == "cuda_graph" and own is not None:  # shown, not gated: replay runs eager's kernels
+            ungraphed = {"cuda_graph": "eager", "compiled_cuda_graph": "compiled"}.get(b.mode)
+            own = next((e for e in group if e.impl == b.impl and e.mode == ungraphed), None)
+            if b.mode in GRAPHED and own is not None:  # shown, not gated: replay runs eager's kernels
                 checks[-1]["vs_eager_abs_diff"] = abs(b.loss1 - own.loss1)
     _say(rt, "step-1 loss (same weights, same data):")
     for c in checks:
@@ -546,7 +560,7 @@ def _table(rows: list[dict], rt: dict) -> None:
     table: dict[tuple, dict] = {}
     for r in rows:
         table.setdefault((r["precision"], r["impl"], r["case"].rsplit(" ", 1)[1]), {})[r["metric"]] = r["value"]
-    _say(rt, f"{'precision':15s} {'impl':10s} {'mode':9s} " + " ".join(f"{h:>11s}" for h in heads))
+    _say(rt, f"{'precision':15s} {'impl':10s} {'mode':19s} " + " ".join(f"{h:>11s}" for h in heads))
     for (precision, impl, mode), vals in table.items():
         cells = []
         for c in cols:
@@ -554,7 +568,7 @@ def _table(rows: list[dict], rt: dict) -> None:
             cells.append("-" if v is None else f"{v / 2 ** 20:.2f}" if c == "comm_bytes_per_step" else
                          f"{v:.1%}" if c in ("mfu", "comm_hidden") else f"{v:,.0f}" if c == "tokens_per_s"
                          else f"{v:.2f}" if c != "collectives_per_step" else f"{v:.0f}")
-        _say(rt, f"{precision:15s} {impl:10s} {mode:9s} " + " ".join(f"{c:>11s}" for c in cells))
+        _say(rt, f"{precision:15s} {impl:10s} {mode:19s} " + " ".join(f"{c:>11s}" for c in cells))
 
 
 def _runtime() -> dict:
@@ -591,7 +605,8 @@ def parse_args(argv=None):
     p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
                    help="compute dtype of the weights under the FP8 recipes (fp32 precision: fp32)")
     p.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager, compiled (torch.compile "
-                   "per block), cuda_graph (each block replayed from CUDA graphs; CUDA only)")
+                   "per block), cuda_graph (each block replayed from CUDA graphs; CUDA only), compiled_cuda_graph "
+                   "(both: compiled blocks replayed from CUDA graphs; CUDA only)")
     p.add_argument("--cuda-graph", action="store_true", help="also time each build with its transformer blocks "
                    "replayed from CUDA graphs (adds mode cuda_graph; distwgrad and plain torch, not FSDP2; CUDA only)")
     p.add_argument("--warmup", type=int, default=3, help="steps per build before timing")
@@ -611,8 +626,8 @@ def parse_args(argv=None):
         setattr(args, name, chosen)
     if args.cuda_graph and "cuda_graph" not in args.modes:
         args.modes += ("cuda_graph",)
-    if "cuda_graph" in args.modes and not torch.cuda.is_available():
-        p.error("--cuda-graph (mode cuda_graph) needs a CUDA device: CUDA graphs capture CUDA kernels, and CUDA is "
+    if set(GRAPHED) & set(args.modes) and not torch.cuda.is_available():
+        p.error("--cuda-graph (modes cuda_graph, compiled_cuda_graph) needs a CUDA device: CUDA graphs capture CUDA kernels, and CUDA is "
                 "not available on this machine")
     if min(args.warmup, args.rounds, args.steps) < 1:
         p.error("--warmup, --rounds and --steps must be positive")
@@ -656,16 +671,16 @@ def _main(args, rt: dict) -> int:
         for impl in args.impls:
             if precision.startswith("fp8") and impl != "distwgrad":
                 not_run.append({"impl": impl, "precision": precision, "mode": "*", "why": _peer_fp8_why()})
-            elif "cuda_graph" in args.modes and _graph_why(impl, precision, rt):
-                not_run.append({"impl": impl, "precision": precision, "mode": "cuda_graph",
-                                "why": _graph_why(impl, precision, rt)})
+            else:
+                not_run += [{"impl": impl, "precision": precision, "mode": mode, "why": _graph_why(impl, precision, rt)}
+                            for mode in args.modes if mode in GRAPHED and _graph_why(impl, precision, rt)]
     rows: list[dict] = []
     seen: list[Seen] = []
     for precision in args.precisions:
         for mode in args.modes:
             specs = [(i, precision, mode) for i in args.impls
                      if not (precision.startswith("fp8") and i != "distwgrad")
-                     and not (mode == "cuda_graph" and _graph_why(i, precision, rt))]
+                     and not (mode in GRAPHED and _graph_why(i, precision, rt))]
             case = case_name(name, args.batch, cfg.seq_len, args.microbatches, mode)
             _measure_group(specs, f"{precision}/{mode}", case, cfg, corpus, rt, args, not_run, peak_tflops, rows,
                            seen)
