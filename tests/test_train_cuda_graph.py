@@ -125,8 +125,9 @@ def test_allowed_combinations_and_the_device_check():
                                              "NCCL, but this run is on cpu over gloo"),
     (["-m", "launch.train", "--cuda-graph", "--recipe", "fp8_per_tensor"], "distwgrad.launch.train: error: "
                                                                            "--cuda-graph needs CUDA devices"),
-    (["qa/bench/train_step.py", "--cuda-graph"], "--cuda-graph (mode cuda_graph) needs a CUDA device"),
-    (["qa/bench/train_step.py", "--modes", "cuda_graph"], "--cuda-graph (mode cuda_graph) needs a CUDA device"),
+    (["qa/bench/train_step.py", "--cuda-graph"], "--cuda-graph (modes cuda_graph, compiled_cuda_graph) needs a CUDA"),
+    (["qa/bench/train_step.py", "--modes", "cuda_graph"], "(modes cuda_graph, compiled_cuda_graph) needs a CUDA device"),
+    (["qa/bench/train_step.py", "--modes", "eager,compiled_cuda_graph"], "compiled_cuda_graph) needs a CUDA device"),
     (["qa/bench/layer_step.py", "--cuda-graph", "--tiny"], "layer_step.py: error: --cuda-graph needs a CUDA device"),
 ])
 def test_cpu_runs_are_refused_with_one_line(args, message):
@@ -160,8 +161,7 @@ class _ModelGraph:
         pass
 
 
-@pytest.fixture
-def modelled_cuda(monkeypatch):
+def _model_cuda(monkeypatch) -> None:
     for name, value in (("is_available", lambda: True), ("synchronize", lambda *a: None),
                         ("Stream", lambda *a, **k: None), ("stream", lambda s: contextlib.nullcontext()),
                         ("CUDAGraph", _ModelGraph),
@@ -171,6 +171,11 @@ def modelled_cuda(monkeypatch):
                         ("memory_allocated", lambda *a: 0)):
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(graphs, "_check_devices", lambda *a: None)
+
+
+@pytest.fixture
+def modelled_cuda(monkeypatch):
+    _model_cuda(monkeypatch)
 
 
 @pytest.mark.skipif(CUDA, reason="models CUDA on a machine without it")
@@ -193,6 +198,47 @@ def test_graphed_step_wiring(modelled_cuda):
     cuda_graph.release(model)
     with pytest.raises(RuntimeError, match=r"reset\(\)"):
         model.blocks[0](torch.zeros(2, 16, 32))
+
+
+@pytest.mark.skipif(CUDA, reason="models CUDA on a machine without it")
+def test_compiled_blocks_are_graphed_then_replayed_without_dynamo(monkeypatch):
+    """The bench's compiled_cuda_graph mode ([Note: compiled blocks under CUDA graphs] in train_step.py): the
+    warm-up and capture run the compiled forward; afterwards a block's call is the replay, which never
+    enters the compiled code (a compiled ``nn.Module`` would route the call through dynamo, tracing the
+    replay)."""
+    from qa.bench import train_step
+
+    runs = []
+
+    def counting_backend(gm, example_inputs):  # dynamo's graph, run as traced, each run counted
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+        return run
+
+    cfg = MoEGPTConfig(seq_len=16, d_model=32, d_ff=32)
+    model = MoEGPT(cfg)
+    torch._dynamo.reset()
+    train_step.compile_block_forwards(model, backend=counting_backend)
+    sample = torch.randn(2, cfg.seq_len, cfg.d_model, requires_grad=True)
+    for block in model.blocks:  # compiled on the real CPU device (dynamo asks CUDA nothing then)
+        block(sample).sum().backward()
+        distwgrad.drain_deferred_wgrads(block)
+    distwgrad.finalize_model_grads([model.blocks])
+    model.zero_grad(set_to_none=True)
+    compiled = len(runs)
+    assert compiled >= len(model.blocks)
+    _model_cuda(monkeypatch)
+    cuda_graph.graph_blocks(model, rows=2)
+    captured = len(runs)
+    assert captured >= compiled + len(model.blocks) * (cuda_graph.NUM_WARMUP_ITERS + 1)  # warm-up and capture
+    tokens = torch.randint(cfg.vocab_size, (2, cfg.seq_len + 1))
+    for _ in range(2):
+        train.forward_backward(model, tokens, 1)
+        assert distwgrad.finalize_model_grads([model]) == len(list(model.parameters()))
+    assert len(runs) == captured, "a graphed block's call ran the compiled code instead of its replay"
+    cuda_graph.release(model)
+    torch._dynamo.reset()
 
 
 def test_graphed_per_tensor_step_syncs_the_eager_weights_only(monkeypatch):
