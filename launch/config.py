@@ -108,6 +108,9 @@ class TrainConfig:
     cuda_graph: bool = _opt(False, "replay each transformer block's forward, backward and deferred wgrads from "
                             "CUDA graphs, the embedding, lm_head and loss eager (CUDA only; with an FP8 recipe "
                             "on one rank only; docs/cuda_graphs.md)")
+    compile: bool = _opt(False, "torch.compile each transformer block's forward (inductor), the embedding, "
+                         "lm_head, loss and optimizer eager; with --cuda-graph the compiled blocks are graphed "
+                         "(docs/training.md)")
     # output
     out: str = _opt("runs/moe_gpt", "run folder: report.json, loss.png, checkpoints/step_N")
     log_every: int = _opt(10, "log a line every N steps on rank 0 (0: never)")

@@ -10,7 +10,8 @@ Commands::
     python -m distwgrad.launch.train --steps 50
     # bf16 mixed precision (fp32 masters; the default on CUDA), and a bigger preset (--model small/large)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --precision bf16 --model small
-    # on CUDA, --cuda-graph replays each transformer block from CUDA graphs (docs/cuda_graphs.md)
+    # on CUDA, --cuda-graph replays each transformer block from CUDA graphs (docs/cuda_graphs.md); with
+    # --compile each block is compiled first (torch.compile): the fastest step, FP8 recipes most of all
     # also train an unsharded single-process copy and compare (exit code 1 if they disagree)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --check-parity
     # train on a token file (nanoGPT's train.bin: flat uint16; --vocab-size must cover its tokens)
@@ -30,8 +31,8 @@ the experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
 ``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``),
 then ``AdamW.step()`` on the shards and ``zero_grad()``. With ``--cuda-graph`` each transformer block replays
 from CUDA graphs captured before the first step, the rest of the step unchanged (launch/cuda_graph.py,
-[Note: the graphed step]). Rank 0 shows a progress bar and logs; the other
-ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``: final and best loss,
+[Note: the graphed step]); ``--compile`` compiles each block's forward (:func:`compile_blocks`). Rank 0
+shows a progress bar and logs; the other ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``: final and best loss,
 tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md`` says what they
 hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an unusable
 ``--resume`` (one at or past ``--steps`` included), 3 interrupted: a rank died or hung, or SIGTERM
@@ -83,7 +84,7 @@ from . import faults as _faults
 from . import report as _out
 from .config import RECIPES, TrainConfig, fp8_recipe, parse_args
 
-__all__ = ["main", "forward_backward"]
+__all__ = ["main", "forward_backward", "compile_blocks"]
 
 log = logging.getLogger("distwgrad.train")
 
@@ -187,6 +188,16 @@ def _init(config: TrainConfig) -> _Runtime:
     _faults.publish_pid()
     return _Runtime(rank, world_size, device, backend, dist.group.WORLD, torch.bfloat16 if bf16 else None,
                     monitor)
+
+
+def compile_blocks(model: MoEGPT, **compile_kwargs: Any) -> None:
+    """``--compile``: each block's ``forward`` replaced by its ``torch.compile`` (the module's state, hooks and
+    checkpoint keys unchanged). Compiled as a ``forward``, not as a module (``block.compile()``), so that
+    ``--cuda-graph`` can graph it: a compiled module sends every call through dynamo, which would then trace
+    the replay that graphing installs as the module's ``forward`` ([Note: compiled blocks under CUDA graphs]
+    in ``launch/cuda_graph.py``)."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, **compile_kwargs)
 
 
 def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -491,6 +502,8 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
     model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
     if config.coalesce and rt.world_size > 1:  # one gather and one reduction per block: [Note: coalesced units]
         distwgrad.coalesce(model)
+    if config.compile:
+        compile_blocks(model)
     optimizer = _optimizer(model, config)
     start = progress.start = progress.step = _resume(config, rt, model, optimizer) if config.resume else 0
     log.info("%d weights; steps %d..%d; data: %s", len(distwgrad.wgrad.distributed_parameters(model)), start + 1,

@@ -202,12 +202,10 @@ def test_graphed_step_wiring(modelled_cuda):
 
 @pytest.mark.skipif(CUDA, reason="models CUDA on a machine without it")
 def test_compiled_blocks_are_graphed_then_replayed_without_dynamo(monkeypatch):
-    """The bench's compiled_cuda_graph mode ([Note: compiled blocks under CUDA graphs] in train_step.py): the
-    warm-up and capture run the compiled forward; afterwards a block's call is the replay, which never
-    enters the compiled code (a compiled ``nn.Module`` would route the call through dynamo, tracing the
-    replay)."""
-    from qa.bench import train_step
-
+    """``--compile --cuda-graph`` (and the bench's compiled_cuda_graph mode): the warm-up and capture run the
+    compiled forward; afterwards a block's call is the replay, which never enters the compiled code (a
+    compiled ``nn.Module`` would route the call through dynamo, tracing the replay: [Note: compiled blocks
+    under CUDA graphs] in launch/cuda_graph.py)."""
     runs = []
 
     def counting_backend(gm, example_inputs):  # dynamo's graph, run as traced, each run counted
@@ -219,7 +217,7 @@ def test_compiled_blocks_are_graphed_then_replayed_without_dynamo(monkeypatch):
     cfg = MoEGPTConfig(seq_len=16, d_model=32, d_ff=32)
     model = MoEGPT(cfg)
     torch._dynamo.reset()
-    train_step.compile_block_forwards(model, backend=counting_backend)
+    train.compile_blocks(model, backend=counting_backend)
     sample = torch.randn(2, cfg.seq_len, cfg.d_model, requires_grad=True)
     for block in model.blocks:  # compiled on the real CPU device (dynamo asks CUDA nothing then)
         block(sample).sum().backward()

@@ -43,6 +43,20 @@ autograd function that redispatches below autograd: AOTAutograd records the forw
 backward, one ``module_backward``. Under a dispatch mode or with tensor subclasses (fake tensors,
 functionalization, a user's mode) both ops redispatch, as a custom op does. The implementations run
 outside dynamo, as a custom op's do, and ``_unaliased`` is the aliasing rule.
+
+[Note: op inputs that outlive the op]
+Both ops keep tensors they were given past their own call, as the eager autograd function does: the
+forward op's context saves its input (the activation a wgrad reads) and a deferred wgrad queued by the
+backward op holds ``dy`` and that input until ``backward_dw()``. Inductor cannot see those references. Its
+memory planning hands a buffer whose last use in the graph has passed to a later buffer of the same size
+(``buf9 = buf4; del buf4  # reuse``), or lets a pointwise kernel write in place over its dead input, and a
+kernel then overwrites the saved activation: on the CPU, the MoE GPT's attention weights got gradients
+off by 1-25x their size, its loss unchanged. So every tensor input of either op is marked never to be
+reused (``_lower``: inductor's own fallback for the op, plus ``V.graph.never_reuse_buffers``, the set that
+inductor's own ops with hidden aliasing use). The graph still frees its reference when the buffer's last
+use has passed; the op's reference keeps the memory, as eager autograd's does. The lowering is registered
+when dynamo first traces a module (:func:`_lowering_registered`), so importing distwgrad does not import
+inductor.
 """
 
 from __future__ import annotations
@@ -264,6 +278,40 @@ torch.fx.node.has_side_effect(_FORWARD)
 torch.fx.node.has_side_effect(_BACKWARD)
 
 
+_LOWERED = False
+
+
+def _lower(op):
+    """Inductor's lowering of ``op``: its usual fallback kernel, every tensor input never reused ([Note: op
+    inputs that outlive the op])."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import fallback_handler
+    from torch._inductor.virtualized import V
+
+    fallback = fallback_handler(op, add_to_fallback_set=False)
+
+    def lowering(*args, **kwargs):
+        out = fallback(*args, **kwargs)  # realizes the inputs into named buffers
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, ir.IRNode):
+                V.graph.never_reuse_buffers.add(a.get_name())
+        return out
+    return lowering
+
+
+@torch.compiler.assume_constant_result
+def _lowering_registered() -> bool:
+    """Registers the ops' inductor lowerings once; dynamo runs it while tracing (a constant to the graph)."""
+    global _LOWERED
+    if not _LOWERED:
+        from torch._inductor.lowering import register_lowering
+
+        for op in (_FORWARD, _BACKWARD):
+            register_lowering(op, type_promotion_kind=None)(_lower(op))
+        _LOWERED = True
+    return True
+
+
 def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | None], out_cols: int, *,
                      aux: Sequence[torch.Tensor] = (), ints: Sequence[int] = ()) -> torch.Tensor:
     """What dynamo traces of a module's forward: one ``distwgrad::module_forward`` call.
@@ -273,6 +321,7 @@ def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | 
     what dynamo guards on (grad mode, ``requires_grad``, ``delay_wgrad_compute``). A distributed weight
     delivers itself, and a deferred wgrad waits for ``backward_dw()``.
     """
+    _lowering_registered()  # [Note: op inputs that outlive the op]
     present = [p for p in params if p is not None]
     grad_on = torch.is_grad_enabled()
     hands = [grad_on and p.requires_grad and not module.delay_wgrad_compute and not is_distributed_weight(p)

@@ -35,15 +35,9 @@ from CUDA graphs, the embedding and loss head eager: distwgrad's blocks through 
 ``torch.cuda.make_graphed_callables`` (world 1; at world > 1 it is DDP, not graphed here). FSDP2 is not
 graphed: ``fully_shard`` works through module hooks, which ``make_graphed_callables`` refuses; it is listed
 as not run with that reason, as are the FP8 recipes the job's ``--cuda-graph`` refuses (``launch/config.py``).
-Mode ``compiled_cuda_graph`` does both: each block's forward compiled, then the blocks graphed as above.
-
-[Note: compiled blocks under CUDA graphs]
-``nn.Module.compile()`` routes every call of the module through dynamo, and ``make_graphed_callables``
-replaces the module's ``forward`` with the replay: a compiled module would then trace the replay, not run
-it. So this mode compiles the block's ``forward`` (``block.forward = torch.compile(block.forward)``, the same
-compiled code), the warm-up and capture run it, and the replay that replaces it is called without dynamo.
-The graphs hold inductor's kernels as well as the custom ops', so a step issues the eager embedding, head,
-loss and optimizer only: what a host-bound build (eager FP8: quantization launches per call) gains.
+Mode ``compiled_cuda_graph`` does both, as the job's ``--compile --cuda-graph``: each block's forward
+compiled (``launch.train.compile_blocks``), then the blocks graphed as above ([Note: compiled blocks under
+CUDA graphs] in ``launch/cuda_graph.py``).
 
 Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through the builds of one
 (precision, mode), ``--steps`` steps per build per round, synchronised at the end of each block; the
@@ -244,12 +238,6 @@ def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype
             **{k: info[k] for k in ("graph_bytes", "capture_s", "sample_shape", "num_warmup_iters")}}
 
 
-def compile_block_forwards(model: nn.Module, **compile_kwargs: Any) -> None:
-    """Each block's ``forward`` compiled in place, for graphing: [Note: compiled blocks under CUDA graphs]."""
-    for block in model.blocks:
-        block.forward = torch.compile(block.forward, **compile_kwargs)
-
-
 def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict, args) -> Build:
     dtype = _DTYPES["fp32" if precision == "fp32" else args.param_dtype]
     model, facts = build_model(impl, cfg, dtype, rt["device"], rt["group"])
@@ -257,7 +245,7 @@ def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict
         for block in model.blocks:
             block.compile()
     if mode == "compiled_cuda_graph":
-        compile_block_forwards(model)
+        _launch_train().compile_blocks(model)  # as the job's --compile
     if mode in GRAPHED:
         facts.update(_graph(impl, model, precision, cfg, dtype, args, rt))
     mb = args.microbatches
