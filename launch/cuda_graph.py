@@ -34,11 +34,12 @@
 
 [Note: compiled blocks under CUDA graphs]
 ``nn.Module.compile()`` routes every call of the module through dynamo, and ``make_graphed_callables``
-replaces the module's ``forward`` with the replay: a compiled module would then trace the replay, not run
-it. So ``--compile`` compiles each block's ``forward`` (``block.forward = torch.compile(block.forward)``:
-``launch.train.compile_blocks``, the same compiled code), the warm-up and capture run it, and the replay
-that replaces it is called without dynamo. The graphs hold inductor's kernels as well as the custom ops', so a step issues the eager embedding, head,
-loss and optimizer only: what a host-bound step (FP8: its quantization launches per call) gains.
+replaces the module's ``forward`` with the replay: a compiled module would then trace the replay, not run it.
+So ``--compile`` compiles each block's ``forward`` (``block.forward = torch.compile(block.forward)``:
+``launch.train.compile_blocks``, the same compiled code), the warm-up and capture run it, and the replay that
+replaces it is called without dynamo. The graphs hold inductor's kernels as well as the custom ops', so a step
+issues the eager embedding, head, loss and optimizer only: what a host-bound step (FP8: its quantization
+launches per call) gains.
 """
 
 from __future__ import annotations

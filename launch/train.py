@@ -26,16 +26,16 @@ Commands::
     # every option
     python -m distwgrad.launch.train --help
 
-Each step runs ``--microbatches`` forward/backward passes on this rank's rows of the global batch, drains
-the experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
-``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``),
-then ``AdamW.step()`` on the shards and ``zero_grad()``. With ``--cuda-graph`` each transformer block replays
-from CUDA graphs captured before the first step, the rest of the step unchanged (launch/cuda_graph.py,
-[Note: the graphed step]); ``--compile`` compiles each block's forward (:func:`compile_blocks`). Rank 0
-shows a progress bar and logs; the other ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``: final and best loss,
-tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md`` says what they
-hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an unusable
-``--resume`` (one at or past ``--steps`` included), 3 interrupted: a rank died or hung, or SIGTERM
+Each step runs ``--microbatches`` forward/backward passes on this rank's rows of the global batch, drains the
+experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
+``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``), then
+``AdamW.step()`` on the shards and ``zero_grad()``. With ``--cuda-graph`` each transformer block replays from
+CUDA graphs captured before the first step, the rest of the step unchanged (launch/cuda_graph.py,
+[Note: the graphed step]); ``--compile`` compiles each block's forward (:func:`compile_blocks`). Rank 0 shows a progress
+bar and logs; the other ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``:
+final and best loss, tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md``
+says what they hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an
+unusable ``--resume`` (one at or past ``--steps`` included), 3 interrupted: a rank died or hung, or SIGTERM
 (``launch/faults.py``, [Note: lost rank]; the lowest surviving rank prints which rank and the last complete
 checkpoint, and ``report.json`` records it). Every collective waits at most ``--timeout`` seconds.
 

@@ -126,8 +126,8 @@ def test_allowed_combinations_and_the_device_check():
     (["-m", "launch.train", "--cuda-graph", "--recipe", "fp8_per_tensor"], "distwgrad.launch.train: error: "
                                                                            "--cuda-graph needs CUDA devices"),
     (["qa/bench/train_step.py", "--cuda-graph"], "--cuda-graph (modes cuda_graph, compiled_cuda_graph) needs a CUDA"),
-    (["qa/bench/train_step.py", "--modes", "cuda_graph"], "(modes cuda_graph, compiled_cuda_graph) needs a CUDA device"),
-    (["qa/bench/train_step.py", "--modes", "eager,compiled_cuda_graph"], "compiled_cuda_graph) needs a CUDA device"),
+    (["qa/bench/train_step.py", "--modes", "cuda_graph"], "(modes cuda_graph, compiled_cuda_graph) needs a CUDA"),
+    (["qa/bench/train_step.py", "--modes", "eager,compiled_cuda_graph"], "compiled_cuda_graph) needs a CUDA"),
     (["qa/bench/layer_step.py", "--cuda-graph", "--tiny"], "layer_step.py: error: --cuda-graph needs a CUDA device"),
 ])
 def test_cpu_runs_are_refused_with_one_line(args, message):

@@ -620,8 +620,8 @@ def parse_args(argv=None):
     if args.cuda_graph and "cuda_graph" not in args.modes:
         args.modes += ("cuda_graph",)
     if set(GRAPHED) & set(args.modes) and not torch.cuda.is_available():
-        p.error("--cuda-graph (modes cuda_graph, compiled_cuda_graph) needs a CUDA device: CUDA graphs capture CUDA kernels, and CUDA is "
-                "not available on this machine")
+        p.error("--cuda-graph (modes cuda_graph, compiled_cuda_graph) needs a CUDA device: CUDA graphs capture CUDA "
+                "kernels, and CUDA is not available on this machine")
     if min(args.warmup, args.rounds, args.steps) < 1:
         p.error("--warmup, --rounds and --steps must be positive")
     return args
