@@ -254,14 +254,22 @@ def _reference_model(config: TrainConfig, rt: _Runtime) -> MoEGPT | None:
     """The unsharded reference, on rank 0. Without FP8 it is plain torch (no distwgrad code at all).
     Under an FP8 recipe plain torch has no FP8 path, so the reference is the same distwgrad model with
     its weights whole on rank 0 (a group of one): it checks that sharding changes nothing under FP8,
-    while the FP8 numerics themselves are checked against the emulation reference in the tests."""
+    while the FP8 numerics themselves are checked against the emulation reference in the tests. With
+    ``--compile`` that model's blocks are compiled as the run's are: an eager reference would differ from
+    the compiled run by inductor's bf16 roundings of the norms and attention, which FP8 quantization turns
+    into whole FP8 steps (on one H200, tiny preset, per-tensor: gradients 0.104 of their largest entry apart
+    at world 1, where nothing is sharded). The plain reference stays eager: it checks the compiled modules'
+    gradients against plain torch."""
     mc, pd = config.model_config(), rt.param_dtype
     if config.recipe == "none":
         return MoEGPT(mc, device=rt.device, sharded=False, param_dtype=pd) if rt.rank == 0 else None
     solo = [dist.new_group([r]) for r in range(rt.world_size)]  # every rank creates every group
     if rt.rank != 0:
         return None
-    return MoEGPT(mc, device=rt.device, sharded=True, group=solo[0], param_dtype=pd)
+    ref = MoEGPT(mc, device=rt.device, sharded=True, group=solo[0], param_dtype=pd)
+    if config.compile:
+        compile_blocks(ref)
+    return ref
 
 
 class _Lockstep:
