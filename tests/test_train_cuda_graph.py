@@ -310,7 +310,7 @@ def test_train_step_bench_graphed_mode(tmp_path):
                    "--no-record", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
-    graphed = {(r["impl"], r["precision"]) for r in report["rows"] if r["case"] == "tiny b16x64 cuda_graph"}
+    graphed = {(r["impl"], r["precision"]) for r in report["rows"] if r["case"] == "tiny b16x64 mb2 cuda_graph"}
     assert graphed == {("distwgrad", "bf16"), ("torch", "bf16"), ("distwgrad", "fp8_per_tensor"),
                        ("distwgrad", "fp8_blockwise")}, graphed
     not_run = {(n["impl"], n["precision"]) for n in report["not_run"] if n["mode"] == "cuda_graph"}
