@@ -17,6 +17,10 @@
 #       loss bound's four runs a seed at the large preset, then qa/bench/loss_curves.py; each run's report
 #       lands in $OUT_DIR/curves/s<seed>_<precision>_<recipe>.json (CURVE_RUNS picks some of the four, for
 #       runs spread over several calls; compare the reports afterwards with loss_curves.py)
+#       CURVE_ARGS="--compile --cuda-graph" adds those flags to the bf16 and FP8 runs (the fp32 one cannot be
+#       graphed)
+#   STEPS=job_compile bash qa/L2_gpu/system.sh   # the job with --compile --cuda-graph --check-parity, bf16 and
+#       per-tensor FP8 (tiny preset)
 #   STEPS=multi_build bash qa/L2_gpu/system.sh   # (not in the default) per-tensor eager alone, beside the
 #       bf16 and blockwise builds in one process, then alone again: one machine start, so the host's speed
 #       is the same for the three
@@ -32,7 +36,7 @@ OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_system}}
 mkdir -p "$OUT_DIR"
 case $OUT_DIR in /*) OUT_ABS=$OUT_DIR ;; *) OUT_ABS=$PWD/$OUT_DIR ;; esac
 export DISTWGRAD_RESULTS=${DISTWGRAD_RESULTS:-$OUT_ABS/results.jsonl}
-STEPS=${STEPS:-"job_bf16 job_fp8 tests fp8_tests dtype_paths bench_bf16 bench_fp8 layer graph_tests job_graph bench_graph layer_graph"}
+STEPS=${STEPS:-"job_bf16 job_fp8 tests fp8_tests dtype_paths bench_bf16 bench_fp8 layer graph_tests job_graph job_compile bench_graph layer_graph"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
 if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1
@@ -82,7 +86,7 @@ for step in $STEPS; do
           rm -rf "$dir"  # a run that fails must not leave an earlier call's report to be taken for its own
           STEP_TIMEOUT=${CURVE_TIMEOUT:-580} run "curve_s${seed}_${spec/:/_}" $TRAIN --global-batch 8 \
             --microbatches 2 --steps "${CURVE_STEPS:-200}" --seed "$seed" --precision "$prec" --recipe "$recipe" \
-            --log-every 25 --out "$dir"
+            --log-every 25 --out "$dir" $([ "$prec" = fp32 ] || echo "${CURVE_ARGS:-}")
           [ -f "$dir/report.json" ] && cp "$dir/report.json" "$OUT_ABS/curves/s${seed}_${spec/:/_}.json"
         done
         reports=()
@@ -101,6 +105,11 @@ for step in $STEPS; do
     graph_tests) run graph_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_train_cuda_graph.py ;;
     job_graph) run job_graph $TRAIN --precision bf16 --steps ${GRAPH_JOB_STEPS:-4} --cuda-graph --check-parity \
                  --out "$OUT_ABS/job_graph" ;;
+    job_compile)  # compiled blocks, graphed, held to the lockstep reference (docs/training.md)
+      for recipe in none fp8_per_tensor; do
+        run "job_compile_$recipe" python3 -m distwgrad.launch.train --steps 4 --compile --cuda-graph --check-parity \
+          --recipe "$recipe" --no-progress --out "$OUT_ABS/job_compile_$recipe"
+      done ;;
     bench_graph) run bench_graph torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                    --batch 8 --microbatches 1 --precisions ${GRAPH_PRECISIONS:-bf16} --modes eager \
                    --cuda-graph --warmup 2 --rounds 3 --steps 3 ${GRAPH_ARGS:-} ;;
