@@ -297,6 +297,18 @@ def test_ops_run_directly_at_run_time_and_redispatch_elsewhere(monkeypatch):
     assert isinstance(y, torch._subclasses.FakeTensor) and y.shape == (T, K) and token.shape == (1,)
 
 
+def test_lowering_registration_is_marked_as_dynamo_marks_it():
+    """``_compiled._lowering_registered`` carries the mark ``torch.compiler.assume_constant_result`` sets (set
+    by hand: the decorator imports dynamo): dynamo runs it while tracing instead of tracing into it
+    ([Note: op inputs that outlive the op])."""
+    def probe():
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert [k for k in vars(marked) if k.startswith("_dynamo")] == ["_dynamo_marked_constant"]
+    assert _compiled._lowering_registered._dynamo_marked_constant is True
+
+
 # --- the rest of the grid ---------------------------------------------------------------------------
 @pytest.mark.full
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -299,7 +299,6 @@ def _lower(op):
     return lowering
 
 
-@torch.compiler.assume_constant_result
 def _lowering_registered() -> bool:
     """Registers the ops' inductor lowerings once; dynamo runs it while tracing (a constant to the graph)."""
     global _LOWERED
@@ -310,6 +309,11 @@ def _lowering_registered() -> bool:
             register_lowering(op, type_promotion_kind=None)(_lower(op))
         _LOWERED = True
     return True
+
+
+# What ``torch.compiler.assume_constant_result`` sets, set without it: calling it imports dynamo (and DTensor),
+# which importing distwgrad must not (tests/test_compile.py checks the attribute is still dynamo's).
+_lowering_registered._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | None], out_cols: int, *,
