@@ -542,7 +542,8 @@ def _check_losses(builds: list[Seen], rt: dict) -> list[dict]:
     for c in checks:
         _say(rt, f"  {c['build']:32s} {c['loss_step1']:.7f}   |diff| vs {c['reference']} {c['abs_diff']:.2e} "
                  f"(atol {c['atol']:.0e}) {'ok' if c['ok'] else 'MISMATCH'}"
-                 + (f"; vs its ungraphed build {c['vs_ungraphed_abs_diff']:.2e}" if "vs_ungraphed_abs_diff" in c else ""))
+                 + (f"; vs its ungraphed build {c['vs_ungraphed_abs_diff']:.2e}"
+                    if "vs_ungraphed_abs_diff" in c else ""))
     return checks
 
 
