@@ -65,8 +65,9 @@ for step in $STEPS; do
              tests/test_cuda_graphs.py tests/test_gpu_modules.py tests/test_mixed_precision.py \
              tests/test_gradient_memory.py tests/test_layernorm_mlp.py tests/test_grouped_gemm_routes.py} ;;
     dtype_paths) run dtype_paths python3 qa/bench/dtype_paths.py ;;
-    bench_bf16) run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
-                  --batch 8 --microbatches 1 --precisions bf16 --warmup 2 --rounds 3 --steps 3 ${BENCH_ARGS:-} ;;
+    bench_bf16) STEP_TIMEOUT=${BENCH_TIMEOUT:-480} run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
+                  --batch 8 --microbatches 1 --precisions bf16 --modes ${BENCH_MODES:-eager,compiled,compiled_cuda_graph} \
+                  --warmup 2 --rounds 3 --steps 3 ${BENCH_ARGS:-} ;;
     bench_fp8)  # one build a process: a host-bound FP8 build runs slower beside other builds (LOG.md)
       for p in ${FP8_PRECISIONS:-bf16 fp8_per_tensor fp8_blockwise}; do
         run "bench_fp8_$p" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \

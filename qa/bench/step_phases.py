@@ -185,8 +185,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
         p.error(f"--steps must be positive, got {own.steps}")
     # every other option is train_step.py's (model, batch, impls, precisions, modes, warm-up, results)
     args = ts.parse_args(rest + ["--microbatches", "1", "--rounds", "1"])
-    if "cuda_graph" in args.modes:
-        p.error("--modes cuda_graph: a graphed block replays as one launch, so its phases cannot be cut")
+    graphed = [m for m in args.modes if m in ts.GRAPHED]
+    if graphed:
+        p.error(f"--modes {','.join(graphed)}: a graphed block replays as one launch, so its phases cannot be cut")
     return own, args
 
 
