@@ -334,6 +334,24 @@ def test_inductor_keeps_what_the_ops_hold():
         assert ((grads[1][name] - g).abs().max() / g.abs().max()).item() < 1e-4, name
 
 
+def test_embedding_compiles_around_a_graph_break():
+    """docs/architecture.md: ``Embedding``'s use records break the graph (``fullgraph=True`` is refused);
+    compiled around that, its gradients over two steps are eager's, bit for bit."""
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        emb = dnn.Embedding(50, 16)
+        run = torch.compile(emb, backend="aot_eager") if compiled else emb
+        ids = torch.randint(50, (4, 8), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            run(ids).square().sum().backward()
+        grads.append(emb.weight.grad)
+    assert torch.equal(grads[0], grads[1])
+    torch._dynamo.reset()  # else the frames compiled above, with their break, serve the call below
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(dnn.Embedding(50, 16), backend="aot_eager", fullgraph=True)(ids)
+
+
 def test_lowering_registration_is_marked_as_dynamo_marks_it():
     """``_compiled._lowering_registered`` carries the mark ``torch.compiler.assume_constant_result`` sets (set
     by hand: the decorator imports dynamo): dynamo runs it while tracing instead of tracing into it
