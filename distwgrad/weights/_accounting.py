@@ -41,7 +41,9 @@ class Use:
         self.delivered = False
 
     def __del__(self) -> None:
-        if not self.delivered:
+        # A Use whose __init__ never ran recorded nothing: dynamo builds one while tracing a module's
+        # forward and drops it at the graph break before the use is recorded (docs/architecture.md).
+        if not getattr(self, "delivered", True):
             self.weight._withdraw_use(self.step)
 
 
