@@ -313,6 +313,7 @@ class _Chain(nn.Module):
         return self.c(torch.sigmoid(h) + h)
 
 
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")  # the cache switched off, as intended
 def test_inductor_keeps_what_the_ops_hold():
     """[Note: op inputs that outlive the op]: the saved activations and a deferred wgrad's ``dy`` live past the
     ops' calls; inductor, left to its memory planning, reused their buffers (gradients 1.16 of their largest
