@@ -52,6 +52,14 @@ def _check(report: dict, stdout: str, world: int) -> None:
     assert all(c["ok"] for c in checks.values()), checks
     for build, c in checks.items():  # printed side by side
         assert f"{build} " in stdout and f"{c['loss_step1']:.7f}" in stdout, build
+    tokens = {(r["impl"], r["precision"]): r["value"] for r in report["rows"] if r["metric"] == "tokens_per_s"}
+    best = {(b["impl"], b["precision"]): b for b in report["best"]}  # one mode here: eager is each one's best
+    assert set(best) == want and all(b["mode"] == "eager" for b in best.values()), best
+    for peer in ("fsdp2", "torch"):
+        assert best[(peer, "bf16")]["vs_distwgrad"] == tokens[("distwgrad", "bf16")] / tokens[(peer, "bf16")]
+    for p in PRECISIONS[1:]:
+        assert best[("distwgrad", p)]["vs_bf16"] == tokens[("distwgrad", p)] / tokens[("distwgrad", "bf16")]
+    assert "best configuration" in stdout and f"distwgrad {best[('fsdp2', 'bf16')]['vs_distwgrad']:.3f}x" in stdout
 
 
 def _comm(report: dict, impl: str, precision: str) -> dict:
@@ -130,3 +138,25 @@ def test_timed_blocks_run_without_automatic_gc(monkeypatch, python_gc):
     assert gc.isenabled()
     assert seen == [("a", python_gc), ("b", python_gc)] * 2
     assert collects == ([] if python_gc else [1] * 4)
+
+
+def test_best_configurations_compare_each_build_at_its_fastest(monkeypatch):
+    """What the issue's targets compare: each (precision, impl) at its fastest mode, distwgrad's best over a
+    peer's best, an FP8 recipe's best over distwgrad's bf16 best (the rows of one H200 run, ms -> tokens/s)."""
+    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])  # as the test above
+    import train_step as ts
+
+    ms = {("bf16", "distwgrad", "compiled"): 92.05, ("bf16", "fsdp2", "compiled"): 99.29,
+          ("bf16", "torch", "compiled"): 91.30, ("bf16", "distwgrad", "compiled_cuda_graph"): 90.03,
+          ("bf16", "torch", "compiled_cuda_graph"): 91.59,
+          ("fp8_per_tensor", "distwgrad", "compiled_cuda_graph"): 81.91}
+    rows = [{"metric": m, "precision": p, "impl": i, "case": f"large b8x2048 {mode}", "value": v}
+            for (p, i, mode), t in ms.items() for m, v in (("tokens_per_s", 16384e3 / t), ("step_ms", t))]
+    best = {(b["precision"], b["impl"]): b for b in ts.best_configurations(rows)}
+    assert {k: b["mode"] for k, b in best.items()} == {
+        ("bf16", "distwgrad"): "compiled_cuda_graph", ("bf16", "fsdp2"): "compiled", ("bf16", "torch"): "compiled",
+        ("fp8_per_tensor", "distwgrad"): "compiled_cuda_graph"}
+    assert round(best[("bf16", "fsdp2")]["vs_distwgrad"], 3) == 1.103
+    assert round(best[("bf16", "torch")]["vs_distwgrad"], 3) == 1.014
+    assert round(best[("fp8_per_tensor", "distwgrad")]["vs_bf16"], 3) == 1.099
+    assert "vs_distwgrad" not in best[("bf16", "distwgrad")] and "vs_bf16" not in best[("bf16", "distwgrad")]

@@ -68,7 +68,9 @@ generation-1 collection before each build's timed block, outside its timing; eve
 
 Rows go to ``docs/benchmarks/results.jsonl`` (``qa/bench/results.py``; ``--no-record`` skips it), one per
 (impl, precision, mode, metric). The step-1 losses of all builds are printed side by side and compared
-(``LOSS_ATOL``): same weights, same data, so a gap is a bug in a build (or in this bench).
+(``LOSS_ATOL``): same weights, same data, so a gap is a bug in a build (or in this bench). Last, each
+build's best configuration (its fastest mode) with the ratios the targets compare (``best_configurations``;
+``--json``'s ``best``).
 """
 
 from __future__ import annotations
@@ -569,6 +571,36 @@ def _table(rows: list[dict], rt: dict) -> None:
         _say(rt, f"{precision:15s} {impl:10s} {mode:19s} " + " ".join(f"{c:>11s}" for c in cells))
 
 
+def best_configurations(rows: list[dict]) -> list[dict]:
+    """Each (precision, impl)'s fastest mode by tokens/s, what the issue's targets compare: ``vs_distwgrad``
+    is distwgrad's best over a peer's best of the same precision, ``vs_bf16`` an FP8 recipe's best over
+    distwgrad's own bf16 best (each where both ran)."""
+    best: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        if r["metric"] != "tokens_per_s":
+            continue
+        key, mode = (r["precision"], r["impl"]), r["case"].rsplit(" ", 1)[1]
+        if key not in best or r["value"] > best[key]["tokens_per_s"]:
+            best[key] = {"precision": r["precision"], "impl": r["impl"], "mode": mode, "tokens_per_s": r["value"]}
+    for (precision, impl), b in best.items():
+        ours = best.get((precision, "distwgrad"))
+        if impl != "distwgrad" and ours is not None:
+            b["vs_distwgrad"] = ours["tokens_per_s"] / b["tokens_per_s"]
+        bf16 = best.get(("bf16", "distwgrad"))
+        if impl == "distwgrad" and precision.startswith("fp8") and bf16 is not None:
+            b["vs_bf16"] = b["tokens_per_s"] / bf16["tokens_per_s"]
+    return list(best.values())
+
+
+def _best_table(best: list[dict], rt: dict) -> None:
+    _say(rt, "best configuration (tokens/s; distwgrad's best over a peer's best, an FP8 recipe's over distwgrad's "
+             "bf16):")
+    for b in best:
+        ratio = (f"distwgrad {b['vs_distwgrad']:.3f}x" if "vs_distwgrad" in b else
+                 f"{b['vs_bf16']:.3f}x distwgrad bf16" if "vs_bf16" in b else "")
+        _say(rt, f"  {b['precision']:15s} {b['impl']:10s} {b['mode']:19s} {b['tokens_per_s']:>11,.0f}   {ratio}")
+
+
 def _runtime() -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -687,12 +719,14 @@ def _main(args, rt: dict) -> int:
                 torch.cuda.empty_cache()
     checks = _check_losses(seen, rt)
     _table(rows, rt)
+    best = best_configurations(rows)
+    _best_table(best, rt)
     for n in not_run:
         _say(rt, f"not run: {n['impl']}/{n['precision']}/{n['mode']}: {n['why']}")
     results.record(rows, args)
     if args.json and rt["rank"] == 0:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "loss_checks": checks, "not_run": not_run, "model_config": vars(cfg),
+            json.dump({"rows": rows, "best": best, "loss_checks": checks, "not_run": not_run, "model_config": vars(cfg),
                        "peak_bf16_tflops": peak_tflops}, f, indent=1, default=str)
     return 0 if all(c["ok"] for c in checks) else 1
 
