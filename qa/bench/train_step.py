@@ -106,7 +106,8 @@ from distwgrad.models import MoEGPT, MoEGPTConfig  # noqa: E402
 IMPLS = ("distwgrad", "fsdp2", "torch")
 PRECISIONS = ("fp32", "bf16", "fp8_per_tensor", "fp8_blockwise")
 MODES = ("eager", "compiled", "cuda_graph", "compiled_cuda_graph")
-GRAPHED = ("cuda_graph", "compiled_cuda_graph")  # modes whose blocks replay from CUDA graphs
+UNGRAPHED = {"cuda_graph": "eager", "compiled_cuda_graph": "compiled"}  # a graphed mode -> the mode it replays
+GRAPHED = tuple(UNGRAPHED)  # modes whose blocks replay from CUDA graphs
 METRICS = ("step_ms", "tokens_per_s", "peak_gib", "mfu", "collectives_per_step", "comm_bytes_per_step",
            "comm_hidden")
 # Step-1 loss agreement between builds, by precision. fp32: the job's parity tolerance (the same sums in
@@ -540,8 +541,7 @@ def _check_losses(builds: list[Seen], rt: dict) -> list[dict]:
             diff = abs(b.loss1 - ref.loss1)
             checks.append({"build": b.name, "loss_step1": b.loss1, "reference": ref.name, "abs_diff": diff,
                            "atol": LOSS_ATOL[precision], "ok": diff <= LOSS_ATOL[precision]})
-            ungraphed = {"cuda_graph": "eager", "compiled_cuda_graph": "compiled"}.get(b.mode)
-            own = next((e for e in group if e.impl == b.impl and e.mode == ungraphed), None)
+            own = next((e for e in group if e.impl == b.impl and e.mode == UNGRAPHED.get(b.mode)), None)
             if b.mode in GRAPHED and own is not None:  # shown, not gated: a replay runs its ungraphed kernels
                 checks[-1]["vs_ungraphed_abs_diff"] = abs(b.loss1 - own.loss1)
     _say(rt, "step-1 loss (same weights, same data):")
