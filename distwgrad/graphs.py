@@ -231,7 +231,7 @@ class _MainGrads:
 
 
 def _snapshot(p: DistributedParameter) -> tuple:
-    return p._expected, p._delivered, p._reduced, p._buffer is not None
+    return p._expected, p._delivered, p._reduced, p._buffer is not None, p._armed
 
 
 class _Ledger:
@@ -267,6 +267,8 @@ class _Ledger:
                 p._reduced, p._step_has_grad = p._delivered, True
             owned = getattr(p, "_graph_grad_buffer", None)  # None: a group of one, accumulating in main_grad
             p._buffer = (owned if owned is not None else p._main_grad()) if after[3] else None
+            if before[4] and not after[4]:  # the replay wrote (or settled) main_grad and cleared the flag
+                p._armed = False
 
 
 class _DwItem:
@@ -309,6 +311,7 @@ class _GraphSet:
         self.callables: list[_Callable] = []
         self.pending: weakref.WeakSet[_Replay] = weakref.WeakSet()
         self.weights: list[DistributedParameter] = []
+        self.flagged: list[DistributedParameter] = []  # weights whose main_grad the steps flag instead of zeroing
         self.stream: Any = None  # the warm-up's and the captures' side stream
         self.alive = True
 
@@ -340,7 +343,9 @@ class _GraphSet:
             c.release()
         for p in self.weights:
             p._graph_grad_buffer = None
-        self.callables, self.weights = [], []
+        for p in self.flagged:
+            p._drop_first_flag()
+        self.callables, self.weights, self.flagged = [], [], []
         torch.cuda.empty_cache()
 
 
@@ -627,6 +632,11 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     gs = _GraphSet(torch.cuda.graph_pool_handle() if pool is None else pool)
     gs.weights = weights
     _prepare_main_grads(mods)
+    # a weight accumulating in place: its steps flag main_grad instead of zeroing it, before the warm-up, which
+    # then builds the kernels that read the flag ([Note: an unwritten accumulator] in weights/first_write.py)
+    gs.flagged = [p for p in weights if p._solo and p.main_grad.dtype == torch.float32]
+    for p in gs.flagged:
+        p._use_first_flag()
     touched = {id(p): p for m in mods for p in m.parameters() if getattr(p, "main_grad", None) is not None}
     saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(mods, args, kwargs, flat)]
@@ -647,10 +657,15 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     except BaseException:
         for p in weights:
             p._graph_grad_buffer = None
+        for p in gs.flagged:
+            p.discard_step()
+            p._drop_first_flag()
         raise
     finally:
         for p in weights:
             p.discard_step()
+            if p._first_flag is not None:  # the capture's opening set it; the step is gone
+                p._first_flag.zero_()
         for k, p in touched.items():  # type: ignore[assignment]  # nn.Module attributes
             p.main_grad.copy_(saved[k][0])
             if saved[k][1] is None:

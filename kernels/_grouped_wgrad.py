@@ -128,10 +128,10 @@ def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl
 
 
 @triton.jit
-def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
-                 ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+def _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
+               ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
     """Writes (0), load-adds (1), reduces (3, fp32 atomics) or bulk-reduces (4, TMA) the [BLOCK_M, WIDTH]
-    part of group e's output at (row0, col0) (the FP8 wgrad kernel's epilogue)."""
+    part of group e's output at (row0, col0)."""
     if ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
         out_desc.atomic_add([e, row0, col0], tl.reshape(part, (1, BLOCK_M, WIDTH)))
     else:
@@ -147,46 +147,73 @@ def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok
             tl.store(ptrs, part.to(base.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, first_ptr,
+                 ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr):
+    """The epilogue of both Triton wgrad kernels: ``_wgrad_put`` in ADD_MODE, or, with FIRST and the flag at
+    ``first_ptr`` set, a plain write ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
+    if FIRST:
+        if tl.load(first_ptr) != 0:
+            _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, 0, BLOCK_M, WIDTH)
+        else:
+            _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, ADD_MODE, BLOCK_M, WIDTH)
+    else:
+        _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, ADD_MODE, BLOCK_M, WIDTH)
+
+
+@triton.jit
+def _skips(end, start, first_ptr, FIRST: tl.constexpr):
+    """Whether an accumulating tile writes nothing: its group has no tokens, and ``out`` holds something to
+    keep (without FIRST, or with the flag clear; with it set every tile is written, an empty group's as zeros)."""
+    skips = end == start
+    if FIRST:
+        skips = skips & (tl.load(first_ptr) == 0)
+    return skips
+
+
+@triton.jit
+def _reads_out(first_ptr, FIRST: tl.constexpr):
+    """Whether the old tile will be read (for the L2 prefetch): not when the flag says it holds nothing."""
+    reads = True
+    if FIRST:
+        reads = tl.load(first_ptr) == 0
+    return reads
+
+
 # ---------------------------------------------------------------------------------------------------
 # The wgrad kernel: one program per tile
 # ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=["T"])
-def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
+def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, first_ptr,
                   T, N, K,
                   stride_dt, stride_dn, stride_xt, stride_xk,
                   stride_oe, stride_on, stride_ok, stride_o,
                   ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
+                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False, FIRST: tl.constexpr = False):
     """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
     output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
     fresh output; 1, 3 and 4 add into fp32 ``out``: 1 loads the old tile after the main loop, 3 sends
     fp32 reductions to L2 (no round trip; still deterministic: every element receives exactly one
     addend), 4 does the same with one bulk tensor reduction per tile through ``out_desc`` ([E, N, K],
     asynchronous; GPU only). L2_PREFETCH (accumulating modes): the old tile is prefetched into L2 before
-    the main loop ([Note: L2 prefetch of the accumulated tile])."""
+    the main loop ([Note: L2 prefetch of the accumulated tile]). FIRST (accumulating modes): the int32 at
+    ``first_ptr``, when not 0, says ``out`` holds nothing yet: every tile is then written as a fresh one
+    ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
-        if end == start:
+        if _skips(end, start, first_ptr, FIRST):
             return
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
     if L2_PREFETCH and ADD_MODE != 0:
-        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
-    o_ptrs = base + rows_m.to(tl.int64)[:, None] * stride_on + cols_n[None, :] * stride_ok
-    mask = (rows_m[:, None] < N) & (cols_n[None, :] < K)
+        if _reads_out(first_ptr, FIRST):
+            _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M,
+                               BLOCK_N)
     acc = _wgrad_mainloop(dy_desc, x_desc, dy_ptr, x_ptr, start, end, pid_m, pid_n, N, K, stride_dt,
                           stride_dn, stride_xt, stride_xk, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
                           BLOCK_K)
-    if ADD_MODE == 3:
-        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
-    elif ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
-        out_desc.atomic_add([e, pid_m * BLOCK_M, pid_n * BLOCK_N], tl.reshape(acc, (1, BLOCK_M, BLOCK_N)))
-    else:
-        if ADD_MODE == 1:
-            acc += tl.load(o_ptrs, mask=mask, other=0.0)
-        tl.store(o_ptrs, acc.to(base.dtype.element_ty), mask=mask)
+    _wgrad_write(acc, out_desc, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, first_ptr,
+                 ADD_MODE, BLOCK_M, BLOCK_N, FIRST)

@@ -127,7 +127,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distwgrad.weights import _accounting, _comm
+from distwgrad.weights import _accounting, _comm, first_write
 
 __all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of", "compute_dtype"]
 
@@ -272,7 +272,12 @@ class DistributedParameter(nn.Parameter):
             if self._in_place():
                 # [Note: a group of one]: a CUDA graph captures the same in-place accumulation eager code
                 # runs (the same adds in the same order), and keeps main_grad: [Note: main_grad lifetime]
-                self._buffer = self._main_grad(keep=self.is_cuda and torch.cuda.is_current_stream_capturing())
+                capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
+                self._buffer = self._main_grad(keep=capturing)
+                if self._first_flag is not None and (capturing or self._armed):
+                    # added into: zeros first where it holds nothing ([Note: an unwritten accumulator])
+                    first_write.settle(self._buffer, self._first_flag, capturing=capturing)
+                    self._armed = False
             elif self.is_cuda and torch.cuda.is_current_stream_capturing():
                 graph_buffer = getattr(self, "_graph_grad_buffer", None)
                 if graph_buffer is None:
@@ -312,6 +317,58 @@ class DistributedParameter(nn.Parameter):
         if self._in_place():
             self.main_grad = self._own_main_grad = wgrad
         self._buffer = wgrad
+
+    # [Note: an unwritten accumulator] in weights/first_write.py: the flag of a weight graphed in place, and
+    # its host mirror (set when a step opens, cleared by the step's first contribution)
+    _first_flag: torch.Tensor | None = None
+    _armed = False
+    _flag_users = 0  # the sets of graphed callables whose graphs read the flag
+
+    def _use_first_flag(self) -> None:
+        """From now on a step that opens flags ``main_grad`` as holding nothing instead of zeroing it; for a
+        weight accumulating in place ([Note: an unwritten accumulator]). Builds the flag-reading kernel now,
+        outside any capture (a clear flag: nothing is written)."""
+        main_grad = getattr(self, "main_grad", None)
+        if not self._solo or main_grad is None or main_grad.dtype != torch.float32:
+            raise RuntimeError(f"{self._name()}: only a weight of a group of one with an fp32 main_grad accumulates "
+                               f"in place; it has {self.dp_size} ranks and main_grad "
+                               f"{None if main_grad is None else main_grad.dtype}")
+        if self._first_flag is None:
+            self._first_flag = first_write.new_flag(self.device)
+        self._flag_users += 1
+        first_write.zero_where_flagged(main_grad, self._first_flag)
+        if not self._step_closed and self._delivered == 0 and self._buffer is None:
+            self._first_flag.fill_(1)  # the open step's main_grad was zeroed when it opened: either is right
+            self._armed = True
+
+    def _drop_first_flag(self) -> None:
+        """One set of graphs that read the flag is gone; after the last, a step that opens zeroes ``main_grad``
+        again."""
+        self._flag_users = max(self._flag_users - 1, 0)
+        if self._flag_users == 0:
+            self._settle_unwritten()
+            self._first_flag = None
+
+    def _settle_unwritten(self) -> None:
+        """Eagerly: zeros in ``main_grad`` if the open step flagged it and nothing arrived yet."""
+        main_grad = getattr(self, "main_grad", None)
+        if self._armed and self._first_flag is not None and main_grad is not None:
+            first_write.settle(main_grad, self._first_flag, capturing=False)
+        self._armed = False
+
+    def _take_unwritten(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(main_grad, flag)`` for a kernel that reads the flag, when this contribution is the first of its
+        microbatch into a flagged ``main_grad`` (eagerly: the host knows the flag is set; under capture: it
+        may be, on some replay); it becomes the buffer. None: use ``grad_buffer()``. The caller launches the
+        kernel, then clears the flag ([Note: an unwritten accumulator])."""
+        if self._first_flag is None or self._buffer is not None or not self._in_place():
+            return None
+        capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (capturing or self._armed):
+            return None
+        self._buffer = self._main_grad(keep=capturing)
+        self._armed = False
+        return self._buffer, self._first_flag
 
     def _in_place(self) -> bool:
         """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one]."""
@@ -370,7 +427,11 @@ class DistributedParameter(nn.Parameter):
             elif main_grad is not None:
                 if self.grad is main_grad:  # the last step's .grad is still held: it keeps its values
                     self.grad = main_grad.clone()  # [Note: .grad is main_grad]
-                main_grad.zero_()
+                if self._first_flag is not None:  # [Note: an unwritten accumulator]
+                    self._first_flag.fill_(1)
+                    self._armed = True
+                else:
+                    main_grad.zero_()
         elif self._bucket is not None and self.reduce_policy is ReducePolicy.PER_MICROBATCH \
                 and self._bucket.complete(self):
             self._bucket.flush()  # used again before its bucket reduced: reduce what is complete now
@@ -466,6 +527,7 @@ class DistributedParameter(nn.Parameter):
         while self._inflight:
             _accounting.forget(self)
             self._inflight.pop(0)()
+        self._settle_unwritten()
         self._buffer = None
         self._expected = self._delivered = self._reduced = 0
         self._step_closed, self._step_has_grad = True, False
@@ -483,6 +545,7 @@ class DistributedParameter(nn.Parameter):
                 f"arrived ({_MISSING_CAUSES})")
         self._reduce_pending()
         self._wait_inflight()
+        self._settle_unwritten()  # nothing arrived: main_grad reads as zeros ([Note: an unwritten accumulator])
         self._step_closed = True
         if self._unit is not None:
             self._unit.units.end_step()  # no gathered copy outlives the step

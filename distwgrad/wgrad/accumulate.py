@@ -186,11 +186,24 @@ def _fresh_first(params: Sequence[torch.Tensor]) -> bool:
 def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
               *, fuse: bool, deferred: bool, shape: Sequence[int] | None = None,
               dtype: torch.dtype | None = None, uses: Uses | None = None,
-              fresh: Callable[[], Sequence[torch.Tensor]] | None = None) -> list[torch.Tensor | None]:
+              fresh: Callable[[], Sequence[torch.Tensor]] | None = None,
+              unwritten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+              ) -> list[torch.Tensor | None]:
     """Picks targets (``shape``, ``dtype``: as :func:`wgrad_targets`), runs ``gemm(targets)`` (which returns
     per-param wgrads), delivers them. ``fresh()``: the same product as new fp32 tensors, one per param,
     each written in full; given, distributed weights with nothing accumulated take it as their buffer
-    instead of zeros added into ([Note: a fresh first contribution])."""
+    instead of zeros added into ([Note: a fresh first contribution]). ``unwritten(target, flag)``: for one
+    param, the product added into ``target`` by a kernel that writes it instead while the int32 ``flag`` is
+    set, returning ``target``; given, a weight whose ``main_grad`` a step flagged as holding nothing takes
+    that path and the flag is cleared after it ([Note: an unwritten accumulator] in
+    ``weights/first_write.py``)."""
+    if unwritten is not None and len(params) == 1 and isinstance(params[0], DistributedParameter):
+        taken = params[0]._take_unwritten()
+        if taken is not None:
+            target, flag = taken
+            wgrad = unwritten(target, flag)
+            flag.zero_()  # after the kernel, on its stream: the next contribution adds
+            return deliver_wgrads(params, [wgrad], fuse=fuse, deferred=deferred, uses=uses)
     if fresh is not None and _fresh_first(params):
         wgrads = list(fresh())
         if len(wgrads) != len(params):

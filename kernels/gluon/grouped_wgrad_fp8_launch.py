@@ -46,7 +46,7 @@ def _epilogue_meta(epilogue_warps: int, stages: int) -> dict:
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
-           num_sms: int, trace=None, zero_edges: bool = True) -> None:
+           num_sms: int, trace=None, zero_edges: bool = True, first=None) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked ``out`` ([E, N, K];
     fp32, or bf16/fp16 for a fresh one) or, with ``table`` (int64 bases), into the per-group buffers shaped and
     strided like ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry
@@ -55,7 +55,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
     older ones run 0, the same bits). ``trace``: None, or an int64 tensor [programs, tiles, 5] that receives the
     MMA warps' tile phases ([Note: tracing the MMA warps' tile phases]; ``trace_shape`` gives its shape).
     ``zero_edges`` False skips zeroing the edge chunks' foreign tokens: a traced dry run's diagnostic only (what
-    the zeroing costs), refused otherwise."""
+    the zeroing costs), refused otherwise. ``first``: None, or an int32 flag on the device that, when not 0, says
+    ``out`` holds nothing yet (an accumulating launch then writes every tile: [Note: an unwritten
+    accumulator] in ``distwgrad/weights/first_write.py``)."""
     ensure_context(a_NT.device)  # [Note: a current context on any thread] in kernels/_context.py
     N, T = a_NT.shape
     K = b_KT.shape[0]
@@ -74,8 +76,8 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
         _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
         offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
-        TRACE=trace is not None, ZERO_EDGES=zero_edges, ADD_MODE=add_mode, PTR_TABLE=table is not None,
-        **_epilogue_meta(epilogue_warps, stages))
+        offs_E if first is None else first, TRACE=trace is not None, ZERO_EDGES=zero_edges, ADD_MODE=add_mode,
+        PTR_TABLE=table is not None, FIRST=first is not None and add_mode > 0, **_epilogue_meta(epilogue_warps, stages))
 
 
 @functools.cache
@@ -91,7 +93,7 @@ def _allocator():
 
 
 def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
-                        num_sms: int, tail: str = "tma") -> None:
+                        num_sms: int, tail: str = "tma", first=None) -> None:
     """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]): dW_e =
     dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the stacked
     ``out`` ([E, N, K]; fp32, or dy's dtype for a fresh one) or the per-group buffers of ``table`` (int64 bases,
@@ -99,7 +101,7 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stage
     "tma" loads each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the
     group with zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
     group's tail zero-filled by TMA]). Each chunk's MMAs accumulate into the tile's registers ([Note: chained
-    bf16 accumulation])."""
+    bf16 accumulation]). ``first``: as in ``launch``."""
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
     ensure_context(dy_TN.device)  # [Note: a current context on any thread] in kernels/_context.py
@@ -122,8 +124,9 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stage
         _k.wgrad_kernel[(min(tiles, num_sms),)](
             _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), ones, ones,
             out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
-            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), TRACE=False, ZERO_EDGES=not group_desc, TOKENS_OUTER=True,
-            GROUP_DESC=group_desc, CHAIN=True, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), offs_E if first is None else first, TRACE=False,
+            ZERO_EDGES=not group_desc, TOKENS_OUTER=True, GROUP_DESC=group_desc, CHAIN=True, ADD_MODE=add_mode,
+            PTR_TABLE=table is not None, FIRST=first is not None and add_mode > 0,
             **_epilogue_meta(epilogue_warps, stages))
     finally:
         if token is not None:

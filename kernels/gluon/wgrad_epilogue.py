@@ -7,7 +7,7 @@ from .._grouped_wgrad import _wgrad_out_base  # (a scalar Triton helper: Gluon c
 from . import aggregate, constexpr_function, field, gl, gluon, mbarrier
 from .tiles import wgrad_tile as _tile
 
-__all__ = ["Handoff", "Out", "epilogue", "flush"]
+__all__ = ["Handoff", "Out", "epilogue", "flush", "unwritten"]
 
 _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT specializes it (a 1)
 
@@ -16,23 +16,29 @@ _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT
 class Out:
     """The output: dW stacked [e, n, k] at ``out_ptr`` (strides ``stride_oe``, ``stride_on``, ``stride_ok``)
     or, with PTR_TABLE, a table of per-group bases (``stride_oe`` 0); ADD_MODE 0 fresh, 1 load-add-store,
-    3 fp32 reductions, -1 nothing (a traced dry run)."""
+    3 fp32 reductions, -1 nothing (a traced dry run). FIRST (accumulating): the int32 at ``first_ptr``, when
+    not 0, says ``out`` holds nothing yet, so every tile is written as a fresh one ([Note: an unwritten
+    accumulator] in ``distwgrad/weights/first_write.py``)."""
 
     out_ptr: gl.tensor
     stride_oe: _Scalar
     stride_on: _Scalar
     stride_ok: _Scalar
+    first_ptr: gl.tensor
     ADD_MODE: gl.constexpr
     PTR_TABLE: gl.constexpr
+    FIRST: gl.constexpr
 
     @constexpr_function
-    def __init__(self, out_ptr, stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE):
+    def __init__(self, out_ptr, stride_oe, stride_on, stride_ok, first_ptr, ADD_MODE, PTR_TABLE, FIRST):
         self.out_ptr = field(out_ptr)
         self.stride_oe = field(stride_oe)
         self.stride_on = field(stride_on)
         self.stride_ok = field(stride_ok)
+        self.first_ptr = field(first_ptr)
         self.ADD_MODE = field(ADD_MODE)
         self.PTR_TABLE = field(PTR_TABLE)
+        self.FIRST = field(FIRST)
 
 
 @aggregate
@@ -67,22 +73,43 @@ def _write(acc, out, e, row0, col0, n_rows, K, a_scale, b_scale, mma: gl.constex
     base = _wgrad_out_base(out.out_ptr, e, out.stride_oe, out.PTR_TABLE)
     ptrs = base + rows.to(gl.int64)[:, None] * out.stride_on + cols[None, :] * out.stride_ok
     mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
-    if out.ADD_MODE == 3:  # one addend per element: deterministic
+    if unwritten(out):
+        gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
+    else:
+        _put(ptrs, val, mask, out.ADD_MODE)
+
+
+@gluon.jit
+def _put(ptrs, val, mask, ADD_MODE: gl.constexpr):
+    """Store (ADD_MODE 0), load-add-store (1) or fp32 reductions (3) of ``val``."""
+    if ADD_MODE == 3:  # one addend per element: deterministic
         gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
     else:
-        if out.ADD_MODE == 1:
+        if ADD_MODE == 1:
             val = val + gl.load(ptrs, mask=mask, other=0.0)
         gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _writes(n_k, ADD_MODE: gl.constexpr):
-    """Whether a tile writes: a fresh output gets every tile (an empty group's zeros too); an
-    accumulating one only the tiles with tokens."""
-    if ADD_MODE == 0:
+def unwritten(out):
+    """Whether ``out`` holds nothing yet: FIRST and its flag set (a runtime bool), else the constant False."""
+    if out.FIRST:
+        flag = gl.load(out.first_ptr) != 0
+    else:
+        flag = False
+    return flag
+
+
+@gluon.jit
+def _writes(n_k, out, fresh):
+    """Whether a tile writes: a fresh output (or one that holds nothing yet: ``fresh``) gets every tile (an
+    empty group's zeros too); an accumulating one only the tiles with tokens."""
+    if out.ADD_MODE == 0:
         w = n_k >= 0
     else:
         w = n_k > 0
+        if out.FIRST:
+            w = w | fresh
     return w
 
 
@@ -113,11 +140,12 @@ def epilogue(hand, out, sched, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
     TN: gl.constexpr = BLOCK_N // VEC
     lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TN, TN], [EPI_WARPS, 1], [1, 0])
     h = sched.pid * 0
+    fresh = unwritten(out)
     keep = gl.zeros([EPI_ROWS, BLOCK_N], gl.float32, lay)  # a dry run's reads (ADD_MODE -1), kept live
     for tile in range(sched.pid, sched.total, sched.nprog):
         e, row0, col0, start, end, first, n_k = _tile(tile, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N,
                                                       BLOCK_M)  # the chunk: BLOCK_M tokens
-        if _writes(n_k, ADD_MODE):
+        if _writes(n_k, out, fresh):
             base = _wgrad_out_base(out.out_ptr, e, out.stride_oe, out.PTR_TABLE)
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
             mbarrier.wait(hand.c_ready, h & 1)
@@ -126,14 +154,12 @@ def epilogue(hand, out, sched, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
                 rows = row0 + r + gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, lay))
                 ptrs = base + rows.to(gl.int64)[:, None] * out.stride_on + cols[None, :] * out.stride_ok
                 mask = (rows < N)[:, None] & (cols < K)[None, :]
-                if ADD_MODE == 3:
-                    gl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
-                elif ADD_MODE < 0:
+                if ADD_MODE < 0:
                     keep += val.to(gl.float32)
+                elif fresh:
+                    gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
                 else:
-                    if ADD_MODE == 1:
-                        val = val + gl.load(ptrs, mask=mask, other=0.0)
-                    gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)  # a fresh bf16/fp16 output
+                    _put(ptrs, val, mask, ADD_MODE)  # a fresh output: bf16/fp16 or fp32
             mbarrier.arrive(hand.c_free, count=1)
             h += 1
     if ADD_MODE < 0:  # never true (N > 0): the reads stay in the program, nothing is written
