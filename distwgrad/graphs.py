@@ -38,7 +38,9 @@ A distributed weight's ``grad_buffer()`` is allocated at a step's first contribu
 reduction, which a graph cannot bake in. A weight captured here gets a graph-owned persistent fp32
 buffer (``_graph_grad_buffer``, full size, allocated before capture, released by ``reset()``; a weight of
 a group of one needs none: it accumulates in its stable ``main_grad`` in place, in the graph as eagerly, so
-k microbatches sum in the same order: [Note: a group of one] in ``weights/base.py``):
+k microbatches sum in the same order: [Note: a group of one] in ``weights/base.py``; each step flags that
+``main_grad`` instead of zeroing it, and its first contribution writes it: [Note: an unwritten accumulator] in
+``weights/first_write.py``):
 ``grad_buffer()`` under capture zeroes it where it would allocate, so each replay zeroes, accumulates and
 reduces it exactly where the capture did, and the reduction (NCCL collectives, captured) adds into the
 caller's stable ``main_grad``. The accounting runs in Python, which a replay skips, so each replay applies

@@ -136,8 +136,32 @@ def test_timed_blocks_run_without_automatic_gc(monkeypatch, python_gc):
     flags = ["--rounds", "2", "--no-record"] + (["--python-gc"] if python_gc else [])
     assert ts.main(flags) == 0
     assert gc.isenabled()
-    assert seen == [("a", python_gc), ("b", python_gc)] * 2
+    assert seen == [("a", python_gc), ("b", python_gc), ("b", python_gc), ("a", python_gc)]
     assert collects == ([] if python_gc else [1] * 4)
+
+
+def test_each_build_is_timed_in_each_place_of_a_round(monkeypatch):
+    """[Note: each build in each place of a round]: round r starts with build r, so over the default 6 rounds
+    each of three builds is timed first, second and third twice."""
+    import collections
+    import types
+
+    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])  # as the test above
+    import train_step as ts
+
+    order: list[list[str]] = []
+    builds = [types.SimpleNamespace(name=n, mode="eager") for n in "abc"]
+    monkeypatch.setattr(ts, "_warm_up", lambda *a: builds)
+    monkeypatch.setattr(ts, "_count_comm", lambda *a: None)
+    monkeypatch.setattr(ts, "_timed_block", lambda b, batches, device: order[-1].append(b.name))
+    args = ts.parse_args(["--no-record"])
+    assert args.rounds == 6
+    monkeypatch.setattr(ts, "_batches", lambda *a: order.append([]) or [None])
+    ts.run_group([], None, None, {"device": None}, args, [])
+    order.pop()  # the profiling batch after the rounds
+    assert len(order) == 6 and all(sorted(r) == ["a", "b", "c"] for r in order), order
+    places = collections.Counter((name, i) for r in order for i, name in enumerate(r))
+    assert set(places.values()) == {2} and len(places) == 9, places
 
 
 def test_best_configurations_compare_each_build_at_its_fastest(monkeypatch):

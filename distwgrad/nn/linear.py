@@ -113,8 +113,7 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_d
     product in ``out_dtype`` (default: dy's; fp32 for a fresh first contribution: [Note: a fresh first
     contribution] in ``wgrad/accumulate.py``). ``first`` (an FP8 recipe, with ``out``): the flag of an
     ``out`` that may hold nothing yet ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
-    if first is not None and (recipe is None or out is None):
-        raise ValueError("Linear's wgrad: first= is for an FP8 product added into out")
+    assert first is None or (recipe is not None and out is not None), "first= is for an FP8 product added into out"
     if recipe is None:
         return wgrad_mm(dy_TN, x_TK, out, out_dtype=None if out is not None else out_dtype)
     assert x_qt is not None

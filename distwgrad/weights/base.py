@@ -93,7 +93,9 @@ Who created a weight's ``main_grad`` decides how long it lives.
 * A caller (Megatron attaches views into its flat buffer, ``attach_main_grads``; a TransformerEngine user
   attaches their own), or a CUDA graph, which bakes in its address (``make_graphed_callables`` and any
   capture that accumulates into it keep it): kept, and zeroed in place when the next step opens; never
-  replaced.
+  replaced. A weight that ``make_graphed_callables`` captured accumulating in place is not zeroed: the step
+  that opens flags its ``main_grad`` as holding nothing and the step's first contribution writes it
+  ([Note: an unwritten accumulator] in ``weights/first_write.py``).
 Read ``main_grad`` between ``finalize_model_grads`` and the next forward, or use ``.grad``, which the
 optimizer steps on and which keeps its values either way.
 
@@ -329,10 +331,8 @@ class DistributedParameter(nn.Parameter):
         weight accumulating in place ([Note: an unwritten accumulator]). Builds the flag-reading kernel now,
         outside any capture (a clear flag: nothing is written)."""
         main_grad = getattr(self, "main_grad", None)
-        if not self._solo or main_grad is None or main_grad.dtype != torch.float32:
-            raise RuntimeError(f"{self._name()}: only a weight of a group of one with an fp32 main_grad accumulates "
-                               f"in place; it has {self.dp_size} ranks and main_grad "
-                               f"{None if main_grad is None else main_grad.dtype}")
+        assert self._solo and main_grad is not None and main_grad.dtype == torch.float32, \
+            f"{self._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
         if self._first_flag is None:
             self._first_flag = first_write.new_flag(self.device)
         self._flag_users += 1

@@ -45,7 +45,9 @@ CUDA graphs] in ``launch/cuda_graph.py``).
 
 Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through the builds of one
 (precision, mode), ``--steps`` steps per build per round, synchronised at the end of each block; the
-median over rounds is reported. After the rounds one more step per build runs under ``torch.profiler`` to
+median over rounds is reported. Round r starts with build r (mod the builds), so with a number of rounds
+that is a multiple of the builds' (the default 6: two or three builds) every build is timed in every place
+of a round equally often ([Note: each build in each place of a round]). After the rounds one more step per build runs under ``torch.profiler`` to
 count its collectives and bytes (``_trace.py`` says how; not for graphed builds, whose collectives replay
 inside the graphs, out of the profiler's and the weights' counters' sight). Peak memory (CUDA only) is the build's
 persistent tensors (parameters, gradients, ``main_grad``, optimizer state) plus the high-water mark of
@@ -56,6 +58,12 @@ only) counts the caching allocator's slow paths in the timed steps: retries, cud
 MFU: the model's training FLOPs (6 x matmul parameters used per token, plus attention 12 x layers x
 d_model x seq_len, torchtitan's convention) over the dense bf16 peak measured at start (an 8192^3 bf16
 matmul); CUDA only.
+
+[Note: each build in each place of a round]
+A build's place in a round changes its time: on an H200, two identical graphed bf16 builds of the large
+preset (one process, interleaved rounds) stepped in 91.1 and 95.2 ms with either of them first, the build
+timed right after another one always about 4% slower (docs/benchmarks/LOG.md, 2026-12-02 (night)). A fixed
+order would give that bias to whichever implementation comes first; rotating the order spreads it over all.
 
 [Note: garbage collection in the timed steps]
 Python's automatic collector runs when allocations outnumber frees by a threshold, at whatever point of a
@@ -456,7 +464,8 @@ def run_group(specs, cfg, corpus, rt: dict, args, not_run: list[dict]) -> list[B
     for r in range(args.rounds):
         start = args.warmup + r * args.steps
         batches = _batches(corpus, args, rt, start, args.steps)
-        for b in builds:
+        first = r % max(len(builds), 1)  # [Note: each build in each place of a round]
+        for b in builds[first:] + builds[:first]:
             if not args.python_gc:  # [Note: garbage collection in the timed steps]
                 gc.collect(1)
             _timed_block(b, batches, rt["device"])
@@ -640,7 +649,8 @@ def parse_args(argv=None):
     p.add_argument("--cuda-graph", action="store_true", help="also time each build with its transformer blocks "
                    "replayed from CUDA graphs (adds mode cuda_graph; distwgrad and plain torch, not FSDP2; CUDA only)")
     p.add_argument("--warmup", type=int, default=3, help="steps per build before timing")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6, help="rounds over the builds, each starting with the next "
+                   "build ([Note: each build in each place of a round])")
     p.add_argument("--steps", type=int, default=5, help="steps per build per round")
     p.add_argument("--profile", default=None, metavar="DIR", help="a torch.profiler trace per build in DIR")
     p.add_argument("--python-gc", action="store_true", help="leave Python's automatic garbage collection on in "
