@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as cfg
-from distwgrad.kernels import flagged_zero
+from distwgrad.kernels import flagged_zero, token_layout, weights_fp8
 from distwgrad.kernels import grouped_gemm as kg
 from distwgrad.kernels import quantize as kq
-from distwgrad.kernels import token_layout, weights_fp8
 
 F8 = torch.float8_e4m3fn
 

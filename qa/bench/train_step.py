@@ -47,8 +47,8 @@ Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through t
 (precision, mode), ``--steps`` steps per build per round, synchronised at the end of each block; the
 median over rounds is reported. Round r starts with build r (mod the builds), so with a number of rounds
 that is a multiple of the builds' (the default 6: two or three builds) every build is timed in every place
-of a round equally often ([Note: each build in each place of a round]). After the rounds one more step per build runs under ``torch.profiler`` to
-count its collectives and bytes (``_trace.py`` says how; not for graphed builds, whose collectives replay
+of a round equally often ([Note: each build in each place of a round]). After the rounds one more step per
+build runs under ``torch.profiler`` to count its collectives and bytes (``_trace.py`` says how; not for graphed builds, whose collectives replay
 inside the graphs, out of the profiler's and the weights' counters' sight). Peak memory (CUDA only) is the build's
 persistent tensors (parameters, gradients, ``main_grad``, optimizer state) plus the high-water mark of
 ``torch.cuda.max_memory_allocated`` above the allocation at the start of its steps (graphed, plus what the
