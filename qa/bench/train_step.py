@@ -48,13 +48,14 @@ Timing: ``--warmup`` steps per build, then ``--rounds`` rounds cycling through t
 median over rounds is reported. Round r starts with build r (mod the builds), so with a number of rounds
 that is a multiple of the builds' (the default 6: two or three builds) every build is timed in every place
 of a round equally often ([Note: each build in each place of a round]). After the rounds one more step per
-build runs under ``torch.profiler`` to count its collectives and bytes (``_trace.py`` says how; not for graphed builds, whose collectives replay
-inside the graphs, out of the profiler's and the weights' counters' sight). Peak memory (CUDA only) is the build's
-persistent tensors (parameters, gradients, ``main_grad``, optimizer state) plus the high-water mark of
-``torch.cuda.max_memory_allocated`` above the allocation at the start of its steps (graphed, plus what the
-capture kept allocated: the graph pool, static buffers and graph-owned gradient buffers); on CPU one process's
-allocations are not separable by build, so it is not reported. The rows' ``allocator_per_step`` (CUDA
-only) counts the caching allocator's slow paths in the timed steps: retries, cudaMalloc and cudaFree.
+build runs under ``torch.profiler`` to count its collectives and bytes (``_trace.py`` says how; not for
+graphed builds, whose collectives replay inside the graphs, out of the profiler's and the weights'
+counters' sight). Peak memory (CUDA only) is the build's persistent tensors (parameters, gradients,
+``main_grad``, optimizer state) plus the high-water mark of ``torch.cuda.max_memory_allocated`` above the
+allocation at the start of its steps (graphed, plus what the capture kept allocated: the graph pool, static
+buffers and graph-owned gradient buffers); on CPU one process's allocations are not separable by build, so
+it is not reported. The rows' ``allocator_per_step`` (CUDA only) counts the caching allocator's slow paths
+in the timed steps: retries, cudaMalloc and cudaFree.
 MFU: the model's training FLOPs (6 x matmul parameters used per token, plus attention 12 x layers x
 d_model x seq_len, torchtitan's convention) over the dense bf16 peak measured at start (an 8192^3 bf16
 matmul); CUDA only.
