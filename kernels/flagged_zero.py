@@ -14,9 +14,6 @@ from ._host import cdiv
 
 __all__ = ["zero_if_flagged"]
 
-_BLOCK = 8192  # fp32 elements a program zeroes: 32 KB, 16 bytes a thread and store with 8 warps
-
-
 @triton.jit
 def _zero_if_flagged_kernel(out_ptr, first_ptr, n, BLOCK: tl.constexpr):
     if tl.load(first_ptr) != 0:
@@ -33,7 +30,8 @@ def zero_if_flagged(out: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     if first.dtype != torch.int32 or first.numel() != 1 or first.device != out.device:
         raise ValueError(f"zero_if_flagged: first must be one int32 on {out.device}, got {first.dtype} of shape "
                          f"{tuple(first.shape)} on {first.device}")
+    block = 8192  # fp32 elements a program zeroes: 32 KB, 16 bytes a thread and store with 8 warps
     if out.numel():
         ensure_context(out.device)  # [Note: a current context on any thread] in _context.py
-        _zero_if_flagged_kernel[(cdiv(out.numel(), _BLOCK),)](out, first, out.numel(), BLOCK=_BLOCK, num_warps=8)
+        _zero_if_flagged_kernel[(cdiv(out.numel(), block),)](out, first, out.numel(), BLOCK=block, num_warps=8)
     return out

@@ -11,6 +11,7 @@ import torch
 from distwgrad.kernels import _grouped_gemm_configs as cfg
 from distwgrad.kernels import flagged_zero, token_layout, weights_fp8
 from distwgrad.kernels import grouped_gemm as kg
+from distwgrad.kernels import grouped_gemm_fp8 as k8
 from distwgrad.kernels import quantize as kq
 
 F8 = torch.float8_e4m3fn
@@ -25,7 +26,6 @@ def _flag(device: str = "cpu") -> torch.Tensor:
 
 
 def _fp8_wgrad(**kw):
-    from distwgrad.kernels import grouped_gemm_fp8 as k8
     one = torch.ones((), dtype=torch.float32)
     return k8.grouped_wgrad_fp8(torch.zeros(3, 16, dtype=torch.float8_e5m2), one,
                                 torch.zeros(2, 16, dtype=F8), one, torch.tensor([16], dtype=torch.int32), block=0, **kw)
