@@ -65,9 +65,11 @@ for step in $STEPS; do
              tests/test_cuda_graphs.py tests/test_gpu_modules.py tests/test_mixed_precision.py \
              tests/test_gradient_memory.py tests/test_layernorm_mlp.py tests/test_grouped_gemm_routes.py} ;;
     dtype_paths) run dtype_paths python3 qa/bench/dtype_paths.py ;;
+    # 6 rounds: with 2 or 3 builds each is timed in each place of a round equally often (train_step.py,
+    # [Note: each build in each place of a round])
     bench_bf16) STEP_TIMEOUT=${BENCH_TIMEOUT:-480} run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                   --batch 8 --microbatches 1 --precisions bf16 --modes ${BENCH_MODES:-eager,compiled,compiled_cuda_graph} \
-                  --warmup 2 --rounds 3 --steps 3 ${BENCH_ARGS:-} ;;
+                  --warmup 2 --rounds 6 --steps 2 ${BENCH_ARGS:-} ;;
     bench_fp8)  # one build a process: a host-bound FP8 build runs slower beside other builds (LOG.md)
       for p in ${FP8_PRECISIONS:-bf16 fp8_per_tensor fp8_blockwise}; do
         run "bench_fp8_$p" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
@@ -113,7 +115,7 @@ for step in $STEPS; do
       done ;;
     bench_graph) run bench_graph torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                    --batch 8 --microbatches 1 --precisions ${GRAPH_PRECISIONS:-bf16} --modes eager \
-                   --cuda-graph --warmup 2 --rounds 3 --steps 3 ${GRAPH_ARGS:-} ;;
+                   --cuda-graph --warmup 2 --rounds 6 --steps 2 ${GRAPH_ARGS:-} ;;
     layer_graph) run layer_graph python3 qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph ;;
     *) echo "unknown step $step" | tee -a "$LOG"; RESULT[$step]="unknown"; ORDER+=("$step") ;;
   esac
