@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "qa", "bench", "train_step.py")
@@ -184,3 +185,39 @@ def test_best_configurations_compare_each_build_at_its_fastest(monkeypatch):
     assert round(best[("bf16", "torch")]["vs_distwgrad"], 3) == 1.014
     assert round(best[("fp8_per_tensor", "distwgrad")]["vs_bf16"], 3) == 1.099
     assert "vs_distwgrad" not in best[("bf16", "distwgrad")] and "vs_bf16" not in best[("bf16", "distwgrad")]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_together_times_every_mode_of_a_precision_in_one_group(monkeypatch, together):
+    """``--together``: one group per precision holding every (impl, mode) build, so a best configuration is timed
+    in the same rotated rounds as its peers' best; without it, one group per (precision, mode). Each build's
+    rows name its own mode in ``case``."""
+    import types
+
+    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])  # as the tests above
+    import train_step as ts
+
+    groups: list[list[tuple[str, str, str]]] = []
+
+    def run_group(specs, cfg, corpus, rt, args, not_run):
+        groups.append(list(specs))
+        return [types.SimpleNamespace(impl=i, precision=p, mode=m, name=f"{i}/{p}/{m}", allocator={}, loss1=1.0,
+                                      model=None) for i, p, m in specs]
+
+    monkeypatch.setattr(ts, "run_group", run_group)
+    monkeypatch.setattr(ts, "measurements", lambda b, *a: {"step_ms": (1.0, "ms")})
+    monkeypatch.setattr(ts, "_extras", lambda *a: {})
+    monkeypatch.setattr(ts, "peak_bf16_tflops", lambda device: None)
+    monkeypatch.setattr(ts.results, "provenance", lambda device, command=None: {"command": "x"})
+    monkeypatch.setattr(ts.results, "record", lambda rows, args: None)
+    rows: list[dict] = []
+    monkeypatch.setattr(ts, "_table", lambda r, rt: rows.extend(r))
+    args = ts.parse_args(["--model", "tiny", "--precisions", "bf16", "--impls", "distwgrad,torch", "--modes",
+                          "eager,compiled", "--no-record"] + (["--together"] if together else []))
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
+    assert ts._main(args, {"device": torch.device("cpu"), "rank": 0, "world": 1, "group": None}) == 0
+    pairs = [("distwgrad", "bf16", "eager"), ("torch", "bf16", "eager"), ("distwgrad", "bf16", "compiled"),
+             ("torch", "bf16", "compiled")]
+    assert groups == ([pairs] if together else [pairs[:2], pairs[2:]])
+    assert {(r["impl"], r["case"]) for r in rows} == {(i, f"tiny b16x64 mb2 {m}") for i, _, m in pairs}

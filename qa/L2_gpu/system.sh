@@ -21,6 +21,9 @@
 #       graphed)
 #   STEPS=job_compile bash qa/L2_gpu/system.sh   # the job with --compile --cuda-graph --check-parity, bf16 and
 #       per-tensor FP8 (tiny preset)
+#   STEPS=bench_best bash qa/L2_gpu/system.sh   # (not in the default) the bf16 targets' best configurations
+#       in one group of rotated rounds each (train_step.py --together): distwgrad compiled and graphed beside
+#       FSDP2 compiled, then beside plain torch compiled and graphed (all of a group alive at once)
 #   STEPS=multi_build bash qa/L2_gpu/system.sh   # (not in the default) per-tensor eager alone, beside the
 #       bf16 and blockwise builds in one process, then alone again: one machine start, so the host's speed
 #       is the same for the three
@@ -70,6 +73,12 @@ for step in $STEPS; do
     bench_bf16) STEP_TIMEOUT=${BENCH_TIMEOUT:-480} run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                   --batch 8 --microbatches 1 --precisions bf16 --modes ${BENCH_MODES:-eager,compiled,compiled_cuda_graph} \
                   --warmup 2 --rounds 6 --steps 2 ${BENCH_ARGS:-} ;;
+    bench_best)
+      for peer in fsdp2 torch; do
+        STEP_TIMEOUT=${BENCH_TIMEOUT:-480} run "bench_best_$peer" torchrun --standalone --nproc-per-node 1 \
+          qa/bench/train_step.py --model large --batch 8 --microbatches 1 --precisions bf16 \
+          --impls "distwgrad,$peer" --modes compiled,compiled_cuda_graph --together --warmup 2 --rounds 6 --steps 2
+      done ;;
     bench_fp8)  # one build a process: a host-bound FP8 build runs slower beside other builds (LOG.md)
       for p in ${FP8_PRECISIONS:-bf16 fp8_per_tensor fp8_blockwise}; do
         run "bench_fp8_$p" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \

@@ -65,6 +65,9 @@ A build's place in a round changes its time: on an H200, two identical graphed b
 preset (one process, interleaved rounds) stepped in 91.1 and 95.2 ms with either of them first, the build
 timed right after another one always about 4% slower (docs/benchmarks/LOG.md, 2026-12-02 (night)). A fixed
 order would give that bias to whichever implementation comes first; rotating the order spreads it over all.
+Builds of different modes are in different groups, timed at other times, unless ``--together`` puts every
+mode of a precision in one group (memory permitting: every build of the group is alive at once); the
+best-configuration ratios compare builds of different modes.
 
 [Note: garbage collection in the timed steps]
 Python's automatic collector runs when allocations outnumber frees by a threshold, at whatever point of a
@@ -518,19 +521,20 @@ class Seen:
         return f"{self.impl}/{self.precision}/{self.mode}"
 
 
-def _measure_group(specs, label: str, case: str, cfg: MoEGPTConfig, corpus, rt: dict, args, not_run: list[dict],
-                   peak_tflops: float | None, rows: list[dict], seen: list[Seen]) -> None:
-    """Runs one (precision, mode) group and appends its rows; its models are freed on return."""
+def _measure_group(specs, label: str, case: Callable[[str], str], cfg: MoEGPTConfig, corpus, rt: dict, args,
+                   not_run: list[dict], peak_tflops: float | None, rows: list[dict], seen: list[Seen]) -> None:
+    """Runs one group (a precision's builds of one mode, or of every mode with ``--together``) and appends its
+    rows, each under ``case(its mode)``; its models are freed on return."""
     t0 = time.perf_counter()
     builds = run_group(specs, cfg, corpus, rt, args, not_run)
-    _say(rt, f"  {label}: {', '.join(b.impl for b in builds) or 'nothing'} measured ({time.perf_counter() - t0:.0f} s)")
+    _say(rt, f"  {label}: {', '.join(b.name for b in builds) or 'nothing'} measured ({time.perf_counter() - t0:.0f} s)")
     command = results.provenance(rt["device"])["command"]
     for b in builds:
         if b.allocator:
             _say(rt, f"    {b.name} allocator per timed step: " + ", ".join(
                 f"{k} {v:g}" for k, v in _allocator_extras(b)["allocator_per_step"].items()))
         for metric, (value, unit) in measurements(b, cfg, args, rt, peak_tflops).items():
-            rows.append({**results.row(bench="train_step", case=case, impl=b.impl, precision=b.precision,
+            rows.append({**results.row(bench="train_step", case=case(b.mode), impl=b.impl, precision=b.precision,
                                        world=rt["world"], metric=metric, value=value, unit=unit,
                                        device=rt["device"], command=command), **_extras(b, args, peak_tflops)})
         assert b.loss1 is not None
@@ -649,6 +653,9 @@ def parse_args(argv=None):
                    "(both: compiled blocks replayed from CUDA graphs; CUDA only)")
     p.add_argument("--cuda-graph", action="store_true", help="also time each build with its transformer blocks "
                    "replayed from CUDA graphs (adds mode cuda_graph; distwgrad and plain torch, not FSDP2; CUDA only)")
+    p.add_argument("--together", action="store_true", help="time every mode of a precision in one group of rounds "
+                   "(all its builds alive at once), so that builds of different modes, a best configuration against "
+                   "another, are timed as fairly as builds of one mode ([Note: each build in each place of a round])")
     p.add_argument("--warmup", type=int, default=3, help="steps per build before timing")
     p.add_argument("--rounds", type=int, default=6, help="rounds over the builds, each starting with the next "
                    "build ([Note: each build in each place of a round])")
@@ -717,14 +724,16 @@ def _main(args, rt: dict) -> int:
                             for mode in args.modes if mode in GRAPHED and _graph_why(impl, precision, rt)]
     rows: list[dict] = []
     seen: list[Seen] = []
+    def case(mode: str) -> str:
+        return case_name(name, args.batch, cfg.seq_len, args.microbatches, mode)
+
     for precision in args.precisions:
-        for mode in args.modes:
-            specs = [(i, precision, mode) for i in args.impls
+        for modes in [args.modes] if args.together else [(m,) for m in args.modes]:
+            specs = [(i, precision, mode) for mode in modes for i in args.impls
                      if not (precision.startswith("fp8") and i != "distwgrad")
                      and not (mode in GRAPHED and _graph_why(i, precision, rt))]
-            case = case_name(name, args.batch, cfg.seq_len, args.microbatches, mode)
-            _measure_group(specs, f"{precision}/{mode}", case, cfg, corpus, rt, args, not_run, peak_tflops, rows,
-                           seen)
+            _measure_group(specs, f"{precision}/{'+'.join(modes)}", case, cfg, corpus, rt, args, not_run, peak_tflops,
+                           rows, seen)
             gc.collect()  # a graphed module's forward refers to the module: a cycle holding its graphs
             if rt["device"].type == "cuda":
                 torch.cuda.empty_cache()
@@ -748,7 +757,8 @@ def _extras(b: Build, args, peak_tflops: float | None) -> dict[str, Any]:
         comm["by_kind"] = {k: {"count": n, "bytes": nb} for k, (n, nb) in b.comm["by_kind"].items()}
     return {**b.facts, "comm": comm, "loss_step1": b.loss1, "microbatches": args.microbatches,
             "timing": f"median of {args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up, "
-                      f"interleaved", "rounds_ms": [round(t, 4) for t in b.times_ms],
+                      f"interleaved{' with every mode of its precision' if args.together else ''}, order rotated",
+            "rounds_ms": [round(t, 4) for t in b.times_ms],
             "python_gc": "automatic" if args.python_gc else "off, gc.collect(1) before each block",
             "peak_bf16_tflops": peak_tflops, **_allocator_extras(b)}
 
