@@ -85,6 +85,20 @@ def test_a_later_run_of_fewer_builds_keeps_the_comparison():
         ("aaaaaaa", "bf16", 900.0), ("aaaaaaa", "bf16", 1000.0), ("bbbbbbb", "fp8_per_tensor", 1200.0)]
 
 
+def test_a_rotated_run_replaces_a_fixed_order_one_of_more_columns():
+    """[Note: rotated runs first]: a later run with its builds' order rotated makes the line, though it measured
+    fewer columns than the earlier fixed-order comparison; without the rotation the comparison would stay."""
+    t0, t1 = "2026-02-01T00:00:00+00:00", "2026-02-03T00:00:00+00:00"
+    fixed = [_row(impl=i, value=v, date=t0, commit="aaaaaaa", command="fixed", timing="median, interleaved")
+             for i, v in (("distwgrad", 1000.0), ("fsdp2", 900.0), ("torch", 950.0))]
+    rotated = [_row(impl=i, value=v, date=t1, commit="bbbbbbb", command="rotated",
+                    timing="median, interleaved, order rotated") for i, v in (("distwgrad", 990.0), ("fsdp2", 910.0))]
+    kept = report.current(fixed + rotated)
+    assert sorted((r["impl"], r["value"]) for r in kept) == [("distwgrad", 990.0), ("fsdp2", 910.0)]
+    unrotated = [dict(r, timing="median, interleaved") for r in rotated]
+    assert {r["command"] for r in report.current(fixed + unrotated)} == {"fixed"}
+
+
 def test_train_step_rows_become_impl_columns_with_ratios():
     rows = [_row(impl=impl, metric=m, value=v, unit=u)
             for impl, scale in (("distwgrad", 1.0), ("fsdp2", 0.5), ("torch", 0.25))
