@@ -129,7 +129,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distwgrad.weights import _accounting, _comm, cast_ahead, first_write
+from distwgrad.weights import _accounting, _comm, first_write
 
 __all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of", "compute_dtype"]
 
@@ -137,8 +137,6 @@ __all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
 _SHARED_HANDLES = frozenset({"group", "replicate_group", "mesh"})
-# ... and what it leaves out: the successors a weight learned ([Note: a cast one weight ahead]) are the original's
-_NOT_COPIED = frozenset({"_cast_next"})
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -263,15 +261,11 @@ class DistributedParameter(nn.Parameter):
     def materialize_group_for_forward(self) -> list[torch.Tensor]:
         if self._bucket is not None:  # [Note: coalesced units] in weights/units.py
             return [self._unit.forward_copy(self)]
-        if cast_ahead.applies(self):  # [Note: a cast one weight ahead] in weights/cast_ahead.py
-            return [cast_ahead.materialize(self, backward=False)]
         return [self._gather()]
 
     def materialize_group_for_backward(self) -> list[torch.Tensor]:
         if self._bucket is not None:
             return [self._unit.backward_copy(self)]
-        if cast_ahead.applies(self):
-            return [cast_ahead.materialize(self, backward=True)]
         return [self._gather()]
 
     def grad_buffer(self) -> torch.Tensor:
@@ -576,8 +570,6 @@ class DistributedParameter(nn.Parameter):
         new = type(self)(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            if key in _NOT_COPIED:
-                continue
             new.__dict__[key] = value if key in _SHARED_HANDLES else copy.deepcopy(value, memo)
         return new
 
