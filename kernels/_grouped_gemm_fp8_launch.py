@@ -145,12 +145,10 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
 
 def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> bool:
     """Whether the Gluon wgrad kernel can take this call ([Note: fp8 wgrad under the next MMA]): a Hopper
-    GPU and a Triton with Gluon, TMA-aligned operands, per-tensor scaling with the split accumulator or (with
-    ``GroupedGemmFp8Tuning.wgrad_gluon_blockwise``) blockwise 1x128 tiles ([Note: blockwise wgrad scales])."""
-    from .gluon import grouped_wgrad_fp8 as kw
-    blockwise = block == kw.BLOCK and _tuning().grouped_gemm_fp8.wgrad_gluon_blockwise
-    if not (tma and a_NT.is_cuda and ((block == 0 and split_acc) or blockwise)) or _interpreting():
+    GPU and a Triton with Gluon, per-tensor scaling with the split accumulator, TMA-aligned operands."""
+    if not (tma and a_NT.is_cuda and block == 0 and split_acc) or _interpreting():
         return False
+    from .gluon import grouped_wgrad_fp8 as kw
     return kw.AVAILABLE and torch.cuda.get_device_capability(a_NT.device)[0] == 9
 
 
@@ -160,8 +158,7 @@ def _handoff_16(out, accumulate: bool, table) -> bool:
     return not accumulate and table is None and out.dtype != torch.float32
 
 
-def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, first=None,
-                        block: int = 0) -> bool:
+def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, first=None) -> bool:
     """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
     then runs the Triton kernel."""
     from .gluon import grouped_wgrad_fp8_launch as kl
@@ -171,8 +168,7 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
         t = _tuning().grouped_gemm_fp8
         kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[t.wgrad_gluon_add_mode] if accumulate
                   else 0, stages=t.wgrad_stages(_handoff_16(out, accumulate, table)),
-                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device), first=first,
-                  block=block)
+                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device), first=first)
     except CompilationError as exc:
         return _gluon_failed(_GLUON_FAILED, "wgrad", "FP8 wgrad kernel", "the Triton kernel (same products, slower)",
                              exc)
@@ -197,12 +193,11 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         can = _gluon_wgrad(a_NT, block, split_acc, eligible)
         if gluon and not can:
             raise ValueError("grouped_wgrad_fp8: gluon=True needs a Hopper GPU, a Triton with Gluon, per-tensor "
-                             "scaling with the split accumulator or blockwise 1x128 tiles (with the tuning's "
-                             "wgrad_gluon_blockwise) and TMA-aligned operands (16-byte aligned base and "
+                             "scaling with the split accumulator and TMA-aligned operands (16-byte aligned base and "
                              f"outer strides, T % 16 == 0); got block={block}, split_accumulator={split_acc}, "
                              f"aligned={eligible}, device={a_NT.device}")
         if can:
-            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table, first, block):
+            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table, first):
                 return
             if gluon:
                 raise RuntimeError(f"grouped_wgrad_fp8: gluon=True, but the Gluon kernel does not build here: "

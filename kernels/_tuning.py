@@ -146,8 +146,6 @@ class GroupedGemmFp8Tuning:
     wgrad, beside a 32 KB handed-off tile ([Note: a 16-bit handoff]); H200, medians of two runs' passes, 6 /
     5 stages: E=64 plain 727 / 688, 712 / 686, aligned 918 / 896, 894 / 888; E=8 plain 1084 / 1093, 1071 /
     1068, aligned 1192 / 1177, 1173 / 1188. ``wgrad_gluon_epilogue_warps``: as ``GroupedGemmTuning``'s.
-    ``wgrad_gluon_blockwise``: the blockwise wgrad (1x128 tiles) runs in the same Gluon kernel, each chunk
-    promoted once its MMAs are done ([Note: blockwise wgrad scales] in ``gluon/grouped_wgrad_fp8.py``).
     """
 
     ragged_gluon: bool = True
@@ -156,7 +154,6 @@ class GroupedGemmFp8Tuning:
     ragged_gluon_block_m: int = 128
     ragged_gluon_stages: int = 4
     wgrad_gluon: bool = True
-    wgrad_gluon_blockwise: bool = False
     wgrad_gluon_add_mode: str = "atomic"
     wgrad_gluon_stages: int = 5
     wgrad_gluon_stages_16: int = 6

@@ -161,9 +161,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
                                      "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16", "fresh/epi/s5/fp16",
                                      "fresh/epi/s6/bf16",
-                                     "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first",
-                                     "atomic/epi/s5/blockwise", "fresh/epi/s5/bf16/blockwise",
-                                     "atomic/epi/s5/first/blockwise", "load/epi/blockwise"])
+                                     "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -188,20 +186,16 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 else "*fp32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
                 TRACE_TILES=435, a_ptr=f"*{a_ty}", b_ptr="*fp8e4nv", stride_at="i32", stride_bt="i32",
-                first_ptr="*i32", stride_asn=T // L, stride_asc=1, stride_bsk=1, stride_bsc=K)
+                first_ptr="*i32")
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=stages,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
                   TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False,
-                  GROUP_DESC=False, CHAIN=False, FIRST="first" in rest, BLOCKWISE="blockwise" in rest)
+                  GROUP_DESC=False, CHAIN=False, FIRST="first" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
-    if "blockwise" in rest:  # [Note: blockwise wgrad scales]: step 0 under the handoff, then each step promoted
-        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 1, "step 0 issued before the handoff"
-        assert ptx.count("wgmma.wait_group.sync.aligned 0;") >= 2, "each step's partial waited for"
-    else:
-        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     assert " 0 bytes spill stores" in info, info
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
@@ -258,13 +252,12 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
                 out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K,
                 stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i32", TRACE_TILES=0,
-                a_ptr="*bf16", b_ptr="*bf16", stride_at="i32", stride_bt="i32", first_ptr="*i32",
-                stride_asn=0, stride_asc=0, stride_bsk=0, stride_bsc=0)
+                a_ptr="*bf16", b_ptr="*bf16", stride_at="i32", stride_bt="i32", first_ptr="*i32")
     zero = "zero" in rest
     consts = dict(ADD_MODE={"load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
                   TRACE=False, ZERO_EDGES=zero, TOKENS_OUTER=True, GROUP_DESC=not zero, CHAIN=True,
-                  FIRST="first" in rest, BLOCKWISE=False)
+                  FIRST="first" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, [^;]*;", ptx)
     assert mmas and all(m.endswith(", 1, 1, 1, 1;") for m in mmas), "bf16 wgmma, both operands transposed"

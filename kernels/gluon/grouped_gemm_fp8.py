@@ -111,7 +111,7 @@ from .tiles import total_tiles as _total_tiles
 from .tiles import zero_edges as _zero_edges
 from .tiles import zero_rows as _zero_rows
 
-__all__ = ["AVAILABLE", "BLOCK", "Chunks", "Scales", "col_scales", "ragged_kernel", "descriptor"]
+__all__ = ["AVAILABLE", "BLOCK", "Chunks", "Scales", "ragged_kernel", "descriptor"]
 
 BLOCK = 128  # BLOCK_N = BLOCK_K; BLOCK_M is 128 or 64, one warpgroup (4 warps) per 64 rows
 _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT specializes it (a 1), or unused (0)
@@ -122,9 +122,7 @@ class Scales:
     """The scales' pointers and strides: blockwise (BLOCKWISE), a_s[t, kb] (``as_ptr``, strides ``stride_ast``,
     ``stride_ask``) and b_s[e, kb, nb] (``bs_ptr``; ``stride_bse``, ``stride_bsk``, ``stride_bsn``), one of
     each per K step; per-tensor, ``as_ptr`` and ``bs_ptr`` [e] (stride ``stride_bse``). A stride may be a
-    constexpr (a specialized 1, or the wgrad's unused 0). COLS (the blockwise wgrad, [Note: blockwise wgrad
-    scales] in ``grouped_wgrad_fp8``): b_s has a scale per output column, ``bs_ptr`` the tile's first
-    column's at step 0, columns ``stride_bsn`` apart, every column of the tile readable."""
+    constexpr (a specialized 1, or the wgrad's unused 0)."""
 
     as_ptr: gl.tensor
     bs_ptr: gl.tensor
@@ -134,11 +132,9 @@ class Scales:
     stride_bsk: _Scalar
     stride_bsn: _Scalar
     BLOCKWISE: gl.constexpr
-    COLS: gl.constexpr
 
     @constexpr_function
-    def __init__(self, as_ptr, bs_ptr, stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn, BLOCKWISE,
-                 COLS=False):
+    def __init__(self, as_ptr, bs_ptr, stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn, BLOCKWISE):
         self.as_ptr = field(as_ptr)
         self.bs_ptr = field(bs_ptr)
         self.stride_ast = field(stride_ast)
@@ -147,7 +143,6 @@ class Scales:
         self.stride_bsk = field(stride_bsk)
         self.stride_bsn = field(stride_bsn)
         self.BLOCKWISE = field(BLOCKWISE)
-        self.COLS = field(COLS)
 
 
 @aggregate
@@ -300,14 +295,6 @@ def _step(k, ring, ch, sc, sp, acc, prev, prev_as, prev_bs, cur_as, cur_bs, mma:
 
 
 @gluon.jit
-def col_scales(sc, sp, k, mma: gl.constexpr):
-    """COLS: step k's scales of the tile's columns (``Scales``), in the layout of the MMA's columns."""
-    BLOCK_N: gl.constexpr = mma.instr_shape[1]
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    return gl.load(sp.bs_base + k * sc.stride_bsk + cols * sc.stride_bsn)
-
-
-@gluon.jit
 def _last(acc, prev, prev_as, prev_bs, BLOCKWISE: gl.constexpr):
     """acc plus the last step's partial, once its MMAs are done."""
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
@@ -329,12 +316,7 @@ def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
     # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
     as_ptrs = sc.as_ptr + rows.to(gl.int64) * sc.stride_ast
     bs_base = sc.bs_ptr + e64 * sc.stride_bse + (col0 // BLOCK_K) * sc.stride_bsn
-    if sc.COLS:  # the column scales are loaded step by step ([Note: blockwise wgrad scales])
-        prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
-        prev_bs = gl.load(bs_base, mask=False, other=0.0)
-        nxt_as = prev_as
-        nxt_bs = prev_bs
-    elif sc.BLOCKWISE:
+    if sc.BLOCKWISE:
         prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
         prev_bs = gl.load(bs_base)
         nxt_as = gl.load(as_ptrs + sc.stride_ask, mask=rows_ok & (ch.n_k > 1), other=0.0)

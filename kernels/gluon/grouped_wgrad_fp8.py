@@ -143,10 +143,9 @@ from . import (
 )
 from . import WS_PAIRS as _WS_PAIRS
 from . import tma_load as _tma_load
-from .grouped_gemm_fp8 import Chunks, Scales, _accumulate, _begin, col_scales
+from .grouped_gemm_fp8 import Chunks, Scales, _accumulate, _begin
 from .tiles import Ring, WgradSchedule
 from .tiles import wgrad_tile as _tile
-from .tiles import zero_edges as _zero_edges
 from .tiles import zero_rows as _zero_rows
 from .wgrad_epilogue import Handoff, Out
 from .wgrad_epilogue import epilogue as _epilogue
@@ -184,31 +183,6 @@ class GroupSource:
 
 
 @aggregate
-class BlockScales:
-    """With BLOCKWISE, the 1 x BLOCK_K tiles' scales ([Note: blockwise wgrad scales]): dy^T's at ``as_ptr``
-    [N, chunks] (strides ``stride_asn``, ``stride_asc``) and x^T's at ``bs_ptr`` [K, chunks] (``stride_bsk``,
-    ``stride_bsc``)."""
-
-    as_ptr: gl.tensor
-    bs_ptr: gl.tensor
-    stride_asn: _Scalar
-    stride_asc: _Scalar
-    stride_bsk: _Scalar
-    stride_bsc: _Scalar
-    BLOCKWISE: gl.constexpr
-
-    @constexpr_function
-    def __init__(self, as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE):
-        self.as_ptr = field(as_ptr)
-        self.bs_ptr = field(bs_ptr)
-        self.stride_asn = field(stride_asn)
-        self.stride_asc = field(stride_asc)
-        self.stride_bsk = field(stride_bsk)
-        self.stride_bsc = field(stride_bsc)
-        self.BLOCKWISE = field(BLOCKWISE)
-
-
-@aggregate
 class Trace:
     """With TRACE, where the MMA warps record their tile phases: ``trace_ptr`` [programs, TRACE_TILES, 5]
     ([Note: tracing the MMA warps' tile phases])."""
@@ -242,33 +216,6 @@ def _chain(ring, ch, acc, mma: gl.constexpr):
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(ring.empty.index((g - 1) % NUM_STAGES), count=1)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-
-@gluon.jit
-def _promote_each(ring, ch, sc, sp, prev, prev_as, mma: gl.constexpr):
-    """Steps 1 .. n_k - 1 of a blockwise tile whose step 0 (``_begin``) is in flight as ``prev``, each chunk's
-    partial times its rows' and columns' scales added once its MMAs are done ([Note: blockwise wgrad
-    scales]); the tile's sum. A step's stage goes back to the TMA warp when the next step starts."""
-    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
-    part = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    acc = acc + part * (prev_as[:, None] * col_scales(sc, sp, 0, mma)[None, :])
-    for k in range(1, ch.n_k):
-        g = ch.base + k
-        ring.release(g - 1)
-        s = ring.wait_ready(g)
-        if ch.EDGES:
-            _zero_edges(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[2], ch.t_lo, ch.t_hi,
-                        mma.warps_per_cta[0])
-        # use_acc=False ignores the input's values; passing ``acc`` orders the last add before this issue
-        cur = warpgroup_mma(ring.a_bufs.index(s), ring.b_bufs.index(s).permute((1, 0)), acc, use_acc=False,
-                            is_async=True)
-        a_s = gl.load(sp.as_ptrs + k * sc.stride_ask, mask=sp.rows_ok, other=0.0)  # under the MMAs
-        b_s = col_scales(sc, sp, k, mma)
-        cur = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-        acc = acc + cur * (a_s[:, None] * b_s[None, :])
-    return acc
 
 
 @gluon.jit
@@ -351,25 +298,11 @@ def _trace(trace, pid, j, t_top, t_begun, t_flushed, t_done, n_k):
 
 
 @gluon.jit
-def _tile_scales(bw, row0, col0, first, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_K: gl.constexpr, mma: gl.constexpr):
-    """A blockwise tile's scales for the promoting loop ([Note: blockwise wgrad scales]): (the Scales whose
-    K steps are the tile's chunks, the tile's rows of dy^T, which of them exist)."""
-    c0 = (first // BLOCK_K).to(gl.int64)
-    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-    bs_base = bw.bs_ptr + col0.to(gl.int64) * bw.stride_bsk + c0 * bw.stride_bsc
-    sc = Scales(bw.as_ptr + c0 * bw.stride_asc, bs_base, bw.stride_asn, bw.stride_asc, 0, bw.stride_bsc,
-                bw.stride_bsk, True, True)
-    return sc, rows, rows < N
-
-
-@gluon.jit
-def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
+def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
              ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr, CHAIN: gl.constexpr):
     """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
     its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
-    With TRACE, [Note: tracing the MMA warps' tile phases]; with ``bw.BLOCKWISE``, [Note: blockwise wgrad
-    scales]."""
+    With TRACE, [Note: tracing the MMA warps' tile phases]."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if TOKENS_OUTER else ring.a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = ring.a_desc.block_type.shape[0] if TOKENS_OUTER else ring.a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if TOKENS_OUTER else ring.b_desc.block_type.shape[0]
@@ -381,13 +314,8 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma: gl.constexp
     K = sched.K
     tiles_m = gl.cdiv(N, BLOCK_M)
     tiles_n = gl.cdiv(K, BLOCK_N)
-    BLOCKWISE: gl.constexpr = bw.BLOCKWISE
-    if BLOCKWISE:  # scaled per chunk in the loop: the epilogue's scales are ones
-        a_scale = gl.load(as_ptr, mask=False, other=1.0)
-        b_scale = gl.load(bs_ptr, mask=False, other=1.0)
-    else:
-        a_scale = gl.load(as_ptr)
-        b_scale = gl.load(bs_ptr)
+    a_scale = gl.load(as_ptr)
+    b_scale = gl.load(bs_ptr)
     zero = pid * 0
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))  # the loop's blockwise scale rows: unused
     rows_ok = rows < 0
@@ -413,13 +341,8 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma: gl.constexp
             t_top = _clock(pid)
         if n_k > 0:
             ch = Chunks(base, n_k, first, start, end, ZERO_EDGES, TOKENS_OUTER)
-            if BLOCKWISE:
-                tsc, t_rows, t_rows_ok = _tile_scales(bw, row0, col0, first, N, K, BLOCK_M, BLOCK_N, BLOCK_K, mma)
-                prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, tsc, zero.to(gl.int64), zero, t_rows,
-                                                                    t_rows_ok, mma)
-            else:
-                prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, sc, zero.to(gl.int64), zero, rows,
-                                                                    rows_ok, mma)
+            prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, sc, zero.to(gl.int64), zero, rows, rows_ok,
+                                                                mma)
             if TRACE:
                 t_begun = _clock(pid)
             h = _flush(acc, out, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, hand, h, mma, EPI_WARPS)
@@ -427,8 +350,6 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma: gl.constexp
                 t_flushed = _clock(pid)
             if CHAIN:
                 acc = _chain(ring, ch, prev, mma)
-            elif BLOCKWISE:
-                acc = _promote_each(ring, ch, tsc, sp, prev, prev_as, mma)
             else:
                 acc = _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma)
             mbarrier.arrive(ring.empty.index((base + n_k - 1) % ring.NUM_STAGES), count=1)
@@ -461,20 +382,18 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma: gl.constexp
 @gluon.jit(do_not_specialize=["T"])
 def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
                  stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
-                 stride_bt, first_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, ADD_MODE: gl.constexpr,
-                 PTR_TABLE: gl.constexpr,
+                 stride_bt, first_ptr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
                  GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                  EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                  TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
                  TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
-                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
+                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
     ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
     load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
     with PTR_TABLE, a table of per-group bases."""
     gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
     gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
-    gl.static_assert(not (BLOCKWISE and (TOKENS_OUTER or CHAIN)), "blockwise scales are fp8's")
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
@@ -516,25 +435,24 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     hand = Handoff(c_smem, c_ready, c_free)
     src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)
-    bw = BlockScales(as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE)
     if EPI_WARPS > 0:
         gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
                                     "(function, args) pairs")
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma, EPI_WARPS, ZERO_EDGES,
-                        TOKENS_OUTER, CHAIN)),
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
+                        CHAIN)),
             (_produce, (ring, sched, src, TOKENS_OUTER)),
             (_epilogue, (hand, out, sched, EPI_WARPS, EPI_ROWS)),
         ], [1, EPI_WARPS], [40, EPI_REGS])
     elif _WS_PAIRS:
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma, EPI_WARPS, ZERO_EDGES,
-                        TOKENS_OUTER, CHAIN)),
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
+                        CHAIN)),
             (_produce, (ring, sched, src, TOKENS_OUTER)),
         ], [1], [40])
     else:
-        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, mma, EPI_WARPS, ZERO_EDGES,
-                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, TOKENS_OUTER), [_produce], [1], [40])
+        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
+                            CHAIN), _consume, (ring, sched, src, TOKENS_OUTER), [_produce], [1], [40])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
