@@ -145,10 +145,16 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
 
 def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> bool:
     """Whether the Gluon wgrad kernel can take this call ([Note: fp8 wgrad under the next MMA]): a Hopper
-    GPU and a Triton with Gluon, per-tensor scaling with the split accumulator, TMA-aligned operands."""
-    if not (tma and a_NT.is_cuda and block == 0 and split_acc) or _interpreting():
-        return False
+    GPU and a Triton with Gluon, TMA-aligned operands, per-tensor scaling with the split accumulator or (with
+    ``GroupedGemmFp8Tuning.wgrad_gluon_blockwise``) blockwise 1x128 tiles ([Note: blockwise wgrad scales])."""
+    from . import gluon as kg
     from .gluon import grouped_wgrad_fp8 as kw
+    # blockwise stages its column scales by cp.async ([Note: blockwise wgrad scales]): a Triton without Gluon's
+    # async copies keeps the Triton kernel
+    blockwise = (block == kw.BLOCK and _tuning().grouped_gemm_fp8.wgrad_gluon_blockwise
+                 and kg.async_load is not None and kg.async_mbarrier_arrive is not None)
+    if not (tma and a_NT.is_cuda and ((block == 0 and split_acc) or blockwise)) or _interpreting():
+        return False
     return kw.AVAILABLE and torch.cuda.get_device_capability(a_NT.device)[0] == 9
 
 
@@ -158,7 +164,8 @@ def _handoff_16(out, accumulate: bool, table) -> bool:
     return not accumulate and table is None and out.dtype != torch.float32
 
 
-def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, first=None) -> bool:
+def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, first=None,
+                        block: int = 0) -> bool:
     """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
     then runs the Triton kernel."""
     from .gluon import grouped_wgrad_fp8_launch as kl
@@ -166,9 +173,11 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
         return False
     try:
         t = _tuning().grouped_gemm_fp8
+        stages = t.wgrad_gluon_stages_blockwise if block else t.wgrad_stages(_handoff_16(out, accumulate, table))
         kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[t.wgrad_gluon_add_mode] if accumulate
-                  else 0, stages=t.wgrad_stages(_handoff_16(out, accumulate, table)),
-                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device), first=first)
+                  else 0, stages=stages,
+                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device), first=first,
+                  block=block)
     except CompilationError as exc:
         return _gluon_failed(_GLUON_FAILED, "wgrad", "FP8 wgrad kernel", "the Triton kernel (same products, slower)",
                              exc)
@@ -193,11 +202,12 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         can = _gluon_wgrad(a_NT, block, split_acc, eligible)
         if gluon and not can:
             raise ValueError("grouped_wgrad_fp8: gluon=True needs a Hopper GPU, a Triton with Gluon, per-tensor "
-                             "scaling with the split accumulator and TMA-aligned operands (16-byte aligned base and "
+                             "scaling with the split accumulator or blockwise 1x128 tiles (with the tuning's "
+                             "wgrad_gluon_blockwise) and TMA-aligned operands (16-byte aligned base and "
                              f"outer strides, T % 16 == 0); got block={block}, split_accumulator={split_acc}, "
                              f"aligned={eligible}, device={a_NT.device}")
         if can:
-            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table, first):
+            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table, first, block):
                 return
             if gluon:
                 raise RuntimeError(f"grouped_wgrad_fp8: gluon=True, but the Gluon kernel does not build here: "

@@ -146,6 +146,9 @@ class GroupedGemmFp8Tuning:
     wgrad, beside a 32 KB handed-off tile ([Note: a 16-bit handoff]); H200, medians of two runs' passes, 6 /
     5 stages: E=64 plain 727 / 688, 712 / 686, aligned 918 / 896, 894 / 888; E=8 plain 1084 / 1093, 1071 /
     1068, aligned 1192 / 1177, 1173 / 1188. ``wgrad_gluon_epilogue_warps``: as ``GroupedGemmTuning``'s.
+    ``wgrad_gluon_blockwise``: the blockwise wgrad (1x128 tiles) runs in the same Gluon kernel, each chunk's
+    column scales staged with its operands ([Note: blockwise wgrad scales] in ``gluon/grouped_wgrad_fp8.py``);
+    ``wgrad_gluon_stages_blockwise``: its ring depth (the scales' slots take shared memory a fifth stage needs).
     """
 
     ragged_gluon: bool = True
@@ -154,6 +157,8 @@ class GroupedGemmFp8Tuning:
     ragged_gluon_block_m: int = 128
     ragged_gluon_stages: int = 4
     wgrad_gluon: bool = True
+    wgrad_gluon_blockwise: bool = True
+    wgrad_gluon_stages_blockwise: int = 4
     wgrad_gluon_add_mode: str = "atomic"
     wgrad_gluon_stages: int = 5
     wgrad_gluon_stages_16: int = 6
@@ -169,6 +174,8 @@ class GroupedGemmFp8Tuning:
             "wgrad_gluon_add_mode": (lambda v: v in ("atomic", "load"), "'atomic' or 'load'"),
             "wgrad_gluon_stages": stages,
             "wgrad_gluon_stages_16": stages,
+            "wgrad_gluon_stages_blockwise": (lambda v: _is_int(v) and 2 <= v <= 4,
+                                             "an int in 2..4 (stages beside the column scales)"),
             "wgrad_gluon_epilogue_warps": (lambda v: v in (0, 2) and _is_int(v), "0 or 2"),
         })
 

@@ -161,7 +161,9 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
                                      "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
                                      "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16", "fresh/epi/s5/fp16",
                                      "fresh/epi/s6/bf16",
-                                     "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first"])
+                                     "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first",
+                                     "atomic/epi/s4/blockwise", "fresh/epi/s4/bf16/blockwise",
+                                     "atomic/epi/s4/first/blockwise", "load/epi/blockwise", "atomic/blockwise"])
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -186,18 +188,26 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
                 else "*fp32",
                 T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
                 TRACE_TILES=435, a_ptr=f"*{a_ty}", b_ptr="*fp8e4nv", stride_at="i32", stride_bt="i32",
-                first_ptr="*i32")
+                first_ptr="*i32", stride_asn=T // L, stride_asc=1, stride_bsk=1, stride_bsc=K)
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=stages,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
                   TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False,
-                  GROUP_DESC=False, CHAIN=False, FIRST="first" in rest)
+                  GROUP_DESC=False, CHAIN=False, FIRST="first" in rest, BLOCKWISE="blockwise" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
+    # [Note: blockwise wgrad scales]: the TMA warp stages each chunk's column scales by cp.async, 16 bytes a
+    # thread, and the stage's barrier counts their landing
+    assert ("cp.async.mbarrier.arrive" in ptx) is ("blockwise" in rest), "column scales not staged"
+    if "blockwise" in rest:
+        assert "cp.async.cg.shared.global" in ptx and ", 16" in ptx, "the column scales' copies are not 16 bytes"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
-    assert " 0 bytes spill stores" in info, info
+    spilled = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    # blockwise: ptxas spills part of the tile's sum where the loop's two tails merge, once a tile (at most
+    # ~290 bytes a thread; none inside the chunk loop, [Note: blockwise wgrad scales])
+    assert spilled <= (320 if "blockwise" in rest else 0), info
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
     # (a dry run may skip the zeroing: [Note: tracing the MMA warps' tile phases])
     assert ("fence.proxy.async.shared::cta" in ptx) is ("unzeroed" not in rest), "zeroed edge chunk not fenced"
@@ -252,12 +262,13 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
                 out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
                 T=T, E=E, N=N, K=K,
                 stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i32", TRACE_TILES=0,
-                a_ptr="*bf16", b_ptr="*bf16", stride_at="i32", stride_bt="i32", first_ptr="*i32")
+                a_ptr="*bf16", b_ptr="*bf16", stride_at="i32", stride_bt="i32", first_ptr="*i32",
+                stride_asn=0, stride_asc=0, stride_bsk=0, stride_bsc=0)
     zero = "zero" in rest
     consts = dict(ADD_MODE={"load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
                   TRACE=False, ZERO_EDGES=zero, TOKENS_OUTER=True, GROUP_DESC=not zero, CHAIN=True,
-                  FIRST="first" in rest)
+                  FIRST="first" in rest, BLOCKWISE=False)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, [^;]*;", ptx)
     assert mmas and all(m.endswith(", 1, 1, 1, 1;") for m in mmas), "bf16 wgmma, both operands transposed"

@@ -110,9 +110,9 @@ def _wgrad_operands(T=256, E=2, K=128, N=256, block=0):
     return dy_t, scales[0], x_t, scales[1], torch.tensor([T // 2, T], dtype=torch.int32)
 
 
-def test_gluon_wgrad_only_where_it_applies(monkeypatch):
-    """``_gluon_wgrad``: Hopper only, per-tensor with the split accumulator, TMA-aligned operands; never in
-    the interpreter or off CUDA."""
+def test_gluon_wgrad_only_where_it_applies(monkeypatch, kernel_tuning):
+    """``_gluon_wgrad``: Hopper only, per-tensor with the split accumulator or blockwise 1x128 tiles
+    (``wgrad_gluon_blockwise``), TMA-aligned operands; never in the interpreter or off CUDA."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
@@ -120,7 +120,9 @@ def test_gluon_wgrad_only_where_it_applies(monkeypatch):
     k = _kernels()
     a, cap = _pretend_hopper(monkeypatch, k)
     assert k._gluon_wgrad(a, 0, True, True) == kw.AVAILABLE
-    assert not k._gluon_wgrad(a, 128, True, True)      # blockwise: the Triton kernel
+    assert k._gluon_wgrad(a, 128, True, True) == kw.AVAILABLE   # blockwise ([Note: blockwise wgrad scales])
+    assert k._gluon_wgrad(a, 128, False, True) == kw.AVAILABLE  # (blockwise always promotes)
+    assert not k._gluon_wgrad(a, 64, True, True)       # 1x64 tiles: not the kernel's chunk
     assert not k._gluon_wgrad(a, 0, False, True)       # no split accumulator
     assert not k._gluon_wgrad(a, 0, True, False)       # not TMA-aligned
     assert not k._gluon_wgrad(SimpleNamespace(is_cuda=False, device="cpu"), 0, True, True)
@@ -129,19 +131,29 @@ def test_gluon_wgrad_only_where_it_applies(monkeypatch):
     cap[0] = (9, 0)
     monkeypatch.setattr(k, "_interpreting", lambda: True)
     assert not k._gluon_wgrad(a, 0, True, True)
+    monkeypatch.setattr(k, "_interpreting", lambda: False)
+    from distwgrad.kernels import gluon as kg
+    with monkeypatch.context() as m:
+        m.setattr(kg, "async_load", None)
+        assert not k._gluon_wgrad(a, 128, True, True)  # a Triton without Gluon's cp.async
+        assert k._gluon_wgrad(a, 0, True, True) == kw.AVAILABLE
+    kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon_blockwise=False))
+    assert not k._gluon_wgrad(a, 128, True, True)      # switched off: the Triton kernel
 
 
 @pytest.mark.parametrize("gluon,config,use_tma,block,expected", [
     (None, None, None, 0, "gluon"), (False, None, None, 0, "triton"), (None, "cfg", None, 0, "triton"),
-    (None, None, False, 0, "triton"), (None, None, None, 128, "triton"), (True, None, None, 0, "gluon"),
+    (None, None, False, 0, "triton"), (None, None, None, 128, "gluon"), (None, None, None, 64, "triton"),
+    (True, None, None, 0, "gluon"),
 ])
 def test_gluon_wgrad_dispatch(monkeypatch, gluon, config, use_tma, block, expected):
     """``_launch_wgrad``: where the Gluon wgrad can run, the default takes it (``wgrad_gluon``) unless a
-    config is given, TMA is refused, or ``gluon=False``; blockwise stays on the Triton kernel."""
+    config is given, TMA is refused, or ``gluon=False``; 1x128 blockwise tiles too, other blocks stay on the
+    Triton kernel."""
     pytest.importorskip("triton")
     k = _kernels()
     taken = []
-    monkeypatch.setattr(k, "_gluon_wgrad", lambda a, blk, split, tma: blk == 0 and split and tma)
+    monkeypatch.setattr(k, "_gluon_wgrad", lambda a, blk, split, tma: blk in (0, 128) and split and tma)
     monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: taken.append("gluon") or True)
     monkeypatch.setattr(k, "_wgrad_fp8_kernel", StubKernel(lambda grid, *a, **kw: taken.append("triton")))
     monkeypatch.setattr(k, "_resolve_tma", lambda requested, eligible, device, op: False)
@@ -230,6 +242,31 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     assert args[4] is (tbl if table else out)
     strides = args[10:13]
     assert strides == ((0, K, 1) if table else (N * K, K, 1))
+
+
+def test_gluon_blockwise_wgrad_launch(monkeypatch):
+    """[Note: blockwise wgrad scales]: ``launch(..., block=128)`` hands the kernel dy^T's scales as they are and
+    x^T's columns-contiguous ([chunks, K rounded up to 128], zeros past K), with their strides; any other
+    block is refused, naming it."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
+    if not kw.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    launched = []
+    monkeypatch.setattr(kw, "wgrad_kernel", StubKernel(lambda g, *a, **kws: launched.append((g, a, kws))))
+    monkeypatch.setattr(kw, "descriptor", lambda t, block: None)
+    dy_t, dy_s, x_t, x_s, offs = _wgrad_operands(T=384, N=256, K=200, block=128)
+    x_s = torch.arange(200 * 3, dtype=torch.float32).reshape(200, 3)
+    out = torch.zeros(2, 256, 200)
+    kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, add_mode=3, stages=4, epilogue_warps=2, num_sms=8, block=128)
+    (g, args, kws), = launched
+    assert kws["BLOCKWISE"] is True and args[2] is dy_s
+    cols = args[3]
+    assert cols.shape == (3, 256) and torch.equal(cols[:, :200], x_s.t()) and not cols[:, 200:].any()
+    assert args[-4:] == (3, 1, 1, 256)  # dy^T's (row, chunk) strides, x^T's (column, chunk) strides
+    with pytest.raises(ValueError, match="chunk is 128 tokens; blockwise scales of 1x64 tiles"):
+        kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, add_mode=3, stages=4, epilogue_warps=2, num_sms=8, block=64)
 
 
 def test_gluon_wgrad_trace_launch(monkeypatch):

@@ -136,6 +136,40 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, kernel_tuning):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("variant", ["atomic_s5_epi", "load_epi_s3", "atomic"])
+@pytest.mark.parametrize("T,E,K,N,splits", [
+    (4096, 8, 1024, 1536, None),            # ~512 tokens per group: head, body and tail chunks
+    (8192, 64, 512, 384, None),             # ~128 per group, about a third empty: mostly edge chunks
+    (2048, 5, 384, 1040, None),             # N off the 128 grid
+    (1008, 1, 208, 144, None),              # one group; T, K, N off the tile (K's scales padded)
+    (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # a group inside one chunk (head = tail), one exactly on it
+])
+def test_gpu_gluon_blockwise_wgrad(T, E, K, N, splits, variant, kernel_tuning):
+    """[Note: blockwise wgrad scales]: the Gluon blockwise wgrad against the oracle (fresh into a NaN-poisoned
+    output, accumulating into a stacked tensor and into a list of strided buffers) and against the Triton
+    kernel: the same bits (each chunk's partial times the outer product of its scales, added in chunk order)."""
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    add, stages, epilogue_warps = WGRAD_GLUON_VARIANTS[variant]
+    kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon_blockwise=True, wgrad_gluon_add_mode=add,
+                                        wgrad_gluon_stages=stages, wgrad_gluon_stages_16=stages + 1 if epilogue_warps
+                                        else stages, wgrad_gluon_epilogue_warps=epilogue_warps))
+    gen = torch.Generator().manual_seed(T + K)
+    src = (torch.randn(T, K, generator=gen), torch.randn(E, N, K, generator=gen) * K ** -0.5,
+           torch.randn(T, N, generator=gen))
+    pb = _problem(T, E, K, N, "blockwise", src=src, device="cuda", seed=K, splits=splits)
+    for mode in ("fresh", "acc", "acc_list"):
+        ours = _run_wgrad(pb, mode, gluon=True, seed=E, out_dtype=torch.bfloat16 if mode == "fresh" else torch.float32)
+        triton_k = _run_wgrad(pb, mode, gluon=False, seed=E)
+        same = (ours == triton_k) | (ours.isnan() & triton_k.isnan())
+        print(f"gluon blockwise wgrad {variant} vs triton {mode} T={T} E={E} K={K} N={N}: {int((~same).sum())} of "
+              f"{same.numel()} differ, max |diff| {float((ours - triton_k).abs().max()):.3g}")
+        assert bool(same.all()), f"blockwise wgrad {mode}: the Gluon and Triton kernels differ"
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("path", ["gluon", "triton", "pointer"])
 def test_gpu_wgrad_chunk_order(path):
     """[Note: fp8 wgrad chunks] on the GPU: the Gluon kernel and the Triton kernel's paths add a group's

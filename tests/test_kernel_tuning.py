@@ -44,6 +44,8 @@ KNOBS = {
         "ragged_gluon_block_m": 128,
         "ragged_gluon_stages": 4,
         "wgrad_gluon": True,
+        "wgrad_gluon_blockwise": True,
+        "wgrad_gluon_stages_blockwise": 4,
         "wgrad_gluon_add_mode": "atomic",
         "wgrad_gluon_stages": 5,
         "wgrad_gluon_stages_16": 6,

@@ -35,10 +35,18 @@ try:  # Gluon is experimental (triton >= 3.4); without it the Triton kernels ser
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed triton
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+try:  # cp.async, for the blockwise wgrad's column scales
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
+except ImportError:  # pragma: no cover - depends on the installed triton
+    _async_copy = None
 
 AVAILABLE = gluon is not None
 # TMA global -> shared: ``async_load`` in newer Tritons, ``async_copy_global_to_shared`` before (same arguments)
 tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+# cp.async global -> shared (no registers): ``async_load`` in newer Tritons, ``async_copy_global_to_shared``
+# before; and the arrival on an mbarrier once the thread's copies have landed
+async_load = getattr(_async_copy, "async_load", None) or getattr(_async_copy, "async_copy_global_to_shared", None)
+async_mbarrier_arrive = getattr(_async_copy, "mbarrier_arrive", None)
 # CTA-wide (in a warp-specialized partition: partition-wide) barrier: ``gl.barrier`` in newer Tritons
 thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
 # a shared-memory view in another shape / layout: ``reinterpret`` in newer Tritons, ``_reinterpret`` before
@@ -74,7 +82,8 @@ else:  # pragma: no cover - depends on the installed triton
 
 __all__ = ["AVAILABLE", "REINTERPRET", "WS_PAIRS", "TensorDescriptor", "aggregate", "constexpr_function", "descriptor",
            "field",
-           "fence_async_shared", "gl", "gluon", "mbarrier", "thread_barrier", "tma", "tma_load", "warpgroup_mma",
+           "fence_async_shared", "gl", "gluon", "mbarrier", "thread_barrier", "tma", "tma_load", "async_load",
+           "async_mbarrier_arrive", "warpgroup_mma",
            "warpgroup_mma_wait"]
 
 

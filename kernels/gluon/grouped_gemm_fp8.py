@@ -122,7 +122,9 @@ class Scales:
     """The scales' pointers and strides: blockwise (BLOCKWISE), a_s[t, kb] (``as_ptr``, strides ``stride_ast``,
     ``stride_ask``) and b_s[e, kb, nb] (``bs_ptr``; ``stride_bse``, ``stride_bsk``, ``stride_bsn``), one of
     each per K step; per-tensor, ``as_ptr`` and ``bs_ptr`` [e] (stride ``stride_bse``). A stride may be a
-    constexpr (a specialized 1, or the wgrad's unused 0)."""
+    constexpr (a specialized 1, or the wgrad's unused 0). COLS (the blockwise wgrad, [Note: blockwise wgrad
+    scales] in ``grouped_wgrad_fp8``): b_s has a scale per output column, read from shared memory by the
+    wgrad's own loop; ``_begin`` loads only the row scales."""
 
     as_ptr: gl.tensor
     bs_ptr: gl.tensor
@@ -132,9 +134,11 @@ class Scales:
     stride_bsk: _Scalar
     stride_bsn: _Scalar
     BLOCKWISE: gl.constexpr
+    COLS: gl.constexpr
 
     @constexpr_function
-    def __init__(self, as_ptr, bs_ptr, stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn, BLOCKWISE):
+    def __init__(self, as_ptr, bs_ptr, stride_ast, stride_ask, stride_bse, stride_bsk, stride_bsn, BLOCKWISE,
+                 COLS=False):
         self.as_ptr = field(as_ptr)
         self.bs_ptr = field(bs_ptr)
         self.stride_ast = field(stride_ast)
@@ -143,6 +147,7 @@ class Scales:
         self.stride_bsk = field(stride_bsk)
         self.stride_bsn = field(stride_bsn)
         self.BLOCKWISE = field(BLOCKWISE)
+        self.COLS = field(COLS)
 
 
 @aggregate
@@ -316,7 +321,12 @@ def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
     # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
     as_ptrs = sc.as_ptr + rows.to(gl.int64) * sc.stride_ast
     bs_base = sc.bs_ptr + e64 * sc.stride_bse + (col0 // BLOCK_K) * sc.stride_bsn
-    if sc.BLOCKWISE:
+    if sc.COLS:  # the column scales come through shared memory ([Note: blockwise wgrad scales])
+        prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
+        prev_bs = gl.load(bs_base, mask=False, other=0.0)
+        nxt_as = gl.load(as_ptrs + sc.stride_ask, mask=rows_ok & (ch.n_k > 1), other=0.0)
+        nxt_bs = prev_bs
+    elif sc.BLOCKWISE:
         prev_as = gl.load(as_ptrs, mask=rows_ok, other=0.0)
         prev_bs = gl.load(bs_base)
         nxt_as = gl.load(as_ptrs + sc.stride_ask, mask=rows_ok & (ch.n_k > 1), other=0.0)

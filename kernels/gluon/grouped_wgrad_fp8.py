@@ -67,6 +67,21 @@ build before it): E=64 fresh bf16 on the aligned layout ([Note: aligned token gr
 (5 / 6 stages) against 825, 1.60x / 1.62x our bf16 kernel against 1.49x; on the plain layout 686 / 712
 against 689 (the edge chunks' zeroing bounds it there); E=8 aligned 1188 / 1173 against 1141.
 
+[Note: blockwise wgrad scales]
+With the blockwise recipe (BLOCKWISE: 1x128 tiles along the tokens, dy^T's scales [N, chunks], x^T's [K,
+chunks]) each chunk's partial is scaled before it is added: ``acc + part * (a_s[:, None] * b_s[None, :])``,
+the Triton kernel's expression on the same partials in the same order, so the same bits. The per-tensor
+epilogue's scales are then ones. The row scales (two a thread in the MMA layout) are loaded by the MMA
+warps a step ahead, as the fprop's (``_begin``, ``_col_step``). The column scales are 32 a thread: loaded
+from global memory beside the loop's three fp32 tiles (192 of the MMA warps' 232 registers) they made the
+sm_90a build spill inside the loop (1.3-1.9 KB). So the TMA warp copies each chunk's 128 column scales into
+a slot beside the chunk's stage (``cp.async``, 16 bytes a thread; the stage's ``ready`` barrier counts
+their landing), and the MMA warps read them from shared memory at the add, before they hand the stage
+back. The launcher passes x^T's scales columns-contiguous ([chunks, K rounded up to 128], zeros past K), so
+every copy is one aligned 16-byte unit. ptxas still spills part of the tile's sum where the loop's two tails
+merge (under 300 bytes a thread, once a tile). The slots take shared memory a fifth stage would need, so the
+ring has four (``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). Measured: docs/benchmarks/LOG.md.
+
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
 (``grouped_wgrad_fp8_launch.launch(..., trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA
@@ -123,7 +138,8 @@ chunk before it, as a plain Hopper matmul's loop. The sums are fp32 either way, 
 On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md).
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
-TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator, a stacked fp32
+TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator or blockwise 1x128
+tiles ([Note: blockwise wgrad scales]), a stacked fp32
 output ``[E, N, K]`` (bf16 / fp16 when fresh) or a table of per-group fp32 bases (``PTR_TABLE``).
 Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-features (x^T rows), E groups.
 """
@@ -142,10 +158,14 @@ from . import (
     warpgroup_mma_wait,
 )
 from . import WS_PAIRS as _WS_PAIRS
+from . import async_load as _async_load
+from . import async_mbarrier_arrive as _async_arrive
+from . import thread_barrier as _thread_barrier
 from . import tma_load as _tma_load
 from .grouped_gemm_fp8 import Chunks, Scales, _accumulate, _begin
 from .tiles import Ring, WgradSchedule
 from .tiles import wgrad_tile as _tile
+from .tiles import zero_edges as _zero_edges
 from .tiles import zero_rows as _zero_rows
 from .wgrad_epilogue import Handoff, Out
 from .wgrad_epilogue import epilogue as _epilogue
@@ -180,6 +200,31 @@ class GroupSource:
         self.stride_at = field(stride_at)
         self.stride_bt = field(stride_bt)
         self.GROUP_DESC = field(GROUP_DESC)
+
+
+@aggregate
+class BlockScales:
+    """With BLOCKWISE, the 1 x BLOCK_K tiles' scales ([Note: blockwise wgrad scales]): dy^T's at ``as_ptr``
+    [N, chunks] (strides ``stride_asn``, ``stride_asc``) and x^T's at ``bs_ptr`` [K, chunks] (``stride_bsk``,
+    ``stride_bsc``)."""
+
+    as_ptr: gl.tensor
+    bs_ptr: gl.tensor
+    stride_asn: _Scalar
+    stride_asc: _Scalar
+    stride_bsk: _Scalar
+    stride_bsc: _Scalar
+    BLOCKWISE: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE):
+        self.as_ptr = field(as_ptr)
+        self.bs_ptr = field(bs_ptr)
+        self.stride_asn = field(stride_asn)
+        self.stride_asc = field(stride_asc)
+        self.stride_bsk = field(stride_bsk)
+        self.stride_bsc = field(stride_bsc)
+        self.BLOCKWISE = field(BLOCKWISE)
 
 
 @aggregate
@@ -219,6 +264,57 @@ def _chain(ring, ch, acc, mma: gl.constexpr):
 
 
 @gluon.jit
+def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.constexpr):
+    """Blockwise step ``k`` of the tile ``ch`` ([Note: blockwise wgrad scales]): issue its MMAs, then add step
+    k-1's partial ``prev`` times its rows' scales ``prev_as`` and its columns' (read from step k-1's stage)
+    while they run; load step k+1's row scales. Step k-1's stage is then handed back. Returns (acc, this
+    step's partial (in flight), its row scales, step k+1's)."""
+    g = ch.base + k
+    s = ring.wait_ready(g)
+    if ch.EDGES:
+        _zero_edges(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[2], ch.t_lo, ch.t_hi,
+                    mma.warps_per_cta[0])
+    # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before this issue
+    cur = warpgroup_mma(ring.a_bufs.index(s), ring.b_bufs.index(s).permute((1, 0)), acc, use_acc=False,
+                        is_async=True)
+    cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
+    b_s = bs_bufs.index((g - 1) % ring.NUM_STAGES).load(gl.SliceLayout(0, mma))
+    ring.release(g - 1)
+    acc = acc + prev * (prev_as[:, None] * b_s[None, :])
+    nxt_as = gl.load(sp.as_ptrs + (k + 1) * sc.stride_ask, mask=sp.rows_ok & (k + 1 < ch.n_k), other=0.0)
+    return acc, cur, cur_as, nxt_as
+
+
+@gluon.jit
+def _col_last(acc, prev, prev_as, bs_bufs, g, NUM_STAGES: gl.constexpr, mma: gl.constexpr):
+    """acc plus the tile's last partial (ring step ``g``), once its MMAs are done."""
+    prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+    b_s = bs_bufs.index(g % NUM_STAGES).load(gl.SliceLayout(0, mma))
+    return acc + prev * (prev_as[:, None] * b_s[None, :])
+
+
+@gluon.jit
+def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, bs_bufs, mma: gl.constexpr):
+    """Steps 1 .. n_k - 1 of a blockwise tile whose step 0 (``_begin``) is in flight as ``prev``: the
+    promoting loop of ``grouped_gemm_fp8._accumulate`` (step 0 peeled, two steps an iteration, the last
+    partial added in each branch), each partial scaled by its rows' and columns' scales ([Note: blockwise
+    wgrad scales]); the tile's fp32 sum, every MMA of it done."""
+    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    for k in range(1, ch.n_k - 1, 2):
+        acc, cur, cur_as, nxt_as = _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, bs_bufs, mma)
+        acc, prev, prev_as, nxt_as = _col_step(k + 1, ring, ch, sc, sp, acc, cur, cur_as, nxt_as, bs_bufs, mma)
+    if ch.n_k % 2 == 0:  # one step left
+        acc, prev, prev_as, nxt_as = _col_step(ch.n_k - 1, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, bs_bufs,
+                                               mma)
+        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, ring.NUM_STAGES, mma)
+    else:
+        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, ring.NUM_STAGES, mma)
+    return acc
+
+
+@gluon.jit
 def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Descriptors of dy and x over the group's rows [start, end) alone: a chunk's rows past its end load
     as zeros (an empty group's, one row long, is never loaded from)."""
@@ -231,11 +327,12 @@ def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
-def _produce(ring, sched, src, TOKENS_OUTER: gl.constexpr):
+def _produce(ring, sched, src, bw, bs_bufs, TOKENS_OUTER: gl.constexpr):
     """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
     (a fresh mbarrier counts as released for the first round), then loads it. GROUP_DESC (the bf16
     wgrad): each tile loads through descriptors of its group's tokens alone, built here from ``src``
-    ([Note: a group's tail zero-filled by TMA])."""
+    ([Note: a group's tail zero-filled by TMA]). BLOCKWISE: each stage also gets its chunk's scales of the
+    tile's columns ([Note: blockwise wgrad scales])."""
     a_desc = ring.a_desc
     b_desc = ring.b_desc
     NUM_STAGES: gl.constexpr = ring.NUM_STAGES
@@ -261,10 +358,17 @@ def _produce(ring, sched, src, TOKENS_OUTER: gl.constexpr):
             if e != g_e:  # rebuilt when the program's tiles move to another group
                 a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
                 g_e = e
+        if bw.BLOCKWISE:
+            cols = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([4], [32], [1], [0]))
+            bs_tile = bw.bs_ptr + (col0 + cols) * bw.stride_bsk + (first // BLOCK_K).to(gl.int64) * bw.stride_bsc
         for k in range(n_k):
             s = g % NUM_STAGES
             mbarrier.wait(ring.empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
             bar = ring.ready.index(s)
+            if bw.BLOCKWISE:  # the stage's column scales, an arrival on its barrier once they land
+                _async_load(bs_bufs.index(s), bs_tile + k * bw.stride_bsc)
+                _async_arrive(bar)
+                _thread_barrier()
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             if GROUP_DESC:
                 _tma_load(a_g, [k * BLOCK_K, row0], bar, ring.a_bufs.index(s))
@@ -298,11 +402,25 @@ def _trace(trace, pid, j, t_top, t_begun, t_flushed, t_done, n_k):
 
 
 @gluon.jit
-def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
+def _tile_scales(bw, row0, col0, first, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr, mma: gl.constexpr):
+    """A blockwise tile's scales for the promoting loop ([Note: blockwise wgrad scales]): (the Scales whose
+    K steps are the tile's chunks, the tile's rows of dy^T, which of them exist)."""
+    c0 = (first // BLOCK_K).to(gl.int64)
+    rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    bs_base = bw.bs_ptr + col0.to(gl.int64) * bw.stride_bsk + c0 * bw.stride_bsc
+    sc = Scales(bw.as_ptr + c0 * bw.stride_asc, bs_base, bw.stride_asn, bw.stride_asc, 0, bw.stride_bsc,
+                bw.stride_bsk, True, True)
+    return sc, rows, rows < N
+
+
+@gluon.jit
+def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
              ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr, CHAIN: gl.constexpr):
     """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
     its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
-    With TRACE, [Note: tracing the MMA warps' tile phases]."""
+    With TRACE, [Note: tracing the MMA warps' tile phases]; with ``bw.BLOCKWISE``, [Note: blockwise wgrad
+    scales]."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if TOKENS_OUTER else ring.a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = ring.a_desc.block_type.shape[0] if TOKENS_OUTER else ring.a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if TOKENS_OUTER else ring.b_desc.block_type.shape[0]
@@ -314,8 +432,13 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, E
     K = sched.K
     tiles_m = gl.cdiv(N, BLOCK_M)
     tiles_n = gl.cdiv(K, BLOCK_N)
-    a_scale = gl.load(as_ptr)
-    b_scale = gl.load(bs_ptr)
+    BLOCKWISE: gl.constexpr = bw.BLOCKWISE
+    if BLOCKWISE:  # scaled per chunk in the loop: the epilogue's scales are ones
+        a_scale = gl.load(as_ptr, mask=False, other=1.0)
+        b_scale = gl.load(bs_ptr, mask=False, other=1.0)
+    else:
+        a_scale = gl.load(as_ptr)
+        b_scale = gl.load(bs_ptr)
     zero = pid * 0
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))  # the loop's blockwise scale rows: unused
     rows_ok = rows < 0
@@ -341,8 +464,13 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, E
             t_top = _clock(pid)
         if n_k > 0:
             ch = Chunks(base, n_k, first, start, end, ZERO_EDGES, TOKENS_OUTER)
-            prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, sc, zero.to(gl.int64), zero, rows, rows_ok,
-                                                                mma)
+            if BLOCKWISE:
+                tsc, t_rows, t_rows_ok = _tile_scales(bw, row0, col0, first, N, K, BLOCK_M, BLOCK_N, BLOCK_K, mma)
+                prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, tsc, zero.to(gl.int64), zero, t_rows,
+                                                                    t_rows_ok, mma)
+            else:
+                prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, sc, zero.to(gl.int64), zero, rows,
+                                                                    rows_ok, mma)
             if TRACE:
                 t_begun = _clock(pid)
             h = _flush(acc, out, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, hand, h, mma, EPI_WARPS)
@@ -350,6 +478,8 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, E
                 t_flushed = _clock(pid)
             if CHAIN:
                 acc = _chain(ring, ch, prev, mma)
+            elif BLOCKWISE:
+                acc = _promote_cols(ring, ch, tsc, sp, prev, prev_as, nxt_as, bs_bufs, mma)
             else:
                 acc = _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma)
             mbarrier.arrive(ring.empty.index((base + n_k - 1) % ring.NUM_STAGES), count=1)
@@ -382,18 +512,20 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, mma: gl.constexpr, E
 @gluon.jit(do_not_specialize=["T"])
 def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
                  stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
-                 stride_bt, first_ptr, ADD_MODE: gl.constexpr, PTR_TABLE: gl.constexpr,
+                 stride_bt, first_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, ADD_MODE: gl.constexpr,
+                 PTR_TABLE: gl.constexpr,
                  GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                  EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                  TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
                  TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
-                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False):
+                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
     ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
     load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
     with PTR_TABLE, a table of per-group bases."""
     gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
     gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
+    gl.static_assert(not (BLOCKWISE and (TOKENS_OUTER or CHAIN)), "blockwise scales are fp8's")
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
@@ -435,24 +567,30 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     hand = Handoff(c_smem, c_ready, c_free)
     src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)
+    bw = BlockScales(as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE)
+    # the stages' column scales ([Note: blockwise wgrad scales]); one unused element per stage otherwise
+    BS_SLOTS: gl.constexpr = 1 << (NUM_STAGES - 1).bit_length()
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
+                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     if EPI_WARPS > 0:
         gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
                                     "(function, args) pairs")
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
-                        CHAIN)),
-            (_produce, (ring, sched, src, TOKENS_OUTER)),
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma, EPI_WARPS, ZERO_EDGES,
+                        TOKENS_OUTER, CHAIN)),
+            (_produce, (ring, sched, src, bw, bs_bufs, TOKENS_OUTER)),
             (_epilogue, (hand, out, sched, EPI_WARPS, EPI_ROWS)),
         ], [1, EPI_WARPS], [40, EPI_REGS])
     elif _WS_PAIRS:
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
-                        CHAIN)),
-            (_produce, (ring, sched, src, TOKENS_OUTER)),
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma, EPI_WARPS, ZERO_EDGES,
+                        TOKENS_OUTER, CHAIN)),
+            (_produce, (ring, sched, src, bw, bs_bufs, TOKENS_OUTER)),
         ], [1], [40])
     else:
-        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, mma, EPI_WARPS, ZERO_EDGES, TOKENS_OUTER,
-                            CHAIN), _consume, (ring, sched, src, TOKENS_OUTER), [_produce], [1], [40])
+        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma, EPI_WARPS, ZERO_EDGES,
+                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, bw, bs_bufs, TOKENS_OUTER), [_produce],
+                           [1], [40])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

@@ -1,6 +1,6 @@
 """Host launchers of the Gluon wgrad kernel (``grouped_wgrad_fp8.wgrad_kernel``).
 
-``launch``: the FP8 wgrad, per-tensor recipe, from dy^T [N, T] and x^T [K, T] (tokens innermost).
+``launch``: the FP8 wgrad, per-tensor or blockwise recipe, from dy^T [N, T] and x^T [K, T] (tokens innermost).
 ``launch_tokens_outer``: the bf16 / fp16 wgrad from dy [T, N] and x [T, K] as the caller holds them
 ([Note: the bf16 wgrad in the fp8 kernel]). Both run one program per SM (at most one per tile) and check
 only their own settings; the dispatchers (``grouped_gemm_fp8._launch_gluon_wgrad``,
@@ -45,8 +45,17 @@ def _epilogue_meta(epilogue_warps: int, stages: int) -> dict:
                 EPI_ROWS=_k.EPI_ROWS, EPI_REGS=_k.EPI_REGS, num_warps=8)
 
 
+def _columns_major(bs, K: int):
+    """x^T's blockwise scales [K, chunks] as the kernel reads them: [chunks, K rounded up to the tile], columns
+    contiguous, the padding zeros ([Note: blockwise wgrad scales])."""
+    C = bs.shape[1]
+    cols = torch.zeros(C, -(-K // _k.BLOCK) * _k.BLOCK, dtype=torch.float32, device=bs.device)
+    cols[:, :K].copy_(bs.t())
+    return cols
+
+
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
-           num_sms: int, trace=None, zero_edges: bool = True, first=None) -> None:
+           num_sms: int, trace=None, zero_edges: bool = True, first=None, block: int = 0) -> None:
     """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked ``out`` ([E, N, K];
     fp32, or bf16/fp16 for a fresh one) or, with ``table`` (int64 bases), into the per-group buffers shaped and
     strided like ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry
@@ -57,12 +66,22 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
     ``zero_edges`` False skips zeroing the edge chunks' foreign tokens: a traced dry run's diagnostic only (what
     the zeroing costs), refused otherwise. ``first``: None, or an int32 flag on the device that, when not 0, says
     ``out`` holds nothing yet (an accumulating launch then writes every tile: [Note: an unwritten
-    accumulator] in ``distwgrad/weights/first_write.py``)."""
+    accumulator] in ``distwgrad/weights/first_write.py``). ``block``: 0 for per-tensor scales (``as_``, ``bs``
+    one element each), else the blockwise recipe's tile along the tokens, which must be the kernel's chunk
+    (``BLOCK``): ``as_`` [N, chunks] and ``bs`` [K, chunks] ([Note: blockwise wgrad scales])."""
     ensure_context(a_NT.device)  # [Note: a current context on any thread] in kernels/_context.py
     N, T = a_NT.shape
     K = b_KT.shape[0]
     E = offs_E.shape[0]
+    if block not in (0, _k.BLOCK):
+        raise ValueError(f"grouped_wgrad_fp8: the Gluon kernel's chunk is {_k.BLOCK} tokens; blockwise scales of "
+                         f"1x{block} tiles go to the Triton kernel")
     tiles, so = _tiles_and_strides("grouped_wgrad_fp8", epilogue_warps, E, N, K, out, table, add_mode)
+    if block:
+        bs = _columns_major(bs, K)
+        scale_strides = (as_.stride(0), as_.stride(1), 1, bs.stride(0))
+    else:
+        scale_strides = (0, 0, 0, 0)
     grid = min(tiles, num_sms)
     if add_mode == -1 and trace is None:
         raise ValueError("grouped_wgrad_fp8: add_mode -1 writes nothing: it is a traced dry run, pass trace=")
@@ -76,8 +95,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
         _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), as_, bs,
         out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
         offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
-        offs_E if first is None else first, TRACE=trace is not None, ZERO_EDGES=zero_edges, ADD_MODE=add_mode,
-        PTR_TABLE=table is not None, FIRST=first is not None and add_mode > 0, **_epilogue_meta(epilogue_warps, stages))
+        offs_E if first is None else first, *scale_strides, TRACE=trace is not None, ZERO_EDGES=zero_edges,
+        ADD_MODE=add_mode, PTR_TABLE=table is not None, FIRST=first is not None and add_mode > 0,
+        BLOCKWISE=block != 0, **_epilogue_meta(epilogue_warps, stages))
 
 
 @functools.cache
@@ -124,7 +144,7 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stage
         _k.wgrad_kernel[(min(tiles, num_sms),)](
             _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), ones, ones,
             out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
-            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), offs_E if first is None else first, TRACE=False,
+            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), offs_E if first is None else first, 0, 0, 0, 0, TRACE=False,
             ZERO_EDGES=not group_desc, TOKENS_OUTER=True, GROUP_DESC=group_desc, CHAIN=True, ADD_MODE=add_mode,
             PTR_TABLE=table is not None, FIRST=first is not None and add_mode > 0,
             **_epilogue_meta(epilogue_warps, stages))
