@@ -380,13 +380,14 @@ def _fp8_calls(op: str, p: dict, q: dict, main: torch.Tensor | None, config=None
     """impl -> zero-argument callable returning the result; ``config`` (sweep) goes to the launchers;
     ``gluon`` too ([Note: promotion under the next MMA]; wgrad: [Note: fp8 wgrad under the next MMA]). With
     neither, on a GPU, a call the Gluon kernels take by default (fprop / dgrad that promote, per-tensor
-    wgrad with the split accumulator) also gets "<impl>_triton": the Triton kernel."""
+    wgrad with the split accumulator, blockwise wgrad of 1x128 tiles) also gets "<impl>_triton": the Triton
+    kernel."""
     from distwgrad.kernels import grouped_gemm_fp8 as F
     offs, bf, kw = p["offs"], p["x"].dtype, {} if config is None else {"config": config}
     kw["split_accumulator"] = _split(q, op)
     block = 0 if q["x_q"].block is None else q["x_q"].block[1]
     split = kw["split_accumulator"]
-    promoting = (block or split) if op in ("fprop", "dgrad") else not block and split
+    promoting = (block or split) if op in ("fprop", "dgrad") else (not block and split) or block == 128
     if variants and gluon is None and config is None and p["x"].is_cuda and promoting:
         triton_k = _fp8_calls(op, p, q, main, gluon=False)
         return {**_fp8_calls(op, p, q, main, variants=False), **{f"{k}_triton": v for k, v in triton_k.items()}}

@@ -69,7 +69,9 @@ _LAYOUT = {
                          off_page=("large b8x2048 compiled, two builds",  # all three discussed in LOG.md, 2026-12-02
                                    "large d_model=4096 n_layers=2 n_heads=32 n_experts=8 d_ff=14336 b4x2048 eager",
                                    "large b8x2048 mb2 cuda_graph",  # and in docs/fp8.md
-                                   "large b8x2048 cuda_graph")),  # graphed eager: compiled_cuda_graph is faster
+                                   "large b8x2048 cuda_graph",  # graphed eager: compiled_cuda_graph is faster
+                                   # the blockwise wgrad's A/B: LOG.md, 2026-12-02 (late night)
+                                   "large b8x2048 compiled_cuda_graph, triton blockwise wgrad")),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",)),
     "loss_curve": Layout("The job's loss curves: an FP8 run's distance from bf16's, bf16's from fp32's "
