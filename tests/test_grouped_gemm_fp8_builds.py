@@ -167,8 +167,9 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
-    (C7514, C7512) and no spill; the MMA warps fence their zeroing of edge chunks for the async proxy
-    ([Note: a group's edge chunks in shared memory]); the epilogue writes 16 bytes per instruction (fp32 reductions
+    (C7514, C7512) and no spill (blockwise: at most 320 bytes, outside the loop); the MMA warps fence their
+    zeroing of edge chunks for the async proxy ([Note: a group's edge chunks in shared memory]); the epilogue
+    writes 16 bytes per instruction (fp32 reductions
     likewise into a stacked output; 8 elements of a fresh bf16 / fp16 output). With FIRST ([Note: an unwritten
     accumulator]) an accumulating build also stores: the tiles of an output that holds nothing yet."""
     pytest.importorskip("triton")
