@@ -5,8 +5,9 @@ gemm dispatch]). dgrad reads the weight N-contiguous (Hopper's fp8 MMA takes B o
 dispatcher passes that copy). With promotion (per-tensor split accumulator, blockwise), fprop/dgrad of
 contractions from 768 run in a persistent warp-specialized Gluon kernel on Hopper that adds each 128-deep
 partial while the next step's MMAs run (``_grouped_gemm_fp8_gluon.py``, [Note: promotion under the next
-MMA]; the same bits as the Triton kernel); per-tensor wgrad with the split accumulator likewise
-(``_grouped_wgrad_fp8_gluon.py``, [Note: fp8 wgrad under the next MMA]). Where the Gluon kernels take over,
+MMA]; the same bits as the Triton kernel); per-tensor wgrad with the split accumulator and blockwise wgrad
+of 1x128 tiles likewise (``gluon/grouped_wgrad_fp8.py``, [Note: fp8 wgrad under the next MMA], [Note:
+blockwise wgrad scales]). Where the Gluon kernels take over,
 their ring depths and tiles: ``GroupedGemmFp8Tuning`` ([Note: kernel tuning] in ``_tuning.py``). The tile
 table (``_grouped_gemm_fp8_configs.py``) comes from H200 sweeps. Current speeds: docs/benchmarks.md;
 history: docs/benchmarks/LOG.md.
