@@ -24,6 +24,9 @@
 #   STEPS=bench_best bash qa/L2_gpu/system.sh   # (not in the default) the bf16 targets' best configurations
 #       in one group of rotated rounds each (train_step.py --together): distwgrad compiled and graphed beside
 #       FSDP2 compiled, then beside plain torch compiled and graphed (all of a group alive at once)
+#   STEPS=fp8_wgrad bash qa/L2_gpu/system.sh   # (not in the default) the FP8 wgrad kernels: their GPU tests
+#       (Gluon against Triton, bit for bit, both recipes), the blockwise wgrad timed beside its Triton kernel
+#       (qa/bench/fp8.py), and the layer step's FP8 recipes against bf16 (qa/bench/layer_step.py)
 #   STEPS=multi_build bash qa/L2_gpu/system.sh   # (not in the default) per-tensor eager alone, beside the
 #       bf16 and blockwise builds in one process, then alone again: one machine start, so the host's speed
 #       is the same for the three
@@ -85,6 +88,11 @@ for step in $STEPS; do
           --batch 8 --microbatches 1 --impls distwgrad --precisions "$p" --modes ${FP8_MODES:-eager} \
           --warmup 2 --rounds 3 --steps 3 ${FP8_ARGS:-}
       done ;;
+    fp8_wgrad)
+      run fp8_wgrad_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_fp8_gpu.py -k wgrad
+      run fp8_wgrad_bench python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad_accumulate \
+        --gemm-recipes blockwise per_tensor
+      run fp8_wgrad_layer python3 qa/bench/layer_step.py ;;
     fp8_tests) run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu ${FP8_TESTS:-tests/test_weights_fp8.py \
                  tests/test_fp8_gemm_dispatch.py tests/test_token_layout.py tests/test_fp8_capture.py} ;;
     host_fp8) run host_fp8 python3 qa/bench/host_sample.py --model large --batch 8 --microbatches 1 \
