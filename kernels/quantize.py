@@ -10,7 +10,8 @@ Kernels:
   program) then ``_cast_per_tensor_kernel`` (every program derives the same scale from the amax; the
   first also writes ``scale_inv``). A caller-given amax (a sharded weight's all-reduced one) skips
   the first pass. The cast pass walks the blocks last to first: the amax pass read them last, so they
-  may still be in L2.
+  may still be in L2. An operand needed as x and as x^T (a GEMM's and its wgrad's) takes the cast pass
+  of ``cast_transpose.py`` instead, which writes both from one read of x.
 - ``_quantize_blocks_kernel``: one program per (bm, bn) block, e.g. 128x128 weights: block amax,
   scale and cast in one pass over the block.
 - ``_quantize_rows_kernel``: 1xL tiles for activations and gradients: a [TILE_M, L] tile per program,
@@ -86,7 +87,6 @@ from ._quantize_kernels import (
     _quantize_rows_kernel,
 )
 from ._tuning import current as _tuning
-from .token_layout import transpose as _transpose_fp8
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
@@ -339,12 +339,12 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, dtype: torch.dtype, *, bloc
 
     ``block`` L > 0: 1xL tiles along N for ``x`` and along M for ``x^T`` (``power_of_two`` scales), from one
     read of ``x``; scale grids ``[M, cdiv(N, L)]`` and ``[N, cdiv(M, L)]``. ``block`` 0: one scale (``margin``),
-    the per-tensor kernels then a transposed copy of the fp8 data (``token_layout.transpose``; the scale is
-    shared, so this is exact): ``scale_inv_t`` is ``scale_inv``.
+    the amax pass, then the cast and the transposed copy of the fp8 data from one read of ``x``
+    (``cast_transpose.py``; the scale is shared, so this is exact): ``scale_inv_t`` is ``scale_inv``.
     """
     if block:
         return call(torch.ops.distwgrad.fp8_quantize_rowwise_and_columnwise, _rowcol_impl, x, block, dtype,
                     power_of_two)
-    _check_input(x, two_d=True)
-    data, scale_inv = quantize_per_tensor(x, dtype, margin=margin)
-    return data, scale_inv, _transpose_fp8(data), scale_inv  # the same bits as transpose_quantized, in one pass
+    from .cast_transpose import cast_transpose_per_tensor  # (it builds on this module)
+    data, scale_inv, data_t, _ = cast_transpose_per_tensor(x, dtype, margin=margin)
+    return data, scale_inv, data_t, scale_inv  # the bits of quantize_per_tensor and transpose_quantized

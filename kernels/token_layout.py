@@ -206,6 +206,15 @@ def _check_data(what: str, data: torch.Tensor) -> None:
                          f"{tuple(data.shape)} with strides {tuple(data.stride())}")
 
 
+def _check_layout_args(what: str, device: torch.device, offs_E: torch.Tensor, align: int) -> None:
+    """The aligned layout's arguments: int32 ``[E]`` end offsets on the data's device, a 16-multiple grid."""
+    if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.device != device:
+        raise ValueError(f"{what}: offs_E must be int32 [E] on {device}, got {offs_E.dtype} "
+                         f"{tuple(offs_E.shape)} on {offs_E.device}")
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align % 16:
+        raise ValueError(f"{what}: align must be a positive multiple of 16, got {align!r}")
+
+
 def transpose(data: torch.Tensor) -> torch.Tensor:
     """The contiguous transpose of the fp8 bits ``data`` ``[T, R]`` (contiguous): the per-tensor x^T
     (``transpose_quantized`` moves the same bits with torch's generic copy, several times slower for
@@ -224,10 +233,6 @@ def transpose_aligned(data: torch.Tensor, offs_E: torch.Tensor, align: int = 128
         align: the chunk grid, a positive multiple of 16 (TMA's 16-byte boxes).
     """
     _check_data("transpose_aligned", data)
-    if offs_E.dim() != 1 or offs_E.dtype != torch.int32 or offs_E.device != data.device:
-        raise ValueError(f"transpose_aligned: offs_E must be int32 [E] on {data.device}, got {offs_E.dtype} "
-                         f"{tuple(offs_E.shape)} on {offs_E.device}")
-    if not isinstance(align, int) or align <= 0 or align % 16:
-        raise ValueError(f"transpose_aligned: align must be a positive multiple of 16, got {align!r}")
+    _check_layout_args("transpose_aligned", data.device, offs_E, align)
     ends, table = aligned_offsets(offs_E, data.shape[0], align)
     return call(torch.ops.distwgrad.fp8_transpose_aligned, _impl, data, ends, table, align), ends

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as cfg
-from distwgrad.kernels import flagged_zero, token_layout, weights_fp8
+from distwgrad.kernels import cast_transpose, flagged_zero, token_layout, weights_fp8
 from distwgrad.kernels import grouped_gemm as kg
 from distwgrad.kernels import grouped_gemm_fp8 as k8
 from distwgrad.kernels import quantize as kq
@@ -79,6 +79,8 @@ CASES = [
      r"contiguous float32 tensor, got torch.float32 with strides \(1, 2\)"),
     ("KRN-111", lambda: flagged_zero.zero_if_flagged(torch.zeros(2), torch.ones(2, dtype=torch.int32)), ValueError,
      r"first must be one int32 on cpu, got torch.int32 of shape \(2,\) on cpu"),
+    ("KRN-113", lambda: cast_transpose.cast_transpose_per_tensor(torch.zeros(2, 3, 4), F8), ValueError,
+     r"x must be 2-D \[T, R\] \(tokens, features\), got shape \(2, 3, 4\)"),
     ("KRN-088", lambda: weights_fp8.quantize_weights_per_tensor([], F8), ValueError, "no weights"),
     ("KRN-089", lambda: weights_fp8.quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(2, 4)], F8),
      ValueError, r"weights\[1\]"),

@@ -99,11 +99,11 @@ def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
         if not isinstance(recipe, PerTensorScaling):
             raise ValueError(f"quantize_operand: the aligned layout is for per-tensor scaling, got {recipe!r}")
         if gg.kernels_available(x_MK):
-            from distwgrad.kernels import token_layout as kt
-            from distwgrad.ops import quantize as kq
-            q = kq.quantize_per_tensor(x_MK.contiguous(), recipe.dtype_for(grad=grad), margin=recipe.margin)
-            data_t, _ = kt.transpose_aligned(q.data, aligned_offs, ALIGN)
-            return q, Quantized(data_t, q.scale_inv, None, q.orig_dtype, data_t.shape)
+            from distwgrad.kernels.cast_transpose import cast_transpose_per_tensor
+            data, scale_inv, data_t, _ = cast_transpose_per_tensor(
+                x_MK.contiguous(), recipe.dtype_for(grad=grad), margin=recipe.margin, offs_E=aligned_offs, align=ALIGN)
+            return (Quantized(data, scale_inv, None, x_MK.dtype, data.shape),
+                    Quantized(data_t, scale_inv, None, x_MK.dtype, data_t.shape))
         q, q_t = reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
         return q, align_token_groups(q_t, aligned_offs, ALIGN)[0]
     if gg.kernels_available(x_MK):

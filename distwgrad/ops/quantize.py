@@ -48,8 +48,8 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
                                     grad: bool = False) -> tuple[Quantized, Quantized]:
     """Kernel version of ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``.
 
-    ``BlockwiseScaling``: one read of ``x`` for both outputs. ``PerTensorScaling``: the per-tensor
-    kernels, then a transposed copy of the fp8 data (the scale is shared, so this is exact).
+    ``BlockwiseScaling``: one read of ``x`` for both outputs. ``PerTensorScaling``: the amax pass, then the
+    cast and a transposed copy of the fp8 data from one read of ``x`` (the scale is shared, so this is exact).
     """
     from distwgrad.kernels import quantize as kq
     dtype = recipe.dtype_for(grad=grad)
