@@ -141,6 +141,14 @@ def cast_transpose_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, margin: in
         raise ValueError(f"cast_transpose_per_tensor: x must be 2-D [T, R] (tokens, features), got shape "
                          f"{tuple(x.shape)}")
     _check_input(x, two_d=True)
+    if x.dtype == torch.float32:  # [Note: per-tensor cast and transpose]: fp32 operands take the two kernels
+        from .quantize import quantize_per_tensor
+        from .token_layout import transpose, transpose_aligned
+        data, scale_inv = quantize_per_tensor(x, dtype, margin=margin)
+        if offs_E is None:
+            return data, scale_inv, transpose(data), None
+        data_t, ends = transpose_aligned(data, offs_E, align)
+        return data, scale_inv, data_t, ends
     if offs_E is None:
         data, scale_inv, data_t = call(torch.ops.distwgrad.fp8_cast_transpose_per_tensor, _impl, x, None, None,
                                        dtype, margin, align)
