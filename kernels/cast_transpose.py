@@ -19,6 +19,10 @@ below it) have no place; program ``i`` of the place grid, which has at least as 
 A token in two groups (decreasing offsets) is stored twice, the same bits. The arithmetic is
 ``_cast_per_tensor_kernel``'s, op for op, so the bits are those of ``quantize_per_tensor`` followed by
 ``transpose`` / ``transpose_aligned`` (``tests/test_cast_transpose.py``).
+
+16-bit operands only (bf16, fp16: what the modules quantize under ``param_dtype``): on an H200 with Triton
+3.6 the kernel's transposed copy of an fp32 input was wrong (NaN bytes where the cast's bits belong; its
+row-major data right; correct under the interpreter), so fp32 operands take the two kernels.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from ._dispatch import call
 from ._host import cdiv, next_pow2
 from ._quantize_kernels import _amax_kernel, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
-from .quantize import _check_input, _fmt_args, _fp8_format
-from .token_layout import _check_layout_args, aligned_offsets, aligned_width
+from .quantize import _check_input, _fmt_args, _fp8_format, quantize_per_tensor
+from .token_layout import _check_layout_args, aligned_offsets, aligned_width, transpose, transpose_aligned
 
 __all__ = ["cast_transpose_per_tensor"]
 
@@ -141,9 +145,9 @@ def cast_transpose_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, margin: in
         raise ValueError(f"cast_transpose_per_tensor: x must be 2-D [T, R] (tokens, features), got shape "
                          f"{tuple(x.shape)}")
     _check_input(x, two_d=True)
+    if offs_E is not None:
+        _check_layout_args("cast_transpose_per_tensor", x.device, offs_E, align)
     if x.dtype == torch.float32:  # [Note: per-tensor cast and transpose]: fp32 operands take the two kernels
-        from .quantize import quantize_per_tensor
-        from .token_layout import transpose, transpose_aligned
         data, scale_inv = quantize_per_tensor(x, dtype, margin=margin)
         if offs_E is None:
             return data, scale_inv, transpose(data), None
@@ -153,7 +157,6 @@ def cast_transpose_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, margin: in
         data, scale_inv, data_t = call(torch.ops.distwgrad.fp8_cast_transpose_per_tensor, _impl, x, None, None,
                                        dtype, margin, align)
         return data, scale_inv, data_t, None
-    _check_layout_args("cast_transpose_per_tensor", x.device, offs_E, align)
     ends, table = aligned_offsets(offs_E, x.shape[0], align)
     data, scale_inv, data_t = call(torch.ops.distwgrad.fp8_cast_transpose_per_tensor, _impl, x, ends, table, dtype,
                                    margin, align)

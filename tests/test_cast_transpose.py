@@ -2,7 +2,8 @@
 transposed copy from one read of x, bit-identical to the two kernels it replaces (``quantize_per_tensor``,
 then ``transpose`` or ``transpose_aligned``) and to the torch reference (``distwgrad.fp8.quantize``'s
 ``quantize_per_tensor``, ``transpose_quantized``, ``align_token_groups``); on CPU under
-``TRITON_INTERPRET=1`` (a child process) and on the GPU."""
+``TRITON_INTERPRET=1`` (a child process) and on the GPU. fp32 inputs take the two kernels (the Note says why);
+their bits are checked the same way."""
 
 from __future__ import annotations
 
