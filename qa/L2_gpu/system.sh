@@ -94,7 +94,7 @@ for step in $STEPS; do
         --gemm-recipes blockwise per_tensor
       run fp8_wgrad_layer python3 qa/bench/layer_step.py ;;
     fp8_tests) run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu ${FP8_TESTS:-tests/test_weights_fp8.py \
-                 tests/test_fp8_gemm_dispatch.py tests/test_token_layout.py tests/test_fp8_capture.py} ;;
+                 tests/test_fp8_gemm_dispatch.py tests/test_token_layout.py tests/test_cast_transpose.py tests/test_fp8_capture.py} ;;
     host_fp8) run host_fp8 python3 qa/bench/host_sample.py --model large --batch 8 --microbatches 1 \
                 --precisions ${HOST_PRECISIONS:-fp8_per_tensor} --modes eager --warmup 3 --seconds 15 \
                 --stacks "$OUT_ABS/host_stacks.txt" ;;
