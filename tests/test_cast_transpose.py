@@ -79,10 +79,31 @@ def _check_cases(device: str) -> None:
                     assert _same(got[2], aligned.data) and torch.equal(got[3].cpu(), ref_ends), (T, R, offs)
 
 
+def _check_tilings(device: str) -> None:
+    """Other tilings of the token layout (``TokenLayoutTuning``): programs of 256 places, which span groups on
+    the 128 grid, and of 64 places by 32 features; the same bits."""
+    from distwgrad.kernels import quantize as kq
+    from distwgrad.kernels import token_layout as kt
+    from distwgrad.kernels import tuning
+    from distwgrad.kernels.cast_transpose import cast_transpose_per_tensor
+    T, R, offs = CASES[0]
+    x = (torch.randn(T, R, generator=torch.Generator().manual_seed(1)) * 3).bfloat16().to(device)
+    offs_E = torch.tensor(offs, dtype=torch.int32, device=device)
+    data, s_inv = kq.quantize_per_tensor(x, torch.float8_e4m3fn)
+    for block_t, block_r in ((256, 64), (64, 32)):
+        with tuning(token_layout=dict(block_t=block_t, block_r=block_r)):
+            plain = cast_transpose_per_tensor(x, torch.float8_e4m3fn)
+            aligned = cast_transpose_per_tensor(x, torch.float8_e4m3fn, offs_E=offs_E)
+        assert _same(plain[0], data) and _same(plain[2], kt.transpose(data)), (block_t, block_r)
+        assert _same(aligned[0], data) and _same(aligned[1], s_inv), (block_t, block_r)
+        assert _same(aligned[2], kt.transpose_aligned(data, offs_E)[0]), (block_t, block_r)
+
+
 def _case_interpreter() -> None:
     from distwgrad.kernels import cast_transpose as kc
     from distwgrad.kernels import token_layout as kt
     _check_cases("cpu")
+    _check_tilings("cpu")
     x = torch.randn(64, 32).bfloat16()
     offs = torch.tensor([20, 64], dtype=torch.int32)
     ends, table = kt.aligned_offsets(offs, 64, 128)
@@ -113,6 +134,7 @@ def test_cast_transpose_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cast_transpose_gpu():
     _check_cases("cuda")
+    _check_tilings("cuda")
 
 
 if __name__ == "__main__":  # child of test_cast_transpose_interpreted
