@@ -1,8 +1,8 @@
 """The GPU profiling tools of ``qa/bench`` on the CPU: ``gemm_profile.py`` starts (its runs need a GPU),
 and ``ncu_hotspots.py`` reads Nsight Compute's CSV pages as ncu 2025 writes them (the shapes below are
 those of a real report of the FP8 kernel, trimmed): headline metrics per kernel, stall reasons as
-shares, the SASS lines with the most stall samples first; ``_trace.py`` reads idle device time from a
-trace; ``host_sample.py`` summarizes py-spy's samples of a step."""
+shares, the SASS lines with the most stall samples first; ``_trace.py`` reads idle device time and kernel
+time by kind from a trace; ``host_sample.py`` summarizes py-spy's samples of a step."""
 
 from __future__ import annotations
 
@@ -135,6 +135,38 @@ def test_idle_gaps_charge_each_gap_to_the_host_work_beside_it():
     driver = [dict(e, cat="cuda_driver", name="cuLaunchKernelEx") if e.get("cat") == "cuda_runtime" else e
               for e in host]
     assert tr.idle_gaps({"traceEvents": driver + device})["by_launch_op"] == {"aten::mm": 30}
+
+
+def test_kernel_time_by_kind():
+    """``_trace.kernel_kinds`` ([Note: kernel time by kind]): kernel names of a graphed per-tensor FP8 step's
+    trace, each in its kind, summed a step; memsets and unknown kernels are "other"; the table's line."""
+    tr = _load("_trace")
+    names = {
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm", "ragged_kernel": "gemm",
+        "_ragged_m_kernel": "gemm", "wgrad_kernel": "gemm", "_fp8_ragged_kernel": "gemm",
+        "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>": "gemm",
+        "_amax_kernel": "quantize", "_cast_per_tensor_kernel": "quantize", "_cast_group_kernel": "quantize",
+        "_transpose_aligned_kernel": "quantize", "_cast_transpose_kernel": "quantize", "rowcol_kernel": "quantize",
+        "_quantize_blocks_kernel": "quantize",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "optimizer",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<...>": "attention",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>": "other",
+        "triton_poi_fused_gelu_gelu_backward_2": "other", "Memset (Device)": "other",
+    }
+    assert {n: tr.kernel_kind(n) for n in names} == names
+    trace = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "ragged_kernel", "ts": 0, "dur": 3000},
+                             {"ph": "X", "cat": "kernel", "name": "_amax_kernel", "ts": 0, "dur": 1000},
+                             {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 0, "dur": 500},
+                             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000},
+                             {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_gelu_9", "ts": 0, "dur": 500}]}
+    ms = tr.kinds_of_trace(trace, steps=2)
+    assert ms == {"gemm": 1.5, "quantize": 0.5, "optimizer": 0.0, "attention": 0.0, "other": 0.5, "total": 2.5}
+    line = tr.kinds_table(ms)
+    assert "kernel time a step 2.50 ms: gemm 1.50 (60%), quantize 0.50 (20%)" in line
+    assert line.endswith("without the quantization passes 2.00 ms")
+    with pytest.raises(ValueError, match="steps must be positive, got 0"):
+        tr.kernel_kinds([], steps=0)
 
 
 def test_host_sample_summarizes_py_spy_stacks(tmp_path):

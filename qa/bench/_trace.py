@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction", "idle_gaps", "idle_table"]
+__all__ = ["COLLECTIVES", "comm_from_events", "op_table", "overlap_fraction", "idle_gaps", "idle_table",
+           "KERNEL_KINDS", "kernel_kind", "kernel_kinds", "kinds_of_trace", "kinds_table"]
 
 # c10d operator -> (kind, index of the input whose shape is the bytes moved)
 COLLECTIVES = {
@@ -207,3 +208,56 @@ def idle_table(gaps: dict[str, Any], rows: int = 12) -> str:
             lines.append(f"    {us / 1e3:8.3f}  {name[:90]}")
     return "\n".join(lines)
 
+
+
+# ---- [Note: kernel time by kind] -------------------------------------------------------------------------
+# What an FP8 step adds, and what bounds it, is read from its kernel time by kind: the GEMMs (cuBLAS's, the
+# grouped and FP8 kernels, torch's grouped_mm and inductor's templates), the FP8 quantization passes (amax,
+# casts, transposes, block scales), the optimizer (torch's multi-tensor kernels: fused or foreach AdamW),
+# attention (cuDNN and flash kernels) and the rest. A kernel's kind is the first whose name patterns its name
+# contains (lowercased); a kernel of another library is "other", and so is a torch kernel that a quantization
+# calls (a weight's amax taken by a torch reduction: "other" for its generic name). The sums count each kernel's whole duration
+# (kernels on two streams overlap: the sum can exceed the busy time ``idle_gaps`` gives). A step whose device
+# never idles takes its kernel time, so its time with a kind gone is bounded below by the sum less that kind.
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "ragged", "wgrad_kernel", "triton_tem_")),
+    ("quantize", ("amax", "_cast_", "quantize", "rowcol", "transpose_aligned", "cast_transpose")),
+    ("optimizer", ("multi_tensor_apply",)),
+    ("attention", ("sdpa", "flash", "fmha", "cudnn")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel by its name ([Note: kernel time by kind]): gemm, quantize, optimizer, attention or
+    other."""
+    low = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(p in low for p in patterns):
+            return kind
+    return "other"
+
+
+def kernel_kinds(kernels: Iterable[tuple[str, float]], steps: int = 1) -> dict[str, float]:
+    """Milliseconds a step by kind from ``(name, duration in us)`` pairs over ``steps`` steps, and ``total``."""
+    if steps < 1:
+        raise ValueError(f"kernel_kinds: steps must be positive, got {steps!r}")
+    ms = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, us in kernels:
+        ms[kernel_kind(name)] += us / 1e3 / steps
+    ms["total"] = sum(ms.values())
+    return ms
+
+
+def kinds_of_trace(trace: dict[str, Any], steps: int = 1) -> dict[str, float]:
+    """``kernel_kinds`` of a chrome trace's device events (kernels, copies and memsets)."""
+    return kernel_kinds(((e.get("name", ""), float(e["dur"])) for e in trace.get("traceEvents", [])
+                         if e.get("ph") == "X" and "dur" in e and e.get("cat") in _DEVICE_CATS), steps)
+
+
+def kinds_table(ms: dict[str, float]) -> str:
+    """``kernel_kinds``' result as one line: each kind's ms a step and share, and the kernel time without the
+    quantization passes."""
+    total = ms["total"] or 1.0
+    parts = [f"{k} {ms[k]:.2f} ({ms[k] / total:.0%})" for k in ms if k != "total"]
+    return (f"kernel time a step {ms['total']:.2f} ms: " + ", ".join(parts)
+            + f"; without the quantization passes {ms['total'] - ms['quantize']:.2f} ms")

@@ -5,7 +5,8 @@
     python qa/bench/layer_step.py --tiny          # CPU smoke: tiny shapes (FP8 emulated)
     # GPU: the E=128 MoE layer eager and CUDA-graphed, bf16 and both FP8 recipes, no embedding case
     python qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph
-    # GPU: also where each case's device time goes (torch.profiler over three steps, the top kernels)
+    # GPU: also where each case's device time goes (torch.profiler over three steps, the top kernels and the
+    # kernel time by kind: GEMMs, quantization, the rest)
     python qa/bench/layer_step.py --embed --profile --no-record
 
 Legend: E experts, T expert rows (token-to-expert assignments), K ``d_model``, N ``d_ff``; V vocabulary,
@@ -139,8 +140,9 @@ def _profile(module: torch.nn.Module, fwd_bwd, recipe, case: str, precision: str
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")) == "DeviceType.CUDA"]
     busy_ms = sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3 / steps
+    kinds = _trace.kernel_kinds(((e.name, e.time_range.end - e.time_range.start) for e in kernels), steps)
     print(f"== {case} {precision}: {steps} steps, kernels {busy_ms:.3f} ms a step\n"
-          f"{_trace.op_table(prof, rows=18)}", flush=True)
+          f"{_trace.op_table(prof, rows=18)}\n{_trace.kinds_table(kinds)}", flush=True)
 
 
 def _step(module: torch.nn.Module, fwd_bwd, recipe) -> None:

@@ -2,7 +2,8 @@
 
     # CPU, 2 ranks over gloo (eager only: inductor on two cores takes minutes per build)
     torchrun --standalone --nproc-per-node 2 qa/bench/train_step.py --model small --modes eager
-    # one H200: every precision, eager and compiled, with a profiler trace per build
+    # one H200: every precision, eager and compiled, with a profiler trace per build (and each build's op
+    # table, idle device time and kernel time by kind: GEMMs, quantization, optimizer, attention, other)
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --profile runs/trace
     # one H200, bf16, each build eager and in its best configuration (FSDP2 compiled; distwgrad and plain
     # torch compiled, then graphed): the bf16 table
@@ -396,16 +397,20 @@ def _profile(b: Build, tok: torch.Tensor, device: torch.device, out: str, rank: 
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{b.impl}_{b.precision}_{b.mode}_rank{rank}.json")
     prof.export_chrome_trace(path)
-    idle = None
+    idle = kinds = None
     if device.type == "cuda":  # where the device waited for the host: [Note: idle device time] in _trace.py
         with open(path) as f:
-            idle = _trace.idle_gaps(json.load(f))
+            trace = json.load(f)
+        idle, kinds = _trace.idle_gaps(trace), _trace.kinds_of_trace(trace, steps=2)
     if rank == 0:
         print(f"== {b.name}: two steps, {path}\n{_trace.op_table(prof)}", flush=True)
         if idle is not None:
             print(_trace.idle_table(idle), flush=True)
+        if kinds is not None:  # [Note: kernel time by kind] in _trace.py
+            print(_trace.kinds_table(kinds), flush=True)
     return {"trace": path, "comm_hidden_fraction": _trace.overlap_fraction(prof.events()),
-            "idle_ms": None if idle is None else idle["idle_us"] / 1e3}
+            "idle_ms": None if idle is None else idle["idle_us"] / 1e3,
+            "kernel_ms_by_kind": None if kinds is None else {k: round(v, 3) for k, v in kinds.items()}}
 
 
 def peak_bf16_tflops(device: torch.device) -> float | None:
@@ -660,7 +665,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=6, help="rounds over the builds, each starting with the next "
                    "build ([Note: each build in each place of a round])")
     p.add_argument("--steps", type=int, default=5, help="steps per build per round")
-    p.add_argument("--profile", default=None, metavar="DIR", help="a torch.profiler trace per build in DIR")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="a torch.profiler trace per build in DIR, with its op table, and on CUDA its idle device "
+                   "time and kernel time by kind (GEMMs, quantization, optimizer, attention, other)")
     p.add_argument("--python-gc", action="store_true", help="leave Python's automatic garbage collection on in "
                    "the timed steps (default: off, a generation-1 collection before each build's block, as torchtitan "
                    "trains)")
