@@ -216,9 +216,10 @@ def idle_table(gaps: dict[str, Any], rows: int = 12) -> str:
 # casts, transposes, block scales), the optimizer (torch's multi-tensor kernels: fused or foreach AdamW),
 # attention (cuDNN and flash kernels) and the rest. A kernel's kind is the first whose name patterns its name
 # contains (lowercased); a kernel of another library is "other", and so is a torch kernel that a quantization
-# calls (a weight's amax taken by a torch reduction: "other" for its generic name). The sums count each kernel's whole duration
-# (kernels on two streams overlap: the sum can exceed the busy time ``idle_gaps`` gives). A step whose device
-# never idles takes its kernel time, so its time with a kind gone is bounded below by the sum less that kind.
+# calls (a weight's amax taken by a torch reduction: its name is generic). The sums count each kernel's whole
+# duration (kernels on two streams overlap: the sum can exceed the busy time ``idle_gaps`` gives). A step whose
+# device never idles takes its kernel time, so its time with a kind gone is bounded below by the sum less
+# that kind.
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "ragged", "wgrad_kernel", "triton_tem_")),
     ("quantize", ("amax", "_cast_", "quantize", "rowcol", "transpose_aligned", "cast_transpose")),
