@@ -36,7 +36,14 @@ from ._host import cdiv, next_pow2
 from ._quantize_kernels import _amax_kernel, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
 from .quantize import _check_input, _fmt_args, _fp8_format, quantize_per_tensor
-from .token_layout import _check_layout_args, aligned_offsets, aligned_width, transpose, transpose_aligned
+from .token_layout import (
+    _check_layout_args,
+    _place_tokens,
+    aligned_offsets,
+    aligned_width,
+    transpose,
+    transpose_aligned,
+)
 
 __all__ = ["cast_transpose_per_tensor"]
 
@@ -48,30 +55,15 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_inv_ptr, ends_ptr, 
                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr,
                            ONE_GROUP: tl.constexpr):
     """qt[r, c] = fp8(x[c + shift_g, r] * scale) for the place c of a token of group g, else 0; q[t, r] =
-    fp8(x[t, r] * scale) for every token t ([Note: per-tensor cast and transpose]). Not ALIGNED: W = T, the
-    plain transpose. ONE_GROUP as in ``_transpose_aligned_kernel``."""
+    fp8(x[t, r] * scale) for every token t ([Note: per-tensor cast and transpose]); places as
+    ``token_layout._place_tokens`` reads them (not ALIGNED: W = T, the plain transpose)."""
     pid_t = tl.program_id(0)
     scale = _scale_from_amax(tl.load(amax_ptr), NUM, False)
     col0 = pid_t * BLOCK_T
     cols = col0 + tl.arange(0, BLOCK_T)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_r = (rows < R)[None, :]
-    if ALIGNED:
-        e = tl.arange(0, E_POW2)
-        ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
-        if ONE_GROUP:
-            g = tl.sum((ends <= col0).to(tl.int32), axis=0) + tl.zeros([BLOCK_T], tl.int32)
-        else:
-            g = tl.sum((ends[None, :] <= cols[:, None]).to(tl.int32), axis=1)
-        inside = g < E
-        start = tl.load(table_ptr + g, mask=inside, other=0)
-        size = tl.load(table_ptr + E + g, mask=inside, other=0)
-        shift = tl.load(table_ptr + 2 * E + g, mask=inside, other=0)
-        valid = inside & (cols - start < size)
-        token = tl.where(valid, cols + shift, 0)
-    else:
-        valid = cols < W
-        token = cols
+    valid, token = _place_tokens(col0, cols, ends_ptr, table_ptr, W, E, E_POW2, BLOCK_T, ALIGNED, ONE_GROUP)
     mask = valid[:, None] & in_r
     src = token.to(tl.int64)[:, None] * R + rows[None, :]
     x = tl.load(x_ptr + src, mask=mask, other=0.0)

@@ -125,16 +125,14 @@ def _memo(offs_E: torch.Tensor) -> dict | None:
 
 
 @triton.jit
-def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, stride_s, stride_d,
-                              E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                              ALIGNED: tl.constexpr = True, ONE_GROUP: tl.constexpr = False):
-    """dst[r, c] = src[c + shift_g, r] for the place c of a token of group g, else 0 (padding, the tail):
-    g is the first group whose aligned end lies past c. Not ALIGNED: the plain transpose (W = T).
-    ONE_GROUP: the alignment is a multiple of BLOCK_T, so every group's places start on a program's first
-    column and a program's columns lie in one group: g is found once (E comparisons, not BLOCK_T * E)."""
-    col0 = tl.program_id(0) * BLOCK_T
-    cols = col0 + tl.arange(0, BLOCK_T)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _place_tokens(col0, cols, ends_ptr, table_ptr, W, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
+                  ALIGNED: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """(valid, token) of the places ``cols`` (from ``col0``) of x^T: whether each holds a token, and which
+    (0 where none). ALIGNED: g is the first group whose aligned end lies past the place, which holds a token
+    of g when it lies before g's start plus size (else padding, or the tail past every group). Not ALIGNED:
+    the plain transpose (W = T). ONE_GROUP: the alignment is a multiple of BLOCK_T, so every group's places
+    start on a program's first column and a program's columns lie in one group: g is found once (E
+    comparisons, not BLOCK_T * E)."""
     if ALIGNED:
         e = tl.arange(0, E_POW2)
         ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
@@ -151,6 +149,18 @@ def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, st
     else:
         valid = cols < W
         token = cols
+    return valid, token
+
+
+@triton.jit
+def _transpose_aligned_kernel(src_ptr, dst_ptr, ends_ptr, table_ptr, R, W, E, stride_s, stride_d,
+                              E_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                              ALIGNED: tl.constexpr = True, ONE_GROUP: tl.constexpr = False):
+    """dst[r, c] = src[token, r] for the place c of a token (``_place_tokens``), else 0 (padding, the tail)."""
+    col0 = tl.program_id(0) * BLOCK_T
+    cols = col0 + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid, token = _place_tokens(col0, cols, ends_ptr, table_ptr, W, E, E_POW2, BLOCK_T, ALIGNED, ONE_GROUP)
     src = src_ptr + token.to(tl.int64)[:, None] * stride_s + rows[None, :]
     tile = tl.load(src, mask=valid[:, None] & (rows < R)[None, :], other=0)  # [BLOCK_T, BLOCK_R]
     dst = dst_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :]

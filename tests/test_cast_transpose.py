@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from test_token_layout import CASES as LAYOUT_CASES
 
 _HERE = os.path.abspath(__file__)
 
@@ -19,17 +20,7 @@ _HERE = os.path.abspath(__file__)
 # group, every token in one group, no tokens, R off the block, 256 groups), decreasing offsets (a group
 # that starts before the previous one ends: its tokens lie in two places; tokens 500.. in none; held to
 # transpose_aligned, the torch reference takes sorted offsets only), and no groups
-CASES = [
-    (700, 48, [100, 100, 350, 600, 650]),
-    (700, 200, [0, 0, 0, 0, 700]),
-    (300, 64, [128, 256, 300]),
-    (5, 16, [1, 2, 3, 4, 5]),
-    (0, 16, [0, 0]),
-    (129, 72, [129]),
-    (1000, 40, sorted(torch.randint(0, 1001, (256,), generator=torch.Generator().manual_seed(3)).tolist())),
-    (700, 48, [300, 100, 500]),
-    (300, 32, []),
-]
+CASES = [*LAYOUT_CASES, (700, 48, [300, 100, 500]), (300, 32, [])]
 
 
 def _inputs(T: int, R: int, gen: torch.Generator) -> list[tuple[torch.Tensor, int]]:
