@@ -33,9 +33,9 @@ import triton.language as tl
 
 from ._dispatch import call
 from ._host import cdiv, next_pow2
-from ._quantize_kernels import _amax_kernel, _scale_from_amax, _to_fp8_bits
+from ._quantize_kernels import _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
-from .quantize import _check_input, _fmt_args, _fp8_format, quantize_per_tensor
+from .quantize import _amax, _check_input, _fmt_args, _fp8_format, quantize_per_tensor
 from .token_layout import (
     _check_layout_args,
     _place_tokens,
@@ -96,11 +96,7 @@ def _impl(x: torch.Tensor, ends: torch.Tensor | None, table: torch.Tensor | None
     data_t = torch.empty(R, W, dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     t = _tuning()
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    if x.numel():
-        n = x.numel()
-        grid = (max(1, min(cdiv(n, t.quantize.per_tensor_block), t.quantize.amax_max_programs)),)
-        _amax_kernel[grid](x, amax, n, BLOCK=t.quantize.per_tensor_block, num_warps=t.quantize.per_tensor_warps)
+    amax = _amax(x)
     grid = (max(1, cdiv(W, t.token_layout.block_t)), max(1, cdiv(R, t.token_layout.block_r)))
     _cast_transpose_kernel[grid](
         x, amax, data.view(torch.uint8), data_t.view(torch.uint8), scale_inv,

@@ -186,15 +186,23 @@ def _fmt_args_of(dtype: torch.dtype, margin: int, hw_cast: bool) -> dict:
                 EMIN_BIASED=min_normal_exp + 127, HW_CAST=hw_cast)
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The per-tensor amax pass: ``max |x|`` of a contiguous ``x`` into a one-element fp32 tensor (0 if empty)."""
+    t = _tuning().quantize
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    grid = (max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs)),)
+    _amax_kernel[grid](x, amax, n, BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
+    return amax
+
+
 def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
                      margin: int) -> tuple[torch.Tensor, torch.Tensor]:
     _check_input(x, two_d=False)
     n = x.numel()
     t = _tuning().quantize
     if amax is None:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        grid = (max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs)),)
-        _amax_kernel[grid](x, amax, n, BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
+        amax = _amax(x)
     elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
         raise ValueError(f"amax must be one float32 value on {x.device}, got shape {tuple(amax.shape)}, "
                          f"{amax.dtype} on {amax.device}")
