@@ -148,8 +148,8 @@ def _blockwise(m, block):
     return lambda x: _as_tuple(m.quantize_blockwise(x, block, E4M3))
 
 
-def _rowcol(m):
-    return lambda x: _as_tuple(m.quantize_rowwise_and_columnwise(x, BlockwiseScaling()))
+def _rowcol(m, recipe=BlockwiseScaling()):
+    return lambda x: _as_tuple(m.quantize_rowwise_and_columnwise(x, recipe))
 
 
 # op -> (make(module) -> fn(x) -> tensors, number of fp8 outputs, scale count for an MxN input)
@@ -158,6 +158,8 @@ QUANTIZE_OPS: dict[str, tuple[Callable, int, Callable[[int, int], int]]] = {
     "blockwise_1x128": (lambda m: _blockwise(m, (1, 128)), 1, lambda M, N: M * -(-N // 128)),
     "blockwise_128x128": (lambda m: _blockwise(m, (128, 128)), 1, lambda M, N: -(-M // 128) * -(-N // 128)),
     "rowcol_1x128": (_rowcol, 2, lambda M, N: M * -(-N // 128) + N * -(-M // 128)),
+    # one scale; the cast and its transposed copy (our kernels: after the amax pass, which is not counted)
+    "rowcol_per_tensor": (lambda m: _rowcol(m, PerTensorScaling()), 2, lambda M, N: 2),
 }
 
 
@@ -627,7 +629,8 @@ def result_rows(rows: list[Row], device: str) -> list[dict]:
             rec = {**r, "shape": str(r["shape"]).replace(",", "x")}
             out += results.from_records([rec], bench="fp8_transpose", device=device, metrics={"gbps": "GB/s"})
         else:
-            prec = "bf16" if op == "copy" else "fp8_per_tensor" if op == "per_tensor" else "fp8_blockwise"
+            prec = ("bf16" if op == "copy" else "fp8_per_tensor" if op in ("per_tensor", "rowcol_per_tensor")
+                    else "fp8_blockwise")
             out += results.from_records([{**r, "precision": prec}], bench="fp8_quantize", device=device,
                                         metrics={"gbps": "GB/s"})
     return out
