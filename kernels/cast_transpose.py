@@ -20,9 +20,13 @@ A token in two groups (decreasing offsets) is stored twice, the same bits. The a
 ``_cast_per_tensor_kernel``'s, op for op, so the bits are those of ``quantize_per_tensor`` followed by
 ``transpose`` / ``transpose_aligned`` (``tests/test_cast_transpose.py``).
 
-16-bit operands only (bf16, fp16: what the modules quantize under ``param_dtype``): on an H200 with Triton
-3.6 the kernel's transposed copy of an fp32 input was wrong (NaN bytes where the cast's bits belong; its
-row-major data right; correct under the interpreter), so fp32 operands take the two kernels.
+fp32 operands round in software (``_to_fp8_bits`` without ``HW_CAST``: the same bits, a few integer ops
+more per element). On an H200 with Triton 3.6 the hardware conversion (``cvt.rn.satfinite`` of pairs) of a
+tile loaded from fp32 came out wrong in the transposed copy, though right in the row-major data: a quarter of
+x^T's bytes at 1024 x 512, none at 777 x 300 (whose rows are not 16-byte aligned, so the loads are narrower),
+with either format, every tiling and 4 or 8 warps; the software rounding was right in each of those cases,
+and tiles loaded from bf16 or fp16 are right with the hardware conversion (``tests/test_cast_transpose.py``
+holds both on the GPU at the failing shape).
 """
 
 from __future__ import annotations
@@ -35,14 +39,12 @@ from ._dispatch import call
 from ._host import cdiv, next_pow2
 from ._quantize_kernels import _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
-from .quantize import _amax, _check_input, _fmt_args, _fp8_format, quantize_per_tensor
+from .quantize import _amax, _check_input, _fmt_args, _fmt_args_of, _fp8_format
 from .token_layout import (
     _check_layout_args,
     _place_tokens,
     aligned_offsets,
     aligned_width,
-    transpose,
-    transpose_aligned,
 )
 
 __all__ = ["cast_transpose_per_tensor"]
@@ -135,12 +137,6 @@ def cast_transpose_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, margin: in
     _check_input(x, two_d=True)
     if offs_E is not None:
         _check_layout_args("cast_transpose_per_tensor", x.device, offs_E, align)
-    if x.dtype == torch.float32:  # [Note: per-tensor cast and transpose]: fp32 operands take the two kernels
-        data, scale_inv = quantize_per_tensor(x, dtype, margin=margin)
-        if offs_E is None:
-            return data, scale_inv, transpose(data), None
-        data_t, ends = transpose_aligned(data, offs_E, align)
-        return data, scale_inv, data_t, ends
     if offs_E is None:
         data, scale_inv, data_t = call(torch.ops.distwgrad.fp8_cast_transpose_per_tensor, _impl, x, None, None,
                                        dtype, margin, align)

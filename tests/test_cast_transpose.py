@@ -2,8 +2,8 @@
 transposed copy from one read of x, bit-identical to the two kernels it replaces (``quantize_per_tensor``,
 then ``transpose`` or ``transpose_aligned``) and to the torch reference (``distwgrad.fp8.quantize``'s
 ``quantize_per_tensor``, ``transpose_quantized``, ``align_token_groups``); on CPU under
-``TRITON_INTERPRET=1`` (a child process) and on the GPU. fp32 inputs take the two kernels (the Note says why);
-their bits are checked the same way."""
+``TRITON_INTERPRET=1`` (a child process) and on the GPU. fp32 inputs round in software (the Note says why):
+``_check_wide_rows`` holds them at the shape where the hardware conversion went wrong."""
 
 from __future__ import annotations
 
@@ -90,11 +90,32 @@ def _check_tilings(device: str) -> None:
         assert _same(aligned[2], kt.transpose_aligned(data, offs_E)[0]), (block_t, block_r)
 
 
+def _check_wide_rows(device: str) -> None:
+    """1024 x 512, rows 16-byte aligned: the widest loads. With fp32 input the hardware conversion's transposed
+    copy came out wrong here on an H200 (Triton 3.6); fp32 now rounds in software ([Note: per-tensor cast and
+    transpose]). Both source dtypes, both formats, plain and aligned: the bits of the two kernels."""
+    from distwgrad.kernels import quantize as kq
+    from distwgrad.kernels import token_layout as kt
+    from distwgrad.kernels.cast_transpose import cast_transpose_per_tensor
+    x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).to(device)
+    offs_E = torch.tensor([341, 1024], dtype=torch.int32, device=device)
+    for src in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            xs = x.to(src)
+            data, s_inv = kq.quantize_per_tensor(xs, dtype)
+            plain = cast_transpose_per_tensor(xs, dtype)
+            aligned = cast_transpose_per_tensor(xs, dtype, offs_E=offs_E)
+            assert _same(plain[0], data) and _same(plain[1], s_inv), (src, dtype)
+            assert _same(plain[2], kt.transpose(data)), (src, dtype)
+            assert _same(aligned[0], data) and _same(aligned[2], kt.transpose_aligned(data, offs_E)[0]), (src, dtype)
+
+
 def _case_interpreter() -> None:
     from distwgrad.kernels import cast_transpose as kc
     from distwgrad.kernels import token_layout as kt
     _check_cases("cpu")
     _check_tilings("cpu")
+    _check_wide_rows("cpu")
     x = torch.randn(64, 32).bfloat16()
     offs = torch.tensor([20, 64], dtype=torch.int32)
     ends, table = kt.aligned_offsets(offs, 64, 128)
@@ -126,6 +147,7 @@ def test_cast_transpose_interpreted():
 def test_cast_transpose_gpu():
     _check_cases("cuda")
     _check_tilings("cuda")
+    _check_wide_rows("cuda")
 
 
 if __name__ == "__main__":  # child of test_cast_transpose_interpreted
