@@ -105,7 +105,7 @@ def _impl(x: torch.Tensor, ends: torch.Tensor | None, table: torch.Tensor | None
         ends if ends is not None else amax, table if table is not None else amax, T, R, W, E,
         E_POW2=next_pow2(max(E, 1)), BLOCK_T=t.token_layout.block_t, BLOCK_R=t.token_layout.block_r,
         ALIGNED=ends is not None, ONE_GROUP=ends is not None and align % t.token_layout.block_t == 0,
-        **_fmt_args(dtype, margin))
+        **(_fmt_args_of(dtype, margin, False) if x.dtype == torch.float32 else _fmt_args(dtype, margin)))
     return data, scale_inv, data_t
 
 

@@ -148,7 +148,8 @@ def _blockwise(m, block):
     return lambda x: _as_tuple(m.quantize_blockwise(x, block, E4M3))
 
 
-def _rowcol(m, recipe=BlockwiseScaling()):
+def _rowcol(m, recipe: BlockwiseScaling | PerTensorScaling | None = None):
+    recipe = recipe or BlockwiseScaling()
     return lambda x: _as_tuple(m.quantize_rowwise_and_columnwise(x, recipe))
 
 
