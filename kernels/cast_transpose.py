@@ -23,10 +23,10 @@ A token in two groups (decreasing offsets) is stored twice, the same bits. The a
 fp32 operands round in software (``_to_fp8_bits`` without ``HW_CAST``: the same bits, a few integer ops
 more per element). On an H200 with Triton 3.6 the hardware conversion (``cvt.rn.satfinite`` of pairs) of a
 tile loaded from fp32 came out wrong in the transposed copy, though right in the row-major data: a quarter of
-x^T's bytes at 1024 x 512, none at 777 x 300 (whose rows are not 16-byte aligned, so the loads are narrower),
-with either format, every tiling and 4 or 8 warps; the software rounding was right in each of those cases,
-and tiles loaded from bf16 or fp16 are right with the hardware conversion (``tests/test_cast_transpose.py``
-holds both on the GPU at the failing shape).
+x^T's bytes at 1024 x 512 (E5M2, each of four tilings, 4 or 8 warps), none at 777 x 300 (R not a multiple of
+16, which Triton does not specialize: the loads are not vectorized). The software rounding was right in each
+of those cases, and tiles loaded from bf16 or fp16 are right with the hardware conversion
+(``tests/test_cast_transpose.py`` holds both on the GPU at the failing shape).
 """
 
 from __future__ import annotations

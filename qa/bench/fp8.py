@@ -167,7 +167,8 @@ QUANTIZE_OPS: dict[str, tuple[Callable, int, Callable[[int, int], int]]] = {
 def _row(op: str, args: argparse.Namespace, impl: str, nbytes: int, ms: float,
          copy_gbps: float | None, **extra) -> Row:
     gbps = nbytes / (ms * 1e-3) / 1e9
-    return {"op": op, "shape": f"{args.M}x{args.N}", "impl": impl, "gbps": round(gbps, 2), "ms": round(ms, 4),
+    shape = f"{args.M}x{args.N}" + ("" if args.dtype == "bf16" else f" {args.dtype}")  # the input's dtype
+    return {"op": op, "shape": shape, "impl": impl, "gbps": round(gbps, 2), "ms": round(ms, 4),
             "frac_of_copy": None if not copy_gbps else round(gbps / copy_gbps, 3), "device": args.device_name,
             "timing": "cuda_graph" if CUDA_GRAPH else "do_bench", **extra}
 

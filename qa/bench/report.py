@@ -92,7 +92,9 @@ _LAYOUT = {
                          only=(("impl", ("distwgrad",)),), on_page=False),  # the layer step supersedes it
     "fp8_module_host": Layout("FP8 GroupedLinear host time per step", columns="precision", baseline="bf16",
                               on_page=False),
-    "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone"),
+    "fp8_quantize": Layout("FP8 quantization (GB/s, bytes read + written)", baseline="torch_clone",
+                           off_page=("copy 8192x16384 fp32", "per_tensor 8192x16384 fp32",  # fp32 inputs:
+                                     "rowcol_per_tensor 8192x16384 fp32")),  # LOG.md, 2026-12-03 (morning)
     "step_phases": Layout("Host against device time per phase of a training step (ms)", on_page=False),
     "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
                             only=(("precision", ("fp8_per_tensor",)),), on_page=False),
