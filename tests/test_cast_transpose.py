@@ -91,9 +91,10 @@ def _check_tilings(device: str) -> None:
 
 
 def _check_wide_rows(device: str) -> None:
-    """1024 x 512: R a multiple of 16, which Triton specializes, so the loads are vectorized. With fp32 input the hardware conversion's transposed
-    copy came out wrong here on an H200 (Triton 3.6); fp32 now rounds in software ([Note: per-tensor cast and
-    transpose]). Both source dtypes, both formats, plain and aligned: the bits of the two kernels."""
+    """1024 x 512: R a multiple of 16, which Triton specializes, so the loads are vectorized. With fp32 input
+    the hardware conversion's transposed copy came out wrong here on an H200 (Triton 3.6); fp32 now rounds in
+    software ([Note: per-tensor cast and transpose]). Both source dtypes, both formats, plain and aligned: the
+    bits of the two kernels."""
     from distwgrad.kernels import quantize as kq
     from distwgrad.kernels import token_layout as kt
     from distwgrad.kernels.cast_transpose import cast_transpose_per_tensor
