@@ -106,6 +106,46 @@ def test_layer_step_tiny():
             assert any(line.startswith(case) and f" {p} " in line for line in lines), (case, p, proc.stdout)
 
 
+def test_layer_step_tunings_tiny(tmp_path):
+    """layer_step.py --tunings: each case and precision under each tuning in rotated rounds, rows with impl
+    distwgrad@<tuning>, the median against the first tuning's and main_grad's bits (on the CPU the GEMMs are
+    torch's whatever the tuning: the same bits)."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--reps", "1", "--rounds",
+           "2", "--precisions", "bf16,fp8_blockwise", "--tunings", "", "quantize.per_tensor_block = 8192",
+           "--results", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    impls = {"distwgrad@defaults", "distwgrad@quantize.per_tensor_block=8192"}
+    step_ms = [r for r in rows if r["metric"] == "step_ms"]
+    # 2 cases x 2 precisions x 2 tunings, each with its rounds and the same main_grad bits
+    assert len(step_ms) == 8 and {r["impl"] for r in step_ms} == impls, rows
+    for r in step_ms:
+        assert r["timing"] == "order rotated" and len(r["rounds_ms"]) == 2 and r["main_grad_same_bits"] is True, r
+        assert r["value"] == pytest.approx(sorted(r["rounds_ms"])[0] / 2 + sorted(r["rounds_ms"])[1] / 2), r
+        if r["impl"] == "distwgrad@defaults":
+            assert r["vs_first"] == 1.0, r
+    assert proc.stdout.count("main_grad same bits") == 8, proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tunings", "quantize.per_tensor_block=8192"], "--tunings: give at least two different tunings"),
+    (["--tunings", "", ""], "--tunings: give at least two different tunings"),
+    (["--tunings", "", "quantize.nope=1"], "nope"),
+    (["--tunings", "", "quantize.per_tensor_block"], "--tunings: 'quantize.per_tensor_block' is not "
+                                                     "family.knob=value"),
+    (["--tunings", "", "quantize.per_tensor_block=8192", "--profile"], "--tunings times the eager step only"),
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+])
+def test_layer_step_tunings_refused(args, message):
+    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--no-record", *args]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("python_gc", [False, True])
 def test_timed_blocks_run_without_automatic_gc(monkeypatch, python_gc):
     """[Note: garbage collection in the timed steps]: with automatic collection off, every build's timed block

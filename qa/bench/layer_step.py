@@ -8,6 +8,9 @@
     # GPU: also where each case's device time goes (torch.profiler over three steps, the top kernels and the
     # kernel time by kind: GEMMs, quantization, the rest)
     python qa/bench/layer_step.py --embed --profile --no-record
+    # GPU: the blockwise E=8 layer under two launch choices of its wgrad, in one process (rotated rounds)
+    python qa/bench/layer_step.py --moe 8,32768,4096,14336 --embed --precisions fp8_blockwise \
+        --tunings "" grouped_gemm_fp8.wgrad_gluon_stages_blockwise=3
 
 Legend: E experts, T expert rows (token-to-expert assignments), K ``d_model``, N ``d_ff``; V vocabulary,
 D ``d_model``.
@@ -32,6 +35,12 @@ carry ``vs_eager`` (eager time / graphed time), and their ``peak_gib`` is the gr
 allocated from its build on: weights, ``main_grad``, the graph pool and graph-owned buffers, the steps).
 The weights do not change between steps here, so every FP8 recipe may be graphed (the job refuses the
 per-tensor ones, whose cached amax would go stale after an update).
+
+``--tunings A B ...`` (comma-separated ``family.knob=value`` assignments of ``distwgrad.kernels.tuning``; ""
+is the defaults) times each case and precision under each tuning, in ``--rounds`` rounds whose order rotates
+(each tuning first in one round), and prints each tuning's median against the first's and whether one step's
+``main_grad`` from zeros is the same bits as under the first. Its rows' impl is ``distwgrad@<tuning>``
+(kept off benchmarks.md's layer table).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _trace  # noqa: E402
+import _tunings  # noqa: E402
+import distwgrad.kernels  # noqa: E402
 import results  # noqa: E402
 
 import distwgrad  # noqa: E402
@@ -162,6 +173,9 @@ def bench(args, device: torch.device) -> list[dict]:
         module, fwd_bwd, flops = problem(*shape, device)
         base_ms = None
         for precision in args.precisions:
+            if args.tunings:
+                rows += _tuning_rows(case, module, fwd_bwd, precision, flops, device, args, prov)
+                continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             ms = _timed(module, fwd_bwd, RECIPES[precision], device, args.reps)
@@ -184,6 +198,47 @@ def bench(args, device: torch.device) -> list[dict]:
         del module, fwd_bwd
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def _main_grads(module: torch.nn.Module, fwd_bwd, recipe) -> list[torch.Tensor]:
+    """Copies of the ``main_grad`` of ``module``'s weights after one step from zeros."""
+    weights = [p for p in module.parameters() if getattr(p, "main_grad", None) is not None]
+    for p in weights:
+        p.main_grad.zero_()
+    _step(module, fwd_bwd, recipe)
+    return [p.main_grad.clone() for p in weights]
+
+
+def _tuning_rows(case: str, module: torch.nn.Module, fwd_bwd, precision: str, flops: int, device: torch.device,
+                 args, prov: dict) -> list[dict]:
+    """``case`` at ``precision`` under each of ``--tunings`` in rotated rounds: the medians, each against the
+    first tuning's, and whether its ``main_grad`` bits are the first's."""
+    recipe, names = RECIPES[precision], list(args.tunings)
+    grads, times = {}, {n: [] for n in names}
+    for n in names:
+        with distwgrad.kernels.tuning(**args.tunings[n]):
+            _step(module, fwd_bwd, recipe)  # builds this tuning's kernels; main_grad exists from here on
+            grads[n] = _main_grads(module, fwd_bwd, recipe)
+    for r in range(args.rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            with distwgrad.kernels.tuning(**args.tunings[n]):
+                times[n].append(_timed(module, fwd_bwd, recipe, device, args.reps))
+    base = statistics.median(times[names[0]])
+    rows = []
+    for n in names:
+        ms = statistics.median(times[n])
+        same = all(torch.equal(a, b) for a, b in zip(grads[n], grads[names[0]], strict=True))
+        extra = {"vs_first": round(base / ms, 4), "tuning": n, "tunings": list(names), "rounds_ms": times[n],
+                 "main_grad_same_bits": same, "param_dtype": "bfloat16", "master_dtype": "float32",
+                 "timing": "order rotated"}
+        for metric, (value, unit) in {"step_ms": (ms, "ms"), "tflops": (flops / ms / 1e9, "TFLOP/s")}.items():
+            rows.append(results.row(bench="layer_step", case=case, impl=f"distwgrad@{n}", precision=precision,
+                                    world=1, metric=metric, value=value, unit=unit, device=device,
+                                    command=prov["command"], **extra))
+        print(f"  {case:45s} {precision:15s} {n:40s} {ms:9.3f} ms  {flops / ms / 1e9:9.3g} TFLOP/s  "
+              f"{extra['vs_first']:.3f}x the first  main_grad {'same bits' if same else 'DIFFERENT bits'}",
+              flush=True)
     return rows
 
 
@@ -226,8 +281,23 @@ def main(argv=None) -> int:
                    "backward, deferred wgrads replayed by distwgrad.make_graphed_callables; CUDA only)")
     p.add_argument("--profile", action="store_true", help="also print each case's top kernels over three steps "
                    "(torch.profiler; CUDA only)")
+    p.add_argument("--tunings", nargs="+", default=None, metavar="TUNING",
+                   help="time each case under each kernel tuning (family.knob=value,...; \"\" for the defaults), "
+                        "in rotated rounds; the first is the baseline")
+    p.add_argument("--rounds", type=int, default=4, help="--tunings: rounds (each tuning timed once a round)")
     results.add_arguments(p)
     args = p.parse_args(argv)
+    if args.tunings is not None:
+        try:
+            args.tunings = {_tunings.label(t): _tunings.parse_assignments(t, "--tunings") for t in args.tunings}
+        except (ValueError, TypeError) as exc:
+            p.error(str(exc))
+        if len(args.tunings) < 2:
+            p.error("--tunings: give at least two different tunings (\"\" is the defaults)")
+        if args.cuda_graph or args.profile:
+            p.error("--tunings times the eager step only; run --cuda-graph and --profile without it")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     args.precisions = tuple(v for v in args.precisions.split(",") if v)
     if not args.precisions or any(v not in RECIPES for v in args.precisions):
         p.error(f"--precisions: choose from {','.join(RECIPES)}")

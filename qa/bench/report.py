@@ -73,7 +73,8 @@ _LAYOUT = {
                                    # the blockwise wgrad's A/B: LOG.md, 2026-12-02 (late night)
                                    "large b8x2048 compiled_cuda_graph, triton blockwise wgrad")),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
-                         columns="precision", baseline="bf16", metrics=("tflops",)),
+                         columns="precision", baseline="bf16", metrics=("tflops",),
+                         only=(("impl", ("distwgrad",)),)),  # not layer_step.py --tunings' rows (distwgrad@...)
     "loss_curve": Layout("The job's loss curves: an FP8 run's distance from bf16's, bf16's from fp32's "
                          "([Note: the FP8 loss bound] in `qa/bench/loss_curves.py`: within the bound at <= 2.00x)",
                          columns="precision", baseline="bf16", metrics=("distance",)),

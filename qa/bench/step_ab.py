@@ -25,7 +25,6 @@ is: the kernels read theirs inside their custom ops, at run time) would take the
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
 import json
 import statistics
@@ -37,26 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import distwgrad.kernels  # noqa: E402
 import train_step as ts  # noqa: E402
-
-
-def parse_assignments(text: str, what: str = "--a") -> dict[str, dict[str, object]]:
-    """``"family.knob=value,..."`` as ``tuning``'s keyword arguments ``{family: {knob: value}}``."""
-    out: dict[str, dict[str, object]] = {}
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        family, dot, knob = name.strip().partition(".")
-        if not sep or not dot or not family or not knob:
-            raise ValueError(f"{what}: {item!r} is not family.knob=value (e.g. quantize.per_tensor_block=8192)")
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            raise ValueError(f"{what}: the value of {name.strip()} must be a Python literal (8192, True, None), "
-                             f"got {value.strip()!r}") from None
-        out.setdefault(family, {})[knob] = parsed
-    distwgrad.kernels.tuning(**out)  # unknown families and knobs, and refused values, fail here
-    return out
+from _tunings import parse_assignments  # noqa: E402
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
