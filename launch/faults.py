@@ -28,6 +28,7 @@ import math
 import os
 import re
 import signal
+import sys
 import time
 from typing import Any
 
@@ -50,12 +51,30 @@ class Terminated(Exception):
 
 def catch_sigterm() -> None:
     """The first SIGTERM raises :class:`Terminated` in the main thread; later ones are ignored, so the
-    report gets written (torchrun SIGKILLs after its grace anyway)."""
+    report gets written (torchrun SIGKILLs after its grace anyway).
+
+    A SIGTERM that lands while the main thread already handles a failed collective (torchrun's teardown
+    after the failure that collective saw: the survivor is on its way to the report) raises nothing: raised
+    there, it would replace the failure inside its own ``except`` clause, before the report's path ignores
+    SIGTERM, and the rank would end with a traceback instead of the one line."""
     def handler(signum: int, frame: Any) -> None:
         ignore_sigterm()
-        raise Terminated(f"received {signal.Signals(signum).name}")
+        if not _handling_comm_failure():
+            raise Terminated(f"received {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _handling_comm_failure() -> bool:
+    """Whether this thread is handling (in an ``except`` or ``finally`` block, or one nested in it) an
+    exception that is, or was raised while handling, a failed collective (:func:`is_comm_failure`)."""
+    exc, seen = sys.exc_info()[1], set()
+    while exc is not None and id(exc) not in seen:
+        if is_comm_failure(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
 
 
 def ignore_sigterm() -> None:

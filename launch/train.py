@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"distwgrad.launch.train: error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:
+        _faults.ignore_sigterm()  # torchrun's teardown follows a failure: the report must come out
         if not _faults.is_comm_failure(exc):
             raise  # this rank's own error: its traceback, and torchrun names the rank
         code = _interrupted(config, rt, progress, exc)

@@ -96,6 +96,55 @@ def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+def test_sigterm_while_a_failed_collective_is_handled_raises_nothing():
+    """``catch_sigterm``: torchrun's SIGTERM that lands while a survivor already handles a failed collective
+    (its ``except`` clause, or an error raised inside it) raises nothing, so the report comes out; anywhere
+    else, including inside the handling of the rank's own error, it raises ``Terminated``. Run in a child
+    process (it signals itself)."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from {LAUNCH} import faults
+
+        def sigterm():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10000):  # the handler runs at the next bytecode boundary
+                pass
+
+        faults.catch_sigterm()
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Read error: Connection reset by peer")
+        except RuntimeError:
+            sigterm()
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # and later ones are ignored
+        print("in a failure: nothing raised")
+        faults.catch_sigterm()
+        try:
+            try:
+                raise RuntimeError("Timed out waiting 10000ms for recv")
+            except RuntimeError:
+                raise ValueError("raised while handling it")
+        except ValueError:
+            sigterm()
+        print("in an error raised while handling one: nothing raised")
+        for case, raising in (("outside", lambda: None), ("in the rank's own error", lambda: 1 / 0)):
+            faults.catch_sigterm()
+            try:
+                try:
+                    raising()
+                    sigterm()
+                except ZeroDivisionError:
+                    sigterm()
+            except faults.Terminated:
+                print(case + ": Terminated")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["in a failure: nothing raised",
+                                        "in an error raised while handling one: nothing raised",
+                                        "outside: Terminated", "in the rank's own error: Terminated"], proc.stdout
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("uninterrupted"))
