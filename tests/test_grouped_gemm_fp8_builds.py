@@ -167,7 +167,7 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
-    (C7514, C7512) and no spill (blockwise: at most 320 bytes, outside the loop); the MMA warps fence their
+    (C7514, C7512) and no spill (blockwise fresh or load-add-store: a few words); the MMA warps fence their
     zeroing of edge chunks for the async proxy ([Note: a group's edge chunks in shared memory]); the epilogue
     writes 16 bytes per instruction (fp32 reductions
     likewise into a stacked output; 8 elements of a fresh bf16 / fp16 output). With FIRST ([Note: an unwritten
@@ -204,11 +204,16 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     assert ("cp.async.mbarrier.arrive" in ptx) is ("blockwise" in rest), "column scales not staged"
     if "blockwise" in rest:
         assert "cp.async.cg.shared.global" in ptx and ", 16" in ptx, "the column scales' copies are not 16 bytes"
+        # each step hands its stage back before it reads the column scales (their slot outlives the stage), so
+        # the barrier after the MMA wait and the hand-back's barrier are one
+        steps = [after.split("wgmma.mma_async")[0] for after in ptx.split("wgmma.wait_group.sync.aligned 1;")[1:]]
+        reads = [step for step in steps if "ld.shared" in step]  # the peeled step 0 adds nothing
+        assert len(reads) == 3 and all(step.index("mbarrier.arrive") < step.index("ld.shared") for step in reads), \
+            "column scales read before the stage is handed back"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     spilled = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    # blockwise: ptxas spills part of the tile's sum where the loop's two tails merge, once a tile (at most
-    # ~290 bytes a thread; none inside the chunk loop, [Note: blockwise wgrad scales])
-    assert spilled <= (320 if "blockwise" in rest else 0), info
+    # blockwise, fresh or load-add-store: a few words (12-24 bytes a thread with Triton 3.9's ptxas)
+    assert spilled <= (32 if "blockwise" in rest and mode != "atomic" else 0), info
     assert "setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx
     # (a dry run may skip the zeroing: [Note: tracing the MMA warps' tile phases])
     assert ("fence.proxy.async.shared::cta" in ptx) is ("unzeroed" not in rest), "zeroed edge chunk not fenced"

@@ -136,7 +136,7 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, kernel_tuning):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["atomic_s5_epi", "load_epi_s3", "atomic"])
+@pytest.mark.parametrize("variant,stages_blockwise", [("atomic_s5_epi", 4), ("load_epi_s3", 3), ("atomic", 2)])
 @pytest.mark.parametrize("T,E,K,N,splits", [
     (4096, 8, 1024, 1536, None),            # ~512 tokens per group: head, body and tail chunks
     (8192, 64, 512, 384, None),             # ~128 per group, about a third empty: mostly edge chunks
@@ -144,15 +144,17 @@ def test_gpu_gluon_wgrad(T, E, K, N, splits, variant, kernel_tuning):
     (1008, 1, 208, 144, None),              # one group; T, K, N off the tile (K's scales padded)
     (512, 5, 256, 256, [100, 0, 20, 264, 128]),  # a group inside one chunk (head = tail), one exactly on it
 ])
-def test_gpu_gluon_blockwise_wgrad(T, E, K, N, splits, variant, kernel_tuning):
+def test_gpu_gluon_blockwise_wgrad(T, E, K, N, splits, variant, stages_blockwise, kernel_tuning):
     """[Note: blockwise wgrad scales]: the Gluon blockwise wgrad against the oracle (fresh into a NaN-poisoned
     output, accumulating into a stacked tensor and into a list of strided buffers) and against the Triton
-    kernel: the same bits (each chunk's partial times the outer product of its scales, added in chunk order)."""
+    kernel: the same bits (each chunk's partial times the outer product of its scales, added in chunk order);
+    rings of 4, 3 and 2 stages (the scales' slots, one more than the stages, reused soonest with 2)."""
     from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
     add, stages, epilogue_warps = WGRAD_GLUON_VARIANTS[variant]
-    kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon_blockwise=True, wgrad_gluon_add_mode=add,
+    kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon_blockwise=True, wgrad_gluon_stages_blockwise=stages_blockwise,
+                                        wgrad_gluon_add_mode=add,
                                         wgrad_gluon_stages=stages, wgrad_gluon_stages_16=stages + 1 if epilogue_warps
                                         else stages, wgrad_gluon_epilogue_warps=epilogue_warps))
     gen = torch.Generator().manual_seed(T + K)

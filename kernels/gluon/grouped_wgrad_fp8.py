@@ -278,18 +278,18 @@ def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.
     cur = warpgroup_mma(ring.a_bufs.index(s), ring.b_bufs.index(s).permute((1, 0)), acc, use_acc=False,
                         is_async=True)
     cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
-    b_s = bs_bufs.index((g - 1) % ring.NUM_STAGES).load(gl.SliceLayout(0, mma))
-    ring.release(g - 1)
+    ring.release(g - 1)  # before the column scales' read: their slot outlives the stage
+    b_s = bs_bufs.index((g - 1) % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
     acc = acc + prev * (prev_as[:, None] * b_s[None, :])
     nxt_as = gl.load(sp.as_ptrs + (k + 1) * sc.stride_ask, mask=sp.rows_ok & (k + 1 < ch.n_k), other=0.0)
     return acc, cur, cur_as, nxt_as
 
 
 @gluon.jit
-def _col_last(acc, prev, prev_as, bs_bufs, g, NUM_STAGES: gl.constexpr, mma: gl.constexpr):
+def _col_last(acc, prev, prev_as, bs_bufs, g, mma: gl.constexpr):
     """acc plus the tile's last partial (ring step ``g``), once its MMAs are done."""
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    b_s = bs_bufs.index(g % NUM_STAGES).load(gl.SliceLayout(0, mma))
+    b_s = bs_bufs.index(g % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
     return acc + prev * (prev_as[:, None] * b_s[None, :])
 
 
@@ -308,9 +308,9 @@ def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, bs_bufs, mma: gl.cons
     if ch.n_k % 2 == 0:  # one step left
         acc, prev, prev_as, nxt_as = _col_step(ch.n_k - 1, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, bs_bufs,
                                                mma)
-        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, ring.NUM_STAGES, mma)
+        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, mma)
     else:
-        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, ring.NUM_STAGES, mma)
+        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, mma)
     return acc
 
 
@@ -366,7 +366,7 @@ def _produce(ring, sched, src, bw, bs_bufs, TOKENS_OUTER: gl.constexpr):
             mbarrier.wait(ring.empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
             bar = ring.ready.index(s)
             if bw.BLOCKWISE:  # the stage's column scales, an arrival on its barrier once they land
-                _async_load(bs_bufs.index(s), bs_tile + k * bw.stride_bsc)
+                _async_load(bs_bufs.index(g % bs_bufs.type.shape[0]), bs_tile + k * bw.stride_bsc)
                 _async_arrive(bar)
                 _thread_barrier()
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -569,7 +569,7 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)
     bw = BlockScales(as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE)
     # the stages' column scales ([Note: blockwise wgrad scales]); one unused element per stage otherwise
-    BS_SLOTS: gl.constexpr = 1 << (NUM_STAGES - 1).bit_length()
+    BS_SLOTS: gl.constexpr = NUM_STAGES + 1 if BLOCKWISE else 1
     bs_bufs = gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     if EPI_WARPS > 0:
