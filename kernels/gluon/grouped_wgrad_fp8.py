@@ -75,12 +75,16 @@ epilogue's scales are then ones. The row scales (two a thread in the MMA layout)
 warps a step ahead, as the fprop's (``_begin``, ``_col_step``). The column scales are 32 a thread: loaded
 from global memory beside the loop's three fp32 tiles (192 of the MMA warps' 232 registers) they made the
 sm_90a build spill inside the loop (1.3-1.9 KB). So the TMA warp copies each chunk's 128 column scales into
-a slot beside the chunk's stage (``cp.async``, 16 bytes a thread; the stage's ``ready`` barrier counts
-their landing), and the MMA warps read them from shared memory at the add, before they hand the stage
-back. The launcher passes x^T's scales columns-contiguous ([chunks, K rounded up to 128], zeros past K), so
-every copy is one aligned 16-byte unit. ptxas still spills part of the tile's sum where the loop's two tails
-merge (under 300 bytes a thread, once a tile). The slots take shared memory a fifth stage would need, so the
-ring has four (``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). Measured: docs/benchmarks/LOG.md.
+a slot of their own ring (``cp.async``, 16 bytes a thread; the stage's ``ready`` barrier counts their
+landing), and the MMA warps read them from shared memory at the add. The launcher passes x^T's scales
+columns-contiguous ([chunks, K rounded up to 128], zeros past K), so every copy is one aligned 16-byte unit.
+The slots are one more than the stages, so a step hands its stage back before it reads the previous chunk's
+scales: the TMA warp refills that stage, and with it the slot of the chunk before, whose reads every MMA warp
+finished before the hand-back's barrier. Read before the hand-back (a slot per stage), the scales would sit
+between the barrier Triton puts after the MMA wait and the hand-back's own: two barriers of all MMA warps a
+step instead of one, with the loads' latency between them (and ptxas spills where the loop's two tails
+merge). Read before the MMA wait, their 32 registers beside the three tiles spill inside the loop. The slots take shared memory a fifth stage would need, so the ring has
+four (``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). Measured: docs/benchmarks/LOG.md.
 
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
