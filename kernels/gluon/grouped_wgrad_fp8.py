@@ -84,7 +84,8 @@ finished before the hand-back's barrier. Read before the hand-back (a slot per s
 between the barrier Triton puts after the MMA wait and the hand-back's own: two barriers of all MMA warps a
 step instead of one, with the loads' latency between them (and ptxas spills where the loop's two tails
 merge). Read before the MMA wait, their 32 registers beside the three tiles spill inside the loop. The
-slots take shared memory a fifth stage would need, so the ring has four (``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). Measured: docs/benchmarks/LOG.md.
+slots take shared memory a fifth stage would need, so the ring has four
+(``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). Measured: docs/benchmarks/LOG.md.
 
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
