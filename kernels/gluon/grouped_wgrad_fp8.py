@@ -370,7 +370,8 @@ def _produce(ring, sched, src, bw, bs_bufs, TOKENS_OUTER: gl.constexpr):
             s = g % NUM_STAGES
             mbarrier.wait(ring.empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
             bar = ring.ready.index(s)
-            if bw.BLOCKWISE:  # the stage's column scales, an arrival on its barrier once they land
+            # the chunk's column scales into their slot, an arrival on the stage's barrier once they land
+            if bw.BLOCKWISE:
                 _async_load(bs_bufs.index(g % bs_bufs.type.shape[0]), bs_tile + k * bw.stride_bsc)
                 _async_arrive(bar)
                 _thread_barrier()
@@ -573,7 +574,8 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)
     bw = BlockScales(as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE)
-    # the stages' column scales ([Note: blockwise wgrad scales]); one unused element per stage otherwise
+    # the chunks' column scales, a slot more than the stages ([Note: blockwise wgrad scales]); one unused
+    # element otherwise
     BS_SLOTS: gl.constexpr = NUM_STAGES + 1 if BLOCKWISE else 1
     bs_bufs = gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
