@@ -133,6 +133,8 @@ def test_layer_step_tunings_tiny(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--tunings", "quantize.per_tensor_block=8192"], "--tunings: give at least two different tunings"),
     (["--tunings", "", ""], "--tunings: give at least two different tunings"),
+    (["--tunings", "", "quantize.per_tensor_block=8192", "quantize.per_tensor_block = 8192"],
+     "--tunings: quantize.per_tensor_block=8192 given twice"),
     (["--tunings", "", "quantize.nope=1"], "nope"),
     (["--tunings", "", "quantize.per_tensor_block"], "--tunings: 'quantize.per_tensor_block' is not "
                                                      "family.knob=value"),

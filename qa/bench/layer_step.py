@@ -288,6 +288,10 @@ def main(argv=None) -> int:
     results.add_arguments(p)
     args = p.parse_args(argv)
     if args.tunings is not None:
+        labels = [_tunings.label(t) for t in args.tunings]
+        twice = sorted({n for n in labels if labels.count(n) > 1})
+        if twice and len(set(labels)) > 1:
+            p.error(f"--tunings: {', '.join(twice)} given twice")
         try:
             args.tunings = {_tunings.label(t): _tunings.parse_assignments(t, "--tunings") for t in args.tunings}
         except (ValueError, TypeError) as exc:
