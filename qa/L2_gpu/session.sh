@@ -23,7 +23,8 @@
 #   epilogue partition, each also dry and dry without the edge zeroing),
 #   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / grouped_mm / dense side by side),
 #   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
-#   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples).
+#   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples;
+#   NCU_KERNELS, ncu's -k filter, default the grouped GEMMs' kernels: regex:ragged|wgrad_kernel).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #   cpu_full (the CPU suite with --full: every case of the sweeps that CI samples; many cores help).
 # The tests step runs with --full (tests/conftest.py). The benchmarks append their rows to
@@ -106,7 +107,7 @@ for step in $STEPS; do
       export PATH="$PATH:/usr/local/cuda/bin"
       for t in ${NCU_TARGETS:-fp8_blockwise_fprop_e8 fp8_per_tensor_dgrad_e64 bf16_fprop_e8_triton}; do
         run "ncu_$t" ncu --profile-from-start off --clock-control none --set full --import-source no \
-          -k regex:ragged -o "$OUT_DIR/$t" python3 qa/bench/gemm_profile.py --ncu --targets "$t"
+          -k "${NCU_KERNELS:-regex:ragged|wgrad_kernel}" -o "$OUT_DIR/$t" python3 qa/bench/gemm_profile.py --ncu --targets "$t"
         python3 qa/bench/ncu_hotspots.py "$OUT_DIR/$t.ncu-rep" --top 30 >"$OUT_DIR/$t.txt" 2>&1
       done ;;
     fp8_audit)  # every FP8 GEMM/quantization of the job vs emulation, then one bisect run per variant

@@ -49,8 +49,8 @@ def _bf16_impls(op: str, p) -> dict:
 
 
 def _fp8_targets(shape) -> dict:
-    """FP8 fprop (blockwise), dgrad and fresh and accumulating wgrad (per-tensor) through the default kernels,
-    pre-quantized."""
+    """FP8 fprop (blockwise), dgrad and fresh and accumulating wgrad (per-tensor), and the blockwise
+    accumulating wgrad, through the default kernels, pre-quantized."""
     import fp8 as B
 
     from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling
@@ -60,7 +60,8 @@ def _fp8_targets(shape) -> dict:
     for name, recipe, op in (("fp8_blockwise_fprop", BlockwiseScaling(), "fprop"),
                              ("fp8_per_tensor_dgrad", PerTensorScaling(), "dgrad"),
                              ("fp8_per_tensor_wgrad", PerTensorScaling(), "wgrad"),
-                             ("fp8_per_tensor_wgrad_acc", PerTensorScaling(), "wgrad_accumulate")):
+                             ("fp8_per_tensor_wgrad_acc", PerTensorScaling(), "wgrad_accumulate"),
+                             ("fp8_blockwise_wgrad_acc", BlockwiseScaling(), "wgrad_accumulate")):
         q = B._fp8_operands(p, recipe)
         calls = B._fp8_calls(op, p, q, main, variants=False)
         out[name] = next(iter(calls.values()))
@@ -112,7 +113,10 @@ def ncu_targets(only: list[str] | None) -> None:
         main = torch.zeros(p64.E, p64.N, p64.K, device="cuda")
         targets["bf16_wgrad_acc_e64"] = lambda: G.grouped_wgrad(p64.dy, p64.x, p64.offs, out=main)
     if not only or any(o.startswith("fp8") for o in only):
-        targets["fp8_blockwise_fprop_e8"] = _fp8_targets(SHAPES[0])["fp8_blockwise_fprop"]
+        fp8_e8 = _fp8_targets(SHAPES[0])
+        targets["fp8_blockwise_fprop_e8"] = fp8_e8["fp8_blockwise_fprop"]
+        targets["fp8_blockwise_wgrad_acc_e8"] = fp8_e8["fp8_blockwise_wgrad_acc"]
+        targets["fp8_per_tensor_wgrad_acc_e8"] = fp8_e8["fp8_per_tensor_wgrad_acc"]
         fp8_e64 = _fp8_targets(SHAPES[1])
         targets["fp8_per_tensor_dgrad_e64"] = fp8_e64["fp8_per_tensor_dgrad"]
         targets["fp8_per_tensor_wgrad_acc_e64"] = fp8_e64["fp8_per_tensor_wgrad_acc"]

@@ -77,7 +77,8 @@ _LAYOUT = {
                          only=(("impl", ("distwgrad",)),)),  # not layer_step.py --tunings' rows (distwgrad@...)
     "loss_curve": Layout("The job's loss curves: an FP8 run's distance from bf16's, bf16's from fp32's "
                          "([Note: the FP8 loss bound] in `qa/bench/loss_curves.py`: within the bound at <= 2.00x)",
-                         columns="precision", baseline="bf16", metrics=("distance",)),
+                         columns="precision", baseline="bf16", metrics=("distance",),
+                         off_page=("tiny 200 steps seed 0",)),  # the CPU preset: the large preset's seeds decide
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
     "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",)),
     "dtype_paths": Layout("Grouped GEMM by dtype: distwgrad's route against torch's (TFLOP/s, host time included)",
