@@ -162,6 +162,7 @@ from . import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from . import REINTERPRET as _REINTERPRET
 from . import WS_PAIRS as _WS_PAIRS
 from . import async_load as _async_load
 from . import async_mbarrier_arrive as _async_arrive
@@ -269,6 +270,20 @@ def _chain(ring, ch, acc, mma: gl.constexpr):
 
 
 @gluon.jit
+def _col_slot(bs_bufs, i):
+    """Slot ``i`` of the column scales as the tile's 128 columns, in the MMA layout's order ([Note: blockwise
+    wgrad scales]): offset bit -> column bit 0, 3, 1, 2, 4, 5, 6, so each MMA thread's columns 8j + 2q + {0, 1}
+    of n8 blocks j = 2J, 2J + 1 are 16 contiguous bytes (lane q of a quad; its 32 scales in 8 loads)."""
+    BLOCK_N: gl.constexpr = bs_bufs.type.shape[1]
+    gl.static_assert(BLOCK_N == 128, "the order is that of a 128-column wgmma tile")
+    cols: gl.constexpr = gl.SharedLinearLayout([[1], [8], [2], [4], [16], [32], [64]])
+    if _REINTERPRET:
+        return bs_bufs.index(i).reinterpret(gl.float32, [BLOCK_N], cols)
+    else:
+        return bs_bufs.index(i)._reinterpret(gl.float32, [BLOCK_N], cols)
+
+
+@gluon.jit
 def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.constexpr):
     """Blockwise step ``k`` of the tile ``ch`` ([Note: blockwise wgrad scales]): issue its MMAs, then add step
     k-1's partial ``prev`` times its rows' scales ``prev_as`` and its columns' (read from step k-1's stage)
@@ -284,7 +299,7 @@ def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.
                         is_async=True)
     cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
     ring.release(g - 1)  # before the column scales' read: their slot outlives the stage
-    b_s = bs_bufs.index((g - 1) % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
+    b_s = _col_slot(bs_bufs, (g - 1) % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
     acc = acc + prev * (prev_as[:, None] * b_s[None, :])
     nxt_as = gl.load(sp.as_ptrs + (k + 1) * sc.stride_ask, mask=sp.rows_ok & (k + 1 < ch.n_k), other=0.0)
     return acc, cur, cur_as, nxt_as
@@ -294,7 +309,7 @@ def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.
 def _col_last(acc, prev, prev_as, bs_bufs, g, mma: gl.constexpr):
     """acc plus the tile's last partial (ring step ``g``), once its MMAs are done."""
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    b_s = bs_bufs.index(g % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
+    b_s = _col_slot(bs_bufs, g % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
     return acc + prev * (prev_as[:, None] * b_s[None, :])
 
 
@@ -372,7 +387,7 @@ def _produce(ring, sched, src, bw, bs_bufs, TOKENS_OUTER: gl.constexpr):
             bar = ring.ready.index(s)
             # the chunk's column scales into their slot, an arrival on the stage's barrier once they land
             if bw.BLOCKWISE:
-                _async_load(bs_bufs.index(g % bs_bufs.type.shape[0]), bs_tile + k * bw.stride_bsc)
+                _async_load(_col_slot(bs_bufs, g % bs_bufs.type.shape[0]), bs_tile + k * bw.stride_bsc)
                 _async_arrive(bar)
                 _thread_barrier()
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
