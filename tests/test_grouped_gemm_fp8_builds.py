@@ -199,19 +199,24 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 4, "peeled step + two loop steps + tail step"
-    # [Note: blockwise wgrad scales]: the TMA warp stages each chunk's column scales by cp.async, in the MMA
-    # layout's order (8-byte pieces), and the stage's barrier counts their landing
+    # [Note: blockwise wgrad scales]: the TMA warp stages each chunk's column scales by cp.async and the stage's
+    # barrier counts their landing; with the epilogue warps, and not loading the tile (the builds whose MMA
+    # warps have the registers), in the MMA layout's order: 8-byte copies, each MMA thread's reads 16 bytes
     assert ("cp.async.mbarrier.arrive" in ptx) is ("blockwise" in rest), "column scales not staged"
-    if "blockwise" in rest:
+    mma_order = "blockwise" in rest and "epi" in rest and mode != "load"
+    if mma_order:
         assert "cp.async.ca.shared.global" in ptx and "0x8, 0x8;" in ptx, "the column scales' copies are not 8 bytes"
+    elif "blockwise" in rest:
+        assert "cp.async.cg.shared.global" in ptx and ", 16" in ptx, "the column scales' copies are not 16 bytes"
+    if "blockwise" in rest:
         # each step hands its stage back before it reads the column scales (their slot outlives the stage), so
         # the barrier after the MMA wait and the hand-back's barrier are one
         steps = [after.split("wgmma.mma_async")[0] for after in ptx.split("wgmma.wait_group.sync.aligned 1;")[1:]]
         reads = [step for step in steps if "ld.shared" in step]  # the peeled step 0 adds nothing
         assert len(reads) == 3 and all(step.index("mbarrier.arrive") < step.index("ld.shared") for step in reads), \
             "column scales read before the stage is handed back"
-        # each MMA thread's 32 column scales are 8 runs of 16 contiguous bytes: 16-byte loads only
-        assert all("ld.shared.v4.b32" in step and "ld.shared.v2" not in step for step in reads), \
+        # in the MMA layout's order each MMA thread's 32 column scales are 8 runs of 16 contiguous bytes
+        assert not mma_order or all("ld.shared.v4.b32" in step and "ld.shared.v2" not in step for step in reads), \
             "column scales read in pieces under 16 bytes"
     assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
     spilled = int(re.search(r"(\d+) bytes spill stores", info).group(1))

@@ -234,6 +234,36 @@ class BlockScales:
 
 
 @aggregate
+class ColumnScaleSlots:
+    """The ring of the chunks' column scales ([Note: blockwise wgrad scales]): ``bufs`` [slots, BLOCK_N] fp32,
+    each slot in the MMA layout's order (MMA_ORDER) or the columns' own."""
+
+    bufs: gl.shared_memory_descriptor
+    MMA_ORDER: gl.constexpr
+
+    @constexpr_function
+    def __init__(self, bufs, MMA_ORDER):
+        self.bufs = field(bufs)
+        self.MMA_ORDER = field(MMA_ORDER)
+
+    @gluon.jit
+    def slot(self, g):
+        """Ring step ``g``'s slot as the tile's BLOCK_N columns. In the MMA layout's order, offset bits are
+        column bits 0, 3, 1, 2, 4, 5, 6: an MMA thread's columns 8j + 2q + {0, 1} of the n8 blocks j = 2J and
+        2J + 1 are 16 contiguous bytes (q: its lane in the quad), so it reads its 32 in 8 loads, not 16."""
+        BLOCK_N: gl.constexpr = self.bufs.type.shape[1]
+        view = self.bufs.index(g % self.bufs.type.shape[0])
+        if self.MMA_ORDER:
+            gl.static_assert(BLOCK_N == 128, "the order is that of a 128-column wgmma tile")
+            order: gl.constexpr = gl.SharedLinearLayout([[1], [8], [2], [4], [16], [32], [64]])
+            if _REINTERPRET:
+                view = view.reinterpret(gl.float32, [BLOCK_N], order)
+            else:
+                view = view._reinterpret(gl.float32, [BLOCK_N], order)
+        return view
+
+
+@aggregate
 class Trace:
     """With TRACE, where the MMA warps record their tile phases: ``trace_ptr`` [programs, TRACE_TILES, 5]
     ([Note: tracing the MMA warps' tile phases])."""
@@ -270,21 +300,7 @@ def _chain(ring, ch, acc, mma: gl.constexpr):
 
 
 @gluon.jit
-def _col_slot(bs_bufs, i):
-    """Slot ``i`` of the column scales as the tile's 128 columns, in the MMA layout's order ([Note: blockwise
-    wgrad scales]): offset bit -> column bit 0, 3, 1, 2, 4, 5, 6, so each MMA thread's columns 8j + 2q + {0, 1}
-    of n8 blocks j = 2J, 2J + 1 are 16 contiguous bytes (lane q of a quad; its 32 scales in 8 loads)."""
-    BLOCK_N: gl.constexpr = bs_bufs.type.shape[1]
-    gl.static_assert(BLOCK_N == 128, "the order is that of a 128-column wgmma tile")
-    cols: gl.constexpr = gl.SharedLinearLayout([[1], [8], [2], [4], [16], [32], [64]])
-    if _REINTERPRET:
-        return bs_bufs.index(i).reinterpret(gl.float32, [BLOCK_N], cols)
-    else:
-        return bs_bufs.index(i)._reinterpret(gl.float32, [BLOCK_N], cols)
-
-
-@gluon.jit
-def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.constexpr):
+def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, col_scales, mma: gl.constexpr):
     """Blockwise step ``k`` of the tile ``ch`` ([Note: blockwise wgrad scales]): issue its MMAs, then add step
     k-1's partial ``prev`` times its rows' scales ``prev_as`` and its columns' (read from step k-1's stage)
     while they run; load step k+1's row scales. Step k-1's stage is then handed back. Returns (acc, this
@@ -299,22 +315,22 @@ def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, bs_bufs, mma: gl.
                         is_async=True)
     cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
     ring.release(g - 1)  # before the column scales' read: their slot outlives the stage
-    b_s = _col_slot(bs_bufs, (g - 1) % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
+    b_s = col_scales.slot(g - 1).load(gl.SliceLayout(0, mma))
     acc = acc + prev * (prev_as[:, None] * b_s[None, :])
     nxt_as = gl.load(sp.as_ptrs + (k + 1) * sc.stride_ask, mask=sp.rows_ok & (k + 1 < ch.n_k), other=0.0)
     return acc, cur, cur_as, nxt_as
 
 
 @gluon.jit
-def _col_last(acc, prev, prev_as, bs_bufs, g, mma: gl.constexpr):
+def _col_last(acc, prev, prev_as, col_scales, g, mma: gl.constexpr):
     """acc plus the tile's last partial (ring step ``g``), once its MMAs are done."""
     prev = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-    b_s = _col_slot(bs_bufs, g % bs_bufs.type.shape[0]).load(gl.SliceLayout(0, mma))
+    b_s = col_scales.slot(g).load(gl.SliceLayout(0, mma))
     return acc + prev * (prev_as[:, None] * b_s[None, :])
 
 
 @gluon.jit
-def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, bs_bufs, mma: gl.constexpr):
+def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, col_scales, mma: gl.constexpr):
     """Steps 1 .. n_k - 1 of a blockwise tile whose step 0 (``_begin``) is in flight as ``prev``: the
     promoting loop of ``grouped_gemm_fp8._accumulate`` (step 0 peeled, two steps an iteration, the last
     partial added in each branch), each partial scaled by its rows' and columns' scales ([Note: blockwise
@@ -323,14 +339,14 @@ def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, bs_bufs, mma: gl.cons
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     for k in range(1, ch.n_k - 1, 2):
-        acc, cur, cur_as, nxt_as = _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, bs_bufs, mma)
-        acc, prev, prev_as, nxt_as = _col_step(k + 1, ring, ch, sc, sp, acc, cur, cur_as, nxt_as, bs_bufs, mma)
+        acc, cur, cur_as, nxt_as = _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, col_scales, mma)
+        acc, prev, prev_as, nxt_as = _col_step(k + 1, ring, ch, sc, sp, acc, cur, cur_as, nxt_as, col_scales, mma)
     if ch.n_k % 2 == 0:  # one step left
-        acc, prev, prev_as, nxt_as = _col_step(ch.n_k - 1, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, bs_bufs,
+        acc, prev, prev_as, nxt_as = _col_step(ch.n_k - 1, ring, ch, sc, sp, acc, prev, prev_as, nxt_as, col_scales,
                                                mma)
-        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, mma)
+        acc = _col_last(acc, prev, prev_as, col_scales, ch.base + ch.n_k - 1, mma)
     else:
-        acc = _col_last(acc, prev, prev_as, bs_bufs, ch.base + ch.n_k - 1, mma)
+        acc = _col_last(acc, prev, prev_as, col_scales, ch.base + ch.n_k - 1, mma)
     return acc
 
 
@@ -347,7 +363,7 @@ def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
-def _produce(ring, sched, src, bw, bs_bufs, TOKENS_OUTER: gl.constexpr):
+def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
     """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
     (a fresh mbarrier counts as released for the first round), then loads it. GROUP_DESC (the bf16
     wgrad): each tile loads through descriptors of its group's tokens alone, built here from ``src``
@@ -379,15 +395,15 @@ def _produce(ring, sched, src, bw, bs_bufs, TOKENS_OUTER: gl.constexpr):
                 a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
                 g_e = e
         if bw.BLOCKWISE:
-            cols = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([4], [32], [1], [0]))
-            bs_tile = bw.bs_ptr + (col0 + cols) * bw.stride_bsk + (first // BLOCK_K).to(gl.int64) * bw.stride_bsc
+            cols_n = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([4], [32], [1], [0]))
+            bs_tile = bw.bs_ptr + (col0 + cols_n) * bw.stride_bsk + (first // BLOCK_K).to(gl.int64) * bw.stride_bsc
         for k in range(n_k):
             s = g % NUM_STAGES
             mbarrier.wait(ring.empty.index(s), ((g // NUM_STAGES) & 1) ^ 1)
             bar = ring.ready.index(s)
             # the chunk's column scales into their slot, an arrival on the stage's barrier once they land
             if bw.BLOCKWISE:
-                _async_load(_col_slot(bs_bufs, g % bs_bufs.type.shape[0]), bs_tile + k * bw.stride_bsc)
+                _async_load(col_scales.slot(g), bs_tile + k * bw.stride_bsc)
                 _async_arrive(bar)
                 _thread_barrier()
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
@@ -436,7 +452,7 @@ def _tile_scales(bw, row0, col0, first, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
+def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
              ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr, CHAIN: gl.constexpr):
     """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
     its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
@@ -500,7 +516,7 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma: gl
             if CHAIN:
                 acc = _chain(ring, ch, prev, mma)
             elif BLOCKWISE:
-                acc = _promote_cols(ring, ch, tsc, sp, prev, prev_as, nxt_as, bs_bufs, mma)
+                acc = _promote_cols(ring, ch, tsc, sp, prev, prev_as, nxt_as, col_scales, mma)
             else:
                 acc = _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma)
             mbarrier.arrive(ring.empty.index((base + n_k - 1) % ring.NUM_STAGES), count=1)
@@ -592,26 +608,31 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     # the chunks' column scales, a slot more than the stages ([Note: blockwise wgrad scales]); one unused
     # element otherwise
     BS_SLOTS: gl.constexpr = NUM_STAGES + 1 if BLOCKWISE else 1
-    bs_bufs = gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
-                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    # in the MMA layout's order where the MMA warps' registers allow its 16-byte loads: with them writing the
+    # tile themselves (no epilogue warps), or loading it for a load-add-store, the sm_90a build spills
+    COLS_MMA_ORDER: gl.constexpr = BLOCKWISE and EPI_WARPS > 0 and ADD_MODE != 1
+    col_scales = ColumnScaleSlots(gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
+                                                      gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                                              order=[0])),
+                            COLS_MMA_ORDER)
     if EPI_WARPS > 0:
         gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
                                     "(function, args) pairs")
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma, EPI_WARPS, ZERO_EDGES,
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
                         TOKENS_OUTER, CHAIN)),
-            (_produce, (ring, sched, src, bw, bs_bufs, TOKENS_OUTER)),
+            (_produce, (ring, sched, src, bw, col_scales, TOKENS_OUTER)),
             (_epilogue, (hand, out, sched, EPI_WARPS, EPI_ROWS)),
         ], [1, EPI_WARPS], [40, EPI_REGS])
     elif _WS_PAIRS:
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma, EPI_WARPS, ZERO_EDGES,
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
                         TOKENS_OUTER, CHAIN)),
-            (_produce, (ring, sched, src, bw, bs_bufs, TOKENS_OUTER)),
+            (_produce, (ring, sched, src, bw, col_scales, TOKENS_OUTER)),
         ], [1], [40])
     else:
-        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, bs_bufs, mma, EPI_WARPS, ZERO_EDGES,
-                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, bw, bs_bufs, TOKENS_OUTER), [_produce],
+        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
+                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, bw, col_scales, TOKENS_OUTER), [_produce],
                            [1], [40])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
