@@ -85,7 +85,14 @@ between the barrier Triton puts after the MMA wait and the hand-back's own: two 
 step instead of one, with the loads' latency between them (and ptxas spills where the loop's two tails
 merge). Read before the MMA wait, their 32 registers beside the three tiles spill inside the loop. The
 slots take shared memory a fifth stage would need, so the ring has four
-(``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). Measured: docs/benchmarks/LOG.md.
+(``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). A thread's 32 columns are 8j + 2q + {0, 1} for the
+16 n8 blocks j of the wgmma tile (q: its lane in the quad): 16 pairs 32 bytes apart, 16 loads of 8 bytes.
+So each slot holds the columns in the MMA layout's order (``ColumnScaleSlots.slot``: a linear shared layout
+that puts blocks 2J and 2J + 1 of one q side by side): 8 loads of 16 bytes a thread, the TMA warp's copies
+8-byte pieces. The kernel's time goes with its instruction count (Nsight Compute: 0.41 issued a cycle per
+scheduler in both recipes, blockwise 1.66x per-tensor's instructions), and this is 8 fewer a step. Where the
+MMA warps write the tile themselves or load it for a load-add-store, the 16-byte loads' aligned register
+quads made the sm_90a build spill, so those keep the columns' own order. Measured: docs/benchmarks/LOG.md.
 
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
@@ -632,8 +639,8 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
         ], [1], [40])
     else:
         gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
-                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, bw, col_scales, TOKENS_OUTER), [_produce],
-                           [1], [40])
+                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, bw, col_scales, TOKENS_OUTER),
+                           [_produce], [1], [40])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

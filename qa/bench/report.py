@@ -98,11 +98,15 @@ _LAYOUT = {
                            off_page=("copy 8192x16384 fp32", "per_tensor 8192x16384 fp32",  # fp32 inputs:
                                      "rowcol_per_tensor 8192x16384 fp32")),  # LOG.md, 2026-12-03 (morning)
     "step_phases": Layout("Host against device time per phase of a training step (ms)", on_page=False),
+    "grouped_gemm_fp32_weights": Layout("Grouped GEMM reading fp32 weights against the cast and the bf16 GEMM (ms)",
+                                        baseline="cast+distwgrad", metrics=("ms",), on_page=False),  # LOG, 2026-12-03
+    "ncu_wgrad": Layout("The FP8 wgrad's Nsight Compute counters", columns="precision", on_page=False),
     "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
                             only=(("precision", ("fp8_per_tensor",)),), on_page=False),
 }
 _ORDER = ("train_step", "layer_step", "loss_curve", "train_job", "grouped_gemm", "dtype_paths", "grouped_gemm_tails",
-          "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose", "step_phases")
+          "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose", "step_phases",
+          "grouped_gemm_fp32_weights", "ncu_wgrad")
 _KEY = ("case", "impl", "precision", "world", "metric")
 
 
