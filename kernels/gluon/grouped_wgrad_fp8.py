@@ -309,7 +309,7 @@ def _chain(ring, ch, acc, mma: gl.constexpr):
 @gluon.jit
 def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, col_scales, mma: gl.constexpr):
     """Blockwise step ``k`` of the tile ``ch`` ([Note: blockwise wgrad scales]): issue its MMAs, then add step
-    k-1's partial ``prev`` times its rows' scales ``prev_as`` and its columns' (read from step k-1's stage)
+    k-1's partial ``prev`` times its rows' scales ``prev_as`` and its columns' (from step k-1's slot)
     while they run; load step k+1's row scales. Step k-1's stage is then handed back. Returns (acc, this
     step's partial (in flight), its row scales, step k+1's)."""
     g = ch.base + k
@@ -615,13 +615,11 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     # the chunks' column scales, a slot more than the stages ([Note: blockwise wgrad scales]); one unused
     # element otherwise
     BS_SLOTS: gl.constexpr = NUM_STAGES + 1 if BLOCKWISE else 1
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
+                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     # in the MMA layout's order where the MMA warps' registers allow its 16-byte loads: with them writing the
     # tile themselves (no epilogue warps), or loading it for a load-add-store, the sm_90a build spills
-    COLS_MMA_ORDER: gl.constexpr = BLOCKWISE and EPI_WARPS > 0 and ADD_MODE != 1
-    col_scales = ColumnScaleSlots(gl.allocate_shared_memory(gl.float32, [BS_SLOTS, BLOCK_N if BLOCKWISE else 1],
-                                                      gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
-                                                                              order=[0])),
-                            COLS_MMA_ORDER)
+    col_scales = ColumnScaleSlots(bs_bufs, BLOCKWISE and EPI_WARPS > 0 and ADD_MODE != 1)
     if EPI_WARPS > 0:
         gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
                                     "(function, args) pairs")
