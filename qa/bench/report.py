@@ -101,12 +101,14 @@ _LAYOUT = {
     "grouped_gemm_fp32_weights": Layout("Grouped GEMM reading fp32 weights against the cast and the bf16 GEMM (ms)",
                                         baseline="cast+distwgrad", metrics=("ms",), on_page=False),  # LOG, 2026-12-03
     "ncu_wgrad": Layout("The FP8 wgrad's Nsight Compute counters", columns="precision", on_page=False),
+    "promoting_loop_partitions": Layout("The fp8 promoting loop alone: the MMA warpgroups in lockstep or as two "
+                                        "partitions", baseline="lockstep", on_page=False),  # LOG, 2026-12-03
     "fp8_transpose": Layout("FP8 transposes (GB/s)", baseline="plain_triton",
                             only=(("precision", ("fp8_per_tensor",)),), on_page=False),
 }
 _ORDER = ("train_step", "layer_step", "loss_curve", "train_job", "grouped_gemm", "dtype_paths", "grouped_gemm_tails",
           "fp8_grouped_gemm", "fp8_module", "fp8_module_host", "fp8_quantize", "fp8_transpose", "step_phases",
-          "grouped_gemm_fp32_weights", "ncu_wgrad")
+          "grouped_gemm_fp32_weights", "ncu_wgrad", "promoting_loop_partitions")
 _KEY = ("case", "impl", "precision", "world", "metric")
 
 
