@@ -18,6 +18,8 @@ from distwgrad.weights import (
     ReducePolicy,
     ReplicatedWeight,
     ShardedWeight,
+    UnfinalizedStepError,
+    WeightState,
     compute_dtype,
 )
 from distwgrad.weights.units import Units, coalesce
@@ -34,7 +36,7 @@ __all__ = [
     "DistributedWeight", "is_distributed_weight", "materialize_weight_for_forward",
     "materialize_weight_for_backward", "finalize_weight_grads",
     "DistributedParameter", "ShardedWeight", "ReplicatedWeight", "ReducePolicy", "compute_dtype",
-    "MissingContributionError", "DeferredWgradError",
+    "MissingContributionError", "UnfinalizedStepError", "WeightState", "DeferredWgradError",
     "drain_deferred_wgrads", "deferred_wgrad_scope", "finalize_model_grads", "make_graphed_callables",
     "coalesce", "Units",
 ]

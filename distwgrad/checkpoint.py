@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-from distwgrad.weights import ShardedWeight, _comm
+from distwgrad.weights import DistributedParameter, ShardedWeight, _comm
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "checkpoint_dir",
            "full_tensor"]
@@ -409,12 +409,15 @@ def _local(t: Any) -> Any:
 
 def _copy_back(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
     """Copies what DCP loaded into the weights and the optimizer state (a no-op copy where DCP filled
-    the model's own storage, which ``from_local`` shares)."""
+    the model's own storage, which ``from_local`` shares), and tells each distributed weight its master was
+    written, so nothing cached from the old values survives ([Note: weight lifecycle])."""
     with torch.no_grad():
         for name, p in _params(model):
             loaded = _local(state[f"model.{name}"])
             if loaded.data_ptr() != p.data_ptr() or loaded.numel() == 0:
                 p.copy_(loaded)
+            if isinstance(p, DistributedParameter):
+                p.master_written("load_checkpoint")
             if optimizer is None:
                 continue
             prefix = f"optim.{name}."

@@ -36,7 +36,7 @@ captured backward is captured as its own graph, which the module's ``backward_dw
 [Note: captured distributed weights]
 A distributed weight's ``grad_buffer()`` is allocated at a step's first contribution and freed at each
 reduction, which a graph cannot bake in. A weight captured here gets a graph-owned persistent fp32
-buffer (``_graph_grad_buffer``, full size, allocated before capture, released by ``reset()``; a weight of
+buffer (full size, allocated before capture, released by ``reset()``; a weight of
 a group of one needs none: it accumulates in its stable ``main_grad`` in place, in the graph as eagerly, so
 k microbatches sum in the same order: [Note: a group of one] in ``weights/base.py``; each step flags that
 ``main_grad`` instead of zeroing it, and its first contribution writes it: [Note: an unwritten accumulator] in
@@ -61,13 +61,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from distwgrad.fp8.recipe import Recipe, fp8_autocast
 from distwgrad.protocol import is_distributed_weight
-from distwgrad.weights.base import DistributedParameter, ReducePolicy, main_grad_of
+from distwgrad.weights.base import DistributedParameter, main_grad_of
+from distwgrad.weights.capture import CapturedWeights, CaptureLedger
 from distwgrad.wgrad.accumulate import graph_owned_gradients
 from distwgrad.wgrad.store import DeferredWgradError
 
@@ -135,32 +135,6 @@ def _check_options(num_warmup_iters: Any, fp8_enabled: Any, fp8_recipe: Any, _or
                                   f"pipeline schedule) is not implemented; capture each model chunk on its own")
 
 
-def _check_distributed(weights: list[DistributedParameter]) -> None:
-    """[Note: captured distributed weights]: what is refused, before any CUDA work (testable on CPU)."""
-    for p in weights:
-        if p._bucket is not None:
-            raise ValueError(f"make_graphed_callables: {p._name()} is in a distwgrad.coalesce unit, which gathers and "
-                             f"reduces from Python hooks that a replay skips; graph a model that is not coalesced")
-        backends = {None if group is None else dist.get_backend(group) for group in p._reduction_groups()}
-        backend = next((b for b in sorted(str(b) for b in backends if b is not None) if b != "nccl"), None)
-        if backend is not None:
-            raise RuntimeError(f"make_graphed_callables: {p._name()} reduces over a {backend!r} process group; "
-                               f"{backend} collectives cannot be captured in a CUDA graph (only NCCL's can). "
-                               f"Graph the model with its weights on an NCCL group, or run it eagerly")
-        if p.async_reduce:
-            raise ValueError(f"make_graphed_callables: {p._name()} has async_reduce=True; its wait runs on the "
-                             f"host and cannot be captured: build it with async_reduce=False")
-        if p.reduce_policy is not ReducePolicy.PER_MICROBATCH:
-            raise ValueError(f"make_graphed_callables: {p._name()} has reduce_policy={p.reduce_policy}; only "
-                             f"ReducePolicy.PER_MICROBATCH is captured (a PER_STEP buffer outlives the graphs)")
-        if getattr(p, "_graph_grad_buffer", None) is not None:
-            raise ValueError(f"make_graphed_callables: {p._name()} is already captured by other graphed "
-                             f"callables; reset() them first")
-        if not p._step_closed or p._buffer is not None or p._inflight:
-            raise ValueError(f"make_graphed_callables: {p._name()} has an open step; finish it "
-                             f"(finalize_model_grads) before graphing")
-
-
 def _distributed_weights(mods: tuple[nn.Module, ...]) -> list[DistributedParameter]:
     seen: dict[int, DistributedParameter] = {}
     for m in mods:
@@ -193,7 +167,7 @@ def _deferred_params(m: nn.Module) -> set[int]:
 
 
 def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
-    """Fused weights and distributed weights get their ``main_grad`` now, outside any capture."""
+    """Fused weights get their ``main_grad`` now, outside any capture (distributed weights: ``CapturedWeights``)."""
     for m in mods:
         for s in m.modules():
             if getattr(s, "fuse_wgrad_accumulation", False):
@@ -201,9 +175,6 @@ def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
                 for n, p in s.named_parameters(recurse=False):
                     if "weight" in n and (names is None or n in names):
                         main_grad_of(p)
-        for p in m.parameters():
-            if isinstance(p, DistributedParameter):
-                p._main_grad(keep=True)  # the graphs bake in its address: [Note: main_grad lifetime]
 
 
 class _MainGrads:
@@ -232,47 +203,6 @@ class _MainGrads:
             p.grad_added_to_main_grad = True
 
 
-def _snapshot(p: DistributedParameter) -> tuple:
-    return p._expected, p._delivered, p._reduced, p._buffer is not None, p._armed
-
-
-class _Ledger:
-    """The accounting changes one capture made to distributed weights, re-applied at each replay
-    ([Note: captured distributed weights])."""
-
-    def __init__(self, weights: list[DistributedParameter]) -> None:
-        self.weights, self.before = weights, [_snapshot(p) for p in weights]
-        self.changes: list[tuple[DistributedParameter, tuple, tuple]] = []
-
-    def close(self) -> _Ledger:
-        self.changes = [(p, b, _snapshot(p)) for p, b in zip(self.weights, self.before) if _snapshot(p) != b]
-        self.weights, self.before = [], []
-        return self
-
-    def apply(self, what: str) -> None:
-        for p, before, after in self.changes:
-            if (p._buffer is not None) != before[3]:
-                raise RuntimeError(f"{what}: {p._name()} has {'a' if p._buffer is not None else 'no'} gradient "
-                                   f"buffer pending, unlike at capture: a captured weight must not be used eagerly "
-                                   f"between graphed replays. [Note: captured distributed weights]")
-            if after[0] > before[0]:
-                p.expect_contribution(after[0] - before[0])
-            p._delivered += after[1] - before[1]
-            reduced = after[2] != before[2]
-            due = after[1] > before[1] and p._delivered == p._expected
-            if p._delivered > p._expected or reduced != due:
-                raise RuntimeError(f"{what}: {p._name()} has {p._delivered} of {p._expected} contributions, but "
-                                   f"its capture {'reduced' if reduced else 'did not reduce'} here: replay the "
-                                   f"graphed callables in their captured order, one microbatch at a time. "
-                                   f"[Note: captured distributed weights]")
-            if reduced:
-                p._reduced, p._step_has_grad = p._delivered, True
-            owned = getattr(p, "_graph_grad_buffer", None)  # None: a group of one, accumulating in main_grad
-            p._buffer = (owned if owned is not None else p._main_grad()) if after[3] else None
-            if before[4] and not after[4]:  # the replay wrote (or settled) main_grad and cleared the flag
-                p._armed = False
-
-
 class _DwItem:
     """One captured ``backward_dw()`` of one module."""
 
@@ -280,7 +210,7 @@ class _DwItem:
         self.module, self.graph = module, torch.cuda.CUDAGraph()
         self.owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, graph-owned gradient)
         self.main_grads: _MainGrads | None = None
-        self.ledger: _Ledger | None = None
+        self.ledger: CaptureLedger | None = None
 
 
 class _Replay:
@@ -312,8 +242,7 @@ class _GraphSet:
         self.pool = pool
         self.callables: list[_Callable] = []
         self.pending: weakref.WeakSet[_Replay] = weakref.WeakSet()
-        self.weights: list[DistributedParameter] = []
-        self.flagged: list[DistributedParameter] = []  # weights whose main_grad the steps flag instead of zeroing
+        self.captured = CapturedWeights([])
         self.stream: Any = None  # the warm-up's and the captures' side stream
         self.alive = True
 
@@ -343,11 +272,8 @@ class _GraphSet:
             for g in [c.fwd_graph, c.bwd_graph] + [it.graph for it in c.dw_items]:
                 g.reset()
             c.release()
-        for p in self.weights:
-            p._graph_grad_buffer = None
-        for p in self.flagged:
-            p._drop_first_flag()
-        self.callables, self.weights, self.flagged = [], [], []
+        self.captured.release()
+        self.callables = []
         torch.cuda.empty_cache()
 
 
@@ -371,8 +297,8 @@ class _Callable:
         self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
         self.dw_items: list[_DwItem] = []
         self.main_grads: _MainGrads | None = None
-        self.fwd_ledger: _Ledger | None = None
-        self.bwd_ledger: _Ledger | None = None
+        self.fwd_ledger: CaptureLedger | None = None
+        self.bwd_ledger: CaptureLedger | None = None
         self.training = module.training
 
     def name(self, t: torch.Tensor) -> str:
@@ -453,7 +379,7 @@ def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, r
 
 def _capture_forwards(gs: _GraphSet, calls: list[_Callable], fp8: Callable, recipe: Recipe | None) -> None:
     for i, c in enumerate(calls):
-        c.fwd_ledger = _Ledger(gs.weights)
+        c.fwd_ledger = gs.captured.ledger()
         with _explain(f"the forward capture of module {i}", recipe), \
                 torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8():
             out = c.module(*c.args, **c.kwargs)
@@ -472,7 +398,7 @@ def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool
         c.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in c.static_outputs)
         outs = [o for o in c.static_outputs if o.requires_grad]
         before = {k: len(s.wgrad_store) for k, s in stores.items()}  # type: ignore[arg-type]  # nn.Module attributes
-        c.bwd_ledger = _Ledger(gs.weights)
+        c.bwd_ledger = gs.captured.ledger()
         grads: tuple = ()
         if outs:
             with _explain(f"the backward capture of module {i}", recipe), \
@@ -497,7 +423,7 @@ def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, lis
         for m in queued[i]:
             item = _DwItem(m)
             sink: dict = {}
-            item.ledger = _Ledger(gs.weights)
+            item.ledger = gs.captured.ledger()
             with _explain(f"the deferred wgrad capture of {m.wgrad_store.owner} (module {i})", recipe), \
                     torch.cuda.graph(item.graph, pool=gs.pool, stream=gs.stream), graph_owned_gradients(sink):
                 m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
@@ -617,8 +543,7 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     _check_options(num_warmup_iters, fp8_enabled, fp8_recipe, _order)
     for i, m in enumerate(mods):
         _check_module(m, i)
-    weights = _distributed_weights(mods)
-    _check_distributed(weights)
+    captured = CapturedWeights(_distributed_weights(mods))  # refuses what a replay cannot do
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables needs a CUDA device (torch.cuda.is_available() is False); run the "
                            "modules eagerly on this machine")
@@ -632,13 +557,9 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
 
     recipe = fp8_recipe
     gs = _GraphSet(torch.cuda.graph_pool_handle() if pool is None else pool)
-    gs.weights = weights
+    gs.captured = captured
     _prepare_main_grads(mods)
-    # a weight accumulating in place: its steps flag main_grad instead of zeroing it, before the warm-up, which
-    # then builds the kernels that read the flag ([Note: an unwritten accumulator] in weights/first_write.py)
-    gs.flagged = [p for p in weights if p._solo and p.main_grad.dtype == torch.float32]
-    for p in gs.flagged:
-        p._use_first_flag()
+    captured.prepare()
     touched = {id(p): p for m in mods for p in m.parameters() if getattr(p, "main_grad", None) is not None}
     saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(mods, args, kwargs, flat)]
@@ -648,26 +569,16 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         # are allocated in the warm-up, outside the graphs' pool, so reset() can release the whole pool.
         gs.stream = torch.cuda.Stream()
         _warmup(calls, num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream)
-        for p in weights:
-            p.discard_step()
-            p.expect_contribution(0)  # opens the step eagerly: its main_grad.zero_() stays out of the graph
-            if not p._in_place():  # a group of one accumulates in its stable main_grad, as eagerly
-                p._graph_grad_buffer = torch.zeros(p.full_shape, dtype=torch.float32, device=p.device)
+        captured.open_for_capture()
         _capture_forwards(gs, calls, fp8, recipe)
         queued = _capture_backwards(gs, calls, retain_graph_in_backward, recipe)
         _capture_wgrads(gs, calls, queued, recipe)
     except BaseException:
-        for p in weights:
-            p._graph_grad_buffer = None
-        for p in gs.flagged:
-            p.discard_step()
-            p._drop_first_flag()
+        captured.close_capture()
+        captured.release(failed=True)
         raise
     finally:
-        for p in weights:
-            p.discard_step()
-            if p._first_flag is not None:  # the capture's opening set it; the step is gone
-                p._first_flag.zero_()
+        captured.close_capture()
         for k, p in touched.items():  # type: ignore[assignment]  # nn.Module attributes
             p.main_grad.copy_(saved[k][0])
             if saved[k][1] is None:

@@ -121,7 +121,7 @@ def _to_implementer(tensors: Sequence[Any]) -> Any:
 
 def _own_group(weights: Sequence[torch.Tensor]) -> bool:
     """distwgrad's weights each act for themselves (one collective per weight or per packed weight)."""
-    return all(getattr(w, "_distwgrad_weight", False) for w in weights)
+    return all(getattr(w, "acts_for_itself", False) for w in weights)
 
 
 def _materialize(weights, backward: bool, what: str) -> list[torch.Tensor]:

@@ -190,8 +190,8 @@ def _async_overlap_rank(rank, world, dev="cpu"):
     w = ShardedWeight.from_full(torch.ones(N, K, device=dev), async_reduce=True)
     lin = Linear(K, N, bias=False, weight=w)
     lin(torch.ones(2, K, device=dev)).sum().backward()
-    assert len(w._inflight) == 1 and (not hasattr(w, "main_grad") or not w.main_grad.any())
-    assert distwgrad.finalize_model_grads([lin]) == 1 and not w._inflight
+    assert len(w._life.inflight) == 1 and (not hasattr(w, "main_grad") or not w.main_grad.any())
+    assert distwgrad.finalize_model_grads([lin]) == 1 and not w._life.inflight
     return torch.equal(w.grad, torch.full_like(w, 2.0)) and torch.equal(w.main_grad, w.grad)
 
 

@@ -3,7 +3,8 @@
 What counts as a raise site: every ``raise X(...)`` (and ``raise X``) in ``distwgrad/``, ``kernels/`` and
 ``launch/`` whose ``X`` names an exception class: the built-in ``ValueError``, ``TypeError``,
 ``RuntimeError``, ``NotImplementedError``, ``FloatingPointError``, ``AttributeError`` ... and the package's
-own (``CheckpointError``, ``DataError``, ``DeferredWgradError``, ``MissingContributionError``). Not raise
+own (``CheckpointError``, ``DataError``, ``DeferredWgradError``, ``MissingContributionError``,
+``UnfinalizedStepError``). Not raise
 sites: ``assert`` (internal invariants), a bare ``raise`` and ``raise exc`` (re-raising a caught or saved
 exception: its origin is catalogued), and ``AssertionError``.
 
@@ -41,6 +42,7 @@ AREAS = [
     ("distwgrad/weights/", "WGT", "Weights and accounting"),
     ("distwgrad/wgrad/accumulate.py", "WGT", "Weights and accounting"),
     ("distwgrad/wgrad/finalize.py", "WGT", "Weights and accounting"),
+    ("distwgrad/wgrad/plain.py", "WGT", "Weights and accounting"),
     ("distwgrad/nn/", "MOD", "Modules"),
     ("distwgrad/wgrad/", "MOD", "Modules"),
     ("distwgrad/ops/grouped_gemm.py", "MOD", "Modules"),

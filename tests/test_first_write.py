@@ -26,6 +26,7 @@ import distwgrad
 from distwgrad.nn import GroupedLinear, Linear
 from distwgrad.testing.interpreter import run_interpreted
 from distwgrad.weights import first_write
+from distwgrad.weights.capture import _use_first_flag
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -221,19 +222,19 @@ def test_flagged_steps_match_zeroed_steps(microbatches):
         if step == 0:
             flagged_step = _train_step(flagged, xs, splits)  # the weights' own main_grad, kept from here on
             for p in flagged.parameters():
-                p._main_grad(keep=True)
-                p._use_first_flag()
+                p.keep_main_grad()
+                _use_first_flag(p)
         else:
             for p in flagged.parameters():
                 p.main_grad.fill_(float("nan"))  # what a step must never read: the last step's values
             flagged(xs[0][:0], torch.zeros_like(splits))  # a use with no tokens opens the step: flags, no zeroing
             for p in flagged.parameters():
-                assert p._armed and int(p._first_flag.item()) == 1 and p.main_grad.isnan().all()
+                assert p._life.armed and int(p._life.first_flag.item()) == 1 and p.main_grad.isnan().all()
             flagged_step = _train_step(flagged, xs, splits)
         for name in want:
             assert torch.equal(flagged_step[name], want[name]), f"step {step}: {name}"
         for p in flagged.parameters():
-            assert not p._armed and int(p._first_flag.item()) == 0
+            assert not p._life.armed and int(p._life.first_flag.item()) == 0
         flagged.zero_grad(set_to_none=True)
         plain.zero_grad(set_to_none=True)
 
@@ -246,15 +247,15 @@ def test_a_step_with_nothing_delivered_leaves_zeros():
     m(torch.randn(2, 4)).sum().backward()
     distwgrad.drain_deferred_wgrads(m)
     distwgrad.finalize_model_grads(m)
-    w._main_grad(keep=True)
-    w._use_first_flag()
+    w.keep_main_grad()
+    _use_first_flag(w)
     for end in ("finish", "discard"):
         w.main_grad.fill_(3.0)
         w.expect_contribution(0)
-        assert w._armed and bool((w.main_grad == 3.0).all())
+        assert w._life.armed and bool((w.main_grad == 3.0).all())
         w.finish_step() if end == "finish" else w.discard_step()
-        assert not w._armed and not w.main_grad.any(), end
-        assert int(w._first_flag.item()) == 0
+        assert not w._life.armed and not w.main_grad.any(), end
+        assert int(w._life.first_flag.item()) == 0
 
 
 def test_graphing_flags_and_reset_unflags(modelled_cuda):  # noqa: F811
@@ -264,20 +265,20 @@ def test_graphing_flags_and_reset_unflags(modelled_cuda):  # noqa: F811
     m = Linear(8, 8, bias=False, weight=w, delay_wgrad_compute=True)
     x = _x(4, 8)
     g1 = distwgrad.make_graphed_callables(m, (x,))
-    flag = w._first_flag
-    assert flag is not None and w._flag_users == 1 and int(flag.item()) == 0 and not w._armed
+    flag = w._life.first_flag
+    assert flag is not None and w._life.flag_users == 1 and int(flag.item()) == 0 and not w._life.armed
     g1(x).sum().backward()
-    assert w._armed and w.pending_contributions == 1, "the replayed forward opened the step: flagged"
+    assert w._life.armed and w.pending_contributions == 1, "the replayed forward opened the step: flagged"
     m.backward_dw()
-    assert not w._armed, "the replayed deferred wgrad was the step's first contribution"
+    assert not w._life.armed, "the replayed deferred wgrad was the step's first contribution"
     distwgrad.finalize_model_grads(m)
     other = copy.copy(m)  # a second set of graphs over the same weight
     g2 = distwgrad.make_graphed_callables(other, (x,))
-    assert w._first_flag is flag and w._flag_users == 2
+    assert w._life.first_flag is flag and w._life.flag_users == 2
     g1.reset()
-    assert w._first_flag is flag, "the other set's graphs still read it"
+    assert w._life.first_flag is flag, "the other set's graphs still read it"
     g2.reset()
-    assert w._first_flag is None and w._flag_users == 0
+    assert w._life.first_flag is None and w._life.flag_users == 0
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
@@ -369,8 +370,8 @@ def test_gpu_graphed_steps_write_first(nccl_world, recipe, microbatches, gpu):  
     T = int(splits.sum())
     eager, graphed = build(), build()
     for p in eager.parameters():
-        p._main_grad(keep=True)
-        p._use_first_flag()
+        p.keep_main_grad()
+        _use_first_flag(p)
     x0 = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
     g = distwgrad.make_graphed_callables(graphed, (x0, splits), fp8_enabled=rec is not None, fp8_recipe=rec)
     gen = torch.Generator(device="cuda").manual_seed(1)

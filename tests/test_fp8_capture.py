@@ -34,15 +34,16 @@ def test_amax_is_the_weights_own_while_capturing(monkeypatch, kind):
     w = kind.from_full(torch.randn(16, 8), param_dtype=torch.bfloat16)
     recipe = PerTensorScaling()
     true = compute_amax(w.detach())
+    w.expect_contribution()  # a step is open: its amax is kept for it
     assert torch.equal(fw._global_amax(w), true)  # fills the cache
     stale = torch.tensor(1e-3)
-    w._fp8_amax = stale  # a stale amax under the weight's current version: what a graph must not read
+    w.pin_cache(fw._AMAX, stale)  # a stale amax under the weight's current token: what a graph must not read
     assert fw._global_amax(w) is stale
     eager = _bits(fw.materialize_quantized(w, recipe, backward=False))
     _capturing(monkeypatch)
     got = fw._global_amax(w)
     assert torch.equal(got, true) and got is not stale
-    assert w._fp8_amax is stale and w._fp8_amax_version == w._version  # the cache is left as it was
+    assert w._life.caches[fw._AMAX][2] is stale  # the cache is left as it was
     want = _bits(fw.quantize_weight(w.detach(), recipe, amax=true))
     captured = _bits(fw.materialize_quantized(w, recipe, backward=True))
     assert captured == want and captured != eager
@@ -53,13 +54,15 @@ def test_block_scales_are_the_weights_own_while_capturing(monkeypatch):
     torch.manual_seed(0)
     w = ShardedWeight.from_full(torch.randn(256, 128))
     recipe = BlockwiseScaling()
+    w.expect_contribution()  # a step is open: its grid is kept for it
     true = fw._global_block_scales(w, recipe).clone()  # fills the cache
-    w._fp8_grid = torch.full_like(true, 7.0)
-    assert fw._global_block_scales(w, recipe) is w._fp8_grid
-    stale = w._fp8_grid
+    (key,) = w._life.caches
+    stale = torch.full_like(true, 7.0)
+    w.pin_cache(key, stale)
+    assert fw._global_block_scales(w, recipe) is stale
     _capturing(monkeypatch)
     got = fw._global_block_scales(w, recipe)
-    assert torch.equal(got, true) and w._fp8_grid is stale
+    assert torch.equal(got, true) and w._life.caches[key][2] is stale
 
 
 def test_sync_weight_amax_fills_what_eager_reads():
@@ -70,7 +73,8 @@ def test_sync_weight_amax_fills_what_eager_reads():
     with torch.no_grad():
         w.mul_(4.0)
     fw.sync_weight_amax(torch.nn.ParameterList([w]))
-    assert w._fp8_amax_version == w._version and torch.equal(w._fp8_amax, compute_amax(w.detach()))
+    assert torch.equal(fw._global_amax(w), compute_amax(w.detach()))
+    assert torch.equal(w._life.caches[fw._AMAX][2], compute_amax(w.detach()))
 
 
 def test_a_device_table_first_made_while_capturing_is_refused(monkeypatch):

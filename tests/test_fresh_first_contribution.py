@@ -24,12 +24,12 @@ from distwgrad.wgrad import accumulate
 def adopted(monkeypatch):
     """The fresh tensors weights adopted, in order."""
     seen: list[torch.Tensor] = []
-    adopt = DistributedParameter._adopt_grad_buffer
+    adopt = DistributedParameter.adopt_grad_buffer
 
     def spy(self, wgrad):
         seen.append(wgrad)
         return adopt(self, wgrad)
-    monkeypatch.setattr(DistributedParameter, "_adopt_grad_buffer", spy)
+    monkeypatch.setattr(DistributedParameter, "adopt_grad_buffer", spy)
     return seen
 
 
@@ -156,11 +156,11 @@ def test_a_weight_twice_in_one_call_is_not_fresh():
 
 def test_a_weight_with_something_accumulated_is_not_fresh():
     w = distwgrad.ShardedWeight.from_full(torch.zeros(4, 3))
-    assert not w._ready_for_fresh_grad(), "no step is open"
+    assert not w.ready_for_fresh_grad(), "no step is open"
     w.expect_contribution(2)
-    assert w._ready_for_fresh_grad()
+    assert w.ready_for_fresh_grad()
     w.finalize_group_grads(torch.ones(4, 3))
-    assert not w._ready_for_fresh_grad(), "main_grad exists: the second contribution adds"
+    assert not w.ready_for_fresh_grad(), "main_grad exists: the second contribution adds"
 
 
 def test_capturing_weights_are_never_fresh(monkeypatch):
@@ -168,7 +168,7 @@ def test_capturing_weights_are_never_fresh(monkeypatch):
     w.expect_contribution()
     monkeypatch.setattr(type(w), "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not w._ready_for_fresh_grad(), "a capture bakes in its buffers"
+    assert not w.ready_for_fresh_grad(), "a capture bakes in its buffers"
 
 
 def test_a_fresh_tensor_of_the_wrong_kind_is_refused():
@@ -177,8 +177,8 @@ def test_a_fresh_tensor_of_the_wrong_kind_is_refused():
     for bad in (torch.zeros(3, 4), torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(3, 4).t()):
         with pytest.raises(RuntimeError, match=r"a fresh first contribution must be a contiguous float32 tensor "
                                                r"of the full shape \(4, 3\)"):
-            w._adopt_grad_buffer(bad)
-    assert w._buffer is None and getattr(w, "main_grad", None) is None
+            w.adopt_grad_buffer(bad)
+    assert w._life.buffer is None and getattr(w, "main_grad", None) is None
 
 
 def test_a_fresh_product_for_the_wrong_number_of_weights_is_refused():
@@ -225,7 +225,7 @@ def test_gpu_fresh_products_match_the_adds_into_zeros(adopted):
     fresh_dense, fresh_experts = grads()
     assert len(adopted) == 2, "both wgrads were written fresh"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DistributedParameter, "_ready_for_fresh_grad", lambda self: False)
+        mp.setattr(DistributedParameter, "ready_for_fresh_grad", lambda self: False)
         added_dense, added_experts = grads()
     assert len(adopted) == 2, "the second build added into zeros"
     assert ((fresh_dense.double() - added_dense.double()).abs() <= _accumulation_bound(dy, x)).all()

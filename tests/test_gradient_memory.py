@@ -62,12 +62,12 @@ def _step(lin, w, case, x, measure) -> list[float]:
         lin(x).sum().backward()
         if case["delay"]:
             distwgrad.drain_deferred_wgrads(lin)
-        assert len(w._inflight) <= 1 and len(_accounting._LAUNCHED) <= _accounting.MAX_INFLIGHT_REDUCTIONS
+        assert len(w._life.inflight) <= 1 and len(_accounting._LAUNCHED) <= _accounting.MAX_INFLIGHT_REDUCTIONS
         if case["policy"] == "per_microbatch":
-            assert w._buffer is None  # reduced (or in flight): only 1/N is kept
+            assert w._life.buffer is None  # reduced (or in flight): only 1/N is kept
         samples.append(measure())
     assert distwgrad.finalize_model_grads(lin) == 1
-    assert not w._inflight and not _accounting._LAUNCHED
+    assert not w._life.inflight and not _accounting._LAUNCHED
     return samples
 
 

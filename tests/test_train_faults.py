@@ -271,6 +271,7 @@ POINTS = {
 _SAVER = textwrap.dedent("""
     import dataclasses, importlib, os, shutil, signal, sys
     import torch
+    import distwgrad
     import distwgrad.checkpoint as ck
     from distwgrad.models import MoEGPT, MoEGPTConfig
     torch.set_num_threads(1)
@@ -280,6 +281,8 @@ _SAVER = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, config.vocab_size, (4, 33))
     model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    distwgrad.drain_deferred_wgrads(model)
+    distwgrad.finalize_model_grads(model)
     opt.step()
     meta = {"model_config": dataclasses.asdict(config)}
 

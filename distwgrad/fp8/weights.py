@@ -3,16 +3,18 @@
 [Note: fp8 distributed weights]
 * Quantize-before-gather. A ``ShardedWeight`` quantizes its own shard and the all-gather moves FP8
   bytes (plus block scales); the gathered copy is transient like the bf16 one. Per-tensor scaling needs
-  one amax for the whole weight: the MAX over the shard group of the local amaxes. Weights change only
-  at the optimizer step, so :func:`sync_weight_amax` reduces the amaxes of every distributed weight of a
-  model in ONE all-reduce per step (stacked); a weight whose amax is stale (its ``_version`` moved)
-  falls back to its own all-reduce and counts it in ``amax_allreduces`` (visible, never silent).
+  one amax for the whole weight: the MAX over the shard group of the local amaxes, kept for the step
+  (the weight's cache, [Note: weight lifecycle] in ``weights/lifecycle.py``: made by the step's first
+  use, dropped at its finalize, never kept from a forward outside a step). :func:`sync_weight_amax`
+  reduces the amaxes of every distributed weight of a model in ONE all-reduce for the step about to open
+  (stacked); a weight without it takes its own all-reduce at its first use and counts it in
+  ``amax_allreduces`` (visible, never silent).
 * Blockwise scaling uses the FULL weight's block grid, whatever the shard boundaries: each rank takes
   the amax of its rows of every block, one MAX all-reduce of the small ``[N/128, K/128]`` grid combines
   the blocks that straddle ranks, and each rank quantizes its rows with the global block scales. The
   gathered FP8 weight is then bit-identical to quantizing the full weight (uneven shards included), so
-  a sharded model and its unsharded reference see the same FP8 weights. The grid is cached until the
-  weight changes (one small all-reduce per weight per step, counted in ``amax_allreduces``).
+  a sharded model and its unsharded reference see the same FP8 weights. The grid is kept for the step
+  like the amax (one small all-reduce per weight per step, counted in ``amax_allreduces``).
   A packed ``[E, N, K]`` weight is sharded by experts, so every expert quantizes whole on one rank.
 * Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization); it never
   uses the shard's bf16 values under an FP8 recipe (seed 004's bug 2).
@@ -21,8 +23,8 @@
   the fp32 full weight (``tests/test_mixed_precision.py``).
 
 [Note: amax under capture]
-The per-tensor amax and the blockwise scale grid are cached on the weight, keyed by its host-side
-``_version``, and refreshed by :func:`sync_weight_amax`: host state that a CUDA graph replay never sees.
+The per-tensor amax and the blockwise scale grid are kept by the weight's lifecycle for a step, and
+refreshed by :func:`sync_weight_amax`: host state that a CUDA graph replay never sees.
 A graph that read the cache would quantize every replay with the capture's amax, read from a tensor the
 next refresh frees, after the optimizer had moved the weights. So while the weight's device is capturing
 (``torch.cuda.is_current_stream_capturing``) the amax, or the grid, is computed afresh from the weight
@@ -59,6 +61,8 @@ from distwgrad.weights.base import DistributedParameter
 from distwgrad.weights.sharded import ShardedWeight
 
 __all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_group", "sync_weight_amax"]
+
+_AMAX = "fp8 amax"  # the cache key of a weight's per-tensor amax ([Note: weight lifecycle])
 
 
 def _quantizers(w: torch.Tensor):
@@ -117,19 +121,14 @@ def _capturing(w: torch.Tensor) -> bool:
 
 
 def _global_amax(w: DistributedParameter) -> torch.Tensor:
-    """The whole weight's amax (MAX over the shard group), cached until the weight changes; computed in the
-    graph while capturing ([Note: amax under capture])."""
-    if _capturing(w):
+    """The whole weight's amax (MAX over the shard group), kept for the step ([Note: weight lifecycle]);
+    computed in the graph while capturing ([Note: amax under capture])."""
+    def make() -> torch.Tensor:
         amax = compute_amax(w.detach()).reshape(1)
         if isinstance(w, ShardedWeight):
             w.all_reduce_max(amax)
         return amax.reshape(())
-    if getattr(w, "_fp8_amax_version", None) != w._version:
-        amax = compute_amax(w.detach()).reshape(1)
-        if isinstance(w, ShardedWeight):
-            w.all_reduce_max(amax)
-        w._fp8_amax, w._fp8_amax_version = amax.reshape(()), w._version
-    return w._fp8_amax
+    return make() if _capturing(w) else w.cached(_AMAX, make)
 
 
 def _local_amaxes(weights: list[ShardedWeight]) -> torch.Tensor:
@@ -153,7 +152,7 @@ def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:
         local = _local_amaxes(weights)
         weights[0].all_reduce_max(local, count=False)  # the one explicit sync, not a fallback
         for p, a in zip(weights, local):
-            p._fp8_amax, p._fp8_amax_version = a, p._version
+            p.pin_cache(_AMAX, a)  # for the step about to open: [Note: weight lifecycle]
     return len(seen)
 
 
@@ -231,11 +230,9 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
 
 def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
     """The full weight's block scale grid from the shards: blocks that straddle ranks combine their
-    ranks' partial amaxes with one small MAX all-reduce of the grid (cached until the weight changes; computed
-    in the graph while capturing: [Note: amax under capture])."""
-    key = (recipe.weight_block, recipe.dtype, recipe.power_of_two, w._version)
-    capturing = _capturing(w)
-    if capturing or getattr(w, "_fp8_grid_key", None) != key:
+    ranks' partial amaxes with one small MAX all-reduce of the grid (kept for the step: [Note: weight
+    lifecycle]; computed in the graph while capturing: [Note: amax under capture])."""
+    def make() -> torch.Tensor:
         (bm, bn), (N, K) = recipe.weight_block, w.full_shape
         gm, gn = -(-N // bm), -(-K // bn)
         local = w.detach().float().abs()
@@ -245,11 +242,9 @@ def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Te
         block_of_row = (torch.arange(local.shape[0], device=local.device) + w.shard_offset) // bm
         grid.index_reduce_(0, block_of_row, per_row, "amax")
         w.all_reduce_max(grid)
-        scale = compute_scale(grid, recipe.dtype, power_of_two=recipe.power_of_two)
-        if capturing:  # [Note: amax under capture]
-            return scale
-        w._fp8_grid, w._fp8_grid_key = scale, key
-    return w._fp8_grid
+        return compute_scale(grid, recipe.dtype, power_of_two=recipe.power_of_two)
+    key = ("fp8 block scales", recipe.weight_block, recipe.dtype, recipe.power_of_two)
+    return make() if _capturing(w) else w.cached(key, make)
 
 
 def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool) -> list[Quantized]:
@@ -304,8 +299,9 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
     list as always. (So a Linear's dgrad reads its weight in place, stored transposed, where a stack of
     one transposed matrix would copy it.)
     ``amax``: the weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
-    ``amax``; the caller checks their ``_version``s), for plain weights and a packed sharded one: backward
-    skips that pass (and, under a CUDA graph, computes no second amax: [Note: amax under capture])."""
+    ``amax``; the caller checks their ``write_token``s: [Note: weight lifecycle]), for plain weights and a
+    packed sharded one: backward skips that pass (and, under a CUDA graph, computes no second amax: [Note:
+    amax under capture])."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
             and weights[0].dim() == 3 and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):

@@ -9,12 +9,10 @@ distinct parameter per step, when the last contribution of the step has arrived,
 sees a partial gradient and never counts uses:
 
 * distwgrad weights know how many contributions a step owes them ([Note: contribution accounting] in
-  ``weights/base.py``). The core has no callback for "a contribution arrived", so each hooked weight
-  gets an *instance attribute* ``finalize_group_grads`` (a :class:`_DeliveryTap`) that shadows the class
-  method: it calls the real one (which counts, and may reduce), then checks ``pending_contributions``.
-  The protocol's dispatchers look the method up on the instance, so every path (main backward, deferred
-  ``backward_dw``, Linear and GroupedLinear, discrete and packed) goes through it. Removing the hook
-  deletes the attribute again.
+  ``weights/base.py``). Each hooked weight gets a contribution listener
+  (``DistributedParameter.add_contribution_listener``), called after every contribution is counted (and
+  reduced, when due) on every path (main backward, deferred ``backward_dw``, Linear and GroupedLinear,
+  discrete and packed); it then checks ``pending_contributions``. Removing the hook removes the listener.
 * plain parameters have no accounting, so readiness is inferred: autograd's post-accumulate-grad hook
   (which fires once per backward however many uses the backward summed) and the
   ``register_wgrad_accumulation_and_reduce_hooks`` hook of every *deferring* module holding the parameter
@@ -52,7 +50,6 @@ __all__ = ["chunks_of", "named_distinct_params", "in_no_sync", "enter_no_sync", 
 _DEPTH = "_distwgrad_no_sync_depth"  # on every parameter of the chunks while no_sync is active
 _SAVED_POLICY = "_distwgrad_policy_outside_no_sync"  # on distwgrad weights while no_sync is active
 _STATE = "_distwgrad_grad_ready"  # the parameter's _ReadyState once a grad-ready hook is registered
-_TAP = "finalize_group_grads"  # the instance attribute that shadows DistributedParameter's method
 
 
 # --- walking model chunks ------------------------------------------------------------------------------
@@ -182,37 +179,10 @@ class _ReadyState:
             delattr(self.param, _STATE)
 
 
-class _DeliveryTap:
-    """Instance-level stand-in for ``DistributedParameter.finalize_group_grads`` (see the Note)."""
-
-    def __init__(self, state: _ReadyState, inner: Callable | None) -> None:
-        self.state = state
-        self.inner = inner  # an instance attribute that was there before us, if any
-
-    def __call__(self, wgrads):
-        w = self.state.param
-        if self.inner is not None:
-            result = self.inner(wgrads)
-        else:
-            result = type(w).finalize_group_grads(w, wgrads)
-        self.state.on_contribution()
-        return result
-
-
 def _install(p: nn.Parameter) -> _ReadyState:
     state = _ReadyState(p)
     if isinstance(p, DistributedParameter):
-        inner = p.__dict__.get(_TAP)
-        tap = _DeliveryTap(state, inner)
-        setattr(p, _TAP, tap)
-
-        def untap() -> None:
-            if p.__dict__.get(_TAP) is tap:
-                if inner is None:
-                    delattr(p, _TAP)
-                else:
-                    setattr(p, _TAP, inner)
-        state._undo.append(untap)
+        state._undo.append(p.add_contribution_listener(state.on_contribution))
     else:
         handle = p.register_post_accumulate_grad_hook(lambda _p: state.on_contribution())
         state._undo.append(handle.remove)

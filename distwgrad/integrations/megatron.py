@@ -23,37 +23,9 @@ them)::
   have all arrived; everything else waits for finalize.
 * ``param_sync_func`` = :func:`param_sync_func`: distwgrad weights gather on use; validates, does nothing.
 
-[Note: plain parameters at finalize]
-A plain parameter is a parameter of ``model_chunks`` with ``requires_grad`` that is not a distributed
-weight (``is_distributed_weight`` false; TransformerEngine-style protocol weights reduce themselves and
-are left alone). Each distinct plain parameter is data-parallel replicated, and finalize does, in order:
-
-1. Which ones: a parameter takes part when it has a gradient that finalize has not reduced yet, on any
-   rank of the group (one MAX all-reduce of a flag per parameter keeps the collectives matched; a rank
-   with no gradient contributes zeros). "Not reduced yet": ``main_grad`` changed (its ``_version``)
-   since the last finalize, or ``.grad`` is set (with ``main_grad``), or ``.grad`` is not the tensor
-   finalize wrote (without). A second finalize with no new gradient is a no-op, as for the weights.
-2. Fold, in fp32. With ``main_grad`` (Megatron's convention): ``.grad`` is added into ``main_grad`` unless
-   ``grad_added_to_main_grad`` says it is a placeholder, then ``.grad`` is set to None (Megatron's DDP
-   does exactly this in its backward hook). It is a placeholder only when ``grad_added_to_main_grad``
-   is true, ``zero_out_wgrad`` is false, and some module holding the parameter is neither a distwgrad
-   module nor a ``torch.nn`` module (a foreign fused-accumulation layer, e.g. Megatron's own
-   ``ColumnParallelLinear``, may return uninitialised memory there). distwgrad's modules always return
-   zeros as the placeholder, so a tied parameter with one fused and one unfused distwgrad user keeps
-   both contributions without ``zero_out_wgrad``. Without ``main_grad``: ``.grad`` (None: zeros) in fp32.
-3. All-reduce SUM over the group (asynchronous, all launched, then all waited: the in-flight wait of
-   this module), divide by the group size: the average, as DDP does, and as the weights do.
-4. With ``num_tokens``: multiply by ``group size / (num_tokens summed over the group)``, the core's
-   factor, so the result is ``sum over ranks / total tokens`` (Megatron's per-token loss).
-5. Write: into ``main_grad`` in place (never replaced; ``.grad`` stays None: Megatron's optimizer reads
-   ``main_grad``), else ``.grad`` (param dtype). Between steps zero ``main_grad`` of plain parameters
-   (:func:`zero_grad_buffer`, like Megatron's ``model.zero_grad_buffer()``); distwgrad weights zero
-   theirs when their next step opens.
-
-The group is ``pg_collection.dp_cp`` if set, else ``pg_collection.dp``, else the default group (none
-initialised: a group of one, nothing is communicated). A parameter Megatron marks expert-parallel
-(``allreduce=False``) must not be averaged over the data-parallel group: finalize raises for it when
-the group has more than one rank (make it a distwgrad weight with its expert-data-parallel group).
+Plain parameters (every trainable parameter that is not a distributed weight) are averaged by the core
+finalize over ``pg_collection``'s data-parallel group: [Note: plain parameters at finalize] in
+``distwgrad/wgrad/plain.py``.
 """
 
 from __future__ import annotations
@@ -61,12 +33,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distwgrad.integrations._megatron_hooks import (
@@ -80,18 +50,16 @@ from distwgrad.integrations._megatron_hooks import (
     named_distinct_params,
     register_grad_ready_hook,
 )
-from distwgrad.nn._base import WgradModule
 from distwgrad.protocol import is_distributed_weight
-from distwgrad.weights import _comm
 from distwgrad.weights.base import DistributedParameter, MissingContributionError
 from distwgrad.wgrad.finalize import finalize_model_grads as _core_finalize
+from distwgrad.wgrad.plain import reduce_plain_params
 from distwgrad.wgrad.scheduler import drain_deferred_wgrads
 
 __all__ = ["finalize_model_grads", "FinalizeResult", "no_sync", "grad_sync_func", "param_sync_func",
            "install", "register_grad_ready_hook", "GradReadyHandle", "wait_for_reductions",
            "attach_main_grads", "zero_grad_buffer", "MissingContributionError"]
 
-_FINAL_MARK = "_distwgrad_megatron_final"  # what finalize left on a plain parameter (see the Note, step 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +89,8 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
         model_chunks: Megatron's list of model chunks (a single module is accepted).
         num_tokens: this rank's token count (Megatron passes it with ``calculate_per_token_loss``);
             gradients become the sum over ranks divided by the group's total token count.
-        pg_collection: its ``dp_cp`` (else ``dp``) group reduces the plain parameters; None: default group.
+        pg_collection: its ``dp_cp`` (else ``dp``) group reduces the plain parameters; None: the distributed
+            weights' group, else the default group ([Note: plain parameters at finalize]).
         force_all_reduce: accepted for Megatron; plain parameters are always all-reduced and distwgrad
             weights use their own collective.
 
@@ -135,9 +104,8 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
     named = named_distinct_params(chunks)
     drained = drain_deferred_wgrads(chunks)  # deferred wgrads run under no_grad (WeightGradStore.pop)
     waited = wait_for_reductions(chunks)
-    finished = _core_finalize(chunks, num_tokens)
-    plain = [p for _, p in named if p.requires_grad and not is_distributed_weight(p)]
-    reduced = _reduce_plain(chunks, named, plain, _plain_group(pg_collection), num_tokens)
+    finished = _core_finalize(chunks, num_tokens, reduce_plain_params=False)
+    reduced = reduce_plain_params(chunks, num_tokens, pg_collection=pg_collection, megatron=True)
     grad_ready_end_step([p for _, p in named])
     return FinalizeResult(drained=drained, waited=waited, weights=finished, plain=reduced)
 
@@ -275,124 +243,6 @@ def zero_grad_buffer(model_chunks: nn.Module | Sequence[nn.Module]) -> None:
             main_grad.zero_()
         if hasattr(p, "grad_added_to_main_grad"):
             p.grad_added_to_main_grad = False
-
-
-# --- plain parameters ([Note: plain parameters at finalize]) -------------------------------------------
-
-def _plain_group(pg_collection: Any) -> Any:
-    for attr in ("dp_cp", "dp"):
-        group = getattr(pg_collection, attr, None)
-        if group is not None:
-            return group
-    return _comm.resolve_group(None)
-
-
-def _has_new_grad(p: torch.Tensor) -> bool:
-    mark = p.__dict__.get(_FINAL_MARK)
-    main_grad = getattr(p, "main_grad", None)
-    if main_grad is not None:
-        return p.grad is not None or mark != ("main", id(main_grad), main_grad._version)
-    if p.grad is None:
-        return False
-    return mark is None or mark[0] != "grad" or mark[1]() is not p.grad or mark[2] != p.grad._version
-
-
-def _foreign_holders(chunks: list[nn.Module]) -> set[int]:
-    """ids of parameters held by a module that may hand autograd a placeholder that is not zeros."""
-    out: set[int] = set()
-    for chunk in chunks:
-        for m in chunk.modules():
-            if isinstance(m, WgradModule) or type(m).__module__.startswith("torch.nn"):
-                continue
-            out.update(id(p) for p in m.parameters(recurse=False))
-    return out
-
-
-def _fold(p: torch.Tensor, foreign: set[int]) -> torch.Tensor:
-    """This rank's gradient of ``p`` as a dense fp32 tensor to all-reduce (step 2 of the Note)."""
-    main_grad = getattr(p, "main_grad", None)
-    grad = p.grad
-    if main_grad is not None:
-        if tuple(main_grad.shape) != tuple(p.shape):
-            raise ValueError(f"main_grad of shape {tuple(main_grad.shape)} for a parameter of shape "
-                             f"{tuple(p.shape)}")
-        placeholder = (getattr(p, "grad_added_to_main_grad", False) and not getattr(p, "zero_out_wgrad", False)
-                       and id(p) in foreign)
-        if grad is not None and not placeholder:
-            main_grad.add_(grad)
-        p.grad = None
-        grad = main_grad
-    elif grad is None:
-        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-    # The collective needs a dense fp32 tensor: ``grad`` itself when it is one, else a copy that
-    # _write_back copies back.
-    return grad.to(torch.float32, memory_format=torch.contiguous_format)
-
-
-def _write_back(p: torch.Tensor, work: torch.Tensor) -> None:
-    main_grad = getattr(p, "main_grad", None)
-    if main_grad is not None:
-        if work is not main_grad:
-            main_grad.copy_(work)
-    else:
-        p.grad = work if work.dtype == p.dtype else work.to(p.dtype)
-
-
-def _mark(p: torch.Tensor) -> None:
-    main_grad = getattr(p, "main_grad", None)
-    if main_grad is not None:
-        setattr(p, _FINAL_MARK, ("main", id(main_grad), main_grad._version))
-    else:
-        setattr(p, _FINAL_MARK, ("grad", weakref.ref(p.grad), p.grad._version))
-
-
-def _token_scale(num_tokens: Any, group: Any, device: torch.device) -> float | None:
-    """The core's factor (``wgrad/finalize.py``): group size / tokens summed over the group."""
-    if num_tokens is None:
-        return None
-    total = torch.as_tensor(num_tokens, dtype=torch.float64).reshape(1).clone().to(device)
-    _comm.all_reduce_sum(total, group)
-    tokens = float(total.item())
-    if tokens <= 0:
-        raise ValueError(f"num_tokens summed over the group is {tokens}; it must be positive")
-    return _comm.group_size(group) / tokens
-
-
-def _reduce_plain(chunks: list[nn.Module], named: list[tuple[str, nn.Parameter]], params: list[nn.Parameter],
-                  group: Any, num_tokens: Any) -> int:
-    if not params:
-        return 0
-    size = _comm.group_size(group)
-    if size > 1:
-        ids = {id(p) for p in params}
-        expert = [name for name, p in named if id(p) in ids and getattr(p, "allreduce", True) is False]
-        if expert:
-            raise ValueError(f"finalize_model_grads: plain parameters {expert} are marked allreduce=False "
-                             f"(expert-parallel); averaging them over the data-parallel group of {size} ranks "
-                             f"would be wrong: make them distwgrad weights with their own group")
-    fresh = [_has_new_grad(p) for p in params]
-    if size > 1:
-        flags = torch.tensor(fresh, dtype=torch.int32, device=params[0].device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        fresh = [bool(f) for f in flags.tolist()]
-    todo = [p for p, f in zip(params, fresh) if f]
-    if not todo:
-        return 0
-    scale = _token_scale(num_tokens, group, todo[0].device)
-    foreign = _foreign_holders(chunks)
-    work = [_fold(p, foreign) for p in todo]
-    handles = [dist.all_reduce(w, op=dist.ReduceOp.SUM, group=group, async_op=True) for w in work] if size > 1 else []
-    for handle in handles:  # every reduction is in flight before the first wait
-        handle.wait()
-    for p, w in zip(todo, work):
-        if size > 1:
-            w.div_(size)
-        if scale is not None:
-            w.mul_(scale)
-        _write_back(p, w)
-    for p in todo:  # after every write: main_grad views of one buffer share a version counter
-        _mark(p)
-    return len(todo)
 
 
 def _check_params(params: Iterable[torch.Tensor], what: str) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.weights._accounting import Uses
+from distwgrad.weights.lifecycle import write_token
 from distwgrad.wgrad.accumulate import run_wgrad
 from distwgrad.wgrad.store import WeightGradStore
 
@@ -66,9 +67,10 @@ def _weights_ENK(weights, call: _Call, *, backward: bool) -> torch.Tensor:
 def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Quantized] | QuantizedExperts:
     """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded), or plain experts
     together as one ``QuantizedExperts`` in the layout of the GEMM that reads them. ``amax``: forward's
-    ``(amaxes, the weights' _versions)``, reused if no weight changed since."""
+    ``(amaxes, the weights' write tokens)``, reused if no weight was written since as far as anything can
+    tell ([Note: weight lifecycle] in ``weights/lifecycle.py``; forward and backward of one call are one step)."""
     assert call.recipe is not None
-    if amax is not None and amax[1] != [w._version for w in weights]:
+    if amax is not None and amax[1] != [write_token(w) for w in weights]:
         amax = None
     return materialize_quantized_group(weights, call.recipe, backward=backward, stacked=True,
                                        amax=None if amax is None else amax[0])
@@ -150,7 +152,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         else:  # [Note: fp8 gemm dispatch]
             w_qs = _weights_fp8(weights, call, backward=False)
             # the weights' amaxes for backward's re-quantization, valid while no weight changes
-            ctx.w_amax = ((w_qs.amax, [w._version for w in weights])
+            ctx.w_amax = ((w_qs.amax, [write_token(w) for w in weights])
                           if isinstance(w_qs, QuantizedExperts) and w_qs.amax is not None else None)
             # x^T, which wgrad reads, with each expert's tokens on the chunk grid where that pays
             # ([Note: aligned token groups] in kernels/token_layout.py)

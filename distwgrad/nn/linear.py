@@ -39,6 +39,7 @@ from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.weights.first_write import zero_where_flagged
 from distwgrad.wgrad.accumulate import run_wgrad
+from distwgrad.wgrad.plain import tag_beside
 from distwgrad.wgrad.store import WeightGradStore
 
 __all__ = ["Linear"]
@@ -269,6 +270,7 @@ class Linear(WgradModule):
         elif bias:
             bound = 1 / math.sqrt(in_features)
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound))
+            tag_beside(self.bias, self.weight)  # averaged with the weight's group: [Note: plain parameters at finalize]
         else:
             self.register_parameter("bias", None)
         self._check_param_shapes()

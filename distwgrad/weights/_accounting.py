@@ -44,7 +44,7 @@ class Use:
         # A Use whose __init__ never ran recorded nothing: dynamo builds one while tracing a module's
         # forward and drops it at the graph break before the use is recorded (docs/architecture.md).
         if not getattr(self, "delivered", True):
-            self.weight._withdraw_use(self.step)
+            self.weight._life.withdraw(self.step)
 
 
 class Uses:
@@ -71,32 +71,34 @@ class Uses:
 
 @contextlib.contextmanager
 def arriving(uses: Uses | None, params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Wraps the delivery of one contribution per param (``finalize_weight_grads``).
+    """Wraps one contribution per param, from choosing where the wgrad lands to its delivery (``run_wgrad``).
 
     A use that already delivered (a second backward through a retained graph) or that belongs to an
     earlier step (a graph kept across a finished or discarded step) first records a new use in the
-    current step, so its contribution is counted as one more, as torch would accumulate it. On success
-    every use is marked delivered; a delivery that raised leaves its use pending (its weight's count did
-    not move), and a new use recorded for it is withdrawn again.
+    current step, so its contribution is counted as one more, as torch would accumulate it. That happens
+    before the wgrad picks its buffer: recording a use may reduce what the buffer holds (a coalesced
+    bucket's complete member, [Note: coalesced units]), and the new contribution must not land in the
+    buffer being reduced. On success every use is marked delivered; a delivery that raised leaves its use
+    pending (its weight's count did not move), and a new use recorded for it is withdrawn again.
     """
     picked = [] if uses is None else uses.take(params)
     renewed = []
     for p, use in picked:
-        if use.delivered or use.step != p._step_id or p._step_closed:
+        if use.delivered or not p._life.is_current(use.step):
             p.expect_contribution()
-            use.step, use.delivered = p._step_id, False
+            use.step, use.delivered = p._life.step_id, False
             renewed.append(use)
-    before = {id(p): p._delivered for p, _ in picked}
+    before = {id(p): p._life.delivered for p, _ in picked}
     try:
         yield
     finally:
-        grown = {id(p): p._delivered - before[id(p)] for p, _ in picked}
+        grown = {id(p): p._life.delivered - before[id(p)] for p, _ in picked}
         for p, use in picked:
             if grown[id(p)] > 0:
                 grown[id(p)] -= 1
                 use.delivered = True
             elif use in renewed:  # its extra use was never delivered: take it back
-                p._withdraw_use(use.step)
+                p._life.withdraw(use.step)
                 use.delivered = True
 
 
@@ -131,27 +133,30 @@ class Launched:
         return self._result()
 
 
-# One entry per asynchronous reduction in flight in this process, in launch order (a weight appears once
-# per reduction it has in flight). Bounded by MAX_INFLIGHT_REDUCTIONS.
-_LAUNCHED: collections.deque[Any] = collections.deque()
+# One entry per asynchronous reduction in flight in this process, in launch order: (owner, land, done), where
+# land() lands the owner's oldest reduction and done() says, without blocking, whether this one finished.
+# Bounded by MAX_INFLIGHT_REDUCTIONS.
+_LAUNCHED: collections.deque[tuple[Any, Callable[[], None], Callable[[], bool]]] = collections.deque()
 
 
 def admit() -> None:
     """Makes room for one more reduction: lands those already complete, then the oldest until below the
     bound. Landing only waits on launched work, so it issues no collective and any order is safe."""
-    while _LAUNCHED and getattr(_LAUNCHED[0]._inflight[0], "done", lambda: False)():
-        _LAUNCHED[0]._land_oldest()
+    while _LAUNCHED and _LAUNCHED[0][2]():
+        _LAUNCHED[0][1]()
     while len(_LAUNCHED) >= MAX_INFLIGHT_REDUCTIONS:
-        _LAUNCHED[0]._land_oldest()
+        _LAUNCHED[0][1]()
 
 
-def launched(weight: Any) -> None:
-    _LAUNCHED.append(weight)
+def launched(owner: Any, land: Callable[[], None], work: Any) -> None:
+    """Registers a launched reduction of ``owner``; ``land()`` lands the owner's oldest, ``work.done()``
+    says whether this one finished."""
+    _LAUNCHED.append((owner, land, getattr(work, "done", lambda: False)))
 
 
-def forget(weight: Any) -> None:
-    """Drops ``weight``'s oldest entry (it just landed, or its step was discarded)."""
-    for i, w in enumerate(_LAUNCHED):
-        if w is weight:
+def forget(owner: Any) -> None:
+    """Drops ``owner``'s oldest entry (it just landed, or its step was discarded)."""
+    for i, (o, _, _) in enumerate(_LAUNCHED):
+        if o is owner:
             del _LAUNCHED[i]
             return

@@ -122,21 +122,31 @@ FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, for distwgrad's weights (``pa
 from __future__ import annotations
 
 import copy
-import enum
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from distwgrad.weights import _accounting, _comm, first_write
+from distwgrad.weights.lifecycle import (
+    MISSING_CAUSES,
+    Lifecycle,
+    MissingContributionError,
+    ReducePolicy,
+    WeightState,
+    install_optimizer_hooks,
+)
 
-__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "main_grad_of", "compute_dtype"]
+__all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "WeightState", "main_grad_of",
+           "compute_dtype"]
 
+T = TypeVar("T")
 # The dtypes a weight may compute in ([Note: mixed precision]); FP8 goes through a recipe instead.
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
 _SHARED_HANDLES = frozenset({"group", "replicate_group", "mesh"})
+_MISSING_CAUSES = MISSING_CAUSES
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -175,34 +185,19 @@ def main_grad_of(param: torch.Tensor) -> torch.Tensor:
     return main_grad
 
 
-class ReducePolicy(enum.Enum):
-    """When a weight reduces its gradient; see [Note: contribution accounting]."""
-
-    PER_MICROBATCH = "per_microbatch"
-    PER_STEP = "per_step"
-
-
-class MissingContributionError(RuntimeError):
-    """A step was finished while some weight still expected gradient contributions."""
-
-
-# Why a contribution goes missing, and what to do; every accounting error ends with it.
-_MISSING_CAUSES = (
-    "likely causes: a deferred wgrad never drained (drain_deferred_wgrads(model)); a forward output or a "
-    "tensor computed from it still holding its graph without a backward (keep out.detach() or out.item(), "
-    "or run that forward under torch.no_grad()); a backward interrupted by an error. Fix the cause and "
-    "finish again, or abandon the step: finalize_model_grads(model, discard=True)")
-
-
 class DistributedParameter(nn.Parameter):
-    """Base class of distwgrad's weights: an ``nn.Parameter`` holding this rank's local tensor."""
+    """Base class of distwgrad's weights: an ``nn.Parameter`` holding this rank's local tensor.
+
+    Its step is a :class:`~distwgrad.weights.lifecycle.Lifecycle` ([Note: weight lifecycle]); ``state`` says
+    where it is. Other modules use the public methods below, never the lifecycle's fields."""
 
     is_distributed_weight = True
-    _distwgrad_weight = True
+    acts_for_itself = True  # each weight is a group of its own: [Note: one-member groups exchange bare tensors]
     replicate_group: Any = None  # set by _init_state; [Note: device meshes] in weights/sharded.py
     mesh: Any = None
     _unit: Any = None  # the distwgrad.coalesce unit owning this weight, and its bucket if it coalesces
     _bucket: Any = None  # [Note: coalesced units] in weights/units.py
+    _life: Lifecycle
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
         return super().__new__(cls, data, requires_grad)
@@ -221,26 +216,31 @@ class DistributedParameter(nn.Parameter):
         self.mesh = mesh
         self._solo = self.dp_size == 1  # [Note: a group of one]: no shard peers and no replicas
         self.async_reduce = async_reduce
-        self._inflight: list[Callable[[], torch.Tensor]] = []
         self.reduce_policy = reduce_policy
         self.full_shape = torch.Size(full_shape)
-        self._buffer: torch.Tensor | None = None
-        self._expected = 0
-        self._delivered = 0
-        self._reduced = 0
-        self._step_closed = True
-        self._step_has_grad = False
+        self._life = Lifecycle()
         self.bytes_gathered = 0
         self.bytes_reduced = 0
+        install_optimizer_hooks()
 
     @property
     def dp_size(self) -> int:
         """The data-parallel ranks the gradient averages over: the group's size times the replicas'."""
         return _comm.group_size(self.group) * _comm.group_size(self.replicate_group)
 
-    def _reduction_groups(self) -> tuple[Any, ...]:
+    def reduction_groups(self) -> tuple[Any, ...]:
         """The groups a gradient is summed over, in order: the group, then the replicas' (if any)."""
         return (self.group,) if self.replicate_group is None else (self.group, self.replicate_group)
+
+    @property
+    def solo(self) -> bool:
+        """No shard peers and no replicas: nothing to reduce ([Note: a group of one])."""
+        return self._solo
+
+    @property
+    def coalesced(self) -> bool:
+        """Whether a ``distwgrad.coalesce`` unit gathers and reduces this weight with others."""
+        return self._bucket is not None
 
     # --- what subclasses provide -------------------------------------------------------------------
     def _gather(self) -> torch.Tensor:
@@ -269,46 +269,46 @@ class DistributedParameter(nn.Parameter):
         return [self._gather()]
 
     def grad_buffer(self) -> torch.Tensor:
-        if self._buffer is None:
-            self._wait_inflight()  # one full-size buffer per weight at a time: [Note: contribution accounting]
+        life = self._life
+        if life.buffer is None:
+            life.wait_inflight(self)  # one full-size buffer per weight at a time: [Note: contribution accounting]
             if self._in_place():
                 # [Note: a group of one]: a CUDA graph captures the same in-place accumulation eager code
                 # runs (the same adds in the same order), and keeps main_grad: [Note: main_grad lifetime]
                 capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-                self._buffer = self._main_grad(keep=capturing)
-                if self._first_flag is not None and (capturing or self._armed):
+                life.buffer = self._main_grad(keep=capturing)
+                if life.first_flag is not None and (capturing or life.armed):
                     # added into: zeros first where it holds nothing ([Note: an unwritten accumulator])
-                    first_write.settle(self._buffer, self._first_flag, capturing=capturing)
-                    self._armed = False
+                    first_write.settle(life.buffer, life.first_flag, capturing=capturing)
+                    life.armed = False
             elif self.is_cuda and torch.cuda.is_current_stream_capturing():
-                graph_buffer = getattr(self, "_graph_grad_buffer", None)
-                if graph_buffer is None:
+                if life.graph_buffer is None:
                     raise RuntimeError(
                         f"{self._name()}: a distributed weight's gradient buffer is allocated and freed once per "
                         f"reduction, so a hand-made capture cannot bake it in; graph the model with "
                         f"distwgrad.make_graphed_callables (a graph-owned buffer) or run backward_dw() outside "
                         f"the graph. [Note: captured distributed weights] in distwgrad/graphs.py")
-                self._buffer = graph_buffer.zero_()  # the capture zeroes it where eager code allocates
+                life.buffer = life.graph_buffer.zero_()  # the capture zeroes it where eager code allocates
             else:
-                self._buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
-        return self._buffer
+                life.buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
+        return life.buffer
 
-    def _ready_for_fresh_grad(self) -> bool:
+    def ready_for_fresh_grad(self) -> bool:
         """Whether the step's next contribution may arrive as a fresh fp32 tensor that becomes the buffer
         ([Note: a fresh first contribution] in ``wgrad/accumulate.py``): none has arrived since the last
         reduction, no CUDA graph is capturing (a capture's buffers are baked in), and in place only while
         the weight has no ``main_grad`` (one that exists, attached or this step's, is added into). Lands the
         weight's reductions in flight first, as ``grad_buffer()`` does before it allocates."""
-        if self._buffer is not None or self._step_closed:
+        if self._life.buffer is not None or not self._life.open:
             return False
         if self.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        self._wait_inflight()
+        self._life.wait_inflight(self)
         return not self._in_place() or getattr(self, "main_grad", None) is None
 
-    def _adopt_grad_buffer(self, wgrad: torch.Tensor) -> None:
+    def adopt_grad_buffer(self, wgrad: torch.Tensor) -> None:
         """Takes ``wgrad`` (a fresh fp32 product the caller made for this weight alone) as the buffer, after
-        ``_ready_for_fresh_grad()``; in place it is the weight's own ``main_grad`` ([Note: main_grad
+        ``ready_for_fresh_grad()``; in place it is the weight's own ``main_grad`` ([Note: main_grad
         lifetime]). ``finalize_group_grads(wgrad)`` then counts it without an add."""
         if (tuple(wgrad.shape) != tuple(self.full_shape) or wgrad.dtype != torch.float32
                 or wgrad.device != self.device or not wgrad.is_contiguous()):
@@ -317,65 +317,37 @@ class DistributedParameter(nn.Parameter):
                                f"{wgrad.dtype} {tuple(wgrad.shape)} on {wgrad.device} (contiguous: "
                                f"{wgrad.is_contiguous()})")
         if self._in_place():
-            self.main_grad = self._own_main_grad = wgrad
-        self._buffer = wgrad
+            self.main_grad = self._life.own_main_grad = wgrad
+        self._life.buffer = wgrad
 
-    # [Note: an unwritten accumulator] in weights/first_write.py: the flag of a weight graphed in place, and
-    # its host mirror (set when a step opens, cleared by the step's first contribution)
-    _first_flag: torch.Tensor | None = None
-    _armed = False
-    _flag_users = 0  # the sets of graphed callables whose graphs read the flag
-
-    def _use_first_flag(self) -> None:
-        """From now on a step that opens flags ``main_grad`` as holding nothing instead of zeroing it; for a
-        weight accumulating in place ([Note: an unwritten accumulator]). Builds the flag-reading kernel now,
-        outside any capture (a clear flag: nothing is written)."""
-        main_grad = getattr(self, "main_grad", None)
-        assert self._solo and main_grad is not None and main_grad.dtype == torch.float32, \
-            f"{self._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
-        if self._first_flag is None:
-            self._first_flag = first_write.new_flag(self.device)
-        self._flag_users += 1
-        first_write.zero_where_flagged(main_grad, self._first_flag)
-        if not self._step_closed and self._delivered == 0 and self._buffer is None:
-            self._first_flag.fill_(1)  # the open step's main_grad was zeroed when it opened: either is right
-            self._armed = True
-
-    def _drop_first_flag(self) -> None:
-        """One set of graphs that read the flag is gone; after the last, a step that opens zeroes ``main_grad``
-        again."""
-        self._flag_users = max(self._flag_users - 1, 0)
-        if self._flag_users == 0:
-            self._settle_unwritten()
-            self._first_flag = None
-
-    def _settle_unwritten(self) -> None:
-        """Eagerly: zeros in ``main_grad`` if the open step flagged it and nothing arrived yet."""
-        main_grad = getattr(self, "main_grad", None)
-        if self._armed and self._first_flag is not None and main_grad is not None:
-            first_write.settle(main_grad, self._first_flag, capturing=False)
-        self._armed = False
-
-    def _take_unwritten(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take_unwritten(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(main_grad, flag)`` for a kernel that reads the flag, when this contribution is the first of its
         microbatch into a flagged ``main_grad`` (eagerly: the host knows the flag is set; under capture: it
         may be, on some replay); it becomes the buffer. None: use ``grad_buffer()``. The caller launches the
-        kernel, then clears the flag ([Note: an unwritten accumulator])."""
-        if self._first_flag is None or self._buffer is not None or not self._in_place():
+        kernel, then clears the flag ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
+        life = self._life
+        if life.first_flag is None or life.buffer is not None or not self._in_place():
             return None
         capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not (capturing or self._armed):
+        if not (capturing or life.armed):
             return None
-        self._buffer = self._main_grad(keep=capturing)
-        self._armed = False
-        return self._buffer, self._first_flag
+        life.buffer = self._main_grad(keep=capturing)
+        life.armed = False
+        return life.buffer, life.first_flag
 
     def _in_place(self) -> bool:
         """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one]."""
-        if not self._solo or self._step_closed:  # a closed step's main_grad is released or zeroed at the next
+        if not self._solo or not self._life.open:  # a closed step's main_grad is released or zeroed at the next
             return False
         main_grad = getattr(self, "main_grad", None)
         return main_grad is None or main_grad.dtype == torch.float32
+
+    @property
+    def accumulates_in_place(self) -> bool:
+        """Whether this weight's wgrads, were a step open, accumulate straight into its fp32 ``main_grad``
+        ([Note: a group of one]): a group of one whose ``main_grad`` is fp32 or not made yet."""
+        main_grad = getattr(self, "main_grad", None)
+        return self._solo and (main_grad is None or main_grad.dtype == torch.float32)
 
     def finalize_group_grads(self, wgrads: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Counts one contribution; ``wgrads`` is the bare wgrad (a one-member group, as the dispatchers
@@ -392,69 +364,35 @@ class DistributedParameter(nn.Parameter):
                 raise ValueError(f"{self._name()}: wgrad of shape {tuple(wgrad.shape)} for a weight of full "
                                  f"shape {tuple(self.full_shape)}")
             buf.add_(wgrad)
-        self._delivered += 1
-        if self._delivered > self._expected:
-            raise RuntimeError(
-                f"{self._name()} received contribution {self._delivered} but only {self._expected} uses "
-                f"needing a gradient were recorded this step (a wgrad delivered twice, a forward that "
-                f"bypassed expect_contribution, or reentrant activation checkpointing: use "
-                f"torch.utils.checkpoint(..., use_reentrant=False)); this step's gradient is wrong: "
-                f"abandon it with finalize_model_grads(model, discard=True)")
-        if self.reduce_policy is ReducePolicy.PER_MICROBATCH and self._delivered == self._expected:
-            if self._bucket is not None:
-                self._bucket.maybe_reduce()  # once no member of the bucket owes one: [Note: coalesced units]
-            else:
-                self._reduce_pending()
+        self._life.counted(self)
         return None
 
     # --- accounting ----------------------------------------------------------------------------------
-    _step_id = 0  # bumped whenever a step opens or is discarded: a Use of an older step no longer counts
-    _names: tuple[str, ...] = ()  # the weight's paths in its model(s), once finalize_model_grads has seen them
+    @property
+    def state(self) -> WeightState:
+        """Where the weight is in its step: [Note: weight lifecycle] in ``weights/lifecycle.py``."""
+        return self._life.state
 
     def expect_contribution(self, count: int = 1) -> None:
         """Records ``count`` uses in forward that will deliver a gradient; opens a step if needed."""
-        if self._step_closed:
-            self._wait_inflight()  # nothing is in flight after finish_step; never leave one behind
-            self._step_closed = False
-            self._step_id += 1
-            self._expected = self._delivered = self._reduced = 0
-            self._step_has_grad = False
-            main_grad, own = getattr(self, "main_grad", None), self._own_main_grad
-            self._own_main_grad = None
-            capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-            if main_grad is not None and main_grad is own and not capturing:
-                self.main_grad = None  # released; a .grad that is it keeps it: [Note: main_grad lifetime]
-            elif main_grad is not None:
-                if self.grad is main_grad:  # the last step's .grad is still held: it keeps its values
-                    self.grad = main_grad.clone()  # [Note: .grad is main_grad]
-                if self._first_flag is not None:  # [Note: an unwritten accumulator]
-                    self._first_flag.fill_(1)
-                    self._armed = True
-                else:
-                    main_grad.zero_()
-        elif self._bucket is not None and self.reduce_policy is ReducePolicy.PER_MICROBATCH \
-                and self._bucket.complete(self):
-            self._bucket.flush()  # used again before its bucket reduced: reduce what is complete now
-        self._expected += count
+        self._life.expect(self, count)
 
     def record_use(self) -> _accounting.Use:
         """Records one use (``expect_contribution()``) tied to the returned ``Use``: hold it where the
         use's backward will find it (the autograd context). Freed undelivered, it withdraws the use."""
-        self.expect_contribution()
-        return _accounting.Use(self, self._step_id)
-
-    def _withdraw_use(self, step: int) -> None:
-        """A use of ``step`` whose graph was freed without a backward; only lowers the count (it may run
-        inside the garbage collector, so it never reduces: the next reduction point takes the buffer)."""
-        if step == self._step_id and not self._step_closed and self._expected > self._delivered:
-            self._expected -= 1
+        self._life.expect(self, 1)
+        return _accounting.Use(self, self._life.step_id)
 
     @property
     def pending_contributions(self) -> int:
         """Uses recorded this step whose gradient has not been delivered yet."""
-        return self._expected - self._delivered
+        return self._life.pending
 
-    _own_main_grad: torch.Tensor | None = None  # the main_grad this weight created: [Note: main_grad lifetime]
+    @property
+    def expected_contributions(self) -> int:
+        """Uses recorded this step (delivered or not)."""
+        return self._life.expected
+
     main_grad: torch.Tensor | None  # annotation only: an attribute that does not exist until set (hasattr)
 
     def _main_grad(self, keep: bool = False) -> torch.Tensor:
@@ -463,10 +401,15 @@ class DistributedParameter(nn.Parameter):
         created = getattr(self, "main_grad", None) is None
         main_grad = main_grad_of(self)
         if keep:
-            self._own_main_grad = None
+            self._life.own_main_grad = None
         elif created:
-            self._own_main_grad = main_grad
+            self._life.own_main_grad = main_grad
         return main_grad
+
+    def keep_main_grad(self) -> torch.Tensor:
+        """``main_grad``, made now if absent and kept from now on (a CUDA graph bakes in its address:
+        [Note: main_grad lifetime])."""
+        return self._main_grad(keep=True)
 
     def reduce_now(self) -> bool:
         """Reduces what the buffer holds now, if every contribution owed so far has arrived.
@@ -474,93 +417,68 @@ class DistributedParameter(nn.Parameter):
         Returns True if a reduction ran. Used by schedules that trigger reductions themselves
         (Megatron's ``grad_sync_func``); a weight with missing contributions is left untouched.
         """
-        if self.pending_contributions or self._delivered == self._reduced:
+        life = self._life
+        if life.pending or life.delivered == life.reduced:
             return False
-        self._reduce_pending()
+        life.reduce_pending(self)
         return True
-
-    def _reduce_pending(self) -> None:
-        if self._delivered == self._reduced or self._buffer is None:
-            return
-        if self._bucket is not None:
-            self._bucket.flush()  # this weight and every complete member of its bucket, in one collective
-            return
-        if self._buffer is getattr(self, "main_grad", None):  # accumulated in place: nothing to reduce
-            self._buffer = None
-            self._reduced = self._delivered
-            self._step_has_grad = True
-            return
-        if self.async_reduce:
-            _accounting.admit()  # the in-flight bound: [Note: contribution accounting]
-        buffer, self._buffer = self._buffer, None
-        finish = self._reduce(buffer, async_op=self.async_reduce)
-        del buffer  # the launched reduction holds what the collective still needs, nothing more
-        if self.async_reduce:
-            self._inflight.append(finish)
-            _accounting.launched(self)
-        else:
-            self._main_grad().add_(finish())
-        self._reduced = self._delivered
-        self._step_has_grad = True
 
     def wait_for_reductions(self) -> int:
         """Waits for the reductions in flight and adds them to ``main_grad``, in launch order; returns
         how many there were. Schedules call it to block on the step's reductions (Megatron's finalize)."""
-        return self._wait_inflight()
-
-    def _land_oldest(self) -> None:
-        finish = self._inflight.pop(0)
-        _accounting.forget(self)
-        self._main_grad().add_(finish())
-
-    def _wait_inflight(self) -> int:
-        n = len(self._inflight)
-        while self._inflight:
-            self._land_oldest()
-        return n
+        return self._life.wait_inflight(self)
 
     def discard_step(self) -> None:
-        """Abandons the open step: reductions in flight are waited for (their collectives were launched on
-        every rank) and dropped, the buffer is freed, the counts reset; ``.grad`` and ``main_grad`` are
-        left as they are (the next step releases or zeroes ``main_grad``: [Note: main_grad lifetime]). Uses
-        of the abandoned step no longer count."""
-        while self._inflight:
-            _accounting.forget(self)
-            self._inflight.pop(0)()
-        self._settle_unwritten()
-        self._buffer = None
-        self._expected = self._delivered = self._reduced = 0
-        self._step_closed, self._step_has_grad = True, False
-        self._step_id += 1
-        if self._unit is not None:
-            self._unit.units.end_step()
+        """Abandons the open step (any state -> IDLE): reductions in flight are waited for (their collectives
+        were launched on every rank) and dropped, the buffer is freed, the counts reset; ``.grad`` and
+        ``main_grad`` are left as they are (the next step releases or zeroes ``main_grad``: [Note: main_grad
+        lifetime]). Uses of the abandoned step no longer count."""
+        self._life.discard(self)
 
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
-        if self._step_closed:
-            return False
-        if self._delivered != self._expected:
-            raise MissingContributionError(
-                f"{self._name()}: {self._delivered} of {self._expected} gradient contributions this step "
-                f"arrived ({_MISSING_CAUSES})")
-        self._reduce_pending()
-        self._wait_inflight()
-        self._settle_unwritten()  # nothing arrived: main_grad reads as zeros ([Note: an unwritten accumulator])
-        self._step_closed = True
-        if self._unit is not None:
-            self._unit.units.end_step()  # no gathered copy outlives the step
-        if not self._step_has_grad:
-            return False
-        main_grad = self._main_grad()
-        if scale is not None:
-            main_grad.mul_(scale)
-        grad = main_grad.to(self.dtype)  # main_grad itself where the dtypes agree
-        if self.grad is None:
-            self.grad = grad  # [Note: .grad is main_grad]
-        elif self.grad is not grad:
-            self.grad.add_(grad)
-        self.grad_added_to_main_grad = True
-        return True
+        return self._life.finish(self, scale)
+
+    def master_written(self, by: str = "a write to the weight") -> None:
+        """Says the weight's data changed where the runtime cannot see it (a load, a hand-made update):
+        every cache derived from it is dropped ([Note: weight lifecycle]). ``torch.optim`` steps and
+        ``distwgrad.checkpoint`` loads call it themselves. Refused while the step has unfinalized
+        contributions (``UnfinalizedStepError``)."""
+        self._life.written(self, by)
+
+    def cached(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()`` (a value derived from this weight's data: an amax, a scale grid), reused for ``key``
+        while it is current: within the open step it was made in ([Note: weight lifecycle])."""
+        return self._life.cached(self, key, make)
+
+    def pin_cache(self, key: Hashable, value: Any) -> None:
+        """Stores ``value`` for ``key`` until the weight's next step boundary, whatever its state (an
+        explicit refresh for the step about to open: ``sync_weight_amax``)."""
+        self._life.pin(self, key, value)
+
+    def copy_token(self) -> tuple[int, int]:
+        """What a copy of this weight records when made; the copy may be used only while the token is
+        unchanged (and within the step or pass it was made for: [Note: weight lifecycle])."""
+        return self._life.epoch, self._version
+
+    def add_contribution_listener(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``fn()`` after each contribution is counted (and reduced, when due); returns a function
+        that removes it. Megatron's grad-ready hooks listen here."""
+        self._life.listeners.append(fn)
+
+        def remove() -> None:
+            if fn in self._life.listeners:
+                self._life.listeners.remove(fn)
+        return remove
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The weight's paths in its model(s), once ``finalize_model_grads`` (or ``name_weights``) saw them."""
+        return self._life.names
+
+    @names.setter
+    def names(self, value: Sequence[str]) -> None:
+        self._life.names = tuple(value)
 
     def __deepcopy__(self, memo: dict) -> DistributedParameter:
         """A copy with its own data and gradient state, in the same process group (groups are shared
@@ -573,11 +491,19 @@ class DistributedParameter(nn.Parameter):
             new.__dict__[key] = value if key in _SHARED_HANDLES else copy.deepcopy(value, memo)
         return new
 
+    @property
+    def label(self) -> str:
+        """The weight for messages: its paths if known (``names``), and its type and shapes."""
+        return self._name()
+
+    def _describe(self) -> str:
+        return f"{type(self).__name__}(local {tuple(self.shape)}, full {tuple(self.full_shape)})"
+
     def _name(self) -> str:
-        what = f"{type(self).__name__}(local {tuple(self.shape)}, full {tuple(self.full_shape)})"
-        return f"{' = '.join(self._names)} ({what})" if self._names else what
+        names = self._life.names
+        return f"{' = '.join(names)} ({self._describe()})" if names else self._describe()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(local={tuple(self.shape)}, full={tuple(self.full_shape)}, "
                 f"rank={_comm.group_rank(self.group)}/{_comm.group_size(self.group)}, dtype={self.dtype}, "
-                f"policy={self.reduce_policy.value})")
+                f"policy={self.reduce_policy.value}, state={self._life.state.value})")

@@ -31,9 +31,13 @@
   current unit's compute. The first unit of a pass has nothing in flight: its all-gather carries the
   next unit's members too (one collective, two units' copies). On CUDA the collectives run on the
   process group's own stream; ``wait()`` orders the compute stream after them, and each staging buffer
-  is held until that wait (the collective reads it). Every copy records each member's ``_version`` at
-  gather time; a copy whose member changed since (an optimizer step, a manual update) is dropped and
-  gathered again, so no prefetched copy ever predates an update.
+  is held until that wait (the collective reads it).
+* Passes. A forward pass is the forward of the outermost unit called (the root's, or a block's called
+  alone, an eval probe say): it starts with no copy (what an earlier backward left is dropped) and, when
+  it returns or raises, waits for and drops the prefetches it left unused. So no copy is used outside the
+  pass that gathered it, whatever wrote the weights in between (a fused optimizer, ``.data``), and no
+  gather is still in flight once a forward returned (nothing to outlive ``destroy_process_group``). Every
+  copy also records its members' tokens ([Note: weight lifecycle]) and is dropped if one moved.
 * Reduce. A bucket reduces when none of its members has a contribution outstanding (under
   ``PER_MICROBATCH``): the members' full fp32 buffers are copied into one rank-major staging buffer
   (each member's rows split by the ``torch.chunk`` layout, padded) and reduce-scattered once; each member
@@ -123,18 +127,20 @@ class _Gather:
 
 
 class _Copies:
-    """One bucket's share of a gather: its members' full tensors and the ``_version`` each was gathered at."""
+    """One bucket's share of a gather: its members' full tensors and the token each was gathered at."""
 
     def __init__(self, gather: _Gather, members: Sequence[ShardedWeight]) -> None:
         self.gather, self.members = gather, list(members)
-        self.versions = {id(w): w._version for w in self.members}
+        self.tokens = {id(w): w.copy_token() for w in self.members}
         self.taken: set[int] = set()
 
     def has(self, w: ShardedWeight) -> bool:
-        return id(w) in self.versions
+        return id(w) in self.tokens
 
     def fresh(self, w: ShardedWeight) -> bool:
-        return self.versions.get(id(w)) == w._version
+        """The member was not written since the gather, as far as anything can tell ([Note: weight
+        lifecycle]); a copy also never outlives the pass that made it ([Note: coalesced units])."""
+        return self.tokens.get(id(w)) == w.copy_token()
 
     def all_fresh(self) -> bool:
         return all(self.fresh(w) for w in self.members)
@@ -169,14 +175,14 @@ class _BucketLaunch:
     is freed as soon as the last member landed, not at the next garbage collection)."""
 
     def __init__(self, launched: _accounting.Launched, members: list[DistributedParameter]) -> None:
-        self._inflight: list[_accounting.Launched] = [launched]
+        self._launched = launched
         self._members = members
         self._landed: set[int] = set()
         self._flat: torch.Tensor | None = None
 
     def flat(self) -> torch.Tensor:
         if self._flat is None:
-            self._flat = self._inflight[0]()
+            self._flat = self._launched()
         return self._flat
 
     def member_landed(self, member: DistributedParameter) -> None:
@@ -189,7 +195,7 @@ class _BucketLaunch:
         """Lands every member's share still in flight (each is its member's oldest); the last forgets this."""
         for w in list(self._members):
             if id(w) not in self._landed:
-                w._land_oldest()
+                w._life.land_oldest(w)
 
 
 class _Share:
@@ -200,9 +206,6 @@ class _Share:
     def __init__(self, launch: _BucketLaunch, member: DistributedParameter, start: int) -> None:
         self.launch, self.member, self.start = launch, member, start
         self.numel, self.shape = member.numel(), member.shape
-
-    def done(self) -> bool:
-        return self.launch._inflight[0].done()
 
     def __call__(self) -> torch.Tensor:
         out = self.launch.flat()[self.start:self.start + self.numel].view(self.shape)
@@ -222,12 +225,6 @@ class _Bucket:
         self._fwd_asked: list[ShardedWeight] = []
 
     # --- reduce --------------------------------------------------------------------------------------
-    @staticmethod
-    def complete(w: DistributedParameter) -> bool:
-        """Every contribution owed so far arrived and is not reduced yet."""
-        return (not w._step_closed and w._delivered == w._expected and w._delivered > w._reduced
-                and w._buffer is not None)
-
     def maybe_reduce(self) -> None:
         """PER_MICROBATCH: reduce once no member has a contribution outstanding."""
         if all(w.pending_contributions == 0 for w in self.members):
@@ -236,7 +233,7 @@ class _Bucket:
     def flush(self) -> None:
         """Reduces every complete member of the bucket in one reduce-scatter (then, on a 2-D mesh, one
         all-reduce across replicas); members with contributions outstanding keep their buffers."""
-        ready = [w for w in self.members if self.complete(w)]
+        ready = [w for w in self.members if w._life.complete_unreduced()]
         if not ready:
             return
         first = ready[0]
@@ -249,7 +246,7 @@ class _Bucket:
         staging = (torch.zeros if uneven else torch.empty)(size * layout.per_rank, dtype=torch.float32,
                                                           device=first.device)
         for i, w in enumerate(ready):
-            buffer, w._buffer = w._buffer, None
+            buffer = w._life.take_buffer()
             slot = layout.slot(staging, i)
             if len(set(w.shard_rows)) == 1:
                 slot.copy_(buffer.view(size, w._padded_rows, *w.shape[1:]))
@@ -274,14 +271,12 @@ class _Bucket:
         del staging
         launch = _BucketLaunch(launched, list(ready))
         for i, w in enumerate(ready):
-            w._inflight.append(_Share(launch, w, layout.offsets[i]))
-            w._reduced = w._delivered
-            w._step_has_grad = True
+            w._life.inflight.append(_Share(launch, w, layout.offsets[i]))
         if asynchronous:
-            _accounting.launched(launch)
+            _accounting.launched(launch, launch._land_oldest, launched)
         else:
             for w in ready:
-                w._land_oldest()
+                w._life.land_oldest(w)
 
     # --- gather --------------------------------------------------------------------------------------
     def forward_members(self) -> list[ShardedWeight]:
@@ -337,6 +332,8 @@ class Unit:
         if self.in_forward > 1:
             return
         self.units._saw_forward(self)
+        if self.units._pass_owner is None:
+            self.units._begin_pass(self)
         _release(self._backward)  # leftovers of an earlier backward are never reused
         for b in self.buckets:
             b._fwd_asked = []
@@ -363,6 +360,7 @@ class Unit:
         for b in self.buckets:
             if b._fwd_asked:
                 b.forward_set = _ordered(b.members, (b.forward_set or []) + b._fwd_asked)
+        self.units._end_pass(self)
 
     def _prefetch_forward(self) -> None:
         for b in self.buckets:
@@ -474,6 +472,7 @@ class Units(list):
         self._bwd_live: list[Unit] = []
         self._learning_fwd = True
         self._learning_bwd = True
+        self._pass_owner: Unit | None = None  # the unit whose forward runs the current pass
 
     def unit_of(self, module: nn.Module, who: str) -> Unit:
         for u in self:
@@ -509,6 +508,19 @@ class Units(list):
         self._bwd_live.append(unit)
         while len(self._bwd_live) > 2:
             self._bwd_live.pop(0).drop()
+
+    def _begin_pass(self, unit: Unit) -> None:
+        """A forward pass starts (the outermost unit's forward): nothing gathered before it is used in it."""
+        self._pass_owner = unit
+        self.end_step()
+
+    def _end_pass(self, unit: Unit) -> None:
+        """The pass's outermost forward returned (or raised): prefetches it left unused are waited for and
+        dropped, so no gather outlives its pass or is in flight once the forward returns."""
+        if self._pass_owner is unit:
+            self._pass_owner = None
+            for u in self:
+                _release(u._prefetched_fwd)
 
     def end_step(self) -> None:
         for u in self:

@@ -22,9 +22,9 @@ drained in any order. Every contribution is therefore added, never assigned:
 A weight's buffer starts each accumulation as fp32 zeros that the first wgrad is added into: a memset
 and a read of 4 bytes per element that change nothing (0 + x is x). A module's wgrad that can also
 produce its product as a new fp32 tensor passes ``run_wgrad(..., fresh=)``; where every weight of the
-call is a ``DistributedParameter`` that has nothing accumulated yet (``_ready_for_fresh_grad``: the
+call is a ``DistributedParameter`` that has nothing accumulated yet (``ready_for_fresh_grad``: the
 step's or the microbatch's first contribution, no CUDA graph capturing, and in place only while it has
-no ``main_grad``), the GEMM writes that tensor and it becomes the buffer (``_adopt_grad_buffer``; in
+no ``main_grad``), the GEMM writes that tensor and it becomes the buffer (``adopt_grad_buffer``; in
 place, the weight's own ``main_grad``), so ``finalize_weight_grads`` counts it without an add. Opt-in per
 call site, so no path ever adds into memory nobody wrote: ``fresh`` must return tensors it just made,
 each written in full (an expert with no tokens as zeros), one per weight, each weight once. The bits are
@@ -150,17 +150,16 @@ def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence
 
 
 def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor], *, fuse: bool,
-                   deferred: bool, uses: Uses | None = None) -> list[torch.Tensor | None]:
+                   deferred: bool) -> list[torch.Tensor | None]:
     """Completes one contribution per parameter; returns what the main backward hands autograd.
 
     ``wgrads`` are what the GEMM produced: the targets of :func:`wgrad_targets` (already accumulated)
     or fresh tensors. With ``deferred`` nothing goes to autograd (the main backward already returned
-    None) and every gradient is added to ``.grad`` here; see [Note: accumulate, never assign]. ``uses``
-    are what the forward's ``_begin_forward`` recorded ([Note: contribution accounting] in weights/base.py).
+    None) and every gradient is added to ``.grad`` here; see [Note: accumulate, never assign]. For
+    distributed weights, call it inside ``arriving`` (``run_wgrad`` does).
     """
     if params and is_distributed_weight(params[0]):
-        with arriving(uses, params):
-            results = finalize_weight_grads(list(params), list(wgrads))
+        results = finalize_weight_grads(list(params), list(wgrads))
     elif fuse:
         for p in params:
             p.grad_added_to_main_grad = True
@@ -180,7 +179,7 @@ def _fresh_first(params: Sequence[torch.Tensor]) -> bool:
         return False
     if len({id(p) for p in params}) != len(params):  # a weight twice in one call: its second wgrad is an add
         return False
-    return all([p._ready_for_fresh_grad() for p in params])  # each one's reductions land (a list: no short cut)
+    return all([p.ready_for_fresh_grad() for p in params])  # each one's reductions land (a list: no short cut)
 
 
 def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
@@ -196,20 +195,29 @@ def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor 
     param, the product added into ``target`` by a kernel that writes it instead while the int32 ``flag`` is
     set, returning ``target``; given, a weight whose ``main_grad`` a step flagged as holding nothing takes
     that path and the flag is cleared after it ([Note: an unwritten accumulator] in
-    ``weights/first_write.py``)."""
+    ``weights/first_write.py``). ``uses`` are what the forward's ``_begin_forward`` recorded ([Note:
+    contribution accounting] in ``weights/base.py``): a use renewed for this contribution (a retained graph's
+    second backward) is recorded before the target is chosen (``arriving``)."""
+    if params and is_distributed_weight(params[0]):
+        with arriving(uses, params):
+            return _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten)
+    return _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten)
+
+
+def _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten) -> list[torch.Tensor | None]:
     if unwritten is not None and len(params) == 1 and isinstance(params[0], DistributedParameter):
-        taken = params[0]._take_unwritten()
+        taken = params[0].take_unwritten()
         if taken is not None:
             target, flag = taken
             wgrad = unwritten(target, flag)
             flag.zero_()  # after the kernel, on its stream: the next contribution adds
-            return deliver_wgrads(params, [wgrad], fuse=fuse, deferred=deferred, uses=uses)
+            return deliver_wgrads(params, [wgrad], fuse=fuse, deferred=deferred)
     if fresh is not None and _fresh_first(params):
         wgrads = list(fresh())
         if len(wgrads) != len(params):
             raise RuntimeError(f"run_wgrad: fresh() gave {len(wgrads)} wgrads for {len(params)} weights")
         for p, g in zip(params, wgrads):
-            p._adopt_grad_buffer(g)
-        return deliver_wgrads(params, wgrads, fuse=fuse, deferred=deferred, uses=uses)
+            p.adopt_grad_buffer(g)
+        return deliver_wgrads(params, wgrads, fuse=fuse, deferred=deferred)
     targets = wgrad_targets(params, fuse, shape=shape, dtype=dtype)
-    return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred, uses=uses)
+    return deliver_wgrads(params, gemm(targets), fuse=fuse, deferred=deferred)

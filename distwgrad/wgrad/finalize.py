@@ -19,6 +19,8 @@ from torch import nn
 
 from distwgrad.weights import _comm
 from distwgrad.weights.base import _MISSING_CAUSES, DistributedParameter, MissingContributionError
+from distwgrad.wgrad.plain import plan_plain_params
+from distwgrad.wgrad.plain import reduce_plain_params as reduce_plain
 from distwgrad.wgrad.scheduler import deferred_modules, undrained
 from distwgrad.wgrad.store import WeightGradStore
 
@@ -50,18 +52,20 @@ def name_weights(model_chunks: nn.Module | Sequence[nn.Module]) -> list[tuple[st
                 names.setdefault(id(p), []).append(f"{i}.{name}" if len(chunks) > 1 else name)
     params = distributed_parameters(chunks)
     for _, p in params:
-        p._names = tuple(names[id(p)])
+        p.names = names[id(p)]
     return params
 
 
 def _label(p: DistributedParameter) -> str:
-    return " = ".join(p._names) if p._names else p._name()
+    return " = ".join(p.names) if p.names else p.label
 
 
 def _missing(params: list[tuple[str, DistributedParameter]]) -> list[str]:
     """One line per weight whose count is off: uses still owed, or contributions no use accounts for."""
-    return [f"{_label(p)}: {p.pending_contributions} of {p._expected} missing" if p.pending_contributions > 0 else
-            f"{_label(p)}: {p._delivered} arrived for {p._expected} recorded uses (see the error backward raised)"
+    return [f"{_label(p)}: {p.pending_contributions} of {p.expected_contributions} missing"
+            if p.pending_contributions > 0 else
+            f"{_label(p)}: {p.expected_contributions - p.pending_contributions} arrived for "
+            f"{p.expected_contributions} recorded uses (see the error backward raised)"
             for _, p in params if p.pending_contributions]
 
 
@@ -78,11 +82,11 @@ def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[i
         return {}
     by_group: dict[tuple[int, ...], list[DistributedParameter]] = {}
     for p in params:
-        by_group.setdefault(tuple(id(g) for g in p._reduction_groups()), []).append(p)
+        by_group.setdefault(tuple(id(g) for g in p.reduction_groups()), []).append(p)
     scales: dict[int, float | None] = {}
     for members in by_group.values():
         total = torch.as_tensor(num_tokens, dtype=torch.float64).reshape(1).clone().to(members[0].device)
-        for group in members[0]._reduction_groups():
+        for group in members[0].reduction_groups():
             _comm.all_reduce_sum(total, group)
         tokens = float(total.item())
         if tokens <= 0:
@@ -93,28 +97,39 @@ def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[i
 
 
 def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_tokens: Any = None, *,
-                         pg_collection: Any = None, force_all_reduce: bool = False, discard: bool = False) -> int:
-    """Ends the step for every distwgrad weight in ``model_chunks``; returns how many were finalized.
+                         pg_collection: Any = None, force_all_reduce: bool = False, discard: bool = False,
+                         reduce_plain_params: bool = True, dp_group: Any = None) -> int:
+    """Ends the step for every distwgrad weight in ``model_chunks`` and averages the plain parameters'
+    gradients over their data-parallel group; returns how many distwgrad weights were finalized.
 
     Args:
         model_chunks: a model or a list of model chunks (Megatron's convention).
         num_tokens: if given, this rank's token count; gradients are scaled so the result is the sum
             of per-token gradients over the group divided by the group's total token count.
-        pg_collection, force_all_reduce: accepted for Megatron signature compatibility; weights carry
+        pg_collection: Megatron's process groups; its ``dp_cp`` (else ``dp``) group averages the plain
+            parameters. ``force_all_reduce``: accepted for Megatron signature compatibility; weights carry
             their own groups and always reduce in fp32.
         discard: abandon the step instead (after an error, say): drop every queued deferred wgrad and
             have each weight discard its step (``DistributedParameter.discard_step``); ``.grad`` is left
             as it was and 0 is returned. Every rank must discard together (in-flight reductions are
             waited for).
+        reduce_plain_params: average every trainable parameter that is not a distributed weight (a
+            LayerNorm's, a bias a module made) over its data-parallel group, as DDP does, so replicas never
+            drift ([Note: plain parameters at finalize] in ``wgrad/plain.py``). Pass False only when
+            something else reduces them (Megatron's DDP).
+        dp_group: the process group or ``DeviceMesh`` plain parameters average over; default: the group
+            of a fresh bias's weight, else ``pg_collection``'s, else the distributed weights' (when they
+            agree), else the default group.
 
     Raises:
         MissingContributionError: naming every module with undrained deferred wgrads, or every weight
             (by its path in the model) whose expected contributions did not all arrive, with the likely
             causes and the fix. Nothing is reduced in that case and the step stays open.
 
-    Calling it twice with no new contributions is a no-op (each weight's step is already closed).
+    Calling it twice with no new contributions is a no-op (each weight's step is already closed, each plain
+    gradient already averaged).
     """
-    del pg_collection, force_all_reduce
+    del force_all_reduce
     if discard:
         for m in deferred_modules(model_chunks):
             store: WeightGradStore = m.wgrad_store  # type: ignore[assignment]  # WgradModule's
@@ -122,6 +137,8 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
         for _, p in distributed_parameters(model_chunks):
             p.discard_step()
         return 0
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    plain = plan_plain_params(chunks, dp_group=dp_group, pg_collection=pg_collection) if reduce_plain_params else []
     pending = undrained(model_chunks)
     if pending:
         raise MissingContributionError(
@@ -137,4 +154,6 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
             "finalize_model_grads: gradient contributions missing (uses recorded in forward whose gradient "
             f"never arrived): {'; '.join(missing)}. {_MISSING_CAUSES}")
     scales = _token_scales(num_tokens, [p for _, p in params])
-    return sum(bool(p.finish_step(scales.get(id(p)))) for _, p in params)
+    finished = sum(bool(p.finish_step(scales.get(id(p)))) for _, p in params)
+    reduce_plain(chunks, num_tokens, plan=plain)
+    return finished

@@ -1,0 +1,166 @@
+"""The weights a set of CUDA graphs captured: what the capture needs of their lifecycles, and its replay.
+
+``distwgrad.make_graphed_callables`` ([Note: captured distributed weights] in ``distwgrad/graphs.py``)
+works on weights only through :class:`CapturedWeights`: the refusals, the graph-owned buffers and flags
+the graphs bake in, and the :class:`CaptureLedger` that re-applies, at each replay, the accounting changes
+its capture made (a replay skips the Python that counts). Everything here is a transition of the weights'
+lifecycles ([Note: weight lifecycle] in ``weights/lifecycle.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from distwgrad.weights import first_write
+from distwgrad.weights.base import DistributedParameter
+from distwgrad.weights.lifecycle import ReducePolicy
+
+__all__ = ["CapturedWeights", "CaptureLedger"]
+
+
+def _check(p: DistributedParameter) -> None:
+    """[Note: captured distributed weights]: what is refused, before any CUDA work (testable on CPU)."""
+    if p.coalesced:
+        raise ValueError(f"make_graphed_callables: {p._name()} is in a distwgrad.coalesce unit, which gathers and "
+                         f"reduces from Python hooks that a replay skips; graph a model that is not coalesced")
+    backends = {None if group is None else dist.get_backend(group) for group in p.reduction_groups()}
+    backend = next((b for b in sorted(str(b) for b in backends if b is not None) if b != "nccl"), None)
+    if backend is not None:
+        raise RuntimeError(f"make_graphed_callables: {p._name()} reduces over a {backend!r} process group; "
+                           f"{backend} collectives cannot be captured in a CUDA graph (only NCCL's can). "
+                           f"Graph the model with its weights on an NCCL group, or run it eagerly")
+    if p.async_reduce:
+        raise ValueError(f"make_graphed_callables: {p._name()} has async_reduce=True; its wait runs on the "
+                         f"host and cannot be captured: build it with async_reduce=False")
+    if p.reduce_policy is not ReducePolicy.PER_MICROBATCH:
+        raise ValueError(f"make_graphed_callables: {p._name()} has reduce_policy={p.reduce_policy}; only "
+                         f"ReducePolicy.PER_MICROBATCH is captured (a PER_STEP buffer outlives the graphs)")
+    life = p._life
+    if life.graph_buffer is not None:
+        raise ValueError(f"make_graphed_callables: {p._name()} is already captured by other graphed "
+                         f"callables; reset() them first")
+    if life.open or life.buffer is not None or life.inflight:
+        raise ValueError(f"make_graphed_callables: {p._name()} has an open step; finish it "
+                         f"(finalize_model_grads) before graphing")
+
+
+def _use_first_flag(p: DistributedParameter) -> None:
+    """From now on a step that opens flags ``main_grad`` as holding nothing instead of zeroing it, for a
+    weight accumulating in place ([Note: an unwritten accumulator] in ``weights/first_write.py``). Builds the
+    flag-reading kernel now, outside any capture (a clear flag: nothing is written)."""
+    life, main_grad = p._life, p.main_grad
+    assert p.solo and main_grad is not None and main_grad.dtype == torch.float32, \
+        f"{p._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
+    if life.first_flag is None:
+        life.first_flag = first_write.new_flag(p.device)
+    life.flag_users += 1
+    first_write.zero_where_flagged(main_grad, life.first_flag)
+    if life.open and life.delivered == 0 and life.buffer is None:
+        life.first_flag.fill_(1)  # the open step's main_grad was zeroed when it opened: either is right
+        life.armed = True
+
+
+def _drop_first_flag(p: DistributedParameter) -> None:
+    """One set of graphs that read the flag is gone; after the last, a step that opens zeroes ``main_grad``."""
+    life = p._life
+    life.flag_users = max(life.flag_users - 1, 0)
+    if life.flag_users == 0:
+        life.settle_unwritten(p)
+        life.first_flag = None
+
+
+class CapturedWeights:
+    """The distinct distributed weights of one ``make_graphed_callables`` call, through its life: checked,
+    prepared, opened for the capture, closed, released by ``reset()``."""
+
+    def __init__(self, weights: Sequence[DistributedParameter]) -> None:
+        for p in weights:
+            _check(p)
+        self.weights = list(weights)
+        self.flagged: list[DistributedParameter] = []  # weights whose main_grad the steps flag instead of zeroing
+
+    def prepare(self) -> None:
+        """Before the warm-up: every weight gets a ``main_grad`` the graphs keep ([Note: main_grad lifetime]);
+        one accumulating in place flags it at each step instead of zeroing it, so the warm-up builds the
+        kernels that read the flag ([Note: an unwritten accumulator])."""
+        for p in self.weights:
+            p.keep_main_grad()
+        self.flagged = [p for p in self.weights if p.accumulates_in_place]
+        for p in self.flagged:
+            _use_first_flag(p)
+
+    def open_for_capture(self) -> None:
+        """After the warm-up: each weight's step opened eagerly (its ``main_grad.zero_()`` stays out of the
+        graphs), and a graph-owned buffer for each that does not accumulate in place."""
+        for p in self.weights:
+            p.discard_step()
+            p.expect_contribution(0)
+            if not p.accumulates_in_place:
+                p._life.graph_buffer = torch.zeros(p.full_shape, dtype=torch.float32, device=p.device)
+
+    def close_capture(self) -> None:
+        """After the captures, or their failure: the capture's step is gone, its flag cleared."""
+        for p in self.weights:
+            p.discard_step()
+            if p._life.first_flag is not None:  # the capture's opening set it; the step is gone
+                p._life.first_flag.zero_()
+
+    def release(self, *, failed: bool = False) -> None:
+        """``reset()`` (or, ``failed``, a capture that raised: its step is discarded too): the buffers and
+        flags the graphs baked in are dropped."""
+        for p in self.weights:
+            p._life.graph_buffer = None
+        for p in self.flagged:
+            if failed:
+                p.discard_step()
+            _drop_first_flag(p)
+        self.weights, self.flagged = [], []
+
+    def ledger(self) -> CaptureLedger:
+        return CaptureLedger(self.weights)
+
+
+def _snapshot(p: DistributedParameter) -> tuple:
+    life = p._life
+    return life.expected, life.delivered, life.reduced, life.buffer is not None, life.armed
+
+
+class CaptureLedger:
+    """The accounting changes one capture made to the weights, re-applied at each replay ([Note: captured
+    distributed weights] in ``distwgrad/graphs.py``)."""
+
+    def __init__(self, weights: list[DistributedParameter]) -> None:
+        self.weights, self.before = weights, [_snapshot(p) for p in weights]
+        self.changes: list[tuple[DistributedParameter, tuple, tuple]] = []
+
+    def close(self) -> CaptureLedger:
+        self.changes = [(p, b, _snapshot(p)) for p, b in zip(self.weights, self.before) if _snapshot(p) != b]
+        self.weights, self.before = [], []
+        return self
+
+    def apply(self, what: str) -> None:
+        for p, before, after in self.changes:
+            life = p._life
+            if (life.buffer is not None) != before[3]:
+                raise RuntimeError(f"{what}: {p._name()} has {'a' if life.buffer is not None else 'no'} gradient "
+                                   f"buffer pending, unlike at capture: a captured weight must not be used eagerly "
+                                   f"between graphed replays. [Note: captured distributed weights]")
+            if after[0] > before[0]:
+                p.expect_contribution(after[0] - before[0])
+            life.delivered += after[1] - before[1]
+            reduced = after[2] != before[2]
+            due = after[1] > before[1] and life.delivered == life.expected
+            if life.delivered > life.expected or reduced != due:
+                raise RuntimeError(f"{what}: {p._name()} has {life.delivered} of {life.expected} contributions, but "
+                                   f"its capture {'reduced' if reduced else 'did not reduce'} here: replay the "
+                                   f"graphed callables in their captured order, one microbatch at a time. "
+                                   f"[Note: captured distributed weights]")
+            if reduced:
+                life.reduced, life.has_grad = life.delivered, True
+            owned = life.graph_buffer  # None: a group of one, accumulating in main_grad
+            life.buffer = (owned if owned is not None else p._main_grad()) if after[3] else None
+            if before[4] and not after[4]:  # the replay wrote (or settled) main_grad and cleared the flag
+                life.armed = False

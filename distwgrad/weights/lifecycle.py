@@ -1,0 +1,423 @@
+"""The life of a distributed weight across a step: one state machine, and every cache tied to it.
+
+[Note: weight lifecycle]
+A :class:`Lifecycle` (``w._life``, one per weight) owns everything a weight holds between the forward
+that opens a step and the optimizer step that ends it: the counts of uses and contributions, the fp32
+buffer and the reductions in flight, the ``main_grad`` the weight made, the graph-owned buffer and flag a
+CUDA graph baked in, the caches, and the weight's paths for errors. Its state is ``w.state``::
+
+    IDLE --use--> PENDING --last contribution--> COMPLETE --reduction--> REDUCED --finalize--> FINALIZED
+                    ^                               |                      |                       |
+                    +------- another use (microbatch, tied use, retained graph) --------------------+
+    FINALIZED --optimizer step, load--> IDLE;  any state --discard--> IDLE
+
+* IDLE: no step open (a new weight, after an optimizer step or a load, after a discard).
+* PENDING: a forward recorded a use (``record_use``) whose contribution has not arrived.
+* COMPLETE: every recorded use delivered; some of it is not reduced yet (``PER_STEP``, or a coalesced
+  bucket waiting for another member).
+* REDUCED: every contribution is reduced into ``main_grad`` (with ``async_reduce``, maybe in flight).
+* FINALIZED: ``finalize_model_grads`` wrote ``.grad``; the optimizer may step.
+
+Checked transitions, each error naming the weight's paths: a contribution no recorded use accounts for
+(a delivery twice, a forward that bypassed the accounting); finalizing with a contribution missing
+(``MissingContributionError``); an optimizer step (any ``torch.optim`` optimizer: torch's global step hook)
+over a weight whose step has contributions but no finalize (``UnfinalizedStepError``: the step would train
+nothing); a checkpoint load into such a weight.
+
+The epoch. ``epoch`` counts the weight's step boundaries and the writes to its master that the runtime
+sees: it moves at every finalize and discard, at every optimizer step over the weight (fused, foreach or
+for-loop alike: the hook sees them all) and at every load. A cache (the FP8 per-tensor amax and the
+blockwise scale grid, a forward's amaxes kept for its backward, a coalesced unit's gathered and prefetched
+copies) records the epoch and the weight's ``_version`` it was made at, and is used only while both hold.
+Some writes bump neither (``.data``, which no hook sees): so a cache is stored only while a step is open
+(made by that step's forwards and backwards, for its later microbatches) and dies with the step; a
+forward outside a step (an eval) keeps nothing, and ``sync_weight_amax``'s explicit refresh (``pin``)
+lives until the next boundary. Whatever wrote the master between two steps, the next step finds no cache
+to go stale. ``_version`` only ever drops a cache, never keeps one. Writing a weight through ``.data``
+while its step is open is not supported: the step's contributions would mix two weights.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from distwgrad.weights import _accounting, first_write
+
+__all__ = ["WeightState", "ReducePolicy", "Lifecycle", "UnfinalizedStepError", "MissingContributionError",
+           "write_token", "weight_paths"]
+
+T = TypeVar("T")
+
+
+class WeightState(enum.Enum):
+    """Where a distributed weight is in its step: [Note: weight lifecycle]."""
+
+    IDLE = "idle"
+    PENDING = "pending"
+    COMPLETE = "complete"
+    REDUCED = "reduced"
+    FINALIZED = "finalized"
+
+
+class ReducePolicy(enum.Enum):
+    """When a weight reduces its gradient; see [Note: contribution accounting] in ``weights/base.py``."""
+
+    PER_MICROBATCH = "per_microbatch"
+    PER_STEP = "per_step"
+
+
+class _Phase(enum.Enum):
+    IDLE = 0
+    OPEN = 1
+    FINALIZED = 2
+
+
+class MissingContributionError(RuntimeError):
+    """A step was finished while some weight still expected gradient contributions."""
+
+
+class UnfinalizedStepError(RuntimeError):
+    """An optimizer step (or a load) over weights whose step has contributions that were never finalized."""
+
+
+# Why a contribution goes missing, and what to do; every accounting error ends with it.
+MISSING_CAUSES = (
+    "likely causes: a deferred wgrad never drained (drain_deferred_wgrads(model)); a forward output or a "
+    "tensor computed from it still holding its graph without a backward (keep out.detach() or out.item(), "
+    "or run that forward under torch.no_grad()); a backward interrupted by an error. Fix the cause and "
+    "finish again, or abandon the step: finalize_model_grads(model, discard=True)")
+
+# Bumped after every optimizer step over any parameter (torch's global step hook): the part of
+# write_token a plain parameter has instead of an epoch.
+_optimizer_steps = 0
+
+
+def write_token(p: torch.Tensor) -> tuple[int, int]:
+    """What a value derived from ``p`` records to be dropped when ``p`` is written: a distributed weight's
+    epoch ([Note: weight lifecycle]), for a plain parameter the process's optimizer-step count, and the
+    ``_version``. Equal tokens never prove ``p`` unchanged (``.data`` writes bump neither), so keep such a
+    value only inside one step."""
+    life = getattr(p, "_life", None)
+    return (life.epoch if isinstance(life, Lifecycle) else _optimizer_steps), p._version
+
+
+class Lifecycle:
+    """The per-step state of one distributed weight and its transitions ([Note: weight lifecycle]).
+
+    Every method that needs the weight takes it as ``w`` (the weight holds this object, not the other way
+    round, so copies and deep copies stay independent)."""
+
+    def __init__(self) -> None:
+        self.phase = _Phase.IDLE
+        self.step_id = 0  # moves when a step opens or is discarded: a Use of an older step no longer counts
+        self.epoch = 0
+        self.expected = self.delivered = self.reduced = 0
+        self.buffer: torch.Tensor | None = None  # the full-size fp32 accumulator of the open microbatch(es)
+        self.inflight: list[Callable[[], torch.Tensor]] = []  # launched reductions, oldest first
+        self.has_grad = False  # something reached main_grad this step
+        self.own_main_grad: torch.Tensor | None = None  # [Note: main_grad lifetime] in weights/base.py
+        self.first_flag: torch.Tensor | None = None  # [Note: an unwritten accumulator] in weights/first_write.py
+        self.armed = False  # the flag's host mirror
+        self.flag_users = 0  # sets of graphed callables whose graphs read the flag
+        self.graph_buffer: torch.Tensor | None = None  # [Note: captured distributed weights] in graphs.py
+        self.caches: dict[Hashable, tuple[int, int, Any]] = {}
+        self.names: tuple[str, ...] = ()
+        self.listeners: list[Callable[[], None]] = []  # called after each counted contribution
+
+    # --- state ---------------------------------------------------------------------------------------
+    @property
+    def state(self) -> WeightState:
+        if self.phase is _Phase.IDLE:
+            return WeightState.IDLE
+        if self.phase is _Phase.FINALIZED:
+            return WeightState.FINALIZED
+        if self.delivered < self.expected:
+            return WeightState.PENDING
+        return WeightState.COMPLETE if self.delivered > self.reduced else WeightState.REDUCED
+
+    @property
+    def open(self) -> bool:
+        return self.phase is _Phase.OPEN
+
+    @property
+    def pending(self) -> int:
+        return self.expected - self.delivered
+
+    def complete_unreduced(self) -> bool:
+        """Every contribution owed so far arrived, and some is not reduced yet (a coalesced bucket's test)."""
+        return self.open and self.delivered == self.expected and self.delivered > self.reduced \
+            and self.buffer is not None
+
+    def unfinalized(self) -> bool:
+        """Contributions arrived this step and no finalize took them (an optimizer step now would lose them)."""
+        return self.open and (self.delivered > 0 or self.has_grad)
+
+    # --- uses ----------------------------------------------------------------------------------------
+    def expect(self, w: Any, count: int) -> None:
+        """Records ``count`` uses; opens the step from IDLE or FINALIZED."""
+        if self.phase is not _Phase.OPEN:
+            self._open(w)
+        elif w._bucket is not None and w.reduce_policy is ReducePolicy.PER_MICROBATCH and self.complete_unreduced():
+            w._bucket.flush()  # used again before its bucket reduced: reduce what is complete now
+        self.expected += count
+
+    def _open(self, w: Any) -> None:
+        self.wait_inflight(w)  # nothing is in flight after a finalize; never leave one behind
+        self.phase = _Phase.OPEN
+        self.step_id += 1
+        self.expected = self.delivered = self.reduced = 0
+        self.has_grad = False
+        main_grad, own = getattr(w, "main_grad", None), self.own_main_grad
+        self.own_main_grad = None
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        if main_grad is not None and main_grad is own and not capturing:
+            w.main_grad = None  # released; a .grad that is it keeps it: [Note: main_grad lifetime]
+        elif main_grad is not None:
+            if w.grad is main_grad:  # the last step's .grad is still held: it keeps its values
+                w.grad = main_grad.clone()  # [Note: .grad is main_grad]
+            if self.first_flag is not None:  # [Note: an unwritten accumulator]
+                self.first_flag.fill_(1)
+                self.armed = True
+            else:
+                main_grad.zero_()
+
+    def withdraw(self, step: int) -> None:
+        """A use of ``step`` whose graph was freed without a backward; only lowers the count (it may run
+        inside the garbage collector, so it never reduces: the next reduction point takes the buffer). A step
+        left with nothing (a forward with grad whose output was dropped, an eval) is no step: IDLE again, its
+        caches dropped, so what it cached cannot outlive a write before the next real step."""
+        if step == self.step_id and self.open and self.expected > self.delivered:
+            self.expected -= 1
+            if (self.expected == 0 and self.delivered == 0 and self.buffer is None and not self.inflight
+                    and self.first_flag is None):
+                self.phase = _Phase.IDLE
+                self._boundary()
+
+    def is_current(self, step: int) -> bool:
+        return step == self.step_id and self.open
+
+    # --- contributions -------------------------------------------------------------------------------
+    def counted(self, w: Any) -> None:
+        """One contribution has been added into the buffer: count it, reduce when due."""
+        self.delivered += 1
+        if self.delivered > self.expected:
+            raise RuntimeError(
+                f"{w._name()} received contribution {self.delivered} but only {self.expected} uses needing a "
+                f"gradient were recorded this step (a wgrad delivered twice, a forward that bypassed "
+                f"expect_contribution, or reentrant activation checkpointing: use torch.utils.checkpoint(..., "
+                f"use_reentrant=False)); this step's gradient is wrong: abandon it with "
+                f"finalize_model_grads(model, discard=True)")
+        if w.reduce_policy is ReducePolicy.PER_MICROBATCH and self.delivered == self.expected:
+            if w._bucket is not None:
+                w._bucket.maybe_reduce()  # once no member of the bucket owes one: [Note: coalesced units]
+            else:
+                self.reduce_pending(w)
+        for listener in list(self.listeners):
+            listener()
+
+    def take_buffer(self) -> torch.Tensor:
+        """Hands the buffer to a reduction (a coalesced bucket's); every delivery so far is reduced."""
+        buffer, self.buffer = self.buffer, None
+        assert buffer is not None, "take_buffer without a buffer"
+        self.reduced, self.has_grad = self.delivered, True
+        return buffer
+
+    def reduce_pending(self, w: Any) -> None:
+        """Reduces what the buffer holds (COMPLETE -> REDUCED), alone or with the weight's bucket."""
+        if self.delivered == self.reduced or self.buffer is None:
+            return
+        if w._bucket is not None:
+            w._bucket.flush()  # this weight and every complete member of its bucket, in one collective
+            return
+        if self.buffer is getattr(w, "main_grad", None):  # accumulated in place: nothing to reduce
+            self.buffer = None
+            self.reduced, self.has_grad = self.delivered, True
+            return
+        if w.async_reduce:
+            _accounting.admit()  # the in-flight bound: [Note: contribution accounting] in weights/base.py
+        buffer = self.take_buffer()
+        finish = w._reduce(buffer, async_op=w.async_reduce)
+        del buffer  # the launched reduction holds what the collective still needs, nothing more
+        if w.async_reduce:
+            self.inflight.append(finish)
+            _accounting.launched(self, lambda: self.land_oldest(w), finish)
+        else:
+            w._main_grad().add_(finish())
+
+    def land_oldest(self, w: Any) -> None:
+        finish = self.inflight.pop(0)
+        _accounting.forget(self)
+        w._main_grad().add_(finish())
+
+    def wait_inflight(self, w: Any) -> int:
+        n = len(self.inflight)
+        while self.inflight:
+            self.land_oldest(w)
+        return n
+
+    # --- the end of a step ---------------------------------------------------------------------------
+    def finish(self, w: Any, scale: float | None) -> bool:
+        """COMPLETE or REDUCED -> FINALIZED: reduce what is left, scale, add to ``.grad``. A step with no
+        gradient (every use withdrawn), or no step, ends IDLE and returns False. Every call is a boundary
+        for the caches."""
+        self._boundary()
+        if not self.open:
+            return False
+        if self.delivered != self.expected:
+            raise MissingContributionError(
+                f"{w._name()}: {self.delivered} of {self.expected} gradient contributions this step arrived "
+                f"({MISSING_CAUSES})")
+        self.reduce_pending(w)
+        self.wait_inflight(w)
+        self.settle_unwritten(w)  # nothing arrived: main_grad reads as zeros ([Note: an unwritten accumulator])
+        self.phase = _Phase.FINALIZED if self.has_grad else _Phase.IDLE
+        if w._unit is not None:
+            w._unit.units.end_step()  # no gathered copy outlives the step
+        if not self.has_grad:
+            return False
+        main_grad = w._main_grad()
+        if scale is not None:
+            main_grad.mul_(scale)
+        grad = main_grad.to(w.dtype)  # main_grad itself where the dtypes agree
+        if w.grad is None:
+            w.grad = grad  # [Note: .grad is main_grad] in weights/base.py
+        elif w.grad is not grad:
+            w.grad.add_(grad)
+        w.grad_added_to_main_grad = True
+        return True
+
+    def discard(self, w: Any) -> None:
+        """Any state -> IDLE: reductions in flight are waited for (their collectives were launched on every
+        rank) and dropped, the buffer is freed, the counts reset; ``.grad`` and ``main_grad`` stay as they
+        are. Uses of the abandoned step no longer count."""
+        while self.inflight:
+            _accounting.forget(self)
+            self.inflight.pop(0)()
+        self.settle_unwritten(w)
+        self.buffer = None
+        self.expected = self.delivered = self.reduced = 0
+        self.phase, self.has_grad = _Phase.IDLE, False
+        self.step_id += 1
+        self._boundary()
+        if w._unit is not None:
+            w._unit.units.end_step()
+
+    def written(self, w: Any, by: str) -> None:
+        """The master was written (``by``: an optimizer step, a load): FINALIZED -> IDLE, caches dropped.
+        Refused while contributions of an open step wait for their finalize."""
+        if self.unfinalized():
+            raise UnfinalizedStepError(unfinalized_message([w], by))
+        self._boundary()
+        if self.phase is _Phase.FINALIZED:
+            self.phase = _Phase.IDLE
+
+    def _boundary(self) -> None:
+        self.epoch += 1
+        self.caches.clear()
+
+    # --- caches --------------------------------------------------------------------------------------
+    def cached(self, w: Any, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``'s value for ``key``, reused while it is current ([Note: weight lifecycle]); stored only
+        while the step is open."""
+        entry = self.caches.get(key)
+        if entry is not None and entry[0] == self.epoch and entry[1] == w._version:
+            return entry[2]
+        value = make()
+        if self.open:
+            self.caches[key] = (self.epoch, w._version, value)
+        else:
+            self.caches.pop(key, None)
+        return value
+
+    def pin(self, w: Any, key: Hashable, value: Any) -> None:
+        """Stores ``value`` for ``key`` whatever the state, until the next boundary (an explicit refresh:
+        ``sync_weight_amax`` computes the amaxes of the step about to open)."""
+        self.caches[key] = (self.epoch, w._version, value)
+
+    # --- [Note: an unwritten accumulator] ------------------------------------------------------------
+    def settle_unwritten(self, w: Any) -> None:
+        """Eagerly: zeros in ``main_grad`` if the open step flagged it and nothing arrived yet."""
+        main_grad = getattr(w, "main_grad", None)
+        if self.armed and self.first_flag is not None and main_grad is not None:
+            first_write.settle(main_grad, self.first_flag, capturing=False)
+        self.armed = False
+
+
+# --- names ---------------------------------------------------------------------------------------------
+
+def weight_paths(w: torch.Tensor) -> tuple[str, ...]:
+    """``w``'s paths from the outermost modules that hold it (``blocks.0.attn.qkv.weight``), found among the
+    live modules: for errors raised where no model is at hand (an optimizer step). Slow (it walks every
+    live module); never on a hot path."""
+    modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]  # type(): no proxy warns
+    parent: dict[int, tuple[nn.Module, str]] = {}
+    for m in modules:
+        for name, child in m.named_children():
+            parent.setdefault(id(child), (m, name))
+    paths = []
+    for m in modules:
+        for name, p in m.named_parameters(recurse=False):
+            if p is w:
+                parts, node, seen = [name], m, {id(m)}
+                while id(node) in parent:
+                    node, child_name = parent[id(node)]
+                    if id(node) in seen:
+                        break
+                    seen.add(id(node))
+                    parts.append(child_name)
+                paths.append(".".join(reversed(parts)))
+    return tuple(sorted(set(paths), key=lambda s: (s.count("."), s), reverse=True))
+
+
+def unfinalized_message(weights: Iterable[Any], by: str) -> str:
+    names = [w._name() if w._life.names else f"{' = '.join(weight_paths(w)) or '<unnamed>'} ({w._describe()})"
+             for w in weights]
+    return (f"{by} over distributed weights whose step has gradient contributions that were never finalized: "
+            f"{'; '.join(names)}. Call distwgrad.finalize_model_grads(model) after the step's backward(s) and "
+            f"drains and before optimizer.step() (without it the optimizer sees no gradient and the step "
+            f"trains nothing); to abandon the step instead: distwgrad.finalize_model_grads(model, discard=True)")
+
+
+# --- the optimizer step, whichever optimizer ---------------------------------------------------------------
+
+def _distributed_params(optimizer: torch.optim.Optimizer) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(getattr(p, "_life", None), Lifecycle):
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    unfinished = [p for p in _distributed_params(optimizer) if p._life.unfinalized()]
+    if unfinished:
+        raise UnfinalizedStepError(unfinalized_message(unfinished, f"{type(optimizer).__name__}.step()"))
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+    for p in _distributed_params(optimizer):
+        p._life.written(p, f"{type(optimizer).__name__}.step()")
+
+
+_hooks_installed = False
+
+
+def install_optimizer_hooks() -> None:
+    """Registers, once per process, torch's global optimizer step hooks that keep every weight's lifecycle
+    in step with its optimizer (fused, foreach and for-loop ``torch.optim`` optimizers all call them)."""
+    global _hooks_installed
+    if not _hooks_installed:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_before_optimizer_step)
+        register_optimizer_step_post_hook(_after_optimizer_step)
+        _hooks_installed = True
