@@ -92,7 +92,7 @@ def enter_no_sync(p: nn.Parameter) -> None:
 
     Switching is safe at any point of a step: a weight's buffer always holds exactly the contributions
     delivered since its last reduction, and the policy only decides *when* the next reduction happens
-    (``weights/base.py``: ``finalize_group_grads`` / ``_reduce_pending``), never what it contains.
+    ([Note: weight lifecycle]: ``Lifecycle.counted`` / ``reduce_pending``), never what it contains.
     """
     depth = getattr(p, _DEPTH, 0)
     if depth == 0 and isinstance(p, DistributedParameter):

@@ -2,7 +2,8 @@
 
 A weight knows how many gradient contributions a step owes it and how many have arrived, and it reduces
 exactly when they are all there. Subclasses only say how to gather (``_gather``) and how to reduce a
-full-size fp32 buffer to their local shape (``_reduce``).
+full-size fp32 buffer to their local shape (``_reduce``). The step's state and its transitions are the
+weight's lifecycle ([Note: weight lifecycle] in ``weights/lifecycle.py``); the Notes below say what they do.
 
 [Note: contribution accounting]
 * A module's forward records one *use* per weight that will need a gradient (grad mode on, weight

@@ -8,7 +8,7 @@ read. A CUDA graph cannot do that: it bakes ``main_grad``'s address in, and the 
 every microbatch, so the host cannot choose between writing (a step's first microbatch) and adding (the
 others). Zeroing ``main_grad`` when each step opens costs a memset of 4 bytes per parameter, and the first
 wgrad then reads those zeros back. So a weight that graphed callables captured carries a flag, one int32 on
-its device (``DistributedParameter._use_first_flag``, set by ``distwgrad.make_graphed_callables``):
+its device (set by ``distwgrad.make_graphed_callables`` through ``weights/capture.py``):
 
 * A step that opens sets the flag (``fill_(1)``) and leaves ``main_grad`` as it is; what it holds is stale
   until the first contribution.
@@ -16,7 +16,7 @@ its device (``DistributedParameter._use_first_flag``, set by ``distwgrad.make_gr
   Gluon kernels, bf16 and FP8) reads it on the device: set, every tile of the output is written where it
   would be added into (an empty group's as zeros); the caller clears the flag after the launch
   (``first.zero_()``, ordered after the kernel on the stream). ``run_wgrad(..., unwritten=)`` is that path,
-  taken for a lone weight while its flag may be set (``_take_unwritten``).
+  taken for a lone weight while its flag may be set (``DistributedParameter.take_unwritten``).
 * Any other first contribution (cuBLAS's dense wgrad, a bias, a list of weights, the reference routes)
   settles first (``settle``): eagerly ``main_grad.zero_()``; under capture a kernel that reads the flag and
   returns at once when it is clear (``zero_where_flagged``), so the graph's later microbatches pay one launch,
