@@ -242,6 +242,9 @@ def test_every_named_test_exists():
                 bad.append(f"{e.id}: {path}::{name}" + (f"[{case}]" if case else ""))
     assert not bad, f"docs/errors.md names tests that do not exist: {bad}"
     assert tested >= MIN_TESTED, f"only {tested} catalogued errors name a test; want >= {MIN_TESTED}"
+    said = re.search(r"(\d+) errors, (\d+)\s+of them with a test", CATALOGUE.read_text())
+    assert said and (int(said[1]), int(said[2])) == (len(entries), tested), \
+        f"docs/errors.md's opening says {said and said.groups()}; the table has {len(entries)} errors, {tested} tested"
 
 
 def test_a_new_raise_site_fails_with_the_row_to_add(tmp_path):
