@@ -26,7 +26,6 @@ import distwgrad
 from distwgrad.nn import GroupedLinear, Linear
 from distwgrad.testing.interpreter import run_interpreted
 from distwgrad.weights import first_write
-from distwgrad.weights.capture import _use_first_flag
 
 _HERE = os.path.abspath(__file__)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -223,7 +222,7 @@ def test_flagged_steps_match_zeroed_steps(microbatches):
             flagged_step = _train_step(flagged, xs, splits)  # the weights' own main_grad, kept from here on
             for p in flagged.parameters():
                 p.keep_main_grad()
-                _use_first_flag(p)
+                p._life.use_first_flag(p)
         else:
             for p in flagged.parameters():
                 p.main_grad.fill_(float("nan"))  # what a step must never read: the last step's values
@@ -248,7 +247,7 @@ def test_a_step_with_nothing_delivered_leaves_zeros():
     distwgrad.drain_deferred_wgrads(m)
     distwgrad.finalize_model_grads(m)
     w.keep_main_grad()
-    _use_first_flag(w)
+    w._life.use_first_flag(w)
     for end in ("finish", "discard"):
         w.main_grad.fill_(3.0)
         w.expect_contribution(0)
@@ -371,7 +370,7 @@ def test_gpu_graphed_steps_write_first(nccl_world, recipe, microbatches, gpu):  
     eager, graphed = build(), build()
     for p in eager.parameters():
         p.keep_main_grad()
-        _use_first_flag(p)
+        p._life.use_first_flag(p)
     x0 = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
     g = distwgrad.make_graphed_callables(graphed, (x0, splits), fp8_enabled=rec is not None, fp8_recipe=rec)
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -129,9 +129,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from distwgrad.weights import _accounting, _comm, first_write
+from distwgrad.weights import _accounting, _comm
 from distwgrad.weights.lifecycle import (
-    MISSING_CAUSES,
     Lifecycle,
     MissingContributionError,
     ReducePolicy,
@@ -147,7 +146,6 @@ T = TypeVar("T")
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
 _SHARED_HANDLES = frozenset({"group", "replicate_group", "mesh"})
-_MISSING_CAUSES = MISSING_CAUSES
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -270,29 +268,7 @@ class DistributedParameter(nn.Parameter):
         return [self._gather()]
 
     def grad_buffer(self) -> torch.Tensor:
-        life = self._life
-        if life.buffer is None:
-            life.wait_inflight(self)  # one full-size buffer per weight at a time: [Note: contribution accounting]
-            if self._in_place():
-                # [Note: a group of one]: a CUDA graph captures the same in-place accumulation eager code
-                # runs (the same adds in the same order), and keeps main_grad: [Note: main_grad lifetime]
-                capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-                life.buffer = self._main_grad(keep=capturing)
-                if life.first_flag is not None and (capturing or life.armed):
-                    # added into: zeros first where it holds nothing ([Note: an unwritten accumulator])
-                    first_write.settle(life.buffer, life.first_flag, capturing=capturing)
-                    life.armed = False
-            elif self.is_cuda and torch.cuda.is_current_stream_capturing():
-                if life.graph_buffer is None:
-                    raise RuntimeError(
-                        f"{self._name()}: a distributed weight's gradient buffer is allocated and freed once per "
-                        f"reduction, so a hand-made capture cannot bake it in; graph the model with "
-                        f"distwgrad.make_graphed_callables (a graph-owned buffer) or run backward_dw() outside "
-                        f"the graph. [Note: captured distributed weights] in distwgrad/graphs.py")
-                life.buffer = life.graph_buffer.zero_()  # the capture zeroes it where eager code allocates
-            else:
-                life.buffer = torch.zeros(self.full_shape, dtype=torch.float32, device=self.device)
-        return life.buffer
+        return self._life.grad_buffer(self)
 
     def ready_for_fresh_grad(self) -> bool:
         """Whether the step's next contribution may arrive as a fresh fp32 tensor that becomes the buffer
@@ -300,48 +276,20 @@ class DistributedParameter(nn.Parameter):
         reduction, no CUDA graph is capturing (a capture's buffers are baked in), and in place only while
         the weight has no ``main_grad`` (one that exists, attached or this step's, is added into). Lands the
         weight's reductions in flight first, as ``grad_buffer()`` does before it allocates."""
-        if self._life.buffer is not None or not self._life.open:
-            return False
-        if self.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        self._life.wait_inflight(self)
-        return not self._in_place() or getattr(self, "main_grad", None) is None
+        return self._life.ready_for_fresh(self)
 
     def adopt_grad_buffer(self, wgrad: torch.Tensor) -> None:
         """Takes ``wgrad`` (a fresh fp32 product the caller made for this weight alone) as the buffer, after
         ``ready_for_fresh_grad()``; in place it is the weight's own ``main_grad`` ([Note: main_grad
         lifetime]). ``finalize_group_grads(wgrad)`` then counts it without an add."""
-        if (tuple(wgrad.shape) != tuple(self.full_shape) or wgrad.dtype != torch.float32
-                or wgrad.device != self.device or not wgrad.is_contiguous()):
-            raise RuntimeError(f"{self._name()}: a fresh first contribution must be a contiguous float32 tensor of "
-                               f"the full shape {tuple(self.full_shape)} on {self.device}, got "
-                               f"{wgrad.dtype} {tuple(wgrad.shape)} on {wgrad.device} (contiguous: "
-                               f"{wgrad.is_contiguous()})")
-        if self._in_place():
-            self.main_grad = self._life.own_main_grad = wgrad
-        self._life.buffer = wgrad
+        self._life.adopt(self, wgrad)
 
     def take_unwritten(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(main_grad, flag)`` for a kernel that reads the flag, when this contribution is the first of its
         microbatch into a flagged ``main_grad`` (eagerly: the host knows the flag is set; under capture: it
         may be, on some replay); it becomes the buffer. None: use ``grad_buffer()``. The caller launches the
         kernel, then clears the flag ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
-        life = self._life
-        if life.first_flag is None or life.buffer is not None or not self._in_place():
-            return None
-        capturing = self.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not (capturing or life.armed):
-            return None
-        life.buffer = self._main_grad(keep=capturing)
-        life.armed = False
-        return life.buffer, life.first_flag
-
-    def _in_place(self) -> bool:
-        """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one]."""
-        if not self._solo or not self._life.open:  # a closed step's main_grad is released or zeroed at the next
-            return False
-        main_grad = getattr(self, "main_grad", None)
-        return main_grad is None or main_grad.dtype == torch.float32
+        return self._life.take_unwritten(self)
 
     @property
     def accumulates_in_place(self) -> bool:
@@ -397,15 +345,7 @@ class DistributedParameter(nn.Parameter):
     main_grad: torch.Tensor | None  # annotation only: an attribute that does not exist until set (hasattr)
 
     def _main_grad(self, keep: bool = False) -> torch.Tensor:
-        """``main_grad_of(self)``; one it creates is the weight's own, released when the next step opens,
-        unless ``keep`` (a CUDA graph bakes in its address): [Note: main_grad lifetime]."""
-        created = getattr(self, "main_grad", None) is None
-        main_grad = main_grad_of(self)
-        if keep:
-            self._life.own_main_grad = None
-        elif created:
-            self._life.own_main_grad = main_grad
-        return main_grad
+        return self._life.main_grad(self, keep)
 
     def keep_main_grad(self) -> torch.Tensor:
         """``main_grad``, made now if absent and kept from now on (a CUDA graph bakes in its address:

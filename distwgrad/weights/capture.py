@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from distwgrad.weights import first_write
 from distwgrad.weights.base import DistributedParameter
 from distwgrad.weights.lifecycle import ReducePolicy
 
@@ -47,31 +46,6 @@ def _check(p: DistributedParameter) -> None:
                          f"(finalize_model_grads) before graphing")
 
 
-def _use_first_flag(p: DistributedParameter) -> None:
-    """From now on a step that opens flags ``main_grad`` as holding nothing instead of zeroing it, for a
-    weight accumulating in place ([Note: an unwritten accumulator] in ``weights/first_write.py``). Builds the
-    flag-reading kernel now, outside any capture (a clear flag: nothing is written)."""
-    life, main_grad = p._life, p.main_grad
-    assert p.solo and main_grad is not None and main_grad.dtype == torch.float32, \
-        f"{p._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
-    if life.first_flag is None:
-        life.first_flag = first_write.new_flag(p.device)
-    life.flag_users += 1
-    first_write.zero_where_flagged(main_grad, life.first_flag)
-    if life.open and life.delivered == 0 and life.buffer is None:
-        life.first_flag.fill_(1)  # the open step's main_grad was zeroed when it opened: either is right
-        life.armed = True
-
-
-def _drop_first_flag(p: DistributedParameter) -> None:
-    """One set of graphs that read the flag is gone; after the last, a step that opens zeroes ``main_grad``."""
-    life = p._life
-    life.flag_users = max(life.flag_users - 1, 0)
-    if life.flag_users == 0:
-        life.settle_unwritten(p)
-        life.first_flag = None
-
-
 class CapturedWeights:
     """The distinct distributed weights of one ``make_graphed_callables`` call, through its life: checked,
     prepared, opened for the capture, closed, released by ``reset()``."""
@@ -90,7 +64,7 @@ class CapturedWeights:
             p.keep_main_grad()
         self.flagged = [p for p in self.weights if p.accumulates_in_place]
         for p in self.flagged:
-            _use_first_flag(p)
+            p._life.use_first_flag(p)
 
     def open_for_capture(self) -> None:
         """After the warm-up: each weight's step opened eagerly (its ``main_grad.zero_()`` stays out of the
@@ -116,16 +90,11 @@ class CapturedWeights:
         for p in self.flagged:
             if failed:
                 p.discard_step()
-            _drop_first_flag(p)
+            p._life.drop_first_flag(p)
         self.weights, self.flagged = [], []
 
     def ledger(self) -> CaptureLedger:
         return CaptureLedger(self.weights)
-
-
-def _snapshot(p: DistributedParameter) -> tuple:
-    life = p._life
-    return life.expected, life.delivered, life.reduced, life.buffer is not None, life.armed
 
 
 class CaptureLedger:
@@ -133,34 +102,15 @@ class CaptureLedger:
     distributed weights] in ``distwgrad/graphs.py``)."""
 
     def __init__(self, weights: list[DistributedParameter]) -> None:
-        self.weights, self.before = weights, [_snapshot(p) for p in weights]
+        self.weights, self.before = weights, [p._life.snapshot() for p in weights]
         self.changes: list[tuple[DistributedParameter, tuple, tuple]] = []
 
     def close(self) -> CaptureLedger:
-        self.changes = [(p, b, _snapshot(p)) for p, b in zip(self.weights, self.before) if _snapshot(p) != b]
+        self.changes = [(p, b, p._life.snapshot()) for p, b in zip(self.weights, self.before)
+                        if p._life.snapshot() != b]
         self.weights, self.before = [], []
         return self
 
     def apply(self, what: str) -> None:
         for p, before, after in self.changes:
-            life = p._life
-            if (life.buffer is not None) != before[3]:
-                raise RuntimeError(f"{what}: {p._name()} has {'a' if life.buffer is not None else 'no'} gradient "
-                                   f"buffer pending, unlike at capture: a captured weight must not be used eagerly "
-                                   f"between graphed replays. [Note: captured distributed weights]")
-            if after[0] > before[0]:
-                p.expect_contribution(after[0] - before[0])
-            life.delivered += after[1] - before[1]
-            reduced = after[2] != before[2]
-            due = after[1] > before[1] and life.delivered == life.expected
-            if life.delivered > life.expected or reduced != due:
-                raise RuntimeError(f"{what}: {p._name()} has {life.delivered} of {life.expected} contributions, but "
-                                   f"its capture {'reduced' if reduced else 'did not reduce'} here: replay the "
-                                   f"graphed callables in their captured order, one microbatch at a time. "
-                                   f"[Note: captured distributed weights]")
-            if reduced:
-                life.reduced, life.has_grad = life.delivered, True
-            owned = life.graph_buffer  # None: a group of one, accumulating in main_grad
-            life.buffer = (owned if owned is not None else p._main_grad()) if after[3] else None
-            if before[4] and not after[4]:  # the replay wrote (or settled) main_grad and cleared the flag
-                life.armed = False
+            p._life.replay(p, before, after, what)

@@ -248,18 +248,97 @@ class Lifecycle:
             self.inflight.append(finish)
             _accounting.launched(self, lambda: self.land_oldest(w), finish)
         else:
-            w._main_grad().add_(finish())
+            self.main_grad(w).add_(finish())
 
     def land_oldest(self, w: Any) -> None:
         finish = self.inflight.pop(0)
         _accounting.forget(self)
-        w._main_grad().add_(finish())
+        self.main_grad(w).add_(finish())
 
     def wait_inflight(self, w: Any) -> int:
         n = len(self.inflight)
         while self.inflight:
             self.land_oldest(w)
         return n
+
+    # --- the buffer ----------------------------------------------------------------------------------
+    def in_place(self, w: Any) -> bool:
+        """Whether wgrads accumulate straight into ``main_grad``: [Note: a group of one] in weights/base.py."""
+        if not w.solo or not self.open:  # a closed step's main_grad is released or zeroed at the next
+            return False
+        main_grad = getattr(w, "main_grad", None)
+        return main_grad is None or main_grad.dtype == torch.float32
+
+    def main_grad(self, w: Any, keep: bool = False) -> torch.Tensor:
+        """``main_grad_of(w)``; one it creates is the weight's own, released when the next step opens, unless
+        ``keep`` (a CUDA graph bakes in its address): [Note: main_grad lifetime] in weights/base.py."""
+        from distwgrad.weights.base import main_grad_of  # late: base imports this module
+
+        created = getattr(w, "main_grad", None) is None
+        main_grad = main_grad_of(w)
+        if keep:
+            self.own_main_grad = None
+        elif created:
+            self.own_main_grad = main_grad
+        return main_grad
+
+    def grad_buffer(self, w: Any) -> torch.Tensor:
+        """The buffer the step's contributions accumulate in, made at the first one ([Note: contribution
+        accounting], [Note: a group of one] in weights/base.py)."""
+        if self.buffer is None:
+            self.wait_inflight(w)  # one full-size buffer per weight at a time
+            capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+            if self.in_place(w):
+                # a CUDA graph captures the same in-place accumulation eager code runs (the same adds in the
+                # same order), and keeps main_grad: [Note: main_grad lifetime]
+                self.buffer = self.main_grad(w, keep=capturing)
+                if self.first_flag is not None and (capturing or self.armed):
+                    # added into: zeros first where it holds nothing ([Note: an unwritten accumulator])
+                    first_write.settle(self.buffer, self.first_flag, capturing=capturing)
+                    self.armed = False
+            elif capturing:
+                if self.graph_buffer is None:
+                    raise RuntimeError(
+                        f"{w._name()}: a distributed weight's gradient buffer is allocated and freed once per "
+                        f"reduction, so a hand-made capture cannot bake it in; graph the model with "
+                        f"distwgrad.make_graphed_callables (a graph-owned buffer) or run backward_dw() outside "
+                        f"the graph. [Note: captured distributed weights] in distwgrad/graphs.py")
+                self.buffer = self.graph_buffer.zero_()  # the capture zeroes it where eager code allocates
+            else:
+                self.buffer = torch.zeros(w.full_shape, dtype=torch.float32, device=w.device)
+        return self.buffer
+
+    def ready_for_fresh(self, w: Any) -> bool:
+        """``DistributedParameter.ready_for_fresh_grad``: [Note: a fresh first contribution]."""
+        if self.buffer is not None or not self.open:
+            return False
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        self.wait_inflight(w)
+        return not self.in_place(w) or getattr(w, "main_grad", None) is None
+
+    def adopt(self, w: Any, wgrad: torch.Tensor) -> None:
+        """``DistributedParameter.adopt_grad_buffer``: ``wgrad`` becomes the buffer."""
+        if (tuple(wgrad.shape) != tuple(w.full_shape) or wgrad.dtype != torch.float32
+                or wgrad.device != w.device or not wgrad.is_contiguous()):
+            raise RuntimeError(f"{w._name()}: a fresh first contribution must be a contiguous float32 tensor of "
+                               f"the full shape {tuple(w.full_shape)} on {w.device}, got "
+                               f"{wgrad.dtype} {tuple(wgrad.shape)} on {wgrad.device} (contiguous: "
+                               f"{wgrad.is_contiguous()})")
+        if self.in_place(w):
+            w.main_grad = self.own_main_grad = wgrad
+        self.buffer = wgrad
+
+    def take_unwritten(self, w: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``DistributedParameter.take_unwritten``: [Note: an unwritten accumulator]."""
+        if self.first_flag is None or self.buffer is not None or not self.in_place(w):
+            return None
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (capturing or self.armed):
+            return None
+        self.buffer = self.main_grad(w, keep=capturing)
+        self.armed = False
+        return self.buffer, self.first_flag
 
     # --- the end of a step ---------------------------------------------------------------------------
     def finish(self, w: Any, scale: float | None) -> bool:
@@ -281,7 +360,7 @@ class Lifecycle:
             w._unit.units.end_step()  # no gathered copy outlives the step
         if not self.has_grad:
             return False
-        main_grad = w._main_grad()
+        main_grad = self.main_grad(w)
         if scale is not None:
             main_grad.mul_(scale)
         grad = main_grad.to(w.dtype)  # main_grad itself where the dtypes agree
@@ -347,6 +426,58 @@ class Lifecycle:
         if self.armed and self.first_flag is not None and main_grad is not None:
             first_write.settle(main_grad, self.first_flag, capturing=False)
         self.armed = False
+
+
+    def use_first_flag(self, w: Any) -> None:
+        """From now on a step that opens flags ``main_grad`` as holding nothing instead of zeroing it, for a
+        weight accumulating in place; builds the flag-reading kernel now, outside any capture (a clear flag:
+        nothing is written). Counted: one per set of graphs that reads the flag."""
+        main_grad = w.main_grad
+        assert w.solo and main_grad is not None and main_grad.dtype == torch.float32, \
+            f"{w._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
+        if self.first_flag is None:
+            self.first_flag = first_write.new_flag(w.device)
+        self.flag_users += 1
+        first_write.zero_where_flagged(main_grad, self.first_flag)
+        if self.open and self.delivered == 0 and self.buffer is None:
+            self.first_flag.fill_(1)  # the open step's main_grad was zeroed when it opened: either is right
+            self.armed = True
+
+    def drop_first_flag(self, w: Any) -> None:
+        """One set of graphs that read the flag is gone; after the last, a step that opens zeroes ``main_grad``."""
+        self.flag_users = max(self.flag_users - 1, 0)
+        if self.flag_users == 0:
+            self.settle_unwritten(w)
+            self.first_flag = None
+
+    # --- [Note: captured distributed weights] in distwgrad/graphs.py -------------------------------------
+    def snapshot(self) -> tuple:
+        """What a capture's replay re-applies: the counts, whether a buffer is held, the flag's mirror."""
+        return self.expected, self.delivered, self.reduced, self.buffer is not None, self.armed
+
+    def replay(self, w: Any, before: tuple, after: tuple, what: str) -> None:
+        """Applies the accounting change a capture made (``before`` -> ``after`` snapshots), which the replay
+        of its graph skipped; raises if the weight is not where the capture left it."""
+        if (self.buffer is not None) != before[3]:
+            raise RuntimeError(f"{what}: {w._name()} has {'a' if self.buffer is not None else 'no'} gradient "
+                               f"buffer pending, unlike at capture: a captured weight must not be used eagerly "
+                               f"between graphed replays. [Note: captured distributed weights]")
+        if after[0] > before[0]:
+            self.expect(w, after[0] - before[0])
+        self.delivered += after[1] - before[1]
+        reduced = after[2] != before[2]
+        due = after[1] > before[1] and self.delivered == self.expected
+        if self.delivered > self.expected or reduced != due:
+            raise RuntimeError(f"{what}: {w._name()} has {self.delivered} of {self.expected} contributions, but "
+                               f"its capture {'reduced' if reduced else 'did not reduce'} here: replay the "
+                               f"graphed callables in their captured order, one microbatch at a time. "
+                               f"[Note: captured distributed weights]")
+        if reduced:
+            self.reduced, self.has_grad = self.delivered, True
+        owned = self.graph_buffer  # None: a group of one, accumulating in main_grad
+        self.buffer = (owned if owned is not None else self.main_grad(w)) if after[3] else None
+        if before[4] and not after[4]:  # the replay wrote (or settled) main_grad and cleared the flag
+            self.armed = False
 
 
 # --- names ---------------------------------------------------------------------------------------------

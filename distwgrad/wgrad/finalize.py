@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from distwgrad.weights import _comm
-from distwgrad.weights.base import _MISSING_CAUSES, DistributedParameter, MissingContributionError
+from distwgrad.weights.base import DistributedParameter, MissingContributionError
+from distwgrad.weights.lifecycle import MISSING_CAUSES
 from distwgrad.wgrad.plain import plan_plain_params
 from distwgrad.wgrad.plain import reduce_plain_params as reduce_plain
 from distwgrad.wgrad.scheduler import deferred_modules, undrained
@@ -152,7 +153,7 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
     if missing:
         raise MissingContributionError(
             "finalize_model_grads: gradient contributions missing (uses recorded in forward whose gradient "
-            f"never arrived): {'; '.join(missing)}. {_MISSING_CAUSES}")
+            f"never arrived): {'; '.join(missing)}. {MISSING_CAUSES}")
     scales = _token_scales(num_tokens, [p for _, p in params])
     finished = sum(bool(p.finish_step(scales.get(id(p)))) for _, p in params)
     reduce_plain(chunks, num_tokens, plan=plain)
