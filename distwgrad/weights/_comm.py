@@ -2,6 +2,17 @@
 
 Every helper takes the group explicitly (no module-level group globals) and treats ``group=None`` with
 no initialised process group as a group of one, so single-process code needs no ``init_process_group``.
+
+[Note: process groups at exit]
+A gloo process group that is still alive when the interpreter tears down (a reference kept past
+``destroy_process_group()``) is destroyed there, and that intermittently aborts the process after its last
+line ran ("terminate called without an active exception", exit -6; seen in a quarter of 2-rank runs on
+torch 2.13). Two things kept groups alive in ordinary distwgrad scripts: the weights themselves, which
+now refer to their groups weakly ([Note: groups held weakly] in ``weights/base.py``), and torch itself:
+``torch.distributed._shard``, imported on first use by dynamo (the first optimizer step imports dynamo),
+keeps the default group alive when it is first imported after ``init_process_group``. Importing it here,
+with distwgrad, before any group exists, avoids that (11 ms); a script that imports distwgrad after
+``init_process_group`` should import ``torch.distributed._shard`` before it.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._shard  # noqa: F401  (before any group exists: [Note: process groups at exit])
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["resolve_group", "resolve_groups", "group_rank", "group_size", "all_gather_into", "reduce_scatter_sum",

@@ -123,6 +123,7 @@ FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, for distwgrad's weights (``pa
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -145,7 +146,7 @@ T = TypeVar("T")
 # The dtypes a weight may compute in ([Note: mixed precision]); FP8 goes through a recipe instead.
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
-_SHARED_HANDLES = frozenset({"group", "replicate_group", "mesh"})
+_SHARED_HANDLES = frozenset({"_group_ref", "_replicate_ref", "mesh"})
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -192,8 +193,9 @@ class DistributedParameter(nn.Parameter):
 
     is_distributed_weight = True
     acts_for_itself = True  # each weight is a group of its own: [Note: one-member groups exchange bare tensors]
-    replicate_group: Any = None  # set by _init_state; [Note: device meshes] in weights/sharded.py
-    mesh: Any = None
+    mesh: Any = None  # set by _init_state; [Note: device meshes] in weights/sharded.py
+    _group_ref: Any = None  # weak references to the process groups: [Note: groups held weakly]
+    _replicate_ref: Any = None
     _unit: Any = None  # the distwgrad.coalesce unit owning this weight, and its bucket if it coalesces
     _bucket: Any = None  # [Note: coalesced units] in weights/units.py
     _life: Lifecycle
@@ -221,6 +223,41 @@ class DistributedParameter(nn.Parameter):
         self.bytes_gathered = 0
         self.bytes_reduced = 0
         install_optimizer_hooks()
+
+    # [Note: groups held weakly]
+    # A weight refers to its process groups weakly: torch's registry keeps a group alive until
+    # ``destroy_process_group()``, and a group a weight (and so a model kept to the end of a script) held on
+    # to would be destroyed during the interpreter's teardown instead, where gloo's intermittently aborts the
+    # process ([Note: process groups at exit] in ``weights/_comm.py``).
+    # A weight used after its group was destroyed says so, rather than falling back to a group of one. (A
+    # ``DeviceMesh`` holds its groups itself, so a weight built on a mesh keeps them alive through it, as
+    # FSDP2's parameters do: drop the model or the mesh before ``destroy_process_group()`` there.)
+    @property
+    def group(self) -> Any:
+        """The shard group (None: a group of one, no process group initialised)."""
+        return self._deref(self._group_ref, "process group")
+
+    @group.setter
+    def group(self, group: Any) -> None:
+        self._group_ref = None if group is None else weakref.ref(group)
+
+    @property
+    def replicate_group(self) -> Any:
+        """The replicas' group of a 2-D mesh, else None ([Note: device meshes] in weights/sharded.py)."""
+        return self._deref(self._replicate_ref, "replicate group")
+
+    @replicate_group.setter
+    def replicate_group(self, group: Any) -> None:
+        self._replicate_ref = None if group is None else weakref.ref(group)
+
+    def _deref(self, ref: Any, what: str) -> Any:
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError(f"{self._describe()}: its {what} was destroyed (destroy_process_group()); the weight "
+                               f"cannot gather or reduce any more")
+        return group
 
     @property
     def dp_size(self) -> int:

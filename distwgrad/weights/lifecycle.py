@@ -7,9 +7,10 @@ buffer and the reductions in flight, the ``main_grad`` the weight made, the grap
 CUDA graph baked in, the caches, and the weight's paths for errors. Its state is ``w.state``::
 
     IDLE --use--> PENDING --last contribution--> COMPLETE --reduction--> REDUCED --finalize--> FINALIZED
-                    ^                               |                      |                       |
-                    +------- another use (microbatch, tied use, retained graph) --------------------+
-    FINALIZED --optimizer step, load--> IDLE;  any state --discard--> IDLE
+                    ^                                  |                    |                      |
+                    +--- another use (a microbatch, a tied use, a retained graph's backward) ------+
+    FINALIZED --optimizer step, load--> IDLE;   any state --discard--> IDLE;
+    PENDING --every use withdrawn, nothing delivered (a forward whose output was dropped)--> IDLE
 
 * IDLE: no step open (a new weight, after an optimizer step or a load, after a discard).
 * PENDING: a forward recorded a use (``record_use``) whose contribution has not arrived.
@@ -220,6 +221,10 @@ class Lifecycle:
                 self.reduce_pending(w)
         for listener in list(self.listeners):
             listener()
+
+    def add_inflight(self, finish: Callable[[], torch.Tensor]) -> None:
+        """A reduction launched on this weight's behalf (its share of a coalesced one): landed in order."""
+        self.inflight.append(finish)
 
     def take_buffer(self) -> torch.Tensor:
         """Hands the buffer to a reduction (a coalesced bucket's); every delivery so far is reduced."""

@@ -32,12 +32,11 @@
   next unit's members too (one collective, two units' copies). On CUDA the collectives run on the
   process group's own stream; ``wait()`` orders the compute stream after them, and each staging buffer
   is held until that wait (the collective reads it).
-* Passes. A forward pass is the forward of the outermost unit called (the root's, or a block's called
-  alone, an eval probe say): it starts with no copy (what an earlier backward left is dropped) and, when
-  it returns or raises, waits for and drops the prefetches it left unused. So no copy is used outside the
-  pass that gathered it, whatever wrote the weights in between (a fused optimizer, ``.data``), and no
-  gather is still in flight once a forward returned (nothing to outlive ``destroy_process_group``). Every
-  copy also records its members' tokens ([Note: weight lifecycle]) and is dropped if one moved.
+* Passes. A forward pass is the forward of the outermost unit called (the root's, or a block called alone,
+  an eval probe say): it starts with no copy (an earlier backward's are dropped) and, when it returns or
+  raises, waits for and drops the prefetches it left unused. So no copy outlives its pass, whatever wrote
+  the weights in between (a fused optimizer, ``.data``), and no gather is in flight once a forward returned.
+  Every copy also records its members' tokens ([Note: weight lifecycle]) and is dropped if one moved.
 * Reduce. A bucket reduces when none of its members has a contribution outstanding (under
   ``PER_MICROBATCH``): the members' full fp32 buffers are copied into one rank-major staging buffer
   (each member's rows split by the ``torch.chunk`` layout, padded) and reduce-scattered once; each member
@@ -271,7 +270,7 @@ class _Bucket:
         del staging
         launch = _BucketLaunch(launched, list(ready))
         for i, w in enumerate(ready):
-            w._life.inflight.append(_Share(launch, w, layout.offsets[i]))
+            w._life.add_inflight(_Share(launch, w, layout.offsets[i]))
         if asynchronous:
             _accounting.launched(launch, launch._land_oldest, launched)
         else:
@@ -515,8 +514,7 @@ class Units(list):
         self.end_step()
 
     def _end_pass(self, unit: Unit) -> None:
-        """The pass's outermost forward returned (or raised): prefetches it left unused are waited for and
-        dropped, so no gather outlives its pass or is in flight once the forward returns."""
+        """The pass's outermost forward returned or raised: the prefetches it left unused are waited for, dropped."""
         if self._pass_owner is unit:
             self._pass_owner = None
             for u in self:

@@ -62,14 +62,21 @@ from distwgrad.weights.base import DistributedParameter
 __all__ = ["reduce_plain_params", "plan_plain_params", "plain_groups", "tag_beside"]
 
 _FINAL_MARK = "_distwgrad_plain_final"  # what finalize left on a plain parameter (step 2 of the Note)
-_BESIDE = "_distwgrad_dp_groups"  # on a parameter a module made beside a distributed weight: its groups
+_BESIDE = "_distwgrad_beside"  # on a parameter a module made beside a distributed weight: that weight, weakly
 
 
 def tag_beside(param: torch.Tensor, weight: torch.Tensor) -> None:
     """Marks a plain ``param`` a module made next to ``weight`` (a fresh bias): at finalize it reduces with
-    ``weight``'s groups ([Note: plain parameters at finalize], step 1)."""
+    ``weight``'s groups ([Note: plain parameters at finalize], step 1). The weight is held weakly, as it holds
+    its groups ([Note: groups held weakly] in ``weights/base.py``)."""
     if isinstance(weight, DistributedParameter):
-        setattr(param, _BESIDE, weight.reduction_groups())
+        setattr(param, _BESIDE, weakref.ref(weight))
+
+
+def _beside(param: torch.Tensor) -> tuple[Any, ...] | None:
+    ref = getattr(param, _BESIDE, None)
+    weight = None if ref is None else ref()
+    return None if weight is None else weight.reduction_groups()
 
 
 def _mesh_groups(mesh: DeviceMesh) -> tuple[Any, ...]:
@@ -209,9 +216,9 @@ def plan_plain_params(chunks: list[nn.Module], *, dp_group: Any = None, pg_colle
     default = plain_groups(chunks, dp_group, pg_collection, default_group=megatron)
     by_groups: dict[tuple[int, ...], tuple[tuple[Any, ...], list[tuple[str, torch.Tensor]]]] = {}
     for name, param in named:
-        groups = getattr(param, _BESIDE, None) or default
+        groups = _beside(param) or default
         if isinstance(groups, str):
-            untagged = [n for n, q in named if not hasattr(q, _BESIDE)]
+            untagged = [n for n, q in named if _beside(q) is None]
             raise ValueError(f"finalize_model_grads: plain parameters {untagged}: {groups}")
         by_groups.setdefault(tuple(id(g) for g in groups), (groups, []))[1].append((name, param))
     return list(by_groups.values())
