@@ -137,6 +137,7 @@ from distwgrad.weights.lifecycle import (
     ReducePolicy,
     WeightState,
     install_optimizer_hooks,
+    main_grad_of,
 )
 
 __all__ = ["ReducePolicy", "DistributedParameter", "MissingContributionError", "WeightState", "main_grad_of",
@@ -168,21 +169,6 @@ def _check_param_dtype(param_dtype: torch.dtype | None, tensor_dtype: torch.dtyp
     if tensor_dtype not in _PARAM_DTYPES or param_dtype.itemsize > tensor_dtype.itemsize:
         raise ValueError(f"param_dtype={param_dtype} is wider than the weight's dtype {tensor_dtype}: the "
                          f"master copy keeps the tensor's dtype and computes in a narrower (or equal) one")
-
-
-def main_grad_of(param: torch.Tensor) -> torch.Tensor:
-    """The parameter's ``main_grad`` (local shape), created as fp32 zeros at the first contribution if
-    absent; a caller-attached one (Megatron attaches views into its flat buffer) is used in place. A
-    plain parameter keeps one it was given or got (its owner zeroes it between steps); a distributed
-    weight releases one it created when its next step opens ([Note: main_grad lifetime])."""
-    main_grad = getattr(param, "main_grad", None)
-    if main_grad is None:
-        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-        param.main_grad = main_grad
-    elif tuple(main_grad.shape) != tuple(param.shape):
-        raise ValueError(f"main_grad has shape {tuple(main_grad.shape)} but its parameter has shape "
-                         f"{tuple(param.shape)}")
-    return main_grad
 
 
 class DistributedParameter(nn.Parameter):

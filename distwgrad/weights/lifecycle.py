@@ -51,7 +51,7 @@ from torch import nn
 from distwgrad.weights import _accounting, first_write
 
 __all__ = ["WeightState", "ReducePolicy", "Lifecycle", "UnfinalizedStepError", "MissingContributionError",
-           "write_token", "weight_paths"]
+           "write_token", "weight_paths", "main_grad_of"]
 
 T = TypeVar("T")
 
@@ -106,6 +106,21 @@ def write_token(p: torch.Tensor) -> tuple[int, int]:
     value only inside one step."""
     life = getattr(p, "_life", None)
     return (life.epoch if isinstance(life, Lifecycle) else _optimizer_steps), p._version
+
+
+def main_grad_of(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's ``main_grad`` (local shape), created as fp32 zeros at the first contribution if
+    absent; a caller-attached one (Megatron attaches views into its flat buffer) is used in place. A
+    plain parameter keeps one it was given or got (its owner zeroes it between steps); a distributed
+    weight releases one it created when its next step opens ([Note: main_grad lifetime])."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        param.main_grad = main_grad
+    elif tuple(main_grad.shape) != tuple(param.shape):
+        raise ValueError(f"main_grad has shape {tuple(main_grad.shape)} but its parameter has shape "
+                         f"{tuple(param.shape)}")
+    return main_grad
 
 
 class Lifecycle:
@@ -277,8 +292,6 @@ class Lifecycle:
     def main_grad(self, w: Any, keep: bool = False) -> torch.Tensor:
         """``main_grad_of(w)``; one it creates is the weight's own, released when the next step opens, unless
         ``keep`` (a CUDA graph bakes in its address): [Note: main_grad lifetime] in weights/base.py."""
-        from distwgrad.weights.base import main_grad_of  # late: base imports this module
-
         created = getattr(w, "main_grad", None) is None
         main_grad = main_grad_of(w)
         if keep:
