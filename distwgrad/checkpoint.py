@@ -60,8 +60,8 @@ if TYPE_CHECKING:
 
 from distwgrad.weights import DistributedParameter, ShardedWeight, _comm
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "checkpoint_dir",
-           "full_tensor"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "interrupted_saves",
+           "checkpoint_dir", "full_tensor"]
 
 META_FILE = "meta.json"
 _DCP_META = ".metadata"
@@ -264,10 +264,16 @@ def _device_type(model: nn.Module) -> str:
 # --- find and check --------------------------------------------------------------------------------------
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
-    """A complete checkpoint folder: ``path`` itself, or the latest complete ``step_N`` inside it.
+    """A complete checkpoint folder: ``path`` itself, or the newest ``step_N`` inside it.
+
+    A ``step_N`` folder exists only once its save completed ([Note: atomic save]), so the newest one is taken
+    or refused: a damaged one (a data file deleted or cut short) is an error naming it and the previous
+    complete checkpoint to resume from instead, never a silent fall back to an older step. An interrupted save
+    (``step_N.tmp``) is no checkpoint and is passed over (:func:`interrupted_saves` names it).
 
     Raises:
-        CheckpointError: nothing complete there; the message says what is missing.
+        CheckpointError: nothing complete there, or the newest checkpoint is damaged; the message says what is
+            missing.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -275,16 +281,43 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
     if os.path.exists(os.path.join(path, META_FILE)) or os.path.exists(os.path.join(path, _DCP_META)):
         _check_complete(path)
         return path
-    steps = sorted((int(m.group(1)), d) for d in os.listdir(path) if (m := _STEP_DIR.match(d)))
-    for _, d in reversed(steps):
-        candidate = os.path.join(path, d)
-        try:
-            _check_complete(candidate)
-            return candidate
-        except CheckpointError:
-            continue
-    raise CheckpointError(f"no complete checkpoint in {path!r} (expected DCP files and {META_FILE}, or "
-                          f"complete step_N folders; found {sorted(os.listdir(path))})")
+    steps = _steps(path)
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {path!r} (expected DCP files and {META_FILE}, or "
+                              f"complete step_N folders; found {sorted(os.listdir(path))})")
+    newest = os.path.join(path, steps[-1][1])
+    try:
+        _check_complete(newest)
+    except CheckpointError as exc:
+        older = next((os.path.join(path, d) for _, d in reversed(steps[:-1]) if _complete(os.path.join(path, d))),
+                     None)
+        instead = (f"; to resume from the previous complete checkpoint instead, pass --resume {older}" if older
+                   else "; no older complete checkpoint is there")
+        raise CheckpointError(f"the newest checkpoint in {path!r} is damaged: {exc}{instead}") from exc
+    return newest
+
+
+def interrupted_saves(path: str | os.PathLike) -> list[str]:
+    """The interrupted saves (``step_N.tmp``) in a folder of checkpoints newer than its newest complete one:
+    what resuming passes over."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return []
+    newest = max((n for n, _ in _steps(path)), default=-1)
+    tmp = re.compile(r"^step_(\d+)\.tmp$")
+    return sorted(os.path.join(path, d) for d in os.listdir(path) if (m := tmp.match(d)) and int(m.group(1)) > newest)
+
+
+def _steps(path: str) -> list[tuple[int, str]]:
+    return sorted((int(m.group(1)), d) for d in os.listdir(path) if (m := _STEP_DIR.match(d)))
+
+
+def _complete(path: str) -> bool:
+    try:
+        _check_complete(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _check_complete(path: str) -> None:

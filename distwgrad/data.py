@@ -4,7 +4,12 @@ Both give the global batch of step ``s`` as a pure function of ``(seed, s)``, so
 number of ranks, or an unsharded reference, sees exactly the batches the run would have seen.
 
 ``MarkovCorpus`` is a deterministic synthetic corpus: a seeded order-2 Markov chain over a small
-vocabulary. ``TokenFile`` reads a flat ``uint16`` token file (nanoGPT's ``train.bin``).
+vocabulary. ``TokenFile`` reads a flat ``uint16`` token file (nanoGPT's ``train.bin``), or a folder that
+``python -m distwgrad.launch.prepare_data`` wrote (``train.bin``, ``val.bin``, ``meta.json``).
+
+Validation (the job's ``--eval-every``): ``eval_batch(i, batch_size)`` is the ``i``-th of a fixed set of
+batches, the same at every evaluation: for a token file, windows of its folder's ``val.bin``
+(:meth:`TokenFile.validation`); for the Markov corpus, batches of steps no run trains on (``_EVAL_STEP`` on).
 
 Why synthetic: the training job must run anywhere (CI, an air-gapped GPU node) with no download, and its
 loss must be comparable across world sizes, resumes and a single-process reference. So the global batch
@@ -19,6 +24,7 @@ few steps, and the chain's own entropy (:meth:`MarkovCorpus.entropy`) is the flo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["MarkovCorpus", "TokenFile", "DataError"]
+__all__ = ["MarkovCorpus", "TokenFile", "DataError", "data_meta", "token_file_path"]
 
 
 class DataError(ValueError):
@@ -35,6 +41,9 @@ class DataError(ValueError):
 _SUCCESSORS = 4  # likely next tokens per two-token context
 _MAX_CONTEXTS = 1 << 18  # contexts stored; a larger V * V is hashed onto them (16 MB of tables)
 _STEP_STREAM = 1_000_003  # a prime: seeds of step s and of the table never collide for s < 10**6
+_EVAL_STEP = 10**6  # the Markov corpus's validation batches: steps from here on, which no run trains on
+_META = "meta.json"
+_FORMAT = "distwgrad.data/1"
 
 
 @dataclass(frozen=True)
@@ -115,8 +124,41 @@ class MarkovCorpus:
         rows = _rows(batch_size, rank, world_size)
         return self.global_batch(step, batch_size)[rows]
 
+    def eval_batch(self, i: int, batch_size: int) -> torch.Tensor:
+        """The ``i``-th validation batch: fresh samples of the chain, from steps no run trains on."""
+        return self.global_batch(_EVAL_STEP + i, batch_size)
+
+    def validation(self) -> MarkovCorpus:
+        return self
+
+    def capacity(self) -> int:
+        """Windows a batch can hold: any number."""
+        return 1 << 62
+
     def describe(self) -> dict:
-        return {"kind": "markov", "uniform_loss": self.uniform_loss(), "entropy_floor": self.entropy()}
+        return {"kind": "markov", "uniform_loss": self.uniform_loss(), "entropy_floor": self.entropy(),
+                "validation": f"steps {_EVAL_STEP}+ of the chain"}
+
+
+def token_file_path(path: str) -> str:
+    """``--data``'s token file: ``path`` itself, or ``path/train.bin`` for a folder."""
+    return os.path.join(path, "train.bin") if os.path.isdir(path) else path
+
+
+def data_meta(path: str) -> dict | None:
+    """The ``meta.json`` beside ``--data``'s token file (written by ``prepare_data``), or None without one."""
+    meta_path = os.path.join(os.path.dirname(token_file_path(path)) or ".", _META)
+    if not os.path.isfile(meta_path):
+        return None
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"--data {path!r}: unreadable {meta_path}: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("vocab_size"), int):
+        raise DataError(f"--data {path!r}: {meta_path} is not a {_FORMAT} meta.json (written by "
+                        f"python -m distwgrad.launch.prepare_data)")
+    return meta
 
 
 def _rows(batch_size: int, rank: int, world_size: int) -> slice:
@@ -151,13 +193,23 @@ class TokenFile:
     vocab_size: int
     seq_len: int
     seed: int = 0
+    split: str = "train"  # which of a prepared folder's files: "train" or "val"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "path", self._file())
         if not os.path.isfile(self.path):
             raise DataError(f"--data {self.path!r}: no such file")
         size = os.path.getsize(self.path)
+        if size == 0:
+            raise DataError(f"--data {self.path!r}: the file is empty")
         if size % 2:
-            raise DataError(f"--data {self.path!r}: {size} bytes is not a whole number of uint16 tokens")
+            raise DataError(f"--data {self.path!r}: {size} bytes is not a whole number of uint16 tokens "
+                            f"(a truncated file?)")
+        meta = data_meta(self.path)
+        want = None if meta is None else meta.get(f"{self.split}_tokens")
+        if want is not None and want != size // 2:
+            raise DataError(f"--data {self.path!r}: holds {size // 2} tokens, but its meta.json says {want} (a "
+                            f"truncated or replaced file: prepare the data again)")
         tokens = np.memmap(self.path, dtype="<u2", mode="r")
         if len(tokens) // (self.seq_len + 1) < 2:
             raise DataError(f"--data {self.path!r}: {len(tokens)} tokens hold fewer than 2 windows of "
@@ -199,7 +251,29 @@ class TokenFile:
         """This rank's rows of the global batch, reading only those windows."""
         return self._read(self._windows(step, batch_size)[_rows(batch_size, rank, world_size)])
 
+    def _file(self) -> str:
+        path = token_file_path(self.path)
+        return path if self.split == "train" else os.path.join(os.path.dirname(path) or ".", "val.bin")
+
+    def validation(self) -> TokenFile:
+        """The held-out tokens beside this file (a prepared folder's ``val.bin``); ``DataError`` without one."""
+        val = os.path.join(os.path.dirname(self.path) or ".", "val.bin")
+        if not os.path.isfile(val):
+            raise DataError(f"--eval-every needs validation tokens: no val.bin beside {self.path!r} (prepare the "
+                            f"data with python -m distwgrad.launch.prepare_data --val-fraction F)")
+        return TokenFile(self.path, self.vocab_size, self.seq_len, self.seed, split="val")
+
+    def eval_batch(self, i: int, batch_size: int) -> torch.Tensor:
+        """The ``i``-th validation batch: this file's windows of stream ``i``, the same at every evaluation."""
+        return self.global_batch(i, batch_size)
+
+    def capacity(self) -> int:
+        """Windows any step's draw can hold (the grid's random shift costs at most one)."""
+        return len(self._tokens) // (self.seq_len + 1) - 1
+
     def describe(self) -> dict:
+        meta = data_meta(self.path)
         return {"kind": "token_file", "path": os.path.abspath(self.path), "tokens": len(self._tokens),
                 "largest_token": self.largest_token, "uniform_loss": math.log(self.vocab_size),
-                "entropy_floor": None}
+                "entropy_floor": None, "tokenizer": None if meta is None else meta.get("tokenizer"),
+                "folder": os.path.abspath(os.path.dirname(self.path) or ".")}

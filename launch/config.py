@@ -21,11 +21,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from distwgrad.data import data_meta
 from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling
 from distwgrad.fp8.recipe import Recipe
 from distwgrad.models import MoEGPTConfig
 
-__all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "build_parser", "parse_args", "fp8_recipe"]
+__all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "GROUPS", "build_parser", "parse_args",
+           "fp8_recipe"]
 
 RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")
 DEVICES = ("auto", "cpu", "cuda")
@@ -61,8 +63,12 @@ def fp8_recipe(name: str) -> Recipe | None:
             "fp8_blockwise": BlockwiseScaling()}[name]
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **extra})
+
+
+# --help's sections, in order: each field names its own
+GROUPS = ("model", "data", "training", "precision and speed", "parallelism", "checkpoints", "output")
 
 
 @dataclass(frozen=True)
@@ -70,72 +76,84 @@ class TrainConfig:
     """Everything one run of ``distwgrad.launch.train`` depends on (saved in ``report.json``)."""
 
     # model (see distwgrad.models.MoEGPTConfig); None: from the --model preset
-    model: str = _opt("tiny", "preset of the sizes, batch and lr below; explicit flags override it",
+    model: str = _opt("tiny", "preset of the sizes, batch and lr; explicit flags override it", "model",
                       choices=tuple(PRESETS))
-    vocab_size: int | None = _opt(None, "vocabulary size of the model and of the synthetic corpus")
-    seq_len: int | None = _opt(None, "tokens per training sequence")
-    d_model: int | None = _opt(None, "model width")
-    n_layers: int | None = _opt(None, "transformer blocks")
-    n_heads: int | None = _opt(None, "attention heads (d_model / n_heads must be even)")
-    n_experts: int | None = _opt(None, "experts per MoE layer")
-    top_k: int | None = _opt(None, "experts each token is routed to")
-    d_ff: int | None = _opt(None, "hidden width of each expert")
-    init_std: float = _opt(0.02, "standard deviation of the initial weights")
-    seed: int = _opt(0, "seed of the initial weights and of the data")
+    vocab_size: int | None = _opt(None, "vocabulary (default: --data's meta.json, else the preset)", "model")
+    seq_len: int | None = _opt(None, "tokens per training sequence", "model")
+    d_model: int | None = _opt(None, "model width", "model")
+    n_layers: int | None = _opt(None, "transformer blocks", "model")
+    n_heads: int | None = _opt(None, "attention heads (d_model / n_heads must be even)", "model")
+    n_experts: int | None = _opt(None, "experts per MoE layer", "model")
+    top_k: int | None = _opt(None, "experts each token is routed to", "model")
+    d_ff: int | None = _opt(None, "hidden width of each expert", "model")
+    init_std: float = _opt(0.02, "standard deviation of the initial weights", "model")
+    seed: int = _opt(0, "seed of the initial weights and of the data", "model")
     # data
-    data: str | None = _opt(None, "token file (nanoGPT's flat little-endian uint16 train.bin) to train on; "
-                            "--vocab-size must cover its largest token (default: the synthetic Markov corpus)")
+    data: str | None = _opt(None, "a folder prepare_data wrote (its meta.json sets --vocab-size), or any nanoGPT "
+                            "uint16 token file (default: a synthetic Markov corpus)", "data", metavar="DIR|FILE")
+    eval_every: int = _opt(0, "validation loss every N steps and at the last (the folder's val.bin; held-out "
+                           "samples of the synthetic corpus) (0: never)", "data")
+    eval_batches: int = _opt(4, "global batches of validation windows per evaluation", "data")
     # training
-    steps: int = _opt(200, "train until this step (a resumed run continues to it)")
+    steps: int = _opt(200, "train until this step (a resumed run continues to it)", "training")
     global_batch: int | None = _opt(None, "sequences per step over all ranks; divisible by world size * "
-                                    "microbatches")
-    microbatches: int | None = _opt(None, "microbatches per step on each rank (gradients accumulate)")
-    lr: float | None = _opt(None, "AdamW learning rate (after the warm-up)")
-    warmup_steps: int | None = _opt(None, "linear learning-rate warm-up: step s trains at lr * min(1, s / N) "
-                                    "(0: the constant lr)")
-    weight_decay: float = _opt(0.0, "AdamW weight decay")
-    gc_every: int = _opt(50, "Python's automatic garbage collection off while training, a generation-1 collection "
-                         "every N steps instead, as torchtitan trains (0: the automatic collector)")
-    precision: str = _opt("auto", "weights' compute dtype, masters always fp32: auto is bf16 on CUDA and fp32 on "
-                          "CPU", choices=PRECISIONS)
-    recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision (bf16 with auto on CUDA)",
+                                    "microbatches", "training")
+    microbatches: int | None = _opt(None, "microbatches per step on each rank (gradients accumulate)", "training")
+    lr: float | None = _opt(None, "AdamW learning rate (after the warm-up)", "training")
+    warmup_steps: int | None = _opt(None, "linear warm-up: step s trains at lr * min(1, s / N) (0: none)",
+                                    "training")
+    weight_decay: float = _opt(0.0, "AdamW weight decay", "training")
+    gc_every: int = _opt(50, "automatic garbage collection off, a generation-1 collection every N steps instead "
+                         "(0: the automatic collector)", "training")
+    # precision and speed
+    precision: str = _opt("auto", "compute dtype, masters always fp32: auto is bf16 on CUDA, fp32 on CPU",
+                          "precision and speed", choices=PRECISIONS)
+    recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision", "precision and speed",
                        choices=RECIPES)
-    coalesce: bool = _opt(True, "with several ranks, gather each block's weights in one all-gather and reduce them "
-                          "in one reduce-scatter, the next block's gather prefetched (distwgrad.coalesce; "
-                          "docs/training.md)")
-    device: str = _opt("auto", "auto: cuda:LOCAL_RANK with NCCL if CUDA is available, else cpu with gloo",
-                       choices=DEVICES)
-    cuda_graph: bool = _opt(False, "replay each transformer block's forward, backward and deferred wgrads from "
-                            "CUDA graphs, the embedding, lm_head and loss eager (CUDA only; with an FP8 recipe "
-                            "on one rank only; docs/cuda_graphs.md)")
-    compile: bool = _opt(False, "torch.compile each transformer block's forward (inductor), the embedding, "
-                         "lm_head, loss and optimizer eager; with --cuda-graph the compiled blocks are graphed "
-                         "(docs/training.md)")
+    cuda_graph: bool = _opt(False, "replay each transformer block from CUDA graphs (CUDA only; FP8 on one rank "
+                            "only; docs/cuda_graphs.md)", "precision and speed")
+    compile: bool = _opt(False, "torch.compile each transformer block's forward (with --cuda-graph: then "
+                         "graphed)", "precision and speed")
+    # parallelism
+    device: str = _opt("auto", "auto: cuda:LOCAL_RANK over NCCL if CUDA is available, else cpu over gloo",
+                       "parallelism", choices=DEVICES)
+    coalesce: bool = _opt(True, "with several ranks, one all-gather and one reduce-scatter per block, the next "
+                          "block's gather prefetched (distwgrad.coalesce)", "parallelism")
+    timeout: float = _opt(600.0, "seconds any collective may wait before the job stops with exit code 3",
+                          "parallelism")
+    # checkpoints
+    save_every: int = _opt(0, "save a checkpoint every N steps and at the last (0: never)", "checkpoints")
+    keep_last: int = _opt(0, "keep only the newest K complete checkpoints (0: all)", "checkpoints")
+    resume: str | None = _opt(None, "a checkpoint folder, or the newest complete step_N in a folder of them",
+                              "checkpoints", metavar="DIR")
     # output
-    out: str = _opt("runs/moe_gpt", "run folder: report.json, loss.png, checkpoints/step_N")
-    log_every: int = _opt(10, "log a line every N steps on rank 0 (0: never)")
-    save_every: int = _opt(0, "save a checkpoint every N steps, and at the last step (0: never)")
-    keep_last: int = _opt(0, "keep only the newest K complete checkpoints, pruning older ones once a newer one is "
-                          "complete (0: keep all)")
-    resume: str | None = _opt(None, "resume from a checkpoint folder, or the latest complete step_N in it")
-    timeout: float = _opt(600.0, "seconds any collective may wait before the job stops with exit code 3 (a "
-                          "rank died or hangs; docs/training.md, Faults)")
-    check_parity: bool = _opt(False, "also train an unsharded single-process copy and compare losses")
-    progress: bool = _opt(True, "show a progress bar on rank 0")
+    out: str = _opt("runs/moe_gpt", "run folder: report.json, loss.png, checkpoints/step_N", "output", metavar="DIR")
+    overwrite: bool = _opt(False, "start a new run in an --out that holds a finished one (its report.json and "
+                           "loss.png are replaced)", "output")
+    log_every: int = _opt(10, "log a line every N steps on rank 0 (0: never)", "output")
+    progress: bool = _opt(True, "progress bar on rank 0 when stderr is a terminal", "output")
+    tensorboard: str | None = _opt(None, "also write TensorBoard scalars to this folder (pip install "
+                                   "'distwgrad[tensorboard]')", "output", metavar="DIR")
+    check_parity: bool = _opt(False, "also train an unsharded single-process copy and compare (exit code 1 if "
+                              "they disagree)", "output")
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
             raise ValueError(f"model={self.model!r} must be one of {tuple(PRESETS)}")
+        meta = data_meta(self.data) if self.data and self.vocab_size is None else None
+        if meta is not None:  # a prepared folder's vocabulary, over the preset's
+            object.__setattr__(self, "vocab_size", meta["vocab_size"])
         for k, v in PRESETS[self.model].items():  # a frozen dataclass fills its defaults this way
             if getattr(self, k) is None:
                 object.__setattr__(self, k, v)
         positive = {k: getattr(self, k) for k in ("steps", "global_batch", "microbatches")}
+        positive["eval_batches"] = self.eval_batches
         non_negative = {k: getattr(self, k) for k in ("log_every", "save_every", "warmup_steps", "keep_last",
-                                                       "gc_every")}
+                                                       "gc_every", "eval_every")}
         bad = {k: v for k, v in positive.items() if not _is_int(v) or v <= 0}
         bad.update({k: v for k, v in non_negative.items() if not _is_int(v) or v < 0})
         if bad:
-            raise ValueError(f"these options must be positive (log/save/gc intervals, warm-up, keep-last: "
+            raise ValueError(f"these options must be positive (log/save/eval/gc intervals, warm-up, keep-last: "
                              f"non-negative) ints: {bad}")
         if self.global_batch % self.microbatches:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by "
@@ -206,21 +224,29 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "train", description: str | None = None) -> argparse.ArgumentParser:
-    """One ``--flag`` per :class:`TrainConfig` field; defaults, help and choices come from the field."""
-    parser = _Parser(prog=prog, description=description,
+    """One ``--flag`` per :class:`TrainConfig` field, in its group's section; defaults, help and choices come
+    from the field (a default shown only where the help does not say it)."""
+    parser = _Parser(prog=prog, description=description, usage="%(prog)s [options]",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    sections = {g: parser.add_argument_group(g) for g in GROUPS}
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         shown = "from --model" if f.name in _PRESET_FIELDS else "%(default)s"
-        kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"] + f" (default: {shown})"}
+        if f.type in (bool, "bool"):
+            shown = "on" if f.default else "off"
+        said = ("default:" in f.metadata["help"] or "(0:" in f.metadata["help"]
+                or (f.default is None and f.name not in _PRESET_FIELDS))  # no default to show, or said
+        kw: dict[str, Any] = {"default": f.default,
+                              "help": f.metadata["help"] + ("" if said else f" (default: {shown})")}
         if f.type in (bool, "bool"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = {"int": int, "float": float}.get(str(f.type).removesuffix(" | None"), str)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-            kw["metavar"] = "/".join(f.metadata["choices"]) if "choices" in f.metadata else f.name.upper()
-        parser.add_argument(flag, **kw)
+            kw["metavar"] = ("/".join(f.metadata["choices"]) if "choices" in f.metadata else
+                             f.metadata.get("metavar") or {int: "N", float: "X"}.get(kw["type"], "PATH"))
+        sections[f.metadata["group"]].add_argument(flag, **kw)
     return parser
 
 

@@ -101,6 +101,8 @@ def earlier_history(out: str, start: int, model_config: dict[str, Any]) -> dict[
         return empty
     keep = [i for i, s in enumerate(old.get("steps", [])) if s <= start]
     kept = {k: [old[k][i] for i in keep] if k in old else [None] * len(keep) for k in PER_STEP}
+    for k in ("val_steps", "val_loss", "logged"):  # the caller keeps those of steps up to ``start``
+        kept[k] = old.get(k, [])
     kept["segments"] = [s for s in old.get("segments", []) if s["first_step"] <= start]
     for seg in kept["segments"]:
         seg["last_step"] = min(seg["last_step"], start)
@@ -143,6 +145,8 @@ def plot(report: dict[str, Any], path: str) -> None:
             label=f"sharded, {report['precision']}, recipe {cfg['recipe']}, {len(report['segments'])} segment(s)")
     for seg in report["segments"][1:]:
         ax.axvline(seg["first_step"] - 0.5, color="grey", lw=0.6, ls="--")
+    if report.get("val_steps"):
+        ax.plot(report["val_steps"], report["val_loss"], "o-", ms=3, lw=1, label="validation")
     if report["parity"]:
         ax.plot(report["parity"]["free_running_steps"], report["parity"]["free_running_loss"], "--", lw=1,
                 label="unsharded plain-torch reference, free-running")

@@ -4,19 +4,16 @@ Commands::
 
     # CPU, 2 ranks over gloo, all defaults (a synthetic corpus generated in-process; no downloads)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train
-    # GPUs over NCCL: the same command (--nproc-per-node 8 on 8 GPUs); each rank uses cuda:LOCAL_RANK, and
-    # --precision auto is bf16 there; --model large is 1.3 B parameters (docs/training.md)
     # one process, no torchrun
     python -m distwgrad.launch.train --steps 50
-    # bf16 mixed precision (fp32 masters; the default on CUDA), and a bigger preset (--model small/large)
+    # on a folder prepare_data wrote from text (python -m distwgrad.launch.prepare_data corpus.txt --out
+    # data/corpus), the validation loss every 10 steps, TensorBoard scalars (pip install 'distwgrad[tensorboard]')
+    torchrun --nproc-per-node 2 -m distwgrad.launch.train --data data/corpus --eval-every 10 --tensorboard tb
+    # bf16 compute on fp32 masters (the default on CUDA), a bigger preset (--model small; large on GPUs)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --precision bf16 --model small
-    # on CUDA, --cuda-graph replays each transformer block from CUDA graphs (docs/cuda_graphs.md); with
-    # --compile each block is compiled first (torch.compile): the fastest step, FP8 recipes most of all
     # also train an unsharded single-process copy and compare (exit code 1 if they disagree)
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --check-parity
-    # train on a token file (nanoGPT's train.bin: flat uint16; --vocab-size must cover its tokens)
-    torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --data train.bin --vocab-size 50304
-    # checkpoint every 50 of 100 steps, then resume the latest on 4 ranks (resharded) to step 200, into
+    # checkpoint every 50 of 100 steps, then resume the newest on 4 ranks (resharded) to step 200, into
     # the same folder: report.json and loss.png then cover all 200 steps
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --steps 100 --save-every 50 --out runs/a
     torchrun --standalone --nproc-per-node 4 -m distwgrad.launch.train --steps 200 \
@@ -26,37 +23,31 @@ Commands::
     # every option
     python -m distwgrad.launch.train --help
 
+The trained weights leave through ``python -m distwgrad.launch.export`` (safetensors) and generate text through
+``python -m distwgrad.launch.sample`` (their docstrings; docs/training.md). With ``--cuda-graph`` (CUDA) each
+transformer block replays from CUDA graphs, compiled first with ``--compile`` (docs/cuda_graphs.md).
+
 Each step runs ``--microbatches`` forward/backward passes on this rank's rows of the global batch, drains the
 experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
 ``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``), then
 ``AdamW.step()`` on the shards and ``zero_grad()``. With ``--cuda-graph`` each transformer block replays from
 CUDA graphs captured before the first step, the rest of the step unchanged (launch/cuda_graph.py,
-[Note: the graphed step]); ``--compile`` compiles each block's forward (:func:`compile_blocks`). Rank 0 shows a progress
-bar and logs; the other ranks stay quiet. At the end rank 0 writes ``OUT/report.json`` (with a ``summary``:
-final and best loss, tokens/s, MFU on GPU, peak memory, wall time) and ``OUT/loss.png`` (``docs/training.md``
-says what they hold). Exit codes: 0 done, 1 parity check failed, 2 bad options, an unusable ``--data`` or an
-unusable ``--resume`` (one at or past ``--steps`` included), 3 interrupted: a rank died or hung, or SIGTERM
-(``launch/faults.py``, [Note: lost rank]; the lowest surviving rank prints which rank and the last complete
-checkpoint, and ``report.json`` records it). Every collective waits at most ``--timeout`` seconds.
+[Note: the graphed step]); ``--compile`` compiles each block's forward (:func:`compile_blocks`). Rank 0
+logs (a progress bar too when stderr is a terminal); the other ranks stay quiet. At the end rank 0 writes
+``OUT/report.json`` (with a ``summary``: final and best loss, tokens/s, MFU on GPU, peak memory, wall time)
+and ``OUT/loss.png`` (``docs/training.md`` says what they hold). Exit codes: 0 done, 1 parity check failed,
+2 bad options, an unusable ``--data``, an unusable ``--resume`` (one at or past ``--steps`` included, a
+damaged newest checkpoint), an ``--out`` holding another run (without ``--resume`` or ``--overwrite``), or
+too little memory for the model; 3 interrupted: a rank died or hung, or SIGTERM (``launch/faults.py``,
+[Note: lost rank]; the lowest surviving rank prints which rank and the last complete checkpoint, and
+``report.json`` records it). Every collective waits at most ``--timeout`` seconds.
 
-[Note: parity]
-Top-k routing makes training chaotic: in one process, nudging one weight by 1e-7 moves the loss by 1e-2
-within 20 steps at the default learning rate (docs/training.md). The sharded run and an unsharded one add
-the same terms in different orders, so their free-running loss curves part the same way, and no tight
-tolerance on them can hold. So ``--check-parity`` runs the oracle (``MoEGPT(sharded=False)``: the same
-architecture from plain torch modules, same init) in lockstep on rank 0. Before every step it takes the
-sharded model's gathered weights, then on the whole global batch three things are compared: the loss at
-identical weights, every gradient (the gathered shards after ``finalize_model_grads`` against autograd's),
-and, handing the oracle's AdamW the sharded gradient, the weights after the optimizer step. Those differ
-by rounding only, so the tolerances below are tight. The free-running oracle (trained alone from the same
-init on the same batches) is reported and plotted too, without a verdict.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import gc
 import json
 import logging
@@ -64,7 +55,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,51 +63,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import distwgrad
-from distwgrad.checkpoint import CheckpointError, full_tensor, load_checkpoint, save_checkpoint
+from distwgrad.checkpoint import CheckpointError, interrupted_saves, load_checkpoint, save_checkpoint
 from distwgrad.data import DataError, MarkovCorpus, TokenFile
-from distwgrad.fp8 import fp8_autocast
-from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
 from . import cuda_graph as _graph
 from . import faults as _faults
+from . import metrics as _metrics
 from . import report as _out
-from .config import RECIPES, TrainConfig, fp8_recipe, parse_args
+from .config import TrainConfig, parse_args
+from .parity import PARITY_BF16, PARITY_LOSS_ATOL, Lockstep, parity_result  # noqa: F401  (tests read them here)
+from .step import RECIPE_CONTEXTS, comm_bytes, compile_blocks, forward_backward, optimizer_for, optimizer_step
+from .step import RECIPE_CONTEXTS as _RECIPES  # noqa: F401  (tests read it here)
 
 __all__ = ["main", "forward_backward", "compile_blocks"]
 
 log = logging.getLogger("distwgrad.train")
-
-# [Note: parity] tolerances. Measured on CPU (2 and 3 ranks, 30 and 200 steps) and one H200 (60 steps):
-# loss <= 7e-7, gradient <= 2.3e-6 (relative to the weight's largest gradient entry), weights after the
-# update 0 on CPU and 1.2e-7 on the GPU (AdamW is elementwise: given the same gradient and state a shard
-# updates as the full tensor does, up to the GPU kernels' vectorisation). A bug is O(1): summing instead
-# of averaging over ranks gives a gradient error of 1.0, a lost tied-embedding contribution 1.1.
-PARITY_LOSS_ATOL = 1e-5  # ~40 fp32 ulps at a loss of 4
-PARITY_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref|, per weight
-PARITY_WEIGHT_RTOL = 1e-6  # max |w - w_ref| / max |w_ref| after the optimizer step, per weight
-# bf16 (--precision bf16): both sides compute in bf16 on fp32 masters, the reference casting its fp32
-# parameters at each use ([Note: mixed precision] in distwgrad/models/moe_gpt.py). Measured on CPU (30 steps;
-# 2 ranks, default sizes / 3 ranks, the tests' sizes): loss 2.4e-7 / 4.8e-7 (the same bf16 GEMMs on the same
-# chunks give the same logits); gradient 5.1e-3 / 4.2e-2: the reference rounds each chunk's wgrad to bf16
-# (unit roundoff 2**-9 = 2e-3 of the chunk's gradient, which cancellation between chunks can make large
-# against the summed one) before adding it to the fp32 .grad, where distwgrad accumulates in fp32; weights 0.
-PARITY_BF16 = {
-    "loss_abs": 1e-3,  # room for GPU GEMMs whose bf16 logits differ by an ulp; a bug moves the loss by 1e-2+
-    "grad_rel": 1e-1,  # 2.4x the worst measured; the bugs above give 1.0 and 1.1
-    "weight_rel": PARITY_WEIGHT_RTOL,  # AdamW on fp32 masters: as in fp32
-}
-
-
-def _autocast(recipe: str) -> contextlib.AbstractContextManager:
-    """The context each forward/backward runs in: ``fp8_autocast`` of the recipe (distwgrad.fp8; emulated on
-    CPU), or none."""
-    fp8 = fp8_recipe(recipe)
-    return contextlib.nullcontext() if fp8 is None else fp8_autocast(fp8)
-
-
-_RECIPES = {name: functools.partial(_autocast, name) for name in RECIPES}
-
 
 @dataclass
 class _Runtime:
@@ -136,7 +97,7 @@ class _Runtime:
 
 
 _HIST = ("steps", "loss", "step_time_s", "tokens_per_s", "bytes_all_gathered", "bytes_reduce_scattered",
-         "checkpoints")
+         "checkpoints", "val_steps", "val_loss", "logged")
 
 
 @dataclass
@@ -148,6 +109,8 @@ class _Progress:
     corpus: Any = None
     peak: list = field(default_factory=list)
     graphed: dict | None = None  # what --cuda-graph captured (report.json's cuda_graph)
+    val: Any = None  # the validation data (--eval-every)
+    board: Any = None  # TensorBoard's writer on rank 0 (--tensorboard)
 
 
 class _TqdmHandler(logging.Handler):
@@ -190,183 +153,6 @@ def _init(config: TrainConfig) -> _Runtime:
                     monitor)
 
 
-def compile_blocks(model: MoEGPT, **compile_kwargs: Any) -> None:
-    """``--compile``: each block's ``forward`` replaced by its ``torch.compile`` (the module's state, hooks and
-    checkpoint keys unchanged). Compiled as a ``forward``, not as a module (``block.compile()``), so that
-    ``--cuda-graph`` can graph it: a compiled module sends every call through dynamo, which would then trace
-    the replay that graphing installs as the module's ``forward`` ([Note: compiled blocks under CUDA graphs]
-    in ``launch/cuda_graph.py``)."""
-    for block in model.blocks:
-        block.forward = torch.compile(block.forward, **compile_kwargs)
-
-
-def _optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW, fused on CUDA (one kernel over every parameter, distwgrad's shards included)."""
-    params = list(model.parameters())
-    fused = bool(params) and all(p.is_cuda for p in params)
-    return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
-
-
-# --- one step --------------------------------------------------------------------------------------------
-
-def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatches: int,
-                     recipe: str = "none", amax_modules: Sequence[torch.nn.Module] | None = None) -> torch.Tensor:
-    """Forward and backward of every microbatch of ``tokens_BS`` (``[B, S + 1]``: inputs, then shifted
-    targets), deferred wgrads drained; returns the loss (token mean, summed over microbatches), detached.
-    The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer. ``amax_modules``:
-    whose sharded weights' amaxes a per-tensor step syncs first (default: the whole model; under
-    ``--cuda-graph`` the eager parts, ``cuda_graph.eager_modules``: the graphs compute their own)."""
-    total = torch.zeros((), device=tokens_BS.device)
-    if recipe.startswith("fp8_per_tensor"):
-        # one amax all-reduce for every sharded weight of the step
-        sync_weight_amax(model if amax_modules is None else amax_modules)
-    for mb in tokens_BS.chunk(microbatches):
-        with _RECIPES[recipe]():
-            loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches
-            loss.backward()
-        distwgrad.drain_deferred_wgrads(model)
-        total += loss.detach()
-    return total
-
-
-def _optimizer_step(optimizer: torch.optim.Optimizer, lr: float | None = None) -> None:
-    if lr is not None:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _comm_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """All-gathered and reduce-scattered bytes so far, summed over distinct weights (tied: once)."""
-    params = [p for _, p in distwgrad.wgrad.distributed_parameters(model)]
-    return sum(p.bytes_gathered for p in params), sum(p.bytes_reduced for p in params)
-
-
-# --- [Note: parity] --------------------------------------------------------------------------------------
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
-
-
-def _reference_model(config: TrainConfig, rt: _Runtime) -> MoEGPT | None:
-    """The unsharded reference, on rank 0. Without FP8 it is plain torch (no distwgrad code at all).
-    Under an FP8 recipe plain torch has no FP8 path, so the reference is the same distwgrad model with
-    its weights whole on rank 0 (a group of one): it checks that sharding changes nothing under FP8,
-    while the FP8 numerics themselves are checked against the emulation reference in the tests. With
-    ``--compile`` that model's blocks are compiled as the run's are: an eager reference would differ from
-    the compiled run by inductor's bf16 roundings of the norms and attention, which FP8 quantization turns
-    into whole FP8 steps (on one H200, tiny preset, per-tensor: gradients 0.104 of their largest entry apart
-    at world 1, where nothing is sharded). The plain reference stays eager: it checks the compiled modules'
-    gradients against plain torch."""
-    mc, pd = config.model_config(), rt.param_dtype
-    if config.recipe == "none":
-        return MoEGPT(mc, device=rt.device, sharded=False, param_dtype=pd) if rt.rank == 0 else None
-    solo = [dist.new_group([r]) for r in range(rt.world_size)]  # every rank creates every group
-    if rt.rank != 0:
-        return None
-    ref = MoEGPT(mc, device=rt.device, sharded=True, group=solo[0], param_dtype=pd)
-    if config.compile:
-        compile_blocks(ref)
-    return ref
-
-
-class _Lockstep:
-    """The unsharded reference on rank 0, re-synchronised to the sharded weights before every step."""
-
-    def __init__(self, config: TrainConfig, rt: _Runtime, start: int) -> None:
-        self.config, self.rt = config, rt
-        self.ref = _reference_model(config, rt)
-        self.opt = _optimizer(self.ref, config) if self.ref is not None else None
-        # Updates compare only when both optimizers share their history: not after a resume, where the
-        # sharded AdamW state comes from the checkpoint and the reference's starts empty.
-        self.compare_weights, self.stepped = start == 0, False
-        self.worst = {"loss_abs": 0.0, "grad_rel": 0.0, "weight_rel": 0.0}
-        self.ref_loss: list[float] = []
-
-    def _gather(self, model: torch.nn.Module, grads: bool) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in model.named_parameters():
-            local = p.detach() if not grads else (p.grad if p.grad is not None else torch.zeros_like(p))
-            out[name] = full_tensor(local, p)  # collective: every rank takes part
-        return out
-
-    def sync(self, model: torch.nn.Module) -> None:
-        """Before a step: compare the reference's own last update with the sharded one, then adopt it."""
-        full = self._gather(model, grads=False)
-        if self.ref is None:
-            return
-        with torch.no_grad():
-            for name, q in self.ref.named_parameters():
-                if self.compare_weights and self.stepped:
-                    self.worst["weight_rel"] = max(self.worst["weight_rel"], _max_rel(full[name], q))
-                q.copy_(full[name])
-
-    def check(self, model: torch.nn.Module, tokens_BS: torch.Tensor, loss: float, step: int) -> None:
-        """After ``finalize_model_grads``: the reference's step on the global batch, compared."""
-        grads = self._gather(model, grads=True)
-        if self.ref is None:
-            return
-        # world x microbatches chunks of the global batch are exactly the ranks' microbatches, so the
-        # reference quantizes the same activations under a per-tensor FP8 recipe.
-        ref_loss = forward_backward(self.ref, tokens_BS.to(self.rt.device),
-                                    self.config.microbatches * self.rt.world_size, self.config.recipe).item()
-        distwgrad.finalize_model_grads([self.ref])  # plain parameters: a no-op, kept for symmetry
-        self.ref_loss.append(ref_loss)
-        self.worst["loss_abs"] = max(self.worst["loss_abs"], abs(loss - ref_loss))
-        for name, q in self.ref.named_parameters():
-            self.worst["grad_rel"] = max(self.worst["grad_rel"], _max_rel(grads[name], q.grad))
-            q.grad = grads[name]  # the update is compared given the same gradient: see [Note: parity]
-        _optimizer_step(self.opt, self.config.lr_at(step))
-        self.stepped = True
-
-    def verdict(self, final_model: torch.nn.Module) -> dict[str, Any] | None:
-        self.sync(final_model)  # compares the last step's update
-        if self.ref is None:
-            return None
-        limits = _tolerances(self.rt)
-        passed = all(self.worst[k] <= limits[k] for k in limits)
-        return {"max_abs_diff": self.worst["loss_abs"], "max": dict(self.worst), "tolerance": limits,
-                "weights_compared": self.compare_weights, "passed": passed, "reference_loss": self.ref_loss}
-
-
-def _tolerances(rt: _Runtime) -> dict[str, float]:
-    if rt.param_dtype is None:
-        return {"loss_abs": PARITY_LOSS_ATOL, "grad_rel": PARITY_GRAD_RTOL, "weight_rel": PARITY_WEIGHT_RTOL}
-    return dict(PARITY_BF16)
-
-
-def _free_running(config: TrainConfig, rt: _Runtime, corpus: MarkovCorpus | TokenFile) -> list[float]:
-    """The reference trained alone from the same init on the same global batches (rank 0)."""
-    ref = MoEGPT(config.model_config(), device=rt.device, sharded=False, param_dtype=rt.param_dtype)
-    opt = _optimizer(ref, config)
-    losses = []
-    for step in range(1, config.steps + 1):
-        tokens = corpus.global_batch(step, config.global_batch).to(rt.device)
-        losses.append(forward_backward(ref, tokens, config.microbatches, config.recipe).item())
-        distwgrad.finalize_model_grads([ref])
-        _optimizer_step(opt, config.lr_at(step))
-    return losses
-
-
-def _parity_result(config, rt, corpus, r: dict[str, Any], hist) -> dict[str, Any]:
-    """The lockstep verdict ``r`` with the free-running reference added (rank 0, after the last collective)."""
-    free = _free_running(config, rt, corpus)
-    ours = hist["loss"]
-    r["free_running_steps"] = hist["steps"]
-    r["free_running_loss"] = [free[s - 1] for s in hist["steps"]]
-    r["free_running_max_abs_diff"] = max((abs(a - b) for a, b in zip(ours, r["free_running_loss"])),
-                                         default=0.0)
-    tol = r["tolerance"]
-    log.info("parity (lockstep, %d steps, %s): max |loss diff| %.2e (tol %.0e), max rel grad diff %.2e "
-             "(tol %.0e), max rel weight diff %.2e (tol %.0e): %s; free-running max |loss diff| %.2e "
-             "(chaotic, not gated)", len(ours), rt.precision, r["max"]["loss_abs"], tol["loss_abs"],
-             r["max"]["grad_rel"], tol["grad_rel"], r["max"]["weight_rel"], tol["weight_rel"],
-             "PASSED" if r["passed"] else "FAILED", r["free_running_max_abs_diff"])
-    return r
-
-
 # --- the loop --------------------------------------------------------------------------------------------
 
 # [Note: garbage collection in training]
@@ -391,33 +177,35 @@ def _collector(every: int):
 
 
 def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus | TokenFile, start: int,
-           lockstep: _Lockstep | None, progress: _Progress) -> dict[str, list]:
+           lockstep: Lockstep | None, progress: _Progress) -> dict[str, list]:
     hist = progress.hist
     tokens_per_step = config.global_batch * config.seq_len
-    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
-               disable=rt.rank != 0 or not config.progress, file=sys.stderr)
+    bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+               disable=rt.rank != 0 or not config.progress or not sys.stderr.isatty())  # a log file: lines only
     amax_modules = _graph.eager_modules(model) if config.cuda_graph else None
     for step in range(start + 1, config.steps + 1):
         progress.step = step
         local_BS = corpus.local_batch(step, config.global_batch, rt.rank, rt.world_size)
         if lockstep:
             lockstep.sync(model)
-        gathered0, reduced0 = _comm_bytes(model)
+        gathered0, reduced0 = comm_bytes(model)
         t0 = time.perf_counter()
         loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe, amax_modules)
         distwgrad.finalize_model_grads([model])
         dist.all_reduce(loss, group=rt.group)
         loss = loss.item() / rt.world_size  # .item() synchronises, so the step time is real
         dt = time.perf_counter() - t0
+        logged = bool(config.log_every) and (step % config.log_every == 0 or step == config.steps)
+        norm = _metrics.grad_norm(model, rt.group) if logged else None  # before the optimizer frees .grad
         if lockstep:
             lockstep.check(model, corpus.global_batch(step, config.global_batch), loss, step)
             _faults.wait_for_rank0(rt.monitor, config.timeout)  # rank 0 alone ran the reference step
         t0 = time.perf_counter()
-        _optimizer_step(optimizer, config.lr_at(step))
+        optimizer_step(optimizer, config.lr_at(step))
         if config.gc_every and step % config.gc_every == 0:
             gc.collect(1)  # [Note: garbage collection in training]
         dt += time.perf_counter() - t0
-        gathered, reduced = _comm_bytes(model)
+        gathered, reduced = comm_bytes(model)
         for key, value in (("steps", step), ("loss", loss), ("step_time_s", dt),
                            ("tokens_per_s", tokens_per_step / dt), ("bytes_all_gathered", gathered - gathered0),
                            ("bytes_reduce_scattered", reduced - reduced0)):
@@ -426,21 +214,52 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
             raise FloatingPointError(f"loss is {loss} at step {step}")
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-        if config.log_every and (step % config.log_every == 0 or step == config.steps):
-            log.info("step %d/%d  loss %.4f  %.0f tokens/s", step, config.steps, loss, tokens_per_step / dt)
+        val = _evaluate(config, rt, model, progress, step)
+        if logged:
+            _log_step(config, rt, progress, step, loss, val, norm, tokens_per_step / dt)
         if config.save_every and (step % config.save_every == 0 or step == config.steps):
-            hist["checkpoints"].append(_save(config, rt, step, model, optimizer))
+            hist["checkpoints"].append(_save(config, rt, step, model, optimizer, corpus))
     bar.close()
     return hist
+
+
+def _evaluate(config: TrainConfig, rt: _Runtime, model, progress: _Progress, step: int) -> float | None:
+    """The validation loss after ``step``'s update when ``--eval-every`` says so (launch/metrics.py)."""
+    if not config.eval_every or (step % config.eval_every and step != config.steps):
+        return None
+    val = _metrics.evaluate(model, progress.val, config.eval_batches, config.global_batch, rt.rank, rt.world_size,
+                            rt.group, rt.device, RECIPE_CONTEXTS[config.recipe])
+    progress.hist["val_steps"].append(step)
+    progress.hist["val_loss"].append(val)
+    if not config.log_every or (step % config.log_every and step != config.steps):
+        log.info("step %d/%d  val loss %.4f", step, config.steps, val)
+    return val
+
+
+def _log_step(config: TrainConfig, rt: _Runtime, progress: _Progress, step: int, loss: float, val: float | None,
+              norm: float | None, tokens_per_s: float) -> None:
+    """A logged step: one line, the report's ``logged`` entry, TensorBoard's scalars."""
+    peak = progress.peak
+    flops = config.model_config().flops_per_token() * tokens_per_s
+    mfu = flops / (sum(peak) / len(peak) * len(peak)) if peak and None not in peak else None
+    entry = {"step": step, "loss": loss, "val_loss": val, "lr": config.lr_at(step), "grad_norm": norm,
+             "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_memory_gib": _metrics.peak_memory_gib(rt.device)}
+    progress.hist["logged"].append(entry)
+    log.info("step %d/%d  loss %.4f%s  grad norm %.3g  lr %.3g  %.0f tokens/s", step, config.steps, loss,
+             "" if val is None else f"  val loss {val:.4f}", norm, entry["lr"], tokens_per_s)
+    progress.board.scalars(step, {"train/loss": loss, "val/loss": val, "train/lr": entry["lr"],
+                                  "train/grad_norm": norm, "perf/tokens_per_s": tokens_per_s, "perf/mfu": mfu,
+                                  "perf/peak_memory_gib": entry["peak_memory_gib"]})
 
 
 def _model_meta(config: TrainConfig) -> dict[str, Any]:
     return {"model_config": dict(config.model_config().__dict__)}
 
 
-def _save(config: TrainConfig, rt: _Runtime, step: int, model, optimizer) -> str:
+def _save(config: TrainConfig, rt: _Runtime, step: int, model, optimizer, corpus) -> str:
+    """A checkpoint; its meta.json also names the data (``export`` carries the tokenizer out with the weights)."""
     path = save_checkpoint(os.path.join(config.out, "checkpoints"), step, model, optimizer, group=rt.group,
-                           meta=_model_meta(config), keep_last=config.keep_last)
+                           meta={**_model_meta(config), "data": corpus.describe()}, keep_last=config.keep_last)
     log.info("saved %s", path)
     return path
 
@@ -473,6 +292,9 @@ def _report(config: TrainConfig, rt: _Runtime, progress: _Progress, parity: dict
         "wall_time_s": wall, "segments": earlier.get("segments", []) + [segment],
         "corpus": corpus.describe(), "checkpoints": hist["checkpoints"], "resumed_from": config.resume,
         "parity": parity, "interrupted": interrupted, "cuda_graph": progress.graphed,
+        **{k: [v for s, v in zip(earlier.get("val_steps", []), earlier.get(k, [])) if s <= start] + hist[k]
+           for k in ("val_steps", "val_loss")},
+        "logged": [e for e in earlier.get("logged", []) if e["step"] <= start] + hist["logged"],
     }
     report["summary"] = _out.summary(report, params=mc.num_params(), flops_per_token=mc.flops_per_token(),
                                      peak_flops=progress.peak, wall_time_s=wall)
@@ -489,6 +311,8 @@ def _data(config: TrainConfig) -> MarkovCorpus | TokenFile:
 
 
 def _resume(config: TrainConfig, rt: _Runtime, model, optimizer) -> int:
+    for skipped in interrupted_saves(config.resume):
+        log.warning("skipping %s: an interrupted save (no completion marker), never resumed from", skipped)
     start = load_checkpoint(config.resume, model, optimizer, group=rt.group, expect=_model_meta(config))
     if start >= config.steps:
         raise CheckpointError(f"--resume {config.resume!r} is at step {start}, at or past --steps "
@@ -499,12 +323,19 @@ def _resume(config: TrainConfig, rt: _Runtime, model, optimizer) -> int:
 
 def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
     corpus = progress.corpus = _data(config)  # DataError on every rank alike, before any collective
+    if config.eval_every:
+        progress.val = corpus.validation()
+        _metrics.eval_rows(progress.val, config.global_batch, rt.world_size)  # enough windows, or DataError now
     mc = config.model_config()
     log.info("MoEGPT %s: %s parameters (%s active per token), %d layers, d_model %d, %d experts top-%d; "
              "%d rank(s) on %s (%s), %s%s", config.model, f"{mc.num_params():,}",
              f"{(mc.flops_per_token() - 6 * mc.n_layers * mc.seq_len * mc.d_model) // 6:,}", mc.n_layers,
              mc.d_model, mc.n_experts, mc.top_k, rt.world_size, rt.device, rt.backend, rt.precision,
              "" if config.recipe == "none" else f", recipe {config.recipe}")
+    estimate = _memory_need(config)
+    if estimate is not None and estimate[2] is not None:
+        log.info("memory: about %.1f GiB for %d rank(s) on this machine, %.1f GiB available", estimate[0] / 2**30,
+                 estimate[1], estimate[2] / 2**30)
     peak = progress.peak = [None] * rt.world_size
     dist.all_gather_object(peak, _out.measure_peak_flops(rt.device), group=rt.group)
     model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
@@ -512,11 +343,11 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
         distwgrad.coalesce(model)
     if config.compile:
         compile_blocks(model)
-    optimizer = _optimizer(model, config)
+    optimizer = optimizer_for(model, config)
     start = progress.start = progress.step = _resume(config, rt, model, optimizer) if config.resume else 0
     log.info("%d weights; steps %d..%d; data: %s", len(distwgrad.wgrad.distributed_parameters(model)), start + 1,
              config.steps, config.data or "synthetic Markov corpus")
-    lockstep = _Lockstep(config, rt, start) if config.check_parity else None
+    lockstep = Lockstep(config, rt, start) if config.check_parity else None
     if config.cuda_graph:
         rows = config.global_batch // (rt.world_size * config.microbatches)
         progress.graphed = _graph.graph_blocks(model, rows, recipe=_graph.recipe_for_graphs(config.recipe))
@@ -524,8 +355,12 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
                  len(progress.graphed["graphed"]), "x".join(map(str, progress.graphed["sample_shape"])),
                  progress.graphed["capture_s"], progress.graphed["graph_bytes"] / 2**30,
                  ", ".join(progress.graphed["eager"]))
-    with _collector(config.gc_every):
-        hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
+    progress.board = _metrics.Board(config.tensorboard, rt.rank)
+    try:
+        with _collector(config.gc_every):
+            hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
+    finally:
+        progress.board.close()
     if config.cuda_graph:
         _graph.release(model)  # the free-running reference below may need the memory
     verdict = lockstep.verdict(model) if lockstep else None  # collective; the verdict on rank 0
@@ -536,7 +371,7 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
     # The last collective: what follows is rank 0's alone, so no rank waits on its free-running
     # reference (which may take longer than --timeout: docs/training.md, Faults).
     if rt.rank == 0:
-        parity = _parity_result(config, rt, corpus, verdict, hist) if verdict else None
+        parity = parity_result(config, rt, corpus, verdict, hist) if verdict else None
         _write_report(config, _report(config, rt, progress, parity, memory))
     return 0 if passed[0] else 1
 
@@ -581,9 +416,73 @@ def _interrupted(config: TrainConfig, rt: _Runtime, progress: _Progress, exc: Ba
     return _faults.INTERRUPTED_EXIT
 
 
-def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv, prog="distwgrad.launch.train", description=__doc__.split("[Note: parity]")[0])
+def _check_out(config: TrainConfig) -> None:
+    """A new run (no ``--resume``) into an ``--out`` that holds another run's report or checkpoints would replace
+    them: refused, with the ways out, unless ``--overwrite`` (which replaces the report and plot; checkpoints
+    of the same steps are saved anew)."""
+    if config.resume or config.overwrite:
+        return
+    report, ckpts = os.path.join(config.out, "report.json"), os.path.join(config.out, "checkpoints")
+    held = []
+    if os.path.isfile(report):
+        try:
+            with open(report) as f:
+                old = json.load(f)
+            stopped = old.get("interrupted")
+            held.append(f"a run {'interrupted at' if stopped else 'finished at'} step "
+                        f"{(stopped or {}).get('last_step_done', (old.get('steps') or ['?'])[-1])} (report.json)")
+        except (OSError, ValueError):
+            held.append("a report.json")
+    if os.path.isdir(ckpts) and any(d.startswith("step_") for d in os.listdir(ckpts)):
+        held.append(f"checkpoints ({ckpts})")
+    if held:
+        raise ValueError(f"--out {config.out!r} holds {' and '.join(held)}; pass --resume {ckpts} to continue it, "
+                         f"--overwrite to replace it, or another --out")
+
+
+def _memory_need(config: TrainConfig) -> tuple[float, int, float | None] | None:
+    """On a CPU, ``(bytes this machine's ranks need, ranks, bytes available)``: every rank builds the full fp32
+    weights once (then keeps its shard), and keeps fp32 masters, gradients and AdamW's two moments of its shard
+    (16 bytes a parameter). None on GPUs."""
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return None
+    params = config.model_config().num_params()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return ranks * (4 * params + 16 * params / world), ranks, _available_bytes()
+
+
+def _check_memory(config: TrainConfig) -> None:
+    """What the model needs against what a CPU machine has, refused before anything is built."""
+    estimate = _memory_need(config)
+    if estimate is None:
+        return
+    need, ranks, available = estimate
+    params = config.model_config().num_params()
+    if available is not None and need > available:
+        raise ValueError(f"--model {config.model} ({params:,} parameters) needs about {need / 2**30:.1f} GiB on this "
+                         f"machine for {ranks} CPU rank(s) (the full fp32 weights while building, then masters, "
+                         f"gradients and AdamW state of each shard); {available / 2**30:.1f} GiB are available. Use a "
+                         f"smaller --model, fewer ranks here, or GPUs")
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
     try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv, prog="distwgrad.launch.train", description=_help_text())
+    try:
+        _check_out(config)
+        _check_memory(config)
         rt = _init(config)
     except ValueError as exc:  # before any process group: every rank knows, rank 0 says
         if os.environ.get("RANK", "0") == "0":
@@ -607,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(code)
     finally:
         dist.destroy_process_group()
+
+
+def _help_text() -> str:
+    """--help's text: the commands of the module's docstring."""
+    return "Commands:" + __doc__.split("Commands::")[1].split("\n\n\n")[0].split("\n\nThe trained weights")[0]
 
 
 if __name__ == "__main__":

@@ -182,9 +182,9 @@ def test_training_collects_garbage_every_n_steps(every, collected_at, tmp_path, 
     train = _launch("train")
     seen = []
     monkeypatch.setattr(train.gc, "collect", lambda generation=2: seen.append((generation, gc.isenabled())))
-    original_step = train._optimizer_step
+    original_step = train.optimizer_step
     enabled = []
-    monkeypatch.setattr(train, "_optimizer_step", lambda *a: (enabled.append(gc.isenabled()), original_step(*a)))
+    monkeypatch.setattr(train, "optimizer_step", lambda *a: (enabled.append(gc.isenabled()), original_step(*a)))
     assert gc.isenabled()
     code = train.main(["--model", "tiny", "--steps", "5", "--device", "cpu", "--no-progress", "--gc-every",
                        str(every), "--out", str(tmp_path / "run"), "--log-every", "0"])

@@ -60,3 +60,17 @@ def _token_file(path, n: int = 20_000, vocab: int = 60) -> str:
     np = pytest.importorskip("numpy")
     np.random.default_rng(0).integers(0, vocab, n).astype("<u2").tofile(path)
     return str(path)
+
+
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 60
+
+
+def _prepared(folder, text: str = TEXT, **kwargs) -> str:
+    """A folder ``prepare_data`` wrote from ``text`` (bytes as tokens unless ``tokenizer=`` says otherwise)."""
+    os.makedirs(folder, exist_ok=True)
+    source = os.path.join(str(folder), "corpus.txt")
+    with open(source, "w") as f:
+        f.write(text)
+    _launch("prepare_data").prepare([source], str(folder), say=lambda _: None, **kwargs)
+    return str(folder)

@@ -48,6 +48,7 @@ import train_step as ts  # noqa: E402
 
 import distwgrad  # noqa: E402
 from distwgrad.data import MarkovCorpus  # noqa: E402
+from distwgrad.fp8.weights import sync_weight_amax  # noqa: E402
 
 PHASES = ("forward", "backward", "drain", "finalize", "optimizer")
 
@@ -59,7 +60,7 @@ def phases(b: ts.Build, tok: torch.Tensor) -> Iterator[str]:
         recipe = b.precision if b.precision.startswith("fp8") else "none"
         with train._RECIPES[recipe]():
             if recipe.startswith("fp8_per_tensor"):
-                train.sync_weight_amax(b.model)
+                sync_weight_amax(b.model)
             loss = b.model.loss(tok[:, :-1], tok[:, 1:])
             yield "forward"
             loss.backward()

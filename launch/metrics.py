@@ -1,0 +1,112 @@
+"""What the job measures beyond the loss: the validation loss, the gradient norm, and TensorBoard's scalars.
+
+* Validation (``--eval-every K``): ``--eval-batches`` fixed global batches of held-out windows (a prepared
+  folder's ``val.bin``; held-out samples of the synthetic corpus), each rank its rows, under ``no_grad`` and
+  in eval mode (graphed blocks run eagerly there); the mean token loss over every rank's windows.
+* Gradient norm: the global L2 norm of the step's gradients after ``finalize_model_grads``, each distinct
+  weight once (shards are disjoint rows: a sum of squares over the ranks), at logged steps only (it reads
+  every gradient once).
+* ``--tensorboard DIR``: rank 0 writes, per logged step, ``train/loss``, ``train/lr``, ``train/grad_norm``,
+  ``perf/tokens_per_s``, ``perf/mfu`` (GPU), ``perf/peak_memory_gib`` and, when evaluated, ``val/loss``,
+  through ``torch.utils.tensorboard`` (``pip install 'distwgrad[tensorboard]'``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["evaluate", "eval_rows", "grad_norm", "Board", "peak_memory_gib"]
+
+
+def eval_rows(val: Any, global_batch: int, world_size: int) -> int:
+    """Validation windows per batch: the global batch, or as many as a small ``val.bin`` holds (a multiple of
+    the ranks); ``DataError`` if it holds fewer windows than ranks."""
+    from distwgrad.data import DataError
+
+    rows = min(global_batch, val.capacity()) // world_size * world_size
+    if rows < world_size:
+        raise DataError(f"--eval-every: the validation tokens hold {val.capacity()} windows of seq_len + 1, fewer "
+                        f"than the {world_size} ranks (prepare more text, or a larger --val-fraction)")
+    return rows
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: Any, batches: int, global_batch: int, rank: int, world_size: int,
+             group: Any, device: torch.device, autocast: Any) -> float:
+    """The mean next-token loss over ``batches`` validation batches (of :func:`eval_rows` windows), every rank's
+    windows together."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # summed token losses, tokens
+    size = eval_rows(val, global_batch, world_size)
+    rows = size // world_size
+    try:
+        for i in range(batches):
+            tokens = val.eval_batch(i, size)[rank * rows:(rank + 1) * rows].to(device)
+            with autocast():
+                loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+            n = tokens[:, 1:].numel()
+            total += torch.stack([loss.double() * n, torch.tensor(float(n), dtype=torch.float64, device=device)])
+    finally:
+        model.train(was_training)
+    dist.all_reduce(total, group=group)
+    return float(total[0] / total[1])
+
+
+@torch.no_grad()
+def grad_norm(model: torch.nn.Module, group: Any) -> float:
+    """The global L2 norm of every distinct parameter's ``.grad``, for a model sharded over ``group`` (the
+    job's): a ``ShardedWeight``'s rows summed over the ranks, anything else (replicated on every rank, its
+    gradient averaged by the finalize) counted once."""
+    from distwgrad import ShardedWeight
+
+    sharded, replicated = [], []
+    for p in {id(p): p for p in model.parameters()}.values():
+        if p.grad is not None:
+            (sharded if isinstance(p, ShardedWeight) else replicated).append(p.grad.float())
+    device = next(model.parameters()).device
+    squares = torch.zeros(2, dtype=torch.float64, device=device)
+    for i, grads in enumerate((sharded, replicated)):
+        if grads:
+            squares[i] = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+    dist.all_reduce(squares, group=group)
+    return math.sqrt(float(squares[0]) + float(squares[1]) / dist.get_world_size(group))
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far: CUDA's allocator on a GPU, the resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+class Board:
+    """TensorBoard scalars on rank 0, or nothing (``path`` None, or another rank)."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self._writer = None
+        if path and rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # tensorboard is an optional extra
+                raise ValueError(f"--tensorboard {path!r} needs TensorBoard: pip install 'distwgrad[tensorboard]' "
+                                 f"(or pip install tensorboard)") from exc
+            self._writer = SummaryWriter(path)
+
+    def scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self._writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self._writer.add_scalar(tag, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
