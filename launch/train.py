@@ -334,7 +334,7 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
              "" if config.recipe == "none" else f", recipe {config.recipe}")
     estimate = _memory_need(config)
     if estimate is not None and estimate[2] is not None:
-        log.info("memory: about %.1f GiB for %d rank(s) on this machine, %.1f GiB available", estimate[0] / 2**30,
+        log.info("memory: at least %.2f GiB for %d rank(s) on this machine, %.2f GiB available", estimate[0] / 2**30,
                  estimate[1], estimate[2] / 2**30)
     peak = progress.peak = [None] * rt.world_size
     dist.all_gather_object(peak, _out.measure_peak_flops(rt.device), group=rt.group)
@@ -441,15 +441,16 @@ def _check_out(config: TrainConfig) -> None:
 
 
 def _memory_need(config: TrainConfig) -> tuple[float, int, float | None] | None:
-    """On a CPU, ``(bytes this machine's ranks need, ranks, bytes available)``: every rank builds the full fp32
-    weights once (then keeps its shard), and keeps fp32 masters, gradients and AdamW's two moments of its shard
-    (16 bytes a parameter). None on GPUs."""
+    """On a CPU, ``(bytes this machine's ranks need at least, ranks, bytes available)``: each rank holds what this
+    process holds now (the interpreter and torch), builds the full fp32 weights once (then keeps its shard), and
+    keeps fp32 masters, gradients and AdamW's two moments of its shard (16 bytes a parameter); activations come
+    on top. None on GPUs."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         return None
     params = config.model_config().num_params()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return ranks * (4 * params + 16 * params / world), ranks, _available_bytes()
+    return ranks * (_resident_bytes() + 4 * params + 16 * params / world), ranks, _available_bytes()
 
 
 def _check_memory(config: TrainConfig) -> None:
@@ -460,10 +461,19 @@ def _check_memory(config: TrainConfig) -> None:
     need, ranks, available = estimate
     params = config.model_config().num_params()
     if available is not None and need > available:
-        raise ValueError(f"--model {config.model} ({params:,} parameters) needs about {need / 2**30:.1f} GiB on this "
-                         f"machine for {ranks} CPU rank(s) (the full fp32 weights while building, then masters, "
-                         f"gradients and AdamW state of each shard); {available / 2**30:.1f} GiB are available. Use a "
-                         f"smaller --model, fewer ranks here, or GPUs")
+        raise ValueError(f"--model {config.model} ({params:,} parameters) needs at least {need / 2**30:.2f} GiB on "
+                         f"this machine for {ranks} CPU rank(s) (each rank's interpreter and torch, the full fp32 "
+                         f"weights while building, then masters, gradients and AdamW state of each shard); "
+                         f"{available / 2**30:.2f} GiB are available. Use a smaller --model, fewer ranks here, or GPUs")
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _available_bytes() -> int | None:

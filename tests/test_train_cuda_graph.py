@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from launch import config as job_config  # noqa: E402
-from launch import cuda_graph, train  # noqa: E402
+from launch import cuda_graph, step, train  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 ENV = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
@@ -248,7 +248,7 @@ def test_graphed_per_tensor_step_syncs_the_eager_weights_only(monkeypatch):
     assert ids(eager) | ids([model.blocks]) == ids([model]) and not ids(eager) & ids([model.blocks])
     assert model.embedding in eager
     synced = []
-    monkeypatch.setattr(train, "sync_weight_amax", lambda mods: synced.append(mods))
+    monkeypatch.setattr(step, "sync_weight_amax", lambda mods: synced.append(mods))
     tokens = torch.randint(model.config.vocab_size, (2, 17))
     train.forward_backward(model, tokens, 1, "fp8_per_tensor", eager)
     train.forward_backward(model, tokens, 1, "fp8_per_tensor")

@@ -117,3 +117,43 @@ def test_every_import_of_the_job_is_a_declared_dependency():
     stdlib = set(sys.stdlib_module_names) | {"distwgrad", "__future__"}
     assert top - stdlib <= declared, (top - stdlib - declared, declared)
     assert inner - stdlib <= optional, (inner - stdlib - optional, optional)
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """(page, command) for every line of every ``bash`` block of the README and ``docs/``: the pages a user
+    copies commands from. The benchmark record pages (``docs/benchmarks*``) are generated, not copied."""
+    pages = ["README.md"] + sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(REPO, "docs"))
+                                   if n.endswith(".md"))
+    found = []
+    for page in pages:
+        with open(os.path.join(REPO, page)) as f:
+            text = f.read()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split("  #")[0].strip()
+                if command and not command.startswith("#"):
+                    found.append((page, command))
+    return found
+
+
+def test_documented_commands_write_nothing_tracked():
+    """A command copied from the docs may write its outputs (``--out``, ``--tensorboard``, ``--profile``, a
+    prepared data folder) only under an ignored folder, and a benchmark only with ``--no-record`` (without it
+    rows go to the tracked ``docs/benchmarks/results.jsonl``)."""
+    with open(os.path.join(REPO, ".gitignore")) as f:
+        ignored = {line.strip().strip("/") for line in f if line.strip().startswith("/") and line.strip().endswith("/")}
+    commands = _documented_commands()
+    assert len(commands) >= 20, commands
+    checked = 0
+    for page, command in commands:
+        argv = command.split()
+        for flag in ("--out", "--tensorboard", "--profile", "--plot"):
+            for i, arg in enumerate(argv[:-1]):
+                if arg == flag and not argv[i + 1].startswith("-"):
+                    top = argv[i + 1].lstrip("./").split("/")[0]
+                    assert top in ignored, f"{page}: `{command}` writes {flag} {argv[i + 1]}, outside {sorted(ignored)}"
+                    checked += 1
+        if any(a.startswith("qa/bench/") and a.endswith(".py") for a in argv) or "qa.bench." in command:
+            assert "--no-record" in argv or "--results" in argv, f"{page}: `{command}` appends to results.jsonl"
+            checked += 1
+    assert checked >= 10, checked
