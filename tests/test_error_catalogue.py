@@ -57,6 +57,7 @@ AREAS = [
     ("launch/", "JOB", "The training job: options, data, model and exit codes"),
     ("distwgrad/data.py", "JOB", "The training job: options, data, model and exit codes"),
     ("distwgrad/models/", "JOB", "The training job: options, data, model and exit codes"),
+    ("distwgrad/parallel/", "PIP", "Pipeline parallelism"),
     ("distwgrad/", "GEN", "Other"),
 ]
 MIN_TESTED = 60  # catalogued errors that name a test triggering them

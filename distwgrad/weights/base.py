@@ -147,7 +147,7 @@ T = TypeVar("T")
 # The dtypes a weight may compute in ([Note: mixed precision]); FP8 goes through a recipe instead.
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
-_SHARED_HANDLES = frozenset({"_group_ref", "_replicate_ref", "mesh"})
+_SHARED_HANDLES = frozenset({"_group_ref", "_replicate_ref", "_stage_tie_ref", "mesh"})
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -253,6 +253,40 @@ class DistributedParameter(nn.Parameter):
     def reduction_groups(self) -> tuple[Any, ...]:
         """The groups a gradient is summed over, in order: the group, then the replicas' (if any)."""
         return (self.group,) if self.replicate_group is None else (self.group, self.replicate_group)
+
+    # [Note: a weight tied across pipeline stages]
+    # A weight used on two pipeline stages held by different ranks (the embedding on the first stage, the
+    # lm_head on the last) is one copy per stage, each sharded over its stage's data-parallel group as any
+    # weight: a gather across stages would tie the stages' schedules together. Each copy counts its own
+    # uses; at finalize each copy reduces over its group (the average over data parallelism, as ever), then
+    # the copies SUM over ``stage_tie_group`` (one rank per copy holding the same shard): the two uses of one
+    # weight add, as tied uses on one rank do. Every copy then holds the same ``main_grad`` and ``.grad``
+    # and, stepped by the same optimizer, the same values. Before the sum the copies agree on whether each
+    # has a gradient this step (a one-element all-reduce): a step that used one copy and not another is an
+    # error on every rank, never a hang or half a gradient. Each tied weight has a group of its own, so two
+    # tied weights can never sum into each other whatever order their stages finalize them in.
+    _stage_ties: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # group id -> its weight
+
+    def tie_across_stages(self, group: Any) -> None:
+        """This weight is this rank's copy of a weight used on several pipeline stages; ``group`` holds one
+        rank per copy, each holding the same shard ([Note: a weight tied across pipeline stages]). A group
+        of one (or None) ties nothing. Call before the first step, on every rank holding a copy."""
+        if group is None or _comm.group_size(group) == 1:
+            self._stage_tie_ref = None
+            return
+        if self._life.open:
+            raise RuntimeError(f"{self._name()}: tie_across_stages during an open step; tie before the first forward")
+        other = DistributedParameter._stage_ties.get(id(group))
+        if other is not None and other is not self:
+            raise ValueError(f"{self._name()}: the stage-tie group is already the group of {other._name()}; give "
+                             f"each tied weight a group of its own (dist.new_group with the same ranks)")
+        DistributedParameter._stage_ties[id(group)] = self
+        self._stage_tie_ref = weakref.ref(group)
+
+    @property
+    def stage_tie_group(self) -> Any:
+        """The group the copies of a weight tied across pipeline stages sum over, else None."""
+        return self._deref(getattr(self, "_stage_tie_ref", None), "stage-tie group")
 
     @property
     def solo(self) -> bool:

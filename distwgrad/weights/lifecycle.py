@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from distwgrad.weights import _accounting, first_write
+from distwgrad.weights import _accounting, _comm, first_write
 
 __all__ = ["WeightState", "ReducePolicy", "Lifecycle", "UnfinalizedStepError", "MissingContributionError",
            "write_token", "weight_paths", "main_grad_of"]
@@ -97,6 +97,18 @@ MISSING_CAUSES = (
 # Bumped after every optimizer step over any parameter (torch's global step hook): the part of
 # write_token a plain parameter has instead of an epoch.
 _optimizer_steps = 0
+
+
+def _agree_across_stages(w: Any, tie: Any, has_grad: bool) -> None:
+    """Every copy of a weight tied across stages has a gradient this step, or none has; else every rank
+    raises, naming the weight."""
+    flag = torch.tensor([int(has_grad)], dtype=torch.int64, device=w.device)
+    _comm.all_reduce_sum(flag, tie)
+    n, size = int(flag.item()), _comm.group_size(tie)
+    if n not in (0, size):
+        raise MissingContributionError(
+            f"{w._name()}: tied across {size} pipeline stages, but {n} of its copies had a gradient this step; "
+            f"every stage holding a copy must use it in every step ([Note: a weight tied across pipeline stages])")
 
 
 def write_token(p: torch.Tensor) -> tuple[int, int]:
@@ -364,7 +376,10 @@ class Lifecycle:
         gradient (every use withdrawn), or no step, ends IDLE and returns False. Every call is a boundary
         for the caches."""
         self._boundary()
+        tie = w.stage_tie_group  # [Note: a weight tied across pipeline stages] in weights/base.py
         if not self.open:
+            if tie is not None:
+                _agree_across_stages(w, tie, False)
             return False
         if self.delivered != self.expected:
             raise MissingContributionError(
@@ -376,9 +391,13 @@ class Lifecycle:
         self.phase = _Phase.FINALIZED if self.has_grad else _Phase.IDLE
         if w._unit is not None:
             w._unit.units.end_step()  # no gathered copy outlives the step
+        if tie is not None:
+            _agree_across_stages(w, tie, self.has_grad)
         if not self.has_grad:
             return False
         main_grad = self.main_grad(w)
+        if tie is not None:
+            _comm.all_reduce_sum(main_grad, tie)
         if scale is not None:
             main_grad.mul_(scale)
         grad = main_grad.to(w.dtype)  # main_grad itself where the dtypes agree

@@ -100,7 +100,19 @@ def deferred_wgrad_scope(model: nn.Module | Sequence[nn.Module], *, order="rever
 def undrained(model: nn.Module | Sequence[nn.Module]) -> list[str]:
     """Names of modules with deferred wgrads still queued."""
     stores: list[Any] = [m.wgrad_store for m in deferred_modules(model)]
-    return [f"{s.owner} ({len(s)} queued)" for s in stores if len(s)]
+    out = []
+    for s in (s for s in stores if len(s)):
+        labels = [x for x in s.labels() if x != "unclaimed"]
+        out.append(f"{s.owner} ({len(s)} queued" + (f": {', '.join(labels)})" if labels else ")"))
+    return out
 
 
-__all__ += ["undrained", "DeferredWgradError"]
+def run_deferred(module: nn.Module, work) -> None:
+    """Runs one queued deferred wgrad of ``module`` (one its store's ``claim`` returned), then the module's
+    wgrad-accumulation-and-reduce hooks, as ``backward_dw()`` does for the oldest."""
+    module.wgrad_store.run(work)
+    for hook in module.wgrad_accumulation_and_reduce_hooks:
+        hook()
+
+
+__all__ += ["undrained", "run_deferred", "DeferredWgradError"]

@@ -4,11 +4,17 @@ With ``delay_wgrad_compute=True`` a module's main backward computes dgrad only a
 holding what the wgrad GEMM needs: the saved input, the output gradient and the *parameters* (never a
 gathered copy: the wgrad product needs no weight at all). ``backward_dw()`` pops the oldest closure,
 runs it, then fires the module's wgrad-accumulation-and-reduce hooks.
+
+A pipeline schedule's W action runs the work of one stage and microbatch, not the oldest: right after a
+microbatch's backward the stage claims (:meth:`claim`) what that backward queued, under a label naming the stage
+and microbatch, and its W runs (:meth:`run`) exactly those items (``distwgrad/parallel/pipeline.py``). A label
+names the item wherever it is reported undrained.
 """
 
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,6 +39,8 @@ class WeightGradStore:
         self.owner = owner
         self.strict = strict
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
+        # claimed item -> its label, for as long as anything (a W) holds the item
+        self._labels: weakref.WeakKeyDictionary[Callable[[], None], str] = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -43,6 +51,17 @@ class WeightGradStore:
     def queued(self) -> tuple[Callable[[], None], ...]:
         """The queued work, oldest first (read-only; graph capture keeps it alive while capturing)."""
         return tuple(self._queue)
+
+    def claim(self, label: str) -> tuple[Callable[[], None], ...]:
+        """The items queued since the last claim, oldest first, now labelled ``label``."""
+        fresh = tuple(w for w in self._queue if w not in self._labels)
+        for w in fresh:
+            self._labels[w] = label
+        return fresh
+
+    def labels(self) -> list[str]:
+        """Each queued item's label, oldest first ("unclaimed" for an item no schedule claimed)."""
+        return [self._labels.get(w, "unclaimed") for w in self._queue]
 
     def check_can_queue(self) -> None:
         if self.strict and self._queue:
@@ -61,12 +80,24 @@ class WeightGradStore:
             raise DeferredWgradError(
                 f"{self.owner}: backward_dw() called with no deferred wgrad queued (every backward "
                 f"queues exactly one; was backward run, or was this module drained already?)")
+        self._run(self._queue[0])
+
+    def run(self, work: Callable[[], None]) -> None:
+        """Runs one queued item (one that :meth:`claim` returned), wherever it is in the queue, then drops it."""
+        if not any(w is work for w in self._queue):
+            raise DeferredWgradError(
+                f"{self.owner}: the deferred wgrad {self._labels.get(work, 'given')!r} is not queued (was it run "
+                f"already, by backward_dw() or a drain, or dropped by finalize_model_grads(discard=True)?)")
+        self._run(work)
+
+    def _run(self, work: Callable[[], None]) -> None:
         with torch.no_grad():  # a deferred GEMM is gradient bookkeeping, never part of a graph
-            self._queue[0]()
-        self._queue.popleft()
+            work()
+        self._queue.remove(work)  # by identity: closures compare by identity
 
     def clear(self) -> int:
         """Drops queued work without running it (e.g. after an aborted step); returns how many."""
         n = len(self._queue)
         self._queue.clear()
+        self._labels.clear()
         return n

@@ -1,0 +1,249 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``, whose W steps are distwgrad's deferred wgrads.
+
+[Note: W steps are deferred wgrads]
+Zero-bubble schedules split a microbatch's backward into B (the input gradient, which the previous stage
+waits for) and W (the weight gradient, which nobody waits for and so fills the idle slots). torch's own W
+splits backward at the level of the autograd graph, which cannot reach inside a module whose backward is
+one autograd Function; distwgrad's modules split it themselves: with ``delay_wgrad_compute=True`` their
+backward computes the input gradient and queues the wgrad. So a stage here runs torch's schedules through
+torch's ``dw_builder`` hook, and nothing else:
+* B is torch's full backward of the stage. For a deferring module that is dgrad only; plain parameters (a
+  LayerNorm's, a bias of a module that does not defer) get their gradients there, as in any backward.
+* Right after B, the stage claims what that backward queued in every deferring module of the stage,
+  labelled "W of stage s, microbatch m" (``WeightGradStore.claim``); the schedule's W for (s, m) runs
+  exactly those items, whatever order the schedule puts its Ws in. Schedules without W actions (``GPipe``,
+  ``1F1B``, ``Interleaved1F1B``) run them right after B.
+* A W that never ran leaves its items queued: ``finalize_model_grads`` refuses the step and names the
+  module, the stage and the microbatch (``MissingContributionError``). The weights' own accounting counts
+  every use, so a tied weight used on several stages of one rank waits for all of its Ws.
+
+[Note: the loss is divided, not the gradients]
+torch's schedules divide ``.grad`` by the number of microbatches after the step (``scale_grads=True``, the
+default). A distwgrad weight's gradient is not in ``.grad`` then: it is in its fp32 buffer, or already
+reduced. :func:`build_schedule` divides each microbatch's loss by the microbatch count instead (the same
+gradients for every parameter: the mean over microbatches of a mean loss is the batch's mean loss), and
+a stage refuses torch's scaling with an error rather than scale the plain parameters alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining as _pp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import schedules as _schedules
+
+from distwgrad.wgrad.scheduler import deferred_modules, run_deferred
+
+__all__ = ["PipelineStage", "build_schedule", "stage_placement", "SCHEDULES", "check_pipeline_config",
+           "tie_first_and_last_stage"]
+
+# torch's names; single: one stage per rank; v: two stages per rank, the first and last on rank 0.
+SCHEDULES = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop", "InterleavedZeroBubble": "loop",
+             "ZBVZeroBubble": "v", "DualPipeV": "v"}
+
+
+def _schedule_name(name: str) -> str:
+    for known in SCHEDULES:
+        if known.lower() == str(name).lower():
+            return known
+    raise ValueError(f"pipeline schedule {name!r} is not one of {sorted(SCHEDULES)}")
+
+
+def stage_placement(schedule: str, pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[int]:
+    """The stage indices that rank ``pp_rank`` of ``pp_size`` holds, in the order the schedule expects.
+
+    ``GPipe`` and ``1F1B``: one stage, ``pp_rank``. Interleaved schedules: ``stages_per_rank`` stages in a
+    loop (rank r holds r, r + pp, r + 2 pp, ...). ``ZBVZeroBubble`` and ``DualPipeV``: two stages in a V
+    (rank r holds r and 2 pp - 1 - r), so the first and the last stage share rank 0.
+    """
+    kind = SCHEDULES[_schedule_name(schedule)]
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+    if kind == "single":
+        if stages_per_rank != 1:
+            raise ValueError(f"{schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}")
+        return [pp_rank]
+    if kind == "v":
+        if stages_per_rank != 2:
+            raise ValueError(f"{schedule} runs two stages per rank (a V), got stages_per_rank={stages_per_rank}")
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    if stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def check_pipeline_config(schedule: str, *, pp_size: int, n_layers: int, n_microbatches: int,
+                          stages_per_rank: int | None = None) -> int:
+    """Checks a pipeline configuration before anything is built; returns the stages per rank.
+
+    One ``ValueError`` naming the values for: an unknown schedule, layers that do not divide over the
+    stages, fewer microbatches than a schedule can run (``1F1B`` and the interleaved schedules need at least
+    ``pp_size``; the V schedules at least ``2 * pp_size`` for DualPipeV, ``pp_size`` for ZBV).
+    """
+    name = _schedule_name(schedule)
+    kind = SCHEDULES[name]
+    per_rank = {"single": 1, "v": 2}.get(kind, stages_per_rank or 2)
+    if stages_per_rank is not None and stages_per_rank != per_rank:
+        raise ValueError(f"{name} runs {per_rank} stage(s) per rank, got stages_per_rank={stages_per_rank}")
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be >= 1, got {pp_size}")
+    stages = pp_size * per_rank
+    if n_layers % stages:
+        raise ValueError(f"{n_layers} layers do not divide over {stages} pipeline stages ({name} at pp={pp_size}: "
+                         f"{per_rank} stage(s) per rank); choose a layer count that is a multiple of {stages}")
+    need = 2 * pp_size if name == "DualPipeV" else (pp_size if name != "GPipe" else 1)
+    if n_microbatches < need:
+        raise ValueError(f"{name} at pp={pp_size} needs at least {need} microbatches, got {n_microbatches}")
+    return per_rank
+
+
+class PipelineStage(_pp.PipelineStage):
+    """torch's ``PipelineStage`` whose W actions run this stage's deferred wgrads of that microbatch.
+
+    The same arguments as torch's, with the activations' shapes given (``input_args``, ``output_args``:
+    example tensors or meta tensors of one microbatch): torch's shape inference would run the stage's
+    forward and backward on made-up data, and so record uses and deliver wgrads into the real step.
+
+    ``times`` holds this step's seconds per action kind ("F", "B", "W": lists, one entry per microbatch;
+    on CUDA each is timed to the device's completion when ``timed=True``); :meth:`reset_times` clears them.
+    """
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device | str, *,
+                 input_args: Any, output_args: Any, group: Any = None, timed: bool = False) -> None:
+        if input_args is None or output_args is None:
+            raise ValueError(f"distwgrad.parallel.PipelineStage {stage_index}: pass input_args and output_args (the "
+                             f"shapes of one microbatch's activations); torch's shape inference would run the "
+                             f"stage on made-up data and count it as part of the step")
+        super().__init__(submodule, stage_index, num_stages, torch.device(device), input_args=input_args,
+                         output_args=output_args, group=group, dw_builder=self._claim_wgrads)
+        given = (input_args,) if isinstance(input_args, torch.Tensor) else tuple(input_args)
+        self._input_shapes = [tuple(t.shape) for t in given if isinstance(t, torch.Tensor)]
+        self.timed = timed
+        self.times: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+        self._bwd_chunk: int | None = None
+
+    def reset_times(self) -> None:
+        for v in self.times.values():
+            v.clear()
+
+    def _clock(self) -> float:
+        if self.timed and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True):
+        if self.is_first:
+            shapes = [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]
+            if shapes != self._input_shapes:
+                raise ValueError(
+                    f"distwgrad.parallel.PipelineStage {self.stage_index}: microbatch {fwd_chunk_id} has input shapes "
+                    f"{shapes}, but the stage was built for {self._input_shapes} (input_args): the batch must split "
+                    f"into microbatches of equal size (each microbatch's loss is divided by their number)")
+        t0 = self._clock()
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        self.times["F"].append(self._clock() - t0)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
+                           last_backward: bool = False) -> None:
+        self._bwd_chunk = bwd_chunk_id
+        t0 = self._clock()
+        try:
+            super().backward_one_chunk(bwd_chunk_id, loss, full_backward=False, last_backward=last_backward)
+        finally:
+            self._bwd_chunk = None
+        self.times["B"].append(self._clock() - t0)
+        if full_backward:  # a schedule without W actions: the W runs now ([Note: W steps are deferred wgrads])
+            self.backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        t0 = self._clock()
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self.times["W"].append(self._clock() - t0)
+
+    def _claim_wgrads(self) -> Callable[[], None]:
+        """Called by torch right after this stage's backward of one microbatch: binds that backward's queued
+        wgrads to the microbatch's W."""
+        label = f"W of stage {self.stage_index}, microbatch {self._bwd_chunk}"
+        mods = deferred_modules(self.submod)[::-1]  # the order backward produced the work (drain's default)
+        work = [(m, w) for m in mods for w in m.wgrad_store.claim(label)]
+
+        def run_w() -> None:
+            for m, w in work:
+                run_deferred(m, w)
+        return run_w
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        if grad_scale_factor != 1:
+            raise RuntimeError(
+                f"distwgrad.parallel.PipelineStage {self.stage_index}: the schedule divides gradients by "
+                f"{grad_scale_factor} after the step (torch's scale_grads=True), which cannot reach distwgrad "
+                f"weights (their gradients are not in .grad until finalize_model_grads): build the schedule with "
+                f"distwgrad.parallel.build_schedule, or pass scale_grads=False and divide the loss yourself")
+
+
+def build_schedule(schedule: str, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                   loss_fn: Callable[..., torch.Tensor], **kwargs: Any) -> Any:
+    """torch's schedule ``schedule`` (one of :data:`SCHEDULES`) over this rank's ``stages``.
+
+    Each microbatch's loss is ``loss_fn(output, target) / n_microbatches`` ([Note: the loss is divided, not
+    the gradients]); ``step()`` then returns (and fills ``losses`` with) those divided losses, whose sum is the
+    batch's mean loss. Other keyword arguments go to torch's schedule.
+    """
+    name = _schedule_name(schedule)
+    if "scale_grads" in kwargs:
+        raise ValueError("build_schedule divides the loss; scale_grads cannot be passed "
+                         "([Note: the loss is divided, not the gradients])")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+    local = [stages] if isinstance(stages, PipelineStage) else list(stages)
+    if not local or not all(isinstance(s, PipelineStage) for s in local):
+        got = [type(s).__name__ for s in local]
+        raise TypeError(f"stages must be distwgrad.parallel.PipelineStage objects, got {got}")
+
+    def divided(output, target):
+        return loss_fn(output, target) / n_microbatches
+
+    cls = _schedules.get_schedule_class(name)
+    if SCHEDULES[name] == "single":
+        if len(local) != 1:
+            raise ValueError(f"{name} runs one stage per rank, got {len(local)}")
+        return cls(local[0], n_microbatches, loss_fn=divided, scale_grads=False, **kwargs)
+    return cls(local, n_microbatches, loss_fn=divided, scale_grads=False, **kwargs)
+
+
+def tie_first_and_last_stage(weight: nn.Parameter | None, schedule: str, mesh: DeviceMesh) -> None:
+    """Ties this rank's copy of ``weight``, used on the first and the last pipeline stage (an embedding and
+    its lm_head), to the other stage's copy: at finalize the two copies' gradients sum ([Note: a weight tied
+    across pipeline stages] in ``weights/base.py``).
+
+    ``mesh``: the job's ``(pp, dp)`` mesh (a 1-D mesh is ``(pp,)``); dim 0 places the stages as
+    :func:`stage_placement` says. The first stage lives on pp rank 0, the last on pp rank ``pp - 1``, or also
+    on 0 in a V schedule, where one weight object serves both stages and nothing is tied. Collective over the
+    default group: every rank calls it, once per tied weight and in the same order (each tie gets a group of
+    its own); a rank holding neither stage passes None.
+    """
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError(f"tie_first_and_last_stage: mesh must be a 1-D (pp) or 2-D (pp, dp) DeviceMesh, got {mesh!r}")
+    ranks = mesh.mesh.reshape(mesh.shape[0], -1)  # [pp, dp]
+    pp = ranks.shape[0]
+    last = 0 if SCHEDULES[_schedule_name(schedule)] == "v" else pp - 1
+    me = dist.get_rank()
+    mine = None
+    for j in range(ranks.shape[1]):  # every rank creates every pair's group: dist.new_group's contract
+        pair = sorted({int(ranks[0, j]), int(ranks[last, j])})
+        group = dist.new_group(pair) if len(pair) > 1 else None
+        if me in pair:
+            mine = group
+    if mine is not None:
+        if not hasattr(weight, "tie_across_stages"):
+            raise TypeError(f"tie_first_and_last_stage: a distwgrad weight (ShardedWeight, ReplicatedWeight) is "
+                            f"needed, got {type(weight).__name__}")
+        weight.tie_across_stages(mine)

@@ -1,0 +1,107 @@
+"""A small language model cut into pipeline stages, and its single-process oracle, for the pipeline tests.
+
+Every block defers its wgrads, one block kind per distwgrad module with deferral (``LayerNormLinear`` and a
+``Linear`` with a fresh bias, ``LayerNormMLP``, ``GroupedLinear``); the first stage embeds (``Embedding``,
+its gradient in B) and the last stage ends in a ``LayerNorm`` and an lm_head whose weight is the
+embedding's (a tied weight: one object on one rank, two copies tied across stages otherwise). Weights
+are ``ShardedWeight``s over the data-parallel group with rows that do not divide evenly (V = 11, F = 5).
+Every parameter is drawn from a seed of its global layer index, so any cut of the layers into stages builds
+the same model as the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distwgrad import ShardedWeight
+from distwgrad.nn import Embedding, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
+
+V, D, FF, T = 11, 8, 5, 3  # vocabulary, width, hidden width, tokens per sequence
+KINDS = ("ln_linear", "ln_mlp", "grouped")
+
+
+def _sharded(t: torch.Tensor, group) -> ShardedWeight:
+    return ShardedWeight.from_full(t, group=group)
+
+
+class Block(nn.Module):
+    def __init__(self, index: int, group) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1000 + index)
+        w = lambda *shape: torch.randn(*shape, generator=g) * 0.4  # noqa: E731
+        self.kind = KINDS[index % len(KINDS)]
+        torch.manual_seed(index)  # fresh biases and norms
+        if self.kind == "ln_linear":
+            self.fc1 = LayerNormLinear(D, FF, weight=_sharded(w(FF, D), group), delay_wgrad_compute=True)
+            self.fc2 = Linear(FF, D, weight=_sharded(w(D, FF), group), delay_wgrad_compute=True)
+        elif self.kind == "ln_mlp":
+            self.mlp = LayerNormMLP(D, FF, delay_wgrad_compute=True)
+            self.mlp.fc1_weight = _sharded(w(FF, D), group)
+            self.mlp.fc2_weight = _sharded(w(D, FF), group)
+        else:
+            self.norm = nn.LayerNorm(D)
+            self.experts = GroupedLinear(2, D, D, bias=False, delay_wgrad_compute=True)
+            for e in range(2):
+                setattr(self.experts, f"weight{e}", _sharded(w(D, D), group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "ln_linear":
+            return x + self.fc2(F.gelu(self.fc1(x)))
+        if self.kind == "ln_mlp":
+            return x + self.mlp(x)
+        flat = self.norm(x).reshape(-1, D)
+        half = flat.shape[0] // 2
+        return x + self.experts(flat, [half, flat.shape[0] - half]).reshape(x.shape)
+
+
+def tied_weight(group) -> ShardedWeight:
+    return _sharded(torch.randn(V, D, generator=torch.Generator().manual_seed(7)) * 0.5, group)
+
+
+class Stage(nn.Module):
+    """Blocks ``layers`` of the model, with the embedding on the first stage and the head on the last."""
+
+    def __init__(self, layers, group, *, first: bool, last: bool, tied: ShardedWeight | None = None,
+                 untied: bool = False) -> None:
+        """``untied``: the embedding and the head get a copy each (the oracle of copies tied across stages,
+        whose gradients the caller sums)."""
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): Block(i, group) for i in layers})
+        tied = tied if tied is not None else (tied_weight(group) if first or last else None)
+        self.embed = Embedding(V, D, weight=tied) if first else None
+        if last:
+            torch.manual_seed(99)
+            self.norm = nn.LayerNorm(D)
+            head = tied_weight(group) if untied else tied
+            self.head = Linear(D, V, bias=False, weight=head, delay_wgrad_compute=True)
+        else:
+            self.norm = self.head = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+
+
+def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n, T), generator=g), torch.randint(0, V, (n, T), generator=g)
+
+
+def sum_tied_copies(oracle: Stage) -> None:
+    """An untied oracle's embedding and head gradients, summed into both copies (in the order the copies
+    tied across stages add: each copy's own sum, then the two)."""
+    e, h = oracle.embed.weight, oracle.head.weight
+    total = e.main_grad + h.main_grad
+    e.main_grad.copy_(total)
+    h.main_grad.copy_(total)
