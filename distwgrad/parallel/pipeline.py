@@ -172,7 +172,7 @@ class PipelineStage(_pp.PipelineStage):
         """Called by torch right after this stage's backward of one microbatch: binds that backward's queued
         wgrads to the microbatch's W."""
         label = f"W of stage {self.stage_index}, microbatch {self._bwd_chunk}"
-        mods = deferred_modules(self.submod)[::-1]  # the order backward produced the work (drain's default)
+        mods: list[Any] = deferred_modules(self.submod)[::-1]  # the order backward produced the work (drain's)
         work = [(m, w) for m in mods for w in m.wgrad_store.claim(label)]
 
         def run_w() -> None:

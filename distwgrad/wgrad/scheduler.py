@@ -107,7 +107,7 @@ def undrained(model: nn.Module | Sequence[nn.Module]) -> list[str]:
     return out
 
 
-def run_deferred(module: nn.Module, work) -> None:
+def run_deferred(module: Any, work: Any) -> None:
     """Runs one queued deferred wgrad of ``module`` (one its store's ``claim`` returned), then the module's
     wgrad-accumulation-and-reduce hooks, as ``backward_dw()`` does for the oldest."""
     module.wgrad_store.run(work)
