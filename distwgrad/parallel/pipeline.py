@@ -110,8 +110,8 @@ class PipelineStage(_pp.PipelineStage):
     example tensors or meta tensors of one microbatch): torch's shape inference would run the stage's
     forward and backward on made-up data, and so record uses and deliver wgrads into the real step.
 
-    ``times`` holds this step's seconds per action kind ("F", "B", "W": lists, one entry per microbatch;
-    on CUDA each is timed to the device's completion when ``timed=True``); :meth:`reset_times` clears them.
+    ``times`` holds the seconds of each action since the last :meth:`reset_times` ("F", "B", "W": lists, one
+    entry per action; on CUDA each is timed to the device's completion when ``timed=True``).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device | str, *,
