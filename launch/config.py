@@ -25,6 +25,7 @@ from distwgrad.data import data_meta
 from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling
 from distwgrad.fp8.recipe import Recipe
 from distwgrad.models import MoEGPTConfig
+from distwgrad.parallel.schedules import SCHEDULES, check_pipeline_config
 
 __all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "GROUPS", "build_parser", "parse_args",
            "fp8_recipe"]
@@ -117,8 +118,12 @@ class TrainConfig:
     # parallelism
     device: str = _opt("auto", "auto: cuda:LOCAL_RANK over NCCL if CUDA is available, else cpu over gloo",
                        "parallelism", choices=DEVICES)
-    coalesce: bool = _opt(True, "with several ranks, one all-gather and one reduce-scatter per block, the next "
-                          "block's gather prefetched (distwgrad.coalesce)", "parallelism")
+    coalesce: bool = _opt(True, "one all-gather and one reduce-scatter per block, the next one's prefetched "
+                          "(not with --pp)", "parallelism")
+    pp: int = _opt(1, "pipeline ranks: the world is pp x data-parallel ranks (docs/pipeline.md)", "parallelism")
+    pp_schedule: str = _opt("1F1B", f"torch's schedule: {', '.join(SCHEDULES)}", "parallelism",
+                            choices=tuple(SCHEDULES), metavar="NAME")
+    pp_microbatches: int | None = _opt(None, "microbatches a step (default: --microbatches)", "parallelism")
     timeout: float = _opt(600.0, "seconds any collective may wait before the job stops with exit code 3",
                           "parallelism")
     # checkpoints
@@ -170,7 +175,35 @@ class TrainConfig:
             raise ValueError("out must name a folder, got an empty string")
         if self.cuda_graph:
             self._check_cuda_graph()
+        self._check_pipeline()
         self.model_config()  # validates the model fields
+
+    @property
+    def step_microbatches(self) -> int:
+        """Microbatches per step on each data-parallel rank: the pipeline's with --pp, else --microbatches."""
+        return self.pp_microbatches or self.microbatches  # type: ignore[return-value]
+
+    def _check_pipeline(self) -> None:
+        """What ``--pp`` refuses without knowing the world size: what it does not run yet, one option each."""
+        if not _is_int(self.pp) or self.pp < 1:
+            raise ValueError(f"pp={self.pp!r} must be a positive int")
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} must be one of {tuple(SCHEDULES)}")
+        if self.pp_microbatches is not None:
+            if not _is_int(self.pp_microbatches) or self.pp_microbatches < 1:
+                raise ValueError(f"pp_microbatches={self.pp_microbatches!r} must be a positive int")
+            if self.pp == 1:
+                raise ValueError(f"--pp-microbatches {self.pp_microbatches} needs --pp > 1 (without a pipeline, "
+                                 f"--microbatches sets the microbatches)")
+        if self.pp == 1:
+            return
+        unsupported = {"--cuda-graph": self.cuda_graph, "--compile": self.compile, "--check-parity": self.check_parity,
+                       "--save-every": self.save_every, "--resume": self.resume, "--eval-every": self.eval_every,
+                       f"--recipe {self.recipe}": self.recipe != "none"}
+        given = [k for k, v in unsupported.items() if v]
+        if given:
+            raise ValueError(f"--pp {self.pp} does not run with {', '.join(given)} yet; leave "
+                             f"{'it' if len(given) == 1 else 'them'} out, or use --pp 1")
 
     def _check_cuda_graph(self) -> None:
         """What ``--cuda-graph`` refuses without knowing the world size ([Note: the graphed step] in
@@ -193,10 +226,17 @@ class TrainConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raises ``ValueError`` if the global batch cannot be split evenly over ``world_size`` ranks, or if
         ``--cuda-graph`` cannot run at that world size."""
-        if self.global_batch % (world_size * self.microbatches):
-            raise ValueError(f"global_batch={self.global_batch} must be divisible by world size * "
-                             f"microbatches = {world_size} * {self.microbatches} = "
-                             f"{world_size * self.microbatches}")
+        if world_size % self.pp:
+            raise ValueError(f"--pp {self.pp} must divide the world size {world_size} (the world is pp x "
+                             f"data-parallel ranks)")
+        dp, micro = world_size // self.pp, self.step_microbatches
+        if self.global_batch % (dp * micro):
+            what = "world size" if self.pp == 1 else f"data-parallel ranks (world {world_size} / pp {self.pp})"
+            raise ValueError(f"global_batch={self.global_batch} must be divisible by {what} * microbatches = "
+                             f"{dp} * {micro} = {dp * micro}")
+        if self.pp > 1:
+            check_pipeline_config(self.pp_schedule, pp_size=self.pp, n_layers=self.n_layers,  # type: ignore[arg-type]
+                                  n_microbatches=micro)
         if self.cuda_graph and self.recipe != "none" and world_size > 1:
             raise ValueError(f"--cuda-graph with recipe={self.recipe!r} runs on one rank only, got world size "
                              f"{world_size}: sharded over ranks, the graphs would all-reduce every weight's amax (or "
@@ -244,8 +284,8 @@ def build_parser(prog: str = "train", description: str | None = None) -> argpars
             kw["type"] = {"int": int, "float": float}.get(str(f.type).removesuffix(" | None"), str)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-            kw["metavar"] = ("/".join(f.metadata["choices"]) if "choices" in f.metadata else
-                             f.metadata.get("metavar") or {int: "N", float: "X"}.get(kw["type"], "PATH"))
+            kw["metavar"] = f.metadata.get("metavar") or ("/".join(f.metadata["choices"]) if "choices" in f.metadata
+                                                          else {int: "N", float: "X"}.get(kw["type"], "PATH"))
         sections[f.metadata["group"]].add_argument(flag, **kw)
     return parser
 

@@ -58,15 +58,17 @@ def evaluate(model: torch.nn.Module, val: Any, batches: int, global_batch: int, 
 
 
 @torch.no_grad()
-def grad_norm(model: torch.nn.Module, group: Any) -> float:
-    """The global L2 norm of every distinct parameter's ``.grad``, for a model sharded over ``group`` (the
-    job's): a ``ShardedWeight``'s rows summed over the ranks, anything else (replicated on every rank, its
-    gradient averaged by the finalize) counted once."""
+def grad_norm(model: torch.nn.Module, group: Any, *, skip: Any = (), copies: int | None = None) -> float:
+    """The global L2 norm of every distinct parameter's ``.grad``, for a model spread over ``group`` (the
+    job's): a ``ShardedWeight``'s rows summed over the ranks, anything else (replicated on ``copies`` ranks,
+    default all of them, its gradient averaged by the finalize) counted once. ``skip``: parameters another
+    rank counts (the second copy of a weight tied across pipeline stages)."""
     from distwgrad import ShardedWeight
 
     sharded, replicated = [], []
+    skipped = {id(p) for p in skip if p is not None}
     for p in {id(p): p for p in model.parameters()}.values():
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in skipped:
             (sharded if isinstance(p, ShardedWeight) else replicated).append(p.grad.float())
     device = next(model.parameters()).device
     squares = torch.zeros(2, dtype=torch.float64, device=device)
@@ -74,7 +76,7 @@ def grad_norm(model: torch.nn.Module, group: Any) -> float:
         if grads:
             squares[i] = torch.stack(torch._foreach_norm(grads)).double().square().sum()
     dist.all_reduce(squares, group=group)
-    return math.sqrt(float(squares[0]) + float(squares[1]) / dist.get_world_size(group))
+    return math.sqrt(float(squares[0]) + float(squares[1]) / (copies or dist.get_world_size(group)))
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -56,7 +56,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,9 @@ from .config import TrainConfig, parse_args
 from .parity import PARITY_BF16, PARITY_LOSS_ATOL, Lockstep, parity_result  # noqa: F401  (tests read them here)
 from .step import RECIPE_CONTEXTS, comm_bytes, compile_blocks, forward_backward, optimizer_for, optimizer_step
 from .step import RECIPE_CONTEXTS as _RECIPES  # noqa: F401  (tests read it here)
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
 
 __all__ = ["main", "forward_backward", "compile_blocks"]
 
@@ -111,6 +114,8 @@ class _Progress:
     graphed: dict | None = None  # what --cuda-graph captured (report.json's cuda_graph)
     val: Any = None  # the validation data (--eval-every)
     board: Any = None  # TensorBoard's writer on rank 0 (--tensorboard)
+    pipeline: Any = None  # --pp: this rank's stage modules
+    parallelism: dict | None = None  # report.json's parallelism
 
 
 class _TqdmHandler(logging.Handler):
@@ -177,7 +182,7 @@ def _collector(every: int):
 
 
 def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCorpus | TokenFile, start: int,
-           lockstep: Lockstep | None, progress: _Progress) -> dict[str, list]:
+           lockstep: Lockstep | None, progress: _Progress, pipe: Pipeline | None = None) -> dict[str, list]:
     hist = progress.hist
     tokens_per_step = config.global_batch * config.seq_len
     bar = tqdm(total=config.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
@@ -185,18 +190,24 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
     amax_modules = _graph.eager_modules(model) if config.cuda_graph else None
     for step in range(start + 1, config.steps + 1):
         progress.step = step
-        local_BS = corpus.local_batch(step, config.global_batch, rt.rank, rt.world_size)
+        dp_rank, dp_size = (pipe.dp_rank, pipe.dp_size) if pipe else (rt.rank, rt.world_size)
+        local_BS = corpus.local_batch(step, config.global_batch, dp_rank, dp_size)
         if lockstep:
             lockstep.sync(model)
         gathered0, reduced0 = comm_bytes(model)
         t0 = time.perf_counter()
-        loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe, amax_modules)
-        distwgrad.finalize_model_grads([model])
+        if pipe:  # the last stage holds the loss, the other stages add zeros below
+            loss = pipe.forward_backward(local_BS.to(rt.device))
+            pipe.finalize()
+        else:
+            loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe, amax_modules)
+            distwgrad.finalize_model_grads([model])
         dist.all_reduce(loss, group=rt.group)
-        loss = loss.item() / rt.world_size  # .item() synchronises, so the step time is real
+        loss = loss.item() / dp_size  # .item() synchronises, so the step time is real
         dt = time.perf_counter() - t0
         logged = bool(config.log_every) and (step % config.log_every == 0 or step == config.steps)
-        norm = _metrics.grad_norm(model, rt.group) if logged else None  # before the optimizer frees .grad
+        norm = (_metrics.grad_norm(model, rt.group, skip=[pipe.tied_copy] if pipe else (), copies=dp_size)
+                if logged else None)  # before the optimizer frees .grad
         if lockstep:
             lockstep.check(model, corpus.global_batch(step, config.global_batch), loss, step)
             _faults.wait_for_rank0(rt.monitor, config.timeout)  # rank 0 alone ran the reference step
@@ -221,6 +232,19 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
             hist["checkpoints"].append(_save(config, rt, step, model, optimizer, corpus))
     bar.close()
     return hist
+
+
+def _parallelism(config: TrainConfig, rt: _Runtime, pipe: Pipeline | None) -> dict[str, Any]:
+    """report.json's parallelism: the mesh and, with --pp, each stage's F, B and W milliseconds of the last
+    step (mean over its microbatches; gathered from every rank, so a collective)."""
+    out: dict[str, Any] = {"pp": config.pp, "dp": rt.world_size // config.pp}
+    if pipe is None:
+        return out
+    times: list[Any] = [None] * rt.world_size
+    dist.all_gather_object(times, pipe.stage_times(), group=rt.group)
+    stages = {str(k): v for per_rank in times for k, v in sorted(per_rank.items())}
+    return {**out, "schedule": config.pp_schedule, "microbatches": config.step_microbatches,
+            "stage_times_ms": dict(sorted(stages.items(), key=lambda kv: int(kv[0])))}
 
 
 def _evaluate(config: TrainConfig, rt: _Runtime, model, progress: _Progress, step: int) -> float | None:
@@ -292,6 +316,7 @@ def _report(config: TrainConfig, rt: _Runtime, progress: _Progress, parity: dict
         "wall_time_s": wall, "segments": earlier.get("segments", []) + [segment],
         "corpus": corpus.describe(), "checkpoints": hist["checkpoints"], "resumed_from": config.resume,
         "parity": parity, "interrupted": interrupted, "cuda_graph": progress.graphed,
+        "parallelism": progress.parallelism,
         **{k: [v for s, v in zip(earlier.get("val_steps", []), earlier.get(k, [])) if s <= start] + hist[k]
            for k in ("val_steps", "val_loss")},
         "logged": [e for e in earlier.get("logged", []) if e["step"] <= start] + hist["logged"],
@@ -338,9 +363,19 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
                  estimate[1], estimate[2] / 2**30)
     peak = progress.peak = [None] * rt.world_size
     dist.all_gather_object(peak, _out.measure_peak_flops(rt.device), group=rt.group)
-    model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
-    if config.coalesce and rt.world_size > 1:  # one gather and one reduction per block: [Note: coalesced units]
-        distwgrad.coalesce(model)
+    pipe = None
+    if config.pp > 1:  # loads torch.distributed.pipelining (and DTensor) only for a pipeline
+        from .pipeline import build_pipeline
+        pipe = build_pipeline(config, rt.world_size, rt.device, rt.param_dtype)
+    if pipe:
+        model = progress.pipeline = pipe.model
+        log.info("pipeline: pp %d x dp %d, %s, %d microbatches a step; this rank holds stage(s) %s (no coalescing "
+                 "with --pp)", config.pp, pipe.dp_size, config.pp_schedule, config.step_microbatches,
+                 ", ".join(str(s.stage_index) for s in pipe.stages))
+    else:
+        model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
+    if config.coalesce and rt.world_size > 1 and not pipe:  # one gather and one reduction per block
+        distwgrad.coalesce(model)  # [Note: coalesced units]
     if config.compile:
         compile_blocks(model)
     optimizer = optimizer_for(model, config)
@@ -358,13 +393,14 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
     progress.board = _metrics.Board(config.tensorboard, rt.rank)
     try:
         with _collector(config.gc_every):
-            hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress)
+            hist = _train(config, rt, model, optimizer, corpus, start, lockstep, progress, pipe)
     finally:
         progress.board.close()
     if config.cuda_graph:
         _graph.release(model)  # the free-running reference below may need the memory
     verdict = lockstep.verdict(model) if lockstep else None  # collective; the verdict on rank 0
     memory = _out.peak_memory(rt.device, rt.group, rt.world_size)
+    progress.parallelism = _parallelism(config, rt, pipe)  # collective
     passed = [verdict["passed"] if verdict else True]
     if lockstep:
         dist.broadcast_object_list(passed, src=0, group=rt.group)

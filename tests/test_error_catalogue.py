@@ -32,6 +32,7 @@ SCANNED = ("distwgrad", "kernels", "launch")
 ALLOWLIST = [
     ("distwgrad/testing/", "*", "the test harness and the oracle: raised to test authors, not to the runtime's users"),
     ("distwgrad/integrations/__init__.py", "__getattr__", "the module __getattr__ protocol (lazy imports)"),
+    ("distwgrad/parallel/__init__.py", "__getattr__", "the module __getattr__ protocol (lazy imports)"),
     ("distwgrad/weights/base.py", "DistributedParameter._gather", "abstract method: a subclass's contract"),
     ("distwgrad/weights/base.py", "DistributedParameter._reduce", "abstract method: a subclass's contract"),
     ("launch/faults.py", "catch_sigterm.handler", "SIGTERM unwinding the job: train.py catches it (exit code 3)"),
