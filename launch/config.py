@@ -79,22 +79,22 @@ class TrainConfig:
     # model (see distwgrad.models.MoEGPTConfig); None: from the --model preset
     model: str = _opt("tiny", "preset of the sizes, batch and lr; explicit flags override it", "model",
                       choices=tuple(PRESETS))
-    vocab_size: int | None = _opt(None, "vocabulary (default: --data's meta.json, else the preset)", "model")
+    vocab_size: int | None = _opt(None, "vocabulary (default: --data's meta.json or --model)", "model")
     seq_len: int | None = _opt(None, "tokens per training sequence", "model")
     d_model: int | None = _opt(None, "model width", "model")
     n_layers: int | None = _opt(None, "transformer blocks", "model")
     n_heads: int | None = _opt(None, "attention heads (d_model / n_heads must be even)", "model")
     n_experts: int | None = _opt(None, "experts per MoE layer", "model")
-    top_k: int | None = _opt(None, "experts each token is routed to", "model")
+    top_k: int | None = _opt(None, "experts per token", "model")
     d_ff: int | None = _opt(None, "hidden width of each expert", "model")
-    init_std: float = _opt(0.02, "standard deviation of the initial weights", "model")
-    seed: int = _opt(0, "seed of the initial weights and of the data", "model")
+    init_std: float = _opt(0.02, "initial weights' standard deviation", "model")
+    seed: int = _opt(0, "seed of the weights and the data", "model")
     # data
     data: str | None = _opt(None, "a folder prepare_data wrote (its meta.json sets --vocab-size), or any nanoGPT "
                             "uint16 token file (default: a synthetic Markov corpus)", "data", metavar="DIR|FILE")
     eval_every: int = _opt(0, "validation loss every N steps and at the last (the folder's val.bin; held-out "
                            "samples of the synthetic corpus) (0: never)", "data")
-    eval_batches: int = _opt(4, "global batches of validation windows per evaluation", "data")
+    eval_batches: int = _opt(4, "validation batches per evaluation", "data")
     # training
     steps: int = _opt(200, "train until this step (a resumed run continues to it)", "training")
     global_batch: int | None = _opt(None, "sequences per step over all ranks; divisible by world size * "
@@ -121,7 +121,7 @@ class TrainConfig:
     coalesce: bool = _opt(True, "one all-gather and one reduce-scatter per block, the next one's prefetched "
                           "(not with --pp)", "parallelism")
     pp: int = _opt(1, "pipeline ranks: the world is pp x data-parallel ranks (docs/pipeline.md)", "parallelism")
-    pp_schedule: str = _opt("1F1B", f"torch's schedule: {', '.join(SCHEDULES)}", "parallelism",
+    pp_schedule: str = _opt("1F1B", "torch's schedule name (docs/pipeline.md)", "parallelism",
                             choices=tuple(SCHEDULES), metavar="NAME")
     pp_microbatches: int | None = _opt(None, "microbatches a step (default: --microbatches)", "parallelism")
     timeout: float = _opt(600.0, "seconds any collective may wait before the job stops with exit code 3",

@@ -1,0 +1,129 @@
+"""Each pipeline schedule's measured step time and bubble beside the simulator's prediction from the same
+run's stage times ([Note: the pipeline simulator] in ``distwgrad/parallel/simulate.py``).
+
+    torchrun --standalone --nproc-per-node 2 qa/bench/pipeline_bubble.py --no-record
+    torchrun --standalone --nproc-per-node 4 qa/bench/pipeline_bubble.py --microbatches 8 --no-record
+
+One pipeline rank per process (dp 1), the job's MoE GPT (``--model`` preset, ``--n-layers``) cut into each
+schedule's stages. Per schedule: ``--warmup`` steps, then ``--steps`` timed ones (each a barrier, the
+schedule's step and the finalize, then a barrier). Measured: the step's wall time, each rank's busy time
+(the sum of its stages' F, B and W actions) and so its idle over busy time (the bubble); each stage's mean
+F, B (the input gradient) and W (the deferred wgrads) times feed the simulator, with the measured time of one
+microbatch's activations sent between two ranks as the transfer cost. On a CPU every rank shares the same
+cores, so the measured times carry contention the simulator does not model.
+
+Rows: ``bench`` "pipeline_bubble", ``impl`` the schedule, metrics ``step_ms``, ``predicted_step_ms``,
+``bubble``, ``predicted_bubble`` (``--no-record``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from distwgrad.parallel import SCHEDULES  # noqa: E402
+from distwgrad.parallel.simulate import StageTimes, analytic_bubble, simulate  # noqa: E402
+from launch.config import TrainConfig  # noqa: E402
+from launch.pipeline import build_pipeline  # noqa: E402
+from qa.bench import results  # noqa: E402
+
+
+def _transfer_ms(shape: tuple[int, ...], repeats: int = 20) -> float:
+    """One microbatch's activations sent from rank 0 to rank 1 and back, halved (median of ``repeats``)."""
+    t = torch.zeros(shape)
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        samples.append((time.perf_counter() - t0) * 1e3 / 2)
+    out = [statistics.median(samples)]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def _measure(args, schedule: str) -> dict:
+    world = dist.get_world_size()
+    config = TrainConfig(model=args.model, n_layers=args.n_layers, pp=world, pp_schedule=schedule,
+                         microbatches=args.microbatches, global_batch=args.global_batch, device="cpu")
+    pipe = build_pipeline(config, world, torch.device("cpu"), None)
+    mc = config.model_config()
+    walls, busy, stage_samples = [], [], {}
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, mc.vocab_size, (config.global_batch, mc.seq_len + 1),
+                               generator=torch.Generator().manual_seed(step))
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.forward_backward(tokens)
+        pipe.finalize()
+        wall = time.perf_counter() - t0
+        dist.barrier()
+        for p in pipe.model.parameters():
+            p.grad = None
+        if step < args.warmup:
+            continue
+        walls.append(wall * 1e3)
+        busy.append(1e3 * sum(sum(v) for s in pipe.stages for v in s.times.values()))
+        for s in pipe.stages:
+            stage_samples.setdefault(s.stage_index, []).append({k: 1e3 * sum(v) / len(v) for k, v in s.times.items()})
+    mine = {i: {k: statistics.median(x[k] for x in xs) for k in ("F", "B", "W")} for i, xs in stage_samples.items()}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (statistics.median(walls), statistics.median(busy), mine))
+    return {"step_ms": max(g[0] for g in gathered), "busy_ms": [g[1] for g in gathered],
+            "stages": {i: t for g in gathered for i, t in g[2].items()},
+            "activation": (config.global_batch // config.microbatches, mc.seq_len, mc.d_model)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--n-layers", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    results.add_arguments(p)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    world, rows, table = dist.get_world_size(), [], []
+    comm = None
+    for schedule in args.schedules.split(","):
+        m = _measure(args, schedule)
+        comm = _transfer_ms(m["activation"]) if comm is None else comm
+        times = {i: StageTimes(t["F"], t["B"], t["W"]) for i, t in m["stages"].items()}
+        pred = simulate(schedule, world, args.microbatches, times, comm_ms=comm)
+        bubble = sum(m["step_ms"] / b - 1 for b in m["busy_ms"]) / world
+        table.append((schedule, m["step_ms"], pred.step_ms, bubble, pred.bubble))
+        case = f"{args.model} L={args.n_layers} pp={world} m={args.microbatches} comm={comm:.3f}ms"
+        for metric, value, unit in (("step_ms", m["step_ms"], "ms"), ("predicted_step_ms", pred.step_ms, "ms"),
+                                    ("bubble", bubble, "ratio"), ("predicted_bubble", pred.bubble, "ratio")):
+            rows.append(results.row(bench="pipeline_bubble", case=case, impl=schedule, precision="fp32", world=world,
+                                    metric=metric, value=value, unit=unit, device="cpu"))
+    if dist.get_rank() == 0:
+        one_f1b = analytic_bubble(world, args.microbatches)["1F1B"]
+        print(f"pp={world}, {args.microbatches} microbatches, {args.n_layers} layers ({args.model}); transfer "
+              f"{comm:.3f} ms; analytic 1F1B bubble (p-1)/m = {one_f1b:.3f}")
+        print("| schedule | step ms | predicted | bubble | predicted |\n|---|---|---|---|---|")
+        for s, step, pstep, b, pb in table:
+            print(f"| {s} | {step:.1f} | {pstep:.1f} | {b:.3f} | {pb:.3f} |")
+        results.record(rows, args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
