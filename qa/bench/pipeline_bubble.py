@@ -108,7 +108,9 @@ def main() -> None:
         times = {i: StageTimes(t["F"], t["B"], t["W"]) for i, t in m["stages"].items()}
         pred = simulate(schedule, world, args.microbatches, times, comm_ms=comm)
         bubble = sum(m["step_ms"] / b - 1 for b in m["busy_ms"]) / world
-        table.append((schedule, m["step_ms"], pred.step_ms, bubble, pred.bubble))
+        per_layer = args.n_layers / len(times)
+        layer = [statistics.mean(getattr(t, k) for t in times.values()) / per_layer for k in ("f", "i", "w")]
+        table.append((schedule, m["step_ms"], pred.step_ms, bubble, pred.bubble, layer))
         case = f"{args.model} L={args.n_layers} pp={world} m={args.microbatches} comm={comm:.3f}ms"
         for metric, value, unit in (("step_ms", m["step_ms"], "ms"), ("predicted_step_ms", pred.step_ms, "ms"),
                                     ("bubble", bubble, "ratio"), ("predicted_bubble", pred.bubble, "ratio")):
@@ -118,9 +120,10 @@ def main() -> None:
         one_f1b = analytic_bubble(world, args.microbatches)["1F1B"]
         print(f"pp={world}, {args.microbatches} microbatches, {args.n_layers} layers ({args.model}); transfer "
               f"{comm:.3f} ms; analytic 1F1B bubble (p-1)/m = {one_f1b:.3f}")
-        print("| schedule | step ms | predicted | bubble | predicted |\n|---|---|---|---|---|")
-        for s, step, pstep, b, pb in table:
-            print(f"| {s} | {step:.1f} | {pstep:.1f} | {b:.3f} | {pb:.3f} |")
+        print("| schedule | step ms | predicted | bubble | predicted | one layer's F / B / W ms |")
+        print("|---|---|---|---|---|---|")
+        for s, step, pstep, b, pb, layer in table:
+            print(f"| {s} | {step:.1f} | {pstep:.1f} | {b:.3f} | {pb:.3f} | {' / '.join(f'{v:.2f}' for v in layer)} |")
         results.record(rows, args)
     dist.destroy_process_group()
 
