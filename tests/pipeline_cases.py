@@ -22,31 +22,40 @@ V, D, FF, T = 11, 8, 5, 3  # vocabulary, width, hidden width, tokens per sequenc
 KINDS = ("ln_linear", "ln_mlp", "grouped")
 
 
-def _sharded(t: torch.Tensor, group) -> ShardedWeight:
-    return ShardedWeight.from_full(t, group=group)
+def _sharded(t: torch.Tensor, group, dtype: torch.dtype | None = None) -> ShardedWeight:
+    return ShardedWeight.from_full(t, group=group, param_dtype=dtype)
 
 
 class Block(nn.Module):
-    def __init__(self, index: int, group) -> None:
+    """``checkpoint``: the block recomputed in backward (non-reentrant activation checkpointing); ``dtype``:
+    the weights' ``param_dtype`` (masters fp32) and the norms' dtype."""
+
+    def __init__(self, index: int, group, *, checkpoint: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         g = torch.Generator().manual_seed(1000 + index)
-        w = lambda *shape: torch.randn(*shape, generator=g) * 0.4  # noqa: E731
+        w = lambda *shape: _sharded(torch.randn(*shape, generator=g) * 0.4, group, dtype)  # noqa: E731
         self.kind = KINDS[index % len(KINDS)]
         torch.manual_seed(index)  # fresh biases and norms
         if self.kind == "ln_linear":
-            self.fc1 = LayerNormLinear(D, FF, weight=_sharded(w(FF, D), group), delay_wgrad_compute=True)
-            self.fc2 = Linear(FF, D, weight=_sharded(w(D, FF), group), delay_wgrad_compute=True)
+            self.fc1 = LayerNormLinear(D, FF, weight=w(FF, D), delay_wgrad_compute=True, params_dtype=dtype)
+            self.fc2 = Linear(FF, D, weight=w(D, FF), delay_wgrad_compute=True, params_dtype=dtype)
         elif self.kind == "ln_mlp":
-            self.mlp = LayerNormMLP(D, FF, delay_wgrad_compute=True)
-            self.mlp.fc1_weight = _sharded(w(FF, D), group)
-            self.mlp.fc2_weight = _sharded(w(D, FF), group)
+            self.mlp = LayerNormMLP(D, FF, delay_wgrad_compute=True, params_dtype=dtype)
+            self.mlp.fc1_weight = w(FF, D)
+            self.mlp.fc2_weight = w(D, FF)
         else:
-            self.norm = nn.LayerNorm(D)
-            self.experts = GroupedLinear(2, D, D, bias=False, delay_wgrad_compute=True)
+            self.norm = nn.LayerNorm(D, dtype=dtype)
+            self.experts = GroupedLinear(2, D, D, bias=False, delay_wgrad_compute=True, params_dtype=dtype)
             for e in range(2):
-                setattr(self.experts, f"weight{e}", _sharded(w(D, D), group))
+                setattr(self.experts, f"weight{e}", w(D, D))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "ln_linear":
             return x + self.fc2(F.gelu(self.fc1(x)))
         if self.kind == "ln_mlp":
@@ -56,26 +65,26 @@ class Block(nn.Module):
         return x + self.experts(flat, [half, flat.shape[0] - half]).reshape(x.shape)
 
 
-def tied_weight(group) -> ShardedWeight:
-    return _sharded(torch.randn(V, D, generator=torch.Generator().manual_seed(7)) * 0.5, group)
+def tied_weight(group, dtype: torch.dtype | None = None) -> ShardedWeight:
+    return _sharded(torch.randn(V, D, generator=torch.Generator().manual_seed(7)) * 0.5, group, dtype)
 
 
 class Stage(nn.Module):
     """Blocks ``layers`` of the model, with the embedding on the first stage and the head on the last."""
 
     def __init__(self, layers, group, *, first: bool, last: bool, tied: ShardedWeight | None = None,
-                 untied: bool = False) -> None:
+                 untied: bool = False, checkpoint: bool = False, dtype: torch.dtype | None = None) -> None:
         """``untied``: the embedding and the head get a copy each (the oracle of copies tied across stages,
-        whose gradients the caller sums)."""
+        whose gradients the caller sums). ``checkpoint``, ``dtype``: every block's (:class:`Block`)."""
         super().__init__()
-        self.blocks = nn.ModuleDict({str(i): Block(i, group) for i in layers})
-        tied = tied if tied is not None else (tied_weight(group) if first or last else None)
-        self.embed = Embedding(V, D, weight=tied) if first else None
+        self.blocks = nn.ModuleDict({str(i): Block(i, group, checkpoint=checkpoint, dtype=dtype) for i in layers})
+        tied = tied if tied is not None else (tied_weight(group, dtype) if first or last else None)
+        self.embed = Embedding(V, D, weight=tied, params_dtype=dtype) if first else None
         if last:
             torch.manual_seed(99)
-            self.norm = nn.LayerNorm(D)
-            head = tied_weight(group) if untied else tied
-            self.head = Linear(D, V, bias=False, weight=head, delay_wgrad_compute=True)
+            self.norm = nn.LayerNorm(D, dtype=dtype)
+            head = tied_weight(group, dtype) if untied else tied
+            self.head = Linear(D, V, bias=False, weight=head, delay_wgrad_compute=True, params_dtype=dtype)
         else:
             self.norm = self.head = None
 
@@ -90,7 +99,7 @@ class Stage(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, V).float(), target.reshape(-1))
 
 
 def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,27 +55,31 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.main_grad if isinstance(p, ShardedWeight) else p.grad
 
 
-def _build(schedule: str, pp: int, dp: int, n_layers: int, n_micro: int):
+def _build(schedule: str, pp: int, dp: int, n_layers: int, n_micro: int, *, checkpoint: bool = False,
+           dtype: torch.dtype | None = None):
     """This rank's stages, their schedule, and the oracle, on a (pp, dp) mesh."""
+    kw = {"checkpoint": checkpoint, "dtype": dtype}
+    act = dtype or torch.float32
     per = check_pipeline_config(schedule, pp_size=pp, n_layers=n_layers, n_microbatches=n_micro)
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_group = mesh.get_local_rank("pp"), mesh.get_group("dp")
     n_stages, per_stage = pp * per, n_layers // (pp * per)
     indices = stage_placement(schedule, pp_rank, pp, per)
-    shared = pc.tied_weight(dp_group) if {0, n_stages - 1} <= set(indices) else None
+    shared = pc.tied_weight(dp_group, dtype) if {0, n_stages - 1} <= set(indices) else None
     mods, stages = [], []
     for s in indices:
         first, last = s == 0, s == n_stages - 1
-        mod = pc.Stage(range(s * per_stage, (s + 1) * per_stage), dp_group, first=first, last=last, tied=shared)
-        x = torch.zeros(MB, pc.T, dtype=torch.long) if first else torch.empty(MB, pc.T, pc.D, requires_grad=True)
-        y = torch.empty(MB, pc.T, pc.V if last else pc.D, requires_grad=True)
+        mod = pc.Stage(range(s * per_stage, (s + 1) * per_stage), dp_group, first=first, last=last, tied=shared, **kw)
+        x = (torch.zeros(MB, pc.T, dtype=torch.long) if first else
+             torch.empty(MB, pc.T, pc.D, dtype=act, requires_grad=True))
+        y = torch.empty(MB, pc.T, pc.V if last else pc.D, dtype=act, requires_grad=True)
         mods.append(mod)
         stages.append(PipelineStage(mod, s, n_stages, "cpu", input_args=x, output_args=y, group=mesh.get_group("pp")))
     tied = shared if shared is not None else next(
         (m.embed.weight if m.embed is not None else m.head.weight for m in mods if m.embed or m.head), None)
     tie_first_and_last_stage(tied, schedule, mesh)
     apart = pp > 1 and SCHEDULES[_canonical(schedule)] != "v"  # first and last stage on two ranks: two tied copies
-    oracle = pc.Stage(range(n_layers), dp_group, first=True, last=True, untied=apart)
+    oracle = pc.Stage(range(n_layers), dp_group, first=True, last=True, untied=apart, **kw)
     sched = build_schedule(schedule, stages, n_micro, pc.loss_fn)
     sync = _oracle_sync_group(mesh)
     return mods, sched, oracle, dp_group, indices, n_stages, sync
@@ -116,7 +120,8 @@ def _ref_name(name: str, ref_params: dict) -> str:
 def _train_and_compare(case: dict, rank: int, world: int) -> None:
     schedule, pp, n_micro = case["schedule"], case["pp"], case["micro"]
     dp = world // pp
-    mods, sched, oracle, dp_group, indices, n_stages, pp_group = _build(schedule, pp, dp, case["layers"], n_micro)
+    mods, sched, oracle, dp_group, indices, n_stages, pp_group = _build(
+        schedule, pp, dp, case["layers"], n_micro, checkpoint=case.get("checkpoint", False), dtype=case.get("dtype"))
     opt = torch.optim.AdamW(list({id(p): p for m in mods for p in m.parameters()}.values()), lr=1e-2)
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
     ref_params = dict(oracle.named_parameters())
@@ -168,8 +173,13 @@ _ALL = sorted(SCHEDULES)
 
 @pytest.mark.timeout(240)
 def test_pp2_every_schedule_matches_the_single_process_model():
-    """pp 2: six of torch's schedules, the tied weight on two ranks (or one, in a V), three AdamW steps."""
+    """pp 2: six of torch's schedules, the tied weight on two ranks (or one, in a V), three AdamW steps; two
+    with activation checkpointing, two in bf16."""
     cases = [dict(schedule=s, pp=2, micro=4, layers=6 if SCHEDULES[s] == "single" else 4) for s in _ALL]
+    # activation checkpointing (recomputed in B, delivered once in W) and bf16 compute on fp32 masters
+    cases += [dict(schedule=s, pp=2, micro=4, layers=4, checkpoint=True) for s in ("1F1B", "ZBVZeroBubble")]
+    cases += [dict(schedule=s, pp=2, micro=4, layers=4, dtype=torch.bfloat16)
+              for s in ("InterleavedZeroBubble", "DualPipeV")]
     run_distributed(_schedules, 2, cases, timeout=200)
 
 
