@@ -19,7 +19,15 @@ back. The state dict holds:
   (the data is a function of the step), so one copy of the RNG state serves all ranks.
 
 Beside DCP's files, ``meta.json`` holds the model config, step and world size: the cheap check that a
-checkpoint fits the model before any collective runs.
+checkpoint fits the model before DCP runs.
+
+[Note: checkpoints of pipeline stages]
+Names are the model's, whatever holds them: a pipeline stage's parameters carry the whole model's names
+(``blocks.<i>.`` global, the tied embedding / lm_head weight as ``embedding.weight`` on both stages that hold a
+copy), so the state dict is the same set of entries at any pp size. ``meta.json``'s ``params`` is the union of
+every rank's names, checked against the union of the loading run's. The two copies of a weight tied across
+stages are the same bytes (summed gradients, the same optimizer); both write their rows and DCP keeps one
+writer per row block (its planner drops duplicate writes), and both read them back at a load.
 
 [Note: atomic save]
 All ranks write into ``step_N.tmp``; after DCP's own final barrier rank 0 writes ``meta.json``, renames
@@ -177,9 +185,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
 
     with _single_process_quiet(group):
         dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=group is None)
+    params = _all_params(model, group)  # collective: every rank's names ([Note: checkpoints of pipeline stages])
     if rank == 0:
-        record = {"format": _FORMAT, "step": step, "world_size": _comm.group_size(group),
-                  "params": {name: list(getattr(p, "full_shape", p.shape)) for name, p in _params(model)},
+        record = {"format": _FORMAT, "step": step, "world_size": _comm.group_size(group), "params": params,
                   **(meta or {})}
         _write_json(os.path.join(tmp, META_FILE), record)
         _replace_dir(tmp, final)
@@ -351,7 +359,21 @@ def _read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
-def _check_fits(path: str, meta: dict[str, Any], model: nn.Module, expect: dict[str, Any]) -> None:
+def _all_params(model: nn.Module, group: Any) -> dict[str, list[int]]:
+    """Every parameter name of the model over ``group``, with its full shape: the union of the ranks' own
+    (collective). [Note: checkpoints of pipeline stages]: a rank holding a pipeline stage holds some of the
+    names; a tied weight's copies on two stages carry one name, and must agree on its shape."""
+    out: dict[str, list[int]] = {}
+    for names in _comm.all_gather_objects({n: list(getattr(p, "full_shape", p.shape)) for n, p in _params(model)},
+                                          group):
+        for name, shape in names.items():
+            if out.setdefault(name, shape) != shape:
+                raise CheckpointError(f"parameter {name!r} has full shape {shape} on one rank and {out[name]} on "
+                                      f"another")
+    return dict(sorted(out.items()))
+
+
+def _check_fits(path: str, meta: dict[str, Any], model: nn.Module, expect: dict[str, Any], group: Any) -> None:
     for key, want in expect.items():
         got = meta.get(key)
         if got != want:
@@ -362,7 +384,7 @@ def _check_fits(path: str, meta: dict[str, Any], model: nn.Module, expect: dict[
             else:
                 detail = f"checkpoint has {got!r}, this run {want!r}"
             raise CheckpointError(f"checkpoint {path!r} was written for another model: {key}: {detail}")
-    ours = {name: list(getattr(p, "full_shape", p.shape)) for name, p in _params(model)}
+    ours = _all_params(model, group)
     theirs = meta.get("params", {})
     if ours != theirs:
         diff = {k: (theirs.get(k), ours.get(k)) for k in sorted(set(ours) | set(theirs))
@@ -380,17 +402,18 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     Collective over ``group``. ``path`` is a checkpoint folder or a folder of ``step_N`` checkpoints (the
     latest complete one is used). Every entry of ``expect`` must equal the same key of the saved
     ``meta.json`` (pass ``{"model_config": ...}``), and parameter names and full shapes must match; both
-    are checked on every rank before any collective, so a mismatch fails everywhere with one message.
+    are checked on every rank before DCP runs (the names gathered over ``group``: a pipeline stage holds some of
+    them), so a mismatch fails everywhere with one message.
 
     Raises:
         CheckpointError: incomplete checkpoint, or one written for another model.
     """
     path = resolve_checkpoint(path)
     meta = _read_meta(path)
-    _check_fits(path, meta, model, expect or {})
+    group = _comm.resolve_group(group)
+    _check_fits(path, meta, model, expect or {}, group)
     import torch.distributed.checkpoint as dcp  # [Note: DCP imported on use]
 
-    group = _comm.resolve_group(group)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     wrap = _Wrapper(group, _device_type(model))
     state = _load_targets(model, optimizer, wrap, saved)

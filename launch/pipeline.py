@@ -24,7 +24,24 @@ from distwgrad.parallel import (
 
 from .config import TrainConfig
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["Pipeline", "build_pipeline", "StageModules"]
+
+
+class StageModules(nn.ModuleList):
+    """This rank's stage modules, their parameters named as ``MoEGPT`` names them: blocks by their global
+    index, the lm_head's copy of the tied weight as ``embedding.weight`` (checkpoints, the optimizer, the
+    weights' names in errors: [Note: checkpoints of pipeline stages] in ``distwgrad/checkpoint.py``)."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen: set[int] = set()
+        for module in self:
+            for name, p in module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+                if name == prefix + "lm_head.weight":
+                    name = prefix + "embedding.weight"
+                if remove_duplicate and id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield name, p
 
 
 @dataclass
@@ -33,7 +50,7 @@ class Pipeline:
     counters and the gradient norm see) and the schedule."""
 
     config: TrainConfig
-    model: nn.ModuleList
+    model: StageModules
     stages: list[PipelineStage]
     schedule: Any
     dp_group: Any
@@ -95,5 +112,5 @@ def build_pipeline(config: TrainConfig, world_size: int, device: torch.device,
     last_module = next((m for m in modules if m.last), None)
     tied_copy = last_module.lm_head.weight if last_module is not None and not holds_both else None
     schedule = build_schedule(config.pp_schedule, stages, micro, stage_loss)
-    return Pipeline(config, nn.ModuleList(modules), stages, schedule, dp_group, dist.get_rank(dp_group), dp,
+    return Pipeline(config, StageModules(modules), stages, schedule, dp_group, dist.get_rank(dp_group), dp,
                     any(m.first for m in modules), last_module is not None, tied_copy)
