@@ -28,6 +28,8 @@ the optimizers step from equal gradients and every later comparison starts from 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import distwgrad
 from distwgrad import ShardedWeight
+from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
 from distwgrad.parallel import (
     SCHEDULES,
     PipelineStage,
@@ -111,6 +114,12 @@ def _take_pipeline_grads(mods, ref_params: dict, pp_group) -> None:
         _grad(q).copy_(g)
 
 
+def _recipe(case: dict):
+    """The case's FP8 recipe around the schedule's step and the oracle's microbatches (emulated on CPU)."""
+    recipe = {"fp8_per_tensor": PerTensorScaling, "fp8_blockwise": BlockwiseScaling}.get(case.get("recipe", ""))
+    return fp8_autocast(recipe()) if recipe else contextlib.nullcontext()
+
+
 def _ref_name(name: str, ref_params: dict) -> str:
     """A stage parameter's name in the oracle: ``blocks.<i>.`` is global already; a head whose weight is the
     embedding's (tied on one rank) appears as ``embed.weight`` only."""
@@ -130,14 +139,16 @@ def _train_and_compare(case: dict, rank: int, world: int) -> None:
         x, y = pc.batch(MB * n_micro, seed=100 * step + dp_rank)
         losses: list[torch.Tensor] = []
         kwargs = {"target": y, "losses": losses} if n_stages - 1 in indices else {}
-        sched.step(x, **kwargs) if 0 in indices else sched.step(**kwargs)
+        with _recipe(case):
+            sched.step(x, **kwargs) if 0 in indices else sched.step(**kwargs)
         distwgrad.finalize_model_grads(mods, dp_group=dp_group)
         ref_losses = []
         for m in range(n_micro):
             part = slice(m * MB, (m + 1) * MB)
-            loss = pc.loss_fn(oracle(x[part]), y[part]) / n_micro
-            loss.backward()
-            distwgrad.drain_deferred_wgrads(oracle)
+            with _recipe(case):
+                loss = pc.loss_fn(oracle(x[part]), y[part]) / n_micro
+                loss.backward()
+                distwgrad.drain_deferred_wgrads(oracle)
             ref_losses.append(loss.detach())
         distwgrad.finalize_model_grads(oracle, dp_group=dp_group)
         if oracle.head.weight is not oracle.embed.weight:
@@ -174,12 +185,15 @@ _ALL = sorted(SCHEDULES)
 @pytest.mark.timeout(240)
 def test_pp2_every_schedule_matches_the_single_process_model():
     """pp 2: six of torch's schedules, the tied weight on two ranks (or one, in a V), three AdamW steps; two
-    with activation checkpointing, two in bf16."""
+    with activation checkpointing, two in bf16, one under each FP8 recipe."""
     cases = [dict(schedule=s, pp=2, micro=4, layers=6 if SCHEDULES[s] == "single" else 4) for s in _ALL]
     # activation checkpointing (recomputed in B, delivered once in W) and bf16 compute on fp32 masters
     cases += [dict(schedule=s, pp=2, micro=4, layers=4, checkpoint=True) for s in ("1F1B", "ZBVZeroBubble")]
     cases += [dict(schedule=s, pp=2, micro=4, layers=4, dtype=torch.bfloat16)
               for s in ("InterleavedZeroBubble", "DualPipeV")]
+    # both FP8 recipes (emulated on CPU): the weights quantized from their masters once per step
+    cases += [dict(schedule="ZBVZeroBubble", pp=2, micro=4, layers=4, recipe="fp8_per_tensor"),
+              dict(schedule="1F1B", pp=2, micro=4, layers=6, recipe="fp8_blockwise")]
     run_distributed(_schedules, 2, cases, timeout=200)
 
 
