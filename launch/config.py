@@ -198,7 +198,7 @@ class TrainConfig:
         if self.pp == 1:
             return
         unsupported = {"--cuda-graph": self.cuda_graph, "--compile": self.compile, "--check-parity": self.check_parity,
-                       "--eval-every": self.eval_every, f"--recipe {self.recipe}": self.recipe != "none"}
+                       "--eval-every": self.eval_every}
         given = [k for k, v in unsupported.items() if v]
         if given:
             raise ValueError(f"--pp {self.pp} does not run with {', '.join(given)} yet; leave "

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import distwgrad
+from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models.moe_gpt_stage import MoEGPTStage, stage_loss
 from distwgrad.parallel import (
     PipelineStage,
@@ -23,6 +24,7 @@ from distwgrad.parallel import (
 )
 
 from .config import TrainConfig
+from .step import RECIPE_CONTEXTS
 
 __all__ = ["Pipeline", "build_pipeline", "StageModules"]
 
@@ -65,10 +67,14 @@ class Pipeline:
         divided microbatch losses on the last stage: this data-parallel rank's mean loss; 0 elsewhere)."""
         for stage in self.stages:
             stage.reset_times()
+        recipe = self.config.recipe
+        if recipe.startswith("fp8_per_tensor"):
+            sync_weight_amax(self.model)  # one amax all-reduce per data-parallel group, as the job's step does
         losses: list[torch.Tensor] = []
         args = (tokens_BS[:, :-1].contiguous(),) if self.first else ()
         kwargs = {"target": tokens_BS[:, 1:].contiguous(), "losses": losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
+        with RECIPE_CONTEXTS[recipe]():  # every F, B and W of the step under the recipe
+            self.schedule.step(*args, **kwargs)
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=tokens_BS.device)
 
     def finalize(self) -> None:
