@@ -78,22 +78,6 @@ def test_checkpoints_move_between_pp_sizes(pp1, zbv, tmp_path):
     assert not any("lm_head" in name for name in metas[0]["params"])
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_fp8_blockwise_pipeline_reaches_the_losses_of_one_rank(tmp_path):
-    """FP8 (blockwise, emulated on CPU) through a ZBV pipeline on 2 ranks against --pp 1 on one rank: the same
-    microbatches (one data-parallel rank each), so the quantized GEMMs see the same operands and every step's
-    loss agrees within the job's bound (equal in the runs so far). Per-tensor FP8 is checked against the
-    oracle step by step in tests/test_pipeline.py: free-running, a one-ulp difference in a weight (the tied
-    weight's sums, grouped per stage) moves its per-tensor scale, and the curves part by about 1e-3 within six
-    steps, as two data-parallel layouts at pp 1 do."""
-    one, pipe = str(tmp_path / "one"), str(tmp_path / "pipe")
-    _ok(_run([*ARGS, "--recipe", "fp8_blockwise", "--out", one], nproc=1))
-    _ok(_run([*ARGS, "--recipe", "fp8_blockwise", "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--out", pipe]))
-    for step, (got, want) in enumerate(zip(_report(pipe)["loss"], _report(one)["loss"]), 1):
-        assert abs(got - want) <= LOSS_ATOL, f"step {step}: {got} against one rank's {want}"
-
-
 def test_pipeline_options_are_checked_before_anything_runs():
     config = _launch("config")
     TrainConfig = config.TrainConfig
