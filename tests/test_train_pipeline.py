@@ -22,58 +22,45 @@ ARGS = ["--global-batch", "16", "--microbatches", "4", "--seq-len", "32", "--d-m
         "--n-layers", "4", "--no-progress", "--log-every", "0", "--steps", "6"]
 
 
-@pytest.fixture(scope="module")
-def pp1(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("pp1"))
-    _ok(_run([*ARGS, "--out", out]))
-    return _report(out)
+def _check_losses(report: dict, reference: dict, steps, where: str) -> None:
+    for step, got in zip(steps, report["loss"][-len(steps):]):
+        want = reference["loss"][step - 1]
+        assert abs(got - want) <= LOSS_ATOL, f"{where}, step {step}: {got} against --pp 1's {want}"
 
 
-@pytest.fixture(scope="module")
-def zbv(tmp_path_factory):
-    """pp 2 under ZBVZeroBubble on 2 ranks, a checkpoint every 2 steps (the checkpoint test resumes one)."""
-    out = str(tmp_path_factory.mktemp("zbv"))
-    _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--save-every", "2", "--out", out]))
-    return out
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc, extra", [(2, ["--pp-schedule", "ZBVZeroBubble"]), (4, ["--pp-schedule", "1F1B"])],
-                         ids=["pp2-ZBVZeroBubble", "pp2xdp2-1F1B"])
-def test_pipeline_reaches_the_losses_of_pp1(pp1, zbv, nproc, extra, tmp_path):
-    out = zbv if nproc == 2 else str(tmp_path)
-    if nproc == 4:
-        _ok(_run([*ARGS, "--pp", "2", *extra, "--out", out], nproc=nproc))
-    report = _report(out)
-    assert len(report["loss"]) == len(pp1["loss"]) == 6
-    for step, (got, want) in enumerate(zip(report["loss"], pp1["loss"]), 1):
-        assert abs(got - want) <= LOSS_ATOL, f"step {step}: {got} against --pp 1's {want}"
+def _check_parallelism(report: dict, dp: int, schedule: str, n_stages: int) -> None:
     par = report["parallelism"]
-    assert (par["pp"], par["dp"], par["schedule"], par["microbatches"]) == (2, nproc // 2, extra[1], 4)
+    assert (par["pp"], par["dp"], par["schedule"], par["microbatches"]) == (2, dp, schedule, 4)
     stages = par["stage_times_ms"]
-    n_stages = 4 if extra[1] == "ZBVZeroBubble" else 2
     assert sorted(stages, key=int) == [str(s) for s in range(n_stages)]
     assert all(t["F_ms"] > 0 and t["B_ms"] > 0 and t["W_ms"] > 0 for t in stages.values()), stages
-    assert pp1["parallelism"] == {"pp": 1, "dp": 2}
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_checkpoints_move_between_pp_sizes(pp1, zbv, tmp_path):
-    """The pp 2 (ZBV) run's step 2, resumed at pp 1 for two more steps, saved; resumed at pp 2 (1F1B) for the
-    last two: every resumed step's loss is --pp 1's uninterrupted one (the same tolerance), and the
-    checkpoints name the same parameters whatever wrote them (the tied weight once, as embedding.weight)."""
-    a, b, c = zbv, str(tmp_path / "b"), str(tmp_path / "c")
-    _ok(_run([*ARGS, "--steps", "4", "--save-every", "2", "--resume", f"{a}/checkpoints/step_2", "--out", b]))
+@pytest.mark.timeout(400)
+def test_pipeline_job_reaches_the_losses_of_pp1_and_moves_between_pp_sizes(tmp_path):
+    """One test, so the runs it compares are made once (module fixtures run once per xdist worker):
+    * --pp 1 on 2 ranks (dp 2), the reference;
+    * --pp 2 --pp-schedule ZBVZeroBubble on 2 ranks, and --pp 2 x dp 2 (1F1B) on 4: every step's loss;
+    * the ZBV run's checkpoint at step 2 resumed at pp 1 for two steps and saved, that resumed at pp 2 (1F1B)
+      for the last two: every resumed step's loss, and both checkpoints naming the same parameters (the tied
+      weight once, as embedding.weight)."""
+    ref, zbv, dp2, b, c = (str(tmp_path / n) for n in ("pp1", "zbv", "dp2", "b", "c"))
+    _ok(_run([*ARGS, "--out", ref]))
+    reference = _report(ref)
+    assert len(reference["loss"]) == 6 and reference["parallelism"] == {"pp": 1, "dp": 2}
+    _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--save-every", "2", "--out", zbv]))
+    _check_losses(_report(zbv), reference, range(1, 7), "pp 2 ZBVZeroBubble")
+    _check_parallelism(_report(zbv), 1, "ZBVZeroBubble", 4)
+    _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "1F1B", "--out", dp2], nproc=4))
+    _check_losses(_report(dp2), reference, range(1, 7), "pp 2 x dp 2 1F1B")
+    _check_parallelism(_report(dp2), 2, "1F1B", 2)
+    _ok(_run([*ARGS, "--steps", "4", "--save-every", "2", "--resume", f"{zbv}/checkpoints/step_2", "--out", b]))
     _ok(_run([*ARGS, "--pp", "2", "--resume", f"{b}/checkpoints", "--out", c]))
     for out, steps in ((b, (3, 4)), (c, (5, 6))):
-        report = _report(out)
-        assert report["steps"][-2:] == list(steps)
-        for step, got in zip(steps, report["loss"][-2:]):
-            want = pp1["loss"][step - 1]
-            assert abs(got - want) <= LOSS_ATOL, f"step {step} resumed in {out}: {got} against {want}"
-    metas = [json.load(open(f"{out}/checkpoints/step_{n}/meta.json")) for out, n in ((a, 2), (b, 4))]
+        assert _report(out)["steps"][-2:] == list(steps)
+        _check_losses(_report(out), reference, steps, f"resumed in {out}")
+    metas = [json.load(open(f"{out}/checkpoints/step_{n}/meta.json")) for out, n in ((zbv, 2), (b, 4))]
     assert metas[0]["params"] == metas[1]["params"] and "embedding.weight" in metas[0]["params"]
     assert not any("lm_head" in name for name in metas[0]["params"])
 
