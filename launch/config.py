@@ -27,8 +27,8 @@ from distwgrad.fp8.recipe import Recipe
 from distwgrad.models import MoEGPTConfig
 from distwgrad.parallel.schedules import SCHEDULES, check_pipeline_config
 
-__all__ = ["TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "GROUPS", "build_parser", "parse_args",
-           "fp8_recipe"]
+__all__ = ["Parser", "TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "GROUPS", "build_parser",
+           "parse_args", "fp8_recipe"]
 
 RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")
 DEVICES = ("auto", "cpu", "cuda")
@@ -253,8 +253,9 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage block) and only rank 0 of a torchrun job prints it."""
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block) and only rank 0 of a torchrun job prints it; every
+    command of ``distwgrad.launch`` parses with it."""
 
     def error(self, message: str) -> NoReturn:
         if os.environ.get("RANK", "0") == "0":
@@ -265,7 +266,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str = "train", description: str | None = None) -> argparse.ArgumentParser:
     """One ``--flag`` per :class:`TrainConfig` field, in its group's section; defaults, help and choices come
     from the field (a default shown only where the help does not say it)."""
-    parser = _Parser(prog=prog, description=description, usage="%(prog)s [options]",
+    parser = Parser(prog=prog, description=description, usage="%(prog)s [options]",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sections = {g: parser.add_argument_group(g) for g in GROUPS}
     for f in dataclasses.fields(TrainConfig):

@@ -24,21 +24,17 @@ import json
 import os
 import shutil
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
+
+from .config import Parser
 
 __all__ = ["main", "export", "FORMAT", "WEIGHTS", "INDEX"]
 
 FORMAT = "distwgrad.export/1"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _safetensors():
@@ -121,7 +117,7 @@ def _dump(obj: Any, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="distwgrad.launch.export", description=__doc__.split("Writes,")[0],
+    parser = Parser(prog="distwgrad.launch.export", description=__doc__.split("Writes,")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint folder (step_N), or a folder of them (the newest)")
     parser.add_argument("--out", required=True, help="folder for the safetensors, config.json and meta.json")

@@ -25,22 +25,16 @@ import argparse
 import json
 import os
 import sys
-from typing import NoReturn
 
 import numpy as np
 
 from . import tokenizer as tok
+from .config import Parser
 
 __all__ = ["main", "prepare", "META_FILE", "FORMAT"]
 
 META_FILE = "meta.json"
 FORMAT = "distwgrad.data/1"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _read(path: str) -> str:
@@ -106,7 +100,7 @@ def prepare(files: list[str], out: str, *, tokenizer: str = "byte", vocab_size: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="distwgrad.launch.prepare_data", description=__doc__.split("Writes,")[0],
+    parser = Parser(prog="distwgrad.launch.prepare_data", description=__doc__.split("Writes,")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", metavar="TEXT", help="UTF-8 text files, encoded in this order")
     parser.add_argument("--out", required=True, help="folder for train.bin, val.bin, meta.json (and tokenizer.json)")

@@ -20,20 +20,14 @@ import argparse
 import json
 import os
 import sys
-from typing import NoReturn
 
 import torch
 
 from . import tokenizer as tok
+from .config import Parser
 from .export import FORMAT, INDEX, WEIGHTS
 
 __all__ = ["main", "load_model", "generate"]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _read(folder: str, name: str) -> dict:
@@ -97,7 +91,7 @@ def generate(model: torch.nn.Module, ids: list[int], max_new_tokens: int, *, tem
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="distwgrad.launch.sample", description=__doc__.split("Loads")[0],
+    parser = Parser(prog="distwgrad.launch.sample", description=__doc__.split("Loads")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", help="an export folder (python -m distwgrad.launch.export)")
     parser.add_argument("--prompt", required=True, help="text to continue")

@@ -68,6 +68,7 @@ class PipelineStage(_pp.PipelineStage):
         self.timed = timed
         self.times: dict[str, list[float]] = {"F": [], "B": [], "W": []}
         self._bwd_chunk: int | None = None
+        self._deferred: list[Any] | None = None  # the stage's deferring modules, at the first claim
 
     def reset_times(self) -> None:
         for v in self.times.values():
@@ -113,7 +114,9 @@ class PipelineStage(_pp.PipelineStage):
         """Called by torch right after this stage's backward of one microbatch: binds that backward's queued
         wgrads to the microbatch's W."""
         label = f"W of stage {self.stage_index}, microbatch {self._bwd_chunk}"
-        mods: list[Any] = deferred_modules(self.submod)[::-1]  # the order backward produced the work (drain's)
+        if self._deferred is None:  # which modules defer is fixed at construction: found once
+            self._deferred = list(deferred_modules(self.submod)[::-1])  # the order backward produced the work
+        mods: list[Any] = self._deferred
         work = [(m, w) for m in mods for w in m.wgrad_store.claim(label)]
 
         def run_w() -> None:
