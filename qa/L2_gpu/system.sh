@@ -19,6 +19,8 @@
 #       runs spread over several calls; compare the reports afterwards with loss_curves.py)
 #       CURVE_ARGS="--compile --cuda-graph" adds those flags to the bf16 and FP8 runs (the fp32 one cannot be
 #       graphed)
+#   STEPS=job_recipes bash qa/L2_gpu/system.sh   # the job (tiny preset, fused AdamW) with --check-parity, 20 steps,
+#       each recipe (none, fp8_per_tensor, fp8_blockwise) eager and with --compile --cuda-graph
 #   STEPS=job_compile bash qa/L2_gpu/system.sh   # the job with --compile --cuda-graph --check-parity, bf16 and
 #       per-tensor FP8 (tiny preset)
 #   STEPS=bench_best bash qa/L2_gpu/system.sh   # (not in the default) the bf16 targets' best configurations
@@ -129,6 +131,17 @@ for step in $STEPS; do
       for recipe in none fp8_per_tensor; do
         run "job_compile_$recipe" python3 -m distwgrad.launch.train --steps 4 --compile --cuda-graph --check-parity \
           --recipe "$recipe" --no-progress --out "$OUT_ABS/job_compile_$recipe"
+      done ;;
+    job_recipes)  # the job's fused AdamW (CUDA) held to the lockstep reference, each recipe, eager and graphed:
+      # a cache of the weight that outlived an optimizer step (a stale FP8 scale) fails the weight comparison
+      for recipe in none fp8_per_tensor fp8_blockwise; do
+        for mode in eager graphed; do
+          run "job_${recipe}_$mode" python3 -m distwgrad.launch.train --steps ${RECIPE_STEPS:-20} --check-parity \
+            --recipe "$recipe" --no-progress --out "$OUT_ABS/job_${recipe}_$mode" \
+            $([ $mode = graphed ] && echo --compile --cuda-graph)
+          python3 -c "import json,sys; p=json.load(open(sys.argv[1]))['parity']; print('   parity', p['passed'], \
+            {k: f'{v:.1e}' for k, v in p['max'].items()})" "$OUT_ABS/job_${recipe}_$mode/report.json" 2>&1 | tee -a "$LOG"
+        done
       done ;;
     bench_graph) run bench_graph torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
                    --batch 8 --microbatches 1 --precisions ${GRAPH_PRECISIONS:-bf16} --modes eager \
