@@ -71,7 +71,9 @@ _LAYOUT = {
                                    "large b8x2048 mb2 cuda_graph",  # and in docs/fp8.md
                                    "large b8x2048 cuda_graph",  # graphed eager: compiled_cuda_graph is faster
                                    # the blockwise wgrad's A/B: LOG.md, 2026-12-02 (late night)
-                                   "large b8x2048 compiled_cuda_graph, triton blockwise wgrad")),
+                                   "large b8x2048 compiled_cuda_graph, triton blockwise wgrad",
+                                   # the weight lifecycle against the commit before it: LOG.md, 2026-12-05
+                                   "large b8x2048 eager, commits A/B", "large b8x2048 compiled_cuda_graph, commits A/B")),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
                          only=(("impl", ("distwgrad",)),)),  # not layer_step.py --tunings' rows (distwgrad@...)
