@@ -14,6 +14,14 @@ cores, so the measured times carry contention the simulator does not model.
 
 Rows: ``bench`` "pipeline_bubble", ``impl`` the schedule, metrics ``step_ms``, ``predicted_step_ms``,
 ``bubble``, ``predicted_bubble`` (``--no-record``).
+
+``--layer-times`` measures the simulator's inputs alone, in one process on one device (a GPU where there is
+one, in bf16): ``--n-layers`` blocks of the preset as a middle stage, one microbatch's F (forward), B (the
+input gradient, the wgrads queued) and W (the queued wgrads) timed apart, each ``--steps`` times after
+``--warmup``, divided by the layer count; it prints the ``distwgrad.parallel.simulate`` command to feed them to.
+
+    torchrun --standalone --nproc-per-node 1 qa/bench/pipeline_bubble.py --layer-times --model large \\
+        --n-layers 2 --global-batch 8 --microbatches 8 --no-record
 """
 
 from __future__ import annotations
@@ -87,6 +95,56 @@ def _measure(args, schedule: str) -> dict:
             "activation": (config.global_batch // config.microbatches, mc.seq_len, mc.d_model)}
 
 
+def _layer_times(args) -> None:
+    """``--layer-times``: one layer's F, B and W milliseconds (median over ``--steps`` microbatches)."""
+    import distwgrad
+    from distwgrad.models.moe_gpt_stage import MoEGPTStage
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    config = TrainConfig(model=args.model, n_layers=args.n_layers, microbatches=args.microbatches,
+                         global_batch=args.global_batch, device=device.type)
+    mc = config.model_config()
+    stage = MoEGPTStage(mc, range(args.n_layers), first=False, last=False, device=device, param_dtype=dtype)
+    rows = config.global_batch // config.microbatches
+    x = torch.randn(rows, mc.seq_len, mc.d_model, device=device, dtype=dtype or torch.float32, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def timed(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timed.result = out
+        return (time.perf_counter() - t0) * 1e3
+
+    samples = {"F": [], "B": [], "W": []}
+    for i in range(args.warmup + args.steps):
+        f = timed(lambda: stage(x))
+        b = timed(lambda: timed.result.backward(g))
+        w = timed(lambda: distwgrad.drain_deferred_wgrads(stage))
+        distwgrad.finalize_model_grads([stage])
+        for p_ in stage.parameters():
+            p_.grad = None
+        x.grad = None
+        if i >= args.warmup:
+            for k, v in zip("FBW", (f, b, w)):
+                samples[k].append(v / args.n_layers)
+    f, b, w = (statistics.median(samples[k]) for k in "FBW")
+    print(f"{args.model}, {args.n_layers} layers, microbatch {rows} x {mc.seq_len} on {device} "
+          f"({dtype or torch.float32}): one layer's F / B / W ms {f:.3f} / {b:.3f} / {w:.3f}")
+    layers = TrainConfig(model=args.model, device=device.type).model_config().n_layers  # the preset's
+    print(f"python -m distwgrad.parallel.simulate --layer-ms {f:.3f} {b:.3f} {w:.3f} --layers {layers} "
+          "--comm-ms <one microbatch's transfer between two devices>")
+    rows_out = [results.row(bench="pipeline_bubble", case=f"{args.model} one layer, microbatch {rows}x{mc.seq_len}",
+                            impl="distwgrad", precision=str(dtype or torch.float32).removeprefix("torch."), world=1,
+                            metric=f"layer_{k}_ms", value=v, unit="ms", device=device)
+                for k, v in zip("FBW", (f, b, w))]
+    results.record(rows_out, args)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
@@ -96,9 +154,14 @@ def main() -> None:
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--layer-times", action="store_true", help="only one layer's F, B and W times, one process")
     results.add_arguments(p)
     args = p.parse_args()
     dist.init_process_group("gloo")
+    if args.layer_times:
+        _layer_times(args)
+        dist.destroy_process_group()
+        return
     torch.set_num_threads(1)
     world, rows, table = dist.get_world_size(), [], []
     comm = None
