@@ -139,7 +139,7 @@ def _layer_times(args) -> None:
     print(f"python -m distwgrad.parallel.simulate --layer-ms {f:.3f} {b:.3f} {w:.3f} --layers {layers} "
           "--comm-ms <one microbatch's transfer between two devices>")
     rows_out = [results.row(bench="pipeline_bubble", case=f"{args.model} one layer, microbatch {rows}x{mc.seq_len}",
-                            impl="distwgrad", precision=str(dtype or torch.float32).removeprefix("torch."), world=1,
+                            impl="distwgrad", precision="bf16" if dtype else "fp32", world=1,
                             metric=f"layer_{k}_ms", value=v, unit="ms", device=device)
                 for k, v in zip("FBW", (f, b, w))]
     results.record(rows_out, args)
