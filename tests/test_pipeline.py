@@ -184,16 +184,17 @@ _ALL = sorted(SCHEDULES)
 
 @pytest.mark.timeout(240)
 def test_pp2_every_schedule_matches_the_single_process_model():
-    """pp 2: six of torch's schedules, the tied weight on two ranks (or one, in a V), three AdamW steps; two
-    with activation checkpointing, two in bf16, one under each FP8 recipe."""
+    """pp 2: six of torch's schedules, the tied weight on two ranks (or one, in a V), three AdamW steps; each
+    schedule again with activation checkpointing, two of those in bf16 and two under the FP8 recipes."""
     cases = [dict(schedule=s, pp=2, micro=4, layers=6 if SCHEDULES[s] == "single" else 4) for s in _ALL]
-    # activation checkpointing (recomputed in B, delivered once in W) and bf16 compute on fp32 masters
-    cases += [dict(schedule=s, pp=2, micro=4, layers=4, checkpoint=True) for s in ("1F1B", "ZBVZeroBubble")]
-    cases += [dict(schedule=s, pp=2, micro=4, layers=4, dtype=torch.bfloat16)
+    # activation checkpointing (recomputed in B, delivered once in W) in every schedule, alone, with bf16
+    # compute on fp32 masters, and under both FP8 recipes (emulated on CPU: the weights quantized from their
+    # masters once per step)
+    cases += [dict(schedule=s, pp=2, micro=4, layers=4, checkpoint=True) for s in ("GPipe", "Interleaved1F1B")]
+    cases += [dict(schedule=s, pp=2, micro=4, layers=4, checkpoint=True, dtype=torch.bfloat16)
               for s in ("InterleavedZeroBubble", "DualPipeV")]
-    # both FP8 recipes (emulated on CPU): the weights quantized from their masters once per step
-    cases += [dict(schedule="ZBVZeroBubble", pp=2, micro=4, layers=4, recipe="fp8_per_tensor"),
-              dict(schedule="1F1B", pp=2, micro=4, layers=6, recipe="fp8_blockwise")]
+    cases += [dict(schedule="ZBVZeroBubble", pp=2, micro=4, layers=4, checkpoint=True, recipe="fp8_per_tensor"),
+              dict(schedule="1F1B", pp=2, micro=4, layers=6, checkpoint=True, recipe="fp8_blockwise")]
     run_distributed(_schedules, 2, cases, timeout=200)
 
 
