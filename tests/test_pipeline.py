@@ -59,8 +59,9 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
 
 
 def _build(schedule: str, pp: int, dp: int, n_layers: int, n_micro: int, *, checkpoint: bool = False,
-           dtype: torch.dtype | None = None):
-    """This rank's stages, their schedule, and the oracle, on a (pp, dp) mesh."""
+           dtype: torch.dtype | None = None, coalesce: bool = False):
+    """This rank's stages, their schedule, and the oracle, on a (pp, dp) mesh. ``coalesce``: each stage's
+    blocks coalesced (``distwgrad.coalesce``, a unit a block, the stage the root)."""
     kw = {"checkpoint": checkpoint, "dtype": dtype}
     act = dtype or torch.float32
     per = check_pipeline_config(schedule, pp_size=pp, n_layers=n_layers, n_microbatches=n_micro)
@@ -76,6 +77,8 @@ def _build(schedule: str, pp: int, dp: int, n_layers: int, n_micro: int, *, chec
         x = (torch.zeros(MB, pc.T, dtype=torch.long) if first else
              torch.empty(MB, pc.T, pc.D, dtype=act, requires_grad=True))
         y = torch.empty(MB, pc.T, pc.V if last else pc.D, dtype=act, requires_grad=True)
+        if coalesce:
+            distwgrad.coalesce(mod, units=list(mod.blocks.values()))
         mods.append(mod)
         stages.append(PipelineStage(mod, s, n_stages, "cpu", input_args=x, output_args=y, group=mesh.get_group("pp")))
     tied = shared if shared is not None else next(
@@ -130,7 +133,8 @@ def _train_and_compare(case: dict, rank: int, world: int) -> None:
     schedule, pp, n_micro = case["schedule"], case["pp"], case["micro"]
     dp = world // pp
     mods, sched, oracle, dp_group, indices, n_stages, pp_group = _build(
-        schedule, pp, dp, case["layers"], n_micro, checkpoint=case.get("checkpoint", False), dtype=case.get("dtype"))
+        schedule, pp, dp, case["layers"], n_micro, checkpoint=case.get("checkpoint", False), dtype=case.get("dtype"),
+        coalesce=case.get("coalesce", False))
     opt = torch.optim.AdamW(list({id(p): p for m in mods for p in m.parameters()}.values()), lr=1e-2)
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
     ref_params = dict(oracle.named_parameters())
@@ -201,8 +205,9 @@ def test_pp2_every_schedule_matches_the_single_process_model():
 @pytest.mark.timeout(240)
 def test_pp2_by_dp2_and_pp4():
     """pp 2 x dp 2 (each stage's weights sharded over its dp pair, uneven rows; the tied copies summed over
-    each stage pair) and pp 4."""
+    each stage pair; coalesced per block in two schedules) and pp 4."""
     cases = [dict(schedule=s, pp=2, micro=4, layers=4) for s in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")]
+    cases += [dict(schedule=s, pp=2, micro=4, layers=4, coalesce=True) for s in ("1F1B", "InterleavedZeroBubble")]
     cases += [dict(schedule=s, pp=4, micro=4, layers=8) for s in ("1F1B", "ZBVZeroBubble")]
     run_distributed(_schedules, 4, cases, timeout=200)
 
