@@ -4,9 +4,9 @@ Every block defers its wgrads, one block kind per distwgrad module with deferral
 ``Linear`` with a fresh bias, ``LayerNormMLP``, ``GroupedLinear``); the first stage embeds (``Embedding``,
 its gradient in B) and the last stage ends in a ``LayerNorm`` and an lm_head whose weight is the
 embedding's (a tied weight: one object on one rank, two copies tied across stages otherwise). Weights
-are ``ShardedWeight``s over the data-parallel group with rows that do not divide evenly (V = 11, F = 5).
-Every parameter is drawn from a seed of its global layer index, so any cut of the layers into stages builds
-the same model as the oracle.
+are ``ShardedWeight``s over the data-parallel group (or an HSDP mesh) with rows that do not divide evenly
+(V = 11, F = 5). Every parameter is drawn from a seed of its global layer index, so any cut of the layers
+into stages builds the same model as the oracle.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from distwgrad import ShardedWeight
 from distwgrad.nn import Embedding, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
@@ -23,6 +24,9 @@ KINDS = ("ln_linear", "ln_mlp", "grouped")
 
 
 def _sharded(t: torch.Tensor, group, dtype: torch.dtype | None = None) -> ShardedWeight:
+    """``group``: a process group, or a 2-D (replicate, shard) ``DeviceMesh`` (HSDP)."""
+    if isinstance(group, DeviceMesh):
+        return ShardedWeight.from_full(t, mesh=group, param_dtype=dtype)
     return ShardedWeight.from_full(t, group=group, param_dtype=dtype)
 
 

@@ -168,15 +168,18 @@ def tie_first_and_last_stage(weight: nn.Parameter | None, schedule: str, mesh: D
     its lm_head), to the other stage's copy: at finalize the two copies' gradients sum ([Note: a weight tied
     across pipeline stages] in ``weights/base.py``).
 
-    ``mesh``: the job's ``(pp, dp)`` mesh (a 1-D mesh is ``(pp,)``); dim 0 places the stages as
+    ``mesh``: the job's ``(pp, dp)`` mesh (a 1-D mesh is ``(pp,)``, a 3-D one ``(pp, replicate, shard)``, each
+    stage's weights HSDP over the last two dims; the copies at one (replicate, shard) place are tied); dim 0
+    places the stages as
     :func:`stage_placement` says. The first stage lives on pp rank 0, the last on pp rank ``pp - 1``, or also
     on 0 in a V schedule, where one weight object serves both stages and nothing is tied. Collective over the
     default group: every rank calls it, once per tied weight and in the same order (each tie gets a group of
     its own); a rank holding neither stage passes None.
     """
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ValueError(f"tie_first_and_last_stage: mesh must be a 1-D (pp) or 2-D (pp, dp) DeviceMesh, got {mesh!r}")
-    ranks = mesh.mesh.reshape(mesh.shape[0], -1)  # [pp, dp]
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2, 3):
+        raise ValueError(f"tie_first_and_last_stage: mesh must be a 1-D (pp), 2-D (pp, dp) or 3-D (pp, replicate, "
+                         f"shard) DeviceMesh, got {mesh!r}")
+    ranks = mesh.mesh.reshape(mesh.shape[0], -1)  # [pp, every data-parallel place]
     pp = ranks.shape[0]
     last = 0 if SCHEDULES[_schedule_name(schedule)] == "v" else pp - 1
     me = dist.get_rank()
