@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.nn import Embedding, GroupedLinear, Linear
+from distwgrad.parallel.experts import ExpertParallel
 from distwgrad.weights import ShardedWeight
 
 __all__ = ["MoEGPTConfig", "MoEGPT", "init_full_weights", "EXPERTS"]
@@ -250,10 +251,13 @@ class MoE(nn.Module):
     is the sum in a fixed order, where the atomics' order varied from run to run.
     """
 
-    def __init__(self, config: MoEGPTConfig, router: nn.Module, fc1: nn.Module, fc2: nn.Module) -> None:
+    def __init__(self, config: MoEGPTConfig, router: nn.Module, fc1: nn.Module, fc2: nn.Module,
+                 ep: ExpertParallel | None = None) -> None:
+        """``ep``: the experts partitioned over an expert-parallel group, ``fc1`` and ``fc2`` holding this
+        rank's (``ep.local`` experts); tokens travel to them and back ([Note: expert-parallel dispatch])."""
         super().__init__()
         self.top_k, self.n_experts = config.top_k, config.n_experts
-        self.router, self.fc1, self.fc2 = router, fc1, fc2
+        self.router, self.fc1, self.fc2, self.ep = router, fc1, fc2, ep
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         E = self.n_experts
@@ -267,19 +271,28 @@ class MoE(nn.Module):
         # the same counts as torch.bincount(expert_A, minlength=E), in int64 as it gives them
         m_splits_E = torch.zeros(E, dtype=torch.int64, device=expert_A.device).scatter_add_(
             0, expert_A, torch.ones_like(expert_A))
-        h_AF = F.gelu(self.fc1(x_TD[token_A], m_splits_E))
-        y_AD = self.fc2(h_AF, m_splits_E) * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
+        x_AD = x_TD[token_A]
+        if self.ep is None:
+            y_AD = self.fc2(F.gelu(self.fc1(x_AD, m_splits_E)), m_splits_E)
+        else:
+            x_local, m_local, route = self.ep.dispatch(x_AD, m_splits_E)
+            y_AD = self.ep.combine(self.fc2(F.gelu(self.fc1(x_local, m_local)), m_local), route)
+        y_AD = y_AD * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
         return combine(y_AD, order_A, self.top_k)
 
 
 class Block(nn.Module):
+    """``expert_weight``: builds the experts' packed weights (default ``weight``); ``ep``: as ``MoE``'s."""
+
     def __init__(self, config: MoEGPTConfig, weight: Callable[[str], torch.Tensor], prefix: str,
-                 sharded: bool, param_dtype: torch.dtype | None, experts: str) -> None:
+                 sharded: bool, param_dtype: torch.dtype | None, experts: str,
+                 expert_weight: Callable[[str], torch.Tensor] | None = None, ep: ExpertParallel | None = None) -> None:
         super().__init__()
+        expert_weight = expert_weight or weight
         lin = lambda name: _linear(sharded, weight(prefix + name), param_dtype)
-        exp = lambda name: _experts(sharded, weight(prefix + name), param_dtype, experts)
+        exp = lambda name: _experts(sharded, expert_weight(prefix + name), param_dtype, experts)
         self.attn = CausalSelfAttention(config, lin("attn.qkv.weight"), lin("attn.proj.weight"))
-        self.moe = MoE(config, lin("moe.router.weight"), exp("moe.fc1.weight"), exp("moe.fc2.weight"))
+        self.moe = MoE(config, lin("moe.router.weight"), exp("moe.fc1.weight"), exp("moe.fc2.weight"), ep)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(rms_norm(x_BSD))
@@ -300,10 +313,15 @@ class MoEGPT(nn.Module):
             precision]); None computes in fp32.
         experts: the plain build's experts, ``"loop"`` (one ``F.linear`` each) or ``"grouped_mm"`` (one
             ``torch._grouped_mm``); the sharded build always runs distwgrad's ``GroupedLinear``.
+        ep_mesh: expert parallelism (sharded builds): a 2-D ``DeviceMesh`` with dims ``("ep", "dp")`` over the
+            ranks of ``group``. Each rank holds the experts of its ep place (``n_experts / ep`` of them),
+            sharded over its ``dp`` dim; the other weights stay sharded over ``group``
+            ([Note: expert-parallel dispatch] in ``distwgrad/parallel/experts.py``).
     """
 
     def __init__(self, config: MoEGPTConfig, *, device: torch.device | str | None = None, group: Any = None,
-                 sharded: bool = True, param_dtype: torch.dtype | None = None, experts: str = "loop") -> None:
+                 sharded: bool = True, param_dtype: torch.dtype | None = None, experts: str = "loop",
+                 ep_mesh: Any = None) -> None:
         super().__init__()
         if not isinstance(config, MoEGPTConfig):
             raise TypeError(f"config must be a MoEGPTConfig, got {type(config).__name__}")
@@ -323,13 +341,27 @@ class MoEGPT(nn.Module):
             # async_reduce: each reduce-scatter overlaps the rest of backward; finalize waits for it.
             return ShardedWeight.from_full(t, group=group, async_reduce=True, param_dtype=param_dtype)
 
+        ep, expert_weight = None, None
+        if ep_mesh is not None:
+            if not sharded or getattr(ep_mesh, "mesh_dim_names", None) != ("ep", "dp"):
+                raise ValueError(f"ep_mesh must be a DeviceMesh with dims ('ep', 'dp') and sharded=True, got "
+                                 f"{ep_mesh!r} with sharded={sharded}")
+            ep = ExpertParallel(config.n_experts, ep_mesh.get_group("ep"))
+
+            def expert_weight(name: str) -> torch.Tensor:
+                t = ep.local_slice(full.pop(name)).to(device)
+                w = ShardedWeight.from_full(t, group=ep_mesh.get_group("dp"), async_reduce=True,
+                                            param_dtype=param_dtype)
+                w.spread_over_experts(ep.size)
+                return w
+
         c = config
         self.embedding: nn.Module
         if sharded:
             self.embedding = Embedding(c.vocab_size, c.d_model, weight=weight("embedding.weight"))
         else:
             self.embedding = _TorchEmbedding(weight("embedding.weight"), param_dtype)
-        self.blocks = nn.ModuleList(Block(c, weight, f"blocks.{i}.", sharded, param_dtype, experts)
+        self.blocks = nn.ModuleList(Block(c, weight, f"blocks.{i}.", sharded, param_dtype, experts, expert_weight, ep)
                                     for i in range(c.n_layers))
         # [Note: tied embedding]: the same object, not a copy.
         self.lm_head = _linear(sharded, self.embedding.weight, param_dtype)

@@ -433,8 +433,24 @@ class DistributedParameter(nn.Parameter):
         lifetime]). Uses of the abandoned step no longer count."""
         self._life.discard(self)
 
+    def spread_over_experts(self, ep_size: int) -> None:
+        """This weight holds one expert-parallel rank's experts, whose tokens come from every rank of an ``ep``
+        group of ``ep_size`` (``distwgrad.parallel.ExpertParallel``): its reduced gradient is divided by
+        ``ep_size`` too, so it averages over every rank that sent it tokens, as a weight of the whole model
+        averages over every data-parallel rank ([Note: expert-parallel dispatch] in
+        ``distwgrad/parallel/experts.py``). Call before the first step."""
+        if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+            raise ValueError(f"{self._name()}: ep_size must be a positive int, got {ep_size!r}")
+        if self._life.open:
+            raise RuntimeError(f"{self._name()}: spread_over_experts during an open step; call it before the first "
+                               f"forward")
+        self.ep_size = ep_size
+
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
+        ep = getattr(self, "ep_size", 1)
+        if ep > 1:
+            scale = (1.0 if scale is None else scale) / ep
         return self._life.finish(self, scale)
 
     def master_written(self, by: str = "a write to the weight") -> None:

@@ -81,6 +81,11 @@ def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[i
     """
     if num_tokens is None:
         return {}
+    experts = [p for p in params if getattr(p, "ep_size", 1) > 1]
+    if experts:
+        raise ValueError(f"finalize_model_grads: num_tokens with expert-parallel weights is not supported (their "
+                         f"tokens come from ranks outside their own group): {_label(experts[0])} has ep_size "
+                         f"{experts[0].ep_size}; average the loss per rank instead")
     by_group: dict[tuple[int, ...], list[DistributedParameter]] = {}
     for p in params:
         by_group.setdefault(tuple(id(g) for g in p.reduction_groups()), []).append(p)

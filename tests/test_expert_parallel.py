@@ -1,0 +1,169 @@
+"""Expert parallelism ([Note: expert-parallel dispatch] in ``distwgrad/parallel/experts.py``) on gloo ranks,
+against the single-process model.
+
+Each case trains ``MoEGPT(ep_mesh=...)`` for three AdamW steps, every rank on its own batch, beside the
+plain-torch oracle (``MoEGPT(sharded=False)``) on every rank's batch concatenated. Compared at every step:
+the mean loss, every weight's gradient after ``finalize_model_grads`` (gathered over the weight's group;
+an expert weight against its experts' rows of the oracle's), and every weight after the optimizer step.
+The oracle then takes the distributed gradients, so both optimizers step from the same gradient and each
+step's comparison starts from equal weights (AdamW is elementwise: a shard updates as its rows of the full
+tensor do, bit for bit).
+
+Tolerances. The two sides add the same terms in different groupings: a rank's experts see the tokens of
+``ep`` ranks in one GEMM where the oracle sees them in another (the GEMM's blocking over rows differs), and
+the reductions sum ``W`` ranks' partial gradients where the oracle sums rows. An fp32 sum of n terms,
+regrouped, moves by at most (n - 1) * 2^-24 * S (S the sum of the terms' magnitudes); here n <= W * T *
+top_k = 4 * 64 * 2 = 512 rows a weight and S <= 4 max|g| (measured below 3: cross-entropy gradients of
+mixed signs), so GRAD_ATOL_REL = 511 * 2^-24 * 4 = 1.2e-4 of the weight's largest gradient entry (5.3e-7
+seen); a bug (a missing 1/ep, an expert's rows sent to the wrong rank) moves gradients by O(1) of it. The
+loss is a mean of W per-rank means of T = 64 tokens against one mean over the same tokens: the two sums'
+roundings bound the difference by (T + W) * 2^-24 * 4.2 = 1.7e-5, LOSS_ATOL = 2e-5 (one ulp, 4.8e-7, seen).
+In bf16 both sides round each GEMM's output to bf16 (2^-9 relative) at different groupings: BF16_REL = 5e-2
+(7.3e-3 seen; the job's bf16 parity bound, ``launch/parity.py``, is 1e-1), the loss within 2e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import distwgrad
+from distwgrad import ShardedWeight
+from distwgrad.models import MoEGPT, MoEGPTConfig
+from distwgrad.parallel.experts import ExpertParallel
+from distwgrad.testing.multiprocess import for_each_case, run_distributed
+
+pytestmark = pytest.mark.distributed
+
+TINY = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_experts=4, top_k=2, d_ff=48)
+B, STEPS = 4, 3  # sequences a rank a step
+GRAD_ATOL_REL, LOSS_ATOL = 1.2e-4, 2e-5
+BF16_REL, BF16_LOSS = 5e-2, 2e-2
+
+
+def _full(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    return p.gather_rows(local) if isinstance(p, ShardedWeight) else local
+
+
+def _oracle_rows(name: str, t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """The oracle's tensor as this rank's weight holds it: an expert weight's rows of this rank's experts."""
+    return ep.local_slice(t) if ".moe.fc" in name else t
+
+
+def _train(case: dict, rank: int, world: int) -> None:
+    ep_size = case["ep"]
+    dtype = case.get("dtype")
+    mesh = init_device_mesh("cpu", (ep_size, world // ep_size), mesh_dim_names=("ep", "dp"))
+    cfg = MoEGPTConfig(**TINY)
+    model = MoEGPT(cfg, ep_mesh=mesh, param_dtype=dtype)
+    oracle = MoEGPT(cfg, sharded=False, param_dtype=dtype)
+    ep = model.blocks[0].moe.ep
+    params, ref = dict(model.named_parameters()), dict(oracle.named_parameters())
+    if case.get("skew"):  # a zero router: every score ties, every token picks the same two experts
+        with torch.no_grad():
+            for name in params:
+                if name.endswith("router.weight"):
+                    params[name].zero_()
+                    ref[name].zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
+    rel, loss_atol = (BF16_REL, BF16_LOSS) if dtype else (GRAD_ATOL_REL, LOSS_ATOL)
+    micro = case.get("micro", 1)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, cfg.vocab_size, (world * B, cfg.seq_len + 1), generator=g)
+        mine = tokens[rank * B:(rank + 1) * B]
+        total = torch.zeros(())
+        for mb in mine.chunk(micro):
+            loss = model.loss(mb[:, :-1], mb[:, 1:]) / micro
+            loss.backward()
+            total += loss.detach().float()
+            if case.get("drain_each"):
+                distwgrad.drain_deferred_wgrads(model, order=case.get("order", "reverse"))
+        distwgrad.drain_deferred_wgrads(model, order=case.get("order", "reverse"))
+        distwgrad.finalize_model_grads([model])
+        dist.all_reduce(total)
+        ref_total = torch.zeros(())
+        for mb in tokens.view(world, B, -1).chunk(micro, dim=1):  # the same microbatches, every rank's
+            rows = mb.reshape(-1, mb.shape[-1])
+            ref_loss = oracle.loss(rows[:, :-1], rows[:, 1:]) / micro
+            ref_loss.backward()
+            ref_total += ref_loss.detach().float()
+        assert abs(total.item() / world - ref_total.item()) <= loss_atol, (step, total.item() / world, ref_total)
+        for name, p in params.items():
+            got = _full(p, p.grad)
+            want = _oracle_rows(name, ref[name].grad, ep)
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=rel * scale,
+                                       msg=lambda m, n=name, s=step: f"step {s}: {n}: {m}")
+            with torch.no_grad():  # the oracle steps from the distributed gradient
+                if ".moe.fc" in name:  # every rank's experts, each row from one rank: the sum is exact
+                    full = torch.zeros_like(ref[name].grad)
+                    _oracle_rows(name, full, ep).copy_(got)
+                    dist.all_reduce(full, group=mesh.get_group("ep"))
+                    ref[name].grad.copy_(full)
+                else:
+                    ref[name].grad.copy_(got)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for name, p in params.items():
+            want = _oracle_rows(name, ref[name].detach(), ep)
+            assert torch.equal(_full(p, p.detach()), want), f"after step {step}: {name}"
+
+
+def _refusals(rank: int, world: int) -> None:
+    """Bad inputs, each one clear error naming the value; every rank raises together where a collective is
+    involved."""
+    group = dist.group.WORLD
+    for n, match in ((3, "n_experts=3 does not divide over ep=2"), (0, "positive int, got 0")):
+        with pytest.raises(ValueError, match=match):
+            ExpertParallel(n, group)
+    with pytest.raises(ValueError, match="group is None"):
+        ExpertParallel(4, None)
+    ep = ExpertParallel(4, group)
+    with pytest.raises(ValueError, match=r"m_splits_E must have shape \(4,\), got \(3,\)"):
+        ep.dispatch(torch.zeros(3, 2), torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="m_splits_E sums to 4 but x has 3 rows"):
+        ep.dispatch(torch.zeros(3, 2), torch.ones(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"4 rows, got shape \(2, 3\)"):
+        ep.local_slice(torch.zeros(2, 3))
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "dp"))
+    with pytest.raises(ValueError, match="ep_mesh must be a DeviceMesh with dims"):
+        MoEGPT(MoEGPTConfig(**TINY), ep_mesh=mesh, sharded=False)
+    model = MoEGPT(MoEGPTConfig(**TINY), ep_mesh=mesh)
+    expert = model.blocks[0].moe.fc1.weight
+    with pytest.raises(ValueError, match="ep_size must be a positive int, got 0"):
+        expert.spread_over_experts(0)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    distwgrad.drain_deferred_wgrads(model)
+    with pytest.raises(RuntimeError, match="spread_over_experts during an open step"):
+        expert.spread_over_experts(2)
+    with pytest.raises(ValueError, match="num_tokens with expert-parallel weights is not supported"):
+        distwgrad.finalize_model_grads([model], num_tokens=32)
+    distwgrad.finalize_model_grads([model], discard=True)
+
+
+def _cases(rank, world, cases):
+    for_each_case(cases, _train, rank, world)
+
+
+@pytest.mark.timeout(200)
+def test_ep2():
+    """ep 2 on 2 ranks: two experts a rank; skewed routing (two experts get every token, the other rank's
+    none), two microbatches drained in either order, bf16."""
+    cases = [dict(ep=2), dict(ep=2, skew=True), dict(ep=2, micro=2, drain_each=True, order="forward"),
+             dict(ep=2, dtype=torch.bfloat16)]
+    run_distributed(_cases, 2, cases, timeout=160)
+    run_distributed(_refusals, 2, timeout=60)
+
+
+@pytest.mark.timeout(200)
+def test_ep4_and_ep2_by_dp2():
+    """ep 4 (one expert a rank) and ep 2 x dp 2 (each rank's experts sharded over its dp pair)."""
+    cases = [dict(ep=4), dict(ep=2, skew=True), dict(ep=2, micro=2)]
+    run_distributed(_cases, 4, cases, timeout=160)
