@@ -118,12 +118,13 @@ class TrainConfig:
     # parallelism
     device: str = _opt("auto", "auto: cuda:LOCAL_RANK over NCCL if CUDA is available, else cpu over gloo",
                        "parallelism", choices=DEVICES)
-    coalesce: bool = _opt(True, "one all-gather and one reduce-scatter per block, the next one's prefetched "
-                          "(not with --pp)", "parallelism")
+    coalesce: bool = _opt(True, "one all-gather and one reduce-scatter a block, the next prefetched (not with "
+                          "--pp, --ep)", "parallelism")
     pp: int = _opt(1, "pipeline ranks: the world is pp x data-parallel ranks (docs/pipeline.md)", "parallelism")
-    pp_schedule: str = _opt("1F1B", "torch's schedule name (docs/pipeline.md)", "parallelism",
+    pp_schedule: str = _opt("1F1B", "torch's schedule (docs/pipeline.md)", "parallelism",
                             choices=tuple(SCHEDULES), metavar="NAME")
     pp_microbatches: int | None = _opt(None, "microbatches a step (default: --microbatches)", "parallelism")
+    ep: int = _opt(1, "expert-parallel ranks, n_experts / ep experts each (docs/experts.md)", "parallelism")
     timeout: float = _opt(600.0, "seconds any collective may wait before the job stops with exit code 3",
                           "parallelism")
     # checkpoints
@@ -176,6 +177,7 @@ class TrainConfig:
         if self.cuda_graph:
             self._check_cuda_graph()
         self._check_pipeline()
+        self._check_experts()
         self.model_config()  # validates the model fields
 
     @property
@@ -204,6 +206,23 @@ class TrainConfig:
             raise ValueError(f"--pp {self.pp} does not run with {', '.join(given)} yet; leave "
                              f"{'it' if len(given) == 1 else 'them'} out, or use --pp 1")
 
+    def _check_experts(self) -> None:
+        """What ``--ep`` refuses without knowing the world size: what it does not run yet, one option each."""
+        if not _is_int(self.ep) or self.ep < 1:
+            raise ValueError(f"ep={self.ep!r} must be a positive int")
+        if self.ep == 1:
+            return
+        if self.n_experts % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide --n-experts {self.n_experts} (each rank holds n_experts / ep "
+                             f"experts)")
+        unsupported = {"--pp": self.pp > 1, "--cuda-graph": self.cuda_graph, "--compile": self.compile,
+                       "--check-parity": self.check_parity, "--eval-every": self.eval_every,
+                       "--save-every": self.save_every, "--resume": self.resume}
+        given = [k for k, v in unsupported.items() if v]
+        if given:
+            raise ValueError(f"--ep {self.ep} does not run with {', '.join(given)} yet; leave "
+                             f"{'it' if len(given) == 1 else 'them'} out, or use --ep 1")
+
     def _check_cuda_graph(self) -> None:
         """What ``--cuda-graph`` refuses without knowing the world size ([Note: the graphed step] in
         launch/cuda_graph.py)."""
@@ -228,6 +247,9 @@ class TrainConfig:
         if world_size % self.pp:
             raise ValueError(f"--pp {self.pp} must divide the world size {world_size} (the world is pp x "
                              f"data-parallel ranks)")
+        if world_size % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide the world size {world_size} (the experts' mesh is ep x "
+                             f"dp ranks)")
         dp, micro = world_size // self.pp, self.step_microbatches
         if self.global_batch % (dp * micro):
             what = "world size" if self.pp == 1 else f"data-parallel ranks (world {world_size} / pp {self.pp})"

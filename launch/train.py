@@ -238,6 +238,8 @@ def _parallelism(config: TrainConfig, rt: _Runtime, pipe: Pipeline | None) -> di
     """report.json's parallelism: the mesh and, with --pp, each stage's F, B and W milliseconds of the last
     step (mean over its microbatches; gathered from every rank, so a collective)."""
     out: dict[str, Any] = {"pp": config.pp, "dp": rt.world_size // config.pp}
+    if config.ep > 1:
+        out.update(ep=config.ep, dp=rt.world_size // config.ep)
     if pipe is None:
         return out
     times: list[Any] = [None] * rt.world_size
@@ -372,9 +374,15 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
         log.info("pipeline: pp %d x dp %d, %s, %d microbatches a step; this rank holds stage(s) %s (no coalescing "
                  "with --pp)", config.pp, pipe.dp_size, config.pp_schedule, config.step_microbatches,
                  ", ".join(str(s.stage_index) for s in pipe.stages))
+    elif config.ep > 1:  # docs/experts.md: the experts over (ep, dp), the other weights over every rank
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(rt.device.type, (config.ep, rt.world_size // config.ep), mesh_dim_names=("ep", "dp"))
+        model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype, ep_mesh=mesh)
+        log.info("experts: ep %d x dp %d, %d experts a rank (no coalescing with --ep)", config.ep,
+                 rt.world_size // config.ep, mc.n_experts // config.ep)
     else:
         model = MoEGPT(mc, device=rt.device, group=rt.group, param_dtype=rt.param_dtype)
-    if config.coalesce and rt.world_size > 1 and not pipe:  # one gather and one reduction per block
+    if config.coalesce and rt.world_size > 1 and not pipe and config.ep == 1:  # one gather, one reduction a block
         distwgrad.coalesce(model)  # [Note: coalesced units]
     if config.compile:
         compile_blocks(model)

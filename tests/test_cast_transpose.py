@@ -14,6 +14,8 @@ import pytest
 import torch
 from test_token_layout import CASES as LAYOUT_CASES
 
+from distwgrad.testing import sweep
+
 _HERE = os.path.abspath(__file__)
 
 # (T, R, end offsets): the cases of tests/test_token_layout.py (empty groups, unrouted tokens after the last
@@ -47,8 +49,13 @@ def _check_cases(device: str) -> None:
     from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
     gen = torch.Generator().manual_seed(0)
     dtypes = [torch.float8_e4m3fn, torch.float8_e5m2]
+    # every case's random bf16 input (three alignments); of the other inputs a fixed sample of 8 in CI,
+    # all with --full
+    others = set(sweep.sample([(i, j) for i in range(len(CASES)) for j in range(1, 5)], 8))
     for i, (T, R, offs) in enumerate(CASES):
         for j, (x, margin) in enumerate(_inputs(T, R, gen)):
+            if j and (i, j) not in others:
+                continue
             dtype = dtypes[(i + j) % 2]
             xd = x.to(device)
             data, s_inv = kq.quantize_per_tensor(xd, dtype, margin=margin)  # the two-kernel path

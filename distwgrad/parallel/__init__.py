@@ -1,5 +1,6 @@
 """Where each kind of parallelism lives: data-parallel sharding is the weights themselves
-(``distwgrad/weights/``); pipeline stages and schedules are here (``pipeline.py``, ``schedules.py``).
+(``distwgrad/weights/``); pipeline stages and schedules are here (``pipeline.py``, ``schedules.py``), and
+expert parallelism (``experts.py``: ``ExpertParallel``, imported from there).
 
 ``torch.distributed.pipelining`` (and with it DTensor) loads on first use of a name from ``pipeline.py``,
 not on ``import distwgrad.parallel``: the job checks its options (``schedules.py``) before it loads.

@@ -1,6 +1,7 @@
-"""The training job with ``--pp`` under torchrun on CPU/gloo: the same losses as ``--pp 1`` at every step,
-checkpoints that move between pp sizes (pp2 -> pp1 -> pp2), report.json's parallelism, and the options it
-refuses.
+"""The training job's parallelism under torchrun on CPU/gloo. ``--pp``: the same losses as the data-parallel
+run at every step, checkpoints that move between pp sizes (pp2 -> pp1 -> pp2), report.json's parallelism.
+``--ep``: the same losses as the data-parallel run at every step, on 2 ranks and at ep 2 x dp 2 on 4. And
+the options each refuses.
 
 Tolerance: the runs train the same global batch in the same 4 microbatches per data-parallel rank; they
 differ only in how the partial sums of losses and gradients are grouped (one data-parallel rank holding the
@@ -8,7 +9,8 @@ whole batch against two holding half each; the tied embedding's two copies summe
 weights reduced after several microbatches at once), so each step's loss agrees with ``--pp 1``'s to the
 job's own parity bound ``PARITY_LOSS_ATOL`` (1e-5, about 40 fp32 ulps at a loss of 4; measured at most
 3.1e-6 over these 6 steps). Longer horizons amplify rounding through top-k routing ([Note: parity] in
-``launch/train.py``).
+``launch/train.py``). With ``--ep`` the experts' GEMMs take the rows of every rank of the ep group at once
+and their wgrads reduce over fewer ranks, the same sums regrouped: the same bound.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def _check_parallelism(report: dict, dp: int, schedule: str, n_stages: int) -> N
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_pipeline_job_reaches_the_losses_of_pp1_and_moves_between_pp_sizes(tmp_path):
+def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_path):
     """One test, so the runs it compares are made once (module fixtures run once per xdist worker):
-    * --pp 1 on 2 ranks (dp 2), the reference;
+    * --pp 1 (and --ep 1) on 2 ranks (dp 2), the reference;
+    * --ep 2 on 2 ranks and --ep 2 x dp 2 on 4: every step's loss, report.json's parallelism;
     * --pp 2 --pp-schedule ZBVZeroBubble on 2 ranks, and --pp 2 x dp 2 (1F1B) on 4: every step's loss;
     * the ZBV run's checkpoint at step 2 resumed at pp 1 for two steps and saved, that resumed at pp 2 (1F1B)
       for the last two: every resumed step's loss, and both checkpoints naming the same parameters (the tied
@@ -49,6 +52,11 @@ def test_pipeline_job_reaches_the_losses_of_pp1_and_moves_between_pp_sizes(tmp_p
     _ok(_run([*ARGS, "--out", ref]))
     reference = _report(ref)
     assert len(reference["loss"]) == 6 and reference["parallelism"] == {"pp": 1, "dp": 2}
+    for nproc in (2, 4):
+        out = str(tmp_path / f"ep2_{nproc}")
+        _ok(_run([*ARGS, "--ep", "2", "--out", out], nproc=nproc))
+        _check_losses(_report(out), reference, range(1, 7), f"--ep 2 on {nproc} ranks")
+        assert _report(out)["parallelism"] == {"pp": 1, "ep": 2, "dp": nproc // 2}
     _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--save-every", "2", "--out", zbv]))
     _check_losses(_report(zbv), reference, range(1, 7), "pp 2 ZBVZeroBubble")
     _check_parallelism(_report(zbv), 1, "ZBVZeroBubble", 4)
@@ -63,6 +71,18 @@ def test_pipeline_job_reaches_the_losses_of_pp1_and_moves_between_pp_sizes(tmp_p
     metas = [json.load(open(f"{out}/checkpoints/step_{n}/meta.json")) for out, n in ((zbv, 2), (b, 4))]
     assert metas[0]["params"] == metas[1]["params"] and "embedding.weight" in metas[0]["params"]
     assert not any("lm_head" in name for name in metas[0]["params"])
+
+
+def test_expert_parallel_options_are_checked_before_anything_runs():
+    TrainConfig = _launch("config").TrainConfig
+    with pytest.raises(ValueError, match="--ep 2 does not run with --pp, --save-every yet"):
+        TrainConfig(ep=2, pp=2, save_every=2)
+    with pytest.raises(ValueError, match="ep=0 must be a positive int"):
+        TrainConfig(ep=0)
+    with pytest.raises(ValueError, match=r"--ep 3 must divide --n-experts 4"):
+        TrainConfig(ep=3)
+    with pytest.raises(ValueError, match=r"--ep 2 must divide the world size 3"):
+        TrainConfig(ep=2).check_world_size(3)
 
 
 def test_pipeline_options_are_checked_before_anything_runs():
