@@ -119,7 +119,7 @@ class TrainConfig:
     device: str = _opt("auto", "auto: cuda:LOCAL_RANK over NCCL if CUDA is available, else cpu over gloo",
                        "parallelism", choices=DEVICES)
     coalesce: bool = _opt(True, "one all-gather and one reduce-scatter a block, the next prefetched (not with "
-                          "--pp, --ep)", "parallelism")
+                          "--ep)", "parallelism")
     pp: int = _opt(1, "pipeline ranks: the world is pp x data-parallel ranks (docs/pipeline.md)", "parallelism")
     pp_schedule: str = _opt("1F1B", "torch's schedule (docs/pipeline.md)", "parallelism",
                             choices=tuple(SCHEDULES), metavar="NAME")

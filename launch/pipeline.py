@@ -1,6 +1,7 @@
 """``--pp``: the job's model cut into pipeline stages on a ``(pp, dp)`` mesh and run by torch's schedules
-(``distwgrad.parallel``): each stage's weights sharded over its data-parallel group, the embedding / lm_head
-weight tied across the first and the last stage (docs/pipeline.md)."""
+(``distwgrad.parallel``): each stage's weights sharded over its data-parallel group (coalesced a block at a
+time with ``--coalesce``), the embedding / lm_head weight tied across the first and the last stage
+(docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class Pipeline:
     first: bool  # holds stage 0: feeds the inputs
     last: bool  # holds the last stage: computes the loss
     tied_copy: torch.Tensor | None  # the last stage's copy of the embedding weight, when it is a second copy
+    coalesced: list[int]  # the stages whose blocks are coalesced units
 
     def forward_backward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """One step's forward and backward of every microbatch; this rank's share of the loss (the sum of the
@@ -114,9 +116,15 @@ def build_pipeline(config: TrainConfig, world_size: int, device: torch.device,
         stages.append(PipelineStage(module, s, n_stages, device, input_args=x, output_args=y,
                                     group=mesh.get_group("pp"), timed=True))
     holds_both = {0, n_stages - 1} <= set(indices)
+    coalesced = []
+    if config.coalesce and dp > 1:  # one gather and one reduction a block, per stage ([Note: coalesced units])
+        for s, module in zip(indices, modules):  # both ends of a V share the tied weight, which joins one unit
+            if not (holds_both and (module.first or module.last)):
+                distwgrad.coalesce(module, units=list(module.blocks.values()))
+                coalesced.append(s)
     tie_first_and_last_stage(None if holds_both else shared, config.pp_schedule, mesh)
     last_module = next((m for m in modules if m.last), None)
     tied_copy = last_module.lm_head.weight if last_module is not None and not holds_both else None
     schedule = build_schedule(config.pp_schedule, stages, micro, stage_loss)
     return Pipeline(config, StageModules(modules), stages, schedule, dp_group, dist.get_rank(dp_group), dp,
-                    any(m.first for m in modules), last_module is not None, tied_copy)
+                    any(m.first for m in modules), last_module is not None, tied_copy, coalesced)

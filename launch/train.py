@@ -371,9 +371,9 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
         pipe = build_pipeline(config, rt.world_size, rt.device, rt.param_dtype)
     if pipe:
         model = progress.pipeline = pipe.model
-        log.info("pipeline: pp %d x dp %d, %s, %d microbatches a step; this rank holds stage(s) %s (no coalescing "
-                 "with --pp)", config.pp, pipe.dp_size, config.pp_schedule, config.step_microbatches,
-                 ", ".join(str(s.stage_index) for s in pipe.stages))
+        log.info("pipeline: pp %d x dp %d, %s, %d microbatches a step; this rank holds stage(s) %s (coalesced: %s)",
+                 config.pp, pipe.dp_size, config.pp_schedule, config.step_microbatches,
+                 ", ".join(str(s.stage_index) for s in pipe.stages), ", ".join(map(str, pipe.coalesced)) or "none")
     elif config.ep > 1:  # docs/experts.md: the experts over (ep, dp), the other weights over every rank
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh(rt.device.type, (config.ep, rt.world_size // config.ep), mesh_dim_names=("ep", "dp"))

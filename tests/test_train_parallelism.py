@@ -44,7 +44,8 @@ def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_pa
     """One test, so the runs it compares are made once (module fixtures run once per xdist worker):
     * --pp 1 (and --ep 1) on 2 ranks (dp 2), the reference;
     * --ep 2 on 2 ranks and --ep 2 x dp 2 on 4: every step's loss, report.json's parallelism;
-    * --pp 2 --pp-schedule ZBVZeroBubble on 2 ranks, and --pp 2 x dp 2 (1F1B) on 4: every step's loss;
+    * --pp 2 --pp-schedule ZBVZeroBubble on 2 ranks, and --pp 2 x dp 2 (1F1B, each stage's blocks coalesced)
+      on 4: every step's loss;
     * the ZBV run's checkpoint at step 2 resumed at pp 1 for two steps and saved, that resumed at pp 2 (1F1B)
       for the last two: every resumed step's loss, and both checkpoints naming the same parameters (the tied
       weight once, as embedding.weight)."""
