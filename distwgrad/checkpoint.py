@@ -9,7 +9,10 @@ global tensors, so a run saved on 2 ranks resumes on 1 or 3. A weight on a 2-D (
 mesh ([Note: device meshes] in ``weights/sharded.py``) is wrapped on that mesh as ``[Replicate(),
 Shard(0)]``: DCP writes each row block once (the replicas hold the same bytes) and records the same global
 tensor, so a checkpoint saved on a 2 x 2 mesh loads on 1 rank, on 2 (1-D) or on a 2 x 2 mesh again, and
-back. The state dict holds:
+back. An expert-parallel weight (one ep rank's experts, sharded over its dp group: ``spread_over_experts``)
+is wrapped on its ``(ep, dp)`` mesh as ``[Shard(0), Shard(0)]`` with the whole ``[E, ...]`` tensor's shape
+(``global_shape``): the same global tensor as at ep 1, so a checkpoint moves between ep sizes. The state
+dict holds:
 
 * ``model.<name>``: one entry per *distinct* weight, so a tied weight is one entry (saved once, loaded
   once into the one object every user holds; identity survives);
@@ -126,8 +129,10 @@ class _Wrapper:
         mesh = self.mesh(like.group)
         if like.replicate_group is not None:  # a 2-D (replicate, shard) mesh: [Note: checkpoint layout]
             mesh, placements = like.mesh, [Replicate(), Shard(0)]
+        if getattr(like, "expert_mesh", None) is not None:  # an ep rank's experts, sharded over its dp group
+            mesh, placements = like.expert_mesh, [Shard(0), Shard(0)]
         return DTensor.from_local(t, mesh, placements, run_check=False,
-                                  shape=like.full_shape, stride=_contiguous_stride(like.full_shape))
+                                  shape=like.global_shape, stride=_contiguous_stride(like.global_shape))
 
 
 def full_tensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -364,7 +369,7 @@ def _all_params(model: nn.Module, group: Any) -> dict[str, list[int]]:
     (collective). [Note: checkpoints of pipeline stages]: a rank holding a pipeline stage holds some of the
     names; a tied weight's copies on two stages carry one name, and must agree on its shape."""
     out: dict[str, list[int]] = {}
-    for names in _comm.all_gather_objects({n: list(getattr(p, "full_shape", p.shape)) for n, p in _params(model)},
+    for names in _comm.all_gather_objects({n: list(getattr(p, "global_shape", p.shape)) for n, p in _params(model)},
                                           group):
         for name, shape in names.items():
             if out.setdefault(name, shape) != shape:
@@ -445,7 +450,7 @@ def _load_targets(model: nn.Module, optimizer: torch.optim.Optimizer | None, wra
                 target = None
             elif key in current:
                 target = current[key]
-            elif tuple(getattr(md, "size", ())) == tuple(getattr(p, "full_shape", p.shape)):
+            elif tuple(getattr(md, "size", ())) == tuple(getattr(p, "global_shape", p.shape)):
                 target = torch.zeros_like(p.detach(), dtype=md.properties.dtype)
             else:  # a scalar such as AdamW's step, which torch keeps on the CPU
                 target = torch.zeros(md.size, dtype=md.properties.dtype)

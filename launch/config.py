@@ -216,8 +216,7 @@ class TrainConfig:
             raise ValueError(f"--ep {self.ep} must divide --n-experts {self.n_experts} (each rank holds n_experts / ep "
                              f"experts)")
         unsupported = {"--pp": self.pp > 1, "--cuda-graph": self.cuda_graph, "--compile": self.compile,
-                       "--check-parity": self.check_parity, "--eval-every": self.eval_every,
-                       "--save-every": self.save_every, "--resume": self.resume}
+                       "--check-parity": self.check_parity, "--eval-every": self.eval_every}
         given = [k for k, v in unsupported.items() if v]
         if given:
             raise ValueError(f"--ep {self.ep} does not run with {', '.join(given)} yet; leave "

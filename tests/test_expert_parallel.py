@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import distwgrad
 from distwgrad import ShardedWeight
+from distwgrad.checkpoint import full_tensor, load_checkpoint, save_checkpoint
 from distwgrad.models import MoEGPT, MoEGPTConfig
 from distwgrad.parallel.experts import ExpertParallel
 from distwgrad.testing.multiprocess import for_each_case, run_distributed
@@ -136,16 +137,54 @@ def _refusals(rank: int, world: int) -> None:
         MoEGPT(MoEGPTConfig(**TINY), ep_mesh=mesh, sharded=False)
     model = MoEGPT(MoEGPTConfig(**TINY), ep_mesh=mesh)
     expert = model.blocks[0].moe.fc1.weight
-    with pytest.raises(ValueError, match="ep_size must be a positive int, got 0"):
-        expert.spread_over_experts(0)
+    with pytest.raises(ValueError, match="spread_over_experts needs the 2-D \\('ep', 'dp'\\) DeviceMesh"):
+        expert.spread_over_experts(init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b")))
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     distwgrad.drain_deferred_wgrads(model)
     with pytest.raises(RuntimeError, match="spread_over_experts during an open step"):
-        expert.spread_over_experts(2)
+        expert.spread_over_experts(mesh)
     with pytest.raises(ValueError, match="num_tokens with expert-parallel weights is not supported"):
         distwgrad.finalize_model_grads([model], num_tokens=32)
     distwgrad.finalize_model_grads([model], discard=True)
+
+
+def _full_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every weight and its AdamW moments as whole tensors (an expert weight: all E experts)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = full_tensor(p.detach(), p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{name}.{key}"] = full_tensor(opt.state[p][key], p)
+    return out
+
+
+def _checkpoints(rank: int, world: int, root: str) -> None:
+    """ep 2 x dp 2 -> ep 1 (dp 4) -> ep 4: each load holds the weights and the optimizer's moments of the
+    save, whole tensor for whole tensor ([Note: checkpoint layout] in ``distwgrad/checkpoint.py``)."""
+    cfg = MoEGPTConfig(**TINY)
+
+    def build(ep: int):
+        mesh = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "dp")) if ep > 1 else None
+        model = MoEGPT(cfg, ep_mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build(2)
+    tokens = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    distwgrad.drain_deferred_wgrads(model)
+    distwgrad.finalize_model_grads([model])
+    opt.step()
+    want = _full_state(model, opt)
+    path = save_checkpoint(root, 1, model, opt)
+    for step, ep in ((2, 1), (3, 4)):
+        model, opt = build(ep)
+        load_checkpoint(path, model, opt)
+        got = _full_state(model, opt)
+        assert got.keys() == want.keys()
+        for key, t in want.items():
+            assert torch.equal(got[key], t), f"ep {ep}: {key}"
+        path = save_checkpoint(root, step, model, opt)
 
 
 def _cases(rank, world, cases):
@@ -167,3 +206,8 @@ def test_ep4_and_ep2_by_dp2():
     """ep 4 (one expert a rank) and ep 2 x dp 2 (each rank's experts sharded over its dp pair)."""
     cases = [dict(ep=4), dict(ep=2, skew=True), dict(ep=2, micro=2)]
     run_distributed(_cases, 4, cases, timeout=160)
+
+
+@pytest.mark.timeout(200)
+def test_checkpoints_move_between_ep_sizes(tmp_path):
+    run_distributed(_checkpoints, 4, str(tmp_path), timeout=160)

@@ -43,7 +43,8 @@ def _check_parallelism(report: dict, dp: int, schedule: str, n_stages: int) -> N
 def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_path):
     """One test, so the runs it compares are made once (module fixtures run once per xdist worker):
     * --pp 1 (and --ep 1) on 2 ranks (dp 2), the reference;
-    * --ep 2 on 2 ranks and --ep 2 x dp 2 on 4: every step's loss, report.json's parallelism;
+    * --ep 2 on 2 ranks and --ep 2 x dp 2 on 4: every step's loss, report.json's parallelism; the latter's
+      step 3 resumed at --ep 4 for the last three;
     * --pp 2 --pp-schedule ZBVZeroBubble on 2 ranks, and --pp 2 x dp 2 (1F1B, each stage's blocks coalesced)
       on 4: every step's loss;
     * the ZBV run's checkpoint at step 2 resumed at pp 1 for two steps and saved, that resumed at pp 2 (1F1B)
@@ -55,9 +56,12 @@ def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_pa
     assert len(reference["loss"]) == 6 and reference["parallelism"] == {"pp": 1, "dp": 2}
     for nproc in (2, 4):
         out = str(tmp_path / f"ep2_{nproc}")
-        _ok(_run([*ARGS, "--ep", "2", "--out", out], nproc=nproc))
+        _ok(_run([*ARGS, "--ep", "2", "--save-every", "3", "--out", out], nproc=nproc))
         _check_losses(_report(out), reference, range(1, 7), f"--ep 2 on {nproc} ranks")
         assert _report(out)["parallelism"] == {"pp": 1, "ep": 2, "dp": nproc // 2}
+    ep4 = str(tmp_path / "ep4")  # the ep 2 x dp 2 run's step 3, resumed at ep 4
+    _ok(_run([*ARGS, "--ep", "4", "--resume", f"{tmp_path}/ep2_4/checkpoints/step_3", "--out", ep4], nproc=4))
+    _check_losses(_report(ep4), reference, (4, 5, 6), "resumed at --ep 4")
     _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--save-every", "2", "--out", zbv]))
     _check_losses(_report(zbv), reference, range(1, 7), "pp 2 ZBVZeroBubble")
     _check_parallelism(_report(zbv), 1, "ZBVZeroBubble", 4)
@@ -76,8 +80,10 @@ def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_pa
 
 def test_expert_parallel_options_are_checked_before_anything_runs():
     TrainConfig = _launch("config").TrainConfig
-    with pytest.raises(ValueError, match="--ep 2 does not run with --pp, --save-every yet"):
-        TrainConfig(ep=2, pp=2, save_every=2)
+    with pytest.raises(ValueError, match="--ep 2 does not run with --compile, --eval-every yet"):
+        TrainConfig(ep=2, compile=True, eval_every=2)
+    with pytest.raises(ValueError, match="--ep 2 does not run with --pp yet"):
+        TrainConfig(ep=2, pp=2)
     with pytest.raises(ValueError, match="ep=0 must be a positive int"):
         TrainConfig(ep=0)
     with pytest.raises(ValueError, match=r"--ep 3 must divide --n-experts 4"):

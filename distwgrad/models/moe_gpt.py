@@ -352,7 +352,7 @@ class MoEGPT(nn.Module):
                 t = ep.local_slice(full.pop(name)).to(device)
                 w = ShardedWeight.from_full(t, group=ep_mesh.get_group("dp"), async_reduce=True,
                                             param_dtype=param_dtype)
-                w.spread_over_experts(ep.size)
+                w.spread_over_experts(ep_mesh)
                 return w
 
         c = config

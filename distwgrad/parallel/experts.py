@@ -14,7 +14,7 @@ every row is sent, whatever the counts, and an expert that gets no row has an em
 
 The gradient's average. Every rank of the ep group sends tokens to a rank's experts, so the experts' wgrad on
 that rank sums contributions from ``ep`` ranks' losses; the weight reduces over its own data-parallel group
-(dividing by its ``dp_size``), and ``DistributedParameter.spread_over_experts(ep)`` divides by ``ep`` as well:
+(dividing by its ``dp_size``), and ``DistributedParameter.spread_over_experts(mesh)`` divides by ``ep`` as well:
 the average over the ``ep * dp`` ranks, as every other weight averages over all of them. (A power-of-two
 ``ep`` divides exactly; otherwise one more rounding than the oracle's one division.)
 

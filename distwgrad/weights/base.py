@@ -433,18 +433,28 @@ class DistributedParameter(nn.Parameter):
         lifetime]). Uses of the abandoned step no longer count."""
         self._life.discard(self)
 
-    def spread_over_experts(self, ep_size: int) -> None:
-        """This weight holds one expert-parallel rank's experts, whose tokens come from every rank of an ``ep``
-        group of ``ep_size`` (``distwgrad.parallel.ExpertParallel``): its reduced gradient is divided by
-        ``ep_size`` too, so it averages over every rank that sent it tokens, as a weight of the whole model
-        averages over every data-parallel rank ([Note: expert-parallel dispatch] in
+    def spread_over_experts(self, mesh: Any) -> None:
+        """This weight holds one expert-parallel rank's experts (rows of a packed ``[E, ...]`` tensor), whose
+        tokens come from every rank of the ``ep`` dim of ``mesh``, a 2-D ``(ep, dp)`` ``DeviceMesh`` whose
+        ``dp`` dim is the weight's group (``distwgrad.parallel.ExpertParallel``). Its reduced gradient is
+        divided by ``ep`` as well, so it averages over every rank that sent it tokens, as a weight of the
+        whole model averages over every data-parallel rank; checkpoints name the whole ``[E, ...]`` tensor,
+        this rank's rows placed by ``mesh`` ([Note: expert-parallel dispatch] in
         ``distwgrad/parallel/experts.py``). Call before the first step."""
-        if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
-            raise ValueError(f"{self._name()}: ep_size must be a positive int, got {ep_size!r}")
+        if (getattr(mesh, "ndim", None) != 2 or getattr(mesh, "mesh_dim_names", None) != ("ep", "dp")
+                or mesh.get_group("dp") is not self.group or self.replicate_group is not None):
+            raise ValueError(f"{self._name()}: spread_over_experts needs the 2-D ('ep', 'dp') DeviceMesh whose 'dp' "
+                             f"group is the weight's group (not an HSDP weight), got {mesh!r}")
         if self._life.open:
             raise RuntimeError(f"{self._name()}: spread_over_experts during an open step; call it before the first "
                                f"forward")
-        self.ep_size = ep_size
+        self.ep_size, self.expert_mesh = mesh.size(0), mesh
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The shape checkpoints name: ``full_shape``, or for an expert weight every ep rank's rows."""
+        ep = getattr(self, "ep_size", 1)
+        return self.full_shape if ep == 1 else torch.Size((ep * self.full_shape[0], *self.full_shape[1:]))
 
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
