@@ -129,7 +129,7 @@ class _Wrapper:
         mesh = self.mesh(like.group)
         if like.replicate_group is not None:  # a 2-D (replicate, shard) mesh: [Note: checkpoint layout]
             mesh, placements = like.mesh, [Replicate(), Shard(0)]
-        if getattr(like, "expert_mesh", None) is not None:  # an ep rank's experts, sharded over its dp group
+        if like.expert_mesh is not None:  # an ep rank's experts, sharded over its dp group
             mesh, placements = like.expert_mesh, [Shard(0), Shard(0)]
         return DTensor.from_local(t, mesh, placements, run_check=False,
                                   shape=like.global_shape, stride=_contiguous_stride(like.global_shape))

@@ -147,7 +147,7 @@ T = TypeVar("T")
 # The dtypes a weight may compute in ([Note: mixed precision]); FP8 goes through a recipe instead.
 _PARAM_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 # Attributes a deep copy shares rather than copies: process groups and meshes are handles, not data.
-_SHARED_HANDLES = frozenset({"_group_ref", "_replicate_ref", "_stage_tie_ref", "mesh"})
+_SHARED_HANDLES = frozenset({"_group_ref", "_replicate_ref", "_stage_tie_ref", "mesh", "expert_mesh"})
 
 
 def compute_dtype(param: torch.Tensor) -> torch.dtype:
@@ -205,6 +205,7 @@ class DistributedParameter(nn.Parameter):
         self.async_reduce = async_reduce
         self.reduce_policy = reduce_policy
         self.full_shape = torch.Size(full_shape)
+        self.ep_size, self.expert_mesh = 1, None  # an expert-parallel weight's: spread_over_experts
         self._life = Lifecycle()
         self.bytes_gathered = 0
         self.bytes_reduced = 0
@@ -453,14 +454,13 @@ class DistributedParameter(nn.Parameter):
     @property
     def global_shape(self) -> torch.Size:
         """The shape checkpoints name: ``full_shape``, or for an expert weight every ep rank's rows."""
-        ep = getattr(self, "ep_size", 1)
+        ep = self.ep_size
         return self.full_shape if ep == 1 else torch.Size((ep * self.full_shape[0], *self.full_shape[1:]))
 
     def finish_step(self, scale: float | None = None) -> bool:
         """Ends the step: reduce what is left, scale, add to ``.grad``. Returns False if nothing to do."""
-        ep = getattr(self, "ep_size", 1)
-        if ep > 1:
-            scale = (1.0 if scale is None else scale) / ep
+        if self.ep_size > 1:
+            scale = (1.0 if scale is None else scale) / self.ep_size
         return self._life.finish(self, scale)
 
     def master_written(self, by: str = "a write to the weight") -> None:

@@ -81,7 +81,7 @@ def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[i
     """
     if num_tokens is None:
         return {}
-    experts = [p for p in params if getattr(p, "ep_size", 1) > 1]
+    experts = [p for p in params if p.ep_size > 1]
     if experts:
         raise ValueError(f"finalize_model_grads: num_tokens with expert-parallel weights is not supported (their "
                          f"tokens come from ranks outside their own group): {_label(experts[0])} has ep_size "
