@@ -83,12 +83,13 @@ class TrainConfig:
     seq_len: int | None = _opt(None, "tokens per training sequence", "model")
     d_model: int | None = _opt(None, "model width", "model")
     n_layers: int | None = _opt(None, "transformer blocks", "model")
-    n_heads: int | None = _opt(None, "attention heads (d_model / n_heads must be even)", "model")
+    n_heads: int | None = _opt(None, "attention heads", "model")
     n_experts: int | None = _opt(None, "experts per MoE layer", "model")
     top_k: int | None = _opt(None, "experts per token", "model")
     d_ff: int | None = _opt(None, "hidden width of each expert", "model")
     init_std: float = _opt(0.02, "initial weights' standard deviation", "model")
     seed: int = _opt(0, "seed of the weights and the data", "model")
+    aux_loss_coef: float = _opt(0.0, "routers' load-balancing loss weight", "model")
     # data
     data: str | None = _opt(None, "a folder prepare_data wrote (its meta.json sets --vocab-size), or any nanoGPT "
                             "uint16 token file (default: a synthetic Markov corpus)", "data", metavar="DIR|FILE")
@@ -178,6 +179,12 @@ class TrainConfig:
             self._check_cuda_graph()
         self._check_pipeline()
         self._check_experts()
+        if self.aux_loss_coef and (self.pp > 1 or self.cuda_graph or self.compile):
+            given = [k for k, v in (("--pp", self.pp > 1), ("--cuda-graph", self.cuda_graph),
+                                    ("--compile", self.compile)) if v]
+            raise ValueError(f"--aux-loss-coef {self.aux_loss_coef} does not run with {', '.join(given)} yet (each "
+                             f"layer's loss is kept by Python in the forward); leave "
+                             f"{'it' if len(given) == 1 else 'them'} out, or use --aux-loss-coef 0")
         self.model_config()  # validates the model fields
 
     @property

@@ -234,12 +234,20 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
     return hist
 
 
-def _parallelism(config: TrainConfig, rt: _Runtime, pipe: Pipeline | None) -> dict[str, Any]:
-    """report.json's parallelism: the mesh and, with --pp, each stage's F, B and W milliseconds of the last
-    step (mean over its microbatches; gathered from every rank, so a collective)."""
+def _parallelism(config: TrainConfig, rt: _Runtime, pipe: Pipeline | None, model, steps: int) -> dict[str, Any]:
+    """report.json's parallelism: the mesh; with --pp, each stage's F, B and W milliseconds of the last step
+    (mean over its microbatches); with --ep, each rank's all-to-all bytes and exposed seconds a step, over
+    this run's steps. Gathered from every rank, so a collective."""
     out: dict[str, Any] = {"pp": config.pp, "dp": rt.world_size // config.pp}
     if config.ep > 1:
-        out.update(ep=config.ep, dp=rt.world_size // config.ep)
+        ep = model.blocks[0].moe.ep
+        mine = (ep.bytes_sent / max(steps, 1), ep.exposed_s / max(steps, 1))
+        ranks: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(ranks, mine, group=rt.group)
+        out.update(ep=config.ep, dp=rt.world_size // config.ep, all_to_all={
+            "bytes_per_step": [b for b, _ in ranks], "exposed_s_per_step": [t for _, t in ranks],
+            "note": "per rank, every step of this run (the first pays warm-up): payload and counts sent, forward "
+                    "and backward; seconds waited on the exchanges after the overlapped expert wgrads"})
     if pipe is None:
         return out
     times: list[Any] = [None] * rt.world_size
@@ -408,7 +416,7 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
         _graph.release(model)  # the free-running reference below may need the memory
     verdict = lockstep.verdict(model) if lockstep else None  # collective; the verdict on rank 0
     memory = _out.peak_memory(rt.device, rt.group, rt.world_size)
-    progress.parallelism = _parallelism(config, rt, pipe)  # collective
+    progress.parallelism = _parallelism(config, rt, pipe, model, config.steps - start)  # collective
     passed = [verdict["passed"] if verdict else True]
     if lockstep:
         dist.broadcast_object_list(passed, src=0, group=rt.group)

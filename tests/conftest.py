@@ -51,9 +51,13 @@ def pytest_collection_modifyitems(config, items):
     # others under a second, so with xdist's work stealing (qa/test.sh) no worker is left with a minute-long
     # test at the end while the other idles. Whole modules move, in their order, so that a module fixture
     # (the training job's shared run, say) is still set up once; the sort is stable, the same on every worker.
+    # The job's modules (test_train_*: torchrun jobs, up to a minute a test) go before the other multi-rank
+    # ones: one of them last in a worker's queue left that worker alone for its whole run at the end.
     rank = {}
     for item in items:
         r = 0 if "distributed" in item.keywords else 1 if "interpret" in item.keywords else 2
+        if r == 0 and item.module.__name__.rpartition(".")[2].startswith("test_train_"):
+            r = -1
         rank[item.module] = min(rank.get(item.module, 2), r)
     items.sort(key=lambda item: rank[item.module])
     if config.getoption("--full"):

@@ -18,6 +18,7 @@ from torch import nn
 from distwgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from distwgrad.data import DataError, MarkovCorpus, TokenFile
 from distwgrad.models.moe_gpt import MoEGPT, MoEGPTConfig
+from distwgrad.models.moe_gpt_stage import MoEGPTStage
 
 TINY = MoEGPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, n_experts=2, top_k=1, d_ff=16)
 
@@ -43,6 +44,9 @@ CASES = [
     ("JOB-011", lambda p: MoEGPTConfig(d_model=64, n_heads=5), ValueError, "n_heads=5"),
     ("JOB-012", lambda p: MoEGPTConfig(n_experts=2, top_k=3), ValueError, "top_k=3"),
     ("JOB-013", lambda p: MoEGPTConfig(init_std=0.0), ValueError, "got 0.0"),
+    ("JOB-082", lambda p: MoEGPTConfig(aux_loss_coef=-0.01), ValueError, "got -0.01"),
+    ("JOB-083", lambda p: MoEGPTStage(MoEGPTConfig(aux_loss_coef=0.01), range(1), first=True, last=False),
+     ValueError, "aux_loss_coef=0.01"),
     ("JOB-014", lambda p: MoEGPT({"d_model": 16}, sharded=False), TypeError, "dict"),
     ("JOB-016", lambda p: MoEGPT(TINY, sharded=False, param_dtype=torch.int32), ValueError, "torch.int32"),
     ("JOB-017", lambda p: MoEGPT(TINY, sharded=False)(torch.zeros(1, 9, dtype=torch.long)), ValueError,

@@ -35,6 +35,7 @@ from distwgrad.checkpoint import full_tensor, load_checkpoint, save_checkpoint
 from distwgrad.models import MoEGPT, MoEGPTConfig
 from distwgrad.parallel.experts import ExpertParallel
 from distwgrad.testing.multiprocess import for_each_case, run_distributed
+from distwgrad.wgrad.scheduler import deferred_modules
 
 pytestmark = pytest.mark.distributed
 
@@ -57,10 +58,11 @@ def _train(case: dict, rank: int, world: int) -> None:
     ep_size = case["ep"]
     dtype = case.get("dtype")
     mesh = init_device_mesh("cpu", (ep_size, world // ep_size), mesh_dim_names=("ep", "dp"))
-    cfg = MoEGPTConfig(**TINY)
+    cfg = MoEGPTConfig(**TINY, aux_loss_coef=case.get("aux", 0.0))
     model = MoEGPT(cfg, ep_mesh=mesh, param_dtype=dtype)
     oracle = MoEGPT(cfg, sharded=False, param_dtype=dtype)
     ep = model.blocks[0].moe.ep
+    ep.overlap_wgrads = case.get("overlap", True)
     params, ref = dict(model.named_parameters()), dict(oracle.named_parameters())
     if case.get("skew"):  # a zero router: every score ties, every token picks the same two experts
         with torch.no_grad():
@@ -88,10 +90,13 @@ def _train(case: dict, rank: int, world: int) -> None:
         dist.all_reduce(total)
         ref_total = torch.zeros(())
         for mb in tokens.view(world, B, -1).chunk(micro, dim=1):  # the same microbatches, every rank's
-            rows = mb.reshape(-1, mb.shape[-1])
-            ref_loss = oracle.loss(rows[:, :-1], rows[:, 1:]) / micro
-            ref_loss.backward()
-            ref_total += ref_loss.detach().float()
+            # [Note: load balancing]: each rank balances its own microbatch, so with it the oracle's loss is
+            # the mean of the ranks' losses; without, the mean over the microbatch in one piece
+            pieces = mb.unbind(0) if case.get("aux") else [mb.reshape(-1, mb.shape[-1])]
+            for rows in pieces:
+                ref_loss = oracle.loss(rows[:, :-1], rows[:, 1:]) / (micro * len(pieces))
+                ref_loss.backward()
+                ref_total += ref_loss.detach().float()
         assert abs(total.item() / world - ref_total.item()) <= loss_atol, (step, total.item() / world, ref_total)
         for name, p in params.items():
             got = _full(p, p.grad)
@@ -116,6 +121,35 @@ def _train(case: dict, rank: int, world: int) -> None:
             assert torch.equal(_full(p, p.detach()), want), f"after step {step}: {name}"
 
 
+def _overlap(rank: int, world: int) -> None:
+    """[Note: the dispatch's backward hides behind the experts' wgrads]: with the overlap, backward leaves no
+    expert wgrad queued (they ran while the dispatch's gradient travelled) and the gradients are the bits of
+    the same step without it. The all-to-all bytes: per layer, each rank sends the counts (E int64), its A
+    rows (dispatch) and the R rows it got back (combine), and in backward the same the other way; summed
+    over ranks, R's total is A's, so the ranks' bytes add up to ``world * layers * (8 E + 4 A D 4)``."""
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "dp"))
+    cfg = MoEGPTConfig(**TINY)
+    tokens = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    A = B * cfg.seq_len * cfg.top_k
+    grads, queued = [], []
+    for overlap in (True, False):
+        model = MoEGPT(cfg, ep_mesh=mesh)
+        ep = model.blocks[0].moe.ep
+        ep.overlap_wgrads = overlap
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        queued.append(sum(m.pending_backward_dw for m in deferred_modules(model)))
+        distwgrad.drain_deferred_wgrads(model)
+        distwgrad.finalize_model_grads([model])
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        sent = torch.tensor(ep.bytes_sent)
+        dist.all_reduce(sent)
+        assert sent.item() == world * cfg.n_layers * (8 * cfg.n_experts + 4 * A * cfg.d_model * 4), sent
+        assert ep.exposed_s > 0
+    assert queued == [0, 2 * cfg.n_layers], queued  # fc1 and fc2 of each layer, without the overlap
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
 def _refusals(rank: int, world: int) -> None:
     """Bad inputs, each one clear error naming the value; every rank raises together where a collective is
     involved."""
@@ -128,6 +162,8 @@ def _refusals(rank: int, world: int) -> None:
     ep = ExpertParallel(4, group)
     with pytest.raises(ValueError, match=r"m_splits_E must have shape \(4,\), got \(3,\)"):
         ep.dispatch(torch.zeros(3, 2), torch.ones(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="overlap must be callable or None, got 3"):
+        ep.dispatch(torch.zeros(4, 2), torch.ones(4, dtype=torch.int64), overlap=3)
     with pytest.raises(ValueError, match="m_splits_E sums to 4 but x has 3 rows"):
         ep.dispatch(torch.zeros(3, 2), torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"4 rows, got shape \(2, 3\)"):
@@ -194,17 +230,19 @@ def _cases(rank, world, cases):
 @pytest.mark.timeout(200)
 def test_ep2():
     """ep 2 on 2 ranks: two experts a rank; skewed routing (two experts get every token, the other rank's
-    none), two microbatches drained in either order, bf16."""
+    none), two microbatches drained in either order, bf16, the load-balancing loss without the overlap; the
+    overlap's bits and bytes."""
     cases = [dict(ep=2), dict(ep=2, skew=True), dict(ep=2, micro=2, drain_each=True, order="forward"),
-             dict(ep=2, dtype=torch.bfloat16)]
+             dict(ep=2, dtype=torch.bfloat16), dict(ep=2, aux=0.01, overlap=False)]
     run_distributed(_cases, 2, cases, timeout=160)
     run_distributed(_refusals, 2, timeout=60)
+    run_distributed(_overlap, 2, timeout=60)
 
 
 @pytest.mark.timeout(200)
 def test_ep4_and_ep2_by_dp2():
     """ep 4 (one expert a rank) and ep 2 x dp 2 (each rank's experts sharded over its dp pair)."""
-    cases = [dict(ep=4), dict(ep=2, skew=True), dict(ep=2, micro=2)]
+    cases = [dict(ep=4), dict(ep=2, skew=True), dict(ep=2, micro=2), dict(ep=4, aux=0.01, skew=True)]
     run_distributed(_cases, 4, cases, timeout=160)
 
 

@@ -58,7 +58,14 @@ def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_pa
         out = str(tmp_path / f"ep2_{nproc}")
         _ok(_run([*ARGS, "--ep", "2", "--save-every", "3", "--out", out], nproc=nproc))
         _check_losses(_report(out), reference, range(1, 7), f"--ep 2 on {nproc} ranks")
-        assert _report(out)["parallelism"] == {"pp": 1, "ep": 2, "dp": nproc // 2}
+        par = _report(out)["parallelism"]
+        a2a = par.pop("all_to_all")
+        assert par == {"pp": 1, "ep": 2, "dp": nproc // 2}
+        # every rank, each of 4 layers and 4 microbatches: the E = 4 int64 counts; and each of the step's 16 x 32
+        # x top_k 2 = 1024 assignment rows (d_model 32 fp32) travels four times: out and back, forward and
+        # backward
+        assert sum(a2a["bytes_per_step"]) == 4 * (nproc * 4 * 4 * 8 + 4 * 1024 * 32 * 4), a2a
+        assert len(a2a["exposed_s_per_step"]) == nproc and all(t > 0 for t in a2a["exposed_s_per_step"]), a2a
     ep4 = str(tmp_path / "ep4")  # the ep 2 x dp 2 run's step 3, resumed at ep 4
     _ok(_run([*ARGS, "--ep", "4", "--resume", f"{tmp_path}/ep2_4/checkpoints/step_3", "--out", ep4], nproc=4))
     _check_losses(_report(ep4), reference, (4, 5, 6), "resumed at --ep 4")
@@ -90,6 +97,11 @@ def test_expert_parallel_options_are_checked_before_anything_runs():
         TrainConfig(ep=3)
     with pytest.raises(ValueError, match=r"--ep 2 must divide the world size 3"):
         TrainConfig(ep=2).check_world_size(3)
+    with pytest.raises(ValueError, match="--aux-loss-coef 0.01 does not run with --cuda-graph, --compile yet"):
+        TrainConfig(aux_loss_coef=0.01, cuda_graph=True, compile=True, device="cuda")
+    with pytest.raises(ValueError, match=r"aux_loss_coef must be a finite number >= 0, got -1.0"):
+        TrainConfig(aux_loss_coef=-1.0)
+    assert TrainConfig(aux_loss_coef=0.01).model_config().aux_loss_coef == 0.01
 
 
 def test_pipeline_options_are_checked_before_anything_runs():

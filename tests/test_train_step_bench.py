@@ -156,8 +156,7 @@ def test_timed_blocks_run_without_automatic_gc(monkeypatch, python_gc):
     import gc
     import types
 
-    # the bench puts qa/bench on sys.path as it imports: restored after this test (its grouped_gemm.py would
-    # shadow the grouped_gemm package that megatron-core imports in later tests)
+    # the bench imports its siblings from qa/bench: on sys.path for this test only
     monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])
     import train_step as ts
 

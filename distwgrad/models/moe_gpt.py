@@ -24,6 +24,17 @@ well. Activations (the residual stream included) are ``param_dtype``; three thin
 cast back: RMSNorm's mean of squares, the router's softmax, and the loss. The rotary tables are cast to
 the activations' dtype, so bf16 is not silently promoted to fp32 by an fp32 buffer.
 
+[Note: load balancing]
+With ``aux_loss_coef > 0`` each MoE layer computes the Switch Transformer's load-balancing loss over the
+tokens it routes, ``E * sum_e f_e * P_e``: ``f_e`` the fraction of the layer's ``T * top_k`` assignments
+that went to expert ``e`` (counts: no gradient), ``P_e`` the router's mean probability for ``e`` (the
+gradient's path). It is 1 for a uniform router and grows as the routing concentrates, and the gradient of
+``P_e`` weighted by ``f_e`` pushes probability away from crowded experts. ``MoEGPT.loss`` adds
+``aux_loss_coef`` times the sum over layers (Megatron-core's ``aux_loss``, per layer, summed). Over the
+tokens a rank routes, as Megatron computes it: with data or expert parallelism each rank balances its own
+microbatch, so the loss of a batch split over ranks is the mean of the ranks' losses, not the loss of the
+batch in one piece (``tests/test_expert_parallel.py`` compares it so).
+
 [Note: tied embedding]
 ``lm_head`` is ``Linear(D, V, bias=False, weight=embedding.weight)``: one object used twice per forward.
 Each use records one expected contribution; the lm_head wgrad and the embedding's scatter accumulate into
@@ -50,7 +61,7 @@ from distwgrad.nn import Embedding, GroupedLinear, Linear
 from distwgrad.parallel.experts import ExpertParallel
 from distwgrad.weights import ShardedWeight
 
-__all__ = ["MoEGPTConfig", "MoEGPT", "init_full_weights", "EXPERTS"]
+__all__ = ["MoEGPTConfig", "MoEGPT", "init_full_weights", "load_balancing_loss", "EXPERTS"]
 
 EXPERTS = ("loop", "grouped_mm")  # the plain build's expert GEMMs (MoEGPT's ``experts``)
 
@@ -69,6 +80,7 @@ class MoEGPTConfig:
     d_ff: int = 128
     init_std: float = 0.02
     seed: int = 0
+    aux_loss_coef: float = 0.0  # the router's load-balancing loss in ``MoEGPT.loss`` ([Note: load balancing])
 
     def __post_init__(self) -> None:
         ints = {k: getattr(self, k) for k in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads",
@@ -83,6 +95,8 @@ class MoEGPTConfig:
             raise ValueError(f"top_k={self.top_k} must be at most n_experts={self.n_experts}")
         if not self.init_std > 0:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
+        if not (isinstance(self.aux_loss_coef, (int, float)) and 0 <= self.aux_loss_coef < math.inf):
+            raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef!r}")
 
     def num_params(self) -> int:
         """Parameters, the tied embedding counted once."""
@@ -235,6 +249,14 @@ def combine(y_AD: torch.Tensor, order_A: torch.Tensor, top_k: int) -> torch.Tens
     return torch.empty_like(y_AD).index_copy(0, order_A, y_AD).view(-1, top_k, y_AD.shape[-1]).sum(dim=1)
 
 
+def load_balancing_loss(probs_TE: torch.Tensor, m_splits_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` ([Note: load balancing]): 1 when the routing is uniform, up to ``E`` when it is
+    not. ``probs_TE``: the router's softmax (fp32); ``m_splits_E``: assignments per expert."""
+    T, E = probs_TE.shape
+    f_E = m_splits_E.to(probs_TE.dtype) / (T * top_k)
+    return E * (f_E * probs_TE.mean(dim=0)).sum()
+
+
 class MoE(nn.Module):
     """Top-k routed experts: a softmax router, then ``fc2(gelu(fc1(x)))`` per expert, gate-weighted.
 
@@ -256,8 +278,9 @@ class MoE(nn.Module):
         """``ep``: the experts partitioned over an expert-parallel group, ``fc1`` and ``fc2`` holding this
         rank's (``ep.local`` experts); tokens travel to them and back ([Note: expert-parallel dispatch])."""
         super().__init__()
-        self.top_k, self.n_experts = config.top_k, config.n_experts
+        self.top_k, self.n_experts, self.balance = config.top_k, config.n_experts, config.aux_loss_coef > 0
         self.router, self.fc1, self.fc2, self.ep = router, fc1, fc2, ep
+        self.aux_loss: torch.Tensor | None = None  # the last forward's ([Note: load balancing])
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         E = self.n_experts
@@ -271,14 +294,23 @@ class MoE(nn.Module):
         # the same counts as torch.bincount(expert_A, minlength=E), in int64 as it gives them
         m_splits_E = torch.zeros(E, dtype=torch.int64, device=expert_A.device).scatter_add_(
             0, expert_A, torch.ones_like(expert_A))
+        self.aux_loss = load_balancing_loss(probs_TE, m_splits_E, self.top_k) if self.balance else None
         x_AD = x_TD[token_A]
         if self.ep is None:
             y_AD = self.fc2(F.gelu(self.fc1(x_AD, m_splits_E)), m_splits_E)
         else:
-            x_local, m_local, route = self.ep.dispatch(x_AD, m_splits_E)
+            x_local, m_local, route = self.ep.dispatch(x_AD, m_splits_E, overlap=self._drain_experts)
             y_AD = self.ep.combine(self.fc2(F.gelu(self.fc1(x_local, m_local)), m_local), route)
         y_AD = y_AD * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
         return combine(y_AD, order_A, self.top_k)
+
+    def _drain_experts(self) -> None:
+        """The experts' queued wgrads, run while the dispatch's gradient travels ([Note: the dispatch's
+        backward hides behind the experts' wgrads] in ``distwgrad/parallel/experts.py``)."""
+        fc: Any
+        for fc in (self.fc2, self.fc1):  # the order backward queued them in
+            while getattr(fc, "pending_backward_dw", 0):
+                fc.backward_dw()
 
 
 class Block(nn.Module):
@@ -377,6 +409,11 @@ class MoEGPT(nn.Module):
         return self.lm_head(rms_norm(x_BSD))
 
     def loss(self, ids_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over every position, computed in fp32."""
+        """Mean next-token cross-entropy over every position, computed in fp32, plus ``aux_loss_coef`` times
+        each layer's load-balancing loss ([Note: load balancing])."""
         logits_BSV = self(ids_BS)
-        return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+        ce = F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
+        if not self.config.aux_loss_coef:
+            return ce
+        aux = torch.stack([b.moe.aux_loss for b in self.blocks]).sum()  # type: ignore[misc]
+        return ce + self.config.aux_loss_coef * aux

@@ -37,6 +37,9 @@ class MoEGPTStage(nn.Module):
         super().__init__()
         if not isinstance(layers, range) or layers.step != 1 or not 0 <= layers.start <= layers.stop <= config.n_layers:
             raise ValueError(f"layers must be a range within [0, {config.n_layers}) of step 1, got {layers!r}")
+        if config.aux_loss_coef:
+            raise ValueError(f"aux_loss_coef={config.aux_loss_coef} is not supported in pipeline stages (the last "
+                             f"stage's loss cannot add the other stages' load-balancing losses); pass 0")
         self.config, self.param_dtype, self.first, self.last = config, param_dtype, first, last
         full = init_full_weights(config)
 

@@ -21,16 +21,29 @@ the average over the ``ep * dp`` ranks, as every other weight averages over all 
 Order of additions. An expert's rows arrive from the sources in rank order, so its wgrad sums rank 0's rows,
 then rank 1's: the order the single-process model sums them in when its batch is the ranks' batches
 concatenated, up to the GEMM's own blocking.
+
+[Note: the dispatch's backward hides behind the experts' wgrads]
+In backward, the dispatch's gradient (every row's dgrad, travelling back to the rank that sent the row) is
+the only thing the rest of backward waits for: attention and the layers below need it. The local experts'
+deferred wgrads need nothing from it. So the dispatch's backward issues its all-to-all asynchronously
+(on CUDA, NCCL runs it on its own stream), calls ``overlap`` (the MoE layer passes the drain of its experts'
+queued wgrads), and only then waits: the exchange travels while the wgrad GEMMs run, and the wait finds it
+done or nearly. The drained wgrads are the ones ``drain_deferred_wgrads`` would have run later, in the
+same order (each module's FIFO, oldest first), so the gradients are the same bits. ``exposed_s`` counts the
+time a rank waits on its exchanges after any overlapped work; comparing it with ``overlap_wgrads=False``
+gives the fraction hidden (``qa/bench/experts.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 __all__ = ["ExpertParallel", "Route"]
 
@@ -48,7 +61,9 @@ class ExpertParallel:
     """``n_experts`` experts partitioned over ``group`` (the ep dimension of a ``DeviceMesh``, or any process
     group): rank ``r`` of the group owns experts ``r * L .. (r + 1) * L - 1``, ``L = n_experts / ep``."""
 
-    def __init__(self, n_experts: int, group: Any) -> None:
+    def __init__(self, n_experts: int, group: Any, *, overlap_wgrads: bool = True) -> None:
+        """``overlap_wgrads``: the MoE layer drains its experts' deferred wgrads while the dispatch's gradient
+        travels ([Note: the dispatch's backward hides behind the experts' wgrads]); False waits first."""
         if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
             raise ValueError(f"ExpertParallel: n_experts must be a positive int, got {n_experts!r}")
         if group is None:
@@ -58,6 +73,16 @@ class ExpertParallel:
         if n_experts % self.size:
             raise ValueError(f"ExpertParallel: n_experts={n_experts} does not divide over ep={self.size} ranks")
         self.n_experts, self.local = n_experts, n_experts // self.size
+        self.overlap_wgrads = overlap_wgrads
+        self.bytes_sent = 0  # this rank's all-to-all payload and counts, forward and backward, since creation
+        self._timer = _Timer()
+
+    @property
+    def exposed_s(self) -> float:
+        """Seconds this rank waited on its exchanges since creation: host time on CPU, the current stream's
+        time on CUDA (events, read here: a synchronization), each backward exchange after its overlapped
+        work ([Note: the dispatch's backward hides behind the experts' wgrads])."""
+        return self._timer.total()
 
     @property
     def first_expert(self) -> int:
@@ -71,22 +96,28 @@ class ExpertParallel:
                              f"shape {tuple(full.shape)}")
         return full[self.first_expert:self.first_expert + self.local]
 
-    def dispatch(self, x_AD: torch.Tensor, m_splits_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Route]:
+    def dispatch(self, x_AD: torch.Tensor, m_splits_E: torch.Tensor,
+                 overlap: Callable[[], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Route]:
         """Sends each row of ``x_AD`` (sorted by expert, ``m_splits_E`` rows each) to its expert's rank.
-        Returns this rank's rows expert-major, its local experts' row counts ``[L]``, and the route back."""
+        Returns this rank's rows expert-major, its local experts' row counts ``[L]``, and the route back.
+        ``overlap()`` runs in backward while the gradient travels back (when ``overlap_wgrads``)."""
         if m_splits_E.shape != (self.n_experts,):
             raise ValueError(f"ExpertParallel.dispatch: m_splits_E must have shape ({self.n_experts},), got "
                              f"{tuple(m_splits_E.shape)}")
+        if overlap is not None and not callable(overlap):
+            raise TypeError(f"ExpertParallel.dispatch: overlap must be callable or None, got {overlap!r}")
         P, L = self.size, self.local
         counts_PL = m_splits_E.to(torch.int64).reshape(P, L).contiguous()
         got_PL = torch.empty_like(counts_PL)
-        dist.all_to_all_single(got_PL, counts_PL, group=self.group)  # per-expert counts, on the device
-        sizes = torch.stack([counts_PL.sum(1), got_PL.sum(1)]).tolist()  # the layer's one host sync
+        with self._timer.on(got_PL.device):
+            dist.all_to_all_single(got_PL, counts_PL, group=self.group)  # per-expert counts, on the device
+            sizes = torch.stack([counts_PL.sum(1), got_PL.sum(1)]).tolist()  # the layer's one host sync
+        self.bytes_sent += counts_PL.numel() * counts_PL.element_size()
         sent, received = sizes[0], sizes[1]
         if sum(sent) != x_AD.shape[0]:
             raise ValueError(f"ExpertParallel.dispatch: m_splits_E sums to {sum(sent)} but x has "
                              f"{x_AD.shape[0]} rows")
-        x_recv = wait_tensor(all_to_all_single_autograd(x_AD.contiguous(), received, sent, self.group))
+        x_recv = _Exchange.apply(x_AD, self, received, sent, overlap if self.overlap_wgrads else None)
         order = _expert_major(got_PL, sum(received))
         return x_recv[order], got_PL.sum(0), Route(sent, received, order)
 
@@ -94,7 +125,24 @@ class ExpertParallel:
         """``dispatch`` reversed: ``y_local`` (expert-major, as dispatched) back to the sending ranks, in the
         order their rows were sent."""
         y_recv = torch.empty_like(y_local).index_copy(0, route.order, y_local)
-        return wait_tensor(all_to_all_single_autograd(y_recv, route.sent, route.received, self.group))
+        return _Exchange.apply(y_recv, self, route.sent, route.received, None)
+
+    def _exchange(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int],
+                  overlap: Callable[[], Any] | None) -> torch.Tensor:
+        """Sends ``in_rows[p]`` consecutive rows of ``x`` to rank ``p``, receives ``out_rows[p]`` from it;
+        ``overlap()`` runs between issuing the exchange and waiting for it."""
+        x = x.contiguous()
+        out = x.new_empty((sum(out_rows), *x.shape[1:]))
+        self.bytes_sent += x.numel() * x.element_size()
+        if overlap is None:
+            with self._timer.on(x.device):
+                dist.all_to_all_single(out, x, out_rows, in_rows, group=self.group)
+            return out
+        work = dist.all_to_all_single(out, x, out_rows, in_rows, group=self.group, async_op=True)
+        overlap()
+        with self._timer.on(x.device):
+            work.wait()
+        return out
 
 
 def _expert_major(got_PL: torch.Tensor, total: int) -> torch.Tensor:
@@ -105,3 +153,47 @@ def _expert_major(got_PL: torch.Tensor, total: int) -> torch.Tensor:
     dest = lengths.cumsum(0) - lengths  # where each block starts in the expert-major layout
     return torch.repeat_interleave(begin - dest, lengths, output_size=total) + torch.arange(
         total, device=got_PL.device)
+
+
+class _Exchange(torch.autograd.Function):
+    """The differentiable all-to-all: forward sends rows, backward sends their gradients the other way (with
+    ``overlap`` run while they travel)."""
+
+    @staticmethod
+    def forward(ctx, x, ep: ExpertParallel, out_rows: list[int], in_rows: list[int],
+                overlap: Callable[[], Any] | None):
+        ctx.ep, ctx.out_rows, ctx.in_rows, ctx.overlap = ep, out_rows, in_rows, overlap
+        return ep._exchange(x, out_rows, in_rows, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.ep._exchange(grad, ctx.in_rows, ctx.out_rows, ctx.overlap), None, None, None, None
+
+
+class _Timer:
+    """Sums the time spent inside ``with timer.on(device):`` blocks: ``perf_counter`` on CPU; on CUDA a pair
+    of events on the current stream per block, resolved (one synchronization) when ``total()`` reads them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def on(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
+
+    def total(self) -> float:
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        return self.seconds

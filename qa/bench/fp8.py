@@ -43,7 +43,7 @@ promotion under the next MMA]), ``ms``, ``tflops`` (2*T*N*K / time
 for every op), ``vs_bf16`` (bf16 time / this time: > 1 is faster), ``worst`` (largest error/bound ratio
 of the pre-timing check against ``distwgrad.testing.reference_fp8``; a failed check raises). Timed: the
 GEMM alone on pre-quantized operands and stacked fp8 weights (quantization is ``bench_quantize``'s).
-Routing as qa/bench/grouped_gemm.py: each token picks one expert uniformly at random, seed 0 (``--gemm-routing
+Routing as qa/bench/gemm_kernels.py: each token picks one expert uniformly at random, seed 0 (``--gemm-routing
 balanced``: T // E tokens per group).
 """
 

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distwgrad.kernels import grouped_gemm as G  # noqa: E402
 from distwgrad.kernels import tuning  # noqa: E402
-from grouped_gemm import impls_for, make_problem  # noqa: E402  (the bench's problems and peers)
+from gemm_kernels import impls_for, make_problem  # noqa: E402  (the bench's problems and peers)
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path, for ``qa.bench``
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
