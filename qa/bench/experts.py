@@ -214,7 +214,7 @@ def compute(args) -> None:
         case = f"experts ep={ep} {args.model} tokens={tokens}"
         for metric, value in (("fwd_ms", f_ms), ("dgrad_ms", b_ms), ("wgrad_ms", w_ms)):
             rows.append(results.row(bench="experts", case=case, impl="distwgrad", precision="bf16", world=1,
-                                    metric=metric, value=value, unit="ms", device=name))
+                                    metric=metric, value=value, unit="ms", device=torch.device(args.device)))
     print(f"{name}, --model {args.model}: a rank's {tokens} tokens x top_k {k} = {A} rows, "
           f"D {D}, d_ff {Fd}, {E} experts, bf16")
     print(f"{'ep':>3} {'local':>5} {'fwd ms':>7} {'dgrad ms':>9} {'wgrad ms':>9}")
