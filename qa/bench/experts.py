@@ -201,7 +201,8 @@ def _expert_times(L: int, A: int, D: int, Fd: int, args) -> tuple[float, float, 
 
 def compute(args) -> None:
     """The experts' work on one rank at each ep size, and the model of the multi-GPU layer step."""
-    config = TrainConfig(model=args.model, global_batch=args.global_batch, device=args.device)
+    config = TrainConfig(model=args.model, global_batch=args.global_batch, n_experts=args.n_experts,
+                         device=args.device)
     mc = config.model_config()
     D, Fd, E, k = mc.d_model, mc.d_ff, mc.n_experts, mc.top_k
     tokens = config.global_batch // args.world * mc.seq_len  # a rank's tokens a step (one microbatch)
@@ -211,7 +212,7 @@ def compute(args) -> None:
     for ep in (e for e in args.ep if E % e == 0):
         f_ms, b_ms, w_ms = _expert_times(E // ep, A, D, Fd, args)
         table.append((ep, E // ep, f_ms, b_ms, w_ms))
-        case = f"experts ep={ep} {args.model} tokens={tokens}"
+        case = f"experts ep={ep} {args.model} E={E} tokens={tokens}"
         for metric, value in (("fwd_ms", f_ms), ("dgrad_ms", b_ms), ("wgrad_ms", w_ms)):
             rows.append(results.row(bench="experts", case=case, impl="distwgrad", precision="bf16", world=1,
                                     metric=metric, value=value, unit="ms", device=torch.device(args.device)))
@@ -256,6 +257,7 @@ def main(argv=None) -> None:
     p.add_argument("--compute", action="store_true", help="the experts' compute on one GPU, and the model")
     p.add_argument("--model", default="small", help="the job's preset (default: small; --compute: large)")
     p.add_argument("--n-layers", type=int, default=None, help="blocks (default: the preset's)")
+    p.add_argument("--n-experts", type=int, default=None, help="--compute: experts a layer (default: the preset's)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences a step (default: the preset's)")
     p.add_argument("--ep", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="ep sizes, comma-separated (default: 1,2,4 on CPU ranks, 1,2,4,8 with --compute)")
