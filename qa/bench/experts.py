@@ -6,7 +6,7 @@
 Under torchrun (CPU ranks over gloo, the job's ``--model`` preset): one process trains, side by side and in
 rotated rounds, ``MoEGPT`` at each ``--ep`` size (1: every weight sharded over every rank) with and without
 the overlap of the dispatch's backward ([Note: the dispatch's backward hides behind the experts' wgrads]),
-and the FSDP2 build of the same model (``fully_shard`` per block). Per build and rank, per step: the time
+ep 1 coalesced as the job runs it, and the FSDP2 build of the same model (``fully_shard`` per block). Per build and rank, per step: the time
 (median of ``--steps`` after ``--warmup``), the bytes each collective moved, and for expert parallelism the
 seconds waited on all-to-alls. Bytes: distwgrad's all-gather outputs and reduce-scatter inputs
 (``bytes_gathered``, ``bytes_reduced``) and the all-to-all payloads sent; FSDP2's from its parameters: each
@@ -64,6 +64,8 @@ def _builds(config: TrainConfig, eps: list[int]):
                 from torch.distributed.device_mesh import init_device_mesh
                 mesh = init_device_mesh("cpu", (ep, world // ep), mesh_dim_names=("ep", "dp"))
             model = MoEGPT(mc, ep_mesh=mesh)
+            if ep == 1 and world > 1:
+                distwgrad.coalesce(model)  # as the job does without --ep ([Note: coalesced units])
             expert = model.blocks[0].moe.ep
             if expert is not None:
                 expert.overlap_wgrads = overlap

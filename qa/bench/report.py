@@ -102,6 +102,7 @@ _LAYOUT = {
                                      "rowcol_per_tensor 8192x16384 fp32")),  # LOG.md, 2026-12-03 (morning)
     "step_phases": Layout("Host against device time per phase of a training step (ms)", on_page=False),
     "pipeline_bubble": Layout("Pipeline schedules on CPU, measured and predicted", on_page=False),  # docs/pipeline.md
+    "experts": Layout("Expert parallelism: CPU ranks' steps and bytes, one GPU's experts", on_page=False),  # experts.md
     "grouped_gemm_fp32_weights": Layout("Grouped GEMM reading fp32 weights against the cast and the bf16 GEMM (ms)",
                                         baseline="cast+distwgrad", metrics=("ms",), on_page=False),  # LOG, 2026-12-03
     "ncu_wgrad": Layout("The FP8 wgrad's Nsight Compute counters", columns="precision", on_page=False),
