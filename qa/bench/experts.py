@@ -4,15 +4,16 @@
     python qa/bench/experts.py --compute --model large --no-record                        # one GPU
 
 Under torchrun (CPU ranks over gloo, the job's ``--model`` preset): one process trains, side by side and in
-rotated rounds, ``MoEGPT`` at each ``--ep`` size (1: every weight sharded over every rank) with and without
-the overlap of the dispatch's backward ([Note: the dispatch's backward hides behind the experts' wgrads]),
-ep 1 coalesced as the job runs it, and the FSDP2 build of the same model (``fully_shard`` per block). Per build and rank, per step: the time
-(median of ``--steps`` after ``--warmup``), the bytes each collective moved, and for expert parallelism the
-seconds waited on all-to-alls. Bytes: distwgrad's all-gather outputs and reduce-scatter inputs
-(``bytes_gathered``, ``bytes_reduced``) and the all-to-all payloads sent; FSDP2's from its parameters: each
-block's all-gather in forward and again in backward, the reduce-scatter of its gradients, every microbatch. The hidden
-fraction is one minus the exposed all-to-all time with the overlap over that without it. Every rank shares
-the same CPU cores, so times are ratios within this run, never absolute.
+rotated rounds, ``MoEGPT`` at each ``--ep`` size (1: every weight sharded over every rank, coalesced as the
+job runs it) with and without the overlap of the dispatch's backward ([Note: the dispatch's backward hides
+behind the experts' wgrads]), and the FSDP2 build of the same model (``fully_shard`` per block). Per build
+and rank, per step: the time (median of ``--steps`` after ``--warmup``), the bytes each collective moved,
+and for expert parallelism the seconds waited on all-to-alls. Bytes: distwgrad's all-gather outputs and
+reduce-scatter inputs (``bytes_gathered``, ``bytes_reduced``) and the all-to-all payloads sent; FSDP2's
+from its parameters: each block's all-gather in forward and again in backward, the reduce-scatter of its
+gradients, every microbatch. The hidden fraction is one minus the exposed all-to-all time with the overlap
+over that without it. Every rank shares the same CPU cores, so times are ratios within this run, never
+absolute.
 
 ``--compute`` (one GPU, bf16): the experts' work on one rank at ``E / ep`` local experts for each ``--ep``,
 the rows a rank receives when routing is uniform (its ``tokens x top_k`` assignments, spread over its local
