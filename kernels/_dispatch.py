@@ -4,7 +4,7 @@
 Every kernel entry point is a ``torch.library.custom_op`` with a fake implementation, so that
 torch.compile, torch.export and FakeTensorMode can trace it. In plain eager mode the dispatcher does
 nothing for these ops but call the implementation, and that costs ~18 µs per call on a CI-class CPU
-(``qa/bench/quantize_host.py``): as much as the rest of a quantize call's host work, and of the order of
+(docs/benchmarks/LOG.md): as much as the rest of a quantize call's host work, and of the order of
 the kernel's own device time at training shapes. So the public functions call the implementation
 directly when nothing could observe the difference, and go through the op otherwise:
 

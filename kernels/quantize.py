@@ -29,7 +29,7 @@ cvt (it converts two values) and byte packing. Per-scale work (the scale, its in
 repeated by every thread that holds part of the scale's row or column, which is why the tilings matter,
 and why power-of-two scales skip the divisions (below): in the rows + columns kernel each thread
 computes ~40 scales, and the two IEEE divisions per scale are a third of its instructions (sm_90a SASS,
-``qa/bench/quantize_sass.py``: 34.6 instructions per element with divisions, the ``power_of_two=False``
+docs/benchmarks/LOG.md: 34.6 instructions per element with divisions, the ``power_of_two=False``
 build, 24.4 without; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global
 amax before the first element can be cast, so x is read twice: holding x on chip until every program's
 amax is in would take a grid-wide barrier and room for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB
@@ -117,7 +117,7 @@ SWEEP: dict[str, list[dict[str, int | bool | None]]] = {
         dict(blocks_warps=16),  # 51 regs (2/SM)
     ],
     "rowcol_1x128": [
-        # Gluon, sm_90a SASS instructions per element (qa/bench/quantize_sass.py): 18.1; the Triton kernel
+        # Gluon, sm_90a SASS instructions per element (docs/benchmarks/LOG.md): 18.1; the Triton kernel
         # (rowcol_gluon=False): 24.4 at 8 warps
         dict(rowcol_gluon=True),
         dict(rowcol_gluon=False, rowcol_warps=8, rowcol_maxnreg=128),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -386,64 +385,6 @@ def test_reference_is_device_independent():
             for k, r in zip(quantize_rowwise_and_columnwise(x.cuda(), rec),
                             quantize_rowwise_and_columnwise(x, rec), strict=True):
                 assert_same(k, r, f"rowcol {rec}")
-
-
-@pytest.mark.interpret
-def test_host_cost_bench_smoke():
-    """qa/bench/quantize_host.py runs (launches stubbed) and reports every entry point per call."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, str(REPO / "qa" / "bench" / "quantize_host.py"), "--calls", "5",
-                           "--device", "cpu"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("quantize_per_tensor", "quantize_blockwise 1x128", "through the custom op", "alone",
-                 "quantize_rowwise_and_columnwise"):
-        line = next(ln for ln in proc.stdout.splitlines() if name in ln)
-        assert float(line.split()[-2]) > 0, line
-
-
-def test_sm90_build_of_the_rows_and_columns_kernel():
-    """qa/bench/quantize_sass.py builds the kernel for sm_90a (no GPU needed): no spills, and power-of-two
-    scales ([Note: power-of-two scales without division]) issue fewer instructions per element than the
-    scales that divide, which is their point."""
-    pytest.importorskip("triton")
-    sys.path.insert(0, str(REPO / "qa" / "bench"))
-    try:
-        import quantize_sass
-    finally:
-        sys.path.remove(str(REPO / "qa" / "bench"))
-    try:
-        r = quantize_sass.main(["--only", "rowcol w8 maxnreg128 (default)", "rowcol w8 maxnreg128, divisions"])
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    pow2, div = r["rowcol w8 maxnreg128 (default)"], r["rowcol w8 maxnreg128, divisions"]
-    assert pow2["spill_bytes"] == 0, pow2  # (the dividing build spills a little at this register cap)
-    assert pow2["per_element"] < div["per_element"], (pow2["per_element"], div["per_element"])
-
-
-def test_sm90_build_of_the_gluon_rows_and_columns_kernel():
-    """[Note: rows and columns without a transpose]: the Gluon kernel builds for sm_90a without a single
-    byte-wise shared-memory load, without spills, and issues fewer instructions per element than the
-    Triton kernel."""
-    pytest.importorskip("triton")
-    from distwgrad.kernels.gluon import quantize_rowcol as kg
-    if not kg.AVAILABLE:
-        pytest.skip("this Triton has no Gluon")
-    sys.path.insert(0, str(REPO / "qa" / "bench"))
-    try:
-        import quantize_sass
-    finally:
-        sys.path.remove(str(REPO / "qa" / "bench"))
-    names = ["rowcol w8 maxnreg128 (default)", "rowcol gluon"]
-    try:
-        r = quantize_sass.main(["--only", *names])
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    triton_k, ours = (r[n] for n in names)
-    assert ours["ops"]["LDS.U8"] == 0 < triton_k["ops"]["LDS.U8"]
-    assert ours["spill_bytes"] == 0, ours
-    assert ours["per_element"] < triton_k["per_element"]
 
 
 if __name__ == "__main__":

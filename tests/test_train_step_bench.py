@@ -264,36 +264,3 @@ def test_together_times_every_mode_of_a_precision_in_one_group(monkeypatch, toge
     assert {(r["impl"], r["case"]) for r in rows} == {(i, f"tiny b16x64 mb2 {m}") for i, _, m in pairs}
 
 
-def test_step_ab_tiny(tmp_path):
-    """qa/bench/step_ab.py ([Note: a tuning per build]): two builds under their own tunings, rotated rounds,
-    the ratio and the warm-up losses (the same bits on CPU, where the quantize tuning moves nothing)."""
-    out = tmp_path / "ab.json"
-    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "step_ab.py"), "--model", "tiny", "--precision",
-           "fp8_per_tensor", "--a", "quantize.per_tensor_block=8192", "--rounds", "2", "--steps", "1", "--warmup",
-           "1", "--json", str(out)]
-    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    report = json.loads(out.read_text())
-    assert report["tunings"] == {"a": {"quantize": {"per_tensor_block": 8192}}, "b": {}}
-    assert [len(report["rounds_ms"][t]) for t in "ab"] == [2, 2] and report["same_losses"]
-    assert report["a_over_b"] == pytest.approx(report["median_ms"]["a"] / report["median_ms"]["b"])
-    assert "a / b = " in proc.stdout and "the same bits" in proc.stdout
-
-
-def test_step_ab_assignments(monkeypatch):
-    """step_ab's ``--a``/``--b``: family.knob=value pairs as ``tuning``'s arguments; each bad one named."""
-    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])  # as the tests above
-    import step_ab
-    assert step_ab.parse_assignments("quantize.per_tensor_block=8192, grouped_gemm_fp8.wgrad_gluon_blockwise=False") \
-        == {"quantize": {"per_tensor_block": 8192}, "grouped_gemm_fp8": {"wgrad_gluon_blockwise": False}}
-    assert step_ab.parse_assignments("") == {}
-    for bad, match in (("quantize.per_tensor_block", "is not family.knob=value"),
-                       ("per_tensor_block=8192", "is not family.knob=value"),
-                       ("quantize.per_tensor_block=big", "must be a Python literal .* got 'big'"),
-                       ("quantise.per_tensor_block=8192", "no kernel family 'quantise'"),
-                       ("quantize.block=8192", "QuantizeTuning has no knob 'block'")):
-        with pytest.raises(ValueError, match=match):
-            step_ab.parse_assignments(bad, "--a")
-    with pytest.raises(SystemExit):
-        step_ab.parse_args(["--a", "quantize.per_tensor_block=4096", "--b", "quantize.per_tensor_block=4096"])

@@ -25,8 +25,8 @@ default, ``allow_tf32`` off) have no tensor-core instruction, so there the kerne
 cuBLAS. fp32 CUDA tensors therefore take torch's own grouped GEMM (``torch._grouped_mm``, cuBLAS-backed,
 offsets on the device: no host sync), which follows torch's TF32 switch exactly as ``torch.mm`` does; where
 a torch build lacks it for a dtype, the per-expert loop of the reference (one host read of the offsets).
-``qa/bench/dtype_paths.py`` times every dtype's route against the loop of ``torch.mm`` and
-``torch._grouped_mm``; its rows are in ``docs/benchmarks/results.jsonl``.
+Every dtype's route was timed against the loop of ``torch.mm`` and ``torch._grouped_mm`` (rows ``bench:
+dtype_paths`` of ``docs/benchmarks/results.jsonl``).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ the new step's partial, two of the loop's three tiles. The per-tensor scales are
 starts and carried to its epilogue (``_tile_scales``): loaded in the epilogue, their L2 round trip
 stalled the MMA warps between the next tile's step 0 and step 1 (Nsight Compute on an H200: the scale
 multiplies among the MMA warps' most-sampled stalls); carried, per-tensor fprop/dgrad ran 1.015-1.035x
-(one interleaved A/B run, ``qa/bench/gemm_profile.py --fp8-ab``, docs/benchmarks.md).
+(one interleaved A/B run, docs/benchmarks/LOG.md).
 
 [Note: blockwise scales two steps ahead]
 The blockwise promotion multiplies step k's partial by its rows' activation scales and its weight
@@ -76,8 +76,8 @@ bf16) per instruction: 32 store instructions per thread per 128x128 tile, which 
 queue (Nsight Compute: "lg_throttle" among the MMA warps' top stalls in the 2048-deep dgrad). The
 epilogue converts the tile to a layout of 8 consecutive columns per thread (``gl.convert_layout``,
 through shared memory) and stores 16-byte rows: 8 instructions per thread, as the Triton kernels'
-epilogues do. One A/B run on an H200, interleaved in one process (``qa/bench/gemm_profile.py
---fp8-ab``): 1.04-1.20x at the two large MoE shapes, most in the 2048-deep dgrad (per-tensor 1046 vs
+epilogues do. One A/B run on an H200, interleaved in one process (docs/benchmarks/LOG.md):
+1.04-1.20x at the two large MoE shapes, most in the 2048-deep dgrad (per-tensor 1046 vs
 871 TFLOP/s). The staging buffer (32 KB in bf16) fits beside the four 32 KB stages.
 
 Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU

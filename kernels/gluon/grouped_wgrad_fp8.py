@@ -96,7 +96,7 @@ quads made the sm_90a build spill, so those keep the columns' own order. Measure
 
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
-(``grouped_wgrad_fp8_launch.launch(..., trace=)``, ``qa/bench/fp8_wgrad_trace.py``) has the MMA
+(``grouped_wgrad_fp8_launch.launch(..., trace=)``) has the MMA
 warps read the SM's cycle counter at four points of each tile with tokens: the loop's top, the first
 chunk's MMAs issued (``_begin``: the wait for its stage, the edge zeroing), the previous tile handed off
 or written (``_flush``), and the last chunk done (``_accumulate``), and store them with the tile's chunk

@@ -5,7 +5,7 @@ with a register layout chosen by hand, so that x^T leaves without a trip through
 The Triton kernel holds a 128x128 tile of x in the layout its loads want (8 contiguous columns per
 thread) and lets the compiler transpose the fp8 bytes of x^T through shared memory before the store:
 64 single-byte shared loads per thread and ~24 SASS instructions per element, against ~8.5 for the
-rows-only kernel (``qa/bench/quantize_sass.py``). Here every thread holds a 4x8 block (4 consecutive
+rows-only kernel (sm_90a SASS; docs/benchmarks/LOG.md). Here every thread holds a 4x8 block (4 consecutive
 rows, 8 consecutive columns; ``BlockedLayout([1, 4, 8], ...)`` over the tile viewed as [32, 4, 128]):
 - x is loaded as 16-byte row pieces and x's quantized rows leave as 8-byte pieces, as before;
 - for x^T, the 4 bytes of one column in a thread's 4 rows are consecutive in x^T's row, so they are

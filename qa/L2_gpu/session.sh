@@ -19,12 +19,6 @@
 #   with half_tail flipped, three interleaved rounds),
 #   gemm_fp8_gluon (FP8 fprop/dgrad: the Gluon kernel beside the Triton kernel),
 #   gemm_fp8_wgrad (per-tensor FP8 wgrad: the Gluon kernel's launch choices beside the Triton kernel),
-#   wgrad_trace (qa/bench/fp8_wgrad_trace.py: the Gluon FP8 wgrad's tile phases, with and without the
-#   epilogue partition, each also dry and dry without the edge zeroing),
-#   gemm_profile (qa/bench/gemm_profile.py: bf16 Triton / grouped_mm / dense side by side),
-#   ncu (Nsight Compute reports of NCU_TARGETS, names of qa/bench/gemm_profile.py --ncu targets, each
-#   summarised by qa/bench/ncu_hotspots.py: stall reasons and the SASS lines with the most stall samples;
-#   NCU_KERNELS, ncu's -k filter, default the grouped GEMMs' kernels: regex:ragged|wgrad_kernel).
 #   GEMM_SWEEP_ARGS (e.g. "--gemm-recipes per_tensor --gemm-ops fprop") narrows gemm_fp8_sweep.
 #   cpu_full (the CPU suite with --full: every case of the sweeps that CI samples; many cores help).
 # The tests step runs with --full (tests/conftest.py). The benchmarks append their rows to
@@ -85,8 +79,6 @@ for step in $STEPS; do
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
     gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad \
                       wgrad_accumulate --gemm-recipes per_tensor --gluon-wgrad --json "$OUT_DIR/gemm_fp8_wgrad.json" ;;
-    wgrad_trace) run wgrad_trace python3 qa/bench/fp8_wgrad_trace.py --epilogue-warps 0 2 --dry --unzeroed \
-                   --json "$OUT_DIR/fp8_wgrad_trace.json" ;;
     gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
     gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
                       ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
@@ -102,14 +94,6 @@ for step in $STEPS; do
                         --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
     bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
-    gemm_profile) run gemm_profile python3 qa/bench/gemm_profile.py --json "$OUT_DIR/gemm_profile.json" ;;
-    ncu)  # Nsight Compute: one report per target (NCU_TARGETS), summarised; the reports come back too
-      export PATH="$PATH:/usr/local/cuda/bin"
-      for t in ${NCU_TARGETS:-fp8_blockwise_fprop_e8 fp8_per_tensor_dgrad_e64 bf16_fprop_e8_triton}; do
-        run "ncu_$t" ncu --profile-from-start off --clock-control none --set full --import-source no \
-          -k "${NCU_KERNELS:-regex:ragged|wgrad_kernel}" -o "$OUT_DIR/$t" python3 qa/bench/gemm_profile.py --ncu --targets "$t"
-        python3 qa/bench/ncu_hotspots.py "$OUT_DIR/$t.ncu-rep" --top 30 >"$OUT_DIR/$t.txt" 2>&1
-      done ;;
     fp8_audit)  # every FP8 GEMM/quantization of the job vs emulation, then one bisect run per variant
       for v in "" "--first-picks" "--emulate-gemm wgrad" "--emulate-gemm dgrad" "--emulate-gemm fprop"; do
         run "fp8_audit${v:+ $v}" python3 qa/L2_gpu/fp8_kernel_audit.py --recipe fp8_blockwise --steps 8 $v \

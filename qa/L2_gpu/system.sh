@@ -11,8 +11,6 @@
 #   STEPS="graph_tests job_graph bench_graph layer_graph" bash qa/L2_gpu/system.sh   # the graphed step
 #   STEPS="fp8_tests bench_fp8" bash qa/L2_gpu/system.sh   # FP8: tests, then each precision's eager step in
 #                                             # a process of its own (FP8_MODES=compiled: the compiled ones)
-#   STEPS=host_fp8 bash qa/L2_gpu/system.sh   # (not in the default) where the FP8 step's host time goes
-#                                             # (qa/bench/host_sample.py; needs py-spy, e.g. carried in .whl/)
 #   STEPS=curves CURVE_SEEDS="0 1" CURVE_STEPS=200 bash qa/L2_gpu/system.sh   # (not in the default) the FP8
 #       loss bound's four runs a seed at the large preset, then qa/bench/loss_curves.py; each run's report
 #       lands in $OUT_DIR/curves/s<seed>_<precision>_<recipe>.json (CURVE_RUNS picks some of the four, for
@@ -44,7 +42,7 @@ OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_system}}
 mkdir -p "$OUT_DIR"
 case $OUT_DIR in /*) OUT_ABS=$OUT_DIR ;; *) OUT_ABS=$PWD/$OUT_DIR ;; esac
 export DISTWGRAD_RESULTS=${DISTWGRAD_RESULTS:-$OUT_ABS/results.jsonl}
-STEPS=${STEPS:-"job_bf16 job_fp8 tests fp8_tests dtype_paths bench_bf16 bench_fp8 layer graph_tests job_graph job_compile bench_graph layer_graph"}
+STEPS=${STEPS:-"job_bf16 job_fp8 tests fp8_tests bench_bf16 bench_fp8 layer graph_tests job_graph job_compile bench_graph layer_graph"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
 if ! python3 -c "import distwgrad.kernels" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/install.log" 2>&1
@@ -72,7 +70,6 @@ for step in $STEPS; do
     tests) run tests python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/test_kernel_threads.py \
              tests/test_cuda_graphs.py tests/test_gpu_modules.py tests/test_mixed_precision.py \
              tests/test_gradient_memory.py tests/test_layernorm_mlp.py tests/test_grouped_gemm_routes.py} ;;
-    dtype_paths) run dtype_paths python3 qa/bench/dtype_paths.py ;;
     # 6 rounds: with 2 or 3 builds each is timed in each place of a round equally often (train_step.py,
     # [Note: each build in each place of a round])
     bench_bf16) STEP_TIMEOUT=${BENCH_TIMEOUT:-480} run bench_bf16 torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large \
@@ -97,9 +94,6 @@ for step in $STEPS; do
       run fp8_wgrad_layer python3 qa/bench/layer_step.py ;;
     fp8_tests) run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu ${FP8_TESTS:-tests/test_weights_fp8.py \
                  tests/test_fp8_gemm_dispatch.py tests/test_token_layout.py tests/test_cast_transpose.py tests/test_fp8_capture.py} ;;
-    host_fp8) run host_fp8 python3 qa/bench/host_sample.py --model large --batch 8 --microbatches 1 \
-                --precisions ${HOST_PRECISIONS:-fp8_per_tensor} --modes eager --warmup 3 --seconds 15 \
-                --stacks "$OUT_ABS/host_stacks.txt" ;;
     curves)  # docs/fp8.md "Loss curves"; the runs' folders stay out of OUT_DIR, only their reports come back
       mkdir -p "$OUT_ABS/curves"
       for seed in ${CURVE_SEEDS:-0}; do

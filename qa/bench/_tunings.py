@@ -1,5 +1,5 @@
 """Kernel tunings on the command line: ``family.knob=value,...`` as ``distwgrad.kernels.tuning``'s arguments
-(``step_ab.py --a/--b``, ``layer_step.py --tunings``)."""
+(``layer_step.py --tunings``)."""
 
 from __future__ import annotations
 

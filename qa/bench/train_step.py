@@ -9,7 +9,6 @@
     # torch compiled, then graphed): the bf16 table
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --microbatches 1 \
         --precisions bf16 --modes eager,compiled,compiled_cuda_graph
-    # where a host-bound step's host time goes: qa/bench/host_sample.py (py-spy, outside the process)
     # 8 GPUs over NCCL: the same command with --nproc-per-node 8
     # one H200: eager against each build's blocks replayed from CUDA graphs
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --modes eager --cuda-graph
