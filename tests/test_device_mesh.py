@@ -41,6 +41,7 @@ from distwgrad.checkpoint import full_tensor, load_checkpoint, save_checkpoint
 from distwgrad.fp8 import PerTensorScaling, fp8_autocast
 from distwgrad.fp8.weights import materialize_quantized, quantize_weight
 from distwgrad.nn import Embedding, GroupedLinear, Linear
+from distwgrad.testing import sweep
 from distwgrad.testing.multiprocess import for_each_case, run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -223,6 +224,7 @@ def _parity_cases():
                 continue
             cases.append({**base, "model": "linear", "dtype": dtype, "tied": tied, "delay": delay, "async": asy,
                           "mbs": mbs, "policy": policy})
+    cases = sweep.sample(cases, 16)  # of the linear model's 36 (all with --full)
     for packed, tied, dtype in itertools.product([False, True], [False, True], [F32, BF16]):
         policy = "per_step" if packed and not tied else "per_microbatch"
         cases.append({**base, "model": "grouped", "packed": packed, "tied": tied, "dtype": dtype, "mbs": 2,
@@ -455,7 +457,7 @@ def four_ranks(tmp_path_factory):
 
 def test_two_by_two_mesh_matches_the_oracle(four_ranks):
     cases, results, _ = four_ranks
-    assert len(cases) > 40 and all(r[:-1] == [True] * (len(cases) - 1) for r in results)
+    assert len(cases) >= 28 and all(r[:-1] == [True] * (len(cases) - 1) for r in results)
 
 
 def test_checkpoint_reshards_from_a_two_by_two_mesh(four_ranks):
