@@ -49,9 +49,9 @@ def _check_cases(device: str) -> None:
     from distwgrad.ops.grouped_gemm_fp8 import align_token_groups
     gen = torch.Generator().manual_seed(0)
     dtypes = [torch.float8_e4m3fn, torch.float8_e5m2]
-    # every case's random bf16 input (three alignments); of the other inputs a fixed sample of 8 in CI,
+    # every case's random bf16 input (three alignments); of the other inputs a fixed sample of 4 in CI,
     # all with --full
-    others = set(sweep.sample([(i, j) for i in range(len(CASES)) for j in range(1, 5)], 8))
+    others = set(sweep.sample([(i, j) for i in range(len(CASES)) for j in range(1, 5)], 4))
     for i, (T, R, offs) in enumerate(CASES):
         for j, (x, margin) in enumerate(_inputs(T, R, gen)):
             if j and (i, j) not in others:

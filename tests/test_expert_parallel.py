@@ -25,6 +25,7 @@ In bf16 both sides round each GEMM's output to bf16 (2^-9 relative) at different
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -223,6 +224,13 @@ def _refusals(rank: int, world: int) -> None:
         ep.dispatch(torch.zeros(3, 2), torch.ones(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"4 rows, got shape \(2, 3\)"):
         ep.local_slice(torch.zeros(2, 3))
+    pair = dist.new_group([0, 1])  # held weakly ([Note: groups held weakly]): gone with its destruction
+    orphan = ExpertParallel(4, pair)
+    dist.destroy_process_group(pair)
+    del pair
+    gc.collect()
+    with pytest.raises(RuntimeError, match="ExpertParallel: its ep group was destroyed"):
+        orphan.dispatch(torch.zeros(4, 2), torch.ones(4, dtype=torch.int64))
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "dp"))
     with pytest.raises(ValueError, match="ep_mesh must be a DeviceMesh with dims"):
         MoEGPT(MoEGPTConfig(**TINY), ep_mesh=mesh, sharded=False)

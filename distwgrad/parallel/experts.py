@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,7 @@ class ExpertParallel:
             raise ValueError(f"ExpertParallel: n_experts must be a positive int, got {n_experts!r}")
         if group is None:
             raise ValueError("ExpertParallel: group is None; pass the ep group (mesh.get_group('ep'))")
-        self.group = group
+        self._group_ref = weakref.ref(group)  # held weakly, as a weight's ([Note: groups held weakly])
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if n_experts % self.size:
             raise ValueError(f"ExpertParallel: n_experts={n_experts} does not divide over ep={self.size} ranks")
@@ -83,6 +84,15 @@ class ExpertParallel:
         time on CUDA (events, read here: a synchronization), each backward exchange after its overlapped
         work ([Note: the dispatch's backward hides behind the experts' wgrads])."""
         return self._timer.total()
+
+    @property
+    def group(self) -> Any:
+        """The ep group."""
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError("ExpertParallel: its ep group was destroyed (destroy_process_group()); the layer "
+                               "cannot exchange tokens any more")
+        return group
 
     @property
     def first_expert(self) -> int:
