@@ -5,11 +5,11 @@
 # qa/L1_distributed run either suite alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# One worker more than cores: many tests spend seconds waiting (ranks starting, a job's timeout, a stopped
-# rank), and a third worker fills that time (fresh-clone CI on 2 cores: pytest 657 s with 2 workers, 620 s with
-# 3; docs/benchmarks/LOG.md, 2026-12-05).
+# Two workers more than cores: many tests spend seconds waiting (ranks starting, a job's timeout, a stopped
+# rank), and the extra workers fill that time (2 cores: 657 s with 2 workers, 620-635 s with 3, 618 s with 4;
+# docs/benchmarks/LOG.md, 2026-12-05).
 # One intra-op thread per process: the workers already fill the cores, and the tests' ranks, interpreter
 # cases and subprocesses would otherwise each start as many OpenMP threads as there are cores (which spin
 # while they wait) on top of them. The ranks set it themselves (distwgrad/testing/multiprocess.py).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-bash qa/_pytest.sh tests -m "not gpu" -n "${PYTEST_WORKERS:-$(( $(nproc) + 1 ))}" --dist worksteal -q "$@"
+bash qa/_pytest.sh tests -m "not gpu" -n "${PYTEST_WORKERS:-$(( $(nproc) + 2 ))}" --dist worksteal -q "$@"

@@ -3,9 +3,10 @@
 ``_no_pipelining`` is megatron-core 0.16's ``forward_backward_no_pipelining`` body (microbatches 0..M-2
 under ``config.no_sync_func()``, the last outside, then ``config.finalize_model_grads_func([model],
 num_tokens, pg_collection=...)``). It runs the case grid bit-exact (plain parameters on one process,
-sharded weights on two gloo ranks: a fixed sample of the grid in CI, all of it with ``--full``), random data within the reassociation bound, and reduce policies
-flipped at random points of a step; ``test_real_megatron_schedule_cpu`` runs megatron-core's own function
-when it is importable. The model, data, oracle and tolerances are ``megatron_cases.py``'s.
+sharded weights on two gloo ranks: a fixed sample of the grid in CI, all of it with ``--full``), random
+data within the reassociation bound, and reduce policies flipped at random points of a step;
+``test_real_megatron_schedule_cpu`` runs megatron-core's own function when it is importable. The model,
+data, oracle and tolerances are ``megatron_cases.py``'s.
 """
 
 from __future__ import annotations
