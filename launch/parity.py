@@ -41,12 +41,12 @@ log = logging.getLogger("distwgrad.train")
 PARITY_LOSS_ATOL = 1e-5  # ~40 fp32 ulps at a loss of 4
 PARITY_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref|, per weight
 PARITY_WEIGHT_RTOL = 1e-6  # max |w - w_ref| / max |w_ref| after the optimizer step, per weight
-# bf16 (--precision bf16): both sides compute in bf16 on fp32 masters, the reference casting its fp32
-# parameters at each use ([Note: mixed precision] in distwgrad/models/moe_gpt.py). Measured on CPU (30 steps;
-# 2 ranks, default sizes / 3 ranks, the tests' sizes): loss 2.4e-7 / 4.8e-7 (the same bf16 GEMMs on the same
-# chunks give the same logits); gradient 5.1e-3 / 4.2e-2: the reference rounds each chunk's wgrad to bf16
-# (unit roundoff 2**-9 = 2e-3 of the chunk's gradient, which cancellation between chunks can make large
-# against the summed one) before adding it to the fp32 .grad, where distwgrad accumulates in fp32; weights 0.
+# bf16 (--precision bf16): both sides compute in bf16 on fp32 masters, the reference casting its fp32 parameters at
+# each use ([Note: the model's mixed precision] in distwgrad/models/moe_gpt.py). Measured on CPU (30 steps; 2 ranks,
+# default sizes / 3 ranks, the tests' sizes): loss 2.4e-7 / 4.8e-7 (the same bf16 GEMMs on the same chunks give the
+# same logits); gradient 5.1e-3 / 4.2e-2: the reference rounds each chunk's wgrad to bf16 (unit roundoff 2**-9 = 2e-3
+# of the chunk's gradient, which cancellation between chunks can make large against the summed one) before adding it
+# to the fp32 .grad, where distwgrad accumulates in fp32; weights 0.
 PARITY_BF16 = {
     "loss_abs": 1e-3,  # room for GPU GEMMs whose bf16 logits differ by an ulp; a bug moves the loss by 1e-2+
     "grad_rel": 1e-1,  # 2.4x the worst measured; the bugs above give 1.0 and 1.1

@@ -15,7 +15,7 @@ sides, and the plain-torch peer of benchmarks. Both are built from the same full
 (:func:`init_full_weights`, seeded, identical on every rank), so a model is a pure function of its config
 whatever the world size.
 
-[Note: mixed precision]
+[Note: the model's mixed precision]
 ``param_dtype`` (e.g. ``torch.bfloat16``) keeps every weight's master in fp32 and computes in
 ``param_dtype``. Sharded, each ``ShardedWeight`` holds its fp32 shard and gathers in ``param_dtype``;
 the modules take and return ``param_dtype``. The oracle keeps fp32 ``nn.Parameter``s and casts them with
@@ -156,7 +156,7 @@ def _rotate(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) ->
 # --- the oracle's leaves (sharded=False): plain torch, no distwgrad code -------------------------------
 
 class _TorchLeaf(nn.Module):
-    """A plain parameter, cast to ``param_dtype`` inside autograd at each use ([Note: mixed precision])."""
+    """A plain parameter, cast to ``param_dtype`` inside autograd at each use ([Note: the model's mixed precision])."""
 
     def __init__(self, weight: torch.Tensor, param_dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -237,7 +237,7 @@ class CausalSelfAttention(nn.Module):
         B, S, D = x_BSD.shape
         q, k, v = (t.view(B, S, self.n_heads, D // self.n_heads).transpose(1, 2)
                    for t in self.qkv(x_BSD).split(D, dim=-1))
-        # fp32 tables, cast to the activations' dtype ([Note: mixed precision])
+        # fp32 tables, cast to the activations' dtype ([Note: the model's mixed precision])
         cos, sin = (self.get_buffer(n)[:S].to(q.dtype) for n in ("cos", "sin"))
         y_BHSd = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
         return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))

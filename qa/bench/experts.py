@@ -19,7 +19,7 @@ absolute.
 the rows a rank receives when routing is uniform (its ``tokens x top_k`` assignments, spread over its local
 experts): fc1, GELU and fc2 forward, the input gradients, the deferred wgrads, each timed apart. With the
 ``--nvlink-gbps`` bandwidth it prints the model of one layer's step at ``ep x dp = --world`` GPUs
-(docs/experts.md, "The multi-GPU step").
+(docs/experts.md, "Measured").
 
 Rows: ``bench`` "experts"; CPU: ``impl`` "distwgrad ep=N" / "distwgrad ep=N no-overlap" / "fsdp2", metrics
 ``step_ratio`` (to ep 1), ``bytes_per_step``, ``hidden_fraction``; GPU: ``impl`` "distwgrad", case
@@ -229,8 +229,8 @@ def compute(args) -> None:
 
 
 def _model(args, table, A: int, D: int, Fd: int, E: int) -> None:
-    """One MoE layer's step on ``--world`` GPUs at ``ep x dp`` ([Note: the multi-GPU step] in docs/experts.md):
-    compute measured above; communication at ``--nvlink-gbps`` each way per GPU."""
+    """One MoE layer's step on ``--world`` GPUs at ``ep x dp`` (docs/experts.md, "Measured"): compute measured
+    above; communication at ``--nvlink-gbps`` each way per GPU."""
     bw = args.nvlink_gbps * 1e9
     print(f"\nmodel, {args.world} GPUs, {args.nvlink_gbps:.0f} GB/s a GPU each way; ms per layer a step")
     print(f"{'ep':>3} {'dp':>3} {'experts':>8} {'gather+RS':>10} {'a2a':>7} {'a2a hidden':>10} {'exposed':>8} "
