@@ -53,7 +53,7 @@ STEPS = 3
 LR = 0.05
 _RTOL = 1e-4
 _STEP_ATOL = 1e-4
-_COUNTS = {2: (10, 120), 3: (6, 80)}  # examples per world size: (CI, --full)
+_COUNTS = {2: (8, 120), 3: (5, 80)}  # examples per world size: (CI, --full)
 _OPTIMIZERS = {
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
     "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=True),
