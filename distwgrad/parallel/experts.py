@@ -36,6 +36,7 @@ gives the fraction hidden (``qa/bench/experts.py``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import weakref
@@ -182,11 +183,15 @@ class _Exchange(torch.autograd.Function):
 
 class _Timer:
     """Sums the time spent inside ``with timer.on(device):`` blocks: ``perf_counter`` on CPU; on CUDA a pair
-    of events on the current stream per block, resolved (one synchronization) when ``total()`` reads them."""
+    of events on the current stream per block, resolved (one synchronization) when ``total()`` reads them,
+    and, without waiting, whenever more than ``_PENDING`` pairs are held (those already completed), so a long
+    run holds a bounded number."""
+
+    _PENDING = 256
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
 
     @contextlib.contextmanager
     def on(self, device: torch.device) -> Iterator[None]:
@@ -196,6 +201,9 @@ class _Timer:
             yield
             end.record()
             self._events.append((start, end))
+            while len(self._events) > self._PENDING and self._events[0][1].query():
+                a, b = self._events.popleft()
+                self.seconds += a.elapsed_time(b) / 1e3
         else:
             t0 = time.perf_counter()
             yield
