@@ -52,8 +52,8 @@ def load_model(folder: str, device: str = "cpu") -> tuple[torch.nn.Module, dict]
     if meta.get("format") != FORMAT:
         raise ValueError(f"{folder!r}: meta.json has format {meta.get('format')!r}, expected {FORMAT!r}")
     config = _read(folder, "config.json")
-    model = MoEGPT(MoEGPTConfig(**{k: config[k] for k in MoEGPTConfig.__dataclass_fields__}), sharded=False,
-                   device=device)
+    fields = {k: config[k] for k in MoEGPTConfig.__dataclass_fields__ if k in config}  # an older export: defaults
+    model = MoEGPT(MoEGPTConfig(**fields), sharded=False, device=device)
     files = [WEIGHTS] if os.path.isfile(os.path.join(folder, WEIGHTS)) else \
         sorted(set(_read(folder, INDEX)["weight_map"].values()))
     weights: dict[str, torch.Tensor] = {}

@@ -287,7 +287,7 @@ def _log_step(config: TrainConfig, rt: _Runtime, progress: _Progress, step: int,
 
 
 def _model_meta(config: TrainConfig) -> dict[str, Any]:
-    return {"model_config": dict(config.model_config().__dict__)}
+    return {"model_config": config.model_config().architecture()}
 
 
 def _save(config: TrainConfig, rt: _Runtime, step: int, model, optimizer, corpus) -> str:
@@ -309,7 +309,7 @@ def _report(config: TrainConfig, rt: _Runtime, progress: _Progress, parity: dict
     rates = hist["tokens_per_s"][1:] or hist["tokens_per_s"]  # the first step pays warm-up
     wall = time.perf_counter() - rt.started
     mc = config.model_config()
-    earlier = _out.earlier_history(config.out, start, dict(mc.__dict__)) if config.resume else {}
+    earlier = _out.earlier_history(config.out, start, mc.architecture()) if config.resume else {}
     ours = dict(zip(_out.PER_STEP, (hist[k] for k in ("steps", "loss", "step_time_s", "tokens_per_s",
                                                        "bytes_all_gathered", "bytes_reduce_scattered"))))
     segment = {"first_step": start + 1, "last_step": last, "world_size": rt.world_size,

@@ -95,3 +95,21 @@ def test_its_gradient_spreads_the_routing():
         last = step()
     assert first[1] > 0.95 and last[1] < 0.6, (first, last)
     assert last[0] < first[0] - 1, (first, last)
+
+
+def test_checkpoints_do_not_pin_the_coefficient(tmp_path):
+    """The coefficient is a training choice, not part of the model: ``MoEGPTConfig.architecture()`` (what the
+    job's checkpoints record and a resume must match) leaves it out, so a run saved without the loss resumes
+    with it, and the weights load bit for bit."""
+    from distwgrad.checkpoint import load_checkpoint, save_checkpoint
+
+    saved, resumed = MoEGPTConfig(**TINY), MoEGPTConfig(**TINY, aux_loss_coef=0.01)
+    assert "aux_loss_coef" not in saved.architecture() and saved.architecture() == resumed.architecture()
+    model = MoEGPT(saved)
+    path = save_checkpoint(str(tmp_path), 1, model, meta={"model_config": saved.architecture()})
+    other = MoEGPT(resumed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    assert load_checkpoint(path, other, expect={"model_config": resumed.architecture()}) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))

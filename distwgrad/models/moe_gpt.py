@@ -98,6 +98,11 @@ class MoEGPTConfig:
         if not (isinstance(self.aux_loss_coef, (int, float)) and 0 <= self.aux_loss_coef < math.inf):
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef!r}")
 
+    def architecture(self) -> dict[str, Any]:
+        """The fields that make the model (every one but the training-only ``aux_loss_coef``): what a checkpoint
+        must match to load, so a run may resume with another load-balancing weight."""
+        return {k: v for k, v in self.__dict__.items() if k != "aux_loss_coef"}
+
     def num_params(self) -> int:
         """Parameters, the tied embedding counted once."""
         D, F_, E = self.d_model, self.d_ff, self.n_experts
