@@ -225,9 +225,11 @@ def _refusals(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"4 rows, got shape \(2, 3\)"):
         ep.local_slice(torch.zeros(2, 3))
     pair = dist.new_group([0, 1])  # held weakly ([Note: groups held weakly]): gone with its destruction
+    dist.barrier(group=pair)  # both ends connected before either destroys it
     orphan = ExpertParallel(4, pair)
     dist.destroy_process_group(pair)
     del pair
+    dist.barrier()
     gc.collect()
     with pytest.raises(RuntimeError, match="ExpertParallel: its ep group was destroyed"):
         orphan.dispatch(torch.zeros(4, 2), torch.ones(4, dtype=torch.int64))

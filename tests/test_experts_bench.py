@@ -27,7 +27,7 @@ def _run(args: list[str], tmp_path, nproc: int | None = None) -> list[dict]:
 @pytest.mark.distributed
 @pytest.mark.timeout(320)
 def test_cpu_ranks(tmp_path):
-    rows = _run(["--model", "tiny", "--warmup", "0", "--steps", "2"], tmp_path, nproc=2)
+    rows = _run(["--model", "tiny", "--warmup", "0", "--steps", "1"], tmp_path, nproc=2)
     got = {(r["impl"], r["metric"]): r["value"] for r in rows}
     builds = ("distwgrad ep=1", "distwgrad ep=2", "distwgrad ep=2 no-overlap", "fsdp2")
     assert {i for i, _ in got} == set(builds), sorted(got)
