@@ -8,7 +8,6 @@ run changed. The in-process cases call the CLIs' ``main`` (a group of one), the 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -89,7 +88,7 @@ def test_text_to_samples(tmp_path, capsys):
     trained = MoEGPT(BYTE_CONFIG)
     with torch.random.fork_rng():
         load_checkpoint(str(out / "checkpoints" / "step_8"), trained,
-                        expect={"model_config": dataclasses.asdict(BYTE_CONFIG)})
+                        expect={"model_config": BYTE_CONFIG.architecture()})
     ids = torch.tensor([list(b"It was the best of times")])
     with torch.no_grad():
         torch.testing.assert_close(plain(ids), trained(ids), rtol=1e-5, atol=1e-5)

@@ -149,7 +149,7 @@ def test_checkpoint_holds_the_tied_weight_once_and_loads_in_process(base_run):
     opt = torch.optim.AdamW(model.parameters())
     before = model.embedding.weight.detach().clone()
     with torch.random.fork_rng():
-        step = load_checkpoint(path, model, opt, expect={"model_config": dataclasses.asdict(CONFIG)})
+        step = load_checkpoint(path, model, opt, expect={"model_config": CONFIG.architecture()})
     assert step == 30
     assert model.lm_head.weight is model.embedding.weight  # still one object
     assert not torch.equal(model.embedding.weight.detach(), before)
@@ -161,11 +161,11 @@ def test_bad_checkpoints_give_clear_errors(base_run, tmp_path):
     out, _ = base_run
     src = os.path.join(out, "checkpoints", "step_20")
     model = MoEGPT(CONFIG, sharded=False)
-    expect = {"model_config": dataclasses.asdict(CONFIG)}
+    expect = {"model_config": CONFIG.architecture()}
     # Another model: the config fields that differ are named.
     other = dataclasses.replace(CONFIG, d_model=16)
     with pytest.raises(CheckpointError, match=r"another model: model_config: .*'d_model': \(32, 16\)"):
-        load_checkpoint(src, MoEGPT(other, sharded=False), expect={"model_config": dataclasses.asdict(other)})
+        load_checkpoint(src, MoEGPT(other, sharded=False), expect={"model_config": other.architecture()})
     # Partial: DCP's metadata missing, or a data file truncated.
     for name, damage in ((".metadata", os.remove), ("__1_0.distcp", lambda p: os.truncate(p, 10))):
         broken = str(tmp_path / f"broken{name}")
