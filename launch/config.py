@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -283,11 +284,19 @@ def _is_int(v: Any) -> bool:
 
 class Parser(argparse.ArgumentParser):
     """argparse, but an error is one line (no usage block) and only rank 0 of a torchrun job prints it; every
-    command of ``distwgrad.launch`` parses with it."""
+    command of ``distwgrad.launch`` parses with it.
+
+    The other ranks wait ``OTHER_RANKS_EXIT_S`` before they exit: torchrun stops every rank once one exits
+    with an error, and a rank that got there first would have rank 0 killed before its line was written
+    (seen on a loaded 2-core machine, where ranks start seconds apart)."""
+
+    OTHER_RANKS_EXIT_S = 5.0
 
     def error(self, message: str) -> NoReturn:
         if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        else:
+            time.sleep(self.OTHER_RANKS_EXIT_S)
         sys.exit(2)
 
 
