@@ -68,7 +68,7 @@ from distwgrad.fp8.recipe import Recipe, fp8_autocast
 from distwgrad.protocol import is_distributed_weight
 from distwgrad.weights.base import DistributedParameter, main_grad_of
 from distwgrad.weights.capture import CapturedWeights, CaptureLedger
-from distwgrad.wgrad.accumulate import graph_owned_gradients
+from distwgrad.wgrad.accumulate import graph_owned_gradients, hands_fused_dummy
 from distwgrad.wgrad.store import DeferredWgradError
 
 __all__ = ["make_graphed_callables"]
@@ -198,9 +198,10 @@ class _MainGrads:
                     f"0x{captured.data_ptr():x}; now: {got}); the graph accumulates into the captured address. "
                     f"Zero main_grad in place (main_grad.zero_()) or graph again. [Note: graphed deferred wgrads]")
 
-    def mark_added(self) -> None:
+    def mark_added(self) -> None:  # [Note: the fused .grad contract]
         for _, p, _, _ in self.entries:
-            p.grad_added_to_main_grad = True
+            if hands_fused_dummy(p):
+                p.grad_added_to_main_grad = True
 
 
 class _DwItem:

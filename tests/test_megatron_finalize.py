@@ -83,14 +83,18 @@ class _ForeignFused(nn.Module):
         self.weight = weight
 
 
-def test_tied_fused_and_unfused_users_keep_both_contributions():
+@pytest.mark.parametrize("megatron", [False, True])
+def test_tied_fused_and_unfused_users_keep_both_contributions(megatron):
     g = torch.Generator().manual_seed(2)
     w_full, x = _values((H, H), g, True), _values((4, H), g, True, 1.0, -1, 2)
     w = nn.Parameter(w_full.clone())
+    if megatron:  # the flag Megatron's DDP puts on its parameters: [Note: the fused .grad contract]
+        w.grad_added_to_main_grad = False
     model = nn.Sequential(Linear(H, H, bias=False, weight=w, fuse_wgrad_accumulation=True),
                           Linear(H, H, bias=False, weight=w))
     model(x).sum().backward()
-    assert w.grad_added_to_main_grad and not getattr(w, "zero_out_wgrad", False)
+    assert getattr(w, "grad_added_to_main_grad", None) is (True if megatron else None)
+    assert not getattr(w, "zero_out_wgrad", False)
     dw_megatron.finalize_model_grads([model])
     ref = nn.Sequential(nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False))
     ref[0].weight = ref[1].weight = nn.Parameter(w_full.clone())

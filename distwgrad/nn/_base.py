@@ -118,6 +118,10 @@ class WgradModule(nn.Module):
             break
         return module
 
+    def _weights(self) -> list[torch.Tensor]:
+        """The weights ``fuse_wgrad_accumulation`` fuses into ``main_grad`` (never a bias or a norm's)."""
+        return []
+
     # The parameters whose gradients ``backward_dw()`` delivers; None: all of them. A LayerNorm's
     # parameters get their gradients from the main backward, so they keep DDP's post-backward hook.
     deferred_param_names: tuple[str, ...] | None = None

@@ -68,7 +68,7 @@ from collections.abc import Sequence
 import torch
 
 from distwgrad.protocol import is_distributed_weight
-from distwgrad.wgrad.accumulate import add_to_grad
+from distwgrad.wgrad.accumulate import add_to_grad, hands_fused_dummy
 
 __all__ = ["OpContext", "register_module", "compiled_forward"]
 
@@ -321,15 +321,24 @@ def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | 
     """What dynamo traces of a module's forward: one ``distwgrad::module_forward`` call.
 
     ``hands[i]``: whether ``params[i]``'s gradient goes back to autograd from the main backward (a plain
-    parameter whose wgrad is not deferred; fused ``main_grad`` hands zeros), fixed at trace time from
-    what dynamo guards on (grad mode, ``requires_grad``, ``delay_wgrad_compute``). A distributed weight
+    parameter whose wgrad is not deferred; a weight fused into ``main_grad`` where it carries
+    ``grad_added_to_main_grad``: [Note: the fused .grad contract]), fixed at trace time from what dynamo
+    guards on (grad mode, ``requires_grad``, ``delay_wgrad_compute``, the attribute). A distributed weight
     delivers itself, and a deferred wgrad waits for ``backward_dw()``.
     """
     _lowering_registered()  # [Note: op inputs that outlive the op]
     present = [p for p in params if p is not None]
     grad_on = torch.is_grad_enabled()
-    hands = [grad_on and p.requires_grad and not module.delay_wgrad_compute and not is_distributed_weight(p)
-             for p in present]
+    fused = module._weights() if module.fuse_wgrad_accumulation else []
+
+    def hand(p: torch.Tensor) -> bool:
+        if not (grad_on and p.requires_grad) or is_distributed_weight(p):
+            return False
+        if any(p is w for w in fused):
+            return hands_fused_dummy(p)
+        return not module.delay_wgrad_compute
+
+    hands = [hand(p) for p in present]
     y, _ = torch.ops.distwgrad.module_forward(inp, present, list(aux), list(ints), module._op_handle, grad_on,
                                               hands, out_cols)
     return y

@@ -33,7 +33,7 @@ from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.weights._accounting import Uses
 from distwgrad.weights.lifecycle import write_token
-from distwgrad.wgrad.accumulate import run_wgrad
+from distwgrad.wgrad.accumulate import deferred_main_grads, run_wgrad
 from distwgrad.wgrad.store import WeightGradStore
 
 __all__ = ["GroupedLinear"]
@@ -199,7 +199,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if call.delay:
             call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True,
                                                   dy_qt=dy_qt, x_qt=x_qt, wgrad_offs=wgrad_offs))
-            return (dx_TK, None, None, *nones)
+            gws = deferred_main_grads(weights, fuse=call.fuse, on=call.weight_grad)
+            return (dx_TK, None, None, *gws, *[None] * len(biases))
         gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False, dy_qt=dy_qt,
                                   x_qt=x_qt, wgrad_offs=wgrad_offs)
         return (dx_TK, None, None, *gws, *gbs)

@@ -39,6 +39,7 @@ from distwgrad.nn._norm import apply_norm, init_norm
 from distwgrad.nn.linear import _Call, _dgrad, _fprop_fp8, _linear_wgrad, _materialize_bias
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.protocol import materialize_weight_for_forward
+from distwgrad.wgrad.accumulate import deferred_main_grads
 from distwgrad.wgrad.store import WeightGradStore
 
 __all__ = ["LayerNormMLP"]
@@ -128,7 +129,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             return dln_TH, None, None, None, None, None
         if call.delay:
             call.store.put(lambda: wgrads(True))
-            return dln_TH, None, None, None, None, None
+            (gw1,) = deferred_main_grads([w1], fuse=call.fc1.fuse, on=call.fc1.weight_grad)
+            (gw2,) = deferred_main_grads([w2], fuse=call.fc2.fuse, on=call.fc2.weight_grad)
+            return dln_TH, gw1, None, gw2, None, None
         (gw1, gb1), (gw2, gb2) = wgrads(False)
         return dln_TH, gw1, gb1, gw2, gb2, None
 
@@ -242,6 +245,9 @@ class LayerNormMLP(WgradModule):
         if self.return_bias:
             return (out, self.fc2_bias, ln_out) if self.return_layernorm_output else (out, self.fc2_bias)
         return (out, ln_out) if self.return_layernorm_output else out
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [self.fc1_weight, self.fc2_weight]
 
     def _op_params(self) -> list[torch.Tensor | None]:
         """fc1's weight and bias, fc2's weight and bias (None where absent, or returned)."""

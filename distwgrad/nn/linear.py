@@ -38,7 +38,7 @@ from distwgrad.protocol import (
 from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.weights.first_write import zero_where_flagged
-from distwgrad.wgrad.accumulate import run_wgrad
+from distwgrad.wgrad.accumulate import deferred_main_grads, run_wgrad
 from distwgrad.wgrad.plain import tag_beside
 from distwgrad.wgrad.store import WeightGradStore
 
@@ -196,7 +196,8 @@ class _LinearFunction(torch.autograd.Function):
         if call.delay:
             call.store.put(lambda: _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=True, dy_qt=dy_qt,
                                                  x_qt=x_qt))
-            return dx_TK, None, None, None
+            (gw,) = deferred_main_grads([weight], fuse=call.fuse, on=call.weight_grad)
+            return dx_TK, gw, None, None
         gw, gb = _linear_wgrad(x_TK, dy_TN, weight, bias, call, deferred=False, dy_qt=dy_qt, x_qt=x_qt)
         return dx_TK, gw, gb, None
 
@@ -333,6 +334,9 @@ class Linear(WgradModule):
         ctx.inp_shape, ctx.run_backward = inp.shape, _op_backward
         y_TN = _LinearFunction.forward(ctx, x_TK, self.weight, bias, call)
         return y_TN.reshape(*inp.shape[:-1], self.out_features)
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [self.weight]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

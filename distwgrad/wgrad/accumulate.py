@@ -11,9 +11,18 @@ drained in any order. Every contribution is therefore added, never assigned:
   ``None`` there.
 * plain parameter with ``fuse_wgrad_accumulation``: the GEMM accumulates into ``param.main_grad`` (fp32;
   a caller-attached ``main_grad`` is used in place, never replaced; one is created at the first
-  contribution otherwise), sets ``param.grad_added_to_main_grad = True``, and autograd gets a dummy of
-  zeros (Megatron's ``zero_out_wgrad`` asks for zeros; distwgrad never hands autograd uninitialised
-  memory, so the dummy is zeros whether or not it is set).
+  contribution otherwise). What autograd gets is TransformerEngine's contract ([Note: the fused .grad
+  contract]).
+
+[Note: the fused .grad contract]
+A weight whose wgrad is fused into ``main_grad`` hands autograd ``None``, so ``.grad`` stays None and a
+plain optimizer skips it, unless the weight carries the attribute ``grad_added_to_main_grad`` (Megatron's
+DDP sets it, to False, on every parameter it owns). Then the main backward sets it to True and hands
+autograd a dummy of the weight's shape, so the DDP hook on the weight's gradient fires and, reading the
+flag, discards the dummy instead of adding it to ``main_grad``. Deferred or not: the flag and the dummy
+come from the main backward, as in TE; ``backward_dw()`` then only accumulates into ``main_grad``. The
+dummy is zeros (TE hands uninitialised memory unless ``zero_out_wgrad`` is set; distwgrad never hands
+autograd memory nobody wrote). The attribute is never created by distwgrad.
 * distributed weight: the GEMM accumulates into ``grad_buffer()`` and ``finalize_weight_grads`` counts
   the contribution; its return value is used once (see [Note: the finalize contract] in protocol.py).
   The step's first contribution may be written instead of added ([Note: a fresh first contribution]).
@@ -67,7 +76,9 @@ from distwgrad.protocol import (
 from distwgrad.weights._accounting import Uses, arriving
 from distwgrad.weights.base import DistributedParameter, main_grad_of
 
-__all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad", "graph_owned_gradients"]
+__all__ = ["add_to_grad", "main_grad_of", "wgrad_targets", "deliver_wgrads", "run_wgrad", "graph_owned_gradients",
+           "fused_grads", "deferred_main_grads",
+           "hands_fused_dummy"]
 
 
 _sinks = threading.local()  # the innermost graph_owned_gradients sink of this thread, if any
@@ -161,9 +172,7 @@ def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor
     if params and is_distributed_weight(params[0]):
         results = finalize_weight_grads(list(params), list(wgrads))
     elif fuse:
-        for p in params:
-            p.grad_added_to_main_grad = True
-        return [None] * len(params) if deferred else [torch.zeros_like(p) for p in params]
+        return [None] * len(params) if deferred else fused_grads(params)
     else:
         results = list(wgrads)
     if deferred:
@@ -171,6 +180,32 @@ def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor
             add_to_grad(p, g)
         return [None] * len(params)
     return results
+
+
+def fused_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """What the main backward hands autograd for weights whose wgrad is fused into ``main_grad``, deferred
+    or not: [Note: the fused .grad contract]. Sets ``grad_added_to_main_grad`` where the weight has it."""
+    out: list[torch.Tensor | None] = []
+    for p in params:
+        if hands_fused_dummy(p):
+            p.grad_added_to_main_grad = True
+            out.append(torch.zeros_like(p))
+        else:
+            out.append(None)
+    return out
+
+
+def deferred_main_grads(params: Sequence[torch.Tensor], *, fuse: bool, on: bool) -> list[torch.Tensor | None]:
+    """What the main backward hands autograd for weights whose wgrad it deferred (``on``: they take one):
+    None, or for plain weights fused into ``main_grad`` :func:`fused_grads`."""
+    if on and fuse and params and not is_distributed_weight(params[0]):
+        return fused_grads(params)
+    return [None] * len(params)
+
+
+def hands_fused_dummy(p: torch.Tensor) -> bool:
+    """Whether a fused weight's main backward hands autograd a dummy: [Note: the fused .grad contract]."""
+    return hasattr(p, "grad_added_to_main_grad")
 
 
 def _fresh_first(params: Sequence[torch.Tensor]) -> bool:
