@@ -48,7 +48,21 @@ from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.store import WeightGradStore
 
-__all__ = ["WgradModule", "check_no_tensor_parallelism", "check_compute_dtype"]
+__all__ = ["WgradModule", "check_no_tensor_parallelism", "check_compute_dtype", "parameter_device"]
+
+
+def parameter_device(device: torch.device | str | None, like: torch.Tensor | None = None) -> torch.device:
+    """Where a module creates a parameter: ``device`` if given; else beside ``like`` (a weight the caller
+    passed); else TransformerEngine's default, the current CUDA device where CUDA is available, otherwise
+    torch's default device. Pass ``device="cpu"`` for CPU weights on a machine with a GPU."""
+    if device is not None:
+        return torch.device(device)
+    if like is not None:
+        return like.device
+    default = torch.get_default_device()
+    if default.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return default
 
 
 def check_compute_dtype(owner: str, params: Mapping[str, torch.Tensor],

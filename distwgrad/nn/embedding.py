@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distwgrad.nn._base import WgradModule, check_compute_dtype
+from distwgrad.nn._base import WgradModule, check_compute_dtype, parameter_device
 from distwgrad.protocol import materialize_weight_for_forward
 from distwgrad.wgrad.accumulate import run_wgrad
 
@@ -74,7 +74,7 @@ class Embedding(WgradModule):
         embedding_dim: D, the row width.
         params_dtype: dtype of a freshly created weight (default: torch's default dtype). Given with
             ``weight``, it must equal that weight's compute dtype (``distwgrad.compute_dtype``).
-        device: device of a freshly created weight.
+        device: device of a freshly created weight (as :class:`distwgrad.nn.Linear`'s).
         weight: an existing weight to use (a ``ShardedWeight``, or a parameter to tie), of full shape
             ``[num_embeddings, embedding_dim]``. A fresh weight is drawn from N(0, 1), as
             ``torch.nn.Embedding`` does.
@@ -91,7 +91,8 @@ class Embedding(WgradModule):
         self.wgrad_store.owner = f"Embedding({num_embeddings}, {embedding_dim})"
         if weight is None:
             dtype = params_dtype or torch.get_default_dtype()
-            weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device))
+            weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype,
+                                              device=parameter_device(device)))
             nn.init.normal_(weight)
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.params_dtype = params_dtype

@@ -26,7 +26,7 @@ from torch import nn
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized_group
-from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
@@ -221,8 +221,9 @@ class GroupedLinear(WgradModule):
         in_features: K.
         out_features: N.
         bias: whether each expert has a bias.
-        params_dtype, device: for freshly created parameters; an explicit ``params_dtype`` must equal the
-            compute dtype (``distwgrad.compute_dtype``) of weights assigned later.
+        params_dtype, device: for freshly created parameters (``device``: as :class:`distwgrad.nn.Linear`'s);
+            an explicit ``params_dtype`` must equal the compute dtype (``distwgrad.compute_dtype``) of weights
+            assigned later.
         single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead of
             ``weight0..weight{E-1}``.
         delay_wgrad_compute, fuse_wgrad_accumulation, init_method, return_bias, sequence_parallel,
@@ -255,7 +256,7 @@ class GroupedLinear(WgradModule):
         self.use_bias = bool(bias)
         self.wgrad_store.owner = f"GroupedLinear({num_gemms}, {in_features}, {out_features})"
         self.params_dtype = params_dtype
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype, device = params_dtype or torch.get_default_dtype(), parameter_device(device)
         bound = 1 / math.sqrt(in_features)
         new = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=dtype, device=device).uniform_(-bound, bound))
         if self.single_grouped_weight:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.fp8.recipe import Recipe, current_recipe
-from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.nn._norm import activation as _activation
 from distwgrad.nn._norm import apply_norm, init_norm
@@ -154,7 +154,7 @@ class LayerNormMLP(WgradModule):
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; ``zero_centered_gamma`` as TE (scale ``1 + gamma``).
         activation: one of ``distwgrad.nn._norm.ACTIVATIONS`` (``"gelu"`` is the tanh approximation;
             ``"swiglu"`` is ``silu(a) * b`` with ``a`` the first half of fc1's output).
-        params_dtype, device: for fresh parameters.
+        params_dtype, device: for fresh parameters (``device``: as :class:`distwgrad.nn.Linear`'s).
         delay_wgrad_compute: queue both FCs' wgrads; each ``backward_dw()`` drains one backward
             ([Note: LayerNormMLP's deferred wgrads]).
         fuse_wgrad_accumulation: accumulate fc1's and fc2's weight gradients into fp32 ``main_grad``.
@@ -194,7 +194,7 @@ class LayerNormMLP(WgradModule):
         self.use_bias, self.checkpoint = bool(bias), bool(checkpoint)
         self.return_bias, self.return_layernorm_output = bool(return_bias), bool(return_layernorm_output)
         self.wgrad_store.owner = owner
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype, device = params_dtype or torch.get_default_dtype(), parameter_device(device)
         init_norm(self, hidden_size, normalization=normalization, eps=eps, zero_centered_gamma=zero_centered_gamma,
                   dtype=dtype, device=device)
         default_init = lambda w: nn.init.normal_(w, mean=0.0, std=0.023)  # noqa: E731  TE's default

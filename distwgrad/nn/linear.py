@@ -26,7 +26,7 @@ from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
-from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism
+from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.ops.gemm import wgrad_mm
@@ -219,7 +219,9 @@ class Linear(WgradModule):
         params_dtype: dtype of freshly created parameters (default: torch's default dtype, or a given
             weight's compute dtype for a fresh bias). Given with ``weight``, it must equal that weight's
             compute dtype (``distwgrad.compute_dtype``: its ``param_dtype``, else its dtype).
-        device: device of freshly created parameters (default: torch's default device).
+        device: device of freshly created parameters (default: a given ``weight``'s, else the current CUDA
+            device where CUDA is available, else torch's default device, as TransformerEngine; see
+            ``parameter_device``).
         delay_wgrad_compute: queue the wgrad GEMM in backward; ``backward_dw()`` runs it.
         fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (fp32).
         weight: an existing weight to use (e.g. a ``ShardedWeight`` or a tied parameter), of full
@@ -258,6 +260,7 @@ class Linear(WgradModule):
         self.params_dtype = params_dtype
         # A fresh bias next to a given weight takes the weight's compute dtype ([Note: mixed precision]).
         dtype = params_dtype or (torch.get_default_dtype() if weight is None else compute_dtype(weight))
+        device = parameter_device(device, like=weight)
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
             if init_method is None:

@@ -59,7 +59,7 @@ for step in $STEPS; do
   case $step in
     tests) run gpu_tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu --full -q -p no:cacheprovider -s -rf \
              --tb=short --timeout 150 --durations 12 ;;
-    cpu_full) run cpu_full python3 -m pytest tests -m "not distributed and not gpu" --full -q -p no:cacheprovider \
+    cpu_full) run cpu_full env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -m "not distributed and not gpu" --full -q -p no:cacheprovider \
                 -n "${PYTEST_WORKERS:-auto}" -rf --tb=short ;;
     sweep_wgrad) run sweep_wgrad python3 qa/bench/gemm_kernels.py --ops wgrad_accumulate --sweep \
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
