@@ -57,9 +57,11 @@ CASES = [(kind, delay, False) for kind in ("linear", "ln_linear", "mlp", "groupe
          for delay in (False, True)] + [("linear", True, True), ("mlp", False, True), ("grouped_packed", True, True)]
 
 
+IDS = [f"{k}-{'delay' if d else 'now'}{'-compiled' if c else ''}" for k, d, c in CASES]
+
+
 @pytest.mark.parametrize("megatron", [False, True], ids=["plain", "megatron_flag"])
-@pytest.mark.parametrize(("kind", "delay", "compiled"), CASES, ids=[f"{k}-{'delay' if d else 'now'}"
-                                                                     f"{'-compiled' if c else ''}" for k, d, c in CASES])
+@pytest.mark.parametrize(("kind", "delay", "compiled"), CASES, ids=IDS)
 def test_fused_weights_hand_autograd_none_unless_flagged(kind, delay, compiled, megatron):
     torch.manual_seed(0)
     module = _module(kind, delay)

@@ -1,12 +1,13 @@
 """Modules: ``Linear``, ``GroupedLinear`` (MoE experts), ``LayerNormLinear`` and ``LayerNormMLP``,
-TransformerEngine-compatible; ``fp8_autocast``
+TransformerEngine-compatible, and ``ops`` (``ops.GroupedLinear``, ``ops.Sequential``); ``fp8_autocast``
 here as in ``transformer_engine.pytorch`` ([Note: TransformerEngine's fp8_autocast])."""
 
 from distwgrad.fp8.recipe import fp8_autocast
+from distwgrad.nn import ops  # noqa: E402  after the modules it builds on
 from distwgrad.nn.embedding import Embedding
 from distwgrad.nn.grouped_linear import GroupedLinear
 from distwgrad.nn.layernorm_linear import LayerNormLinear
 from distwgrad.nn.layernorm_mlp import LayerNormMLP
 from distwgrad.nn.linear import Linear
 
-__all__ = ["Linear", "GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Embedding", "fp8_autocast"]
+__all__ = ["Linear", "GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Embedding", "fp8_autocast", "ops"]

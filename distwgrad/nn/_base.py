@@ -140,9 +140,16 @@ class WgradModule(nn.Module):
     # parameters get their gradients from the main backward, so they keep DDP's post-backward hook.
     deferred_param_names: tuple[str, ...] | None = None
 
+    def _deferred(self, p: torch.Tensor) -> bool:
+        """Whether ``backward_dw()``, not the main backward, delivers the gradient of parameter ``p``."""
+        return self.delay_wgrad_compute
+
+    def _defers(self, name: str) -> bool:
+        """Whether ``backward_dw()`` delivers the gradient of the parameter called ``name``."""
+        return self.deferred_param_names is None or name in self.deferred_param_names
+
     def __setattr__(self, name: str, value) -> None:
-        if (isinstance(value, nn.Parameter) and getattr(self, "delay_wgrad_compute", False)
-                and (self.deferred_param_names is None or name in self.deferred_param_names)):
+        if isinstance(value, nn.Parameter) and getattr(self, "delay_wgrad_compute", False) and self._defers(name):
             value.skip_backward_post_hook = True
         super().__setattr__(name, value)
         if isinstance(value, nn.Parameter) and "_op_handle" in self.__dict__:

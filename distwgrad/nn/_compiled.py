@@ -336,7 +336,7 @@ def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | 
             return False
         if any(p is w for w in fused):
             return hands_fused_dummy(p)
-        return not module.delay_wgrad_compute
+        return not module._deferred(p)
 
     hands = [hand(p) for p in present]
     y, _ = torch.ops.distwgrad.module_forward(inp, present, list(aux), list(ints), module._op_handle, grad_on,

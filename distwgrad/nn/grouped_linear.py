@@ -16,6 +16,7 @@ weights]).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class _Call:
     recipe: Recipe | None = None
     weight_shape: tuple[int, ...] | None = None  # each weight's full shape, for a foreign grad_buffer check
     uses: Uses | None = None  # this forward's recorded uses ([Note: contribution accounting])
+    bias_now: bool = False  # deferring, the biases' gradients still come from the main backward (te.ops)
 
 
 def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
@@ -133,10 +135,14 @@ def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: 
         gws = run_wgrad(weights, gemm, fuse=call.fuse, deferred=deferred, shape=call.weight_shape,
                         dtype=dy_TN.dtype, uses=call.uses, fresh=fresh, unwritten=unwritten)
     if call.bias_grad:
-        shape = None if call.weight_shape is None else call.weight_shape[:-1]
-        gbs = run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred, shape=shape,
-                        dtype=dy_TN.dtype, uses=call.uses)
+        gbs = _grouped_bias_grad(dy_TN, offs_E, biases, call, deferred)
     return gws, gbs
+
+
+def _grouped_bias_grad(dy_TN, offs_E, biases, call: _Call, deferred: bool) -> list[torch.Tensor | None]:
+    shape = None if call.weight_shape is None else call.weight_shape[:-1]
+    return run_wgrad(biases, _bias_gemm(dy_TN, offs_E, call.packed), fuse=False, deferred=deferred, shape=shape,
+                     dtype=dy_TN.dtype, uses=call.uses)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -197,10 +203,16 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if not (call.weight_grad or call.bias_grad):
             return (dx_TK, None, None, *nones)
         if call.delay:
-            call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=True,
-                                                  dy_qt=dy_qt, x_qt=x_qt, wgrad_offs=wgrad_offs))
+            gbs: list[torch.Tensor | None] = [None] * len(biases)
+            queued = call
+            if call.bias_now and call.bias_grad:
+                gbs = _grouped_bias_grad(dy_TN, offs_E, biases, call, deferred=False)
+                queued = dataclasses.replace(call, bias_grad=False)
+            if queued.weight_grad or queued.bias_grad:
+                call.store.put(lambda: _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, queued, deferred=True,
+                                                      dy_qt=dy_qt, x_qt=x_qt, wgrad_offs=wgrad_offs))
             gws = deferred_main_grads(weights, fuse=call.fuse, on=call.weight_grad)
-            return (dx_TK, None, None, *gws, *[None] * len(biases))
+            return (dx_TK, None, None, *gws, *gbs)
         gws, gbs = _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call, deferred=False, dy_qt=dy_qt,
                                   x_qt=x_qt, wgrad_offs=wgrad_offs)
         return (dx_TK, None, None, *gws, *gbs)
@@ -274,6 +286,8 @@ class GroupedLinear(WgradModule):
                     for matrix in (w.unbind(0) if self.single_grouped_weight else [w]):
                         init_method(matrix)
 
+    _biases_in_main_backward = False  # deferring, backward_dw() delivers the biases' gradients too
+
     def _weights(self) -> list[torch.Tensor]:
         if self.single_grouped_weight:
             return [self.weight]
@@ -346,7 +360,7 @@ class GroupedLinear(WgradModule):
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
                      ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features),
-                     uses)
+                     uses, bias_now=self._biases_in_main_backward)
         return x_TK, offs_E, call
 
     def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:

@@ -247,7 +247,7 @@ class LayerNormMLP(WgradModule):
         return (out, ln_out) if self.return_layernorm_output else out
 
     def _weights(self) -> list[torch.Tensor]:
-        return [self.fc1_weight, self.fc2_weight]
+        return [getattr(self, "fc1_weight"), getattr(self, "fc2_weight")]  # noqa: B009  Tensor, for mypy
 
     def _op_params(self) -> list[torch.Tensor | None]:
         """fc1's weight and bias, fc2's weight and bias (None where absent, or returned)."""

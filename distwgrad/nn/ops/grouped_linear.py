@@ -1,0 +1,113 @@
+"""``ops.GroupedLinear``: TransformerEngine's fusible-ops grouped linear (``te.ops.GroupedLinear``).
+
+It is :class:`distwgrad.nn.GroupedLinear` (the same GEMMs, accumulation, FP8 recipes and distributed
+weights) with the ops path's names and semantics: the constructor (``num_groups``, ``dtype``,
+``accumulate_into_main_grad``, ``single_grouped_weight`` / ``single_grouped_bias``,
+``rng_state_tracker_function``), Kaiming-uniform weights and zero biases, ``forward(x, split_sizes)``, and,
+under ``delay_wgrad_compute``, only the weights wait for ``backward_dw()``: the biases' gradients come from
+the main backward, and only the weights carry ``skip_backward_post_hook``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+
+from distwgrad.nn.grouped_linear import GroupedLinear as _GroupedLinear
+from distwgrad.protocol import is_distributed_weight
+
+__all__ = ["GroupedLinear"]
+
+_WEIGHT_NAME = re.compile(r"weight\d*")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class GroupedLinear(_GroupedLinear):
+    """``num_groups`` linear maps applied to consecutive token groups: ``y_i = x_i W_i^T + b_i``.
+
+    Args (TransformerEngine's):
+        num_groups, in_features, out_features: the groups, K and N.
+        bias: an additive bias per group (zeros at first).
+        device: as :class:`distwgrad.nn.Linear`'s. dtype: the parameters' dtype (fp32, fp16 or bf16).
+        rng_state_tracker_function: returns a tracker whose ``fork()`` context the weights are initialised in.
+        accumulate_into_main_grad: the wgrad accumulates into each weight's fp32 ``main_grad``
+            ([Note: the fused .grad contract]).
+        single_grouped_weight, single_grouped_bias: one packed ``weight`` ``[G, N, K]`` and ``bias`` ``[G, N]``
+            instead of ``weight0..`` and ``bias0..``; with a bias, both or neither.
+        delay_wgrad_compute: the weights' gradients wait for ``backward_dw()``.
+        scale_bias: refused (the bias times a per-token probability is not implemented).
+
+    ``forward(x, split_sizes)``: ``split_sizes`` is one entry per group (an int64 tensor, as TE's callers
+    pass, or a list of ints) summing to the tokens in ``x``'s leading dimensions.
+    """
+
+    num_extra_inputs = 1  # split_sizes: ops.Sequential hands it over
+    _biases_in_main_backward = True
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 rng_state_tracker_function: Callable[[], object] | None = None,
+                 accumulate_into_main_grad: bool = False, single_grouped_weight: bool = False,
+                 single_grouped_bias: bool = False, delay_wgrad_compute: bool = False,
+                 scale_bias: bool = False) -> None:
+        owner = f"ops.GroupedLinear({num_groups}, {in_features}, {out_features})"
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"{owner}: dtype must be one of {_DTYPES}, got {dtype!r}")
+        if bias and bool(single_grouped_bias) != bool(single_grouped_weight):
+            raise ValueError(f"{owner}: single_grouped_weight={single_grouped_weight!r} with "
+                             f"single_grouped_bias={single_grouped_bias!r}: distwgrad packs the weights and the "
+                             f"biases together or neither")
+        if scale_bias:
+            raise ValueError(f"{owner}: scale_bias=True (the bias times a per-token probability, an extra input) "
+                             f"is not implemented; add the scaled bias outside the op")
+        if rng_state_tracker_function is not None and not callable(rng_state_tracker_function):
+            raise TypeError(f"{owner}: rng_state_tracker_function must be callable, got "
+                            f"{rng_state_tracker_function!r}")
+        super().__init__(num_groups, in_features, out_features, bias, params_dtype=dtype, device=device,
+                         single_grouped_weight=single_grouped_weight, delay_wgrad_compute=delay_wgrad_compute,
+                         fuse_wgrad_accumulation=accumulate_into_main_grad)
+        self.num_groups, self.single_grouped_bias = num_groups, bool(single_grouped_bias and bias)
+        self._rng_state_tracker_function = rng_state_tracker_function
+        self.wgrad_store.owner = owner
+        # TE's registration order, which parameters() follows: every weight, then every bias
+        ordered = sorted(self._parameters.items(), key=lambda item: not _WEIGHT_NAME.fullmatch(item[0]))
+        self._parameters = dict(ordered)
+        self.reset_parameters()
+
+    @property
+    def has_bias(self) -> bool:
+        return self.use_bias
+
+    def reset_parameters(self) -> None:
+        """TE's initialisation: each group's weight Kaiming-uniform (``a=sqrt(5)``), in the tracker's
+        ``fork()`` when one was given; biases zero. Plain parameters only."""
+        params = self._weights() + self._biases()
+        if any(is_distributed_weight(p) for p in params):
+            raise ValueError(f"{self.wgrad_store.owner}.reset_parameters(): a distributed weight is initialised "
+                             f"from its full value (ShardedWeight.from_full), not in place")
+        if any(p.device.type == "meta" for p in params):
+            return
+        with torch.no_grad():
+            for w in self._weights():
+                for matrix in (w.unbind(0) if self.single_grouped_weight else [w]):
+                    tracker = self._rng_state_tracker_function
+                    with tracker().fork() if tracker is not None else contextlib.nullcontext():
+                        torch.nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+            for b in self._biases():
+                b.zero_()
+
+    def forward(self, input: torch.Tensor, split_sizes: Sequence[int] | torch.Tensor):  # noqa: A002  TE's name
+        if self.fuse_wgrad_accumulation and any(getattr(w, "overwrite_main_grad", False) for w in self._weights()):
+            raise ValueError(f"{self.wgrad_store.owner}: overwrite_main_grad=True on a weight is not supported "
+                             f"(the wgrad is always added into main_grad); zero main_grad instead")
+        return super().forward(input, split_sizes)
+
+    def _defers(self, name: str) -> bool:
+        return _WEIGHT_NAME.fullmatch(name) is not None
+
+    def _deferred(self, p: torch.Tensor) -> bool:
+        return self.delay_wgrad_compute and any(p is w for w in self._weights())
