@@ -65,6 +65,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from distwgrad.fp8.recipe import Recipe, fp8_autocast
+from distwgrad.graph_options import resolve_options
 from distwgrad.protocol import is_distributed_weight
 from distwgrad.weights.base import DistributedParameter, main_grad_of
 from distwgrad.weights.capture import CapturedWeights, CaptureLedger
@@ -120,19 +121,6 @@ def _check_module(m: nn.Module, i: int) -> None:
     if queued:
         raise DeferredWgradError(f"make_graphed_callables: module {i} has deferred wgrads queued: {queued}; "
                                  f"drain them (distwgrad.drain_deferred_wgrads) before graphing")
-
-
-def _check_options(num_warmup_iters: Any, fp8_enabled: Any, fp8_recipe: Any, _order: Any) -> None:
-    if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) or num_warmup_iters < 1:
-        raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 1 (the last warm-up "
-                         f"iteration checks for host syncs), got {num_warmup_iters!r}")
-    if not isinstance(fp8_enabled, bool):
-        raise TypeError(f"make_graphed_callables: fp8_enabled must be a bool, got {fp8_enabled!r}")
-    if fp8_recipe is not None and not fp8_enabled:
-        raise ValueError(f"make_graphed_callables: fp8_recipe={fp8_recipe!r} given with fp8_enabled=False")
-    if _order is not None:
-        raise NotImplementedError(f"make_graphed_callables: _order={_order!r} (TransformerEngine's interleaved "
-                                  f"pipeline schedule) is not implemented; capture each model chunk on its own")
 
 
 def _distributed_weights(mods: tuple[nn.Module, ...]) -> list[DistributedParameter]:
@@ -505,11 +493,16 @@ def _install(gs: _GraphSet, c: _Callable, index: int) -> nn.Module:
     return module
 
 
-def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_args: tuple, *,
+def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_args: tuple,
                            num_warmup_iters: int = 3, allow_unused_input: bool = False,
-                           sample_kwargs: dict | tuple[dict, ...] | None = None, fp8_enabled: bool = False,
-                           fp8_recipe: Recipe | None = None, pool: Any = None, retain_graph_in_backward: bool = False,
-                           _order: Any = None) -> nn.Module | tuple[nn.Module, ...]:
+                           sample_kwargs: dict | tuple[dict, ...] | None = None, fp8_enabled: bool | None = None,
+                           fp8_calibrating: bool | None = None, fp8_recipe: Recipe | None = None, fp8_group: Any = None,
+                           fp8_weight_caching: bool | None = None, _order: Any = None,
+                           _num_layers_per_chunk: Any = None, pool: Any = None, retain_graph_in_backward: bool = False,
+                           _reuse_graph_input_output_buffers: bool = False, *, enabled: bool | None = None,
+                           calibrating: bool | None = None, recipe: Recipe | None = None,
+                           amax_reduction_group: Any = None,
+                           cache_quantized_params: bool | None = None) -> nn.Module | tuple[nn.Module, ...]:
     """CUDA-graphs the forward, backward and deferred wgrads of ``modules``.
 
     ``torch.cuda.make_graphed_callables`` with TransformerEngine's keywords; see [Note: graphed deferred
@@ -524,10 +517,11 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         num_warmup_iters: eager warm-up iterations on a side stream (>= 1; the last checks for host syncs).
         allow_unused_input: allow inputs and parameters that get no gradient.
         sample_kwargs: a dict of tensor keyword arguments (or one per module).
-        fp8_enabled, fp8_recipe: warm up and capture the forwards under ``fp8_autocast(fp8_recipe)``.
+        enabled (``fp8_enabled``), recipe (``fp8_recipe``): warm up and capture the forwards under
+            ``fp8_autocast(recipe)``.
         pool: a graph pool handle to share (``torch.cuda.graph_pool_handle()``); default: a new pool.
         retain_graph_in_backward: capture the backward with ``retain_graph=True``.
-        _order: TransformerEngine's interleaved-pipeline order; only None.
+        The rest of TransformerEngine's keywords: accepted or refused as ``distwgrad/graph_options.py`` says.
 
     Returns:
         The modules, each with ``reset()`` (releases the whole set's graphs and pool) and, when the module
@@ -541,7 +535,12 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     args = _per_callable("sample_args", sample_args, len(mods), just_one, tuple)
     kwargs = _per_callable("sample_kwargs", sample_kwargs, len(mods), just_one, dict)
     flat = [_check_inputs(a, k, i) for i, (a, k) in enumerate(zip(args, kwargs))]
-    _check_options(num_warmup_iters, fp8_enabled, fp8_recipe, _order)
+    options = resolve_options(
+        num_warmup_iters=num_warmup_iters, enabled=enabled, fp8_enabled=fp8_enabled, recipe=recipe,
+        fp8_recipe=fp8_recipe, calibrating=calibrating, fp8_calibrating=fp8_calibrating,
+        amax_reduction_group=amax_reduction_group, fp8_group=fp8_group, cache_quantized_params=cache_quantized_params,
+        fp8_weight_caching=fp8_weight_caching, _order=_order, _num_layers_per_chunk=_num_layers_per_chunk,
+        _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers)
     for i, m in enumerate(mods):
         _check_module(m, i)
     captured = CapturedWeights(_distributed_weights(mods))  # refuses what a replay cannot do
@@ -554,9 +553,9 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
                            "torch.autocast(..., cache_enabled=False)")
 
     def fp8():
-        return fp8_autocast(fp8_recipe, enabled=True) if fp8_enabled else contextlib.nullcontext()
+        return fp8_autocast(options.recipe, enabled=True) if options.fp8 else contextlib.nullcontext()
 
-    recipe = fp8_recipe
+    recipe = options.recipe
     gs = _GraphSet(torch.cuda.graph_pool_handle() if pool is None else pool)
     gs.captured = captured
     _prepare_main_grads(mods)
@@ -569,7 +568,7 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         # One side stream for the warm-up and every capture: the per-stream library workspaces (cuBLAS)
         # are allocated in the warm-up, outside the graphs' pool, so reset() can release the whole pool.
         gs.stream = torch.cuda.Stream()
-        _warmup(calls, num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream)
+        _warmup(calls, options.num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream)
         captured.open_for_capture()
         _capture_forwards(gs, calls, fp8, recipe)
         queued = _capture_backwards(gs, calls, retain_graph_in_backward, recipe)

@@ -68,9 +68,46 @@ def test_fp8_options():
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), fp8_enabled=1)
 
 
-def test_order_not_implemented():
-    with pytest.raises(NotImplementedError, match=r"_order=\[1, -1\]"):
-        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), _order=[1, -1])
+@pytest.mark.parametrize(("kwargs", "name"), [(dict(_order=[1, -1]), r"_order=\[1, -1\]"),
+                                              (dict(_num_layers_per_chunk=[2]), r"_num_layers_per_chunk=\[2\]"),
+                                              (dict(_reuse_graph_input_output_buffers=True),
+                                               "_reuse_graph_input_output_buffers=True")])
+def test_order_not_implemented(kwargs, name):
+    with pytest.raises(NotImplementedError, match=name + ".*interleaved pipeline schedule order"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), **kwargs)
+
+
+def test_te_keywords_in_both_spellings():
+    """TE's new and old keyword names resolve to the same options; what distwgrad cannot do is refused by
+    name (distwgrad/graph_options.py)."""
+    from distwgrad.graph_options import GraphOptions, resolve_options
+
+    recipe = distwgrad.fp8.PerTensorScaling()
+    none = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
+                fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
+                fp8_weight_caching=None, _order=None, _num_layers_per_chunk=None,
+                _reuse_graph_input_output_buffers=False)
+    assert resolve_options(**none) == GraphOptions(3, False, None)
+    with pytest.raises(ValueError, match="enabled=True and fp8_enabled=True are one option"):
+        resolve_options(**{**none, "enabled": True, "fp8_enabled": True})
+    with pytest.raises(ValueError, match="recipe=.* and fp8_recipe=.* are one option"):
+        resolve_options(**{**none, "enabled": True, "recipe": recipe, "fp8_recipe": recipe})
+    want = GraphOptions(3, True, recipe)
+    assert resolve_options(**{**none, "enabled": True, "recipe": recipe}) == want
+    assert resolve_options(**{**none, "fp8_enabled": True, "fp8_recipe": recipe}) == want
+    for cache in ("cache_quantized_params", "fp8_weight_caching"):  # accepted: nothing is cached
+        assert resolve_options(**{**none, cache: True}) == GraphOptions(3, False, None)
+    with pytest.raises(TypeError, match="cache_quantized_params must be a bool, got 'yes'"):
+        resolve_options(**{**none, "cache_quantized_params": "yes"})
+    for calibrating in ("calibrating", "fp8_calibrating"):
+        with pytest.raises(ValueError, match="calibrating=True is delayed scaling's calibration"):
+            distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), **{calibrating: True})
+    for group in ("amax_reduction_group", "fp8_group"):
+        with pytest.raises(ValueError, match="amax_reduction_group='g'.*pass None"):
+            distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), **{group: "g"})
+    # positional, in TE's order: num_warmup_iters, allow_unused_input, sample_kwargs, fp8_enabled
+    with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 1.*got 0"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), 0)
 
 
 def test_hooks_refused():
@@ -165,8 +202,8 @@ def modelled_cuda(monkeypatch):
 
 def _two_layers(fuse=False):
     torch.manual_seed(0)
-    return nn.Sequential(Linear(8, 8, delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse),
-                         Linear(8, 8, delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse))
+    kw = dict(device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse)  # CUDA is modelled here
+    return nn.Sequential(Linear(8, 8, **kw), Linear(8, 8, **kw))
 
 
 def test_backward_queues_one_replay_per_deferred_module(modelled_cuda):
@@ -252,7 +289,7 @@ def test_a_graphed_distributed_weight_keeps_its_main_grad(modelled_cuda):
 
 def test_grouped_linear_and_training_state(modelled_cuda):
     torch.manual_seed(0)
-    layer = GroupedLinear(2, 8, 8, delay_wgrad_compute=True)
+    layer = GroupedLinear(2, 8, 8, device="cpu", delay_wgrad_compute=True)
     x, splits = _x(6, 8), torch.tensor([2, 4])
     graphed = distwgrad.make_graphed_callables(layer, (x, splits))
     graphed(x, splits).sum().backward()
@@ -267,7 +304,7 @@ def test_unused_parameter_refused(modelled_cuda):
     class Unused(nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin, self.spare = Linear(8, 8), nn.Parameter(torch.zeros(3))
+            self.lin, self.spare = Linear(8, 8, device="cpu"), nn.Parameter(torch.zeros(3))
 
         def forward(self, x):
             return self.lin(x)
