@@ -193,7 +193,8 @@ def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM
     """Scales of a tile's row tiles (A) and column tiles (B) from their amaxes (NaN already +inf); the
     inverses stored at ``s_inv_ptrs_A`` / ``s_inv_ptrs_B``.
 
-    [Note: compact scales] A reduction's result is replicated on every thread that held part of what it
+    [Note: compact scales]
+    A reduction's result is replicated on every thread that held part of what it
     reduced (8 threads per row and 32 per column of a 128x128 tile at 8 warps), and Triton computes
     everything downstream in that layout: each thread derives ~20 scales and their inverses, ~3 of the
     rows + columns kernel's 24.4 sm_90a instructions per element. A variant routed the amaxes through

@@ -42,16 +42,18 @@ Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``):
 - the scale and ``scale_inv`` use ``tl.math.div_rn`` (IEEE division; Triton's ``/`` is approximate
   on NVIDIA) and the same clamps and mask as the reference, selected with ``tl.where`` (comparisons
   with NaN are false, so no NaN-dropping min/max is involved); power-of-two scales use no division:
-- [Note: power-of-two scales without division] The reference takes ``s = fl(NUM / amax)``, clamps it
-  to [2**-126, FLT_MAX] and keeps its exponent. Write NUM = mn * 2**en and amax = ma * 2**ea with
-  mantissas in [1, 2). If mn >= ma the quotient lies in [1, 2) and cannot round up to 2 (it is at
-  most mn <= 2 - 2**-23, representable); if mn < ma it lies in (1/2, 1) and cannot round up to 1 (it
-  is at most 1 - 2**-24, representable). So fl(NUM / amax) has exponent en - ea - [mn < ma] exactly,
-  and the kernel computes that from the bits, clamped to [-126, 127] (a subnormal amax overflows the
-  quotient: 2**127); 0 and non-finite amaxes are handled as in the division path. ``scale_inv`` of
-  2**k is 2**-k (2**-127 is subnormal). Checked in the kernels against the reference over every
-  exponent, the mantissas where the exponent changes, 0, inf, NaN and random amaxes
-  (``case_pow2_scales`` of tests/test_fp8_quantize_kernels.py);
+
+[Note: power-of-two scales without division]
+The reference takes ``s = fl(NUM / amax)``, clamps it
+to [2**-126, FLT_MAX] and keeps its exponent. Write NUM = mn * 2**en and amax = ma * 2**ea with
+mantissas in [1, 2). If mn >= ma the quotient lies in [1, 2) and cannot round up to 2 (it is at
+most mn <= 2 - 2**-23, representable); if mn < ma it lies in (1/2, 1) and cannot round up to 1 (it
+is at most 1 - 2**-24, representable). So fl(NUM / amax) has exponent en - ea - [mn < ma] exactly,
+and the kernel computes that from the bits, clamped to [-126, 127] (a subnormal amax overflows the
+quotient: 2**127); 0 and non-finite amaxes are handled as in the division path. ``scale_inv`` of
+2**k is 2**-k (2**-127 is subnormal). Checked in the kernels against the reference over every
+exponent, the mantissas where the exponent changes, 0, inf, NaN and random amaxes
+(``case_pow2_scales`` of tests/test_fp8_quantize_kernels.py);
 - the amax reductions use the NaN-propagating max (``tl.max`` may drop NaN) and map a NaN result to
   +inf, as ``compute_amax`` does; a max picks one of its inputs, so reducing in bf16/fp16 is exact;
 - the fp32 -> fp8 cast (``_to_fp8_bits``) saturates to +-fp8_max and rounds to nearest even: on CUDA

@@ -40,7 +40,10 @@ def _preload() -> None:
 
 
 def _skip_discarded_overflow_checks() -> None:
-    """[Note: interpreter overflow checks]: Triton's front end wraps every integer add, sub and mul of a
+    """Skips the interpreter's discarded integer overflow checks.
+
+    [Note: interpreter overflow checks]
+    Triton's front end wraps every integer add, sub and mul of a
     kernel in an overflow check (``sanitize_overflow``: both operands cast to int64, the exact result
     compared with the type's range) and hands the comparison to ``device_assert``, which drops it unless the
     options say ``debug``. The interpreter's options never do, so in the interpreter each check is computed
@@ -58,7 +61,10 @@ def _skip_discarded_overflow_checks() -> None:
 
 
 def _reduce_nan_max_in_numpy() -> None:
-    """[Note: interpreter NaN-max reductions]: the quantizers' amax reduces with ``_max_nan`` (``tl.maximum``
+    """Reduces ``_max_nan`` in numpy.
+
+    [Note: interpreter NaN-max reductions]
+    The quantizers' amax reduces with ``_max_nan`` (``tl.maximum``
     propagating NaN: one instruction on the GPU, ``kernels/_quantize_kernels.py``). The interpreter runs a
     ``tl.reduce`` whose combine function is not one of Triton's own element by element in Python, which was
     most of a quantize case's time (85% of the power-of-two case's). The server reduces ``_max_nan`` with

@@ -5,7 +5,8 @@ switch to the interpreter: the CPU tests of a kernel re-run their own file as a 
 with ``kernels_on_cpu``, ``DISTWGRAD_KERNELS_ON_CPU=1``: the modules route CPU tensors through the
 kernels, [Note: fp8 gemm dispatch]).
 
-[Note: interpreter fork server]: a fresh interpreter spends seconds importing torch and Triton before a
+[Note: interpreter fork server]
+A fresh interpreter spends seconds importing torch and Triton before a
 case starts, and the CPU suite runs dozens of cases. So each test process starts one server
 (``distwgrad.testing._interpreter_server``) with ``TRITON_INTERPRET=1`` that imports torch, Triton and
 distwgrad once, and forks a child per case: the child is still a process of its own (whatever a case

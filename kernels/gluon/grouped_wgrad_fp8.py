@@ -4,157 +4,105 @@ added to the fp32 accumulator while the next chunk's MMAs run.
 
 [Note: fp8 wgrad under the next MMA]
 The Triton FP8 wgrad promotes every 128 tokens (``max_num_imprecise_acc``), and Triton waits for each
-chunk's MMAs before the add (``wgmma.wait_group 0``): Nsight Compute on an H200 found its tensor pipes
-34% busy at ~1024 tokens per group, with those waits among the most-sampled stalls. This kernel runs
-the fprop/dgrad Gluon kernel's promoting loop (``grouped_gemm_fp8``, [Note: promotion under the
-next MMA]: the same functions) over wgrad tiles: a = dy^T [N, T], b = x^T [K, T], both fp8 with the
-tokens innermost; output tile [BLOCK_M of N, BLOCK_N of K] of group e, contracted over the group's tokens
-in chunks on the global 128-token grid (the Triton kernel's chunks, so the same partial sums in the same
-order: the same bits).
+chunk's MMAs before the add (``wgmma.wait_group 0``): Nsight Compute on an H200 found its tensor pipes 34%
+busy at ~1024 tokens per group, with those waits among the most-sampled stalls. This kernel runs the
+fprop/dgrad Gluon kernel's promoting loop (``grouped_gemm_fp8``, [Note: promotion under the next MMA]: the
+same functions) over wgrad tiles: a = dy^T [N, T], b = x^T [K, T], both fp8 with the tokens innermost;
+output tile [BLOCK_M of N, BLOCK_N of K] of group e, contracted over the group's tokens in chunks on the
+global 128-token grid (the Triton kernel's chunks, so the same partial sums in the same order: the same
+bits).
 
 Persistent and warp-specialized: one program per SM walks tiles pid, pid + grid, ... (group-major,
-``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition
-loads the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps zero the edge chunks' foreign
-tokens (below), run the loop and apply the per-tensor scales; the epilogue (store, load-add-store or
-fp32 reductions into ``out``, 16 bytes of a row per instruction) runs in two epilogue warps from a
-shared-memory copy of the tile ([Note: an epilogue partition]; with EPI_WARPS = 0 the MMA warps write it
-themselves). Each tile's handoff (or epilogue) comes after the next tile's first chunk is issued
-([Note: the next tile's first step under the epilogue]).
+``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition loads
+the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps zero the edge chunks' foreign tokens
+(below), run the loop and apply the per-tensor scales; the epilogue (store, load-add-store or fp32
+reductions into ``out``, 16 bytes of a row per instruction) runs in two epilogue warps from a shared-memory
+copy of the tile ([Note: an epilogue partition]; with EPI_WARPS = 0 the MMA warps write it themselves). Each
+tile's handoff (or epilogue) comes after the next tile's first chunk is issued ([Note: the next tile's first
+step under the epilogue]).
 
 [Note: a group's edge chunks in shared memory]
-A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may
-even be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop at a group's edge, and
-the MMA reads its operands from shared memory, so they are zeroed there: the MMA warps, once the chunk
-has landed and before they issue its MMAs, rewrite the other group's token columns of both operands
-(``tiles.zero_edges``, one 16-byte unit per thread per pass, the 128-byte swizzle undone in the
-index math, the byte masks computed once per chunk for every pass over both operands), fence the writes
-for the async proxy and synchronize their warps. Only a group's first
-and last chunks can be edge chunks (~2 of 9 at 1024 tokens per group, nearly all at 128); a last chunk
-is rewritten while the previous chunk's MMAs run.
-Why the MMA warps zero the edge chunks (and what the zeroing costs beside the epilogue partition):
+A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may even
+be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop at a group's edge, and the MMA
+reads its operands from shared memory, so they are zeroed there: the MMA warps, once the chunk has landed
+and before they issue its MMAs, rewrite the other group's token columns of both operands
+(``tiles.zero_edges``, one 16-byte unit per thread per pass, the 128-byte swizzle undone in the index math,
+the byte masks computed once per chunk for every pass over both operands), fence the writes for the async
+proxy and synchronize their warps. Only a group's first and last chunks can be edge chunks (~2 of 9 at 1024
+tokens per group, nearly all at 128); a last chunk is rewritten while the previous chunk's MMAs run. Why the
+MMA warps zero the edge chunks (and what the zeroing costs beside the epilogue partition):
 docs/benchmarks/LOG.md.
 
 [Note: an epilogue partition]
-At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written,
-or read and written) about as long: written by the MMA warps, it stalls the tensor pipes between tiles
-(balanced routing, 4 stages, no prefetch: 393 TFLOP/s accumulating where the Triton kernel, two CTAs per
-SM, hides one CTA's epilogue under the other's MMAs, ran 501). With EPI_WARPS = 2 the MMA warps hand the
-scaled tile over in shared memory instead (``_hand_off``: wait until the previous tile has been read,
-store, arrive; ~0.5 us), and two epilogue warps (``_epilogue``) write it to global memory, EPI_ROWS rows
-at a time, while the MMA warps run the next tile. One 64 KB buffer (32 KB for a fresh 16-bit output,
-[Note: a 16-bit handoff]): the handoff of tile i + 1 waits for the epilogue warps to have read tile i, a
-whole tile's MMAs later. Its layout swizzles 32-byte units over
-8 rows so that both the MMA layout's 8-byte stores and the epilogue's row-wise 16-byte loads are free of
-bank conflicts (``gl.bank_conflicts``: 0 and 0; unswizzled the stores take 4 wavefronts for 1).
-The epilogue warps share the TMA warp's warpgroup (3 of its 4 warps), so the MMA warps keep their 232
-registers; the shared memory is 5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the
-MMA warps' own epilogue goes away). Both partitions walk the same tiles and agree on which tiles write
-(``_writes``), so every handoff has its reader. Traced ([Note: tracing the MMA warps' tile phases]), the
-handoff takes ~7-10% of an E=64 tile and the chunks after the first 73-78%. Why this writer and not
-a TMA store or direct stores: docs/benchmarks/LOG.md.
+At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written, or
+read and written) about as long: written by the MMA warps, it stalls the tensor pipes between tiles . With
+EPI_WARPS = 2 the MMA warps hand the scaled tile over in shared memory instead (``_hand_off``: wait until
+the previous tile has been read, store, arrive; ~0.5 us), and two epilogue warps (``_epilogue``) write it to
+global memory, EPI_ROWS rows at a time, while the MMA warps run the next tile. One 64 KB buffer (32 KB for a
+fresh 16-bit output, [Note: a 16-bit handoff]): the handoff of tile i + 1 waits for the epilogue warps to
+have read tile i, a whole tile's MMAs later. Its layout swizzles 32-byte units over 8 rows so that both the
+MMA layout's 8-byte stores and the epilogue's row-wise 16-byte loads are free of bank conflicts
+(``gl.bank_conflicts``: 0 and 0; unswizzled the stores take 4 wavefronts for 1). The epilogue warps share
+the TMA warp's warpgroup (3 of its 4 warps), so the MMA warps keep their 232 registers; the shared memory is
+5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the MMA warps' own epilogue goes
+away). Both partitions walk the same tiles and agree on which tiles write (``_writes``), so every handoff
+has its reader. Why this writer and not a TMA store or direct stores: docs/benchmarks/LOG.md.
 
 [Note: a 16-bit handoff]
 A fresh bf16 / fp16 output (``grouped_wgrad_fp8(..., out_dtype=)``, what the modules take without
-``main_grad``) is rounded by the MMA warps before the handoff instead of by the epilogue warps after it:
-the same fp32 value rounded to nearest even by the same conversion, so the same bits (the GPU tests
-compare it with the fp32 output rounded), and the handed-off tile is 32 KB instead of 64 KB. The MMA
-warps then store one 4-byte word per column pair (against 8 bytes), half the shared-memory wavefronts;
-the epilogue warps read 8 values per 16-byte load. The swizzle is the fp32 tile's in elements (16-byte
-units over 8 rows), conflict-free for both sides again. The 32 KB saved fit a sixth ring stage
+``main_grad``) is rounded by the MMA warps before the handoff instead of by the epilogue warps after it: the
+same fp32 value rounded to nearest even by the same conversion, so the same bits (the GPU tests compare it
+with the fp32 output rounded), and the handed-off tile is 32 KB instead of 64 KB. The MMA warps then store
+one 4-byte word per column pair (against 8 bytes), half the shared-memory wavefronts; the epilogue warps
+read 8 values per 16-byte load. The swizzle is the fp32 tile's in elements (16-byte units over 8 rows),
+conflict-free for both sides again. The 32 KB saved fit a sixth ring stage
 (``GroupedGemmFp8Tuning.wgrad_gluon_stages_16``). An accumulating output and a table of bases (fp32) hand
-off in fp32 as before. On an H200 (docs/benchmarks.md, medians of 7 interleaved passes against the
-build before it): E=64 fresh bf16 on the aligned layout ([Note: aligned token groups]) 888 / 894 TFLOP/s
-(5 / 6 stages) against 825, 1.60x / 1.62x our bf16 kernel against 1.49x; on the plain layout 686 / 712
-against 689 (the edge chunks' zeroing bounds it there); E=8 aligned 1188 / 1173 against 1141.
+off in fp32 as before.
 
 [Note: blockwise wgrad scales]
 With the blockwise recipe (BLOCKWISE: 1x128 tiles along the tokens, dy^T's scales [N, chunks], x^T's [K,
 chunks]) each chunk's partial is scaled before it is added: ``acc + part * (a_s[:, None] * b_s[None, :])``,
 the Triton kernel's expression on the same partials in the same order, so the same bits. The per-tensor
-epilogue's scales are then ones. The row scales (two a thread in the MMA layout) are loaded by the MMA
-warps a step ahead, as the fprop's (``_begin``, ``_col_step``). The column scales are 32 a thread: loaded
-from global memory beside the loop's three fp32 tiles (192 of the MMA warps' 232 registers) they made the
-sm_90a build spill inside the loop (1.3-1.9 KB). So the TMA warp copies each chunk's 128 column scales into
-a slot of their own ring (``cp.async``, 16 bytes a thread; the stage's ``ready`` barrier counts their
-landing), and the MMA warps read them from shared memory at the add. The launcher passes x^T's scales
-columns-contiguous ([chunks, K rounded up to 128], zeros past K), so every copy is one aligned 16-byte unit.
-The slots are one more than the stages, so a step hands its stage back before it reads the previous chunk's
-scales: the TMA warp refills that stage, and with it the slot of the chunk before, whose reads every MMA warp
-finished before the hand-back's barrier. Read before the hand-back (a slot per stage), the scales would sit
-between the barrier Triton puts after the MMA wait and the hand-back's own: two barriers of all MMA warps a
-step instead of one, with the loads' latency between them (and ptxas spills where the loop's two tails
-merge). Read before the MMA wait, their 32 registers beside the three tiles spill inside the loop. The
-slots take shared memory a fifth stage would need, so the ring has four
+epilogue's scales are then ones. The row scales (two a thread in the MMA layout) are loaded by the MMA warps
+a step ahead, as the fprop's (``_begin``, ``_col_step``). The column scales are 32 a thread: loaded from
+global memory beside the loop's three fp32 tiles (192 of the MMA warps' 232 registers) they made the sm_90a
+build spill inside the loop (1.3-1.9 KB). So the TMA warp copies each chunk's 128 column scales into a slot
+of their own ring (``cp.async``, 16 bytes a thread; the stage's ``ready`` barrier counts their landing), and
+the MMA warps read them from shared memory at the add. The launcher passes x^T's scales columns-contiguous
+([chunks, K rounded up to 128], zeros past K), so every copy is one aligned 16-byte unit. The slots are one
+more than the stages, so a step hands its stage back before it reads the previous chunk's scales: the TMA
+warp refills that stage, and with it the slot of the chunk before, whose reads every MMA warp finished
+before the hand-back's barrier. Read before the hand-back (a slot per stage), the scales would sit between
+the barrier Triton puts after the MMA wait and the hand-back's own: two barriers of all MMA warps a step
+instead of one, with the loads' latency between them (and ptxas spills where the loop's two tails merge).
+Read before the MMA wait, their 32 registers beside the three tiles spill inside the loop. The slots take
+shared memory a fifth stage would need, so the ring has four
 (``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). A thread's 32 columns are 8j + 2q + {0, 1} for the
-16 n8 blocks j of the wgmma tile (q: its lane in the quad): 16 pairs 32 bytes apart, 16 loads of 8 bytes.
-So each slot holds the columns in the MMA layout's order (``ColumnScaleSlots.slot``: a linear shared layout
+16 n8 blocks j of the wgmma tile (q: its lane in the quad): 16 pairs 32 bytes apart, 16 loads of 8 bytes. So
+each slot holds the columns in the MMA layout's order (``ColumnScaleSlots.slot``: a linear shared layout
 that puts blocks 2J and 2J + 1 of one q side by side): 8 loads of 16 bytes a thread, the TMA warp's copies
-8-byte pieces. The kernel's time goes with its instruction count (Nsight Compute: 0.41 issued a cycle per
-scheduler in both recipes, blockwise 1.66x per-tensor's instructions), and this is 8 fewer a step. Where the
-MMA warps write the tile themselves or load it for a load-add-store, the 16-byte loads' aligned register
-quads made the sm_90a build spill, so those keep the columns' own order. Measured: docs/benchmarks/LOG.md.
+8-byte pieces. Where the MMA warps write the tile themselves or load it for a load-add-store, the 16-byte
+loads' aligned register quads made the sm_90a build spill, so those keep the columns' own order. Measured:
+docs/benchmarks/LOG.md.
 
 [Note: tracing the MMA warps' tile phases]
 Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
-(``grouped_wgrad_fp8_launch.launch(..., trace=)``) has the MMA
-warps read the SM's cycle counter at four points of each tile with tokens: the loop's top, the first
-chunk's MMAs issued (``_begin``: the wait for its stage, the edge zeroing), the previous tile handed off
-or written (``_flush``), and the last chunk done (``_accumulate``), and store them with the tile's chunk
-count. Off (the default), nothing of it is built. A traced launch may also write nothing (ADD_MODE -1:
-the epilogue warps read each handed-off tile from shared memory and drop it), to time the chunks without
-the output's global traffic, and such a dry run may skip the edge chunks' zeroing (ZERO_EDGES = False),
-to time what it costs.
+(``grouped_wgrad_fp8_launch.launch(..., trace=)``) has the MMA warps read the SM's cycle counter at four
+points of each tile with tokens: the loop's top, the first chunk's MMAs issued (``_begin``: the wait for its
+stage, the edge zeroing), the previous tile handed off or written (``_flush``), and the last chunk done
+(``_accumulate``), and store them with the tile's chunk count. Off (the default), nothing of it is built. A
+traced launch may also write nothing (ADD_MODE -1: the epilogue warps read each handed-off tile from shared
+memory and drop it), to time the chunks without the output's global traffic, and such a dry run may skip the
+edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
 
-[Note: the bf16 wgrad in the fp8 kernel]
-The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``,
-``grouped_wgrad_fp8_launch.launch_tokens_outer``; ``GroupedGemmTuning.wgrad_gluon``, where groups
-average 256 tokens or more): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a
-[64 tokens, 128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8),
-and the MMA reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T
-there). The token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at
-its first token and only its last chunk can hold another group's tokens: those token rows of both
-stages are zeroed (``tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded
-([Note: a group's tail zero-filled by TMA]). The persistent schedule and the epilogue partition are the
-FP8 kernel's, the loop chained ([Note: chained bf16 accumulation]); the
-scales are ones. bf16 MMAs run at half the fp8 rate, so at E=64 a tile's MMAs take about twice as long
-while its fp32 epilogue stays, for the partition to hide. Accumulating on an H200, chained, tails
-zero-filled by TMA (docs/benchmarks.md, medians of interleaved rounds): 461 TFLOP/s at E=64, 1.13x the
-Triton kernel (0.80x grouped_mm's plain wgrad), 1.05x at E=8 (1.01x grouped_mm's plain wgrad) and 0.78x
-at E=128, whose groups of 128 tokens (two chunks per tile, an fp32 epilogue as long as the MMAs) stay
-with the Triton kernel (``GroupedGemmTuning.wgrad_gluon_min_tokens``).
-
-[Note: a group's tail zero-filled by TMA]
-In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or
-unrouted rows (which may be NaN). With GROUP_DESC (``launch_tokens_outer(tail="tma")``, the default) the
-TMA warp builds descriptors of dy and x whose base is the group's first token and whose row extent is
-the group's size, whenever its next tile belongs to another group than the last
-(``tma.make_tensor_descriptor``: 128 bytes each in Triton's global scratch, published to the TMA unit
-through the tensormap proxy's fences), so TMA fills the rows past the end with zeros and the MMA warps
-zero nothing. A base at any token is 16-byte aligned because the row stride is
-(a TMA requirement of the whole tensor already), which is why this serves the tokens-outer bf16 stages
-and not the fp8 ones: there the token is the inner coordinate, and a group starting off a 16-token
-boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in ``grouped_gemm_fp8``). With
-tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero the rows past the end
-(``tiles.zero_rows``); a Triton whose allocator setting cannot be reached runs that. Measured on
-an H200 (docs/benchmarks.md): built for every tile, the descriptors cost more than the zeroing (E=64 418
-against 444 TFLOP/s, E=8 565 against 577; not profiled: the TMA warp waits for its fences before each
-tile's first load); rebuilt on a change of group only (every ~7 tiles per program at E=64, every tile at
-E=128) they tie or win: chained, 2-5% at each shape.
-
-[Note: chained bf16 accumulation]
-The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under
-the next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precision), bf16 does not. With
-CHAIN (what ``launch_tokens_outer`` launches) a bf16 tile's chunks after the first accumulate into the
-registers of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the
-chunk before it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
-On an H200 it gained 3-6% at E=8 and E=64 (docs/benchmarks.md).
+The kernel's bf16 / fp16 form ([Note: the bf16 wgrad in the fp8 kernel]) is described beside its launcher
+(``grouped_wgrad_fp8_launch.py``).
 
 Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
 TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator or blockwise 1x128
-tiles ([Note: blockwise wgrad scales]), a stacked fp32
-output ``[E, N, K]`` (bf16 / fp16 when fresh) or a table of per-group fp32 bases (``PTR_TABLE``).
-Legend as in ``grouped_gemm_fp8``: T tokens, N out-features (dy^T rows), K in-features (x^T rows), E groups.
-"""
+tiles ([Note: blockwise wgrad scales]), a stacked fp32 output ``[E, N, K]`` (bf16 / fp16 when fresh) or a
+table of per-group fp32 bases (``PTR_TABLE``). Legend as in ``grouped_gemm_fp8``: T tokens, N out-features
+(dy^T rows), K in-features (x^T rows), E groups."""
 
 from . import (
     AVAILABLE,

@@ -2,11 +2,44 @@
 
 ``launch``: the FP8 wgrad, per-tensor or blockwise recipe, from dy^T [N, T] and x^T [K, T] (tokens innermost).
 ``launch_tokens_outer``: the bf16 / fp16 wgrad from dy [T, N] and x [T, K] as the caller holds them
-([Note: the bf16 wgrad in the fp8 kernel]). Both run one program per SM (at most one per tile) and check
+([Note: the bf16 wgrad in the fp8 kernel], below). Both run one program per SM (at most one per tile) and check
 only their own settings; the dispatchers (``grouped_gemm_fp8._launch_gluon_wgrad``,
 ``grouped_gemm._launch_gluon_wgrad``) checked the preconditions in the kernel module's docstring. The
 kernel, its descriptor helper and the Triton it was built with are looked up on the kernel module at
 each call, so a test that replaces one there replaces it for the launchers too.
+
+[Note: the bf16 wgrad in the fp8 kernel]
+The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``,
+``grouped_wgrad_fp8_launch.launch_tokens_outer``; ``GroupedGemmTuning.wgrad_gluon``, where groups average
+256 tokens or more): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a [64 tokens,
+128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8), and the MMA
+reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T there). The
+token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at its first token
+and only its last chunk can hold another group's tokens: those token rows of both stages are zeroed
+(``tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded ([Note: a group's tail
+zero-filled by TMA]). The persistent schedule and the epilogue partition are the FP8 kernel's, the loop
+chained ([Note: chained bf16 accumulation]); the scales are ones. bf16 MMAs run at half the fp8 rate, so at
+E=64 a tile's MMAs take about twice as long while its fp32 epilogue stays, for the partition to hide.
+
+[Note: a group's tail zero-filled by TMA]
+In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or
+unrouted rows (which may be NaN). With GROUP_DESC (``launch_tokens_outer(tail="tma")``, the default) the TMA
+warp builds descriptors of dy and x whose base is the group's first token and whose row extent is the
+group's size, whenever its next tile belongs to another group than the last (``tma.make_tensor_descriptor``:
+128 bytes each in Triton's global scratch, published to the TMA unit through the tensormap proxy's fences),
+so TMA fills the rows past the end with zeros and the MMA warps zero nothing. A base at any token is 16-byte
+aligned because the row stride is (a TMA requirement of the whole tensor already), which is why this serves
+the tokens-outer bf16 stages and not the fp8 ones: there the token is the inner coordinate, and a group
+starting off a 16-token boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in
+``grouped_gemm_fp8``). With tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero
+the rows past the end (``tiles.zero_rows``); a Triton whose allocator setting cannot be reached runs that.
+
+[Note: chained bf16 accumulation]
+The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under the
+next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precision), bf16 does not. With CHAIN
+(what ``launch_tokens_outer`` launches) a bf16 tile's chunks after the first accumulate into the registers
+of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the chunk before
+it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def overlap_fraction(events: Iterable[Any]) -> float | None:
     return _hidden([(e.time_range.start, e.time_range.end) for e in gloo], compute) if gloo else None
 
 
-# ---- [Note: idle device time] ---------------------------------------------------------------------------
+# [Note: idle device time]
 # A step is device-bound where the device is always busy; it loses time wherever the device waits for the
 # host. ``idle_gaps`` reads a chrome trace (``prof.export_chrome_trace``): the device's busy time is the
 # union of its kernels, copies and memsets on every stream; a gap is the time between two busy intervals
@@ -210,7 +210,7 @@ def idle_table(gaps: dict[str, Any], rows: int = 12) -> str:
 
 
 
-# ---- [Note: kernel time by kind] -------------------------------------------------------------------------
+# [Note: kernel time by kind]
 # What an FP8 step adds, and what bounds it, is read from its kernel time by kind: the GEMMs (cuBLAS's, the
 # grouped and FP8 kernels, torch's grouped_mm and inductor's templates), the FP8 quantization passes (amax,
 # casts, transposes, block scales), the optimizer (torch's multi-tensor kernels: fused or foreach AdamW),
