@@ -2,7 +2,7 @@
 
 Configs are picked by a fixed table, not by ``triton.autotune``: autotuning benchmarks on the first call
 of every new key, which cannot run inside a CUDA-graph capture and would corrupt the accumulating wgrad
-(its benchmark runs add into ``out`` repeatedly). ``qa/bench/gemm_kernels.py --sweep`` times every
+(its benchmark runs add into ``out`` repeatedly). ``qa/bench/kernels.py gemm --sweep`` times every
 candidate below on an H200 and prints each one per op and shape; the tables cite those runs.
 
 Legend (kernel view): every kernel computes ``C[M, N] (+)= A[M, K] @ B[K, N]`` tile by tile.
@@ -82,7 +82,7 @@ class TileConfig:
 # Tiny tiles for TRITON_INTERPRET=1: several tiles per group and masked edges at test shapes.
 INTERPRETER = TileConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 
-# Candidates that ``qa/bench/gemm_kernels.py --sweep`` times (bf16, H200). Rounds and their results are
+# Candidates that ``qa/bench/kernels.py gemm --sweep`` times (bf16, H200). Rounds and their results are
 # in docs/benchmarks/LOG.md (the candidates that never came within 5% of the best are no longer timed).
 # Wgmma wants 64 rows per warpgroup; 128x128/w4/s3 (96 KB of shared memory) lets two programs share an
 # SM, so one's epilogue overlaps the other's main loop.

@@ -4,7 +4,7 @@ Same scheme as the bf16 kernels (``_grouped_gemm_configs``): a fixed table, no `
 benchmark runs cannot happen inside a CUDA-graph capture and would add into an accumulating ``out``
 repeatedly). Configs reuse ``TileConfig``; the FP8 kernels support ``add_mode`` "load" and "atomic".
 
-TUNED on an H200 (2026-11-29, triton 3.6; ``qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep`` on
+TUNED on an H200 (2026-11-29, triton 3.6; ``qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-sweep`` on
 the two large MoE shapes, E, T, K, N = 8, 32768, 4096, 14336 and 64, 65536, 7168, 2048, i.e. ~4096 and
 ~1024 tokens per group; JSON in docs/benchmarks/LOG.md, fp8_gemm_sweep_h200.json). ``pick`` cites the numbers
 (ratios to our bf16 kernels at the same shape, run to run noise a few percent). The third MoE shape (~128

@@ -199,7 +199,7 @@ class QuantizeTuning:
     """The FP8 quantize kernels (``kernels/quantize.py``) and the grouped weight quantize
     (``kernels/weights_fp8.py``). Every value only moves speed: each element's arithmetic is the same for
     any tiling. GB/s: H200, 2026-11-29, 8192x16384 bf16 -> e4m3, GB/s of minimal traffic (copy ~4135),
-    from ``python qa/bench/fp8.py --benchmarks quantize --quant-sweep`` (candidates: ``quantize.SWEEP``,
+    from ``python qa/bench/kernels.py fp8 --benchmarks quantize --quant-sweep`` (candidates: ``quantize.SWEEP``,
     each checked bit-exact first). Run-to-run noise was +-15-30% (one 128x128 config measured 2682 and 3837
     GB/s in one process), so only differences well beyond that moved a default. Registers: ptxas -v for
     sm_90a, Triton 3.9, bf16 input; "k/SM": programs resident per SM.

@@ -92,7 +92,7 @@ from ._tuning import current as _tuning
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise"]
 
-# Candidates of ``qa/bench/fp8.py --quant-sweep``: per benchmark op, ``QuantizeTuning`` fields to override
+# Candidates of ``qa/bench/kernels.py fp8 --quant-sweep``: per benchmark op, ``QuantizeTuning`` fields to override
 # (``tuning(quantize=...)``; the tuned values and their measurements: [Note: kernel tuning] in _tuning.py),
 # each timed after a bit-exact check. Chosen from the register counts there to vary programs per SM, bytes
 # per program and per-scale redundancy; the first of each list is the default.

@@ -250,7 +250,7 @@ def case_gluon_fallback(device: str, big: bool) -> None:
 
 
 def case_sweep(device: str, big: bool) -> None:
-    """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/fp8.py --quant-sweep``) on
+    """Every candidate tuning of the benchmark's sweep (``SWEEP``, ``qa/bench/kernels.py fp8 --quant-sweep``) on
     a shape that is no multiple of any tile: same bits as the reference, op by op. CI takes each op's first
     and last candidate (``sweep.sample``); ``--full`` takes all 19."""
     kq = _kernels()

@@ -16,7 +16,7 @@ magnitude by up to 2^+-4 between 32x32 patches, so a wrong tile or block scale i
 per-tensor (e4m3 x and w, e5m2 gradients, one scale per expert weight) and blockwise (e4m3, 1x128 and
 128x128 power-of-two scales; also 1x32/32x32 with exact fp32 scales).
 
-``test_bench_*`` run qa/bench/fp8.py's grouped GEMM benchmark (--help, and end to end in the interpreter:
+``test_bench_*`` run qa/bench/kernels.py fp8's grouped GEMM benchmark (--help, and end to end in the interpreter:
 rows, FLOPs, ratios). Elsewhere: the problems and checks these share (``grouped_gemm_fp8_cases.py``), the
 sm_90a builds without a GPU (``test_grouped_gemm_fp8_builds.py``), the launchers' dispatch with stubbed
 kernels (``test_grouped_gemm_fp8_gluon_dispatch.py``) and the GPU tests (``test_grouped_gemm_fp8_gpu.py``,
@@ -379,12 +379,12 @@ def test_interpreter(case):
 # ---- the benchmark's bookkeeping -------------------------------------------------------------------
 
 
-_BENCH = os.path.join(_ROOT, "qa", "bench", "fp8.py")
+_BENCH = os.path.join(_ROOT, "qa", "bench", "kernels.py")
 
 
 def test_bench_help():
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, _BENCH, "--help"],
+    proc = subprocess.run([sys.executable, _BENCH, "fp8", "--help"],
                           env=_child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--gemm-shapes" in proc.stdout, proc.stderr[-3000:]
 
@@ -394,7 +394,7 @@ def test_bench_grouped_gemm_smoke(tmp_path):
     """The benchmark end to end on a tiny shape in the interpreter: rows, FLOPs, ratio columns."""
     pytest.importorskip("triton")
     out = tmp_path / "rows.json"
-    run_interpreted(_BENCH, "--device", "cpu", "--shape", "64x64", "--benchmarks", "grouped_gemm",
+    run_interpreted(_BENCH, "fp8", "--device", "cpu", "--shape", "64x64", "--benchmarks", "grouped_gemm",
                     "--gemm-shapes", "2,64,64,48", "--reps", "1", "--json", out, timeout=300)
     rows = [r for r in json.loads(out.read_text()) if r["op"].startswith("gg_")]
     impls = {(r["op"], r["impl"]) for r in rows}
@@ -416,7 +416,7 @@ def test_bench_gemm_sweep_smoke(tmp_path):
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_fp8_configs as CF
     out = tmp_path / "rows.json"
-    run_interpreted(_BENCH, "--device", "cpu", "--shape", "64x64", "--benchmarks", "grouped_gemm",
+    run_interpreted(_BENCH, "fp8", "--device", "cpu", "--shape", "64x64", "--benchmarks", "grouped_gemm",
                     "--gemm-shapes", "2,64,64,48", "--reps", "1", "--gemm-sweep", "--gemm-ops", "wgrad", "dgrad",
                     "--json", out, timeout=300)
     impls = [r["impl"] for r in json.loads(out.read_text()) if "@" in r["impl"]]

@@ -31,7 +31,7 @@ queued wgrads), and only then waits: the exchange travels while the wgrad GEMMs 
 done or nearly. The drained wgrads are the ones ``drain_deferred_wgrads`` would have run later, in the
 same order (each module's FIFO, oldest first), so the gradients are the same bits. ``exposed_s`` counts the
 time a rank waits on its exchanges after any overlapped work; comparing it with ``overlap_wgrads=False``
-gives the fraction hidden (``qa/bench/experts.py``).
+gives the fraction hidden (``qa/bench/parallelism.py experts``).
 """
 
 from __future__ import annotations

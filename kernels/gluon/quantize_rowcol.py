@@ -18,7 +18,7 @@ rows, 8 consecutive columns; ``BlockedLayout([1, 4, 8], ...)`` over the tile vie
   written, which Triton's own compiler would not), which computes the scale and its inverse, stores the
   inverse once and broadcasts the scale back: 18.1 instructions per element (every holder of a row or
   column computing its scale took 24.6: docs/benchmarks/LOG.md).
-H200 (2026-11-29, ``qa/L2_gpu/rowcol_gluon_check.py`` and ``qa/bench/fp8.py --quant-sweep``): 0.73-0.755
+H200 (2026-11-29, ``qa/L2_gpu/rowcol_gluon_check.py`` and ``qa/bench/kernels.py fp8 --quant-sweep``): 0.73-0.755
 of the copy bandwidth against 0.59-0.61 for the Triton kernel, bit-exact in every run. A variant with 8
 rows per thread (x^T in 8-byte words; 14.9 instructions per element) built, but gave wrong x^T bits on
 Triton 3.6 in every run, so it is not offered.

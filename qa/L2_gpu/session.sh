@@ -61,38 +61,38 @@ for step in $STEPS; do
              --tb=short --timeout 150 --durations 12 ;;
     cpu_full) run cpu_full env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -m "not distributed and not gpu" --full -q -p no:cacheprovider \
                 -n "${PYTEST_WORKERS:-auto}" -rf --tb=short ;;
-    sweep_wgrad) run sweep_wgrad python3 qa/bench/gemm_kernels.py --ops wgrad_accumulate --sweep \
+    sweep_wgrad) run sweep_wgrad python3 qa/bench/kernels.py gemm --ops wgrad_accumulate --sweep \
                    --sweep-ops wgrad_accumulate --sweep-rep 30 --sweep-json "$OUT_DIR/sweep_wgrad.json" ;;
-    sweep_ragged) run sweep_ragged python3 qa/bench/gemm_kernels.py --ops fprop dgrad --sweep \
+    sweep_ragged) run sweep_ragged python3 qa/bench/kernels.py gemm --ops fprop dgrad --sweep \
                     --sweep-ops fprop dgrad --sweep-json "$OUT_DIR/sweep_ragged.json" ;;
     gluon_wgrad16) run gluon_wgrad16_tests python3 -m pytest tests/test_grouped_gemm_gpu.py \
                      tests/test_grouped_gemm_fp8_gpu.py -m gpu -k gluon_wgrad -q -p no:cacheprovider -rf \
                      --tb=short --timeout 150
-                   run gluon_wgrad16 python3 qa/bench/gemm_kernels.py --ops wgrad_accumulate --gluon-wgrad \
+                   run gluon_wgrad16 python3 qa/bench/kernels.py gemm --ops wgrad_accumulate --gluon-wgrad \
                      --triton-rows --no-check --rep 50 --json "$OUT_DIR/gluon_wgrad16.json" ;;
     half_tail) run half_tail_tests python3 -m pytest tests/test_grouped_gemm_gpu.py -m gpu -k "half_tail or test_gpu_bf16 \
                  or wide_tail or e256 or cuda_graph or other_dtypes" -q -p no:cacheprovider -rf --tb=short --timeout 150
-               run half_tail python3 qa/bench/gemm_kernels.py --ops fprop dgrad --half-tail-rows --rounds 3 \
+               run half_tail python3 qa/bench/kernels.py gemm --ops fprop dgrad --half-tail-rows --rounds 3 \
                  --json "$OUT_DIR/half_tail.json" ;;
-    gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops fprop dgrad \
+    gemm_fp8_gluon) run gemm_fp8_gluon python3 qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-ops fprop dgrad \
                       --gemm-recipes per_tensor blockwise --gluon-stages 4 --gluon-variants m128 \
                       --json "$OUT_DIR/gemm_fp8_gluon.json" ;;
-    gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad \
+    gemm_fp8_wgrad) run gemm_fp8_wgrad python3 qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-ops wgrad \
                       wgrad_accumulate --gemm-recipes per_tensor --gluon-wgrad --json "$OUT_DIR/gemm_fp8_wgrad.json" ;;
-    gemm_fp8) run gemm_fp8 python3 qa/bench/fp8.py --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
-    gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep \
+    gemm_fp8) run gemm_fp8 python3 qa/bench/kernels.py fp8 --benchmarks grouped_gemm --json "$OUT_DIR/gemm_fp8.json" ;;
+    gemm_fp8_sweep) run gemm_fp8_sweep python3 qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-sweep \
                       ${GEMM_SWEEP_ARGS:-} --json "$OUT_DIR/gemm_fp8_sweep.json" ;;
-    quant_graph) run quant_graph python3 qa/bench/fp8.py --benchmarks quantize --cuda-graph \
+    quant_graph) run quant_graph python3 qa/bench/kernels.py fp8 --benchmarks quantize --cuda-graph \
                    --json "$OUT_DIR/quantize_cuda_graph.json" ;;
     quant_gluon) run quant_gluon python3 qa/L2_gpu/rowcol_gluon_check.py ;;
     tma_alignment) run tma_alignment python3 qa/L2_gpu/tma_token_alignment.py ;;
-    quant_sweep) run quant_sweep python3 qa/bench/fp8.py --benchmarks quantize --quant-sweep \
+    quant_sweep) run quant_sweep python3 qa/bench/kernels.py fp8 --benchmarks quantize --quant-sweep \
                    --json "$OUT_DIR/quant_sweep.json" ;;
-    bench_gemm) run bench_gemm python3 qa/bench/gemm_kernels.py --rounds 3 --json "$OUT_DIR/grouped_gemm_h200.json" \
+    bench_gemm) run bench_gemm python3 qa/bench/kernels.py gemm --rounds 3 --json "$OUT_DIR/grouped_gemm_h200.json" \
                   --plot "$OUT_DIR/grouped_gemm_h200.png" ;;
-    bench_gemm_graph) run bench_gemm_graph python3 qa/bench/gemm_kernels.py --cuda-graph --no-check \
+    bench_gemm_graph) run bench_gemm_graph python3 qa/bench/kernels.py gemm --cuda-graph --no-check \
                         --json "$OUT_DIR/grouped_gemm_h200_graph.json" ;;
-    bench_fp8) run bench_fp8 python3 qa/bench/fp8.py --json "$OUT_DIR/fp8_h200.json" ;;
+    bench_fp8) run bench_fp8 python3 qa/bench/kernels.py fp8 --json "$OUT_DIR/fp8_h200.json" ;;
     megatron) run megatron python3 qa/L2_gpu/megatron_real_schedule.py ;;
     fp8_audit)  # every FP8 GEMM/quantization of the job vs emulation, then one bisect run per variant
       for v in "" "--first-picks" "--emulate-gemm wgrad" "--emulate-gemm dgrad" "--emulate-gemm fprop"; do

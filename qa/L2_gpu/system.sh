@@ -26,7 +26,7 @@
 #       FSDP2 compiled, then beside plain torch compiled and graphed (all of a group alive at once)
 #   STEPS=fp8_wgrad bash qa/L2_gpu/system.sh   # (not in the default) the FP8 wgrad kernels: their GPU tests
 #       (Gluon against Triton, bit for bit, both recipes), the blockwise wgrad timed beside its Triton kernel
-#       (qa/bench/fp8.py), and the layer step's FP8 recipes against bf16 (qa/bench/layer_step.py)
+#       (qa/bench/kernels.py fp8), and the layer step's FP8 recipes against bf16 (qa/bench/layer_step.py)
 #   STEPS=multi_build bash qa/L2_gpu/system.sh   # (not in the default) per-tensor eager alone, beside the
 #       bf16 and blockwise builds in one process, then alone again: one machine start, so the host's speed
 #       is the same for the three
@@ -89,7 +89,7 @@ for step in $STEPS; do
       done ;;
     fp8_wgrad)
       run fp8_wgrad_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_grouped_gemm_fp8_gpu.py -k wgrad
-      run fp8_wgrad_bench python3 qa/bench/fp8.py --benchmarks grouped_gemm --gemm-ops wgrad_accumulate \
+      run fp8_wgrad_bench python3 qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-ops wgrad_accumulate \
         --gemm-recipes blockwise per_tensor
       run fp8_wgrad_layer python3 qa/bench/layer_step.py ;;
     fp8_tests) run fp8_tests python3 -m pytest -q -p no:cacheprovider -m gpu ${FP8_TESTS:-tests/test_weights_fp8.py \

@@ -1,7 +1,7 @@
 """Expert parallelism measured ([Note: expert-parallel dispatch] in ``distwgrad/parallel/experts.py``).
 
-    torchrun --standalone --nproc-per-node 4 qa/bench/experts.py --no-record              # CPU ranks, gloo
-    python qa/bench/experts.py --compute --model large --no-record                        # one GPU
+    torchrun --standalone --nproc-per-node 4 qa/bench/parallelism.py experts --no-record              # CPU ranks, gloo
+    python qa/bench/parallelism.py experts --compute --model large --no-record                        # one GPU
 
 Under torchrun (CPU ranks over gloo, the job's ``--model`` preset): one process trains, side by side and in
 rotated rounds, ``MoEGPT`` at each ``--ep`` size (1: every weight sharded over every rank, coalesced as the
@@ -278,7 +278,3 @@ def main(argv=None) -> None:
     else:
         args.ep = args.ep or [1, 2, 4]
         cpu_ranks(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Each pipeline schedule's measured step time and bubble beside the simulator's prediction from the same
 run's stage times ([Note: the pipeline simulator] in ``distwgrad/parallel/simulate.py``).
 
-    torchrun --standalone --nproc-per-node 2 qa/bench/pipeline_bubble.py --no-record
-    torchrun --standalone --nproc-per-node 4 qa/bench/pipeline_bubble.py --microbatches 8 --no-record
+    torchrun --standalone --nproc-per-node 2 qa/bench/parallelism.py pipeline --no-record
+    torchrun --standalone --nproc-per-node 4 qa/bench/parallelism.py pipeline --microbatches 8 --no-record
 
 One pipeline rank per process (dp 1), the job's MoE GPT (``--model`` preset, ``--n-layers``) cut into each
 schedule's stages. Per schedule: ``--warmup`` steps, then ``--steps`` timed ones (each a barrier, the
@@ -20,7 +20,7 @@ one, in bf16): ``--n-layers`` blocks of the preset as a middle stage, one microb
 input gradient, the wgrads queued) and W (the queued wgrads) timed apart, each ``--steps`` times after
 ``--warmup``, divided by the layer count; it prints the ``distwgrad.parallel.simulate`` command to feed them to.
 
-    torchrun --standalone --nproc-per-node 1 qa/bench/pipeline_bubble.py --layer-times --model large \\
+    torchrun --standalone --nproc-per-node 1 qa/bench/parallelism.py pipeline --layer-times --model large \\
         --n-layers 2 --global-batch 8 --microbatches 8 --no-record
 """
 
@@ -145,7 +145,7 @@ def _layer_times(args) -> None:
     results.record(rows_out, args)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
     p.add_argument("--n-layers", type=int, default=8)
@@ -156,7 +156,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layer-times", action="store_true", help="only one layer's F, B and W times, one process")
     results.add_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     dist.init_process_group("gloo")
     if args.layer_times:
         _layer_times(args)
@@ -189,7 +189,3 @@ def main() -> None:
             print(f"| {s} | {step:.1f} | {pstep:.1f} | {b:.3f} | {pb:.3f} | {' / '.join(f'{v:.2f}' for v in layer)} |")
         results.record(rows, args)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

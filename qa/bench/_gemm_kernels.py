@@ -3,11 +3,11 @@ and a dense mm of the same FLOPs, in one process on one GPU (bf16 operands, fp32
 
 Run on a GPU machine from the repository root::
 
-    PYTHONPATH=. python qa/bench/gemm_kernels.py --rounds 3 --json out.json --plot out.png   # the record
-    PYTHONPATH=. python qa/bench/gemm_kernels.py --sweep --sweep-json sweep.json   # + every candidate config
-    PYTHONPATH=. python qa/bench/gemm_kernels.py --shapes 8,4096,512,1024 --ops fprop   # a subset
-    PYTHONPATH=. python qa/bench/gemm_kernels.py --ops wgrad_accumulate --triton-rows --rounds 3   # + wgrad variants
-    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/gemm_kernels.py --device cpu --shapes 3,64,32,48   # smoke
+    PYTHONPATH=. python qa/bench/kernels.py gemm --rounds 3 --json out.json --plot out.png   # the record
+    PYTHONPATH=. python qa/bench/kernels.py gemm --sweep --sweep-json sweep.json   # + every candidate config
+    PYTHONPATH=. python qa/bench/kernels.py gemm --shapes 8,4096,512,1024 --ops fprop   # a subset
+    PYTHONPATH=. python qa/bench/kernels.py gemm --ops wgrad_accumulate --triton-rows --rounds 3   # + wgrad variants
+    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/kernels.py gemm --device cpu --shapes 3,64,32,48   # smoke
 
 Ops (FLOPs 2*T*N*K for all; ``E, T, K, N`` = experts, tokens, in-features, out-features):
     fprop             y = x_e @ W_e^T                                per group
@@ -491,7 +491,3 @@ def main(argv=None) -> int:
     if args.plot and rows:
         plot(rows, args.plot)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

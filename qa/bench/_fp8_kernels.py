@@ -2,17 +2,17 @@
 
 Run on a GPU machine from the repository root::
 
-    PYTHONPATH=. python qa/bench/fp8.py --json out.json                 # 8192x16384 bf16, all ops
-    PYTHONPATH=. python qa/bench/fp8.py --ops per_tensor --impls triton  # a subset
-    PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --impls eager   # smoke test
-    PYTHONPATH=. python qa/bench/fp8.py --benchmarks quantize --quant-sweep --json q.json  # + every tuning
-    PYTHONPATH=. python qa/bench/fp8.py --benchmarks quantize --cuda-graph  # device time, no launch cost
-    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --shape 256x512 --benchmarks quantize \
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --json out.json                 # 8192x16384 bf16, all ops
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --ops per_tensor --impls triton  # a subset
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --device cpu --shape 256x512 --impls eager   # smoke test
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --benchmarks quantize --quant-sweep --json q.json  # + every tuning
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --benchmarks quantize --cuda-graph  # device time, no launch cost
+    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/kernels.py fp8 --device cpu --shape 256x512 --benchmarks quantize \
         --impls triton --quant-sweep --reps 1                                          # smoke test
-    PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --json gg.json       # FP8 vs bf16 grouped GEMM
-    PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --gemm-sweep         # + every fp8 tile config
-    PYTHONPATH=. python qa/bench/fp8.py --benchmarks grouped_gemm --gluon-stages 3 4 5  # + Gluon kernel depths
-    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/fp8.py --device cpu --benchmarks grouped_gemm \
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --benchmarks grouped_gemm --json gg.json  # FP8 vs bf16 grouped GEMM
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-sweep         # + every fp8 tile config
+    PYTHONPATH=. python qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gluon-stages 3 4 5  # + Gluon kernel depths
+    TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/kernels.py fp8 --device cpu --benchmarks grouped_gemm \
         --gemm-shapes 2,64,64,48 --reps 1                                               # smoke test
 
 Quantization is memory bound, so each implementation is reported in GB/s and as a fraction of the
@@ -43,7 +43,7 @@ promotion under the next MMA]), ``ms``, ``tflops`` (2*T*N*K / time
 for every op), ``vs_bf16`` (bf16 time / this time: > 1 is faster), ``worst`` (largest error/bound ratio
 of the pre-timing check against ``distwgrad.testing.reference_fp8``; a failed check raises). Timed: the
 GEMM alone on pre-quantized operands and stacked fp8 weights (quantization is ``bench_quantize``'s).
-Routing as qa/bench/gemm_kernels.py: each token picks one expert uniformly at random, seed 0 (``--gemm-routing
+Routing as qa/bench/kernels.py gemm: each token picks one expert uniformly at random, seed 0 (``--gemm-routing
 balanced``: T // E tokens per group).
 """
 
@@ -636,7 +636,3 @@ def result_rows(rows: list[Row], device: str) -> list[dict]:
             out += results.from_records([{**r, "precision": prec}], bench="fp8_quantize", device=device,
                                         metrics={"gbps": "GB/s"})
     return out
-
-
-if __name__ == "__main__":
-    main()
