@@ -2,7 +2,7 @@
 
 ``--full`` runs the whole of every sampled sweep (``distwgrad.testing.sweep``: the cases a sweep leaves
 out of its fixed-seed sample, and tests marked ``full``, are skipped without it). CI runs the sample;
-``qa/L2_gpu/session.sh`` runs ``--full``.
+``qa/L2_gpu/run.sh`` runs ``--full``.
 
 Every test (and every subprocess it starts) writes benchmark rows to a temporary results file
 (``DISTWGRAD_RESULTS``), never to ``docs/benchmarks/results.jsonl``.

@@ -1,4 +1,4 @@
-"""The module paths on CUDA (bf16, Triton grouped GEMM), run by qa/L2_gpu/test.sh on a GPU machine.
+"""The module paths on CUDA (bf16, Triton grouped GEMM), run by qa/L2_gpu/run.sh on a GPU machine.
 
 Tolerance: bf16 GEMMs with fp32 accumulation are compared against an fp64 reference; our error must stay
 within 2x the error of the plain bf16 torch computation of the same product (the reference's own

@@ -74,3 +74,22 @@ def test_each_note_is_defined_once_and_every_reference_resolves():
         dangling |= {(m.group(1), _rel(p)) for m in NOTE_REFERENCE.finditer(flat)
                      if m.group(1) not in defined and m.group(1) != "..."}
     assert not dangling, sorted(dangling)
+
+
+def test_the_gpu_runner_names_every_step_and_its_scripts_exist():
+    """``qa/L2_gpu/run.sh`` is the one GPU runner; a dry run prints each step's commands (nothing runs)."""
+    import os
+    import subprocess
+
+    runner = ROOT / "qa" / "L2_gpu" / "run.sh"
+    assert sorted(p.name for p in runner.parent.glob("*.sh")) == ["run.sh"]
+    env = {**os.environ, "DRY_RUN": "1", "STEPS": "all", "OUT_DIR": "/nonexistent/out"}
+    proc = subprocess.run(["bash", str(runner)], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= 30, lines
+    scripts = {w for line in lines for w in line.split() if w.startswith("qa/") and w.endswith(".py")}
+    assert scripts and all((ROOT / s).is_file() for s in scripts), sorted(scripts)
+    bad = subprocess.run(["bash", str(runner)], env={**env, "STEPS": "nope"}, capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert "unknown step nope" in bad.stderr

@@ -4,7 +4,7 @@ A sweep of cases (configs, dtypes, shapes) that is too slow for CI keeps a deter
 first and last case (the edges a sweep is usually ordered by) and ``k - 2`` more drawn by a seeded
 generator, the same cases on every run and machine. ``pytest --full`` (``tests/conftest.py``) sets
 ``DISTWGRAD_FULL_SWEEPS=1``, which this module reads, so the interpreter cases that run in a child
-process see it too; ``qa/L2_gpu/session.sh`` runs the full sweeps.
+process see it too; ``qa/L2_gpu/run.sh`` runs the full sweeps.
 """
 
 from __future__ import annotations
