@@ -1,4 +1,5 @@
-"""``make_graphed_callables``' keywords: TransformerEngine's whole signature, resolved to what distwgrad does.
+"""``make_graphed_callables``' arguments: TransformerEngine's keywords resolved to what distwgrad does, and
+the checks of the modules and sample inputs.
 
 TransformerEngine renamed its FP8 keywords and accepts both spellings; so does distwgrad (both spellings of
 one option at once is an error). Each keyword, TE's older spelling in brackets:
@@ -11,8 +12,8 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
 * ``calibrating=True`` (``fp8_calibrating``), an ``amax_reduction_group`` (``fp8_group``): refused:
   calibration and amax reduction groups serve delayed scaling; distwgrad's recipes scale from the current
   amax, and a weight's amax is of its full (gathered) value.
-* ``_order``, ``_num_layers_per_chunk``, ``_reuse_graph_input_output_buffers``: refused: capture in an
-  interleaved pipeline schedule's order is not implemented; graph each model chunk with its own call.
+* ``_order``, ``_num_layers_per_chunk``: capture in a pipeline schedule's order (``graph_order.py``).
+* ``_reuse_graph_input_output_buffers=True``: refused: each forward pass keeps static buffers of its own.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distwgrad.fp8.recipe import Recipe
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
 
-__all__ = ["GraphOptions", "resolve_options"]
+from distwgrad.fp8.recipe import Recipe
+from distwgrad.weights.base import DistributedParameter
+from distwgrad.wgrad.store import DeferredWgradError
+
+__all__ = ["GraphOptions", "resolve_options", "as_tuple_of_modules", "per_callable", "check_inputs", "check_module",
+           "distributed_weights", "check_devices"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ def _one(name: str, value: Any, old: str, old_value: Any) -> Any:
 
 def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, recipe: Any, fp8_recipe: Any,
                     calibrating: Any, fp8_calibrating: Any, amax_reduction_group: Any, fp8_group: Any,
-                    cache_quantized_params: Any, fp8_weight_caching: Any, _order: Any, _num_layers_per_chunk: Any,
+                    cache_quantized_params: Any, fp8_weight_caching: Any,
                     _reuse_graph_input_output_buffers: Any) -> GraphOptions:
     """Checks every keyword and returns what the capture uses; each refusal names the keyword and why."""
     if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) or num_warmup_iters < 1:
@@ -65,10 +73,73 @@ def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, re
     cache = _one("cache_quantized_params", cache_quantized_params, "fp8_weight_caching", fp8_weight_caching)
     if cache is not None and not isinstance(cache, bool):
         raise TypeError(f"make_graphed_callables: cache_quantized_params must be a bool, got {cache!r}")
-    for name, value in (("_order", _order), ("_num_layers_per_chunk", _num_layers_per_chunk),
-                        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers or None)):
-        if value is not None:
-            raise NotImplementedError(f"make_graphed_callables: {name}={value!r} (capture in TransformerEngine's "
-                                      f"interleaved pipeline schedule order) is not implemented; graph each model "
-                                      f"chunk with its own call")
+    if _reuse_graph_input_output_buffers:
+        raise NotImplementedError("make_graphed_callables: _reuse_graph_input_output_buffers=True (forward passes "
+                                  "sharing static buffers in a pipeline schedule) is not implemented; each forward "
+                                  "pass keeps buffers of its own")
     return GraphOptions(num_warmup_iters, fp8, chosen)
+
+
+# --- the modules and sample inputs (no CUDA needed) --------------------------------------------------
+def as_tuple_of_modules(modules: Any) -> tuple[bool, tuple[nn.Module, ...]]:
+    just_one = not isinstance(modules, tuple)
+    mods = (modules,) if just_one else modules
+    if not mods:
+        raise ValueError("make_graphed_callables: modules is an empty tuple")
+    bad = [f"{i}: {type(m).__name__}" for i, m in enumerate(mods) if not isinstance(m, nn.Module)]
+    if bad:
+        raise TypeError(f"make_graphed_callables graphs nn.Modules; got {bad}")
+    return just_one, mods
+
+
+def per_callable(name: str, value: Any, n: int, just_one: bool, kind: type) -> tuple:
+    if value is None:
+        return tuple(kind() for _ in range(n))
+    given = value
+    if just_one:
+        value = (value,)
+    if not isinstance(value, tuple) or len(value) != n or not all(isinstance(v, kind) for v in value):
+        shown = (type(given).__name__ if just_one or not isinstance(given, tuple)
+                 else [type(v).__name__ for v in given])
+        raise TypeError(f"make_graphed_callables: {name} must be a {kind.__name__}"
+                        f"{'' if just_one else f' per module (a tuple of {n})'}, got {shown}")
+    return value
+
+
+def check_inputs(args: tuple, kwargs: dict, i: int) -> tuple[torch.Tensor, ...]:
+    flat = tuple(pytree.arg_tree_leaves(*args)) + tuple(pytree.tree_leaves([kwargs[k] for k in sorted(kwargs)]))
+    bad = [type(a).__name__ for a in flat if not isinstance(a, torch.Tensor)]
+    if bad:
+        raise TypeError(f"make_graphed_callables: sample inputs of module {i} must be tensors, got {bad}")
+    return flat
+
+
+def check_module(m: nn.Module, i: int) -> None:
+    if m._backward_hooks or m._forward_hooks or m._forward_pre_hooks:
+        raise ValueError(f"make_graphed_callables: module {i} ({type(m).__name__}) has hooks registered; register "
+                         f"them after graphing")
+    trainable = [name for name, b in m.named_buffers() if b.requires_grad]
+    if trainable:
+        raise ValueError(f"make_graphed_callables: module {i} has buffers requiring grad {trainable}")
+    queued = [f"{s.wgrad_store.owner} '{n or '<root>'}' ({len(s.wgrad_store)} queued)" for n, s in m.named_modules()
+              if len(getattr(s, "wgrad_store", ()))]
+    if queued:
+        raise DeferredWgradError(f"make_graphed_callables: module {i} has deferred wgrads queued: {queued}; "
+                                 f"drain them (distwgrad.drain_deferred_wgrads) before graphing")
+
+
+def distributed_weights(mods: tuple[nn.Module, ...]) -> list[DistributedParameter]:
+    seen: dict[int, DistributedParameter] = {}
+    for m in mods:
+        for p in m.parameters():
+            if isinstance(p, DistributedParameter):
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def check_devices(mods: tuple[nn.Module, ...], flat_inputs: list[tuple[torch.Tensor, ...]]) -> None:
+    for i, (m, flat) in enumerate(zip(mods, flat_inputs)):
+        off = [n for n, p in m.named_parameters() if not p.is_cuda]
+        off += [f"input {j}" for j, a in enumerate(flat) if not a.is_cuda]
+        if off:
+            raise ValueError(f"make_graphed_callables: module {i} has tensors off CUDA: {off}")

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,79 +65,23 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from distwgrad.fp8.recipe import Recipe, fp8_autocast
-from distwgrad.graph_options import resolve_options
+from distwgrad.graph_options import (
+    as_tuple_of_modules,
+    check_devices,
+    check_inputs,
+    check_module,
+    distributed_weights,
+    per_callable,
+    resolve_options,
+)
+from distwgrad.graph_order import plan_order
 from distwgrad.protocol import is_distributed_weight
-from distwgrad.weights.base import DistributedParameter, main_grad_of
+from distwgrad.weights.base import main_grad_of
 from distwgrad.weights.capture import CapturedWeights, CaptureLedger
 from distwgrad.wgrad.accumulate import graph_owned_gradients, hands_fused_dummy
 from distwgrad.wgrad.store import DeferredWgradError
 
 __all__ = ["make_graphed_callables"]
-
-
-# --- validation (no CUDA needed) ---------------------------------------------------------------------
-def _as_tuple_of_modules(modules: Any) -> tuple[bool, tuple[nn.Module, ...]]:
-    just_one = not isinstance(modules, tuple)
-    mods = (modules,) if just_one else modules
-    if not mods:
-        raise ValueError("make_graphed_callables: modules is an empty tuple")
-    bad = [f"{i}: {type(m).__name__}" for i, m in enumerate(mods) if not isinstance(m, nn.Module)]
-    if bad:
-        raise TypeError(f"make_graphed_callables graphs nn.Modules; got {bad}")
-    return just_one, mods
-
-
-def _per_callable(name: str, value: Any, n: int, just_one: bool, kind: type) -> tuple:
-    if value is None:
-        return tuple(kind() for _ in range(n))
-    given = value
-    if just_one:
-        value = (value,)
-    if not isinstance(value, tuple) or len(value) != n or not all(isinstance(v, kind) for v in value):
-        shown = (type(given).__name__ if just_one or not isinstance(given, tuple)
-                 else [type(v).__name__ for v in given])
-        raise TypeError(f"make_graphed_callables: {name} must be a {kind.__name__}"
-                        f"{'' if just_one else f' per module (a tuple of {n})'}, got {shown}")
-    return value
-
-
-def _check_inputs(args: tuple, kwargs: dict, i: int) -> tuple[torch.Tensor, ...]:
-    flat = tuple(pytree.arg_tree_leaves(*args)) + tuple(pytree.tree_leaves([kwargs[k] for k in sorted(kwargs)]))
-    bad = [type(a).__name__ for a in flat if not isinstance(a, torch.Tensor)]
-    if bad:
-        raise TypeError(f"make_graphed_callables: sample inputs of module {i} must be tensors, got {bad}")
-    return flat
-
-
-def _check_module(m: nn.Module, i: int) -> None:
-    if m._backward_hooks or m._forward_hooks or m._forward_pre_hooks:
-        raise ValueError(f"make_graphed_callables: module {i} ({type(m).__name__}) has hooks registered; register "
-                         f"them after graphing")
-    trainable = [name for name, b in m.named_buffers() if b.requires_grad]
-    if trainable:
-        raise ValueError(f"make_graphed_callables: module {i} has buffers requiring grad {trainable}")
-    queued = [f"{s.wgrad_store.owner} '{n or '<root>'}' ({len(s.wgrad_store)} queued)" for n, s in m.named_modules()
-              if len(getattr(s, "wgrad_store", ()))]
-    if queued:
-        raise DeferredWgradError(f"make_graphed_callables: module {i} has deferred wgrads queued: {queued}; "
-                                 f"drain them (distwgrad.drain_deferred_wgrads) before graphing")
-
-
-def _distributed_weights(mods: tuple[nn.Module, ...]) -> list[DistributedParameter]:
-    seen: dict[int, DistributedParameter] = {}
-    for m in mods:
-        for p in m.parameters():
-            if isinstance(p, DistributedParameter):
-                seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def _check_devices(mods: tuple[nn.Module, ...], flat_inputs: list[tuple[torch.Tensor, ...]]) -> None:
-    for i, (m, flat) in enumerate(zip(mods, flat_inputs)):
-        off = [n for n, p in m.named_parameters() if not p.is_cuda]
-        off += [f"input {j}" for j, a in enumerate(flat) if not a.is_cuda]
-        if off:
-            raise ValueError(f"make_graphed_callables: module {i} has tensors off CUDA: {off}")
 
 
 # --- bookkeeping -------------------------------------------------------------------------------------
@@ -186,17 +130,19 @@ class _MainGrads:
                     f"0x{captured.data_ptr():x}; now: {got}); the graph accumulates into the captured address. "
                     f"Zero main_grad in place (main_grad.zero_()) or graph again. [Note: graphed deferred wgrads]")
 
-    def mark_added(self) -> None:  # [Note: the fused .grad contract]
+    def mark_added(self) -> None:
+        """What a fused plain weight's main backward does to its flag: [Note: the fused .grad contract] (a
+        distributed weight's finish sets it)."""
         for _, p, _, _ in self.entries:
-            if hands_fused_dummy(p):
+            if hands_fused_dummy(p) and not is_distributed_weight(p):
                 p.grad_added_to_main_grad = True
 
 
 class _DwItem:
     """One captured ``backward_dw()`` of one module."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module, self.graph = module, torch.cuda.CUDAGraph()
+    def __init__(self, module: nn.Module, owner: _Callable) -> None:
+        self.module, self.owner, self.graph = module, owner, torch.cuda.CUDAGraph()
         self.owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, graph-owned gradient)
         self.main_grads: _MainGrads | None = None
         self.ledger: CaptureLedger | None = None
@@ -234,16 +180,18 @@ class _GraphSet:
         self.captured = CapturedWeights([])
         self.stream: Any = None  # the warm-up's and the captures' side stream
         self.alive = True
+        self.per_forward = False  # each forward pass has buffers of its own: [Note: capture in schedule order]
 
     def check_alive(self, what: str) -> None:
         if not self.alive:
             raise RuntimeError(f"{what}: these graphed callables were reset(); their graphs and pool are gone. "
                                f"Call make_graphed_callables again")
 
-    def check_forward(self, what: str) -> None:
+    def check_forward(self, what: str, c: _Callable) -> None:
         self.check_alive(what)
-        if len(self.pending):
-            owners = sorted({r.item.module.wgrad_store.owner for r in self.pending})  # type: ignore[type-var]  # nn.Module attributes
+        pending = [r for r in self.pending if not self.per_forward or r.item.owner is c]
+        if pending:
+            owners = sorted({r.item.module.wgrad_store.owner for r in pending})  # type: ignore[type-var]  # nn.Module attributes
             raise DeferredWgradError(
                 f"{what}: graphed deferred wgrads of {owners} are still queued; a forward replay overwrites the "
                 f"static buffers they read. Call backward_dw() (or distwgrad.drain_deferred_wgrads) after each "
@@ -366,51 +314,60 @@ def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, r
     torch.cuda.synchronize()
 
 
-def _capture_forwards(gs: _GraphSet, calls: list[_Callable], fp8: Callable, recipe: Recipe | None) -> None:
-    for i, c in enumerate(calls):
-        c.fwd_ledger = gs.captured.ledger()
-        with _explain(f"the forward capture of module {i}", recipe), \
-                torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8():
-            out = c.module(*c.args, **c.kwargs)
-        c.fwd_ledger.close()
-        flat, c.spec = pytree.tree_flatten(out)
-        c.static_outputs = tuple(flat)
-
-
-def _capture_backwards(gs: _GraphSet, calls: list[_Callable], retain_graph: bool,
-                       recipe: Recipe | None) -> dict[int, list[nn.Module]]:
-    """Backward graphs in reverse order; returns, per callable, the modules its backward queued work on."""
+def _capture(gs: _GraphSet, calls: list[_Callable], captures: Sequence[tuple[str, int]], fp8: Callable,
+             retain_graph: bool, recipe: Recipe | None) -> None:
+    """Forwards and backwards in ``captures``' order, then the deferred wgrads each backward queued, in the
+    order the backwards were captured (the order their replays queue them on a module)."""
     queued: dict[int, list[nn.Module]] = {}
     stores = {id(s): s for c in calls for s in _deferred_modules(c.module)}
-    for i in reversed(range(len(calls))):
-        c = calls[i]
-        c.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in c.static_outputs)
-        outs = [o for o in c.static_outputs if o.requires_grad]
-        before = {k: len(s.wgrad_store) for k, s in stores.items()}  # type: ignore[arg-type]  # nn.Module attributes
-        c.bwd_ledger = gs.captured.ledger()
-        grads: tuple = ()
-        if outs:
-            with _explain(f"the backward capture of module {i}", recipe), \
-                    torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream):
-                grads = torch.autograd.grad(outs, [c.surface[j] for j in c.bwd_inputs],
-                                            [g for g in c.static_grad_outputs if g is not None],
-                                            only_inputs=True, allow_unused=True, retain_graph=retain_graph)
-        c.bwd_ledger.close()
-        by_index = dict(zip(c.bwd_inputs, grads))
-        c.static_grad_inputs = tuple(by_index.get(j) for j in range(len(c.surface)))
-        # reverse registration order: drain_deferred_wgrads' default, so a distributed weight's captured
-        # buffer zeroing and reduction sit where that drain meets them ([Note: captured distributed weights])
-        queued[i] = [s for k, s in reversed(stores.items()) for _ in range(len(s.wgrad_store) - before[k])]  # type: ignore[arg-type]  # nn.Module attributes
-    return queued
+    for kind, i in captures:
+        if kind == "fwd":
+            _capture_forward(gs, calls[i], i, fp8, recipe)
+        else:
+            queued[i] = _capture_backward(gs, calls[i], i, stores, retain_graph, recipe)
+    _capture_wgrads(gs, calls, queued, recipe)
+
+
+def _capture_forward(gs: _GraphSet, c: _Callable, i: int, fp8: Callable, recipe: Recipe | None) -> None:
+    c.fwd_ledger = gs.captured.ledger()
+    with _explain(f"the forward capture of module {i}", recipe), \
+            torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8():
+        out = c.module(*c.args, **c.kwargs)
+    c.fwd_ledger.close()
+    flat, c.spec = pytree.tree_flatten(out)
+    c.static_outputs = tuple(flat)
+
+
+def _capture_backward(gs: _GraphSet, c: _Callable, i: int, stores: dict[int, nn.Module], retain_graph: bool,
+                      recipe: Recipe | None) -> list[nn.Module]:
+    """One backward graph; returns the modules it queued deferred work on, once per item."""
+    c.static_grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in c.static_outputs)
+    outs = [o for o in c.static_outputs if o.requires_grad]
+    before = {k: len(s.wgrad_store) for k, s in stores.items()}  # type: ignore[arg-type]  # nn.Module attributes
+    c.bwd_ledger = gs.captured.ledger()
+    grads: tuple = ()
+    if outs:
+        with _explain(f"the backward capture of module {i}", recipe), \
+                torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream):
+            grads = torch.autograd.grad(outs, [c.surface[j] for j in c.bwd_inputs],
+                                        [g for g in c.static_grad_outputs if g is not None],
+                                        only_inputs=True, allow_unused=True, retain_graph=retain_graph)
+    c.bwd_ledger.close()
+    by_index = dict(zip(c.bwd_inputs, grads))
+    c.static_grad_inputs = tuple(by_index.get(j) for j in range(len(c.surface)))
+    # reverse registration order: drain_deferred_wgrads' default, so a distributed weight's captured
+    # buffer zeroing and reduction sit where that drain meets them ([Note: captured distributed weights])
+    return [s for k, s in reversed(stores.items()) for _ in range(len(s.wgrad_store) - before[k])]  # type: ignore[arg-type]  # nn.Module attributes
 
 
 def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, list[nn.Module]],
                     recipe: Recipe | None) -> None:
-    """One graph per queued item, FIFO per module; every item's inputs stay alive until all are captured."""
+    """One graph per queued item, FIFO per module (``queued`` in backward capture order); every item's inputs
+    stay alive until all are captured."""
     held = [s.wgrad_store.queued() for mods in queued.values() for s in mods]  # type: ignore[operator]  # nn.Module attributes
-    for i in reversed(range(len(calls))):
-        for m in queued[i]:
-            item = _DwItem(m)
+    for i, mods in queued.items():
+        for m in mods:
+            item = _DwItem(m, calls[i])
             sink: dict = {}
             item.ledger = gs.captured.ledger()
             with _explain(f"the deferred wgrad capture of {m.wgrad_store.owner} (module {i})", recipe), \
@@ -432,7 +389,7 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
         @staticmethod
         def forward(ctx, *inputs):
             what = f"graphed forward of module {index} ({type(c.module).__name__})"
-            gs.check_forward(what)
+            gs.check_forward(what, c)
             for j in range(c.n_user):
                 if c.surface[j].data_ptr() != inputs[j].data_ptr():
                     c.surface[j].copy_(inputs[j])
@@ -453,6 +410,7 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
                     static.copy_(g)
             c.bwd_graph.replay()
             c.bwd_ledger.apply(what)
+            c.main_grads.mark_added()
             for item in c.dw_items:
                 item.module.wgrad_store.put(_Replay(gs, item))
             # parameter slots as clones: [Note: graphed deferred wgrads]
@@ -473,13 +431,21 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
     return functionalized
 
 
-def _install(gs: _GraphSet, c: _Callable, index: int) -> nn.Module:
+def _forward(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., Any]:
+    """The replay while the module is in its captured ``training`` state, its own forward otherwise."""
     graphed, orig_forward, module = _graphed_function(gs, c, index), c.module.forward, c.module
 
     def forward(*args, **kwargs):
         if module.training == c.training:
             return graphed(*args, **kwargs)
         return orig_forward(*args, **kwargs)
+
+    forward.reset = gs.reset  # type: ignore[attr-defined]
+    return forward
+
+
+def _install(gs: _GraphSet, c: _Callable, index: int) -> nn.Module:
+    forward, module = _forward(gs, c, index), c.module
 
     def backward_dw() -> None:
         """Replays this callable's queued graphed deferred wgrads (each module's ``backward_dw()``)."""
@@ -523,31 +489,44 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         retain_graph_in_backward: capture the backward with ``retain_graph=True``.
         The rest of TransformerEngine's keywords: accepted or refused as ``distwgrad/graph_options.py`` says.
 
+        _order, _num_layers_per_chunk: capture in a pipeline schedule's order, one graph pair per forward
+            pass: ``sample_args`` holds one entry per (chunk, microbatch, layer); [Note: capture in schedule
+            order] in ``distwgrad/graph_order.py``.
+
     Returns:
         The modules, each with ``reset()`` (releases the whole set's graphs and pool) and, when the module
-        has none, ``backward_dw()`` (replays its queued graphed wgrads).
+        has none, ``backward_dw()`` (replays its queued graphed wgrads). With ``_order``: one function per
+        forward pass (each with ``reset()``), the modules' own ``forward`` untouched, as TE returns.
 
     Raises:
         TypeError, ValueError: bad arguments, naming them. RuntimeError: no CUDA device, a distributed weight
         on a non-NCCL group, a host sync in the graphed region. DeferredWgradError: wgrads still queued.
     """
-    just_one, mods = _as_tuple_of_modules(modules)
-    args = _per_callable("sample_args", sample_args, len(mods), just_one, tuple)
-    kwargs = _per_callable("sample_kwargs", sample_kwargs, len(mods), just_one, dict)
-    flat = [_check_inputs(a, k, i) for i, (a, k) in enumerate(zip(args, kwargs))]
+    just_one, mods = as_tuple_of_modules(modules)
+    plan = None
+    if _order is not None:  # one sample per forward pass: [Note: capture in schedule order]
+        samples = tuple(sample_args) if isinstance(sample_args, list | tuple) else sample_args
+        plan = plan_order(_order, _num_layers_per_chunk, len(mods), len(samples) if isinstance(samples, tuple) else 0)
+        sample_args = samples
+        sample_kwargs = tuple(sample_kwargs) if isinstance(sample_kwargs, list) else sample_kwargs
+    elif _num_layers_per_chunk is not None:
+        raise ValueError(f"make_graphed_callables: _num_layers_per_chunk={_num_layers_per_chunk!r} without _order")
+    passes = [mods[plan.module_of(i)] for i in range(plan.forward_passes)] if plan else list(mods)
+    args = per_callable("sample_args", sample_args, len(passes), just_one, tuple)
+    kwargs = per_callable("sample_kwargs", sample_kwargs, len(passes), just_one, dict)
+    flat = [check_inputs(a, k, i) for i, (a, k) in enumerate(zip(args, kwargs))]
     options = resolve_options(
         num_warmup_iters=num_warmup_iters, enabled=enabled, fp8_enabled=fp8_enabled, recipe=recipe,
         fp8_recipe=fp8_recipe, calibrating=calibrating, fp8_calibrating=fp8_calibrating,
         amax_reduction_group=amax_reduction_group, fp8_group=fp8_group, cache_quantized_params=cache_quantized_params,
-        fp8_weight_caching=fp8_weight_caching, _order=_order, _num_layers_per_chunk=_num_layers_per_chunk,
-        _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers)
+        fp8_weight_caching=fp8_weight_caching, _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers)
     for i, m in enumerate(mods):
-        _check_module(m, i)
-    captured = CapturedWeights(_distributed_weights(mods))  # refuses what a replay cannot do
+        check_module(m, i)
+    captured = CapturedWeights(distributed_weights(mods))  # refuses what a replay cannot do
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables needs a CUDA device (torch.cuda.is_available() is False); run the "
                            "modules eagerly on this machine")
-    _check_devices(mods, flat)
+    check_devices(tuple(passes), flat)
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError("make_graphed_callables: autocast caching is on; use "
                            "torch.autocast(..., cache_enabled=False)")
@@ -562,17 +541,18 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     captured.prepare()
     touched = {id(p): p for m in mods for p in m.parameters() if getattr(p, "main_grad", None) is not None}
     saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
-    calls = [_Callable(m, a, k, f) for m, a, k, f in zip(mods, args, kwargs, flat)]
-    gs.callables = calls
+    calls = [_Callable(m, a, k, f) for m, a, k, f in zip(passes, args, kwargs, flat)]
+    gs.callables, gs.per_forward = calls, plan is not None
+    n = len(calls)
+    captures = plan.captures if plan else tuple([("fwd", i) for i in range(n)] + [("bwd", i) for i in range(n)][::-1])
     try:
         # One side stream for the warm-up and every capture: the per-stream library workspaces (cuBLAS)
         # are allocated in the warm-up, outside the graphs' pool, so reset() can release the whole pool.
         gs.stream = torch.cuda.Stream()
-        _warmup(calls, options.num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream)
+        _warmup([calls[i] for kind, i in captures if kind == "fwd"], options.num_warmup_iters, allow_unused_input,
+                fp8, recipe, gs.stream)
         captured.open_for_capture()
-        _capture_forwards(gs, calls, fp8, recipe)
-        queued = _capture_backwards(gs, calls, retain_graph_in_backward, recipe)
-        _capture_wgrads(gs, calls, queued, recipe)
+        _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe)
     except BaseException:
         captured.close_capture()
         captured.release(failed=True)
@@ -587,5 +567,7 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
                 p.grad_added_to_main_grad = saved[k][1]  # type: ignore[assignment]  # nn.Module attributes
     for c in calls:
         c.main_grads = _MainGrads([(c.name(p), p) for p in c.params])
+    if plan is not None:
+        return tuple(_forward(gs, c, i) for i, c in enumerate(calls))  # type: ignore[misc]  # TE's form: functions
     ret = tuple(_install(gs, c, i) for i, c in enumerate(calls))
     return ret[0] if just_one else ret

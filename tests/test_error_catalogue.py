@@ -53,7 +53,7 @@ AREAS = [
     ("distwgrad/fp8/", "FP8", "FP8"),
     ("distwgrad/ops/", "FP8", "FP8"),
     ("kernels/", "KRN", "Kernels' input checks"),
-    ("distwgrad/graphs.py", "GRA", "CUDA graphs"),
+    ("distwgrad/graph", "GRA", "CUDA graphs"),  # graphs.py, graph_options.py, graph_order.py
     ("distwgrad/checkpoint.py", "CKP", "Checkpoints"),
     ("launch/", "JOB", "The training job: options, data, model and exit codes"),
     ("distwgrad/data.py", "JOB", "The training job: options, data, model and exit codes"),

@@ -170,7 +170,7 @@ def _model_cuda(monkeypatch) -> None:
                         ("set_sync_debug_mode", lambda mode: None), ("empty_cache", lambda: None),
                         ("memory_allocated", lambda *a: 0)):
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(graphs, "_check_devices", lambda *a: None)
+    monkeypatch.setattr(graphs, "check_devices", lambda *a: None)
 
 
 @pytest.fixture
