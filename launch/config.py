@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from distwgrad.data import data_meta
-from distwgrad.fp8 import BlockwiseScaling, MMParams, PerTensorScaling
-from distwgrad.fp8.recipe import Recipe
+from distwgrad.fp8.recipes import RECIPES as REGISTERED_RECIPES
+from distwgrad.fp8.recipes import Recipe, recipe_by_name
 from distwgrad.models import MoEGPTConfig
 from distwgrad.parallel.schedules import SCHEDULES, check_pipeline_config
 
 __all__ = ["Parser", "TrainConfig", "RECIPES", "DEVICES", "PRECISIONS", "PRESETS", "GROUPS", "build_parser",
            "parse_args", "fp8_recipe"]
 
-RECIPES = ("none", "fp8_per_tensor", "fp8_per_tensor_te", "fp8_blockwise")
+RECIPES = ("none", *REGISTERED_RECIPES)  # the registry of distwgrad.fp8.recipes, at import
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 on CUDA, fp32 on CPU (launch/train.py: _param_dtype)
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEGPTConfig))
@@ -54,15 +54,12 @@ _PRESET_FIELDS = tuple(PRESETS["tiny"])
 
 
 def fp8_recipe(name: str) -> Recipe | None:
-    """The FP8 recipe ``--recipe name`` runs under (None for ``none``): the step's ``fp8_autocast`` and the
-    graphs of ``--cuda-graph`` take it from here."""
+    """The FP8 recipe ``--recipe name`` runs under (None for ``none``), from the recipes' registry
+    (``distwgrad.fp8.recipes``): the step's ``fp8_autocast`` and the graphs of ``--cuda-graph`` take it from
+    here."""
     if name not in RECIPES:
         raise ValueError(f"recipe={name!r} must be one of {RECIPES}")
-    return {"none": None,
-            "fp8_per_tensor": PerTensorScaling(),
-            # TransformerEngine's Float8CurrentScaling accumulation: fprop without the split accumulator
-            "fp8_per_tensor_te": PerTensorScaling(fp8_gemm_fprop=MMParams(False)),
-            "fp8_blockwise": BlockwiseScaling()}[name]
+    return recipe_by_name(name)
 
 
 def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:

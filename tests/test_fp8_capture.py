@@ -35,13 +35,13 @@ def test_amax_is_the_weights_own_while_capturing(monkeypatch, kind):
     recipe = PerTensorScaling()
     true = compute_amax(w.detach())
     w.expect_contribution()  # a step is open: its amax is kept for it
-    assert torch.equal(fw._global_amax(w), true)  # fills the cache
+    assert torch.equal(fw.global_amax(w), true)  # fills the cache
     stale = torch.tensor(1e-3)
     w.pin_cache(fw._AMAX, stale)  # a stale amax under the weight's current token: what a graph must not read
-    assert fw._global_amax(w) is stale
+    assert fw.global_amax(w) is stale
     eager = _bits(fw.materialize_quantized(w, recipe, backward=False))
     _capturing(monkeypatch)
-    got = fw._global_amax(w)
+    got = fw.global_amax(w)
     assert torch.equal(got, true) and got is not stale
     assert w._life.caches[fw._AMAX][2] is stale  # the cache is left as it was
     want = _bits(fw.quantize_weight(w.detach(), recipe, amax=true))
@@ -55,13 +55,13 @@ def test_block_scales_are_the_weights_own_while_capturing(monkeypatch):
     w = ShardedWeight.from_full(torch.randn(256, 128))
     recipe = BlockwiseScaling()
     w.expect_contribution()  # a step is open: its grid is kept for it
-    true = fw._global_block_scales(w, recipe).clone()  # fills the cache
+    true = fw.global_block_scales(w, recipe).clone()  # fills the cache
     (key,) = w._life.caches
     stale = torch.full_like(true, 7.0)
     w.pin_cache(key, stale)
-    assert fw._global_block_scales(w, recipe) is stale
+    assert fw.global_block_scales(w, recipe) is stale
     _capturing(monkeypatch)
-    got = fw._global_block_scales(w, recipe)
+    got = fw.global_block_scales(w, recipe)
     assert torch.equal(got, true) and w._life.caches[key][2] is stale
 
 
@@ -69,11 +69,11 @@ def test_sync_weight_amax_fills_what_eager_reads():
     """The eager parts of a graphed step read the cache sync_weight_amax refreshes; no capture touches it."""
     torch.manual_seed(0)
     w = ShardedWeight.from_full(torch.randn(16, 8))
-    fw._global_amax(w)
+    fw.global_amax(w)
     with torch.no_grad():
         w.mul_(4.0)
     fw.sync_weight_amax(torch.nn.ParameterList([w]))
-    assert torch.equal(fw._global_amax(w), compute_amax(w.detach()))
+    assert torch.equal(fw.global_amax(w), compute_amax(w.detach()))
     assert torch.equal(w._life.caches[fw._AMAX][2], compute_amax(w.detach()))
 
 

@@ -108,12 +108,12 @@ def _sharded_experts_match_quantize_weight(device: str = "cpu") -> None:
     bits of quantizing each expert with the weight's amax (``quantize_weight``), forward and dgrad layouts."""
     from distwgrad import ShardedWeight
     from distwgrad.fp8 import PerTensorScaling
-    from distwgrad.fp8.weights import _global_amax, _sharded_experts, quantize_weight
+    from distwgrad.fp8.weights import global_amax, _sharded_experts, quantize_weight
 
     torch.manual_seed(0)
     w = ShardedWeight.from_full(torch.randn(3, 32, 16, device=device), param_dtype=torch.bfloat16)
     recipe = PerTensorScaling()
-    ref = quantize_weight(w.detach(), recipe, amax=_global_amax(w))
+    ref = quantize_weight(w.detach(), recipe, amax=global_amax(w))
     forward = _sharded_experts(w, recipe, backward=False)
     for backward, amax in ((False, None), (True, None), (True, forward.amax)):  # backward reuses forward's amax
         q = _sharded_experts(w, recipe, backward=backward, amax=amax)

@@ -37,11 +37,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
+from distwgrad.fp8.formats import fp8_format
+
+if TYPE_CHECKING:
+    from distwgrad.fp8.recipes.base import Recipe
 
 __all__ = [
     "Quantized", "compute_amax", "compute_scale", "quantize_per_tensor", "quantize_blockwise",
@@ -226,22 +230,27 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
 
     Args:
         x: 2-D float32 / float16 / bfloat16 tensor.
-        recipe: ``BlockwiseScaling`` (tiles ``recipe.act_block`` along N for ``x``, along M for
-            ``x^T``) or ``PerTensorScaling`` (one scale; ``x^T`` is the transposed data).
-        grad: ``x`` is a gradient (selects ``PerTensorScaling.grad_dtype``).
+        recipe: a ``Recipe``, whose method this is ([Note: fp8 recipe objects]).
+        grad: ``x`` is a gradient (the recipe's gradient format).
 
     Returns:
         ``(q_x, q_xt)``: quantizations of ``x_MN`` and of ``x^T_NM``, both with contiguous data.
     """
-    if not isinstance(recipe, (BlockwiseScaling, PerTensorScaling)):
-        raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
-    dtype = recipe.dtype_for(grad=grad)
-    if isinstance(recipe, BlockwiseScaling):
-        return (quantize_blockwise(x, recipe.act_block, dtype, power_of_two=recipe.power_of_two),
-                quantize_blockwise(x.t(), recipe.act_block, dtype, power_of_two=recipe.power_of_two))
-    _grid(x.shape, (1, 1))
-    q = quantize_per_tensor(x, dtype, margin=recipe.margin)
-    return q, transpose_quantized(q)
+    from distwgrad.fp8.recipes.base import Recipe  # late: the recipes quantize with this module
+
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be an FP8 Recipe, got {recipe!r}")
+    return recipe.quantize_rowwise_and_columnwise(x, grad=grad)
+
+
+def experts_of(q: Quantized, shape: torch.Size, *, block: tuple[int, int] | None) -> list[Quantized]:
+    """Per-expert views of the quantization of a packed ``[E, N, K]`` weight taken as ``[E * N, K]``."""
+    E, N, K = shape
+    data = q.data.view(E, N, K)
+    if block is None:
+        return [Quantized(d, q.scale_inv, None, q.orig_dtype, d.shape) for d in data.unbind(0)]
+    scales = q.scale_inv.view(E, N // block[0], -1)
+    return [Quantized(d, s, block, q.orig_dtype, d.shape) for d, s in zip(data.unbind(0), scales.unbind(0))]
 
 
 def _expanded_scale_inv(q: Quantized) -> torch.Tensor:

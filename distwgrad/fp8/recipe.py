@@ -1,12 +1,7 @@
-"""FP8 recipes: which format, which scaling granularity, and which recipe is active.
+"""FP8 recipes: the active one (``fp8_autocast``, ``current_recipe``) and TransformerEngine's names for them.
 
-A recipe is a frozen description, not a stateful object: the scales are recomputed from the tensor
-being quantized every time ("current" or just-in-time scaling), so there is no amax history to keep
-in sync across ranks, microbatches or re-materializations. That is what lets a sharded weight be
-re-gathered in backward and re-quantized to the same bits it had in forward (the re-gather bug of
-PRIOR_ART section 1: a bf16 shard under an FP8 recipe must be re-quantized, with the same scales).
-
-Two recipes:
+The recipes themselves are objects of ``distwgrad.fp8.recipes`` ([Note: fp8 recipe objects] in
+``recipes/base.py``), re-exported here:
 
 - ``PerTensorScaling``: one fp32 scale per tensor, ``scale = fp8_max / amax``. E4M3 (more mantissa)
   for forward tensors, E5M2 (more range) or E4M3 for gradients. A sharded weight's amax is all-reduced
@@ -17,6 +12,8 @@ Two recipes:
   fp8 data and the scale grid IS the quantization of the transposed weight, so dgrad needs no
   re-quantization (``distwgrad.fp8.quantize.transpose_quantized``).
 
+Every recipe recomputes its scales from the tensor being quantized, so a sharded weight re-gathered in
+backward re-quantizes to the bits it had in forward (the re-gather bug of PRIOR_ART section 1).
 ``fp8_autocast(recipe)`` makes a recipe active for the current thread / task (a ``ContextVar``);
 modules read it with ``current_recipe()``. ``None`` means no FP8.
 """
@@ -27,9 +24,19 @@ import contextlib
 import contextvars
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
+
+from distwgrad.fp8.recipes import (
+    FP8_DTYPES,
+    GEMMS,
+    BlockwiseScaling,
+    Fp8Format,
+    MMParams,
+    PerTensorScaling,
+    Recipe,
+    fp8_format,
+)
 
 __all__ = [
     "Fp8Format", "fp8_format", "FP8_DTYPES",
@@ -37,173 +44,6 @@ __all__ = [
     "fp8_autocast", "current_recipe",
     "Format", "Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling",
 ]
-
-
-@dataclass(frozen=True)
-class Fp8Format:
-    """The constants of one float8 format that the quantizers need.
-
-    Attributes:
-        dtype: the torch float8 dtype.
-        max: largest finite value (448 for E4M3FN, 57344 for E5M2).
-        mantissa_bits: explicit mantissa bits (3 or 2). Round-to-nearest has relative error at most
-            ``2 ** -(mantissa_bits + 1)`` for normal values.
-        min_normal_exp: unbiased exponent of the smallest normal value (-6 or -14). Below
-            ``2 ** min_normal_exp`` values are subnormal, spaced ``2 ** (min_normal_exp - mantissa_bits)``.
-    """
-
-    dtype: torch.dtype
-    max: float
-    mantissa_bits: int
-    min_normal_exp: int
-
-    @property
-    def subnormal_step(self) -> float:
-        """Spacing of the subnormal values (absolute rounding error is at most half of it)."""
-        return 2.0 ** (self.min_normal_exp - self.mantissa_bits)
-
-
-_FORMATS = {
-    torch.float8_e4m3fn: Fp8Format(torch.float8_e4m3fn, 448.0, 3, -6),
-    torch.float8_e5m2: Fp8Format(torch.float8_e5m2, 57344.0, 2, -14),
-}
-FP8_DTYPES = tuple(_FORMATS)
-
-
-def fp8_format(dtype: torch.dtype) -> Fp8Format:
-    """Returns the format constants of ``dtype``; ValueError for anything but E4M3FN / E5M2."""
-    try:
-        return _FORMATS[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"unsupported fp8 dtype {dtype!r}; expected one of {list(FP8_DTYPES)}") from None
-
-
-@dataclass(frozen=True)
-class MMParams:
-    """How one FP8 GEMM accumulates (TransformerEngine's name and field).
-
-    Args:
-        use_split_accumulator: promote the tensor cores' partial sums to an fp32 accumulator every 128
-            products (True), or let Hopper accumulate the whole contraction at its reduced fp8-MMA
-            precision (~13 mantissa bits; faster). [Note: fp8 split accumulator] in
-            ``distwgrad/kernels/grouped_gemm_fp8.py``. CPU emulation is exact fp32 either way.
-    """
-
-    use_split_accumulator: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.use_split_accumulator, bool):
-            raise ValueError(f"MMParams.use_split_accumulator must be a bool, got {self.use_split_accumulator!r}")
-
-
-GEMMS = ("fprop", "dgrad", "wgrad")
-
-
-@dataclass(frozen=True)
-class PerTensorScaling:
-    """Current (just-in-time) per-tensor scaling.
-
-    ``scale = fp8_max * 2**-margin / amax`` in fp32 (``amax == 0`` gives scale 1), recomputed from
-    the tensor every time it is quantized; see ``distwgrad.fp8.quantize.compute_scale`` for the exact
-    arithmetic.
-
-    Args:
-        fwd_dtype: format of forward tensors (activations, weights). E4M3FN by default: 3 mantissa
-            bits, range +-448.
-        grad_dtype: format of gradients. E5M2 by default (range +-57344 for the wide dynamic range of
-            gradients, 2 mantissa bits); E4M3FN is allowed.
-        margin: extra headroom in powers of two, ``0 <= margin <= 16``; the scaled amax lands at
-            ``fp8_max / 2**margin``.
-        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: accumulation of each GEMM (``MMParams``). All
-            split (full fp32 promotion every 128 products) by default. TransformerEngine's
-            ``Float8CurrentScaling`` defaults fprop to ``MMParams(use_split_accumulator=False)``; pass
-            that here for the same trade (a faster fprop whose error grows with K).
-    """
-
-    fwd_dtype: torch.dtype = torch.float8_e4m3fn
-    grad_dtype: torch.dtype = torch.float8_e5m2
-    margin: int = 0
-    fp8_gemm_fprop: MMParams = MMParams()
-    fp8_gemm_dgrad: MMParams = MMParams()
-    fp8_gemm_wgrad: MMParams = MMParams()
-
-    def __post_init__(self) -> None:
-        for name in ("fwd_dtype", "grad_dtype"):
-            value = getattr(self, name)
-            if value not in _FORMATS:
-                raise ValueError(f"PerTensorScaling.{name} must be one of {list(FP8_DTYPES)}, got {value!r}")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 16:
-            raise ValueError(f"PerTensorScaling.margin must be an int in [0, 16], got {self.margin!r}")
-        for gemm in GEMMS:
-            value = getattr(self, f"fp8_gemm_{gemm}")
-            if not isinstance(value, MMParams):
-                raise ValueError(f"PerTensorScaling.fp8_gemm_{gemm} must be an MMParams, got {value!r}")
-
-    def dtype_for(self, *, grad: bool) -> torch.dtype:
-        """The format for a gradient (``grad=True``) or a forward tensor."""
-        return self.grad_dtype if grad else self.fwd_dtype
-
-
-def _is_pow2(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and (v & (v - 1)) == 0
-
-
-def _check_block(name: str, block: object) -> None:
-    if not (isinstance(block, tuple) and len(block) == 2 and all(_is_pow2(b) for b in block)):
-        raise ValueError(f"BlockwiseScaling.{name} must be a tuple of two powers of two, got {block!r}")
-
-
-@dataclass(frozen=True)
-class BlockwiseScaling:
-    """DeepSeek-V3 blockwise scaling: 1x128 tiles for activations and gradients, 128x128 for weights.
-
-    Each tile or block gets its own fp32 scale ``fp8_max / amax(block)``. With ``power_of_two=True``
-    (the default, as TransformerEngine's blockwise recipe) the scale is rounded DOWN to a power of two:
-    then ``x * scale`` and ``data * scale_inv`` are exact in fp32, the only error is the fp8 rounding,
-    and re-quantizing a dequantized tensor reproduces its values exactly (a bf16 copy of an fp8
-    weight, e.g. a re-gathered shard, re-quantizes losslessly). The price is up to one bit of fp8
-    range left unused in each block.
-
-    The weight transpose is exact because weight blocks are square (enforced): block ``(i, j)`` of
-    ``W`` transposed is block ``(j, i)`` of ``W^T`` with the same amax, hence the same scale and the
-    same fp8 bits. This holds with or without power-of-two scales.
-
-    Args:
-        act_block: tile of activations and gradients, ``(1, L)`` along the contraction dim, L a power
-            of two >= 16.
-        weight_block: square block ``(B, B)`` of weights, B a power of two >= 16.
-        dtype: one format for all tensors (DeepSeek-V3 uses E4M3FN for gradients too; the small
-            tiles provide the range that E5M2 would).
-        power_of_two: round scales down to powers of two.
-    """
-
-    act_block: tuple[int, int] = (1, 128)
-    weight_block: tuple[int, int] = (128, 128)
-    dtype: torch.dtype = torch.float8_e4m3fn
-    power_of_two: bool = True
-
-    def __post_init__(self) -> None:
-        _check_block("act_block", self.act_block)
-        _check_block("weight_block", self.weight_block)
-        if self.act_block[0] != 1 or self.act_block[1] < 16:
-            raise ValueError(f"BlockwiseScaling.act_block must be (1, L) with L >= 16, "
-                             f"got {self.act_block!r}")
-        bm, bn = self.weight_block
-        if bm != bn or bm < 16:
-            raise ValueError("BlockwiseScaling.weight_block must be square (the exact weight transpose needs "
-                             f"it) with side >= 16, got {self.weight_block!r}")
-        if self.dtype not in _FORMATS:
-            raise ValueError(f"BlockwiseScaling.dtype must be one of {list(FP8_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.power_of_two, bool):
-            raise ValueError(f"BlockwiseScaling.power_of_two must be a bool, got {self.power_of_two!r}")
-
-    def dtype_for(self, *, grad: bool) -> torch.dtype:
-        """The format for a gradient or a forward tensor: the same one in this recipe."""
-        del grad
-        return self.dtype
-
-
-Recipe = PerTensorScaling | BlockwiseScaling
 
 
 # [Note: TransformerEngine's fp8_autocast]
@@ -260,15 +100,13 @@ def DelayedScaling(*args, **kwargs):  # noqa: N802 - TransformerEngine's name
 
 def split_accumulator(recipe: Recipe, gemm: str) -> bool:
     """Whether ``gemm`` ("fprop", "dgrad" or "wgrad") promotes its partial sums every 128 products under
-    ``recipe``: the recipe's ``MMParams`` for per-tensor scaling, always for blockwise scaling (every
-    block's dot is scaled before it is added)."""
+    ``recipe`` (``recipe.split_accumulator``: for per-tensor scaling its ``MMParams``, always for blockwise
+    scaling, every block's dot being scaled before it is added)."""
     if gemm not in GEMMS:
         raise ValueError(f"split_accumulator: gemm must be one of {GEMMS}, got {gemm!r}")
-    if isinstance(recipe, PerTensorScaling):
-        return getattr(recipe, f"fp8_gemm_{gemm}").use_split_accumulator
-    if isinstance(recipe, BlockwiseScaling):
-        return True
-    raise TypeError(f"split_accumulator: expected a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"split_accumulator: expected an FP8 Recipe, got {recipe!r}")
+    return recipe.split_accumulator(gemm)
 
 
 _ACTIVE: contextvars.ContextVar[Recipe | None] = contextvars.ContextVar("distwgrad_fp8_recipe", default=None)
@@ -293,8 +131,8 @@ def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: boo
     ``fp8_autocast()`` (FP8 on with the default ``PerTensorScaling()``).
 
     Args:
-        recipe: a ``PerTensorScaling``, a ``BlockwiseScaling`` or ``None``; a bool is TransformerEngine's
-            positional ``enabled``.
+        recipe: a ``Recipe`` (``PerTensorScaling``, ``BlockwiseScaling``, ...) or ``None``; a bool is
+            TransformerEngine's positional ``enabled``.
         enabled: False turns FP8 off whatever the recipe; True with no recipe uses ``PerTensorScaling()``.
         fp8_recipe: TransformerEngine's name for ``recipe`` (give one of the two).
         calibrating, fp8_group: TransformerEngine's; only their defaults (False, None) are supported.
@@ -324,8 +162,8 @@ def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: boo
         recipe = None
     elif recipe is _UNSET or (enabled and recipe is None):  # TransformerEngine: enabled=True by default
         recipe = PerTensorScaling()
-    if recipe is not None and not isinstance(recipe, PerTensorScaling | BlockwiseScaling):
-        raise TypeError("fp8_autocast expects a PerTensorScaling, a BlockwiseScaling or None, "
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"fp8_autocast expects an FP8 Recipe (PerTensorScaling, BlockwiseScaling, ...) or None, "
                         f"got {recipe!r}")
     token = _ACTIVE.set(recipe)  # type: ignore[arg-type]
     try:

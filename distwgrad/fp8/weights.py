@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -48,19 +49,23 @@ from distwgrad.fp8.quantize import (
     Quantized,
     QuantizedExperts,
     _abs_max,
-    _cast,
     _nonfinite_to_inf,
     compute_amax,
     compute_scale,
     quantize_blockwise,
     quantize_per_tensor,
 )
-from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe
+from distwgrad.fp8.recipes.base import Recipe
 from distwgrad.protocol import is_distributed_weight, materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.weights.base import DistributedParameter
 from distwgrad.weights.sharded import ShardedWeight
 
-__all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_group", "sync_weight_amax"]
+if TYPE_CHECKING:
+    from distwgrad.fp8.recipes.blockwise import BlockwiseScaling
+    from distwgrad.fp8.recipes.per_tensor import PerTensorScaling
+
+__all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_group", "sync_weight_amax",
+           "global_amax", "global_block_scales", "gather_fp8"]
 
 _AMAX = "fp8 amax"  # the cache key of a weight's per-tensor amax ([Note: weight lifecycle])
 
@@ -77,42 +82,12 @@ def _quantizers(w: torch.Tensor):
 
 
 def quantize_weight(w: torch.Tensor, recipe: Recipe, *, amax: torch.Tensor | None = None) -> list[Quantized]:
-    """Quantizes a ``[N, K]`` weight (one entry) or a packed ``[E, N, K]`` weight (one entry per expert).
-
-    Per-tensor scaling uses one amax for the whole tensor (``amax`` if given: the group-wide one).
-    """
-    per_tensor, blockwise, kernels = _quantizers(w)
-    if isinstance(recipe, PerTensorScaling):
-        amax = compute_amax(w) if amax is None else amax
-        if kernels:
-            amax = amax.reshape(1)
-        if w.dim() == 3 and w.shape[0] and w.is_contiguous():  # elementwise given the amax: one pass
-            q = per_tensor(w.reshape(-1, w.shape[2]), recipe.fwd_dtype, amax=amax, margin=recipe.margin)
-            return _experts_of(q, w.shape, block=None)
-        mats = [w] if w.dim() == 2 else list(w.unbind(0))
-        return [per_tensor(m.contiguous() if kernels else m, recipe.fwd_dtype, amax=amax, margin=recipe.margin)
-                for m in mats]
-    if isinstance(recipe, BlockwiseScaling):
-        bm = recipe.weight_block[0]
-        if w.dim() == 3 and w.shape[0] and w.shape[1] % bm == 0 and w.is_contiguous():
-            # no block straddles two experts, so the stacked rows quantize as each expert alone: one pass
-            q = blockwise(w.reshape(-1, w.shape[2]), recipe.weight_block, recipe.dtype,
-                          power_of_two=recipe.power_of_two)
-            return _experts_of(q, w.shape, block=recipe.weight_block)
-        mats = [w] if w.dim() == 2 else list(w.unbind(0))
-        return [blockwise(m.contiguous() if kernels else m, recipe.weight_block, recipe.dtype,
-                          power_of_two=recipe.power_of_two) for m in mats]
-    raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
-
-
-def _experts_of(q: Quantized, shape: torch.Size, *, block: tuple[int, int] | None) -> list[Quantized]:
-    """Per-expert views of the quantization of a packed ``[E, N, K]`` weight taken as ``[E * N, K]``."""
-    E, N, K = shape
-    data = q.data.view(E, N, K)
-    if block is None:
-        return [Quantized(d, q.scale_inv, None, q.orig_dtype, d.shape) for d in data.unbind(0)]
-    scales = q.scale_inv.view(E, N // block[0], -1)
-    return [Quantized(d, s, block, q.orig_dtype, d.shape) for d, s in zip(data.unbind(0), scales.unbind(0))]
+    """Quantizes a ``[N, K]`` weight (one entry) or a packed ``[E, N, K]`` weight (one entry per expert), by
+    ``recipe.quantize_weight`` with the kernels' quantizers where they run ([Note: fp8 recipe objects]).
+    ``amax``: the whole weight's (the group-wide one), for a recipe that scales by it."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be an FP8 Recipe, got {recipe!r}")
+    return recipe.quantize_weight(w, amax=amax, quantizers=_quantizers(w))
 
 
 def _capturing(w: torch.Tensor) -> bool:
@@ -120,7 +95,7 @@ def _capturing(w: torch.Tensor) -> bool:
     return w.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _global_amax(w: DistributedParameter) -> torch.Tensor:
+def global_amax(w: DistributedParameter) -> torch.Tensor:
     """The whole weight's amax (MAX over the shard group), kept for the step ([Note: weight lifecycle]);
     computed in the graph while capturing ([Note: amax under capture])."""
     def make() -> torch.Tensor:
@@ -156,48 +131,8 @@ def sync_weight_amax(model: nn.Module | Iterable[nn.Module]) -> int:
     return len(seen)
 
 
-def _gather_fp8(data: torch.Tensor, w: ShardedWeight) -> torch.Tensor:
+def gather_fp8(data: torch.Tensor, w: ShardedWeight) -> torch.Tensor:
     return w.gather_rows(data.view(torch.uint8)).view(data.dtype)
-
-
-def _sharded_quantized(w: ShardedWeight, recipe: Recipe) -> list[Quantized]:
-    local = w.detach()
-    size = len(w.shard_rows)
-    if isinstance(recipe, PerTensorScaling):
-        amax = _global_amax(w)
-        qs = quantize_weight(local, recipe, amax=amax)
-        if size == 1:
-            return qs
-        if local.dim() == 2:
-            data = _gather_fp8(qs[0].data, w)
-            return [Quantized(data, qs[0].scale_inv, None, w.dtype, w.full_shape)]
-        stacked = torch.stack([q.data for q in qs]) if qs else local.new_empty(local.shape, dtype=recipe.fwd_dtype)
-        data = _gather_fp8(stacked, w)
-        scale = compute_scale(amax, recipe.fwd_dtype, recipe.margin)
-        scale_inv = torch.ones_like(scale) / scale  # the same fp32 division as quantize_per_tensor
-        return [Quantized(d, scale_inv, None, w.dtype, d.shape) for d in data.unbind(0)]
-    if not isinstance(recipe, BlockwiseScaling):
-        raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
-    if size == 1:
-        return quantize_weight(local, recipe)
-    if local.dim() == 3:  # experts are whole on one rank: gather data and each expert's grid
-        qs = quantize_weight(local, recipe)
-        _, N, K = w.full_shape
-        grid = (-(-N // recipe.weight_block[0]), -(-K // recipe.weight_block[1]))
-        data = _gather_fp8(torch.stack([q.data for q in qs]) if qs else
-                           local.new_empty(local.shape, dtype=recipe.dtype), w)
-        scales = torch.stack([q.scale_inv for q in qs]) if qs else local.new_empty(0, *grid, dtype=torch.float32)
-        scales = w.gather_rows(scales)
-        return [Quantized(d, s, recipe.weight_block, w.dtype, d.shape)
-                for d, s in zip(data.unbind(0), scales.unbind(0))]
-    scale = _global_block_scales(w, recipe)
-    bm = recipe.weight_block[0]
-    rows = torch.arange(w.shard_offset, w.shard_offset + local.shape[0], device=local.device) // bm
-    cols = torch.arange(local.shape[1], device=local.device) // recipe.weight_block[1]
-    # The same fp32 multiply, clamp and cast as quantize_blockwise on the full weight: identical bits.
-    data = _cast(local.float() * scale[rows][:, cols], recipe.dtype)
-    scale_inv = torch.ones_like(scale) / scale
-    return [Quantized(_gather_fp8(data, w), scale_inv, recipe.weight_block, w.dtype, w.full_shape)]
 
 
 def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bool,
@@ -212,7 +147,7 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
     local = w.detach()
     E_local, N, K = local.shape
     E = w.full_shape[0]
-    amax = _global_amax(w).reshape(1) if amax is None else amax[:1]
+    amax = global_amax(w).reshape(1) if amax is None else amax[:1]
     size = len(w.shard_rows)
     if E_local:
         q = quantize_packed_per_tensor(local, recipe.fwd_dtype, amax, margin=recipe.margin, transpose=backward)
@@ -221,14 +156,14 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
         stored = q.data.transpose(1, 2) if backward else q.data  # the contiguous storage
     else:
         stored = local.new_empty((0, K, N) if backward else (0, N, K), dtype=recipe.fwd_dtype)
-    data = _gather_fp8(stored.contiguous(), w)
+    data = gather_fp8(stored.contiguous(), w)
     scale = compute_scale(amax, recipe.fwd_dtype, recipe.margin)
     scale_inv = (torch.ones_like(scale) / scale).expand(E).contiguous()  # the same fp32 division as the kernels
     return QuantizedExperts(data.transpose(1, 2) if backward else data, scale_inv, w.dtype,
                             amax.expand(E).contiguous())
 
 
-def _global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
+def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
     """The full weight's block scale grid from the shards: blocks that straddle ranks combine their
     ranks' partial amaxes with one small MAX all-reduce of the grid (kept for the step: [Note: weight
     lifecycle]; computed in the graph while capturing: [Note: amax under capture])."""
@@ -255,10 +190,10 @@ def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: boo
     re-gathered bf16 copy is always re-quantized). See [Note: fp8 distributed weights].
     """
     if isinstance(weight, ShardedWeight):
-        return _sharded_quantized(weight, recipe)
+        return recipe.quantize_sharded(weight)
     if isinstance(weight, DistributedParameter):
-        return quantize_weight(weight.detach(), recipe, amax=_global_amax(weight)
-                               if isinstance(recipe, PerTensorScaling) else None)
+        return quantize_weight(weight.detach(), recipe, amax=global_amax(weight)
+                               if recipe.family == "per_tensor" else None)
     if is_distributed_weight(weight):
         fn = materialize_weight_for_backward if backward else materialize_weight_for_forward
         return quantize_weight(fn([weight])[0], recipe)
@@ -303,21 +238,22 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
     packed sharded one: backward skips that pass (and, under a CUDA graph, computes no second amax: [Note:
     amax under capture])."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
-    if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
+    pt, bw = cast("PerTensorScaling", recipe), cast("BlockwiseScaling", recipe)  # as its family says
+    if (stacked and recipe.family == "per_tensor" and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
             and weights[0].dim() == 3 and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
-        return _sharded_experts(weights[0], recipe, backward=backward, amax=amax)
-    if stacked and isinstance(recipe, BlockwiseScaling) and len(weights) == 1 and _whole_experts(weights[0], recipe):
+        return _sharded_experts(weights[0], pt, backward=backward, amax=amax)
+    if stacked and recipe.family == "blockwise" and len(weights) == 1 and _whole_experts(weights[0], bw):
         from distwgrad.ops.quantize import quantize_experts_blockwise
         local = weights[0].detach()
-        return quantize_experts_blockwise(local if local.dim() == 3 else local[None], recipe, transpose=backward)
-    if (stacked and isinstance(recipe, PerTensorScaling) and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
+        return quantize_experts_blockwise(local if local.dim() == 3 else local[None], bw, transpose=backward)
+    if (stacked and recipe.family == "per_tensor" and len(weights) == 1 and isinstance(weights[0], ShardedWeight)
             and weights[0].dim() == 2 and _held_whole(weights[0])):  # a matrix as one expert, from itself
         from distwgrad.ops.quantize import quantize_packed_per_tensor
         w = weights[0]
-        return quantize_packed_per_tensor(w.detach()[None], recipe.fwd_dtype,
-                                          _global_amax(w).reshape(1) if amax is None else amax[:1],
-                                          margin=recipe.margin, transpose=backward)
-    if (isinstance(recipe, PerTensorScaling) and weights and all(_plain(w) for w in weights)
+        return quantize_packed_per_tensor(w.detach()[None], pt.fwd_dtype,
+                                          global_amax(w).reshape(1) if amax is None else amax[:1],
+                                          margin=pt.margin, transpose=backward)
+    if (recipe.family == "per_tensor" and weights and all(_plain(w) for w in weights)
             and gg.kernels_available(weights[0]) and not torch.compiler.is_compiling()):
         if all(w.dim() == 2 for w in weights):  # one matrix per weight (the kernels read only their addresses)
             mats, owner = weights, None
@@ -325,7 +261,7 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
             mats = [m for w in weights for m in ([w] if w.dim() == 2 else w.unbind(0))]
             owner = [i for i, w in enumerate(weights) for _ in range(1 if w.dim() == 2 else w.shape[0])]
         from distwgrad.ops.quantize import quantize_weights_alike  # (None unless one shape, dtype, device)
-        experts = quantize_weights_alike(mats, recipe.fwd_dtype, margin=recipe.margin, transpose=backward,
+        experts = quantize_weights_alike(mats, pt.fwd_dtype, margin=pt.margin, transpose=backward,
                                          shared=owner, amax=amax)
         if experts is not None:
             return experts if stacked else experts.unbind()

@@ -41,13 +41,14 @@ with ``TRITON_INTERPRET=1`` routes CPU tensors through the kernels (tests of thi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from distwgrad.fp8 import quantize as reference_quantize
 from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
-from distwgrad.fp8.recipe import PerTensorScaling, Recipe
+from distwgrad.fp8.recipes import PerTensorScaling, Recipe
 from distwgrad.ops import grouped_gemm as gg
 
 __all__ = ["quantize_operand", "grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8", "align_token_groups",
@@ -65,7 +66,7 @@ ALIGN = 128  # the FP8 wgrad's chunk: the 1xL tile of the blockwise recipe, 128 
 def align_wgrad(x_TK: torch.Tensor, recipe: Recipe | None, num_groups: int) -> bool:
     """Whether a grouped module's FP8 wgrad operands take the aligned layout: per-tensor scaling on the
     kernels, two groups or more, ``ALIGN_MIN_TOKENS`` tokens per group on average (shapes only: no sync)."""
-    return (isinstance(recipe, PerTensorScaling) and num_groups > 1
+    return (recipe is not None and recipe.family == "per_tensor" and num_groups > 1
             and x_TK.shape[0] >= ALIGN_MIN_TOKENS * num_groups and gg.kernels_available(x_TK))
 
 
@@ -96,17 +97,18 @@ def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
     token groups' end offsets, for ``q_t`` in the aligned layout (per-tensor only; [Note: aligned token
     groups]; the wgrad then takes ``wgrad_offsets(aligned_offs, T)``)."""
     if aligned_offs is not None:
-        if not isinstance(recipe, PerTensorScaling):
+        if recipe.family != "per_tensor":
             raise ValueError(f"quantize_operand: the aligned layout is for per-tensor scaling, got {recipe!r}")
         if gg.kernels_available(x_MK):
             from distwgrad.kernels.cast_transpose import cast_transpose_per_tensor
             data, scale_inv, data_t, _ = cast_transpose_per_tensor(
-                x_MK.contiguous(), recipe.dtype_for(grad=grad), margin=recipe.margin, offs_E=aligned_offs, align=ALIGN)
+                x_MK.contiguous(), recipe.dtype_for(grad=grad), margin=cast(PerTensorScaling, recipe).margin,
+                offs_E=aligned_offs, align=ALIGN)
             return (Quantized(data, scale_inv, None, x_MK.dtype, data.shape),
                     Quantized(data_t, scale_inv, None, x_MK.dtype, data_t.shape))
         q, q_t = reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)
         return q, align_token_groups(q_t, aligned_offs, ALIGN)[0]
-    if gg.kernels_available(x_MK):
+    if recipe.family is not None and gg.kernels_available(x_MK):  # a family the kernels implement
         from distwgrad.ops import quantize as kq
         return kq.quantize_rowwise_and_columnwise(x_MK.contiguous(), recipe, grad=grad)
     return reference_quantize.quantize_rowwise_and_columnwise(x_MK, recipe, grad=grad)

@@ -11,11 +11,12 @@ modules are imported at the first call, so that importing this module needs no T
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
-from distwgrad.fp8.recipe import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
+from distwgrad.fp8.recipes import BlockwiseScaling, PerTensorScaling, Recipe, fp8_format
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise",
            "quantize_weights_per_tensor", "quantize_weights_alike", "quantize_packed_per_tensor",
@@ -53,16 +54,18 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
     """
     from distwgrad.kernels import quantize as kq
     dtype = recipe.dtype_for(grad=grad)
-    if isinstance(recipe, BlockwiseScaling):
-        L = recipe.act_block[1]
+    if recipe.family == "blockwise":  # the kernels' families: [Note: fp8 recipe objects]
+        bw = cast(BlockwiseScaling, recipe)
+        L = bw.act_block[1]
         data, s_inv, data_t, s_inv_t = kq.quantize_rowwise_and_columnwise(x, dtype, block=L,
-                                                                          power_of_two=recipe.power_of_two)
+                                                                          power_of_two=bw.power_of_two)
         return (Quantized(data, s_inv, (1, L), x.dtype, x.shape),
                 Quantized(data_t, s_inv_t, (1, L), x.dtype, torch.Size((x.shape[1], x.shape[0]))))
-    if isinstance(recipe, PerTensorScaling):
-        data, s_inv, data_t, _ = kq.quantize_rowwise_and_columnwise(x, dtype, block=0, margin=recipe.margin)
+    if recipe.family == "per_tensor":
+        data, s_inv, data_t, _ = kq.quantize_rowwise_and_columnwise(x, dtype, block=0,
+                                                                    margin=cast(PerTensorScaling, recipe).margin)
         return Quantized(data, s_inv, None, x.dtype, x.shape), Quantized(data_t, s_inv, None, x.dtype, data_t.shape)
-    raise TypeError(f"recipe must be a PerTensorScaling or a BlockwiseScaling, got {recipe!r}")
+    raise TypeError(f"the quantize kernels run the per-tensor and blockwise families, got {recipe!r}")
 
 
 def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
