@@ -108,7 +108,7 @@ def _sharded_experts_match_quantize_weight(device: str = "cpu") -> None:
     bits of quantizing each expert with the weight's amax (``quantize_weight``), forward and dgrad layouts."""
     from distwgrad import ShardedWeight
     from distwgrad.fp8 import PerTensorScaling
-    from distwgrad.fp8.weights import global_amax, _sharded_experts, quantize_weight
+    from distwgrad.fp8.weights import _sharded_experts, global_amax, quantize_weight
 
     torch.manual_seed(0)
     w = ShardedWeight.from_full(torch.randn(3, 32, 16, device=device), param_dtype=torch.bfloat16)
