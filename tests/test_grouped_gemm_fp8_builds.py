@@ -1,6 +1,7 @@
 """The FP8 grouped GEMMs' GPU builds without a GPU: sm_90a compiles of the default Triton variants and of
 the Gluon kernels (Triton ships ptxas), checked for fp8 wgmma, the MMA pipeline ptxas keeps, spills and
-shared memory ([Note: promotion under the next MMA], [Note: fp8 wgrad under the next MMA]).
+shared memory ([Note: promotion under the next MMA], [Note: fp8 wgrad under the next MMA]). Each grid runs a
+fixed sample in CI (every build compiles for seconds on two cores) and the rest with ``--full``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 from grouped_gemm_fp8_cases import _kernels
 
 from distwgrad.testing.sm90 import assemble_or_skip, specialize
+from distwgrad.testing.sweep import params
 
 _MOE = dict(E=8, T=32768, K=4096, N=14336)
 
@@ -60,12 +62,12 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     return ASTSource(fn, sig, consts, attrs), cfg, (a_dt if op != "wgrad" else grad)
 
 
-@pytest.mark.parametrize("variant", [
+@pytest.mark.parametrize("variant", params([
     "fprop/128/tma", "fprop/0/tma", "fprop/128/ptr", "dgrad/128/tma", "dgrad/0/tma", "dgrad/128/tma/kn",
     "wgrad/128/tma/add3", "wgrad/0/tma/add0", "wgrad/128/ptr/add1",
     "fprop/0/tma/nosplit", "dgrad/0/tma/kn/nosplit", "wgrad/0/tma/add3/nosplit",
     "wgrad/0/tma/add3/l2pf", "wgrad/128/ptr/add3/l2pf", "wgrad/128/tma/add3/first", "wgrad/0/tma/add1/l2pf/first",
-])
+], 6))
 def test_compiles_for_sm90(variant):
     """The GPU path of the default configs compiles for Hopper (sm_90a) and runs its products on fp8
     wgmma (no fallback to mma.sync or an upcast). Registers and spills are in the message, for tuning."""
@@ -127,8 +129,8 @@ def _sm90_gluon_build(fn, vals: dict, consts: dict, nospec) -> tuple[object, str
     return kernel, kernel.asm["ptx"], assemble_or_skip(kernel.asm["ptx"])
 
 
-@pytest.mark.parametrize("variant", ["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3", "per_tensor/e4m3/64",
-                                     "blockwise/e4m3/64"])
+@pytest.mark.parametrize("variant", params(["per_tensor/e4m3", "per_tensor/e5m2", "blockwise/e4m3",
+                                            "per_tensor/e4m3/64", "blockwise/e4m3/64"], 3))
 def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     """[Note: promotion under the next MMA]: the Gluon kernel (128- and 64-row tiles; warp-specialized,
     persistent, each epilogue after the next tile's step 0) builds for sm_90a with fp8 wgmma, waits for
@@ -156,14 +158,15 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
     assert stores and all(".v4." in st for st in stores), sorted(set(stores))
 
 
-@pytest.mark.parametrize("variant", ["fresh", "load", "atomic", "atomic/table", "fresh/e5m2",
-                                     "atomic/s5", "atomic/s5/epi", "fresh/epi/s5", "load/epi",
-                                     "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
-                                     "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16", "fresh/epi/s5/fp16",
-                                     "fresh/epi/s6/bf16",
-                                     "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first",
-                                     "atomic/epi/s4/blockwise", "fresh/epi/s4/bf16/blockwise",
-                                     "atomic/epi/s4/first/blockwise", "load/epi/blockwise", "atomic/blockwise"])
+@pytest.mark.parametrize("variant", params(["fresh", "load", "atomic", "atomic/table", "fresh/e5m2",
+                                            "atomic/s5", "atomic/s5/epi", "fresh/epi/s5", "load/epi",
+                                            "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
+                                            "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16",
+                                            "fresh/epi/s5/fp16", "fresh/epi/s6/bf16",
+                                            "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first",
+                                            "atomic/epi/s4/blockwise", "fresh/epi/s4/bf16/blockwise",
+                                            "atomic/epi/s4/first/blockwise", "load/epi/blockwise",
+                                            "atomic/blockwise"], 8))
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
     shape with fp8 wgmma, one ``wait_group 1`` per step of the shared promoting loop, no serialized wgmma
@@ -254,7 +257,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert ("st.shared.v2.b32" in ptx) is not out16 and "ld.shared.v4.b32" in ptx
 
 
-@pytest.mark.parametrize("variant", ["atomic", "atomic/zero", "atomic/table", "load", "load/zero", "atomic/first"])
+@pytest.mark.parametrize("variant", params(["atomic", "atomic/zero", "atomic/table", "load", "load/zero",
+                                            "atomic/first"], 3))
 def test_gluon_wgrad_bf16_kernel_builds(variant):
     """[Note: the bf16 wgrad in the fp8 kernel]: the TOKENS_OUTER build (bf16 dy and x as [tokens, rows]
     stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),

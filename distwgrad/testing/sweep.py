@@ -14,7 +14,7 @@ import random
 from collections.abc import Sequence
 from typing import TypeVar
 
-__all__ = ["full", "sample", "FULL_ENV"]
+__all__ = ["full", "sample", "params", "FULL_ENV"]
 
 FULL_ENV = "DISTWGRAD_FULL_SWEEPS"
 T = TypeVar("T")
@@ -35,3 +35,12 @@ def sample(cases: Sequence[T], k: int, *, seed: int = 0) -> list[T]:
         return cases
     middle = sorted(random.Random(seed).sample(range(1, len(cases) - 1), k - 2))
     return [cases[i] for i in (0, *middle, len(cases) - 1)]
+
+
+def params(cases: Sequence[T], k: int, *, seed: int = 0) -> list:
+    """``cases`` as ``pytest.param``s for ``parametrize``: :func:`sample`'s ``k`` as they are, the rest marked
+    ``full`` (skipped without ``--full``, listed either way)."""
+    import pytest  # the tests' dependency, not the package's
+
+    picked = {id(c) for c in sample(cases, k, seed=seed)}
+    return [pytest.param(c) if id(c) in picked else pytest.param(c, marks=pytest.mark.full) for c in cases]
