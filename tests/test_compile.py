@@ -452,7 +452,7 @@ def test_op_handle_follows_the_parameters():
     """[Note: aligned op outputs]: the handle moves with the module, and a copy gets its own."""
     lin = dnn.Linear(K, N, bias=False, device="meta")
     assert lin._op_handle.device.type == "cpu"  # a meta module's handle stays on the CPU
-    lin = dnn.Linear(K, N, bias=False)
+    lin = dnn.Linear(K, N, bias=False, device="cpu")
     handle = lin._op_handle
     twin = copy.deepcopy(lin)
     assert twin._op_handle.data_ptr() != handle.data_ptr()
