@@ -354,6 +354,24 @@ def test_transformer_engine_constructor_and_forward_conventions():
         GroupedLinear(2, D, 4, sequence_parallel=True)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_use_grouped_tensor_is_an_accepted_execution_hint(packed):
+    """TE's ``use_grouped_tensor`` picks one of TE's two execution paths; distwgrad has one, so both
+    settings build the same parameters and compute the same bits."""
+    torch.manual_seed(0)
+    a = GroupedLinear(2, D, 4, single_grouped_weight=packed, use_grouped_tensor=True, device="cpu")
+    b = GroupedLinear(2, D, 4, single_grouped_weight=packed, use_grouped_tensor=False, device="cpu")
+    assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(5, D)
+    ya, yb = a(x, torch.tensor([2, 3])), b(x, [2, 3])
+    assert torch.equal(ya, yb)
+    ya.sum().backward()
+    yb.sum().backward()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
+
+
 def test_parameter_checks_rerun_when_a_parameter_changes():
     """[Note: per-call host work] in nn/_base.py, for GroupedLinear's packed and per-expert weights."""
     x = torch.randn(4, D)

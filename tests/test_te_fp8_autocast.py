@@ -46,6 +46,30 @@ def test_fp8_autocast_refuses_what_it_does_not_do(args, kwargs, error, match):
     assert current_recipe() is None
 
 
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, PerTensorScaling()),                                        # TE 2: enabled=True, the default recipe
+    (dict(enabled=False, recipe=BlockwiseScaling()), None),
+    (dict(enabled=True, recipe=BlockwiseScaling()), BlockwiseScaling()),
+    (dict(recipe=te_recipe.Float8BlockScaling()), BlockwiseScaling()),
+])
+def test_autocast_is_te2s_spelling(kwargs, expected):
+    with te.autocast(**kwargs) as active:
+        assert current_recipe() == expected and active == expected
+    assert current_recipe() is None
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(amax_reduction_group=object()), ValueError, "amax_reduction_group=<object"),
+    (dict(calibrating=True), NotImplementedError, "calibrating=True"),
+    (dict(recipe="fp8"), TypeError, "got 'fp8'"),
+])
+def test_autocast_refuses_what_it_does_not_do(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        with te.autocast(**kwargs):
+            pass
+    assert current_recipe() is None
+
+
 def test_te_recipe_names_with_te_defaults():
     cs = te_recipe.Float8CurrentScaling()
     assert (cs.fwd_dtype, cs.grad_dtype) == (E4M3, E5M2)  # Format.HYBRID
@@ -59,8 +83,16 @@ def test_te_recipe_names_with_te_defaults():
         te_recipe.Float8CurrentScaling(fp8_format="HYBRID")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fp8_dpa=True"):
         te_recipe.Float8CurrentScaling(fp8_dpa=True)
+    delayed = te_recipe.DelayedScaling(margin=0)  # builds, as a TE test's recipe list does at import
+    assert delayed.delayed() and not delayed.float8_block_scaling()
     with pytest.raises(NotImplementedError, match="DelayedScaling is not implemented"):
-        te_recipe.DelayedScaling()
+        with te.fp8_autocast(enabled=True, fp8_recipe=delayed):
+            pass
+    with te.autocast(enabled=False, recipe=delayed) as active:  # FP8 off: nothing to refuse
+        assert active is None
+    assert [(r.float8_current_scaling(), r.float8_block_scaling(), r.delayed(), r.mxfp8())
+            for r in (te_recipe.Float8CurrentScaling(), te_recipe.Float8BlockScaling())] == [
+        (True, False, False, False), (False, True, False, False)]
 
 
 @pytest.mark.parametrize("module", ["linear", "grouped"])

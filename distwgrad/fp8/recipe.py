@@ -41,7 +41,7 @@ from distwgrad.fp8.recipes import (
 __all__ = [
     "Fp8Format", "fp8_format", "FP8_DTYPES",
     "MMParams", "PerTensorScaling", "BlockwiseScaling", "Recipe", "split_accumulator",
-    "fp8_autocast", "current_recipe",
+    "fp8_autocast", "autocast", "current_recipe",
     "Format", "Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling",
 ]
 
@@ -91,11 +91,28 @@ def Float8BlockScaling(fp8_format: Format = Format.E4M3) -> BlockwiseScaling:  #
     return BlockwiseScaling()
 
 
-def DelayedScaling(*args, **kwargs):  # noqa: N802 - TransformerEngine's name
-    """Refused: delayed scaling keeps an amax history; use ``Float8CurrentScaling`` (per-tensor current
+class DelayedScaling:
+    """TransformerEngine's delayed-scaling recipe. It builds (a TE test's recipe list may hold one) and
+    answers TE's predicates; ``fp8_autocast`` refuses it: delayed scaling keeps an amax history, and
+    distwgrad's recipes scale from the current tensor. Use ``Float8CurrentScaling`` (per-tensor current
     scaling) or ``Float8BlockScaling``."""
-    raise NotImplementedError("DelayedScaling is not implemented: distwgrad's recipes scale from the current "
-                              "tensor (no amax history); use Float8CurrentScaling() or Float8BlockScaling()")
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def delayed(self) -> bool:
+        return True
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return True
+
+    def float8_current_scaling(self) -> bool:
+        return False
+
+    float8_block_scaling = mxfp8 = nvfp4 = custom = float8_current_scaling
+
+    def __repr__(self) -> str:
+        return "DelayedScaling()"
 
 
 def split_accumulator(recipe: Recipe, gemm: str) -> bool:
@@ -158,6 +175,9 @@ def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: boo
     if fp8_group is not None:
         raise ValueError("fp8_autocast: fp8_group is not supported: a sharded weight reduces its amax over "
                          "its own shard group, and activation scales are per rank (docs/fp8.md)")
+    if isinstance(recipe, DelayedScaling) and enabled is not False:
+        raise NotImplementedError("DelayedScaling is not implemented: distwgrad's recipes scale from the current "
+                                  "tensor (no amax history); use Float8CurrentScaling() or Float8BlockScaling()")
     if enabled is False:
         recipe = None
     elif recipe is _UNSET or (enabled and recipe is None):  # TransformerEngine: enabled=True by default
@@ -170,6 +190,21 @@ def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: boo
         yield recipe  # type: ignore[misc]
     finally:
         _ACTIVE.reset(token)
+
+
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
+             amax_reduction_group: object = None) -> contextlib.AbstractContextManager[Recipe | None]:
+    """TransformerEngine 2's name and signature for ``fp8_autocast``: ``autocast(enabled=True,
+    recipe=recipe.Float8BlockScaling())``. ``recipe=None`` with ``enabled`` is ``PerTensorScaling()``.
+
+    Raises:
+        ValueError: an ``amax_reduction_group`` (a sharded weight reduces its amax over its own group).
+        and what ``fp8_autocast`` raises.
+    """
+    if amax_reduction_group is not None:
+        raise ValueError(f"autocast: amax_reduction_group={amax_reduction_group!r} is not supported: a sharded "
+                         f"weight reduces its amax over its own shard group, and activation scales are per rank")
+    return fp8_autocast(_UNSET if recipe is None else recipe, enabled=bool(enabled), calibrating=calibrating)
 
 
 def current_recipe() -> Recipe | None:

@@ -238,6 +238,8 @@ class GroupedLinear(WgradModule):
             assigned later.
         single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead of
             ``weight0..weight{E-1}``.
+        use_grouped_tensor: TransformerEngine's choice of execution path (cuBLAS grouped GEMM or one
+            stream per expert); distwgrad always runs one grouped GEMM, so it is accepted and changes nothing.
         delay_wgrad_compute, fuse_wgrad_accumulation, init_method, return_bias, sequence_parallel,
             tp_group, tp_size, parallel_mode: as in :class:`distwgrad.nn.Linear` (``init_method`` is applied
             to each expert's ``[N, K]`` matrix; ``return_bias`` returns ``(output, [biases])``).
@@ -248,12 +250,13 @@ class GroupedLinear(WgradModule):
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 single_grouped_weight: bool = False, delay_wgrad_compute: bool = False,
-                 fuse_wgrad_accumulation: bool = False,
+                 single_grouped_weight: bool = False, use_grouped_tensor: bool | None = None,
+                 delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
                  init_method: Callable[[torch.Tensor], object] | None = None, return_bias: bool = False,
                  sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
                  parallel_mode: str | None = None) -> None:
         super().__init__()
+        del use_grouped_tensor  # an execution path; distwgrad has one
         self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute,
                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         check_no_tensor_parallelism(f"GroupedLinear({num_gemms}, {in_features}, {out_features})",

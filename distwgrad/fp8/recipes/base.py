@@ -64,6 +64,23 @@ class Recipe(abc.ABC):
 
     family: ClassVar[str | None] = None  # the kernels' and fast paths' scaling, or None: emulated
 
+    # TransformerEngine's recipe predicates, which TE's tests branch on
+    def float8_per_tensor_scaling(self) -> bool:
+        return self.family == "per_tensor"
+
+    float8_current_scaling = float8_per_tensor_scaling
+
+    def float8_block_scaling(self) -> bool:
+        return self.family == "blockwise"
+
+    def delayed(self) -> bool:
+        return False
+
+    mxfp8 = nvfp4 = delayed
+
+    def custom(self) -> bool:
+        return self.family is None
+
     @abc.abstractmethod
     def dtype_for(self, *, grad: bool) -> torch.dtype:
         """The float8 format of a gradient (``grad=True``) or of a forward tensor."""
