@@ -1,53 +1,27 @@
 """Checkpoints of sharded models through ``torch.distributed.checkpoint`` (DCP), reshardable.
 
 [Note: checkpoint layout]
-``ShardedWeight`` keeps dim-0 shards in the ``torch.chunk`` layout, which is DTensor's ``Shard(0)``. So
-each local shard is wrapped, without a copy, as ``DTensor.from_local(shard, mesh, [Shard(0)],
-shape=full_shape, stride=contiguous stride)`` over a 1-D mesh of the weight's group, and DCP records
-which rows each rank wrote. Loading on another world size asks DCP for this rank's rows of the same
-global tensors, so a run saved on 2 ranks resumes on 1 or 3. A weight on a 2-D (replicate, shard) device
-mesh ([Note: device meshes] in ``weights/sharded.py``) is wrapped on that mesh as ``[Replicate(),
-Shard(0)]``: DCP writes each row block once (the replicas hold the same bytes) and records the same global
-tensor, so a checkpoint saved on a 2 x 2 mesh loads on 1 rank, on 2 (1-D) or on a 2 x 2 mesh again, and
-back. An expert-parallel weight (one ep rank's experts, sharded over its dp group: ``spread_over_experts``)
-is wrapped on its ``(ep, dp)`` mesh as ``[Shard(0), Shard(0)]`` with the whole ``[E, ...]`` tensor's shape
-(``global_shape``): the same global tensor as at ep 1, so a checkpoint moves between ep sizes. The state
-dict holds:
-
-* ``model.<name>``: one entry per *distinct* weight, so a tied weight is one entry (saved once, loaded
-  once into the one object every user holds; identity survives);
-* ``optim.<name>.<key>``: the optimizer state of that weight; shard-shaped tensors (AdamW's ``exp_avg``,
-  ``exp_avg_sq``) are wrapped like the weight, scalars (``step``) are saved as they are;
-* ``train.step`` and ``rng.*``: the step and the RNG state. Every rank seeds and draws identically
-  (the data is a function of the step), so one copy of the RNG state serves all ranks.
-
-Beside DCP's files, ``meta.json`` holds the model config, step and world size: the cheap check that a
-checkpoint fits the model before DCP runs.
+Each local shard is wrapped, without a copy, as a DTensor of the whole tensor: ``[Shard(0)]`` over the
+weight's group (``torch.chunk`` is DTensor's layout), ``[Replicate(), Shard(0)]`` on a 2-D mesh ([Note:
+device meshes] in ``weights/sharded.py``), ``[Shard(0), Shard(0)]`` on an expert-parallel ``(ep, dp)`` mesh.
+Each is the same global tensor, so DCP reshards to any world size, mesh or ep size. Entries: ``model.<name>``
+once per distinct weight (a tied weight stays one object), ``optim.<name>.<key>`` (shard-shaped state
+wrapped like the weight), ``train.step``, ``rng.*`` (every rank draws identically: one copy serves all).
+``meta.json`` (config, step, world size, parameter shapes) is the cheap fit check before DCP runs.
 
 [Note: checkpoints of pipeline stages]
-Names are the model's, whatever holds them: a pipeline stage's parameters carry the whole model's names
-(``blocks.<i>.`` global, the tied embedding / lm_head weight as ``embedding.weight`` on both stages that hold a
-copy), so the state dict is the same set of entries at any pp size. ``meta.json``'s ``params`` is the union of
-every rank's names, checked against the union of the loading run's. The two copies of a weight tied across
-stages are the same bytes (summed gradients, the same optimizer); both write their rows and DCP keeps one
-writer per row block (its planner drops duplicate writes), and both read them back at a load.
+A stage's parameters carry the whole model's names (a weight tied across stages is ``embedding.weight`` on
+both), so the entries are the same at any pp size and ``meta.json``'s ``params`` is the union over ranks.
+Both copies of a tied weight write the same rows (DCP keeps one writer) and read them back.
 
 [Note: atomic save]
-All ranks write into ``step_N.tmp``; after DCP's own final barrier rank 0 writes ``meta.json``, renames
-``step_N.tmp`` to ``step_N`` (one ``os.rename``, atomic on POSIX filesystems), and every rank waits on a
-barrier. A save killed half-way leaves only a ``.tmp`` folder, which is never resumed from and is
-cleared by the next save of that step; the previous ``step_M`` is untouched. A re-save of an existing
-``step_N`` moves it to ``step_N.old`` just before the rename, so a kill between the two renames loses
-that step (never resumed from) and keeps the older ones. ``keep_last=K`` prunes only after the rename,
-so the newest complete checkpoint exists before any older one goes; a pruned folder is first renamed
-out of the ``step_N`` pattern, so a kill mid-delete leaves nothing that looks complete.
-``tests/test_train_faults.py`` kills a save at each of these points and resumes.
+Ranks write ``step_N.tmp``; after DCP's final barrier rank 0 writes ``meta.json`` and renames the folder to
+``step_N`` (atomic on POSIX); a re-saved step moves to ``step_N.old`` just before. ``keep_last`` prunes only
+after the rename, renaming each folder out of the ``step_N`` pattern before deleting it. So a killed save
+never leaves an incomplete ``step_N`` (``tests/test_train_faults.py`` kills one at each point).
 
 [Note: DCP imported on use]
-``torch.distributed.checkpoint`` (and the DTensor ops it pulls in) takes about a second to import on a
-CPU, more than a third of the job's start-up. Every process of a job imports this module (the fault
-handling resolves checkpoint folders), most never save or load, so DCP and DTensor are imported by the
-functions that use them.
+DCP and DTensor take about a second to import and most processes never save or load: imported where used.
 """
 
 from __future__ import annotations
@@ -105,7 +79,7 @@ def _contiguous_stride(shape: Iterable[int]) -> tuple[int, ...]:
 
 
 class _Wrapper:
-    """Wraps tensors laid out like a weight: a DTensor for a ``ShardedWeight``, the tensor otherwise."""
+    """Lays tensors out like a weight's shard: a DTensor for a ``ShardedWeight``, the tensor otherwise."""
 
     def __init__(self, group: Any, device_type: str) -> None:
         self.group, self.device_type = group, device_type
@@ -136,9 +110,7 @@ class _Wrapper:
 
 
 def full_tensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The full tensor of ``local``, laid out like ``like``'s shard (a weight, its ``.grad``, its optimizer
-    state); collective over ``like.group`` for a ``ShardedWeight``, the tensor itself otherwise. Goes
-    through DTensor, so the weights' own traffic counters do not see it."""
+    """The full tensor of ``local`` laid out like ``like``'s shard (collective for a ``ShardedWeight``)."""
     from torch.distributed.tensor import DTensor  # [Note: DCP imported on use]
 
     wrapped = _Wrapper(getattr(like, "group", None), local.device.type)(local, like)
@@ -167,14 +139,9 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, wrap:
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, group: Any = None,
                     meta: dict[str, Any] | None = None, keep_last: int = 0) -> str:
-    """Saves ``model`` (and ``optimizer``) at ``step`` into ``root/step_{step}``; returns that path.
-
-    Collective over ``group`` (None: the default group): every rank calls it with the same arguments.
-    ``meta`` (JSON-serialisable; put the model config under ``"model_config"``) is stored in
-    ``meta.json`` and compared by :func:`load_checkpoint`. ``keep_last=K > 0`` then deletes all but the
-    newest ``K`` complete ``step_M`` folders of ``root`` (and leftovers of older interrupted saves). See
-    [Note: atomic save].
-    """
+    """Saves ``model`` (and ``optimizer``) at ``step`` into ``root/step_{step}``; returns that path. Collective
+    over ``group``. ``meta`` (JSON; the model config under ``"model_config"``) goes to ``meta.json`` for
+    :func:`load_checkpoint`; ``keep_last=K > 0`` keeps the newest ``K`` checkpoints ([Note: atomic save])."""
     if not isinstance(keep_last, int) or keep_last < 0:
         raise ValueError(f"keep_last={keep_last!r} must be an int >= 0 (0: keep every checkpoint)")
     group = _comm.resolve_group(group)
@@ -203,9 +170,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
 
 
 def _prune(root: str, newest: int, keep_last: int) -> None:
-    """Deletes all but the ``keep_last`` newest complete checkpoints of ``root``, and ``.tmp``/``.old``
-    leftovers of steps before ``newest``. Each goes by a rename out of the ``step_N`` pattern first, so a
-    kill mid-delete leaves a ``.deleting`` folder, which the next prune removes."""
+    """Deletes all but the ``keep_last`` newest complete checkpoints and older leftovers ([Note: atomic save])."""
     complete = []
     for d in os.listdir(root):
         m = re.match(r"^step_(\d+)(\.tmp|\.old|\.deleting)?$", d)
@@ -277,17 +242,8 @@ def _device_type(model: nn.Module) -> str:
 # --- find and check --------------------------------------------------------------------------------------
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
-    """A complete checkpoint folder: ``path`` itself, or the newest ``step_N`` inside it.
-
-    A ``step_N`` folder exists only once its save completed ([Note: atomic save]), so the newest one is taken
-    or refused: a damaged one (a data file deleted or cut short) is an error naming it and the previous
-    complete checkpoint to resume from instead, never a silent fall back to an older step. An interrupted save
-    (``step_N.tmp``) is no checkpoint and is passed over (:func:`interrupted_saves` names it).
-
-    Raises:
-        CheckpointError: nothing complete there, or the newest checkpoint is damaged; the message says what is
-            missing.
-    """
+    """A complete checkpoint folder: ``path`` itself or the newest ``step_N`` in it. ``CheckpointError`` if
+    none, or if the newest is damaged (naming the previous complete one: never a silent fall back)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist or is not a folder")
@@ -311,8 +267,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
 
 
 def interrupted_saves(path: str | os.PathLike) -> list[str]:
-    """The interrupted saves (``step_N.tmp``) in a folder of checkpoints newer than its newest complete one:
-    what resuming passes over."""
+    """Interrupted saves (``step_N.tmp``) newer than the newest complete checkpoint: what resuming skips."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         return []
@@ -365,9 +320,8 @@ def _read_meta(path: str) -> dict[str, Any]:
 
 
 def _all_params(model: nn.Module, group: Any) -> dict[str, list[int]]:
-    """Every parameter name of the model over ``group``, with its full shape: the union of the ranks' own
-    (collective). [Note: checkpoints of pipeline stages]: a rank holding a pipeline stage holds some of the
-    names; a tied weight's copies on two stages carry one name, and must agree on its shape."""
+    """Every parameter's full shape by name, the union over ``group``'s ranks (collective); a weight tied
+    across pipeline stages must agree ([Note: checkpoints of pipeline stages])."""
     out: dict[str, list[int]] = {}
     for names in _comm.all_gather_objects({n: list(getattr(p, "global_shape", p.shape)) for n, p in _params(model)},
                                           group):
@@ -404,14 +358,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                     *, group: Any = None, expect: dict[str, Any] | None = None) -> int:
     """Loads a checkpoint into ``model`` (and ``optimizer``), resharding to this world size; returns its step.
 
-    Collective over ``group``. ``path`` is a checkpoint folder or a folder of ``step_N`` checkpoints (the
-    latest complete one is used). Every entry of ``expect`` must equal the same key of the saved
-    ``meta.json`` (pass ``{"model_config": ...}``), and parameter names and full shapes must match; both
-    are checked on every rank before DCP runs (the names gathered over ``group``: a pipeline stage holds some of
-    them), so a mismatch fails everywhere with one message.
-
-    Raises:
-        CheckpointError: incomplete checkpoint, or one written for another model.
+    Collective over ``group``. ``path``: a checkpoint, or a folder of ``step_N`` (the newest). ``expect``
+    entries (e.g. ``{"model_config": ...}``) must equal ``meta.json``'s and parameter full shapes must match,
+    checked on every rank before DCP runs; otherwise ``CheckpointError``, as for an incomplete checkpoint.
     """
     path = resolve_checkpoint(path)
     meta = _read_meta(path)
@@ -469,9 +418,8 @@ def _local(t: Any) -> Any:
 
 
 def _copy_back(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-    """Copies what DCP loaded into the weights and the optimizer state (a no-op copy where DCP filled
-    the model's own storage, which ``from_local`` shares), and tells each distributed weight its master was
-    written, so nothing cached from the old values survives ([Note: weight lifecycle])."""
+    """Copies what DCP loaded into the weights and optimizer state, and tells each distributed weight its
+    master was written, so nothing cached survives ([Note: weight lifecycle])."""
     with torch.no_grad():
         for name, p in _params(model):
             loaded = _local(state[f"model.{name}"])

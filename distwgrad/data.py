@@ -1,25 +1,9 @@
-"""The training job's data: a synthetic Markov corpus (the default) and nanoGPT-style token files.
+"""The training job's data: a synthetic Markov corpus (the default: no download) and nanoGPT-style token files.
 
-Both give the global batch of step ``s`` as a pure function of ``(seed, s)``, so a run resumed on another
-number of ranks, or an unsharded reference, sees exactly the batches the run would have seen.
-
-``MarkovCorpus`` is a deterministic synthetic corpus: a seeded order-2 Markov chain over a small
-vocabulary. ``TokenFile`` reads a flat ``uint16`` token file (nanoGPT's ``train.bin``), or a folder that
-``python -m distwgrad.launch.prepare_data`` wrote (``train.bin``, ``val.bin``, ``meta.json``).
-
-Validation (the job's ``--eval-every``): ``eval_batch(i, batch_size)`` is the ``i``-th of a fixed set of
-batches, the same at every evaluation: for a token file, windows of its folder's ``val.bin``
-(:meth:`TokenFile.validation`); for the Markov corpus, batches of steps no run trains on (``_EVAL_STEP`` on).
-
-Why synthetic: the training job must run anywhere (CI, an air-gapped GPU node) with no download, and its
-loss must be comparable across world sizes, resumes and a single-process reference. So the global batch
-of step ``s`` is a pure function of ``(seed, s)``: every rank generates it (it is small) and keeps its
-own rows, and a run resumed on another number of ranks sees exactly the batches it would have seen.
-
-Why order 2: the next token depends on the previous *two*, so a model has to attend to more than the
-current position to get below the bigram entropy; the successors of each context are few and drawn
-from a Zipf-like popularity, so even the unigram statistics take the loss well below ``ln(vocab)`` in a
-few steps, and the chain's own entropy (:meth:`MarkovCorpus.entropy`) is the floor a perfect model reaches.
+Both give step ``s``'s global batch as a pure function of ``(seed, s)``: every rank builds it and keeps its
+rows, so a resume on another number of ranks, or an unsharded reference, sees the same batches. The chain is
+order 2 so a model must look past the current token to beat the bigram entropy; :meth:`MarkovCorpus.entropy`
+is the loss floor. ``eval_batch(i, ...)`` is a fixed validation batch: ``val.bin``, or chain steps never trained.
 """
 
 from __future__ import annotations
@@ -48,18 +32,8 @@ _FORMAT = "distwgrad.data/1"
 
 @dataclass(frozen=True)
 class MarkovCorpus:
-    """Sequences from an order-2 Markov chain with ``vocab_size`` tokens.
-
-    The context of the next token is ``(a * V + b) mod C`` for the previous two tokens ``a, b``, with
-    ``C = min(V * V, 2**18)``: exact pairs for a small vocabulary, hashed pairs for a large one (32k tokens:
-    a billion pairs), so the tables stay small (``C x 4`` successors and weights) at any vocabulary.
-
-    Args:
-        vocab_size: tokens are ``0 .. vocab_size - 1`` (at least ``_SUCCESSORS``).
-        seq_len: tokens per training example; each sequence holds ``seq_len + 1`` tokens (inputs and
-            next-token targets).
-        seed: fixes the transition table and every batch.
-    """
+    """Sequences of ``seq_len + 1`` tokens (inputs and targets) from an order-2 Markov chain over ``vocab_size``.
+    The context ``(a * V + b) mod min(V * V, 2**18)`` hashes pairs of a large vocabulary: small tables at any V."""
 
     vocab_size: int
     seq_len: int
@@ -82,9 +56,7 @@ class MarkovCorpus:
         return min(self.vocab_size ** 2, _MAX_CONTEXTS)
 
     def _transition_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``succ[c]``, ``weights[c]``: the successors of context ``c`` (int64, possibly repeated) and their
-        probabilities (float64, rows sum to 1). Successors follow a Zipf(1) popularity over a shuffled
-        vocabulary."""
+        """Context ``c``'s Zipf-drawn successors ``succ[c]`` (may repeat) and their probabilities ``weights[c]``."""
         V, C = self.vocab_size, self.contexts
         g = torch.Generator().manual_seed(self.seed)
         popularity = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)
@@ -94,14 +66,12 @@ class MarkovCorpus:
         return succ, weights / weights.sum(1, keepdim=True)
 
     def entropy(self) -> float:
-        """Entropy rate (nats/token) under the uniform context mix: roughly the loss floor. A successor
-        drawn twice in a context is one token: its probability is the sum of its weights."""
+        """Entropy rate (nats/token) under the uniform context mix: roughly the loss floor."""
         same = self._succ.unsqueeze(2) == self._succ.unsqueeze(1)  # [C, 4, 4]
         p_token = (same * self._weights.unsqueeze(1)).sum(2)  # each slot's token's probability
         return float(-(self._weights * p_token.log()).sum(1).mean())
 
     def uniform_loss(self) -> float:
-        """The loss of a model that knows nothing: ``ln(vocab_size)``."""
         return math.log(self.vocab_size)
 
     def global_batch(self, step: int, batch_size: int) -> torch.Tensor:
@@ -171,22 +141,10 @@ def _rows(batch_size: int, rank: int, world_size: int) -> slice:
 
 @dataclass(frozen=True)
 class TokenFile:
-    """Random windows of a token file in nanoGPT's convention: a flat little-endian ``uint16`` array
-    (``train.bin`` from nanoGPT's ``prepare.py``), read through ``numpy.memmap``.
+    """Random windows of ``seq_len + 1`` tokens from a flat little-endian ``uint16`` file (nanoGPT's ``train.bin``).
 
-    Step ``s`` cuts the file into windows of ``seq_len + 1`` tokens on a grid shifted by a random offset
-    and draws ``batch_size`` distinct windows from one generator seeded by ``(seed, s)``, the same draw
-    on every rank; rank ``r`` reads only its contiguous rows. So within a step no two rows, and no two
-    ranks, read the same tokens, and across steps every position can start a window.
-
-    Args:
-        path: the token file.
-        vocab_size: the model's vocabulary, which must cover the file's largest token (checked once).
-        seq_len: tokens per training example (windows hold ``seq_len + 1``).
-        seed: fixes every step's windows.
-
-    Raises:
-        DataError: the file is missing, holds fewer than two windows, or a token ``>= vocab_size``.
+    Step ``s`` draws distinct windows on a randomly shifted grid: no two rows of a step overlap, and any position
+    can start a window. ``DataError``: a missing or truncated file, under two windows, a token ``>= vocab_size``.
     """
 
     path: str
@@ -256,7 +214,7 @@ class TokenFile:
         return path if self.split == "train" else os.path.join(os.path.dirname(path) or ".", "val.bin")
 
     def validation(self) -> TokenFile:
-        """The held-out tokens beside this file (a prepared folder's ``val.bin``); ``DataError`` without one."""
+        """The prepared folder's ``val.bin`` beside this file; ``DataError`` without one."""
         val = os.path.join(os.path.dirname(self.path) or ".", "val.bin")
         if not os.path.isfile(val):
             raise DataError(f"--eval-every needs validation tokens: no val.bin beside {self.path!r} (prepare the "
@@ -264,11 +222,11 @@ class TokenFile:
         return TokenFile(self.path, self.vocab_size, self.seq_len, self.seed, split="val")
 
     def eval_batch(self, i: int, batch_size: int) -> torch.Tensor:
-        """The ``i``-th validation batch: this file's windows of stream ``i``, the same at every evaluation."""
+        """The ``i``-th validation batch, the same at every evaluation."""
         return self.global_batch(i, batch_size)
 
     def capacity(self) -> int:
-        """Windows any step's draw can hold (the grid's random shift costs at most one)."""
+        """Windows any step's draw can hold (the random shift costs at most one)."""
         return len(self._tokens) // (self.seq_len + 1) - 1
 
     def describe(self) -> dict:

@@ -1,19 +1,11 @@
 """Capture in a pipeline schedule's order: TransformerEngine's ``_order`` and ``_num_layers_per_chunk``.
 
 [Note: capture in schedule order]
-A model chunk is a run of consecutive layers (callables); an interleaved pipeline schedule runs each chunk's
-forward and backward once per microbatch, in an order the schedule fixes. ``_order`` lists it: chunk ids
-from 1, positive for a forward of the chunk's next microbatch, negative for a backward of its next
-microbatch, so each id appears ``microbatches`` times with each sign (Megatron-core's convention, which TE
-takes). Every (chunk, microbatch, layer) is one forward pass with a graph pair of its own and its own static
-buffers; ``sample_args`` holds one entry per forward pass, chunk-major, then microbatch, then layer (index
-``prefix[chunk] * microbatches + microbatch * layers[chunk] + layer``), and the call returns one graphed
-function per forward pass in that order. Forwards and backwards are captured in ``_order``'s order, a
-chunk's layers forward in order and backward in reverse, all in one pool, so the pool's memory is handed
-out as the schedule will use it. The deferred wgrads each backward queued are captured after every
-backward, in the order the backwards were captured, which is the order their replays queue on a module and
-``backward_dw()`` pops them. Each forward pass reads and writes only its own buffers, so a forward replay
-refuses only while a graphed wgrad of the same forward pass is queued, never another microbatch's.
+``_order`` (Megatron-core's) lists chunk ids from 1: +c a forward of chunk c's next microbatch, -c its backward.
+Each (chunk, microbatch, layer) is a forward pass with its own graphs and buffers; ``sample_args`` and the
+returned functions are chunk-major, then microbatch, then layer (:meth:`OrderPlan.index`). Captures follow
+``_order`` in one pool, so its memory is handed out as the schedule uses it; deferred wgrads are captured in
+backward order, the order ``backward_dw()`` pops them. A forward replay refuses only while its own wgrad waits.
 """
 
 from __future__ import annotations
@@ -45,8 +37,7 @@ class OrderPlan:
         return sum(self.layers) * self.microbatches
 
     def index(self, chunk: int, microbatch: int, layer: int) -> int:
-        """The forward pass of ``layer`` of ``chunk`` (both from 0) for ``microbatch``: its ``sample_args``
-        entry and its place among the returned functions."""
+        """The forward pass of ``layer`` of ``chunk`` (from 0) for ``microbatch``: its sample and output slot."""
         return self.prefix[chunk] * self.microbatches + microbatch * self.layers[chunk] + layer
 
     def module_of(self, index: int) -> int:

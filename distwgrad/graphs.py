@@ -1,56 +1,27 @@
 """``make_graphed_callables``: CUDA graphs of forward, backward and the deferred wgrads.
 
-The structure is ``torch.cuda.make_graphed_callables``'s (warm up on a side stream, capture every forward
-in order, every backward in reverse order, all in one pool, replay through one autograd function per
-callable), with TransformerEngine's keyword names and one addition: every deferred wgrad queued by a
-captured backward is captured as its own graph, which the module's ``backward_dw()`` (and
-``distwgrad.drain_deferred_wgrads``) replays.
+``torch.cuda.make_graphed_callables``'s structure with TransformerEngine's keywords, plus one graph per
+deferred wgrad a captured backward queues, which ``backward_dw()`` replays (docs/cuda_graphs.md).
 
 [Note: graphed deferred wgrads]
-* Capture. After the backward graphs, each work item that a captured backward queued on a module's
-  ``WeightGradStore`` is popped inside its own capture (one graph per item, so each graph is exactly one
-  ``backward_dw()``). ``.grad`` is never a target while capturing: ``add_to_grad`` writes into a
-  graph-owned gradient (``graph_owned_gradients`` in ``wgrad/accumulate.py``), a fresh tensor of the graph
-  pool that the graphed callables keep until ``reset()``. Fused ``main_grad`` is accumulated in place
-  inside the graph: it is the caller's stable buffer (created, if absent, before the warm-up).
-* Replay. A graphed backward replays its graph, then queues one replay per captured item on the owning
-  module's store. ``backward_dw()`` pops it: the graph replays, then, outside the captured region, each
-  graph-owned gradient is cloned into ``.grad`` (None) or added to it, exactly the eager rule
-  ([Note: accumulate, never assign]), then the module's hooks fire. ``zero_grad(set_to_none=True)`` may
-  free the caller's ``.grad`` at any time: no graph holds its address.
-* ``main_grad`` is checked before every replay that writes it: a tensor at another address, or of
-  another shape, stride or dtype, than the captured one raises; the graph never writes through a stale
-  address. Zero it in place (``main_grad.zero_()``), never replace it.
-* Order. A deferred graph reads what the last backward replay left in the static buffers, which the
-  next forward replay overwrites; so a forward replay while a graphed wgrad of the same set is still
-  queued raises ``DeferredWgradError``. Each microbatch is forward, backward, ``backward_dw()``; the
-  same graphs replayed k times accumulate k contributions. The deferred graphs may replay in any order:
-  their inputs stay allocated until every one of them is captured, so none reuses another's memory.
-* Parameter gradients of the main backward are returned to autograd as clones (outside the graph):
-  autograd would otherwise steal the static pool tensor as ``.grad`` and the next replay would
-  overwrite (or double) it.
-* ``reset()`` (on any callable of the set: they share one pool) resets the graphs and drops every
-  static and graph-owned tensor, releasing the pool; any later replay raises. It refuses while graphed
-  wgrads are still queued.
+* No graph writes ``.grad``: a deferred wgrad writes a graph-owned gradient (``graph_owned_gradients`` in
+  ``wgrad/accumulate.py``) that ``backward_dw()`` clones or adds into ``.grad`` outside the graph ([Note:
+  accumulate, never assign]), so ``zero_grad(set_to_none=True)`` is safe. The main backward returns clones,
+  else autograd would keep a static pool tensor as ``.grad`` for the next replay to overwrite.
+* Fused ``main_grad`` accumulates in place in the graph: zero it in place; a replaced one raises at replay.
+* Per microbatch: forward, backward, ``backward_dw()``. A forward replay overwrites the static buffers a
+  queued deferred graph reads, so it raises ``DeferredWgradError``; queued graphs replay in any order.
+* ``reset()`` (on any callable of the set: they share one pool) frees it all; it refuses while wgrads are
+  queued, and later replays raise.
 
 [Note: captured distributed weights]
-A distributed weight's ``grad_buffer()`` is allocated at a step's first contribution and freed at each
-reduction, which a graph cannot bake in. A weight captured here gets a graph-owned persistent fp32
-buffer (full size, allocated before capture, released by ``reset()``; a weight of
-a group of one needs none: it accumulates in its stable ``main_grad`` in place, in the graph as eagerly, so
-k microbatches sum in the same order: [Note: a group of one] in ``weights/base.py``; each step flags that
-``main_grad`` instead of zeroing it, and its first contribution writes it: [Note: an unwritten accumulator] in
-``weights/first_write.py``):
-``grad_buffer()`` under capture zeroes it where it would allocate, so each replay zeroes, accumulates and
-reduces it exactly where the capture did, and the reduction (NCCL collectives, captured) adds into the
-caller's stable ``main_grad``. The accounting runs in Python, which a replay skips, so each replay applies
-the count changes its capture made (uses in forward, deliveries and the reduction in backward and
-``backward_dw()``) and raises if they no longer line up (an eager use interleaved, a different order).
-The deferred graphs are captured in ``drain_deferred_wgrads``' default order (reverse registration), so a
-tied weight's zeroing and reduction sit where that drain meets them; another drain order raises.
-Refused at ``make_graphed_callables``: a group whose backend is not NCCL (gloo collectives cannot be
-captured), ``async_reduce=True`` (the wait is host-side) and ``ReducePolicy.PER_STEP`` (its buffer
-outlives a microbatch's graphs). ``finalize_model_grads`` runs eagerly, as always.
+A graph cannot follow ``grad_buffer()``'s allocate-then-free life, so a captured weight gets a persistent
+fp32 buffer, zeroed under capture where ``grad_buffer()`` would allocate; each replay reduces it (captured
+NCCL) into the stable ``main_grad`` where its capture did. A group of one accumulates in ``main_grad``
+itself ([Note: a group of one] in ``weights/base.py``). Replays skip the Python accounting, so each applies
+its capture's counts and raises if they no longer line up (an eager use interleaved, a drain order other
+than ``drain_deferred_wgrads``' default). Refused: non-NCCL groups, ``async_reduce=True`` (a host-side wait),
+``ReducePolicy.PER_STEP`` (its buffer outlives a microbatch's graphs).
 """
 
 from __future__ import annotations
@@ -99,7 +70,7 @@ def _deferred_params(m: nn.Module) -> set[int]:
 
 
 def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
-    """Fused weights get their ``main_grad`` now, outside any capture (distributed weights: ``CapturedWeights``)."""
+    """Creates fused weights' ``main_grad`` outside any capture (distributed ones: ``CapturedWeights``)."""
     for m in mods:
         for s in m.modules():
             if getattr(s, "fuse_wgrad_accumulation", False):
@@ -131,8 +102,7 @@ class _MainGrads:
                     f"Zero main_grad in place (main_grad.zero_()) or graph again. [Note: graphed deferred wgrads]")
 
     def mark_added(self) -> None:
-        """What a fused plain weight's main backward does to its flag: [Note: the fused .grad contract] (a
-        distributed weight's finish sets it)."""
+        """Sets a fused plain weight's flag as its main backward would ([Note: the fused .grad contract])."""
         for _, p, _, _ in self.entries:
             if hands_fused_dummy(p) and not is_distributed_weight(p):
                 p.grad_added_to_main_grad = True
@@ -316,8 +286,7 @@ def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, r
 
 def _capture(gs: _GraphSet, calls: list[_Callable], captures: Sequence[tuple[str, int]], fp8: Callable,
              retain_graph: bool, recipe: Recipe | None) -> None:
-    """Forwards and backwards in ``captures``' order, then the deferred wgrads each backward queued, in the
-    order the backwards were captured (the order their replays queue them on a module)."""
+    """Forwards and backwards in ``captures``' order, then each backward's deferred wgrads in that order."""
     queued: dict[int, list[nn.Module]] = {}
     stores = {id(s): s for c in calls for s in _deferred_modules(c.module)}
     for kind, i in captures:
@@ -362,8 +331,7 @@ def _capture_backward(gs: _GraphSet, c: _Callable, i: int, stores: dict[int, nn.
 
 def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, list[nn.Module]],
                     recipe: Recipe | None) -> None:
-    """One graph per queued item, FIFO per module (``queued`` in backward capture order); every item's inputs
-    stay alive until all are captured."""
+    """One graph per queued item, FIFO per module; every item's inputs stay alive until all are captured."""
     held = [s.wgrad_store.queued() for mods in queued.values() for s in mods]  # type: ignore[operator]  # nn.Module attributes
     for i, mods in queued.items():
         for m in mods:
@@ -469,38 +437,21 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
                            calibrating: bool | None = None, recipe: Recipe | None = None,
                            amax_reduction_group: Any = None,
                            cache_quantized_params: bool | None = None) -> nn.Module | tuple[nn.Module, ...]:
-    """CUDA-graphs the forward, backward and deferred wgrads of ``modules``.
-
-    ``torch.cuda.make_graphed_callables`` with TransformerEngine's keywords; see [Note: graphed deferred
-    wgrads] and [Note: captured distributed weights].
+    """CUDA-graphs the forward, backward and deferred wgrads of ``modules`` (docs/cuda_graphs.md).
 
     Args:
-        modules: one module (the whole model at once: returns one callable) or a tuple of modules (each on
-            its own, in the order they run: returns a tuple). Their ``forward`` is replaced by the replay,
-            as torch does; a module in another ``training`` state than at capture runs eagerly.
-        sample_args: a tuple of tensors (one module) or a tuple of such tuples (one per module). Their
-            ``requires_grad`` must match the real inputs'.
-        num_warmup_iters: eager warm-up iterations on a side stream (>= 1; the last checks for host syncs).
-        allow_unused_input: allow inputs and parameters that get no gradient.
-        sample_kwargs: a dict of tensor keyword arguments (or one per module).
-        enabled (``fp8_enabled``), recipe (``fp8_recipe``): warm up and capture the forwards under
-            ``fp8_autocast(recipe)``.
-        pool: a graph pool handle to share (``torch.cuda.graph_pool_handle()``); default: a new pool.
-        retain_graph_in_backward: capture the backward with ``retain_graph=True``.
-        The rest of TransformerEngine's keywords: accepted or refused as ``distwgrad/graph_options.py`` says.
+        modules: one module or a tuple in run order (returns the same form). Their ``forward`` becomes the
+            replay; a module in another ``training`` state than at capture runs eagerly.
+        sample_args: a tuple of tensors, or one per module; ``requires_grad`` must match the real inputs'.
+        enabled (``fp8_enabled``), recipe (``fp8_recipe``): capture under ``fp8_autocast(recipe)``.
+        _order, _num_layers_per_chunk: capture in a pipeline schedule's order, one ``sample_args`` entry per
+            forward pass ([Note: capture in schedule order] in ``distwgrad/graph_order.py``).
+        The other keywords are torch's and TransformerEngine's (``distwgrad/graph_options.py``).
 
-        _order, _num_layers_per_chunk: capture in a pipeline schedule's order, one graph pair per forward
-            pass: ``sample_args`` holds one entry per (chunk, microbatch, layer); [Note: capture in schedule
-            order] in ``distwgrad/graph_order.py``.
-
-    Returns:
-        The modules, each with ``reset()`` (releases the whole set's graphs and pool) and, when the module
-        has none, ``backward_dw()`` (replays its queued graphed wgrads). With ``_order``: one function per
-        forward pass (each with ``reset()``), the modules' own ``forward`` untouched, as TE returns.
-
-    Raises:
-        TypeError, ValueError: bad arguments, naming them. RuntimeError: no CUDA device, a distributed weight
-        on a non-NCCL group, a host sync in the graphed region. DeferredWgradError: wgrads still queued.
+    Returns the modules with ``reset()`` (frees the whole set) and, if absent, ``backward_dw()``; with
+    ``_order``, one function per forward pass. Raises ``TypeError``/``ValueError`` on bad arguments,
+    ``RuntimeError`` without CUDA, on a non-NCCL distributed weight or a host sync in the graphed region,
+    ``DeferredWgradError`` while wgrads are queued.
     """
     just_one, mods = as_tuple_of_modules(modules)
     plan = None

@@ -1,35 +1,26 @@
 """The DistributedWeight protocol and its list-shaped dispatchers.
 
-A distributed weight is a ``torch.Tensor`` subclass (usually an ``nn.Parameter``) whose local storage is
-not the tensor a GEMM needs: a dim-0 shard, a replica that must be reduced, a quantized copy. Modules
-never look inside; they call the four hooks below through the dispatchers, which keep TransformerEngine's
-shape (``weights[0]`` is the leader and acts for the group, plain tensors pass through untouched), so a
-weight written for TE's protocol plugs into distwgrad's modules and ours into TE's.
+A distributed weight is a ``torch.Tensor`` subclass whose local storage is not the tensor a GEMM needs (a
+shard, a replica to reduce, a quantized copy). Modules call its hooks only through the dispatchers, which keep
+TransformerEngine's shape (``weights[0]`` leads the group; plain tensors pass through), so weights written
+for TE plug into distwgrad's modules and ours into TE's. The contract in full: ``docs/protocol.md``.
 
 [Note: the finalize contract]
-``finalize_group_grads(wgrads)`` is called once per *contribution*: after every wgrad GEMM of one use
-of the group in one microbatch (immediately in backward, or later from a deferred ``backward_dw``),
-with ``wgrads`` being the tensors the GEMM wrote, normally the ``grad_buffer()`` of each weight.
-It returns ``None`` or, per weight, a tensor of the weight's own (local) shape that is one more
-contribution to the weight's ``.grad``. distwgrad's modules use that return value in exactly one way on
-every path: in the main backward it is handed to autograd as the weight's gradient; in a deferred
-``backward_dw`` it is added to ``.grad`` (``None`` initialises, otherwise add). It is never dropped and
-never used twice. distwgrad's own weights always return ``None``: they deliver into ``main_grad`` and
-``.grad`` themselves, when the step's last contribution has arrived (``docs/protocol.md``).
+``finalize_group_grads(wgrads)`` is called once per *contribution*: after every wgrad GEMM of one use of the
+group in one microbatch, in backward or from a deferred ``backward_dw``. It returns ``None`` or, per weight,
+a local-shape tensor that is one more contribution to ``.grad``: the main backward hands it to autograd, a
+deferred ``backward_dw`` adds it to ``.grad``; never dropped, never used twice. distwgrad's own weights
+return ``None`` and fill ``main_grad`` and ``.grad`` themselves when the step's last contribution arrives.
 
 [Note: what backward may hold]
-The autograd context holds the weight *object* (the shard), never a gathered copy, and holds it as a
-plain attribute rather than through ``save_for_backward``: ``saved_tensors_hooks`` (activation
-offloading) replace saved tensors with plain ones, which would strip the subclass and send backward down
-the non-distributed branch. Backward re-materializes through ``materialize_weight_for_backward``.
+The autograd context holds the weight object, never a gathered copy, as a plain attribute: through
+``save_for_backward``, ``saved_tensors_hooks`` (activation offloading) would strip the subclass. Backward
+re-materializes through ``materialize_weight_for_backward``.
 
 [Note: one-member groups exchange bare tensors]
-TransformerEngine's implementers (Megatron's GTP weights) speak bare tensors for a group of one: the
-dispatchers take one weight or a list and always return a list, but a one-member group's
-``materialize_group_for_forward/backward`` may return a bare tensor, its ``finalize_group_grads``
-receives the bare wgrad (a list only for larger groups) and may return a bare tensor or ``None``. This
-holds on every module path (Linear, packed GroupedLinear, LayerNormMLP, LayerNormLinear) and for
-distwgrad's own weights, which act for themselves and so always receive a bare wgrad.
+As with TE's implementers (Megatron's GTP weights), a one-member group's ``materialize_group_for_*`` may
+return a bare tensor, and its ``finalize_group_grads`` receives the bare wgrad and may return a bare tensor
+or ``None``; the dispatchers always return lists. This holds on every module path.
 """
 
 from __future__ import annotations
@@ -71,11 +62,7 @@ class DistributedWeight(Protocol):
 
 
 def is_distributed_weight(t: object) -> bool:
-    """True for tensors that opt into the protocol (``is_distributed_weight`` set to True).
-
-    An object that claims the protocol but is not a ``torch.Tensor`` is a ``TypeError``: modules pass the
-    weight through ``ctx``, DDP hooks and ``torch.compile``, which all need a tensor.
-    """
+    """True for tensors that set ``is_distributed_weight``; ``TypeError`` for a claimant that is no tensor."""
     claims = bool(getattr(t, "is_distributed_weight", False))
     if claims and not isinstance(t, torch.Tensor):
         raise TypeError(f"a DistributedWeight must be a torch.Tensor subclass (usually an nn.Parameter); got "
@@ -84,8 +71,7 @@ def is_distributed_weight(t: object) -> bool:
 
 
 def _as_group(weights: torch.Tensor | Sequence[torch.Tensor | None], what: str) -> tuple[list, bool]:
-    """``(weights as a list, whether the caller passed a bare weight)``; a bare weight is a leader whose
-    group is whatever it returns (TE's Linear passes one weight, GroupedLinear a list)."""
+    """``(weights as a list, whether a bare weight was passed)``: a bare leader's group is what it returns."""
     if isinstance(weights, torch.Tensor):
         return [weights], True
     weights = list(weights)
@@ -135,11 +121,7 @@ def _materialize(weights, backward: bool, what: str) -> list[torch.Tensor]:
 
 
 def materialize_weight_for_forward(weights: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors for the forward GEMM, one per weight; plain tensors pass through as the same objects.
-
-    ``weights`` is one weight or a list (always a list back); a distributed leader is called once for
-    the whole group ([Note: one-member groups exchange bare tensors]).
-    """
+    """Tensors for the forward GEMM, one per weight (one or a list in, a list out); plain ones pass through."""
     return _materialize(weights, False, "materialize_weight_for_forward")
 
 
@@ -154,13 +136,8 @@ def grad_buffers(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def weight_grad_dtype(weights: torch.Tensor | Sequence[torch.Tensor], compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a wgrad GEMM should produce for this group (TE PR #3397).
-
-    A distributed weight reduces its wgrad before it accumulates, so the GEMM emits ``main_grad``'s dtype
-    (fp32) and the reduction never rounds to the compute dtype. A distributed weight without a
-    ``main_grad`` yet, and every plain weight (even one carrying a ``main_grad``: its wgrad is either
-    fused into ``main_grad`` by the GEMM or an ordinary ``.grad``), keep ``compute_dtype``.
-    """
+    """The dtype a wgrad GEMM should produce: a distributed weight's ``main_grad`` dtype (fp32, so the reduction
+    never rounds to the compute dtype) if it has one, else ``compute_dtype``."""
     weights, _ = _as_group(weights, "weight_grad_dtype")
     if is_distributed_weight(weights[0]):
         main_grad = getattr(weights[0], "main_grad", None)
@@ -171,13 +148,8 @@ def weight_grad_dtype(weights: torch.Tensor | Sequence[torch.Tensor], compute_dt
 
 def weight_grad_buffers(weights: torch.Tensor | Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
                         device: torch.device | str) -> list[torch.Tensor]:
-    """One buffer per weight for the wgrad GEMM to write into (TE PR #3397).
-
-    A distributed weight brings its own: each member's ``grad_buffer()`` (never the leader's reused for
-    the group, which would let the per-expert GEMMs overwrite each other), each checked against ``shape``
-    (a shard-shaped buffer would let the GEMM write out of bounds). Plain weights get fresh zeroed
-    scratch of ``shape`` and ``dtype``.
-    """
+    """One buffer per weight for the wgrad GEMM: each member's own ``grad_buffer()`` (a shared one would let
+    per-expert GEMMs overwrite each other; ``RuntimeError`` unless of ``shape``), for plain weights zeros."""
     weights, _ = _as_group(weights, "weight_grad_buffers")
     shape = tuple(shape)
     if not _check_group(weights, "weight_grad_buffers"):
@@ -193,11 +165,8 @@ def weight_grad_buffers(weights: torch.Tensor | Sequence[torch.Tensor], shape: S
 def finalize_weight_grads(weights: torch.Tensor | Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor]) -> list[Any]:
     """Delivers one contribution per weight; returns, per weight, ``None`` or a gradient for ``.grad``.
 
-    ``weights`` is one weight (a leader acting for a group of ``len(wgrads)``) or a list of one per wgrad.
-    Plain tensors pass through: their ``wgrads`` are returned unchanged (the caller treats them as
-    ordinary gradients). See [Note: the finalize contract] and
-    [Note: one-member groups exchange bare tensors].
-    """
+    ``weights``: one leader acting for a group of ``len(wgrads)``, or one weight per wgrad. Plain tensors'
+    ``wgrads`` come back unchanged, as ordinary gradients ([Note: the finalize contract])."""
     weights, bare = _as_group(weights, "finalize_weight_grads")
     wgrads = [wgrads] if isinstance(wgrads, torch.Tensor) else list(wgrads)
     if not bare and len(wgrads) != len(weights):

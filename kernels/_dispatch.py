@@ -1,22 +1,13 @@
 """Calling a kernel's ``torch.library.custom_op`` or, in plain eager mode, its implementation directly.
 
 [Note: custom op bypass]
-Every kernel entry point is a ``torch.library.custom_op`` with a fake implementation, so that
-torch.compile, torch.export and FakeTensorMode can trace it. In plain eager mode the dispatcher does
-nothing for these ops but call the implementation, and that costs ~18 µs per call on a CI-class CPU
-(docs/benchmarks/LOG.md): as much as the rest of a quantize call's host work, and of the order of
-the kernel's own device time at training shapes. So the public functions call the implementation
-directly when nothing could observe the difference, and go through the op otherwise:
-
-- torch.compile / export tracing (``torch.compiler.is_compiling()``) and ``torch.jit.trace``: the op,
-  so graphs keep one node;
-- an active TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) or a functorch transform: the op;
-- the autograd profiler on: the op, so traces name it (``distwgrad::...``);
-- any argument that is not a plain ``torch.Tensor`` (FakeTensor, FunctionalTensor, DTensor, ...): the op.
-
-A mutated argument's version counter is bumped as the op's in-place registration would do, so autograd's
-saved-tensor checks see the same thing on both paths. Both paths run the same implementation, so the
-results are the same bits (tests call both).
+Kernel entry points are custom ops with fake implementations, so torch.compile, export and FakeTensorMode can
+trace them; in plain eager mode the dispatcher only calls the implementation, at a cost (~18 us a call) as large
+as the rest of a quantize call's host work. So the public functions call the implementation directly unless
+something could observe it: compile/export or ``torch.jit.trace`` tracing, an active TorchDispatchMode or
+functorch transform, the autograd profiler (traces name the op), or an argument that is not a plain
+``torch.Tensor``. A mutated argument's version counter is bumped as the op would, so autograd's saved-tensor
+checks agree; both paths run the same implementation, so the bits are the same.
 """
 
 from __future__ import annotations
@@ -50,8 +41,7 @@ def direct_call_ok(args: Iterable[object]) -> bool:
 
 
 def call(op: Callable, impl: Callable, *args, mutated: tuple[int, ...] = ()):
-    """``op(*args)``, or ``impl(*args)`` when ``direct_call_ok``; ``mutated``: indices of the arguments
-    the op mutates (tensors or lists of tensors)."""
+    """``op(*args)``, or ``impl(*args)`` when ``direct_call_ok``; ``mutated``: indices of mutated arguments."""
     if not direct_call_ok(args):
         return op(*args)
     out = impl(*args)

@@ -1,14 +1,11 @@
 """Tile configurations for ``distwgrad.kernels.grouped_gemm``, and the accuracy bound that accepts them.
 
-Configs are picked by a fixed table, not by ``triton.autotune``: autotuning benchmarks on the first call
-of every new key, which cannot run inside a CUDA-graph capture and would corrupt the accumulating wgrad
-(its benchmark runs add into ``out`` repeatedly). ``qa/bench/kernels.py gemm --sweep`` times every
-candidate below on an H200 and prints each one per op and shape; the tables cite those runs.
+A fixed table, not ``triton.autotune``: autotune benchmarks on a new key's first call, which cannot run inside a
+CUDA-graph capture and would corrupt the accumulating wgrad (its runs add into ``out``). The candidates are
+timed by ``qa/bench/kernels.py gemm --sweep``.
 
-Legend (kernel view): every kernel computes ``C[M, N] (+)= A[M, K] @ B[K, N]`` tile by tile.
-    fprop   M = tokens of one expert, N = out-features, K = in-features
-    dgrad   M = tokens of one expert, N = in-features,  K = out-features
-    wgrad   M = out-features,         N = in-features,  K = tokens of one expert (ragged reduction)
+Legend (kernel view): ``C[M, N] (+)= A[M, K] @ B[K, N]``. fprop: M one expert's tokens, N out-, K in-features;
+dgrad: N in-, K out-features; wgrad: M out-, N in-features, K one expert's tokens (ragged reduction).
 """
 
 from __future__ import annotations
@@ -27,19 +24,13 @@ __all__ = ["TileConfig", "INTERPRETER", "RAGGED_CANDIDATES", "WGRAD_CANDIDATES",
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """One launch configuration. ``group_m`` tiles along M share one column of B (L2 reuse).
-    ``add_mode`` only matters to the accumulating wgrad: "load" reads the old fp32 tile after the main
-    loop, "atomic" sends fp32 reductions to L2 instead of a read-modify-write round trip (deterministic:
-    each element gets one addend), "tma_add" one asynchronous bulk tensor reduction per tile (Hopper,
-    stacked ``out`` with 16-byte aligned strides; otherwise, and in the interpreter, it runs as "atomic").
-
-    ``tma=False`` keeps masked pointer loads where TMA descriptors would apply (an explicit ``use_tma``
-    argument of the launcher wins). ``l2_prefetch`` (accumulating wgrad, GPU) prefetches the old fp32 tile
-    into L2 before the main loop ([Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py).
-    ``half_tail`` (fprop/dgrad only, ``block_m`` >= 32): a group's last M tile with ``block_m`` / 2 rows or
-    fewer runs a half-height MMA ([Note: half tail tiles] in kernels/_grouped_ragged.py). ``wide_tail`` (fprop/dgrad
-    only, ``block_m`` >= 32): such a remainder joins the group's tile before it, which then computes 1.5
-    ``block_m`` rows against each weight stage ([Note: wide tail tiles] in kernels/_grouped_ragged.py)."""
+    """One launch configuration. ``group_m``: M tiles sharing one column of B (L2 reuse). ``add_mode``
+    (accumulating wgrad only): "load" reads the old fp32 tile after the main loop, "atomic" fp32 reductions in
+    L2 (deterministic: one addend per element), "tma_add" one bulk tensor reduction per tile (Hopper, stacked
+    16-byte-aligned ``out``; else "atomic"). ``tma=False``: masked pointer loads (the launcher's ``use_tma`` wins).
+    ``l2_prefetch`` (accumulating wgrad): [Note: L2 prefetch of the accumulated tile] in kernels/_grouped_wgrad.py.
+    ``half_tail`` / ``wide_tail`` (fprop/dgrad, ``block_m`` >= 32): a group's last tile of <= ``block_m`` / 2 rows
+    runs a half-height MMA / joins the tile before it ([Note: half tail tiles], [Note: wide tail tiles])."""
 
     block_m: int
     block_n: int
@@ -138,15 +129,13 @@ WGRAD_ACC_CANDIDATES = (
 
 
 def smem_bytes(cfg: TileConfig, elem_bytes: int) -> int:
-    """Shared memory of the operand pipeline (the epilogue may need a little more); a wide tail tile's
-    stages also hold its extra block_m / 2 rows."""
+    """Shared memory of the operand ring (the epilogue may need more); wide tail stages hold block_m / 2 more rows."""
     rows = cfg.block_m + (cfg.block_m // 2 if cfg.wide_tail else 0)
     return cfg.num_stages * (rows + cfg.block_n) * cfg.block_k * elem_bytes
 
 
 def _fit(cfg: TileConfig, elem_bytes: int, smem_limit: int | None, margin: int = 8192) -> TileConfig:
-    """Drops pipeline stages (then halves N) until the operand ring plus ``margin`` bytes (barriers, an
-    epilogue's staging) fits the device's shared memory."""
+    """Drops stages, then halves N, until the operand ring plus ``margin`` bytes fits ``smem_limit``."""
     if smem_limit is None:
         return cfg
     while smem_bytes(cfg, elem_bytes) + margin > smem_limit:
@@ -173,8 +162,7 @@ _RAGGED_SMEM_MARGIN = 1024
 
 def pick_ragged(*, num_tokens: int, num_groups: int, n: int, k: int, elem_bytes: int,
                 smem_limit: int | None, tuning: GroupedGemmTuning = _DEFAULTS) -> TileConfig:
-    """Config for fprop/dgrad (ragged M); wide tail tiles where the groups average
-    ``tuning.wide_tail_max_tokens`` tokens or fewer (the launcher passes the tuning in force)."""
+    """Config for fprop/dgrad (ragged M); wide tails where groups average <= ``tuning.wide_tail_max_tokens``."""
     del n, k
     # 128x256x64/w8, fprop/dgrad. 4096/expert: s4 666/715 vs s3 666/690; 1024: s4 648/585 vs s3
     # 652/595; 128: s4 322/317 vs s3 315/309. 256x128x64/w8 (round 2, better of s3/s4): 676/699,

@@ -1,28 +1,10 @@
 """Tile configurations for ``distwgrad.kernels.grouped_gemm_fp8``.
 
-Same scheme as the bf16 kernels (``_grouped_gemm_configs``): a fixed table, no ``triton.autotune`` (its
-benchmark runs cannot happen inside a CUDA-graph capture and would add into an accumulating ``out``
-repeatedly). Configs reuse ``TileConfig``; the FP8 kernels support ``add_mode`` "load" and "atomic".
-
-TUNED on an H200 (2026-11-29, triton 3.6; ``qa/bench/kernels.py fp8 --benchmarks grouped_gemm --gemm-sweep`` on
-the two large MoE shapes, E, T, K, N = 8, 32768, 4096, 14336 and 64, 65536, 7168, 2048, i.e. ~4096 and
-~1024 tokens per group; JSON in docs/benchmarks/LOG.md, fp8_gemm_sweep_h200.json). ``pick`` cites the numbers
-(ratios to our bf16 kernels at the same shape, run to run noise a few percent). The third MoE shape (~128
-tokens per group) was not swept: below 1024 tokens per group the picks keep the 128-row tiles. What the
-candidates rest on:
-- the bf16 sweeps (H200, docs/benchmarks/LOG.md): fp8 elements are half the bytes, so BLOCK_K =
-  128 moves the bytes of bf16's BLOCK_K = 64 per pipeline stage; the blockwise recipe forces it anyway
-  (one K step = one scale block);
-- an sm_90a build without a GPU (triton 3.9 + its ptxas, JIT specializations emulated, first MoE shape;
-  the recipe behind ``test_compiles_for_sm90``), registers/thread and spill bytes at 128x128x128/w8/s4:
-  fprop/dgrad 231-236 (blockwise) and 165 (per-tensor), no spills; wgrad 170-186 (per-tensor), 255 with
-  24-32 B of spills (blockwise, accumulating). Every K step of the blockwise path holds a second fp32
-  accumulator (the step's dot before scaling): 128x256/w8 and 256x128/w8 spilled 88-250 B in fprop and
-  more in wgrad, and ran at 0.5-0.8x of 128x128 on the GPU; 64x128/w4/s4-5 built without spills
-  everywhere. The masked pointer-load fallback (unaligned layouts) spills in wgrad blockwise (~340-420 B).
-
-Legend (kernel view) as in ``_grouped_gemm_configs``: fprop/dgrad tile ragged token rows x features,
-wgrad tiles the fixed [N, K] output and reduces over each group's tokens.
+A fixed table of ``TileConfig``, as for bf16 (``_grouped_gemm_configs``: no ``triton.autotune``); the FP8 kernels
+support ``add_mode`` "load" and "atomic". ``pick`` cites the H200 sweep (``qa/bench/kernels.py fp8 --gemm-sweep``,
+docs/benchmarks/LOG.md) as ratios to our bf16 kernels. BLOCK_K = 128 moves the bytes of bf16's 64 per stage and
+is the blockwise scale block anyway; the blockwise path holds a second fp32 accumulator per K step, so tiles
+wider than 128x128 spill there (sm_90a builds) and ran slower. Legend (kernel view): ``_grouped_gemm_configs``.
 """
 
 from __future__ import annotations
@@ -73,9 +55,8 @@ def with_block_k(cfg: TileConfig, block: int) -> TileConfig:
 
 def pick(op: str, *, block: int, accumulate: bool, smem_limit: int | None,
          tokens_per_group: float = 0.0, split_accumulator: bool = True) -> TileConfig:
-    """Config for ``op`` in ("fprop", "dgrad", "wgrad"); ``block`` the scale block (0: per-tensor);
-    ``tokens_per_group`` T / E (known on the host without a sync); ``split_accumulator`` False (per-tensor
-    only) frees the second accumulator's registers ([Note: fp8 split accumulator])."""
+    """Config for ``op`` ("fprop", "dgrad", "wgrad"); ``block``: the scale block (0: per-tensor); ``tokens_per_group``:
+    T / E, known without a sync; ``split_accumulator=False`` frees registers ([Note: fp8 split accumulator])."""
     if op not in ("fprop", "dgrad", "wgrad"):
         raise ValueError(f"pick: op must be 'fprop', 'dgrad' or 'wgrad', got {op!r}")
     if op == "wgrad":

@@ -1,7 +1,5 @@
-"""The FP8 Triton kernels of ``grouped_gemm_fp8``: fprop/dgrad over ragged token rows (``_fp8_ragged_kernel``)
-and the wgrad over each group's tokens in chunks on the global 128-token grid (``_wgrad_fp8_kernel``); the
-math, the layouts, the launchers and the Notes they follow ([Note: fp8 split accumulator], [Note: fp8 wgrad
-chunks], [Note: fp8 wgrad edges]) are in ``grouped_gemm_fp8``.
+"""FP8 Triton kernels of ``grouped_gemm_fp8``: fprop/dgrad over ragged token rows, and the wgrad over each group's
+tokens in chunks on the global 128-token grid. Math, layouts, launchers and Notes: ``grouped_gemm_fp8``.
 """
 
 import triton
@@ -14,11 +12,9 @@ from ._grouped_wgrad import _prefetch_out_tile, _reads_out, _skips, _swizzle, _w
 @triton.jit
 def _scaled_dot(a, b, acc, a_s, b_s, BLOCKWISE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                 SPLIT_ACC: tl.constexpr):
-    """acc + a @ b: blockwise, the step's own dot times the outer product of its row/column scales;
-    per-tensor, straight into acc (scaled after the loop), promoted to fp32 every BLOCK_K with SPLIT_ACC,
-    else never ([Note: fp8 split accumulator]). UPCAST (the
-    interpreter only, whose fp8 dot mis-decodes e5m2 subnormals): fp32 operands, exact for every finite
-    fp8 value; the interpreter's fp32 dot is a plain fp32 matmul whatever ``input_precision`` says."""
+    """acc + a @ b: blockwise, the step's dot times its row/column scales; per-tensor, into acc (scaled after the
+    loop), promoted to fp32 every BLOCK_K iff SPLIT_ACC ([Note: fp8 split accumulator]). UPCAST (interpreter,
+    whose fp8 dot mis-decodes e5m2 subnormals): fp32 operands, exact for every finite fp8 value."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -39,9 +35,8 @@ def _fp8_ragged_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, bi
                        USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        BLOCK_E: tl.constexpr, SPLIT_ACC: tl.constexpr):
-    """out[t, :N] = a[t, :K] @ B_e[:K, :N] for the tokens t of group e (K: the contraction, N: the output
-    features). B_e is read through strides (b_ptr) or a 3-D descriptor, [E, N, K] if B_K_INNER else
-    [E, K, N]. Blockwise scales: a_s[t, kb] and b_s[e, kb, n // BLOCK_K] (strides bsk, bsn)."""
+    """out[t, :N] = a[t, :K] @ B_e for group e's tokens t; B_e by strides or a 3-D descriptor, [E, N, K] if
+    B_K_INNER else [E, K, N]. Blockwise scales a_s[t, kb], b_s[e, kb, n // BLOCK_K]."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     e, local, start, size, total = _find_group(offs_ptr, stride_o, E, T, pid, tiles_n, BLOCK_M, BLOCK_E)
@@ -110,11 +105,8 @@ def _wgrad_fp8_chunk(a_ptr, b_ptr, as_ptrs, bs_ptrs, t0, lo, hi, rows_m, cols_n,
 def _wgrad_fp8_tma_chunk(a_desc, b_desc, as_ptrs, bs_ptrs, t0, lo, hi, row0, col0, rows_m, cols_n, N, K, acc,
                          stride_asc, stride_bsc, MASKED: tl.constexpr, BLOCKWISE: tl.constexpr,
                          BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_ACC: tl.constexpr):
-    """The same chunk by TMA (rows past N or K and tokens past T arrive as zeros); MASKED zeroes the
-    tokens outside [lo, hi) in registers: other groups' data, which may even be NaN (a poisoned tile).
-    Pointer loads here would need a [BLOCK,
-    BLOCK_K] tensor of 64-bit addresses per operand and, masked along the contiguous dim, could not
-    vectorize: the sm_90 build spilled."""
+    """The same chunk by TMA (out-of-range rows and tokens arrive as zeros; masked pointer loads spilled on sm_90);
+    MASKED zeroes tokens outside [lo, hi) in registers: other groups' data, which may be NaN."""
     a = a_desc.load([row0, t0])
     b = b_desc.load([col0, t0])
     if MASKED:
@@ -148,13 +140,10 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                       SPLIT_ACC: tl.constexpr, L2_PREFETCH: tl.constexpr = False, FIRST: tl.constexpr = False):
-    """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e; a = dy^T [N, T],
-    b = x^T [K, T]. ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element:
-    deterministic). ``out_ptr``: the stacked output or, with PTR_TABLE, a table of per-group bases.
-    L2_PREFETCH (accumulating): the old tile prefetched into L2 before the main loop ([Note: L2 prefetch
-    of the accumulated tile] in _grouped_wgrad.py). FIRST (accumulating): the int32 at ``first_ptr``, when not
-    0, says ``out`` holds nothing yet: every tile is written as a fresh one ([Note: an unwritten accumulator] in
-    ``distwgrad/weights/first_write.py``)."""
+    """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g; a = dy^T [N, T], b = x^T [K, T].
+    ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element: deterministic). PTR_TABLE:
+    ``out_ptr`` is a table of per-group bases. L2_PREFETCH: [Note: L2 prefetch of the accumulated tile]. FIRST:
+    a nonzero int32 at ``first_ptr`` means ``out`` holds nothing yet ([Note: an unwritten accumulator])."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if _skips(end, start, first_ptr, FIRST):

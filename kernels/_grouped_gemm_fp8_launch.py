@@ -1,12 +1,8 @@
-"""The FP8 grouped GEMMs' launchers (``grouped_gemm_fp8.py`` holds the math, the notes and the public API):
-check, allocate, pick a config and grid, launch: the Triton kernels (``_grouped_gemm_fp8_kernels.py``) or, where
-they take over, the Gluon ones ([Note: promotion under the next MMA], [Note: fp8 wgrad under the next MMA]);
-then the three products on raw tensors that the custom ops run (``config``, ``use_tma`` and ``gluon`` are for
-tests and benchmarks).
+"""Launchers of the FP8 grouped GEMMs (math, Notes, public API: ``grouped_gemm_fp8.py``): check, allocate, pick
+a config and grid, launch the Triton kernels or, where they apply, the Gluon ones; then the three raw products.
 
-Legend: E experts (groups), T tokens, K in-features, N out-features, L the scale block (``block``; 0:
-per-tensor). ``a``/``b`` are a launch's operands: fprop/dgrad ``out[g] = a[g] @ b_EKN[e]``, wgrad
-``out[e] = a_NT[:, g] @ b_KT[:, g]^T``.
+Legend: E experts, T tokens, K in-features, N out-features, L the scale block (``block``; 0: per-tensor).
+fprop/dgrad ``out[g] = a[g] @ b_EKN[e]``; wgrad ``out[e] = a_NT[:, g] @ b_KT[:, g]^T``.
 """
 
 from __future__ import annotations
@@ -49,12 +45,8 @@ def _config(op: str, config, block: int, accumulate: bool, device: torch.device,
 
 
 def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: bool, tma_k_inner: bool) -> bool:
-    """Whether the Gluon kernel can take this fprop / dgrad ([Note: promotion under the next MMA]): a
-    Hopper GPU (wgmma is sm_90a only) and a Triton with Gluon, a promoting accumulation (per-tensor split
-    or 128-blockwise), TMA-aligned operands with B's contraction innermost, and experts stacked so that B
-    is a 2-D ``[E * N, K]`` view. ``_launch_ragged`` takes it when it can, unless the tuning does not want it
-    (``GroupedGemmFp8Tuning.ragged_gluon_wanted``: off, or a contraction too short), a config was given, or it
-    failed to build here."""
+    """Whether the Gluon fprop/dgrad kernel can run this ([Note: promotion under the next MMA]): sm_90 with Gluon,
+    a promoting accumulation, TMA-aligned operands with K innermost, experts stacked as a 2-D ``[E * N, K]``."""
     if not (tma_k_inner and a.is_cuda) or _interpreting():
         return False
     from .gluon import grouped_gemm_fp8 as kg
@@ -65,8 +57,7 @@ def _gluon_ragged(a: torch.Tensor, b_EKN: torch.Tensor, block: int, split_acc: b
 
 
 def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas, sbs, sbias) -> bool:
-    """Launches the Gluon kernel; False (and one warning) if this Triton cannot build it (Gluon is
-    experimental and its API moves between releases): the caller then runs the Triton kernel."""
+    """Launches the Gluon kernel; False (warned once) if this Triton cannot build it: run the Triton one."""
     ensure_context(a.device)  # [Note: a current context on any thread]
     from .gluon import grouped_gemm_fp8 as kg
     T, K = a.shape
@@ -93,9 +84,8 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
 
 def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, op: str, config, use_tma,
                    split_acc: bool = True, gluon: bool | None = None):
-    """out[g] = a[g] @ b_EKN[e] for every group: a [T, K] fp8, b_EKN [E, K, N] (any strides), the
-    contraction K; blockwise scales a_s [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]. ``gluon``:
-    None picks ([Note: promotion under the next MMA]), True requires the Gluon kernel, False the Triton one."""
+    """out[g] = a[g] @ b_EKN[e] per group; a [T, K] fp8, b_EKN [E, K, N] any strides; blockwise scales a_s
+    [T, cdiv(K, L)], bs_EKN [E, cdiv(K, L), cdiv(N, L)]. ``gluon``: None picks, True/False force Gluon/Triton."""
     ensure_context(a.device)  # [Note: a current context on any thread]
     T, K = a.shape
     E, _, N = b_EKN.shape
@@ -144,9 +134,8 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
 
 
 def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> bool:
-    """Whether the Gluon wgrad kernel can take this call ([Note: fp8 wgrad under the next MMA]): a Hopper
-    GPU and a Triton with Gluon, TMA-aligned operands, per-tensor scaling with the split accumulator or (with
-    ``GroupedGemmFp8Tuning.wgrad_gluon_blockwise``) blockwise 1x128 tiles ([Note: blockwise wgrad scales])."""
+    """Whether the Gluon wgrad can run this ([Note: fp8 wgrad under the next MMA]): sm_90 with Gluon, TMA-aligned,
+    per-tensor with split accumulator, or 1x128 blockwise if the tuning's ``wgrad_gluon_blockwise``."""
     from . import gluon as kg
     from .gluon import grouped_wgrad_fp8 as kw
     # blockwise stages its column scales by cp.async ([Note: blockwise wgrad scales]): a Triton without Gluon's
@@ -159,15 +148,13 @@ def _gluon_wgrad(a_NT: torch.Tensor, block: int, split_acc: bool, tma: bool) -> 
 
 
 def _handoff_16(out, accumulate: bool, table) -> bool:
-    """Whether the Gluon wgrad hands its tiles off in 16 bits (a fresh bf16 / fp16 stacked output) and so
-    has room for ``GroupedGemmFp8Tuning.wgrad_gluon_stages_16`` stages ([Note: a 16-bit handoff])."""
+    """A fresh bf16/fp16 stacked output: 16-bit handoff, room for more stages ([Note: a 16-bit handoff])."""
     return not accumulate and table is None and out.dtype != torch.float32
 
 
 def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, first=None,
                         block: int = 0) -> bool:
-    """Launches the Gluon wgrad kernel; False (and one warning) if this Triton cannot build it: the caller
-    then runs the Triton kernel."""
+    """Launches the Gluon wgrad; False (warned once) if this Triton cannot build it: run the Triton one."""
     from .gluon import grouped_wgrad_fp8_launch as kl
     if "wgrad" in _GLUON_FAILED:
         return False
@@ -186,10 +173,8 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
 
 def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma,
                   split_acc: bool = True, gluon: bool | None = None, first=None):
-    """dW_e for every group into ``out`` ([E, N, K]) or the per-group buffers ``table`` points to; with the
-    int32 flag ``first`` set, an accumulating launch writes them ([Note: an unwritten accumulator]).
-    ``gluon``: None picks ([Note: fp8 wgrad under the next MMA]: per-tensor, split accumulator, TMA, no
-    config given), True requires the Gluon kernel, False the Triton one."""
+    """dW_e per group into ``out`` [E, N, K] or ``table``'s buffers; a set int32 ``first`` makes an accumulating
+    launch write, not add ([Note: an unwritten accumulator]). ``gluon``: None picks, True/False force one."""
     ensure_context(a_NT.device)  # [Note: a current context on any thread]
     N, T = a_NT.shape
     K = b_KT.shape[0]
@@ -244,8 +229,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
 
 def _fprop(x, x_s, w, w_s, offs_E, bias_EN, block, out_dtype, *, config=None, use_tma=None, out=None,
            split_accumulator: bool = True, gluon: bool | None = None, checked: bool = False):
-    """``out``: a preallocated [T, N] output in ``out_dtype`` (tests poison it), else a fresh one.
-    ``checked``: the public function checked the arguments already (each check once a call)."""
+    """``out``: a preallocated [T, N] output (tests poison it); ``checked``: the caller checked the arguments."""
     if not checked:
         _check_ragged("grouped_fprop_fp8", x, x_s, w, w_s, offs_E, block, out_dtype, bias_EN)
         _check_split("grouped_fprop_fp8", block, split_accumulator)

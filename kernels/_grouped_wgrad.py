@@ -1,21 +1,12 @@
-"""The Triton wgrad kernel of ``distwgrad.kernels.grouped_gemm`` (and the tile helpers its kernels share).
-
-Legend and layouts as in ``grouped_gemm``: dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of
-group e, where g runs over ``[offs_E[e-1], offs_E[e])``; fp32 accumulation. Split out of grouped_gemm.py
-to keep both files small; the launcher, the custom ops and the public API stay there.
-
-One program per output tile: E * cdiv(N, BLOCK_M) * cdiv(K, BLOCK_N) tiles, ordered group-major, swizzled
-in bands of GROUP_M along M, with the group's tokens as the reduction. Accumulating into fp32 ``main_grad``
-costs a read-modify-write of E*N*K*4 bytes on top of the MMAs; the add modes (``_wgrad_kernel``) and the L2
-prefetch below are how the kernel overlaps part of it (the measurements: docs/benchmarks/LOG.md).
+"""The Triton wgrad kernel of ``grouped_gemm`` (which holds its launcher, custom ops and public API) and the
+tile helpers its kernels share: dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e, fp32
+accumulation, one program per output tile, group-major, swizzled in bands of GROUP_M.
 
 [Note: L2 prefetch of the accumulated tile]
-Accumulating into ``main_grad`` reads each fp32 output tile once, after the tile's main loop (add_mode
-"load"), or sends it to L2 as a reduction ("atomic", "tma_add") that L2 must first fetch from HBM: either
-way the tile's HBM read starts when the MMAs are done. ``TileConfig.l2_prefetch`` issues, before the main
-loop, one L2 prefetch per 128-byte line of the tile (``prefetch.global.L2::evict_last``: no registers,
-no reply awaited), so the read streams from HBM while the MMAs run and the epilogue finds the lines in
-L2. The numbers are unchanged (a prefetch moves no data into the result).
+Adding into fp32 ``main_grad`` reads each output tile from HBM only once its MMAs are done (a load, or an
+L2 reduction that L2 must first fetch). ``TileConfig.l2_prefetch`` issues, before the main loop, one
+``prefetch.global.L2::evict_last`` per 128-byte line of the tile (no registers, no reply awaited), so that
+read streams while the MMAs run. The numbers are unchanged.
 """
 
 import triton
@@ -46,8 +37,7 @@ def _swizzle(local, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):
-    """This program's wgrad tile (one program per tile; also the FP8 wgrad kernel's): its group ``e``, its
-    (swizzled) output tile and the group's token range ``[start, end)``, offsets clamped into ``[0, T]``."""
+    """This program's group ``e``, swizzled output tile and token range ``[start, end)`` (clamped into [0, T])."""
     tile = tl.program_id(0)
     tiles_m = tl.cdiv(N, BLOCK_M)
     tiles_n = tl.cdiv(K, BLOCK_N)
@@ -115,9 +105,7 @@ def _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE: tl.constexpr):
 
 @triton.jit
 def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[Note: L2 prefetch of the accumulated tile] One ``prefetch.global.L2::evict_last`` per 128-byte line
-    of the fp32 output tile at (row0, col0) (rows and columns clamped into the output: a prefetch is a
-    hint, but it should name memory that exists). GPU only (inline PTX)."""
+    """[Note: L2 prefetch of the accumulated tile], clamped to memory that exists. GPU only (inline PTX)."""
     LINES: tl.constexpr = BLOCK_N // 32  # 32 fp32 per line along K (the contiguous dimension)
     tl.static_assert(LINES >= 1, "the L2 prefetch needs tiles of >= 32 columns")
     rows = tl.minimum(row0 + tl.arange(0, BLOCK_M), N - 1)
@@ -130,8 +118,7 @@ def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl
 @triton.jit
 def _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
                ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Writes (0), load-adds (1), reduces (3, fp32 atomics) or bulk-reduces (4, TMA) the [BLOCK_M, WIDTH]
-    part of group e's output at (row0, col0)."""
+    """Writes (0), load-adds (1), atomically adds (3) or TMA-reduces (4) a part of group e's output tile."""
     if ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
         out_desc.atomic_add([e, row0, col0], tl.reshape(part, (1, BLOCK_M, WIDTH)))
     else:
@@ -150,8 +137,7 @@ def _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
 @triton.jit
 def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, first_ptr,
                  ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr):
-    """The epilogue of both Triton wgrad kernels: ``_wgrad_put`` in ADD_MODE, or, with FIRST and the flag at
-    ``first_ptr`` set, a plain write ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
+    """Both Triton wgrads' epilogue: ``_wgrad_put`` in ADD_MODE, or a plain write while FIRST's flag is set."""
     if FIRST:
         if tl.load(first_ptr) != 0:
             _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, 0, BLOCK_M, WIDTH)
@@ -163,8 +149,7 @@ def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok
 
 @triton.jit
 def _skips(end, start, first_ptr, FIRST: tl.constexpr):
-    """Whether an accumulating tile writes nothing: its group has no tokens, and ``out`` holds something to
-    keep (without FIRST, or with the flag clear; with it set every tile is written, an empty group's as zeros)."""
+    """Whether an accumulating tile writes nothing: an empty group, unless FIRST's flag says ``out`` is unwritten."""
     skips = end == start
     if FIRST:
         skips = skips & (tl.load(first_ptr) == 0)
@@ -194,15 +179,11 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, f
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False, FIRST: tl.constexpr = False):
-    """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K] over the tokens g of group e; out_ptr is the stacked
-    output or, with PTR_TABLE, an int64 table of per-group fp32 base addresses. ADD_MODE: 0 writes a
-    fresh output; 1, 3 and 4 add into fp32 ``out``: 1 loads the old tile after the main loop, 3 sends
-    fp32 reductions to L2 (no round trip; still deterministic: every element receives exactly one
-    addend), 4 does the same with one bulk tensor reduction per tile through ``out_desc`` ([E, N, K],
-    asynchronous; GPU only). L2_PREFETCH (accumulating modes): the old tile is prefetched into L2 before
-    the main loop ([Note: L2 prefetch of the accumulated tile]). FIRST (accumulating modes): the int32 at
-    ``first_ptr``, when not 0, says ``out`` holds nothing yet: every tile is then written as a fresh one
-    ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
+    """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K]; ``out_ptr`` is the stacked output or, with PTR_TABLE, an int64
+    table of per-group fp32 bases. ADD_MODE: 0 writes fresh; 1 load-adds after the main loop, 3 sends fp32
+    reductions to L2 (deterministic: one addend per element), 4 one TMA bulk reduction per tile (GPU only).
+    L2_PREFETCH: [Note: L2 prefetch of the accumulated tile]. FIRST: while the int32 at ``first_ptr`` is not 0,
+    ``out`` holds nothing and is written ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
         if _skips(end, start, first_ptr, FIRST):

@@ -1,10 +1,6 @@
-"""The ``@triton.jit`` side of the FP8 quantizers (``quantize.py`` launches them; its docstring has the math,
-the tilings and [Note: power-of-two scales without division]): the shared scale arithmetic and fp32 -> fp8
-cast, then one kernel per scaling (per tensor in two passes, blocks, 1xL rows, rows and columns at once).
-``weights_fp8.py`` and the Gluon rows + columns kernel build on the same helpers, so every path gives the
-bits of ``distwgrad.fp8.quantize``.
-
-Legend: M rows, N columns of a row-major 2-D input; ``L`` the 1xL tile length.
+"""The ``@triton.jit`` side of the FP8 quantizers launched by ``quantize.py`` (whose docstring has the math):
+the shared scale arithmetic and fp32 -> fp8 cast, then one kernel per scaling. ``weights_fp8.py`` and the
+Gluon rows + columns kernel build on the same helpers, so every path gives ``distwgrad.fp8.quantize``'s bits.
 """
 
 from __future__ import annotations
@@ -24,13 +20,8 @@ def _max_nan(a, b):
 
 @triton.jit
 def _absmax(x, axis):
-    """max |x| along ``axis`` as fp32, NaN-propagating (``tl.max`` may drop NaN); the caller makes NaN
-    +inf on the reduced value (``_inf_if_nan``): one select per scale instead of one per element.
-
-    Reduced in fp32 (exact: a max picks one of its inputs). Reducing bf16 in place would keep pairs
-    packed, but Triton 3.6 promotes ``tl.maximum`` of bf16 to fp32 inside the combine function and then
-    rejects the reduction (its result type differs from the operand type; H200, 2026-11-29).
-    """
+    """max |x| along ``axis`` as fp32, NaN-propagating (``tl.max`` may drop NaN); the caller maps NaN to +inf
+    once per scale (``_inf_if_nan``). fp32 is exact (a max picks an input); Triton rejects a bf16 reduction here."""
     return tl.reduce(tl.abs(x).to(tl.float32), axis, _max_nan)
 
 
@@ -41,9 +32,8 @@ def _inf_if_nan(amax):
 
 @triton.jit
 def _scale_from_amax(amax, NUM: tl.constexpr, POW2: tl.constexpr):
-    """The reference's ``compute_scale``: op for op, or for power-of-two scales by exponent arithmetic
-    that gives the same bits ([Note: power-of-two scales without division]); NUM = fp8_max * 2**-margin
-    (exact in fp32). ``amax`` is >= 0 or NaN-free +inf (``_inf_if_nan``)."""
+    """The reference's ``compute_scale``, op for op, or for POW2 by exponent arithmetic with the same bits
+    ([Note: power-of-two scales without division]). NUM = fp8_max * 2**-margin; ``amax`` >= 0 or +inf."""
     if POW2:
         a = amax.to(tl.int32, bitcast=True)
         num = tl.cast(NUM, tl.float32).to(tl.int32, bitcast=True)  # a constant
@@ -63,8 +53,7 @@ def _scale_from_amax(amax, NUM: tl.constexpr, POW2: tl.constexpr):
 
 @triton.jit
 def _inverse(scale, POW2: tl.constexpr):
-    """``scale_inv = 1 / scale`` as the reference computes it (IEEE division, ``tl.math.div_rn``); a
-    power-of-two scale 2**k inverts exactly to 2**-k, built from the exponent (2**-127 is subnormal)."""
+    """``1 / scale`` by IEEE division as the reference, or for POW2 2**k -> 2**-k from the exponent bits."""
     if POW2:
         e = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
         inv = tl.where(e == 254, 0x400000, (254 - e) << 23).to(tl.float32, bitcast=True)
@@ -107,8 +96,7 @@ def _to_fp8_bits(y, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr
 
 @triton.jit
 def _amax_into(x_ptr, amax_ptr, n, pid, nprog, BLOCK: tl.constexpr):
-    """Program ``pid`` of ``nprog``: max |x| over its BLOCK-element strides of x's n elements, into
-    ``amax_ptr`` by an atomic max."""
+    """Program ``pid`` of ``nprog``: max |x| over its BLOCK-element strides of x, atomically into ``amax_ptr``."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(0, tl.cdiv(n, BLOCK * nprog)):
         offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -144,9 +132,8 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, GROUP_ROWS, NUM: tl.c
                             FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                             HW_CAST: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One (BLOCK_M, BLOCK_N) block per program, held in registers: amax, scale, cast. ``TRANSPOSE``: x is
-    stacked ``[GROUP_ROWS, N]`` matrices (GROUP_ROWS a multiple of BLOCK_M), each stored transposed
-    (``[N, GROUP_ROWS]``, one after another); the scale grid is x's either way."""
+    """One (BLOCK_M, BLOCK_N) block per program: amax, scale, cast. ``TRANSPOSE``: x is stacked ``[GROUP_ROWS, N]``
+    matrices (GROUP_ROWS a multiple of BLOCK_M), each stored transposed; the scale grid is x's either way."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -190,18 +177,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, NUM: tl.constexpr, FP8:
 
 @triton.jit
 def _tile_scales(amax_A, s_inv_ptrs_A, mask_A, amax_B, s_inv_ptrs_B, mask_B, NUM: tl.constexpr, POW2: tl.constexpr):
-    """Scales of a tile's row tiles (A) and column tiles (B) from their amaxes (NaN already +inf); the
-    inverses stored at ``s_inv_ptrs_A`` / ``s_inv_ptrs_B``.
+    """Scales of a tile's row tiles (A) and column tiles (B) from their NaN-free amaxes; stores the inverses.
 
     [Note: compact scales]
-    A reduction's result is replicated on every thread that held part of what it
-    reduced (8 threads per row and 32 per column of a 128x128 tile at 8 warps), and Triton computes
-    everything downstream in that layout: each thread derives ~20 scales and their inverses, ~3 of the
-    rows + columns kernel's 24.4 sm_90a instructions per element. A variant routed the amaxes through
-    their ``scale_inv`` slots in global memory (one scale per thread, then loaded back in the multiply's
-    layout; Triton's own layout conversion rematerializes the arithmetic instead): 21.2 instructions per
-    element, but its barriers and two L2 round trips per tile made it 2.0-2.4x slower on an H200
-    (1036-1266 vs 2510 GB/s, 2026-11-29), so the replicated form stays.
+    A reduction's result is replicated on every thread that held its input, so each thread derives ~20 scales;
+    computing each once via global memory ran slower (docs/benchmarks/LOG.md), so the replicated form stays.
     """
     scale_A = _scale_from_amax(amax_A, NUM, POW2)
     scale_B = _scale_from_amax(amax_B, NUM, POW2)
@@ -215,13 +195,8 @@ def _quantize_rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt_ptr, st_inv_ptr, M, N, N
                             FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                             EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, POW2: tl.constexpr,
                             L: tl.constexpr):
-    """An [L, L] tile of x per program, loaded once and held for both: x's 1xL row tiles (along N) and
-    x^T's (along M).
-
-    ``tl.trans`` only relabels the layout; Triton moves x^T's fp8 bytes through shared memory before
-    the store, so the stores to x^T are 16 contiguous bytes per thread like the others (TTGIR: one
-    ``convert_layout`` on the uint8 tile).
-    """
+    """An [L, L] tile of x per program, loaded once for x's 1xL row tiles and x^T's (along M). ``tl.trans``
+    relabels the layout; Triton stages x^T's bytes through shared memory, so its stores stay 16-byte wide."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * L + tl.arange(0, L)

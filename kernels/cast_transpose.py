@@ -1,32 +1,14 @@
 """Per-tensor FP8: the cast of x and its transposed copy x^T (plain, or in the aligned token layout) in one pass.
 
 [Note: per-tensor cast and transpose]
-Under per-tensor scaling a GEMM operand is needed twice: as ``x`` ``[T, R]`` (fprop and dgrad contract over
-its columns) and as ``x^T`` (the wgrad contracts over the tokens, and Hopper's FP8 MMAs take both operands
-K-major). Both share the one scale, so x^T is a transposed copy of x's fp8 bits. Cast, then transpose,
-moves 2 + 1 bytes per element (read x, write the fp8 data) and then 1 + 1 (read it again, write x^T): 5
-bytes; cast and transpose from one read of x moves 2 + 1 + 1 = 4. The amax pass before them reads x once
-more either way (current scaling: no element can be cast before the whole tensor's amax is known;
-``quantize.py``'s docstring).
-
-``_cast_transpose_kernel`` walks x^T's columns like ``token_layout._transpose_aligned_kernel``: a program
-takes ``BLOCK_T`` places (columns of x^T) by ``BLOCK_R`` features, loads the tokens that lie there from x
-(nothing for padding), casts them with the scale of the tensor's amax, stores the tile transposed into x^T
-(zeros for padding and the tail, whatever the scale) and the same bits at the tokens' own rows of the data.
-Tokens that lie in no group (from the largest end offset on: the up-steps of the offsets cover every token
-below it) have no place; program ``i`` of the place grid, which has at least as many programs as tokens need
-(x^T is at least T wide), casts the ones among tokens ``[i * BLOCK_T, (i + 1) * BLOCK_T)`` for the data.
-A token in two groups (decreasing offsets) is stored twice, the same bits. The arithmetic is
-``_cast_per_tensor_kernel``'s, op for op, so the bits are those of ``quantize_per_tensor`` followed by
-``transpose`` / ``transpose_aligned`` (``tests/test_cast_transpose.py``).
-
-fp32 operands round in software (``_to_fp8_bits`` without ``HW_CAST``: the same bits, a few integer ops
-more per element). On an H200 with Triton 3.6 the hardware conversion (``cvt.rn.satfinite`` of pairs) of a
-tile loaded from fp32 came out wrong in the transposed copy, though right in the row-major data: a quarter of
-x^T's bytes at 1024 x 512 (E5M2, each of four tilings, 4 or 8 warps), none at 777 x 300 (R not a multiple of
-16, which Triton does not specialize: the loads are not vectorized). The software rounding was right in each
-of those cases, and tiles loaded from bf16 or fp16 are right with the hardware conversion
-(``tests/test_cast_transpose.py`` holds both on the GPU at the failing shape).
+A per-tensor GEMM operand is needed as ``x`` ``[T, R]`` and as ``x^T`` (the wgrad contracts over the tokens;
+Hopper's FP8 MMAs take both operands K-major). One scale serves both, so x^T is a transposed copy of x's fp8
+bits, and writing both from one read of x saves a byte per element. The kernel walks x^T's places as
+``token_layout._transpose_aligned_kernel`` does and stores the same bits at the tokens' rows of the data;
+tokens in no group are cast by the program whose place range covers their index. The bits are those of
+``quantize_per_tensor`` then ``transpose`` / ``transpose_aligned`` (``tests/test_cast_transpose.py``).
+fp32 inputs round in software (``_to_fp8_bits`` without ``HW_CAST``): the hardware conversion of tiles loaded
+from fp32 came out wrong in the transposed copy (Triton 3.6, H200; held by ``tests/test_cast_transpose.py``).
 """
 
 from __future__ import annotations
@@ -56,9 +38,8 @@ def _cast_transpose_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, s_inv_ptr, ends_ptr, 
                            EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, E_POW2: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr,
                            ONE_GROUP: tl.constexpr):
-    """qt[r, c] = fp8(x[c + shift_g, r] * scale) for the place c of a token of group g, else 0; q[t, r] =
-    fp8(x[t, r] * scale) for every token t ([Note: per-tensor cast and transpose]); places as
-    ``token_layout._place_tokens`` reads them (not ALIGNED: W = T, the plain transpose)."""
+    """qt[r, c] = fp8(x[token, r] * scale) for the place c of a token (``token_layout._place_tokens``), else 0;
+    q[t, r] = fp8(x[t, r] * scale) for every token t ([Note: per-tensor cast and transpose])."""
     pid_t = tl.program_id(0)
     scale = _scale_from_amax(tl.load(amax_ptr), NUM, False)
     col0 = pid_t * BLOCK_T
@@ -122,14 +103,10 @@ def _(x, ends, table, dtype, margin, align):
 def cast_transpose_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, margin: int = 0,
                               offs_E: torch.Tensor | None = None, align: int = 128
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(data, scale_inv, data_t, ends)``: ``x`` ``[T, R]`` quantized with one scale (the bits of
-    ``quantize.quantize_per_tensor``) and its transposed fp8 copy, from one read of ``x`` after the amax pass
-    ([Note: per-tensor cast and transpose]).
-
-    Without ``offs_E``, ``data_t`` is the plain ``[R, T]`` transpose (``token_layout.transpose``'s bits) and
-    ``ends`` is None. With ``offs_E`` (int32 ``[E]`` end offsets of the token groups), ``data_t`` is
-    ``token_layout.transpose_aligned(data, offs_E, align)``'s layout and bits, and ``ends`` its end offsets.
-    """
+    """``(data, scale_inv, data_t, ends)``: ``x`` ``[T, R]`` quantized with one scale (``quantize_per_tensor``'s
+    bits) and its transposed fp8 copy, from one read after the amax pass ([Note: per-tensor cast and transpose]).
+    Without ``offs_E``: ``data_t`` is the plain ``[R, T]`` transpose and ``ends`` None. With ``offs_E`` (int32
+    ``[E]`` group end offsets): ``transpose_aligned(data, offs_E, align)``'s layout and bits, and its ``ends``."""
     _fp8_format(dtype)
     if isinstance(x, torch.Tensor) and x.dim() != 2:
         raise ValueError(f"cast_transpose_per_tensor: x must be 2-D [T, R] (tokens, features), got shape "

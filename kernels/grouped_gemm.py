@@ -1,39 +1,17 @@
 """Triton grouped GEMMs for MoE: the three products over ragged token groups, in one launch each.
 
-Legend: E experts (groups), T tokens, K in-features, N out-features. ``offs_E`` holds int32 END offsets
-on the tokens' device (as ``torch._grouped_mm`` takes them): group ``e`` owns tokens
-``[offs_E[e-1], offs_E[e])``, with ``offs_E[-1]`` read as 0.
+Legend: E experts (groups), T tokens, K in-features, N out-features. ``offs_E``: int32 END offsets on the
+tokens' device (as ``torch._grouped_mm`` takes them): group ``e`` owns tokens ``[offs_E[e-1], offs_E[e])``.
 
-    fprop   y_TN[g]   = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])     grouped_fprop(x_TK, w_ENK, offs_E, bias_EN)
-    dgrad   dx_TK[g]  = dy_TN[g] @ w_ENK[e]                     grouped_dgrad(dy_TN, w_ENK, offs_E)
-    wgrad   dW_ENK[e] = dy_TN[g]^T @ x_TK[g]  (sum over g)      grouped_wgrad(dy_TN, x_TK, offs_E, out=None)
+    fprop   y_TN[g]   = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])
+    dgrad   dx_TK[g]  = dy_TN[g] @ w_ENK[e]
+    wgrad   dW_ENK[e] = dy_TN[g]^T @ x_TK[g]  (sum over g)
 
-Dtypes: bf16, fp16 or fp32 operands (all the same), fp32 accumulation, outputs in the operand dtype,
-except ``grouped_wgrad(..., out=...)`` which ADDS into fp32 buffers in the same pass: ``out`` is a
-stacked ``[E, N, K]`` tensor or a list of E ``[N, K]`` tensors (discrete per-expert ``main_grad``;
-their addresses go to the kernel as an int64 pointer table, so no full-size temporary exists). fp32
-operands use IEEE fp32 products unless ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch.mm).
-
-No host sync: the offsets are read on the device only, so the ops can be captured in a CUDA graph
-(after a warm-up call: Triton compiles, and a list ``out`` builds its pointer table, on first use).
-Offsets are clamped into ``[0, T]`` in the kernel, so bad offsets give wrong groups, never stray
-memory accesses. Rows at or past ``offs_E[-1]`` of fprop/dgrad outputs are left unwritten (as in
-the reference and ``torch._grouped_mm``); an empty group writes nothing there, zeros in a fresh wgrad
-and adds nothing in an accumulating one.
-
-Scheduling: one program per output tile, tiles ordered group-major, ``group_m`` tiles along M share a
-column of B for L2 reuse. For fprop/dgrad the number of M tiles per group lives on the device: the grid
-covers the bound ``cdiv(T, BLOCK_M) + E`` M tiles and every program finds its group with a prefix sum
-over the offsets (at most 256 lanes); spare programs exit at once; a group's last M tile of half the rows
-or fewer runs at half height ([Note: half tail tiles]); these kernels live in ``_grouped_ragged``. wgrad
-tiles the fixed [N, K] output of every group and walks that group's tokens as its reduction; its kernel
-lives in ``_grouped_wgrad``.
-
-Loads: Hopper TMA tensor descriptors when layouts allow (16-byte aligned base and row strides, unit
-inner stride; for dgrad also N a multiple of BLOCK_K, so a reduction step never crosses into the next
-expert's weight), else masked pointer loads (any strides). The results are the same. wgrad's last,
-partial token block always takes the masked path, because a descriptor cannot stop at a group's end.
-``TRITON_INTERPRET=1`` runs everything on CPU tensors; there bf16 operands are upcast to fp32 first
+bf16, fp16 or fp32 operands (fp32 follows torch's TF32 switch), fp32 accumulation. No host sync: offsets are
+read on the device only (CUDA-graph capturable after a warm-up call) and clamped into ``[0, T]``, so bad
+offsets give wrong groups, never stray accesses. fprop/dgrad (``_grouped_ragged``) launch the bound
+``cdiv(T, BLOCK_M) + E`` M tiles, each finding its group on the device ([Note: half tail tiles]); wgrad
+(``_grouped_wgrad``) tiles each group's [N, K] output. Under ``TRITON_INTERPRET=1`` bf16 is upcast to fp32
 (the interpreter's bf16 ``tl.dot`` multiplies bit patterns).
 """
 
@@ -81,8 +59,7 @@ def _device_info(device: torch.device) -> tuple[int, int | None]:
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device: the persistent Gluon kernels launch a multiple of it.
-    Elsewhere 4 (those kernels run on CUDA only)."""
+    """SMs of a CUDA device (the persistent Gluon kernels launch a multiple of it); 4 elsewhere."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -117,9 +94,7 @@ def _elem_bytes(dtype: torch.dtype) -> int:
 
 
 def _gluon_failed(failed: dict[str, str], key: str, kernel: str, fallback: str, exc: Exception) -> bool:
-    """Records why a Gluon kernel did not build here (``failed[key]``, the launcher module's
-    ``_GLUON_FAILED``: later calls skip it) and warns once; returns False, for the launcher to return (its
-    caller then runs ``fallback``)."""
+    """Records in ``failed[key]`` why a Gluon kernel did not build (later calls skip it), warns once; False."""
     failed[key] = f"{type(exc).__name__}: {exc}"[:2000]
     warnings.warn(f"the Gluon {kernel} does not build with triton {triton.__version__}; using {fallback}: "
                   f"{failed[key][:400]}", RuntimeWarning, stacklevel=5)
@@ -127,9 +102,8 @@ def _gluon_failed(failed: dict[str, str], key: str, kernel: str, fallback: str, 
 
 
 def _ran_gluon(gluon: bool | None, what: str, applies: bool, needs, launch) -> bool:
-    """The dispatchers' ``gluon=`` contract once the Gluon kernel is wanted: ``launch()`` where it
-    ``applies``; whether it ran (else the Triton kernel runs). With ``gluon=True`` a ValueError naming what it
-    ``needs()`` where it does not apply, a RuntimeError where it does not build."""
+    """The ``gluon=`` contract: ``launch()`` where the Gluon kernel ``applies``; whether it ran. ``gluon=True``
+    raises ValueError naming what it ``needs()`` where it does not apply, RuntimeError where it does not build."""
     if gluon and not applies:
         raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs {needs()}")
     if applies and launch():
@@ -181,9 +155,7 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
 
 
 def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, accumulate: bool = True) -> bool:
-    """Whether the Gluon wgrad can take this bf16 / fp16 wgrad: a Hopper GPU, a Triton with Gluon, dy and x
-    of one 16-bit dtype, TMA-aligned (16-byte aligned base and row stride, unit inner stride), tokens, and
-    an fp32 output, added into or fresh (a fresh output in dy's dtype runs the Triton kernel)."""
+    """Whether the Gluon wgrad applies: Hopper, Gluon, dy and x of one 16-bit dtype, TMA-aligned, an fp32 out."""
     if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
         return False
     from .gluon import grouped_wgrad_fp8 as kw
@@ -194,16 +166,12 @@ def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, acc
 
 
 def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
-    """Whether the default dispatch tries the Gluon wgrad: the tuning wants it for this problem
-    (``GroupedGemmTuning.wgrad_gluon_wanted``: an accumulating call, groups of ``wgrad_gluon_min_tokens``
-    tokens or more on average) and neither a config nor ``use_tma=False`` asked for a Triton kernel
-    (``_gluon_wgrad`` then checks that it applies)."""
+    """Whether the default dispatch tries the Gluon wgrad: the tuning wants it, and no Triton config was asked for."""
     return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, accumulate)
 
 
 def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool, first=None) -> bool:
-    """Launches the Gluon wgrad (adding into ``out`` iff ``accumulate``); False (and one warning) if this
-    Triton cannot build it: the caller then runs the Triton kernel."""
+    """Launches the Gluon wgrad; False (and one warning) where this Triton cannot build it (then Triton runs)."""
     from .gluon import grouped_wgrad_fp8_launch as kl
     if "wgrad16" in _GLUON_FAILED:
         return False
@@ -220,10 +188,9 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool, first
 
 def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma,
                   gluon: bool | None = None, first=None):
-    """dW_e for every group into ``out`` ([E, N, K]) or, with ``table``, into the per-group buffers it
-    points to (``out`` is then entry 0, read for its strides); adds to them iff ``accumulate`` (and, with the
-    int32 flag ``first`` set, writes them: [Note: an unwritten accumulator]). ``gluon``: None picks (the Gluon
-    kernel where ``_gluon_wgrad_by_default`` and it applies), True requires it, False runs a Triton kernel."""
+    """dW_e into ``out`` ([E, N, K]) or, with ``table``, the buffers it points to (``out`` is then entry 0, for
+    its strides); adds iff ``accumulate`` (``first``: [Note: an unwritten accumulator]). ``gluon``: None picks,
+    True requires the Gluon kernel, False runs a Triton one."""
     ensure_context(dy_TN.device)  # [Note: a current context on any thread]
     T, N = dy_TN.shape
     K = x_TK.shape[1]
@@ -394,16 +361,12 @@ def _(dy_TN, x_TK, offs_E, out, first=None):
 
 def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
                   bias_EN: torch.Tensor | None = None) -> torch.Tensor:
-    """``y_TN[g] = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])`` for the tokens g of every group e.
+    """``y_TN[g] = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])`` for the tokens g of each group e: ``[T, N]`` in x's dtype.
 
     Args:
-        x_TK: ``[T, K]`` tokens, sorted by group; bf16, fp16 or fp32.
-        w_ENK: ``[E, N, K]`` stacked weights, same dtype and device.
-        offs_E: ``[E]`` int32 end offsets on the same device (never read on the host).
-        bias_EN: optional ``[E, N]`` bias, same dtype.
-
-    Returns:
-        ``[T, N]`` in x's dtype (rows at or past ``offs_E[-1]`` unwritten).
+        x_TK: ``[T, K]`` tokens sorted by group; bf16, fp16 or fp32.
+        w_ENK, bias_EN: ``[E, N, K]`` stacked weights, optional ``[E, N]`` bias; same dtype and device.
+        offs_E: ``[E]`` int32 end offsets on the device; output rows at or past ``offs_E[-1]`` stay unwritten.
     """
     _check_fprop(x_TK, w_ENK, offs_E, bias_EN)
     return call(torch.ops.distwgrad.grouped_fprop, _fprop_impl, x_TK, w_ENK, offs_E, bias_EN)
@@ -418,22 +381,16 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
                   out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, out_dtype: torch.dtype | None = None,
                   first: torch.Tensor | None = None):
-    """``dW_e = dy_TN[g]^T @ x_TK[g]`` summed over the tokens g of each group e.
+    """``dW_e = dy_TN[g]^T @ x_TK[g]`` summed over the tokens g of each group e: a fresh tensor, or ``out``.
 
     Args:
-        dy_TN: ``[T, N]`` output gradients; x_TK: ``[T, K]`` inputs (same dtype, device, token order).
+        dy_TN, x_TK: ``[T, N]`` output gradients and ``[T, K]`` inputs (same dtype, device, token order).
         offs_E: ``[E]`` int32 end offsets on the same device.
-        out: None for a fresh ``[E, N, K]`` tensor (an empty group gives zeros); or fp32 buffers to ADD
-            into in the same pass (``main_grad``): a stacked ``[E, N, K]`` tensor, or a list of E ``[N, K]``
-            tensors sharing shape and strides (an empty group adds nothing).
-        out_dtype: a fresh tensor's dtype, dy's (the default) or float32 (the fp32 accumulator as it is,
-            never rounded: what adding into zeros would hold); only without ``out``.
-        first: only with ``out``: an int32 ``[1]`` flag on the device; while it is not 0, ``out`` holds
-            nothing yet and is written instead of added into, every group (an empty one as zeros). The
-            caller clears it afterwards ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``).
-
-    Returns:
-        The fresh tensor, or ``out`` itself.
+        out: None for a fresh ``[E, N, K]`` (zeros for an empty group); or fp32 buffers to ADD into in the same
+            pass: a stacked ``[E, N, K]`` or a list of E ``[N, K]`` sharing shape and strides.
+        out_dtype: a fresh tensor's dtype: dy's (default) or float32 (the accumulator unrounded); not with ``out``.
+        first: only with ``out``: an int32 ``[1]`` device flag; while not 0, ``out`` is written instead of added
+            into ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``).
     """
     _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype, first)
     if out is None:

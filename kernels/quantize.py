@@ -1,70 +1,25 @@
 """Triton FP8 quantization: fused amax + scale + cast, bit-exact with ``distwgrad.fp8.quantize``.
 
-Legend: M rows, N columns of a row-major (contiguous) 2-D input; ``L`` the 1xL tile length; ``gm, gn``
-the scale-grid dims. Inputs fp32 / fp16 / bf16; outputs float8 (E4M3FN or E5M2) data and fp32
-``scale_inv``; the Python API takes and returns tensors (``distwgrad.ops.quantize`` wraps them in the
-runtime's ``Quantized``, as the reference returns them).
+Legend: M rows, N columns of a contiguous 2-D input; ``L`` the 1xL tile length. fp32 / fp16 / bf16 in; float8
+(E4M3FN or E5M2) data and fp32 ``scale_inv`` out, as plain tensors. Kernels (``_quantize_kernels.py``): per
+tensor, an amax pass (skipped for a caller-given amax) then the cast, as no element can be cast before the
+global amax is known (``cast_transpose.py`` for an operand also needed as x^T); (bm, bn) blocks; 1xL row
+tiles; the row tiles of x and of x^T from one read of an [L, L] tile (Gluon form: [Note: rows and columns
+without a transpose]). Per-scale work is repeated by every thread holding part of a row or column, so the
+tilings and division-free scales set the speed (docs/benchmarks/LOG.md).
 
-Kernels:
-- per-tensor, two passes: ``_amax_kernel`` (grid-stride max of |x|, one fp32 ``atomic_max`` per
-  program) then ``_cast_per_tensor_kernel`` (every program derives the same scale from the amax; the
-  first also writes ``scale_inv``). A caller-given amax (a sharded weight's all-reduced one) skips
-  the first pass. The cast pass walks the blocks last to first: the amax pass read them last, so they
-  may still be in L2. An operand needed as x and as x^T (a GEMM's and its wgrad's) takes the cast pass
-  of ``cast_transpose.py`` instead, which writes both from one read of x.
-- ``_quantize_blocks_kernel``: one program per (bm, bn) block, e.g. 128x128 weights: block amax,
-  scale and cast in one pass over the block.
-- ``_quantize_rows_kernel``: 1xL tiles for activations and gradients: a [TILE_M, L] tile per program,
-  one scale per row.
-- ``_quantize_rowcol_kernel``: both quantizations an activation (or gradient) needs, from one read of
-  x: an [L, L] tile per program gives the 1xL row tiles of x (along N) and the 1xL tiles of x^T (along
-  M, one per column of the tile), the latter stored transposed as [N, M]; the tile is held in registers
-  for both (visiting it twice in column chunks, the second visit a cache hit, ran at half the speed:
-  1045 vs 2180 GB/s on an H200, so that variant is gone).
-
-Speed (H200: ~4.1 TB/s copy, 132 SMs at ~1.98 GHz). At copy bandwidth an SM must take ~4 bf16 elements
-per cycle while issuing at most 128 thread-instructions per cycle, so the per-element work must stay
-near ~10 instructions: a load's bf16 -> fp32 shift, one max.NaN (|x| folded in), one multiply, half a
-cvt (it converts two values) and byte packing. Per-scale work (the scale, its inverse and the clamps) is
-repeated by every thread that holds part of the scale's row or column, which is why the tilings matter,
-and why power-of-two scales skip the divisions (below): in the rows + columns kernel each thread
-computes ~40 scales, and the two IEEE divisions per scale are a third of its instructions (sm_90a SASS,
-docs/benchmarks/LOG.md: 34.6 instructions per element with divisions, the ``power_of_two=False``
-build, 24.4 without; H200: 2205 -> 2723-2914 GB/s). Per-tensor scaling needs the global
-amax before the first element can be cast, so x is read twice: holding x on chip until every program's
-amax is in would take a grid-wide barrier and room for all of x (256 MiB at 8192x16384 bf16, vs ~33 MiB
-of registers + ~30 MiB of shared memory + 50 MB of L2 on an H200). For bf16 -> fp8 that is 5 bytes moved
-per 3 of minimal traffic: a bound of 3/5 = 0.6 of copy on the minimal-traffic GB/s the benchmark
-reports; L2 hits of the reversed cast pass can only shave the re-read of the last few tens of MB.
-Delayed scaling (the previous step's amax) reads x once, but it is another recipe, not this one.
-
-Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``):
-- the scale and ``scale_inv`` use ``tl.math.div_rn`` (IEEE division; Triton's ``/`` is approximate
-  on NVIDIA) and the same clamps and mask as the reference, selected with ``tl.where`` (comparisons
-  with NaN are false, so no NaN-dropping min/max is involved); power-of-two scales use no division:
+Bit-exactness ([Note: fp8 scale arithmetic] in ``distwgrad/fp8/quantize.py``): IEEE division
+(``tl.math.div_rn``; Triton's ``/`` is approximate on NVIDIA), the reference's clamps, NaN-propagating amaxes
+(NaN -> +inf), and a saturating round-to-nearest-even cast: ``cvt.rn.satfinite`` on CUDA (sm_89+), integer
+arithmetic under ``TRITON_INTERPRET=1`` (the interpreter's cast rounds wrongly). NaN bytes are unspecified.
 
 [Note: power-of-two scales without division]
-The reference takes ``s = fl(NUM / amax)``, clamps it
-to [2**-126, FLT_MAX] and keeps its exponent. Write NUM = mn * 2**en and amax = ma * 2**ea with
-mantissas in [1, 2). If mn >= ma the quotient lies in [1, 2) and cannot round up to 2 (it is at
-most mn <= 2 - 2**-23, representable); if mn < ma it lies in (1/2, 1) and cannot round up to 1 (it
-is at most 1 - 2**-24, representable). So fl(NUM / amax) has exponent en - ea - [mn < ma] exactly,
-and the kernel computes that from the bits, clamped to [-126, 127] (a subnormal amax overflows the
-quotient: 2**127); 0 and non-finite amaxes are handled as in the division path. ``scale_inv`` of
-2**k is 2**-k (2**-127 is subnormal). Checked in the kernels against the reference over every
-exponent, the mantissas where the exponent changes, 0, inf, NaN and random amaxes
-(``case_pow2_scales`` of tests/test_fp8_quantize_kernels.py);
-- the amax reductions use the NaN-propagating max (``tl.max`` may drop NaN) and map a NaN result to
-  +inf, as ``compute_amax`` does; a max picks one of its inputs, so reducing in bf16/fp16 is exact;
-- the fp32 -> fp8 cast (``_to_fp8_bits``) saturates to +-fp8_max and rounds to nearest even: on CUDA
-  with the hardware conversion alone (``cvt.rn.satfinite``, sm_89+: Ada, Hopper, Blackwell; it
-  saturates +-inf and finite overflow, and keeps NaN); under ``TRITON_INTERPRET=1`` with explicit
-  integer/power-of-two arithmetic onto the fp8 grid, because the interpreter's own cast rounds wrongly
-  (it drops mantissa carries: 31.6 -> 16) and turns NaN into 256. Each path is tested bit-exact
-  against torch's conversion on every fp8 value and midpoint, saturation and non-finite values
-  (``case_rounding``). NaN bytes are unspecified (the reference's note): the interpreter path writes
-  0x7F | sign, the hardware its own NaN.
-Partial edge blocks are masked: masked lanes load 0 and are never stored.
+The reference takes ``s = fl(NUM / amax)``, clamps it to [2**-126, FLT_MAX] and keeps its exponent. With
+NUM = mn * 2**en and amax = ma * 2**ea (mantissas in [1, 2)), the quotient lies in [1, 2) if mn >= ma, else
+in (1/2, 1), and cannot round out of that range (its bound is representable): fl(NUM / amax) has exponent
+en - ea - [mn < ma] exactly, which the kernels take from the bits, clamped to [-126, 127] (a subnormal amax
+gives 2**127). ``scale_inv`` of 2**k is 2**-k. ``case_pow2_scales`` of tests/test_fp8_quantize_kernels.py
+checks every exponent, 0, inf, NaN and random amaxes.
 """
 
 from __future__ import annotations
@@ -279,8 +234,7 @@ _GLUON_FAILED: str | None = None  # why the Gluon kernel did not build here, onc
 
 def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool:
     """Launches the Gluon rows + columns kernel; False (and one warning) if this Triton cannot build it
-    (Gluon is experimental and its API moves between releases): the caller then runs the Triton kernel,
-    which computes the same bits."""
+    (Gluon's API moves between releases): the caller then runs the Triton kernel, same bits."""
     global _GLUON_FAILED
     if _GLUON_FAILED is not None:
         return False
@@ -300,9 +254,8 @@ def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool
 
 
 def _gluon_rowcol(x: torch.Tensor, L: int, power_of_two: bool) -> bool:
-    """Whether the Gluon rows + columns kernel takes this call ([Note: rows and columns without a
-    transpose]): asked for (``QuantizeTuning.rowcol_gluon``), available, and its preconditions hold (the 128 tile,
-    power-of-two scales, M a multiple of 4, compute capability 9 or newer)."""
+    """Whether the Gluon rows + columns kernel takes this call ([Note: rows and columns without a transpose]):
+    asked for in the tuning, available, L = 128, power-of-two scales, M % 4 == 0, sm_90+."""
     if not _tuning().quantize.rowcol_gluon or not x.is_cuda or _interpreting():
         return False
     from .gluon import quantize_rowcol as kg
@@ -322,21 +275,17 @@ def _(x, tile, dtype, power_of_two):
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
                         margin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv)`` of ``x`` (any shape) with one scale: the bits of
-    ``distwgrad.fp8.quantize.quantize_per_tensor`` (same arguments), data in ``x``'s shape, ``scale_inv`` 0-d fp32.
-
-    ``amax``, when given, must be a one-element fp32 tensor on ``x``'s device (e.g. the MAX all-reduce
-    of ``compute_amax(shard)`` over the shard group); it is read on the device, never synced.
-    """
+    """``(data, scale_inv)`` of ``x`` (any shape) with one scale: the bits of ``distwgrad.fp8.quantize``'s
+    ``quantize_per_tensor``. ``amax``, if given: one fp32 value on ``x``'s device (e.g. the shard group's
+    all-reduced amax), read on the device, never synced."""
     _fp8_format(dtype)
     return call(torch.ops.distwgrad.fp8_quantize_per_tensor, _per_tensor_impl, x, amax, dtype, margin)
 
 
 def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
                        power_of_two: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv)`` of a 2-D ``x_MN`` with one scale per ``block`` ``(bm, bn)`` (powers of two): the
-    bits of ``distwgrad.fp8.quantize.quantize_blockwise``; ``scale_inv`` the fp32 ``[cdiv(M, bm), cdiv(N, bn)]``
-    grid."""
+    """``(data, scale_inv)`` of a 2-D ``x_MN``, one scale per ``block`` ``(bm, bn)`` (powers of two), ``scale_inv``
+    ``[cdiv(M, bm), cdiv(N, bn)]``: the bits of ``distwgrad.fp8.quantize.quantize_blockwise``."""
     _fp8_format(dtype)
     bm, bn = _check_block(block)
     return call(torch.ops.distwgrad.fp8_quantize_blockwise, _blockwise_impl, x, bm, bn, dtype, power_of_two)
@@ -344,13 +293,12 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dty
 
 def quantize_rowwise_and_columnwise(x: torch.Tensor, dtype: torch.dtype, *, block: int, power_of_two: bool = True,
                                     margin: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv, data_t, scale_inv_t)``: a 2-D ``x_MN`` quantized for the GEMMs that read it as ``x``
-    and as ``x^T`` (``data_t`` ``[N, M]``), the bits of ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``.
+    """``(data, scale_inv, data_t, scale_inv_t)``: a 2-D ``x_MN`` quantized as ``x`` and as ``x^T`` (``data_t``
+    ``[N, M]``) from one read of ``x`` (per tensor: after the amax pass), the bits of
+    ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``.
 
-    ``block`` L > 0: 1xL tiles along N for ``x`` and along M for ``x^T`` (``power_of_two`` scales), from one
-    read of ``x``; scale grids ``[M, cdiv(N, L)]`` and ``[N, cdiv(M, L)]``. ``block`` 0: one scale (``margin``),
-    the amax pass, then the cast and the transposed copy of the fp8 data from one read of ``x``
-    (``cast_transpose.py``; the scale is shared, so this is exact): ``scale_inv_t`` is ``scale_inv``.
+    ``block`` L > 0: 1xL tiles along N for ``x`` and along M for ``x^T``, scales ``[M, cdiv(N, L)]`` and
+    ``[N, cdiv(M, L)]``. ``block`` 0: one scale (``margin``) shared by both, so ``scale_inv_t`` is ``scale_inv``.
     """
     if block:
         return call(torch.ops.distwgrad.fp8_quantize_rowwise_and_columnwise, _rowcol_impl, x, block, dtype,

@@ -1,20 +1,13 @@
 """The per-tensor FP8 wgrad operand x^T with each token group on the 128-token grid, in one pass.
 
 [Note: aligned token groups]
-The FP8 wgrad contracts over each group's tokens in 128-token chunks on a grid ([Note: fp8 wgrad chunks]
-in ``grouped_gemm_fp8``). With the tokens as they come, a group's first and last chunks hold other
-groups' tokens, which the kernels must zero before their MMAs; on an H200 that zeroing, beside the
-epilogue's handoff, is a fifth of the Gluon kernel's time at ~1024 tokens per group (docs/benchmarks.md).
-Laid out with every group starting on the grid and zeros up to the next one, no chunk holds two groups:
-the kernels mask nothing, and the products are the same (zeros add nothing; the chunk grid follows each
-group's first token, so the fp32 sums are added in another order than on the global grid).
-
-Under per-tensor scaling x^T is a transposed copy of x's fp8 bits (one scale for all), so building it
-in this layout costs what the plain transpose costs: ``transpose_aligned`` writes x^T's columns at
-their aligned places and zeros the padding, in one pass over x. Its output has ``T + (align - 1) * E + 1``
-columns rounded up to ``align`` (no host sync: the layout's true width is on the device), zeros past the
-last group, and its end offsets count each group's padding. ``distwgrad.ops.grouped_gemm_fp8
-.align_token_groups`` is the torch reference (bit-identical, tests/test_token_layout.py).
+The FP8 wgrad contracts each group's tokens in 128-token chunks on a grid ([Note: fp8 wgrad chunks] in
+``grouped_gemm_fp8``); a group's edge chunks then hold other groups' tokens, which the kernels must zero, a
+large share of their time at ~1024 tokens per group. With every group starting on the grid and zeros up to
+the next, no chunk holds two groups and nothing is masked; the products are the same (the fp32 sums follow
+each group's own grid). Per tensor, x^T is a transposed copy of x's fp8 bits, so ``transpose_aligned``
+builds this layout in one pass, at a plain transpose's cost; its end offsets count each group's padding.
+Torch reference (bit-identical): ``distwgrad.ops.grouped_gemm_fp8.align_token_groups``.
 """
 
 from __future__ import annotations
@@ -39,9 +32,8 @@ def aligned_width(T: int, E: int, align: int) -> int:
 
 
 def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(end offsets of the aligned layout, int32; each group's [new start, size, old start - new start] as
-    an int32 [3, E] table), on ``offs_E``'s device (offsets clamped into [0, T], a decreasing one gives an
-    empty group). Computed once per offsets tensor and layout: [Note: one layout per routing]."""
+    """(int32 end offsets of the aligned layout, int32 [3, E] table of each group's new start, size, old start
+    - new start), offsets clamped into [0, T]; kept per routing ([Note: one layout per routing])."""
     memo = _memo(offs_E)
     key = (T, align)
     kept = memo.get(key) if memo is not None else None
@@ -54,7 +46,7 @@ def aligned_offsets(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Ten
 
 
 def _layout_torch(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`aligned_offsets`' layout in torch operations (what a torch.compile trace records, and the CPU's)."""
+    """:func:`aligned_offsets`' layout in torch ops (what a torch.compile trace records, and the CPU path)."""
     ends = offs_E.long().clamp(0, T)
     sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
     padded = -(-sizes // align) * align
@@ -64,9 +56,8 @@ def _layout_torch(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch.Tenso
 
 
 def _on_kernel(offs_E: torch.Tensor) -> bool:
-    """Whether the layout comes from :func:`_layout_kernel` (one launch where ``_layout_torch`` issues a dozen
-    small operations, each a launch and host time, once per routing): a plain tensor on CUDA (or the CPU under
-    TRITON_INTERPRET=1), not while torch.compile traces (the torch operations then belong in the graph)."""
+    """Whether :func:`_layout_kernel` makes the layout (one launch instead of a dozen small ops): a plain tensor
+    on CUDA (or CPU under TRITON_INTERPRET=1), and not while torch.compile traces (the ops belong in the graph)."""
     if type(offs_E) is not torch.Tensor or torch.compiler.is_compiling():
         return False
     return offs_E.is_cuda or (offs_E.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -99,16 +90,12 @@ def _layout_kernel_call(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch
 
 
 # [Note: one layout per routing]
-# A grouped module under per-tensor FP8 needs the aligned layout of its routing six times a step: x^T of
-# fc1 and fc2 in forward, their wgrads' offsets, dy^T of both in backward. All take the same offsets
-# tensor (``splits_to_offsets`` gives fc1 and fc2 one), and the layout is a dozen small device ops: on the
-# host they cost more than the transposes they serve. So the layout is kept on the offsets tensor itself
-# (an attribute: it lives and dies with the routing, and backward's saved offsets carry it), keyed by
-# (T, align) and valid while neither the offsets nor the layout's own tensors were written in place (a write
-# to either recomputes it: a caller that edits the returned ends cannot corrupt the next layout). Not
-# while torch.compile traces (the ops become the graph's) or a CUDA graph captures (a capture records
-# the ops; a layout made outside it would be read from memory the graph does not own), and only for
-# plain tensors.
+# A grouped module under per-tensor FP8 needs its routing's aligned layout six times a step (x^T and dy^T of
+# fc1 and fc2, and their wgrads' offsets), all from one offsets tensor, and the layout's dozen small ops cost
+# more host time than the transposes. So it is kept on the offsets tensor (an attribute: it dies with the
+# routing), keyed by (T, align), valid while neither the offsets nor the layout's tensors were written in
+# place. Not while torch.compile traces or a CUDA graph captures (the layout must be the graph's own), and
+# only for plain tensors.
 _ATTR = "_distwgrad_aligned_layouts"
 
 
@@ -127,12 +114,9 @@ def _memo(offs_E: torch.Tensor) -> dict | None:
 @triton.jit
 def _place_tokens(col0, cols, ends_ptr, table_ptr, W, E, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
                   ALIGNED: tl.constexpr, ONE_GROUP: tl.constexpr):
-    """(valid, token) of the places ``cols`` (from ``col0``) of x^T: whether each holds a token, and which
-    (0 where none). ALIGNED: g is the first group whose aligned end lies past the place, which holds a token
-    of g when it lies before g's start plus size (else padding, or the tail past every group). Not ALIGNED:
-    the plain transpose (W = T). ONE_GROUP: the alignment is a multiple of BLOCK_T, so every group's places
-    start on a program's first column and a program's columns lie in one group: g is found once (E
-    comparisons, not BLOCK_T * E)."""
+    """(valid, token) of the places ``cols`` of x^T: whether each holds a token, and which (0 where none).
+    ALIGNED: the place's group g is the first whose aligned end lies past it; else the plain transpose (W = T).
+    ONE_GROUP: ``align`` is a multiple of BLOCK_T, so a program's places lie in one group, found once."""
     if ALIGNED:
         e = tl.arange(0, E_POW2)
         ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
@@ -226,22 +210,15 @@ def _check_layout_args(what: str, device: torch.device, offs_E: torch.Tensor, al
 
 
 def transpose(data: torch.Tensor) -> torch.Tensor:
-    """The contiguous transpose of the fp8 bits ``data`` ``[T, R]`` (contiguous): the per-tensor x^T
-    (``transpose_quantized`` moves the same bits with torch's generic copy, several times slower for
-    1-byte elements on an H200; docs/benchmarks.md)."""
+    """The per-tensor x^T: the contiguous transpose of fp8 ``data`` ``[T, R]``, faster than torch's 1-byte copy."""
     _check_data("transpose", data)
     return call(torch.ops.distwgrad.fp8_transpose, _plain_impl, data)
 
 
 def transpose_aligned(data: torch.Tensor, offs_E: torch.Tensor, align: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data_t, ends)``: the fp8 bits ``data`` ``[T, R]`` (tokens along dim 0) transposed into the aligned
-    layout ``[R, aligned_width(T, E, align)]`` of [Note: aligned token groups], and its int32 end offsets.
-
-    Args:
-        data: a contiguous float8 ``[T, R]`` tensor on CUDA (or CPU under TRITON_INTERPRET=1).
-        offs_E: ``[E]`` int32 end offsets of the token groups, non-decreasing, on ``data``'s device.
-        align: the chunk grid, a positive multiple of 16 (TMA's 16-byte boxes).
-    """
+    """``(data_t, ends)``: the fp8 bits ``data`` (contiguous ``[T, R]``) transposed into the aligned layout
+    ``[R, aligned_width(T, E, align)]`` of [Note: aligned token groups], and its int32 end offsets. ``offs_E``:
+    non-decreasing int32 ``[E]`` group end offsets on ``data``'s device; ``align``: a multiple of 16 (TMA)."""
     _check_data("transpose_aligned", data)
     _check_layout_args("transpose_aligned", data.device, offs_E, align)
     ends, table = aligned_offsets(offs_E, data.shape[0], align)

@@ -1,29 +1,17 @@
-"""FP8 quantization of a group of weights (the experts of a GroupedLinear) into the layout the GEMM reads:
-per tensor in two launches (one for a packed ``[E, N, K]`` weight whose amax the caller has), blockwise (a
-packed weight) in one.
+"""FP8 quantization of a GroupedLinear's experts into the layout the GEMM reads: per tensor in two launches
+(one for a packed ``[E, N, K]`` weight whose amax the caller has), blockwise in one.
 
 [Note: a group of weights in two launches]
-Quantized one by one, E experts cost E amax passes and E casts (five launches each with the torch amax),
-and the grouped GEMMs then stack the E results into one ``[E, N, K]`` tensor, for dgrad through a
-transposing copy: on an H200 at E=64 (2048 x 7168 experts) a GroupedLinear step under per-tensor FP8
-spent more time in these copies and on the host than in its GEMMs (docs/benchmarks.md). Here one launch
-takes every expert's amax (programs over (chunk, expert), experts found through a table of their
-addresses, so separate parameters need no stacking) and one launch casts them all into ONE stacked
-buffer, in the layout the GEMM reads: ``[E, N, K]`` for fprop, ``[E, K, N]`` (each expert transposed
-in the cast's tiles) for dgrad, handed over as one ``(data, scale_inv, amax)`` that the runtime wraps in one
-``QuantizedExperts`` (``distwgrad.ops.quantize``) and the GEMMs read in place.
-Each expert's bits are those of ``distwgrad.fp8.weights.quantize_weight`` on it alone (same amax, same
-scale arithmetic, same cast; tests/test_weights_fp8.py).
+Quantized one by one, E experts cost E amax passes, E casts and a stacking copy, more than the GEMMs of a
+per-tensor FP8 step. Here one launch takes every expert's amax (experts found through a table of their
+addresses, so separate parameters need no stacking) and one casts them all into ONE stacked buffer, ``[E, N,
+K]`` for fprop or ``[E, K, N]`` for dgrad (one ``QuantizedExperts``). Each expert's bits are those of
+``distwgrad.fp8.weights.quantize_weight`` on it alone.
 
 [Note: aligned table entries]
-An address loaded from the table is a plain integer to Triton's compiler, which then knows nothing of its
-alignment and reads the weights one 4-byte element per instruction, where a tensor argument (specialized
-as 16-byte aligned) gets 16-byte loads: on an H200 the cast then ran at about 2.3 TB/s instead of near copy
-bandwidth, the largest non-GEMM item of a per-tensor FP8 MoE layer step (docs/benchmarks/LOG.md). When
-every address is a multiple of 16 bytes (any weight the caching allocator gave its own block; a view at an
-offset may not be), the kernels are told so (``ALIGNED``) and the loads are vectorized wherever the shapes
-allow, as for a tensor argument; otherwise they keep the element-wise loads. The arithmetic per element is
-the same either way.
+Triton assumes nothing of an address loaded from the table and loads one 4-byte element per instruction.
+When every address is a multiple of 16 bytes (a view at an offset may not be), the kernels are told so
+(``ALIGNED``) and vectorize the loads; the arithmetic is the same.
 """
 
 from __future__ import annotations
@@ -94,8 +82,7 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.con
 
 
 def _first_unlike(weights: Sequence[torch.Tensor]) -> int | None:
-    """The index of the first weight not a contiguous tensor of weights[0]'s shape, dtype and device; None
-    if there is none. (One pass of plain comparisons: the modules take this twice a step for every expert.)"""
+    """Index of the first weight that is not a contiguous tensor of weights[0]'s shape, dtype and device, or None."""
     w0 = weights[0]
     shape, dtype, device = w0.shape, w0.dtype, w0.device
     for i, w in enumerate(weights):
@@ -106,8 +93,7 @@ def _first_unlike(weights: Sequence[torch.Tensor]) -> int | None:
 
 
 def _check_weights(weights: Sequence[torch.Tensor]) -> None:
-    """weights[0] checked as any kernel input, every other alike (``_first_unlike``); the first that is not
-    gets the full checks, which name what is wrong."""
+    """Checks weights[0] as any kernel input and the others alike; raises naming the first that is not."""
     if not weights:
         raise ValueError("quantize_weights_per_tensor: no weights")
     w0 = weights[0]
@@ -121,8 +107,7 @@ def _check_weights(weights: Sequence[torch.Tensor]) -> None:
 
 
 def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = None) -> torch.Tensor:
-    """fp32 ``[E]``: each weight's ``max |w|`` (+inf for a NaN or inf), in one launch; ``shared`` as in
-    :func:`quantize_weights_per_tensor` (the max over the weights of one number)."""
+    """fp32 ``[E]``: each weight's ``max |w|`` (+inf for NaN or inf), in one launch; ``shared`` as below."""
     _check_weights(weights)
     ptrs = tuple(w.data_ptr() for w in weights)
     return _group_amax(weights, _on_device(ptrs, weights[0].device), _aligned(ptrs), shared)
@@ -135,8 +120,7 @@ def _aligned(ptrs: tuple[int, ...]) -> bool:
 
 def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, aligned: bool,
                 shared: Sequence[int] | None) -> torch.Tensor:
-    """:func:`group_amax` of checked ``weights`` whose addresses ``table`` holds (``aligned``: all of them
-    multiples of 16 bytes)."""
+    """:func:`group_amax` of checked ``weights`` whose addresses ``table`` holds (``aligned``: all 16-byte)."""
     w0, E = weights[0], len(weights)
     n = w0.numel()
     amax = torch.zeros(E, dtype=torch.float32, device=w0.device)
@@ -157,13 +141,10 @@ def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, aligned: b
 def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
                                 transpose: bool = False, shared: Sequence[int] | None = None,
                                 amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv, amax)``: each ``[N, K]`` weight quantized per tensor into one stacked float8 buffer
-    ([Note: a group of weights in two launches]): ``[E, N, K]``, stored as such or, with ``transpose``, as
-    ``[E, K, N]`` (the dgrad GEMM's layout; ``data`` is its ``[E, N, K]`` view either way); fp32 ``[E]``
-    ``scale_inv`` (expert e's dequantize factor) and the ``[E]`` amaxes the scales came from. The weights
-    must be contiguous, of one shape, dtype and device. ``shared``: weight e's amax is the max over the
-    weights of its number ``shared[e]`` (the experts of one packed parameter share one scale), else each its
-    own. ``amax``: the weights' ``group_amax`` when the caller has it (then ``shared`` is not read)."""
+    """``(data, scale_inv, amax)``: alike contiguous ``[N, K]`` weights quantized per tensor into one float8
+    ``[E, N, K]`` ([Note: a group of weights in two launches]), stored ``[E, K, N]`` with ``transpose`` (dgrad's
+    layout; ``data`` is the ``[E, N, K]`` view either way). ``shared``: weight e takes the max amax over weights
+    of number ``shared[e]`` (a packed parameter's experts share a scale). ``amax``: their ``group_amax``, if known."""
     _check_weights(weights)
     return _quantize(weights, dtype, margin, transpose, shared, amax)
 
@@ -171,9 +152,7 @@ def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dt
 def _quantize_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0, transpose: bool = False,
                     shared: Sequence[int] | None = None, amax: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """:func:`quantize_weights_per_tensor` where the weights are alike (``_first_unlike``), else None (the
-    caller quantizes each alone): one pass over the group decides and checks. A first weight the kernels
-    cannot take raises as there."""
+    """:func:`quantize_weights_per_tensor` if the weights are alike, else None (the caller quantizes each)."""
     if not weights:
         return None
     _check_input(weights[0], two_d=True)
@@ -208,11 +187,8 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
 
 def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, *, margin: int = 0,
                                transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv)``: a packed ``[E, N, K]`` weight (contiguous) quantized per tensor with its one
-    ``amax`` (fp32, one element: the whole weight's, as ``quantize_weight`` scales a packed weight) in one
-    launch, into the layout of :func:`quantize_weights_per_tensor` (``transpose``: stored ``[E, K, N]``);
-    each expert's bits those of that function given the amax per expert. The experts are addressed from
-    the weight itself: no per-expert views, no address table, no per-expert amax copy (host time a call)."""
+    """``(data, scale_inv)``: a contiguous packed ``[E, N, K]`` weight quantized per tensor with its one fp32
+    ``amax``, in one launch, as :func:`quantize_weights_per_tensor` with that amax for every expert."""
     _check_input(w_ENK, two_d=False)
     if w_ENK.dim() != 3:
         raise ValueError(f"quantize_packed_per_tensor: a packed [E, N, K] weight, got shape {tuple(w_ENK.shape)}")
@@ -235,12 +211,9 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
 
 def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
                                power_of_two: bool = True, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv)``: a packed ``[E, N, K]`` weight quantized in square ``block`` blocks in one launch,
-    each expert's bits those of ``distwgrad.kernels.quantize.quantize_blockwise`` on it alone (N a multiple of
-    the block side, so no block holds two experts' rows). ``data`` is the ``[E, N, K]`` float8 tensor, stored
-    as such or, with ``transpose``, as ``[E, K, N]`` (the dgrad GEMM's layout; ``data`` its ``[E, N, K]``
-    view); ``scale_inv`` the fp32 ``[E, N / B, cdiv(K, B)]`` grid, the same for both layouts (block (n, k) of
-    an expert transposed is block (k, n) of its transpose, with the same scale)."""
+    """``(data, scale_inv)``: a packed ``[E, N, K]`` weight (N a multiple of B) in square ``block`` B x B blocks,
+    in one launch, each expert's bits those of ``quantize_blockwise`` on it alone; ``transpose`` as above.
+    ``scale_inv``: fp32 ``[E, N / B, cdiv(K, B)]`` for both layouts (square blocks transpose with their scale)."""
     _check_input(w_ENK, two_d=False)
     bm, bn = _check_block(block)
     if w_ENK.dim() != 3 or bm != bn or w_ENK.shape[1] % bm:
@@ -258,6 +231,5 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtyp
 
 
 def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``values`` (the weights' addresses, an index map) as an int64 table on ``device``, made once
-    ([Note: device tables] in ``_host.py``: addresses are just numbers, valid whatever has moved since)."""
+    """``values`` as an int64 table on ``device``, made once ([Note: device tables] in ``_host.py``)."""
     return device_table(values, device, "quantize_weights_per_tensor")

@@ -1,14 +1,9 @@
 """The training job's options: one frozen dataclass, validated on construction, and the CLI built from it.
 
-Each field carries its help text (and choices) in ``metadata``; :func:`build_parser` turns every field
-into one ``--flag`` so the CLI and the config cannot drift apart. ``--model NAME`` picks a preset
-(:data:`PRESETS`) for the model's sizes and the batch and learning rate; a field given explicitly
-overrides it (the preset fills only fields left at None). Checks that need the world size (the
-global batch must split evenly over ranks and microbatches) live in :meth:`TrainConfig.check_world_size`,
-which the CLI calls with torchrun's ``WORLD_SIZE`` before any process group exists.
-
-Bad options end the process with one line, ``train: error: ...``, and exit code 2 (argparse's code for
-usage errors); under torchrun only rank 0 prints it.
+Each field carries its help and group in ``metadata`` and becomes one ``--flag`` (:func:`build_parser`), so
+CLI and config cannot drift. A ``--model`` preset fills only fields left at None. Checks that need the world
+size live in :meth:`TrainConfig.check_world_size`, run with torchrun's ``WORLD_SIZE`` before any process
+group exists. A bad option is one line on rank 0 and exit code 2.
 """
 
 from __future__ import annotations
@@ -54,9 +49,7 @@ _PRESET_FIELDS = tuple(PRESETS["tiny"])
 
 
 def fp8_recipe(name: str) -> Recipe | None:
-    """The FP8 recipe ``--recipe name`` runs under (None for ``none``), from the recipes' registry
-    (``distwgrad.fp8.recipes``): the step's ``fp8_autocast`` and the graphs of ``--cuda-graph`` take it from
-    here."""
+    """The FP8 recipe of ``--recipe name`` (None for ``none``), for the eager step and ``--cuda-graph`` alike."""
     if name not in RECIPES:
         raise ValueError(f"recipe={name!r} must be one of {RECIPES}")
     return recipe_by_name(name)
@@ -191,7 +184,7 @@ class TrainConfig:
         return self.pp_microbatches or self.microbatches  # type: ignore[return-value]
 
     def _check_pipeline(self) -> None:
-        """What ``--pp`` refuses without knowing the world size: what it does not run yet, one option each."""
+        """What ``--pp`` refuses without knowing the world size."""
         if not _is_int(self.pp) or self.pp < 1:
             raise ValueError(f"pp={self.pp!r} must be a positive int")
         if self.pp_schedule not in SCHEDULES:
@@ -212,7 +205,7 @@ class TrainConfig:
                              f"{'it' if len(given) == 1 else 'them'} out, or use --pp 1")
 
     def _check_experts(self) -> None:
-        """What ``--ep`` refuses without knowing the world size: what it does not run yet, one option each."""
+        """What ``--ep`` refuses without knowing the world size."""
         if not _is_int(self.ep) or self.ep < 1:
             raise ValueError(f"ep={self.ep!r} must be a positive int")
         if self.ep == 1:
@@ -228,16 +221,14 @@ class TrainConfig:
                              f"{'it' if len(given) == 1 else 'them'} out, or use --ep 1")
 
     def _check_cuda_graph(self) -> None:
-        """What ``--cuda-graph`` refuses without knowing the world size ([Note: the graphed step] in
-        launch/cuda_graph.py)."""
+        """What ``--cuda-graph`` refuses without the world size ([Note: the graphed step] in launch/cuda_graph.py)."""
         if self.device == "cpu":
             raise ValueError("--cuda-graph needs CUDA devices with NCCL, but device='cpu' runs on the CPU over gloo "
                              "(CUDA graphs capture CUDA kernels and NCCL collectives only); use --device cuda or "
                              "auto on a CUDA machine, or leave out --cuda-graph")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of ``step`` (1-based): linear warm-up over ``warmup_steps``, then ``lr``. A pure
-        function of the step, so a resumed run continues the schedule exactly."""
+        """The learning rate of ``step`` (1-based): linear warm-up, then ``lr``; pure, so a resume continues it."""
         if not self.warmup_steps:
             return self.lr
         return self.lr * min(1.0, step / self.warmup_steps)
@@ -246,8 +237,7 @@ class TrainConfig:
         return MoEGPTConfig(**{k: getattr(self, k) for k in _MODEL_FIELDS})
 
     def check_world_size(self, world_size: int) -> None:
-        """Raises ``ValueError`` if the global batch cannot be split evenly over ``world_size`` ranks, or if
-        ``--cuda-graph`` cannot run at that world size."""
+        """Raises ``ValueError`` if the batch, ``--pp``, ``--ep`` or ``--cuda-graph`` do not fit ``world_size``."""
         if world_size % self.pp:
             raise ValueError(f"--pp {self.pp} must divide the world size {world_size} (the world is pp x "
                              f"data-parallel ranks)")
@@ -280,12 +270,8 @@ def _is_int(v: Any) -> bool:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage block) and only rank 0 of a torchrun job prints it; every
-    command of ``distwgrad.launch`` parses with it.
-
-    The other ranks wait ``OTHER_RANKS_EXIT_S`` before they exit: torchrun stops every rank once one exits
-    with an error, and a rank that got there first would have rank 0 killed before its line was written
-    (seen on a loaded 2-core machine, where ranks start seconds apart)."""
+    """argparse whose error is one line, printed by rank 0 only; the others wait ``OTHER_RANKS_EXIT_S`` before
+    exiting, or torchrun could kill rank 0 before its line is out. Every ``distwgrad.launch`` command uses it."""
 
     OTHER_RANKS_EXIT_S = 5.0
 
@@ -298,8 +284,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "train", description: str | None = None) -> argparse.ArgumentParser:
-    """One ``--flag`` per :class:`TrainConfig` field, in its group's section; defaults, help and choices come
-    from the field (a default shown only where the help does not say it)."""
+    """One ``--flag`` per :class:`TrainConfig` field, in its group's section, help and choices from the field."""
     parser = Parser(prog=prog, description=description, usage="%(prog)s [options]",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sections = {g: parser.add_argument_group(g) for g in GROUPS}
@@ -326,10 +311,7 @@ def build_parser(prog: str = "train", description: str | None = None) -> argpars
 
 def parse_args(argv: list[str] | None = None, *, prog: str = "train",
                description: str | None = None) -> TrainConfig:
-    """CLI -> validated :class:`TrainConfig`; exits with code 2 and one line on a bad option.
-
-    The world-size check uses torchrun's ``WORLD_SIZE`` (1 without torchrun).
-    """
+    """CLI -> validated :class:`TrainConfig` (world size from ``WORLD_SIZE``); a bad option exits with code 2."""
     parser = build_parser(prog, description)
     args = parser.parse_args(argv)
     try:

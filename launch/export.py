@@ -7,14 +7,8 @@ Commands::
     # shards of at most 2 GB with an index (Hugging Face's layout), for a large model
     python -m distwgrad.launch.export runs/big/checkpoints/step_1000 --out runs/big/export --max-shard-gb 2
 
-Writes, in ``--out``: ``model.safetensors`` (or ``model-00001-of-0000N.safetensors`` shards and
-``model.safetensors.index.json``), one fp32 tensor per distinct parameter under the job's names (the tied
-embedding and lm_head once, as ``embedding.weight``: ``config.json`` says ``tie_word_embeddings``);
-``config.json``, the model's sizes; ``meta.json``, the step, the source checkpoint and the tokenizer, with the
-data folder's ``tokenizer.json`` beside it for a BPE. ``python -m distwgrad.launch.sample`` reads the folder.
-The checkpoint loads resharded into one process (DCP), so a run saved on 8 ranks exports on a laptop; it
-needs ``safetensors`` (``pip install 'distwgrad[export]'``). An ``--out`` holding an export is refused unless
-``--overwrite``.
+Writes, in ``--out``, for ``distwgrad.launch.sample``: safetensors (each distinct parameter once: the tied embedding
+as ``embedding.weight``), ``config.json``, ``meta.json`` and a BPE's ``tokenizer.json``. Needs ``distwgrad[export]``.
 """
 
 from __future__ import annotations
@@ -61,8 +55,8 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 
 def export(checkpoint: str, out: str, *, max_shard_gb: float = 5.0, overwrite: bool = False, say=print) -> dict:
-    """Writes ``checkpoint``'s weights to ``out``; returns the ``meta.json`` written. ``CheckpointError`` or
-    ``ValueError`` name a bad input."""
+    """Writes ``checkpoint``'s weights to ``out``; returns its ``meta.json``. Raises ``CheckpointError`` or
+    ``ValueError`` naming a bad input."""
     from distwgrad.checkpoint import load_checkpoint, resolve_checkpoint
     from distwgrad.models import MoEGPT, MoEGPTConfig
 

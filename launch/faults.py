@@ -2,22 +2,12 @@
 lost rank and the last complete checkpoint, and ``report.json`` records the interruption.
 
 [Note: lost rank]
-Nothing here watches the job; torch's own limits end it. Every collective of the job's process group
-waits at most ``--timeout`` seconds (``init_process_group(timeout=...)``; on NCCL the watchdog enforces
-it, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` and ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` defaulted by
-:func:`nccl_env`). A rank whose process ends closes its sockets: the others' next gloo collective fails at
-once, and torchrun, seeing the process gone, sends the rest SIGTERM (:func:`catch_sigterm` turns it into
-:class:`Terminated`). A rank that hangs (SIGSTOP, a deadlock) makes the others' collective time out after
-``--timeout``. Either way each survivor calls :func:`lost_ranks`: it checks in on the job's store
-(torchrun's agent hosts it, so it outlives any rank) and meets the others at ``dist.monitored_barrier`` on
-a gloo side group, which names the ranks that did not arrive within :func:`probe_seconds`; a dead rank
-breaks that barrier at once without a name, and the missing check-ins name it. The lowest surviving rank
-prints one line and writes ``report.json``; every survivor exits with :data:`INTERRUPTED_EXIT`.
-
-A hung process cannot end itself, and torchrun SIGKILLs it only 30 s after SIGTERM (the grace its
-``_stop_workers`` gives, whatever ``--shutdown-timeout`` says). So a survivor SIGKILLs a lost rank that is
-its sibling under the same torchrun agent (the pid each rank publishes in the store at start), as
-torchrun would, and the job ends within the bound documented in docs/training.md (Faults).
+No watchdog of our own: every collective waits at most ``--timeout``. A dead rank's sockets close, so the
+others' next collective fails at once and torchrun SIGTERMs them; a hung rank makes it time out. Each
+survivor then calls :func:`lost_ranks`: it checks in on the job's store (torchrun's agent hosts it, so it
+outlives any rank) and meets the others at a gloo ``monitored_barrier``, which names the ranks that did not
+arrive; a dead rank breaks the barrier without a name, and its missing check-in names it. torchrun SIGKILLs a
+hung rank only 30 s after SIGTERM, so survivors kill lost siblings themselves. docs/training.md, Faults.
 """
 
 from __future__ import annotations
@@ -50,13 +40,8 @@ class Terminated(Exception):
 
 
 def catch_sigterm() -> None:
-    """The first SIGTERM raises :class:`Terminated` in the main thread; later ones are ignored, so the
-    report gets written (torchrun SIGKILLs after its grace anyway).
-
-    A SIGTERM that lands while the main thread already handles a failed collective (torchrun's teardown
-    after the failure that collective saw: the survivor is on its way to the report) raises nothing: raised
-    there, it would replace the failure inside its own ``except`` clause, before the report's path ignores
-    SIGTERM, and the rank would end with a traceback instead of the one line."""
+    """The first SIGTERM raises :class:`Terminated`, unless a failed collective is being handled (it would
+    replace that failure mid-``except``); later ones are ignored, so the report gets written."""
     def handler(signum: int, frame: Any) -> None:
         ignore_sigterm()
         if not _handling_comm_failure():
@@ -66,8 +51,7 @@ def catch_sigterm() -> None:
 
 
 def _handling_comm_failure() -> bool:
-    """Whether this thread is handling (in an ``except`` or ``finally`` block, or one nested in it) an
-    exception that is, or was raised while handling, a failed collective (:func:`is_comm_failure`)."""
+    """Whether this thread is handling a failed collective, or an exception raised while handling one."""
     exc, seen = sys.exc_info()[1], set()
     while exc is not None and id(exc) not in seen:
         if is_comm_failure(exc):
@@ -82,15 +66,14 @@ def ignore_sigterm() -> None:
 
 
 def nccl_env(timeout: float) -> None:
-    """NCCL's own enforcement of the timeout, unless the environment already chose: the watchdog tears a
-    rank down when a collective times out or fails (3, torch's default, set so it is never off), and its
-    heartbeat monitor kills a rank whose watchdog is itself stuck for longer than the timeout plus 60 s."""
+    """Unless the environment chose: NCCL's watchdog tears a rank down on a failed or timed-out collective,
+    and its heartbeat kills a rank whose watchdog is stuck past ``timeout + 60`` s."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(math.ceil(timeout) + 60))
 
 
 def probe_seconds(timeout: float) -> float:
-    """How long survivors wait for each other at the probe: ``min(--timeout, 5 s)``."""
+    """How long survivors wait for each other at the probe."""
     return min(timeout, _PROBE_MAX_S)
 
 
@@ -114,8 +97,7 @@ _COMM_TEXT = re.compile(r"gloo|nccl|timed out|timeout|connection (closed|reset)|
 
 
 def is_comm_failure(exc: BaseException) -> bool:
-    """A collective that failed or timed out, or SIGTERM: another rank's trouble, not a bug of this one
-    (that one raises as it is, so its traceback shows and torchrun names it)."""
+    """A failed or timed-out collective, or SIGTERM: another rank's trouble, not a bug of this rank's own."""
     if isinstance(exc, (Terminated, dist.DistError)):
         return True
     wrapped = type(exc).__name__ == "CheckpointException"  # DCP's wrapper, its text every rank's failure
@@ -123,8 +105,8 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def lost_ranks(monitor: Any, seconds: float) -> list[int]:
-    """The ranks that did not reach this probe within ``seconds`` ([Note: lost rank]); every survivor
-    calls it. ``monitor``: a gloo group of all ranks that no failed collective has used."""
+    """The ranks that did not reach this probe within ``seconds`` ([Note: lost rank]); every survivor calls it.
+    ``monitor``: a gloo group of all ranks that no failed collective has used."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         return []
@@ -152,8 +134,7 @@ def lost_ranks(monitor: Any, seconds: float) -> list[int]:
 
 
 def _sibling(store: Any, rank: int) -> str | int:
-    """``rank``'s pid if it runs under this rank's torchrun agent, "gone" if it did and has ended, else
-    "other" (another host or agent, or unknown)."""
+    """``rank``'s pid if it runs under this rank's torchrun agent, "gone" if it ended, else "other"."""
     try:
         agent, pid = map(int, store.get(f"{_KEY}/pid/{rank}").decode().split())
     except (RuntimeError, ValueError):
@@ -179,8 +160,7 @@ def end_siblings(ranks: list[int]) -> None:
 
 
 def last_checkpoint(out: str, resume: str | None) -> str | None:
-    """The checkpoint ``--resume`` would pick: the latest complete one of this run, else the one it
-    resumed from; None if there is none."""
+    """The checkpoint ``--resume`` would pick: this run's latest complete one, else the one it resumed from."""
     for root in (os.path.join(out, "checkpoints"), resume):
         if root:
             try:
@@ -198,9 +178,8 @@ def reason(exc: BaseException) -> str:
 
 
 def wait_for_rank0(monitor: Any, timeout: float) -> None:
-    """After work rank 0 does alone (the ``--check-parity`` reference step): the other ranks wait for it at
-    a monitored barrier for twice ``timeout`` (its work may take one timeout, the collective another);
-    rank 0 arrives last and waits ``timeout`` for them."""
+    """After rank 0's solo work (``--check-parity``'s reference step) the others wait ``2 * timeout`` for it:
+    its work may take one timeout, the collective another."""
     if dist.get_world_size() > 1:
         seconds = timeout if dist.get_rank() == 0 else 2 * timeout
         dist.monitored_barrier(monitor, timeout=datetime.timedelta(seconds=seconds))

@@ -1,14 +1,7 @@
-"""What the job measures beyond the loss: the validation loss, the gradient norm, and TensorBoard's scalars.
+"""What the job measures beyond the loss: validation loss, gradient norm, TensorBoard scalars (docs/training.md).
 
-* Validation (``--eval-every K``): ``--eval-batches`` fixed global batches of held-out windows (a prepared
-  folder's ``val.bin``; held-out samples of the synthetic corpus), each rank its rows, under ``no_grad`` and
-  in eval mode (graphed blocks run eagerly there); the mean token loss over every rank's windows.
-* Gradient norm: the global L2 norm of the step's gradients after ``finalize_model_grads``, each distinct
-  weight once (shards are disjoint rows: a sum of squares over the ranks), at logged steps only (it reads
-  every gradient once).
-* ``--tensorboard DIR``: rank 0 writes, per logged step, ``train/loss``, ``train/lr``, ``train/grad_norm``,
-  ``perf/tokens_per_s``, ``perf/mfu`` (GPU), ``perf/peak_memory_gib`` and, when evaluated, ``val/loss``,
-  through ``torch.utils.tensorboard`` (``pip install 'distwgrad[tensorboard]'``).
+Validation (``--eval-every``) runs in eval mode under ``no_grad`` (graphed blocks run eagerly there) on fixed
+held-out batches, each rank its rows. The gradient norm reads every gradient, so it runs at logged steps only.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ def eval_rows(val: Any, global_batch: int, world_size: int) -> int:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, val: Any, batches: int, global_batch: int, rank: int, world_size: int,
              group: Any, device: torch.device, autocast: Any) -> float:
-    """The mean next-token loss over ``batches`` validation batches (of :func:`eval_rows` windows), every rank's
-    windows together."""
+    """Mean next-token loss over ``batches`` validation batches of :func:`eval_rows` windows, over all ranks."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # summed token losses, tokens
@@ -59,10 +51,8 @@ def evaluate(model: torch.nn.Module, val: Any, batches: int, global_batch: int, 
 
 @torch.no_grad()
 def grad_norm(model: torch.nn.Module, group: Any, *, skip: Any = (), copies: int | None = None) -> float:
-    """The global L2 norm of every distinct parameter's ``.grad``, for a model spread over ``group`` (the
-    job's): a ``ShardedWeight``'s rows summed over the ranks, anything else (replicated on ``copies`` ranks,
-    default all of them, its gradient averaged by the finalize) counted once. ``skip``: parameters another
-    rank counts (the second copy of a weight tied across pipeline stages)."""
+    """Global L2 norm of each distinct ``.grad`` over ``group``: shards summed, the rest (on ``copies`` ranks,
+    default all) counted once. ``skip``: parameters another rank counts (a weight tied across pipeline stages)."""
     from distwgrad import ShardedWeight
 
     sharded, replicated = [], []

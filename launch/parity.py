@@ -1,16 +1,10 @@
 """``--check-parity``: the unsharded oracle trained in lockstep on rank 0, and its verdict.
 
 [Note: parity]
-Top-k routing makes training chaotic: in one process, nudging one weight by 1e-7 moves the loss by 1e-2
-within 20 steps at the default learning rate (docs/training.md). The sharded run and an unsharded one add
-the same terms in different orders, so their free-running loss curves part the same way, and no tight
-tolerance on them can hold. So ``--check-parity`` runs the oracle (``MoEGPT(sharded=False)``: the same
-architecture from plain torch modules, same init) in lockstep on rank 0. Before every step it takes the
-sharded model's gathered weights, then on the whole global batch three things are compared: the loss at
-identical weights, every gradient (the gathered shards after ``finalize_model_grads`` against autograd's),
-and, handing the oracle's AdamW the sharded gradient, the weights after the optimizer step. Those differ
-by rounding only, so the tolerances below are tight. The free-running oracle (trained alone from the same
-init on the same batches) is reported and plotted too, without a verdict.
+Top-k routing makes training chaotic, so free-running sharded and unsharded losses part (docs/training.md).
+So the oracle (``MoEGPT(sharded=False)``, same init) takes the sharded weights before every step and, on the
+global batch, the loss, every gradient and the weights after AdamW (given the sharded gradient) are compared:
+they differ by rounding only, so the tolerances are tight. The free-running oracle is reported, not judged.
 """
 
 from __future__ import annotations
@@ -60,15 +54,8 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _reference_model(config: TrainConfig, rt: Any) -> MoEGPT | None:
-    """The unsharded reference, on rank 0. Without FP8 it is plain torch (no distwgrad code at all).
-    Under an FP8 recipe plain torch has no FP8 path, so the reference is the same distwgrad model with
-    its weights whole on rank 0 (a group of one): it checks that sharding changes nothing under FP8,
-    while the FP8 numerics themselves are checked against the emulation reference in the tests. With
-    ``--compile`` that model's blocks are compiled as the run's are: an eager reference would differ from
-    the compiled run by inductor's bf16 roundings of the norms and attention, which FP8 quantization turns
-    into whole FP8 steps (on one H200, tiny preset, per-tensor: gradients 0.104 of their largest entry apart
-    at world 1, where nothing is sharded). The plain reference stays eager: it checks the compiled modules'
-    gradients against plain torch."""
+    """The reference on rank 0: plain eager torch, or under FP8 the distwgrad model whole on a group of one,
+    compiled if the run is (inductor's bf16 roundings would otherwise become whole FP8 steps)."""
     mc, pd = config.model_config(), rt.param_dtype
     if config.recipe == "none":
         return MoEGPT(mc, device=rt.device, sharded=False, param_dtype=pd) if rt.rank == 0 else None

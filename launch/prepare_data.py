@@ -10,13 +10,9 @@ Commands::
     # then train on it, reporting the validation loss every 20 steps
     torchrun --standalone --nproc-per-node 2 -m distwgrad.launch.train --data data/corpus --eval-every 20
 
-Writes, in ``--out``: ``train.bin`` and ``val.bin`` (nanoGPT's convention: flat little-endian ``uint16``
-tokens; the last ``--val-fraction`` of the token stream is validation), ``meta.json`` (the tokenizer, its
-vocabulary, the token counts, the sources) and, for BPE, ``tokenizer.json``. The job's ``--data DIR`` (or
-``DIR/train.bin``) reads ``meta.json``: the model's ``--vocab-size`` comes from it. Each file is encoded on
-its own (no BPE merge across two files) and the files follow each other in the order given. A folder that
-already holds a ``train.bin`` is refused unless ``--overwrite``; the files are written under temporary names
-and renamed into place, so an interrupted run leaves the folder as it was.
+Writes, in ``--out``: ``train.bin`` and ``val.bin`` (nanoGPT's flat little-endian ``uint16``, validation the
+last ``--val-fraction``), ``meta.json`` (the job's ``--vocab-size``), a BPE's ``tokenizer.json``; each renamed
+into place, so an interrupted run leaves the folder as it was.
 """
 
 from __future__ import annotations

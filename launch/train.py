@@ -23,25 +23,11 @@ Commands::
     # every option
     python -m distwgrad.launch.train --help
 
-The trained weights leave through ``python -m distwgrad.launch.export`` (safetensors) and generate text through
-``python -m distwgrad.launch.sample`` (their docstrings; docs/training.md). With ``--cuda-graph`` (CUDA) each
-transformer block replays from CUDA graphs, compiled first with ``--compile`` (docs/cuda_graphs.md).
-
-Each step runs ``--microbatches`` forward/backward passes on this rank's rows of the global batch, drains the
-experts' deferred wgrads after each (``drain_deferred_wgrads``), ends with
-``distwgrad.finalize_model_grads([model])`` (reduce-scatter of what is left, gradients onto ``.grad``), then
-``AdamW.step()`` on the shards and ``zero_grad()``. With ``--cuda-graph`` each transformer block replays from
-CUDA graphs captured before the first step, the rest of the step unchanged (launch/cuda_graph.py,
-[Note: the graphed step]); ``--compile`` compiles each block's forward (:func:`compile_blocks`). Rank 0
-logs (a progress bar too when stderr is a terminal); the other ranks stay quiet. At the end rank 0 writes
-``OUT/report.json`` (with a ``summary``: final and best loss, tokens/s, MFU on GPU, peak memory, wall time)
-and ``OUT/loss.png`` (``docs/training.md`` says what they hold). Exit codes: 0 done, 1 parity check failed,
-2 bad options, an unusable ``--data``, an unusable ``--resume`` (one at or past ``--steps`` included, a
-damaged newest checkpoint), an ``--out`` holding another run (without ``--resume`` or ``--overwrite``), or
-too little memory for the model; 3 interrupted: a rank died or hung, or SIGTERM (``launch/faults.py``,
-[Note: lost rank]; the lowest surviving rank prints which rank and the last complete checkpoint, and
-``report.json`` records it). Every collective waits at most ``--timeout`` seconds.
-
+The trained weights leave through ``launch.export`` and generate text through ``launch.sample``. A step runs
+``--microbatches`` passes, draining the experts' deferred wgrads after each, then ``finalize_model_grads`` and
+AdamW; ``--cuda-graph`` replays the blocks ([Note: the graphed step]). Rank 0 alone logs and writes
+``OUT/report.json`` and ``loss.png``. Exit codes: 0 done; 1 parity failed; 2 bad options, data, resume, out
+or memory; 3 a rank died or hung, or SIGTERM ([Note: lost rank]). docs/training.md has the details.
 """
 
 from __future__ import annotations
@@ -161,12 +147,9 @@ def _init(config: TrainConfig) -> _Runtime:
 # --- the loop --------------------------------------------------------------------------------------------
 
 # [Note: garbage collection in training]
-# Python's automatic collector runs when allocations outnumber frees by a threshold, wherever in a step that
-# happens, and its full collections walk every object of the process (the model, the optimizer, compiled
-# graphs); a step of distwgrad's modules allocates many short-lived Python objects (autograd contexts,
-# per-call records). So, as torchtitan trains (its ``gc_freq``), the loop switches the automatic collector
-# off and runs a generation-1 collection every ``--gc-every`` steps, after the optimizer, inside the step's
-# timing; the collector's state is restored when training ends. ``--gc-every 0`` leaves it on.
+# The automatic collector runs wherever in a step allocations cross its threshold, and its full collections
+# walk every object of the process. So, as torchtitan does (``gc_freq``), training switches it off and runs a
+# generation-1 collection every ``--gc-every`` steps after the optimizer; ``--gc-every 0`` leaves it on.
 
 @contextlib.contextmanager
 def _collector(every: int):
@@ -235,9 +218,7 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
 
 
 def _parallelism(config: TrainConfig, rt: _Runtime, pipe: Pipeline | None, model, steps: int) -> dict[str, Any]:
-    """report.json's parallelism: the mesh; with --pp, each stage's F, B and W milliseconds of the last step
-    (mean over its microbatches); with --ep, each rank's all-to-all bytes and exposed seconds a step, over
-    this run's steps. Gathered from every rank, so a collective."""
+    """report.json's parallelism: the mesh, --pp's stage times, --ep's all-to-all bytes and waits. A collective."""
     out: dict[str, Any] = {"pp": config.pp, "dp": rt.world_size // config.pp}
     if config.ep > 1:
         ep = model.blocks[0].moe.ep
@@ -429,8 +410,7 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
 
 
 def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
-    """report.json, then loss.png and the closing log line unless interrupted (that run prints its own
-    line, and leaves the plot to the run that resumes it: importing matplotlib takes seconds)."""
+    """report.json, then loss.png and the closing log line unless interrupted (the resuming run plots)."""
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -444,9 +424,8 @@ def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
 
 
 def _interrupted(config: TrainConfig, rt: _Runtime, progress: _Progress, exc: BaseException) -> int:
-    """A collective failed or timed out, or torchrun sent SIGTERM ([Note: lost rank] in launch/faults.py):
-    find the lost ranks; the lowest survivor prints one line and writes report.json. No collective of the
-    job's group runs here."""
+    """After a failed collective or SIGTERM ([Note: lost rank] in launch/faults.py): the lowest survivor
+    reports the lost ranks. Runs no collective of the job's (broken) group."""
     _faults.ignore_sigterm()
     lost = _faults.lost_ranks(rt.monitor, _faults.probe_seconds(config.timeout))
     _faults.end_siblings(lost)
@@ -469,9 +448,7 @@ def _interrupted(config: TrainConfig, rt: _Runtime, progress: _Progress, exc: Ba
 
 
 def _check_out(config: TrainConfig) -> None:
-    """A new run (no ``--resume``) into an ``--out`` that holds another run's report or checkpoints would replace
-    them: refused, with the ways out, unless ``--overwrite`` (which replaces the report and plot; checkpoints
-    of the same steps are saved anew)."""
+    """Refuses a new run into an ``--out`` holding another run's report or checkpoints, unless ``--overwrite``."""
     if config.resume or config.overwrite:
         return
     report, ckpts = os.path.join(config.out, "report.json"), os.path.join(config.out, "checkpoints")
@@ -493,10 +470,8 @@ def _check_out(config: TrainConfig) -> None:
 
 
 def _memory_need(config: TrainConfig) -> tuple[float, int, float | None] | None:
-    """On a CPU, ``(bytes this machine's ranks need at least, ranks, bytes available)``: each rank holds what this
-    process holds now (the interpreter and torch), builds the full fp32 weights once (then keeps its shard), and
-    keeps fp32 masters, gradients and AdamW's two moments of its shard (16 bytes a parameter); activations come
-    on top. None on GPUs."""
+    """On a CPU, ``(least bytes this machine's ranks need, ranks, bytes available)``: per rank, this process's
+    resident memory, the full fp32 weights while building, 16 bytes a shard parameter; None on GPUs."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         return None
     params = config.model_config().num_params()
@@ -506,7 +481,7 @@ def _memory_need(config: TrainConfig) -> tuple[float, int, float | None] | None:
 
 
 def _check_memory(config: TrainConfig) -> None:
-    """What the model needs against what a CPU machine has, refused before anything is built."""
+    """Refuses, before anything is built, a model the CPU machine's memory cannot hold."""
     estimate = _memory_need(config)
     if estimate is None:
         return

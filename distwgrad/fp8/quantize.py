@@ -1,36 +1,24 @@
-"""FP8 quantization in plain torch: the oracle for the Triton kernels and the CPU emulation path.
+"""FP8 quantization in plain torch: the oracle of the Triton kernels and the CPU emulation path.
 
-Legend: M rows, N columns of a 2-D tensor; ``(bm, bn)`` a scaling block; ``gm, gn = ceil(M/bm),
-ceil(N/bn)`` the scale grid. A GEMM ``y_MN = a_MK @ b_KN`` contracts over K.
-
-Everything here runs on CPU and CUDA with the same results, and ``distwgrad.kernels.quantize`` must
-reproduce it bit for bit. The arithmetic is therefore spelled out and kept to single IEEE fp32
-operations (no fused or approximate steps):
+Legend: ``(bm, bn)`` a scaling block of a 2-D ``[M, N]`` tensor; ``gm, gn = ceil(M/bm), ceil(N/bn)`` the scale
+grid. ``distwgrad.kernels.quantize`` must match this module bit for bit, so each step is one correctly rounded
+IEEE fp32 operation (nothing fused or approximate):
 
 [Note: fp8 scale arithmetic]
-    amax      = max |x| over the tensor or block, in fp32; +inf when any element is NaN or +-inf.
-                Padding of partial edge blocks is never read (the torch path pads with zeros,
-                which cannot raise a max of absolute values). An empty tensor has amax 0.
-    s         = fl32(fp8_max * 2**-margin / amax)           one correctly rounded fp32 division
-    s         = min(max(s, 2**-126), FLT_MAX)               inf (tiny amax) -> FLT_MAX; 1/s stays finite
+    amax      = max |x| over the tensor or block (valid elements only), fp32; +inf if any is NaN or +-inf
+    s         = fl32(fp8_max * 2**-margin / amax)
+    s         = min(max(s, 2**-126), FLT_MAX)               tiny amax -> FLT_MAX; 1/s stays finite
     s         = s with its mantissa bits cleared            only with power_of_two: round DOWN to 2**k
-    s         = 1      where amax == 0                      all-zero tensor or block
-    s         = NaN    where amax is not finite             see the NaN / inf policy below
-    scale_inv = fl32(1 / s)                                 one correctly rounded fp32 division
+    s         = 1 where amax == 0 (all zeros, or empty); NaN where amax is not finite
+    scale_inv = fl32(1 / s)
     data      = fp8_rne(clamp(fl32(x * s), -fp8_max, fp8_max))
     dequant   = fl32(fp32(data) * scale_inv)
 
 [Note: fp8 saturation and non-finite policy]
-- Saturation: values whose scaled magnitude exceeds fp8_max are clamped to +-fp8_max. With the amax
-  computed from the tensor itself this only trims fp32 rounding; it matters when the caller passes a
-  smaller amax (e.g. a stale or wrong one): those values saturate, they never become NaN or inf.
-- Zeros stay zeros (signed zeros keep their sign); an all-zero tensor or block gets scale 1.
-- Non-finite inputs POISON their scaling unit: a NaN or +-inf anywhere in a tensor (per-tensor) or in
-  a block makes amax +inf, the scale NaN, every fp8 value of that unit NaN and its scale_inv NaN. The
-  overflow stays visible downstream (loss-scaler / skip-step logic sees NaN) instead of being clamped
-  into plausible numbers. No host sync and no exception: the kernels behave the same way. NaN bit
-  patterns (sign, payload) are not specified; compare NaN as NaN.
-- A caller-given amax that is NaN or inf is treated the same way. amax must be >= 0.
+Values scaled past fp8_max saturate to +-fp8_max, never inf; zeros keep their sign. A NaN or +-inf (or a
+non-finite caller amax; amax must be >= 0) POISONS its scaling unit: scale, scale_inv and every fp8 value NaN,
+so the overflow reaches the loss scaler instead of plausible numbers. No host sync, no exception, as in the
+kernels; NaN bits are unspecified.
 """
 
 from __future__ import annotations
@@ -60,18 +48,8 @@ _EXPONENT_MASK = 0x7F800000
 
 @dataclass(frozen=True, eq=False)
 class Quantized:
-    """An FP8 tensor with its scales (the role of TransformerEngine's ``Float8Tensor``).
-
-    ``dequantize(q) = fp32(data) * scale_inv`` (per-tensor) or with each block multiplied by its own
-    ``scale_inv`` entry.
-
-    Attributes:
-        data: float8 values, shape ``shape``, contiguous.
-        scale_inv: fp32; a 0-d tensor (per-tensor) or the ``[gm, gn]`` grid of per-block values.
-        block: ``(bm, bn)``, or ``None`` for per-tensor scaling.
-        orig_dtype: dtype of the tensor that was quantized (default dtype of ``dequantize``).
-        shape: logical shape (equals ``data.shape``; data is never padded).
-    """
+    """An FP8 tensor with its scales (TransformerEngine's ``Float8Tensor``). ``scale_inv``: fp32, 0-d with
+    ``block=None`` (per tensor), else the ``[gm, gn]`` grid of ``block``; ``data`` has ``shape``, never padded."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
@@ -110,13 +88,8 @@ def _nonfinite_to_inf(amax: torch.Tensor) -> torch.Tensor:
 
 
 def compute_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as a 0-d fp32 tensor on ``x.device``: +inf if ``x`` has a NaN or inf, 0 if empty.
-
-    Mapping NaN to +inf keeps a cross-rank ``all_reduce(MAX)`` of amaxes well defined (the MAX of a NaN
-    is not), and +inf yields the same NaN scale as NaN would (see [Note: fp8 scale arithmetic]). The max
-    of ``|x|`` is one reduction (the infinity norm, which propagates NaN), not ``x.abs()`` written out and
-    read again: a weight's amax reads it once.
-    """
+    """``max |x|`` as 0-d fp32 on ``x.device``, 0 if empty, +inf if ``x`` has a NaN or inf: a cross-rank MAX
+    of NaN is undefined, +inf gives the same NaN scale. One reduction (the infinity norm): one read of ``x``."""
     _check_input(x)
     return _nonfinite_to_inf(_abs_max(x))
 
@@ -130,17 +103,8 @@ def _abs_max(x: torch.Tensor) -> torch.Tensor:
 
 def compute_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, *,
                   power_of_two: bool = False) -> torch.Tensor:
-    """The fp32 quantization scale(s) from amax(es), exactly as [Note: fp8 scale arithmetic] says.
-
-    Args:
-        amax: amax per tensor or per block, any shape, ``>= 0``; cast to fp32.
-        dtype: target float8 dtype.
-        margin: headroom in powers of two (``PerTensorScaling.margin``).
-        power_of_two: round the scale down to a power of two (``BlockwiseScaling.power_of_two``).
-
-    Returns:
-        fp32 tensor of ``amax``'s shape: ``x * scale`` maps amax to (at most) ``fp8_max * 2**-margin``.
-    """
+    """The fp32 scale(s) for ``amax`` (any shape, ``>= 0``) as [Note: fp8 scale arithmetic] says; ``margin``:
+    headroom in powers of two; ``power_of_two``: round each scale down to a power of two."""
     fmt = fp8_format(dtype)
     amax = amax.float()
     scale = torch.full_like(amax, fmt.max * 2.0**-margin) / amax
@@ -172,20 +136,8 @@ def _as_amax(amax: torch.Tensor | float, device: torch.device) -> torch.Tensor:
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | float | None = None,
                         margin: int = 0) -> Quantized:
-    """Quantizes ``x`` (any shape) with one scale.
-
-    Args:
-        x: float32 / float16 / bfloat16 tensor.
-        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        amax: use this amax instead of ``compute_amax(x)``. For a sharded weight pass the global amax:
-            ``compute_amax(shard)`` all-reduced with MAX over the shard group, so every rank gets the
-            same scale and the quantized shards concatenate to the quantized full weight. An amax
-            smaller than ``max |x|`` saturates the larger values.
-        margin: headroom in powers of two.
-
-    Returns:
-        ``Quantized`` with a 0-d ``scale_inv`` and ``block=None``.
-    """
+    """Quantizes ``x`` (any shape) with one scale. ``amax`` replaces ``compute_amax(x)``: for a sharded weight, the
+    MAX over its shard group, so that every rank's shard quantizes as in the full weight; a smaller one saturates."""
     _check_input(x)
     amax_t = compute_amax(x) if amax is None else _as_amax(amax, x.device)
     scale = compute_scale(amax_t, dtype, margin)
@@ -195,17 +147,8 @@ def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tens
 
 def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
                        power_of_two: bool = True) -> Quantized:
-    """Quantizes a 2-D ``x_MN`` with one scale per ``block`` (e.g. ``(1, 128)`` or ``(128, 128)``).
-
-    A partial edge block (M or N not a multiple of the block) gets its own scale from its valid
-    elements only. The scale grid is ``[ceil(M/bm), ceil(N/bn)]``; data keeps ``x``'s shape.
-
-    Args:
-        x: 2-D float32 / float16 / bfloat16 tensor (flatten leading dims first: ``x.reshape(-1, K)``).
-        block: ``(bm, bn)``, positive ints.
-        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        power_of_two: round each scale down to a power of two (``BlockwiseScaling``'s default).
-    """
+    """Quantizes a 2-D ``x_MN`` with one scale per ``block`` ``(bm, bn)``, e.g. ``(1, 128)`` or ``(128, 128)``;
+    a partial edge block is scaled from its valid elements only. Flatten leading dims first."""
     _check_input(x)
     if not (isinstance(block, tuple) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
@@ -222,20 +165,8 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dty
 
 def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
                                     grad: bool = False) -> tuple[Quantized, Quantized]:
-    """Quantizes ``x_MN`` for both GEMMs that read it: as ``x`` and as ``x^T``.
-
-    An activation is contracted over N in forward (rows of x) and over M (tokens) in wgrad; a gradient
-    likewise in dgrad and wgrad. With 1xL tiles the two need different scales, so ``x^T`` is quantized
-    from the original values (never from ``x``'s fp8 data, which would compound two roundings).
-
-    Args:
-        x: 2-D float32 / float16 / bfloat16 tensor.
-        recipe: a ``Recipe``, whose method this is ([Note: fp8 recipe objects]).
-        grad: ``x`` is a gradient (the recipe's gradient format).
-
-    Returns:
-        ``(q_x, q_xt)``: quantizations of ``x_MN`` and of ``x^T_NM``, both with contiguous data.
-    """
+    """``(q_x, q_xt)``: ``x_MN`` and ``x^T_NM`` quantized along their rows, by ``recipe``'s method ([Note: fp8 recipe
+    objects]). ``x^T`` (with 1xL tiles, scales of its own) is quantized from ``x``, never from its fp8 data."""
     from distwgrad.fp8.recipes.base import Recipe  # late: the recipes quantize with this module
 
     if not isinstance(recipe, Recipe):
@@ -262,19 +193,10 @@ def _expanded_scale_inv(q: Quantized) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedExperts:
-    """E ``[N, K]`` weights each quantized per tensor or in square blocks, stacked: what a grouped GEMM reads,
-    without one ``Quantized`` object per expert (at E=128 those objects cost more host time than the GEMMs
-    take) and without stacking copies.
-
-    Attributes:
-        data: float8 ``[E, N, K]``, any strides (a GEMM that needs another layout copies).
-        scale_inv: fp32 ``[E]`` (per tensor: expert e's ``dequantize`` factor) or, with ``block`` ``(B, B)``,
-            ``[E, cdiv(N, B), cdiv(K, B)]`` (expert e's block grid, as ``Quantized.scale_inv``).
-        orig_dtype: dtype of the weights that were quantized.
-        amax: fp32 ``[E]``, the amaxes the per-tensor scales came from (a later quantization of the same,
-            unchanged weights may start from them), or None.
-        block: None (per tensor) or the square weight block ``(B, B)``.
-    """
+    """E ``[N, K]`` weights quantized per tensor or in square ``(B, B)`` blocks, stacked for a grouped GEMM: one
+    object instead of E ``Quantized`` (at E=128 those cost more host time than the GEMMs), no stacking copies.
+    ``data``: float8 ``[E, N, K]``, any strides; ``scale_inv``: fp32 ``[E]`` or ``[E, cdiv(N, B), cdiv(K, B)]``;
+    ``amax``: fp32 ``[E]``, the per-tensor scales' amaxes (reusable while the weights are unchanged), or None."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
@@ -316,13 +238,8 @@ def dequantize(q: Quantized, *, dtype: torch.dtype | None = None) -> torch.Tenso
 
 
 def transpose_quantized(q: Quantized) -> Quantized:
-    """The quantization of ``x^T`` from that of ``x``, by moving bits: no re-quantization.
-
-    Exact for per-tensor scaling and for any block shape: block ``(i, j)`` of ``x`` with block shape
-    ``(bm, bn)`` is block ``(j, i)`` of ``x^T`` with block shape ``(bn, bm)``, with the same amax and
-    scale. For square weight blocks the result is in the weight recipe's own layout, which is why
-    ``BlockwiseScaling`` requires them (dgrad uses ``W`` where forward used ``W^T``).
-    """
+    """The quantization of ``x^T`` from that of ``x`` by moving bits: exact, no re-quantization. Square weight
+    blocks keep the recipe's layout, which is why ``BlockwiseScaling`` requires them (dgrad reads W, forward W^T)."""
     _grid(q.shape, (1, 1))
     scale_inv = q.scale_inv if q.block is None else q.scale_inv.t().contiguous()
     block = None if q.block is None else (q.block[1], q.block[0])
@@ -330,18 +247,8 @@ def transpose_quantized(q: Quantized) -> Quantized:
 
 
 def fp8_matmul_reference(a_q: Quantized, b_q: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-    """Emulated FP8 GEMM ``y_MN = a_MK @ b_KN``: dequantize both to fp32, fp32 matmul, cast.
-
-    This is the CPU path ("FP8 by emulation, with the same scales"): the result is exactly the fp32
-    product of the dequantized operands, so its error against the unquantized product is the
-    quantization error alone (bounded in ``tests/test_fp8_gemm_emulation.py``). On CUDA, disable TF32
-    (``torch.backends.cuda.matmul.allow_tf32 = False``) for a true fp32 product.
-
-    Args:
-        a_q: quantized ``[M, K]``.
-        b_q: quantized ``[K, N]`` (for ``x @ W^T`` pass ``transpose_quantized(w_q)``).
-        out_dtype: dtype of the result.
-    """
+    """Emulated FP8 GEMM ``y_MN = a_MK @ b_KN``: the fp32 product of the dequantized operands, so its error is
+    the quantization's alone (turn TF32 off on CUDA). For ``x @ W^T`` pass ``transpose_quantized(w_q)``."""
     if len(a_q.shape) != 2 or len(b_q.shape) != 2 or a_q.shape[1] != b_q.shape[0]:
         raise ValueError(f"fp8_matmul_reference needs [M, K] @ [K, N], got {tuple(a_q.shape)} @ "
                          f"{tuple(b_q.shape)}")
@@ -351,14 +258,8 @@ def fp8_matmul_reference(a_q: Quantized, b_q: Quantized, out_dtype: torch.dtype)
 
 
 def roundtrip_error_bound(x: torch.Tensor, q: Quantized) -> torch.Tensor:
-    """Elementwise bound on ``|x - dequantize(q, dtype=float32)|``, as float64.
-
-    ``|x| * 2**-(mantissa_bits + 1)`` (fp8 round-to-nearest, normal range) plus half a subnormal step
-    divided by the element's scale (fp8 subnormal range), plus slack for the three fp32 roundings
-    (``x * s``, ``1 / s``, ``data * scale_inv``; all exact with power-of-two scales). Valid for finite
-    ``x`` quantized without saturation (amax >= max |x| of each scaling unit); the one place where the
-    quantization tolerance of tests and integrations is defined.
-    """
+    """Elementwise float64 bound on ``|x - dequantize(q, dtype=float32)|``, THE quantization tolerance: half an fp8
+    ulp, half a subnormal step over the scale, fp32 slack. For finite ``x``, quantized without saturation."""
     fmt = fp8_format(q.data.dtype)
     s_inv = _expanded_scale_inv(q).double()
     ax = x.double().abs()

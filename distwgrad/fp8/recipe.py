@@ -1,21 +1,8 @@
 """FP8 recipes: the active one (``fp8_autocast``, ``current_recipe``) and TransformerEngine's names for them.
 
-The recipes themselves are objects of ``distwgrad.fp8.recipes`` ([Note: fp8 recipe objects] in
-``recipes/base.py``), re-exported here:
-
-- ``PerTensorScaling``: one fp32 scale per tensor, ``scale = fp8_max / amax``. E4M3 (more mantissa)
-  for forward tensors, E5M2 (more range) or E4M3 for gradients. A sharded weight's amax is all-reduced
-  (MAX) across ranks before the scale is computed, so every rank quantizes with the same scale.
-- ``BlockwiseScaling``: the DeepSeek-V3 recipe. Activations and gradients get one scale per 1x128
-  tile along the GEMM's contraction dim; weights one per 128x128 block. A local outlier only costs
-  precision inside its tile. Square weight blocks make the weight transpose exact: transposing the
-  fp8 data and the scale grid IS the quantization of the transposed weight, so dgrad needs no
-  re-quantization (``distwgrad.fp8.quantize.transpose_quantized``).
-
-Every recipe recomputes its scales from the tensor being quantized, so a sharded weight re-gathered in
-backward re-quantizes to the bits it had in forward (the re-gather bug of PRIOR_ART section 1).
-``fp8_autocast(recipe)`` makes a recipe active for the current thread / task (a ``ContextVar``);
-modules read it with ``current_recipe()``. ``None`` means no FP8.
+The recipes, ``PerTensorScaling`` and ``BlockwiseScaling`` (DeepSeek-V3's 1x128 tiles, 128x128 weight blocks),
+are objects of ``distwgrad.fp8.recipes`` ([Note: fp8 recipe objects]; docs/fp8.md), re-exported here. Every
+recipe scales from the tensor it quantizes, so a weight re-gathered in backward gets its forward bits.
 """
 
 from __future__ import annotations
@@ -47,14 +34,11 @@ __all__ = [
 
 
 # [Note: TransformerEngine's fp8_autocast]
-# A TransformerEngine user swaps ``import transformer_engine.pytorch as te`` for ``import distwgrad.nn as
-# te`` and ``from transformer_engine.common import recipe`` for ``from distwgrad.fp8 import recipe``; their
-# FP8 tests then call ``te.fp8_autocast(enabled=..., fp8_recipe=recipe.Float8CurrentScaling(...))``. So
-# ``fp8_autocast`` also takes TE's keywords (and TE's positional ``enabled``), and TE's recipe names are
-# factories of our recipes, with TE's defaults: ``Float8CurrentScaling()`` is per-tensor current scaling
-# whose fprop runs without the split accumulator (TE's choice; our ``PerTensorScaling()`` keeps it),
-# ``Float8BlockScaling()`` the blockwise recipe. What we do not implement is refused by name:
-# ``DelayedScaling`` (amax history), ``calibrating``, ``fp8_group``, E5M2-only or hybrid blockwise formats.
+# A TE user swaps ``transformer_engine.pytorch`` for ``distwgrad.nn`` and ``transformer_engine.common.recipe`` for
+# ``distwgrad.fp8.recipe``. So ``fp8_autocast`` takes TE's keywords (and positional ``enabled``), and TE's recipe
+# names are factories of our recipes with TE's defaults (``Float8CurrentScaling()`` runs fprop without the split
+# accumulator; our ``PerTensorScaling()`` keeps it). What we lack is refused by name: ``DelayedScaling``,
+# ``calibrating``, ``fp8_group``, E5M2-only or hybrid blockwise formats.
 
 
 class Format(enum.Enum):
@@ -83,8 +67,7 @@ def Float8CurrentScaling(fp8_format: Format = Format.HYBRID,  # noqa: N802 - Tra
 
 
 def Float8BlockScaling(fp8_format: Format = Format.E4M3) -> BlockwiseScaling:  # noqa: N802
-    """TransformerEngine's blockwise recipe (1x128 activation and gradient tiles, 128x128 weight
-    blocks, E4M3, power-of-two scales) as a ``BlockwiseScaling``."""
+    """TransformerEngine's blockwise recipe (E4M3 everywhere, power-of-two scales): ``BlockwiseScaling()``."""
     if fp8_format is not Format.E4M3:
         raise ValueError(f"Float8BlockScaling: fp8_format must be Format.E4M3 (one format for every tensor; "
                          f"the tiles give gradients their range), got {fp8_format!r}")
@@ -92,10 +75,8 @@ def Float8BlockScaling(fp8_format: Format = Format.E4M3) -> BlockwiseScaling:  #
 
 
 class DelayedScaling:
-    """TransformerEngine's delayed-scaling recipe. It builds (a TE test's recipe list may hold one) and
-    answers TE's predicates; ``fp8_autocast`` refuses it: delayed scaling keeps an amax history, and
-    distwgrad's recipes scale from the current tensor. Use ``Float8CurrentScaling`` (per-tensor current
-    scaling) or ``Float8BlockScaling``."""
+    """TransformerEngine's delayed-scaling recipe: it builds and answers TE's predicates (a TE test's recipe
+    list may hold one), but ``fp8_autocast`` refuses it: distwgrad keeps no amax history."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.args, self.kwargs = args, kwargs
@@ -116,9 +97,8 @@ class DelayedScaling:
 
 
 def split_accumulator(recipe: Recipe, gemm: str) -> bool:
-    """Whether ``gemm`` ("fprop", "dgrad" or "wgrad") promotes its partial sums every 128 products under
-    ``recipe`` (``recipe.split_accumulator``: for per-tensor scaling its ``MMParams``, always for blockwise
-    scaling, every block's dot being scaled before it is added)."""
+    """Whether ``gemm`` ("fprop", "dgrad" or "wgrad") promotes its partial sums to fp32 every 128 products
+    under ``recipe`` (always under blockwise scaling)."""
     if gemm not in GEMMS:
         raise ValueError(f"split_accumulator: gemm must be one of {GEMMS}, got {gemm!r}")
     if not isinstance(recipe, Recipe):
@@ -136,28 +116,20 @@ _UNSET = object()
 def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: bool | None = None,
                  fp8_recipe: Recipe | None = None, calibrating: bool = False,
                  fp8_group: object = None) -> Iterator[Recipe | None]:
-    """Makes ``recipe`` the active FP8 recipe inside the ``with`` block (``None``: FP8 off).
-
-    Nested blocks restore the outer recipe on exit. The recipe lives in a ``ContextVar``: it is per
-    thread and per asyncio task, and it is NOT seen by autograd's backward threads (CUDA backward runs
-    on a device thread). Modules must read ``current_recipe()`` in forward and carry it into backward
-    themselves (e.g. on the autograd ``ctx``).
-
-    TransformerEngine's form works too ([Note: TransformerEngine's fp8_autocast]):
-    ``fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling())``, ``fp8_autocast(False)``, and
-    ``fp8_autocast()`` (FP8 on with the default ``PerTensorScaling()``).
+    """Makes ``recipe`` the active FP8 recipe inside the ``with`` block (``None``: FP8 off); nesting restores.
+    It lives in a ``ContextVar`` (per thread and task) that autograd's backward threads do NOT see: modules read
+    ``current_recipe()`` in forward and carry it into backward on the autograd ``ctx``.
 
     Args:
-        recipe: a ``Recipe`` (``PerTensorScaling``, ``BlockwiseScaling``, ...) or ``None``; a bool is
-            TransformerEngine's positional ``enabled``.
-        enabled: False turns FP8 off whatever the recipe; True with no recipe uses ``PerTensorScaling()``.
-        fp8_recipe: TransformerEngine's name for ``recipe`` (give one of the two).
-        calibrating, fp8_group: TransformerEngine's; only their defaults (False, None) are supported.
+        recipe: a ``Recipe`` or ``None``; a bool is TransformerEngine's positional ``enabled``.
+        enabled: False turns FP8 off; True with no recipe (or no argument at all) uses ``PerTensorScaling()``.
+        fp8_recipe, calibrating, fp8_group: TransformerEngine's ([Note: TransformerEngine's fp8_autocast]):
+            ``recipe`` by another name; the other two only at their defaults (False, None).
 
     Raises:
         TypeError: a recipe of another type.
-        ValueError: ``recipe`` and ``fp8_recipe`` both given, or an ``fp8_group``.
-        NotImplementedError: ``calibrating=True``.
+        ValueError: the recipe or ``enabled`` given twice, or an ``fp8_group``.
+        NotImplementedError: ``calibrating=True``, or an enabled ``DelayedScaling``.
     """
     if isinstance(recipe, bool):  # TransformerEngine's positional ``enabled``
         if enabled is not None:
@@ -194,13 +166,8 @@ def fp8_autocast(recipe: Recipe | None | bool | object = _UNSET, *, enabled: boo
 
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | None = None,
              amax_reduction_group: object = None) -> contextlib.AbstractContextManager[Recipe | None]:
-    """TransformerEngine 2's name and signature for ``fp8_autocast``: ``autocast(enabled=True,
-    recipe=recipe.Float8BlockScaling())``. ``recipe=None`` with ``enabled`` is ``PerTensorScaling()``.
-
-    Raises:
-        ValueError: an ``amax_reduction_group`` (a sharded weight reduces its amax over its own group).
-        and what ``fp8_autocast`` raises.
-    """
+    """TransformerEngine 2's name and signature for ``fp8_autocast``: ``autocast(recipe=...)``. Raises what
+    ``fp8_autocast`` raises, and ValueError for an ``amax_reduction_group`` (weights reduce over their own)."""
     if amax_reduction_group is not None:
         raise ValueError(f"autocast: amax_reduction_group={amax_reduction_group!r} is not supported: a sharded "
                          f"weight reduces its amax over its own shard group, and activation scales are per rank")

@@ -1,38 +1,19 @@
-"""FP8 weights: quantize before gather, re-gather FP8 in backward, one amax all-reduce per step.
+"""FP8 weights: quantize before the gather, re-gather FP8 in backward, one amax all-reduce per step.
 
 [Note: fp8 distributed weights]
-* Quantize-before-gather. A ``ShardedWeight`` quantizes its own shard and the all-gather moves FP8
-  bytes (plus block scales); the gathered copy is transient like the bf16 one. Per-tensor scaling needs
-  one amax for the whole weight: the MAX over the shard group of the local amaxes, kept for the step
-  (the weight's cache, [Note: weight lifecycle] in ``weights/lifecycle.py``: made by the step's first
-  use, dropped at its finalize, never kept from a forward outside a step). :func:`sync_weight_amax`
-  reduces the amaxes of every distributed weight of a model in ONE all-reduce for the step about to open
-  (stacked); a weight without it takes its own all-reduce at its first use and counts it in
-  ``amax_allreduces`` (visible, never silent).
-* Blockwise scaling uses the FULL weight's block grid, whatever the shard boundaries: each rank takes
-  the amax of its rows of every block, one MAX all-reduce of the small ``[N/128, K/128]`` grid combines
-  the blocks that straddle ranks, and each rank quantizes its rows with the global block scales. The
-  gathered FP8 weight is then bit-identical to quantizing the full weight (uneven shards included), so
-  a sharded model and its unsharded reference see the same FP8 weights. The grid is kept for the step
-  like the amax (one small all-reduce per weight per step, counted in ``amax_allreduces``).
-  A packed ``[E, N, K]`` weight is sharded by experts, so every expert quantizes whole on one rank.
-* Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization); it never
-  uses the shard's bf16 values under an FP8 recipe (seed 004's bug 2).
-* A weight with ``param_dtype`` ([Note: mixed precision] in ``weights/base.py``) is quantized from its
-  own data, the fp32 master, never from its ``param_dtype`` cast: one rounding, the bytes of quantizing
-  the fp32 full weight (``tests/test_mixed_precision.py``).
+* A ``ShardedWeight`` quantizes its own shard; the all-gather moves FP8 bytes (plus block scales). Per-tensor
+  scaling uses the MAX of the shards' amaxes, kept for the step ([Note: weight lifecycle]): one all-reduce
+  for all weights in :func:`sync_weight_amax`, else one per weight at first use, counted in ``amax_allreduces``.
+* Blockwise scaling uses the FULL weight's block grid (one small MAX all-reduce joins blocks that straddle
+  ranks), so the gathered FP8 weight is bit-identical to quantizing the full weight, uneven shards included.
+  A packed ``[E, N, K]`` weight is sharded by experts: each expert quantizes whole on one rank.
+* Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization), never the shard's
+  bf16 values. A ``param_dtype`` weight ([Note: mixed precision]) is quantized from its fp32 master, not its cast.
 
 [Note: amax under capture]
-The per-tensor amax and the blockwise scale grid are kept by the weight's lifecycle for a step, and
-refreshed by :func:`sync_weight_amax`: host state that a CUDA graph replay never sees.
-A graph that read the cache would quantize every replay with the capture's amax, read from a tensor the
-next refresh frees, after the optimizer had moved the weights. So while the weight's device is capturing
-(``torch.cuda.is_current_stream_capturing``) the amax, or the grid, is computed afresh from the weight
-inside the graph (its MAX all-reduce too, where the weight is sharded), and the cache is neither read nor
-written: every replay quantizes with the amax of the weights it reads. The values are those of the eager
-path (a max is exact). A grouped layer's backward reuses its forward's amax within the graph, as it does
-eagerly (``materialize_quantized_group(amax=...)``), so the graphs read each expert weight once for its
-amax; a ``Linear``'s backward takes its weight's amax again (the attention weights: a small share).
+The step's cached amax (or block grid) is host state a CUDA graph replay never sees: a graph reading it would
+quantize every replay with the capture's amax, from a tensor the next refresh frees. So while the weight's
+device captures, the amax is computed afresh in the graph (its all-reduce too), and the cache is untouched.
 """
 
 from __future__ import annotations
@@ -71,9 +52,8 @@ _AMAX = "fp8 amax"  # the cache key of a weight's per-tensor amax ([Note: weight
 
 
 def _quantizers(w: torch.Tensor):
-    """(quantize_per_tensor, quantize_blockwise, contiguous): the Triton kernels where the grouped-GEMM
-    kernels run (CUDA), else the torch reference. The two produce the same bits
-    (tests/test_fp8_quantize_kernels.py), so the choice moves speed only ([Note: fp8 gemm dispatch])."""
+    """``(quantize_per_tensor, quantize_blockwise, contiguous)``: the Triton kernels where they run, else the torch
+    reference; the same bits, so the choice moves speed only ([Note: fp8 gemm dispatch])."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     if gg.kernels_available(w):
         from distwgrad.ops import quantize as kq
@@ -82,9 +62,8 @@ def _quantizers(w: torch.Tensor):
 
 
 def quantize_weight(w: torch.Tensor, recipe: Recipe, *, amax: torch.Tensor | None = None) -> list[Quantized]:
-    """Quantizes a ``[N, K]`` weight (one entry) or a packed ``[E, N, K]`` weight (one entry per expert), by
-    ``recipe.quantize_weight`` with the kernels' quantizers where they run ([Note: fp8 recipe objects]).
-    ``amax``: the whole weight's (the group-wide one), for a recipe that scales by it."""
+    """A ``[N, K]`` weight (one entry) or packed ``[E, N, K]`` (one per expert), by ``recipe.quantize_weight``
+    ([Note: fp8 recipe objects]). ``amax``: the whole weight's, for a recipe that scales by it."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an FP8 Recipe, got {recipe!r}")
     return recipe.quantize_weight(w, amax=amax, quantizers=_quantizers(w))
@@ -107,8 +86,7 @@ def global_amax(w: DistributedParameter) -> torch.Tensor:
 
 
 def _local_amaxes(weights: list[ShardedWeight]) -> torch.Tensor:
-    """``compute_amax`` of each weight's shard, stacked: one reduction per weight, then one NaN -> +inf map for
-    all of them (the same values in fewer launches; a step syncs every weight's amax)."""
+    """``compute_amax`` of each weight's shard, stacked (one NaN -> +inf map for all)."""
     return _nonfinite_to_inf(torch.stack([_abs_max(p.detach()) for p in weights]))
 
 
@@ -137,11 +115,8 @@ def gather_fp8(data: torch.Tensor, w: ShardedWeight) -> torch.Tensor:
 
 def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bool,
                      amax: torch.Tensor | None = None) -> QuantizedExperts:
-    """A packed ``[E, N, K]`` sharded weight's experts under per-tensor scaling as one ``QuantizedExperts``:
-    this rank's experts quantized in one launch with the weight's group-wide amax, in the layout the GEMM
-    reads (``backward``: dgrad's, each expert transposed), then one all-gather of the FP8 bytes. Every
-    expert shares the one amax, as :func:`quantize_weight` gives them: the same bits as that path.
-    ``amax``: the ``QuantizedExperts.amax`` of an earlier call on the unchanged weight (else its global amax)."""
+    """A packed sharded weight's experts under per-tensor scaling as one ``QuantizedExperts``, quantized in one launch
+    in the GEMM's layout (``backward``: dgrad's), then one FP8 all-gather: the bits of :func:`quantize_weight`."""
     from distwgrad.ops.quantize import quantize_packed_per_tensor  # late: distwgrad.ops imports this package
 
     local = w.detach()
@@ -164,9 +139,8 @@ def _sharded_experts(w: ShardedWeight, recipe: PerTensorScaling, *, backward: bo
 
 
 def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Tensor:
-    """The full weight's block scale grid from the shards: blocks that straddle ranks combine their
-    ranks' partial amaxes with one small MAX all-reduce of the grid (kept for the step: [Note: weight
-    lifecycle]; computed in the graph while capturing: [Note: amax under capture])."""
+    """The full weight's block scale grid from per-rank partial amaxes and one MAX all-reduce; kept for the
+    step, fresh under capture ([Note: amax under capture])."""
     def make() -> torch.Tensor:
         (bm, bn), (N, K) = recipe.weight_block, w.full_shape
         gm, gn = -(-N // bm), -(-K // bn)
@@ -183,12 +157,8 @@ def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Ten
 
 
 def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool) -> list[Quantized]:
-    """The full weight in FP8 for a GEMM: one ``Quantized`` per ``[N, K]`` matrix (per expert if packed).
-
-    distwgrad's sharded weights quantize before the gather; replicated and plain weights quantize
-    locally; a foreign DistributedWeight is materialized through the protocol and quantized (so a
-    re-gathered bf16 copy is always re-quantized). See [Note: fp8 distributed weights].
-    """
+    """The full weight in FP8 for a GEMM: one ``Quantized`` per ``[N, K]`` matrix (per expert if packed); a foreign
+    DistributedWeight is materialized through the protocol, then quantized ([Note: fp8 distributed weights])."""
     if isinstance(weight, ShardedWeight):
         return recipe.quantize_sharded(weight)
     if isinstance(weight, DistributedParameter):
@@ -214,29 +184,20 @@ def _held_whole(w: torch.Tensor) -> bool:
 
 
 def _whole_experts(w: torch.Tensor, recipe: BlockwiseScaling) -> bool:
-    """Whether ``w`` is a matrix or a packed ``[E, N, K]`` weight held whole here (``_held_whole``), N a
-    multiple of the block side: then it quantizes blockwise in one launch straight into the layout its GEMM
-    reads, as ``quantize_weight`` quantizes it (the same kernel arithmetic, per block)."""
+    """Whether ``w`` (a matrix or packed ``[E, N, K]``, N a multiple of the block side) is held whole here
+    (``_held_whole``): then one launch quantizes it blockwise into its GEMM's layout."""
     return w.dim() in (2, 3) and w.shape[-2] % recipe.weight_block[0] == 0 and _held_whole(w)
 
 
 def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
                                 stacked: bool = False, amax: torch.Tensor | None = None
                                 ) -> list[Quantized] | QuantizedExperts:
-    """:func:`materialize_quantized` of each weight, concatenated (one ``Quantized`` per expert). Plain local
-    weights under per-tensor scaling on the kernels are quantized together, as views of one stacked
-    buffer in the layout of the GEMM that reads them (``backward``: dgrad's, each expert transposed;
-    [Note: a group of weights in two launches] in ``kernels/weights_fp8.py``): the same bits. (Not while
-    torch.compile traces: that launch reads the weights' addresses.) ``stacked``: those come as one
-    ``QuantizedExperts`` (no per-expert objects, its ``amax`` kept), and so does one weight held whole
-    here (``_held_whole``) under blockwise scaling (a packed one or a matrix: one launch, in the GEMM's
-    layout) or, a matrix ShardedWeight, under per-tensor scaling (with its global amax); the others are a
-    list as always. (So a Linear's dgrad reads its weight in place, stored transposed, where a stack of
-    one transposed matrix would copy it.)
-    ``amax``: the weights' amaxes from an earlier call on the same, unchanged weights (a ``QuantizedExperts``'
-    ``amax``; the caller checks their ``write_token``s: [Note: weight lifecycle]), for plain weights and a
-    packed sharded one: backward skips that pass (and, under a CUDA graph, computes no second amax: [Note:
-    amax under capture])."""
+    """:func:`materialize_quantized` of each weight, concatenated; the fast paths below give the same bits.
+    Plain weights under per-tensor scaling on the kernels are quantized together into one buffer in the reading
+    GEMM's layout (``backward``: dgrad's; [Note: a group of weights in two launches]), not under torch.compile
+    (the launch reads addresses). ``stacked``: those, a packed sharded weight and one weight held whole here come
+    as one ``QuantizedExperts`` (a Linear's dgrad then reads its weight in place), the rest as a list. ``amax``:
+    an earlier call's on the unchanged weights (the caller checks ``write_token``s), so backward skips that pass."""
     from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
     pt, bw = cast("PerTensorScaling", recipe), cast("BlockwiseScaling", recipe)  # as its family says
     if (stacked and recipe.family == "per_tensor" and len(weights) == 1 and isinstance(weights[0], ShardedWeight)

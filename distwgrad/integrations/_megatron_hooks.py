@@ -1,34 +1,16 @@
 """Grad-ready hooks and no-sync bookkeeping for the Megatron integration (``megatron.py`` is the API).
 
 [Note: grad-ready, once per parameter per step]
-Megatron's DDP launches a bucket's reduction when every parameter in it reported "grad ready", and it
-counts those reports per parameter on the first batch ("golden counts") because a weight used k times
-reports k times. Its GTP code shows how that goes wrong: a weight used by several heads reused one
-reduce-scatter handle, and only the last head's gradient survived. Here the hook is told *once* per
-distinct parameter per step, when the last contribution of the step has arrived, so a consumer never
-sees a partial gradient and never counts uses:
-
-* distwgrad weights know how many contributions a step owes them ([Note: contribution accounting] in
-  ``weights/base.py``). Each hooked weight gets a contribution listener
-  (``DistributedParameter.add_contribution_listener``), called after every contribution is counted (and
-  reduced, when due) on every path (main backward, deferred ``backward_dw``, Linear and GroupedLinear,
-  discrete and packed); it then checks ``pending_contributions``. Removing the hook removes the listener.
-* plain parameters have no accounting, so readiness is inferred: autograd's post-accumulate-grad hook
-  (which fires once per backward however many uses the backward summed) and the
-  ``register_wgrad_accumulation_and_reduce_hooks`` hook of every *deferring* module holding the parameter
-  (fired after each ``backward_dw``) both report an event; the parameter is ready at an event when no
-  deferring module holding it has a deferred wgrad still queued. Megatron picks one of the two paths
-  per parameter with ``skip_backward_post_hook``; listening to both and gating on the queues also covers
-  a parameter tied between a deferring and a non-deferring module.
-* "the last contribution of the step" is only known outside ``no_sync``: Megatron runs microbatches
-  0..n-2 under ``no_sync_func()`` and the last one outside it, so an event under no_sync never fires.
-  ``grad_sync_func(params)`` (called by the interleaved schedule after a chunk's last microbatch, with
-  sync enabled) checks its parameters again, and ``finalize_model_grads`` fires, at the latest, every
-  hooked parameter that received a contribution this step and has not fired yet; then it resets the
-  per-step state. A step therefore ends at the integration's ``finalize_model_grads`` (the core's
-  ``distwgrad.finalize_model_grads`` alone does not reset the hooks).
-* After a hook fired, later contributions in the same step (a forward after the "last" microbatch) are
-  counted by the weight as always but do not fire the hook again.
+A hook fires *once* per distinct parameter per step, after its last contribution, so a consumer never sees a
+partial gradient and never counts uses (Megatron's DDP counts k reports for k uses, easy to get wrong).
+* A distwgrad weight: ``pending_contributions == 0`` ([Note: contribution accounting] in ``weights/base.py``),
+  checked by a contribution listener after every contribution, on every path.
+* A plain parameter: at an autograd post-accumulate-grad event or a deferring module's
+  ``register_wgrad_accumulation_and_reduce_hooks`` event, once no deferring module holding it has a wgrad
+  queued (both events: it may be tied between a deferring and a non-deferring module).
+* Never under ``no_sync``. ``grad_sync_func`` checks again; the integration's ``finalize_model_grads`` fires
+  whatever got a contribution and has not fired, then resets the step (the core's finalize alone does not).
+  A hook fires at most once a step, even if contributions arrive after it fired.
 """
 
 from __future__ import annotations
@@ -88,12 +70,8 @@ def in_no_sync(p: torch.Tensor) -> bool:
 
 
 def enter_no_sync(p: nn.Parameter) -> None:
-    """First entry switches a distwgrad weight to PER_STEP; nested entries only count.
-
-    Switching is safe at any point of a step: a weight's buffer always holds exactly the contributions
-    delivered since its last reduction, and the policy only decides *when* the next reduction happens
-    ([Note: weight lifecycle]: ``Lifecycle.counted`` / ``reduce_pending``), never what it contains.
-    """
+    """First entry switches a distwgrad weight to PER_STEP; nested entries only count. Safe at any
+    point of a step: the policy decides only *when* the buffer reduces ([Note: weight lifecycle])."""
     depth = getattr(p, _DEPTH, 0)
     if depth == 0 and isinstance(p, DistributedParameter):
         setattr(p, _SAVED_POLICY, p.reduce_policy)
@@ -212,21 +190,9 @@ def register_grad_ready_hook(model_chunks: nn.Module | Sequence[nn.Module],
                              hook: Callable[[str, nn.Parameter], Any]) -> GradReadyHandle:
     """Calls ``hook(name, param)`` once per distinct parameter per step, when its gradient is complete.
 
-    See [Note: grad-ready, once per parameter per step] for what "complete" means for distwgrad weights
-    (every recorded use delivered, outside ``no_sync``) and for plain parameters (autograd accumulated and
-    no deferring module holding it has queued work, outside ``no_sync``). A tied parameter fires once,
-    after its last use. For a distwgrad weight the hook runs after the weight's own reduction of that
-    contribution (``PER_MICROBATCH``), so ``main_grad`` already holds the reduced gradient of the
-    microbatches reduced so far. Register after the model is built (the deferring modules holding each
-    plain parameter are looked up now). Parameters with ``requires_grad=False`` are skipped.
-
-    Args:
-        model_chunks: a model or Megatron's list of model chunks.
-        hook: called as ``hook(name, param)``; ``name`` is the parameter's name in ``model_chunks``
-            (prefixed by the chunk index when there are several chunks).
-
-    Returns:
-        A handle whose ``remove()`` unregisters ``hook`` (and the instrumentation once no hook is left).
+    "Complete": [Note: grad-ready, once per parameter per step]; a distwgrad weight's hook runs after its own
+    reduction. Register after the model is built (deferring modules are looked up now). Returns a handle whose
+    ``remove()`` unregisters ``hook``; ``name`` is prefixed by the chunk index when there are several chunks.
     """
     if not callable(hook):
         raise TypeError(f"register_grad_ready_hook: hook must be callable, got {hook!r}")

@@ -1,31 +1,9 @@
-"""megatron-core's schedule hooks, backed by distwgrad's contribution accounting.
+"""megatron-core's schedule hooks, backed by distwgrad's contribution accounting (docs/megatron.md).
 
-megatron-core's schedules (``forward_backward_no_pipelining`` and the pipelined ones) reduce no
-gradient themselves: they call functions stored on the model's ``ModelParallelConfig``. This module
-provides them, so a model of distwgrad modules and weights trains under Megatron's real schedules
-without Megatron's DDP wrapper (which would reduce distwgrad weights a second time; do not combine
-them)::
-
-    from distwgrad.integrations import megatron as dw_megatron
-    dw_megatron.install(config, [model])   # sets the four functions below on config
-    # forward_backward_no_pipelining(...) then calls them; see docs/megatron.md
-
-* ``finalize_model_grads_func`` = :func:`finalize_model_grads`: drain deferred wgrads, wait for in-flight
-  reductions, finish every distwgrad weight (the core's ``distwgrad.finalize_model_grads``: refuses a
-  missing contribution, reduces what is left, scales by ``num_tokens``), all-reduce the plain
-  parameters ([Note: plain parameters at finalize]), fire the grad-ready hooks still owed.
-* ``no_sync_func`` = ``functools.partial(no_sync, model_chunks)``: while active, distwgrad weights do not
-  reduce (their ``reduce_policy`` is ``PER_STEP``; the previous policy is restored on exit).
-  Megatron runs microbatches 0..n-2 under it and the last one outside it, so a ``PER_MICROBATCH`` weight
-  accumulates microbatches 0..n-2 in its fp32 buffer and reduces *once*, after the last microbatch's last
-  contribution: one collective per weight per step, as Megatron's DDP does.
-* ``grad_sync_func`` = :func:`grad_sync_func`: reduce now the distwgrad weights whose contributions
-  have all arrived; everything else waits for finalize.
-* ``param_sync_func`` = :func:`param_sync_func`: distwgrad weights gather on use; validates, does nothing.
-
-Plain parameters (every trainable parameter that is not a distributed weight) are averaged by the core
-finalize over ``pg_collection``'s data-parallel group: [Note: plain parameters at finalize] in
-``distwgrad/wgrad/plain.py``.
+megatron-core's schedules reduce no gradient themselves: they call four functions on the model's config,
+which :func:`install` sets (``dw_megatron.install(config, [model])``). Do not also wrap the model in
+Megatron's DDP: it would reduce distwgrad weights a second time. Plain parameters are averaged at finalize
+([Note: plain parameters at finalize] in ``distwgrad/wgrad/plain.py``).
 """
 
 from __future__ import annotations
@@ -80,23 +58,18 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
                          pg_collection: Any = None, force_all_reduce: bool = False) -> FinalizeResult:
     """``ModelParallelConfig.finalize_model_grads_func``: ends the step for every parameter.
 
-    In order: runs every queued deferred wgrad (``distwgrad.drain_deferred_wgrads``); waits for in-flight
-    reductions (:func:`wait_for_reductions`); finishes the distwgrad weights (``distwgrad.finalize_model_grads``:
-    reduce what is left, scale, write ``main_grad`` and ``.grad``); all-reduces the plain parameters
-    ([Note: plain parameters at finalize]); fires the grad-ready hooks still owed and resets them.
+    Drains deferred wgrads, waits for in-flight reductions, finishes the distwgrad weights (the core's
+    ``distwgrad.finalize_model_grads``), all-reduces the plain parameters, fires the grad-ready hooks still owed.
 
     Args:
-        model_chunks: Megatron's list of model chunks (a single module is accepted).
-        num_tokens: this rank's token count (Megatron passes it with ``calculate_per_token_loss``);
-            gradients become the sum over ranks divided by the group's total token count.
-        pg_collection: its ``dp_cp`` (else ``dp``) group reduces the plain parameters; None: the distributed
-            weights' group, else the default group ([Note: plain parameters at finalize]).
-        force_all_reduce: accepted for Megatron; plain parameters are always all-reduced and distwgrad
-            weights use their own collective.
+        model_chunks: Megatron's list of model chunks (or one module).
+        num_tokens: this rank's token count (``calculate_per_token_loss``): gradients are summed, then divided
+            by the total over ranks.
+        pg_collection: its ``dp_cp`` (else ``dp``) group reduces the plain parameters; None: the weights'
+            group, else the default. ``force_all_reduce`` is accepted and ignored.
 
     Raises:
-        MissingContributionError: a use recorded in forward never delivered its gradient (its backward
-            never ran). Raised before anything is reduced or scaled.
+        MissingContributionError: a use recorded in forward never delivered its gradient (before any reduction).
         ValueError: a plain parameter marked ``allreduce=False`` in a data-parallel group of several ranks.
     """
     del force_all_reduce
@@ -114,12 +87,9 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
 def no_sync(model_chunks: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
     """While active, no distwgrad weight of ``model_chunks`` reduces; contributions keep accumulating.
 
-    Every distwgrad weight's ``reduce_policy`` is ``PER_STEP`` for the duration and its previous policy is
-    restored when the outermost ``no_sync`` covering it exits (nested and overlapping entries are counted
-    per weight, so Megatron's per-chunk ``no_sync_func`` lists and a weight tied across chunks work).
-    Exiting does not reduce: the next contribution that completes the weight's recorded uses does (under
-    ``PER_MICROBATCH``), or ``grad_sync_func``, or finalize. Changing a weight's policy by hand inside
-    the context is overwritten on exit. Grad-ready hooks do not fire inside it.
+    Megatron runs microbatches 0..n-2 under it, so each weight reduces once per step. Entries are counted per
+    weight (per-chunk lists, weights tied across chunks); the outermost exit restores the policy, overwriting
+    one set by hand inside, and does not reduce. Grad-ready hooks do not fire inside.
     """
     params = [p for _, p in named_distinct_params(chunks_of(model_chunks, "no_sync"))]
     entered: list[nn.Parameter] = []
@@ -134,20 +104,11 @@ def no_sync(model_chunks: nn.Module | Sequence[nn.Module]) -> Iterator[None]:
 
 
 def grad_sync_func(params: Iterable[torch.Tensor]) -> None:
-    """``ModelParallelConfig.grad_sync_func``: start the reduction of ``params`` whose gradient is complete.
+    """``ModelParallelConfig.grad_sync_func``: reduces now each distwgrad weight of ``params`` that is complete.
 
-    A distwgrad weight reduces its buffered contributions now when every use recorded this step has
-    delivered (``pending_contributions == 0``) and it is not inside :func:`no_sync`; otherwise nothing
-    happens to it (it reduces when its contributions complete, or at finalize). Later contributions in the
-    same step are buffered and reduced again later; ``main_grad`` sums both, nothing is lost or doubled.
-    The reduction is synchronous today (distwgrad's collectives are blocking), so "start" means "do".
-    Plain parameters are reduced by finalize only (a plain parameter has no count of the uses it is
-    owed, so an early all-reduce could miss a later microbatch). Then the grad-ready hooks of ``params``
-    that are complete fire. Every rank must call it with the same parameters in the same order (Megatron's
-    schedules do: ``model_chunk.parameters()``).
-
-    Args:
-        params: an iterable of parameters (Megatron passes ``model_chunk.parameters()``, a generator).
+    Complete: every use recorded this step delivered, outside :func:`no_sync`; later contributions reduce again
+    into the same ``main_grad``. Plain parameters wait for finalize (no count of owed uses). Then fires the
+    complete parameters' grad-ready hooks. Every rank must pass the same parameters in the same order.
     """
     params = _distinct(_check_params(params, "grad_sync_func"))
     for p in params:
@@ -157,22 +118,14 @@ def grad_sync_func(params: Iterable[torch.Tensor]) -> None:
 
 
 def param_sync_func(params: Iterable[torch.Tensor]) -> None:
-    """``ModelParallelConfig.param_sync_func``: a no-op, because distwgrad weights gather on use.
-
-    Every forward and backward materializes a distwgrad weight from its shard (``materialize_weight_for_*``),
-    so there is no parameter copy to refresh after the optimizer step. It still checks ``params`` (an
-    iterable of tensors, not a single tensor) so a wiring mistake fails here.
-    """
+    """``ModelParallelConfig.param_sync_func``: a no-op, as distwgrad weights gather on use; it checks
+    ``params`` is an iterable of tensors so a wiring mistake fails here."""
     _check_params(params, "param_sync_func")
 
 
 def install(config: Any, model_chunks: nn.Module | Sequence[nn.Module]) -> Any:
-    """Sets the four schedule functions on ``config`` (any object that takes those attributes) and returns it.
-
-    ``config.finalize_model_grads_func``, ``config.no_sync_func`` (bound to ``model_chunks``),
-    ``config.grad_sync_func`` and ``config.param_sync_func``. Works on megatron-core's
-    ``ModelParallelConfig``/``TransformerConfig`` and on a ``types.SimpleNamespace``.
-    """
+    """Sets the four schedule functions on ``config`` (a ``ModelParallelConfig``, ``TransformerConfig`` or
+    any object taking attributes) and returns it; ``no_sync_func`` is bound to ``model_chunks``."""
     chunks = chunks_of(model_chunks, "install")
     values = {"finalize_model_grads_func": finalize_model_grads,
               "no_sync_func": functools.partial(no_sync, chunks),
@@ -189,12 +142,8 @@ def install(config: Any, model_chunks: nn.Module | Sequence[nn.Module]) -> Any:
 # --- helpers around the step ---------------------------------------------------------------------------
 
 def wait_for_reductions(model_chunks: nn.Module | Sequence[nn.Module]) -> int:
-    """Waits for every distributed weight's in-flight reductions; returns how many weights it waited on.
-
-    Every distwgrad weight exposes ``wait_for_reductions()``; one built with ``async_reduce=True`` has
-    its launched reductions in flight until here (``False``, the default: nothing to wait on). The plain
-    parameters' asynchronous all-reduces are waited in finalize.
-    """
+    """Waits for every distributed weight's in-flight reductions (``async_reduce=True``); returns how
+    many weights it waited on."""
     waited = 0
     for _, p in named_distinct_params(chunks_of(model_chunks, "wait_for_reductions")):
         wait = getattr(p, "wait_for_reductions", None)
@@ -206,12 +155,8 @@ def wait_for_reductions(model_chunks: nn.Module | Sequence[nn.Module]) -> int:
 
 def attach_main_grads(model_chunks: nn.Module | Sequence[nn.Module], *,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Gives every distinct trainable parameter a ``main_grad`` view into one zeroed contiguous buffer.
-
-    Megatron's DDP does this with its grad buffer; without it, distwgrad creates ``main_grad`` per parameter
-    when needed. Call it once, before the first step (a parameter that already has a ``main_grad`` raises:
-    it would be silently replaced). Distwgrad weights get their local shape. Returns the buffer.
-    """
+    """Gives each distinct trainable parameter a ``main_grad`` view into one zeroed buffer (Megatron's grad
+    buffer) and returns it; call once, before the first step (an existing ``main_grad`` raises)."""
     params = [p for _, p in named_distinct_params(chunks_of(model_chunks, "attach_main_grads"))
               if p.requires_grad]
     has = [tuple(p.shape) for p in params if getattr(p, "main_grad", None) is not None]
@@ -228,13 +173,8 @@ def attach_main_grads(model_chunks: nn.Module | Sequence[nn.Module], *,
 
 
 def zero_grad_buffer(model_chunks: nn.Module | Sequence[nn.Module]) -> None:
-    """Between steps: zero the plain parameters' ``main_grad`` and reset their ``grad_added_to_main_grad``.
-
-    As Megatron's ``model.zero_grad_buffer()``. distwgrad weights are left alone: they zero an attached
-    ``main_grad`` when their next step opens ([Note: main_grad lifetime] in ``weights/base.py``), and
-    zeroing it mid-step would drop reduced microbatches. ``.grad`` is the optimizer's
-    (``optimizer.zero_grad()``).
-    """
+    """Between steps: zeroes plain parameters' ``main_grad`` and ``grad_added_to_main_grad``; distwgrad
+    weights zero theirs when their step opens ([Note: main_grad lifetime] in ``weights/base.py``)."""
     for _, p in named_distinct_params(chunks_of(model_chunks, "zero_grad_buffer")):
         if is_distributed_weight(p):
             continue

@@ -3,47 +3,24 @@
 Legend: B sequences, S positions, T = B*S tokens, D ``d_model``, H heads, E experts, F ``d_ff`` (expert
 hidden width), V vocabulary, A = T*top_k token-to-expert assignments.
 
-Every parameter is a distwgrad weight: norms are parameter-free RMSNorm, positions use rotary embeddings
-(buffers, not parameters), and the rest is distwgrad's ``Embedding``, ``Linear`` and ``GroupedLinear``
-holding ``ShardedWeight``s over ``group`` (dim-0 shards, ``torch.chunk`` layout).
-
-With ``sharded=False`` the same architecture is built from plain ``torch`` pieces instead
-(``F.embedding``, ``F.linear``, and for the experts a loop of ``F.linear`` or one ``torch._grouped_mm``)
-with ordinary parameters of the same names: the independent single-process oracle that the training
-job's ``--check-parity`` compares against, so a bug in distwgrad's modules or weights cannot hide in both
-sides, and the plain-torch peer of benchmarks. Both are built from the same full tensors
-(:func:`init_full_weights`, seeded, identical on every rank), so a model is a pure function of its config
-whatever the world size.
+``sharded=False`` builds the same architecture from plain ``torch`` ops on ``nn.Parameter``s of the same
+names: the independent oracle of ``--check-parity`` (a distwgrad bug cannot hide on both sides). Both start
+from :func:`init_full_weights`, so a model is a pure function of its config at any world size. The experts'
+wgrads are deferred: ``distwgrad.drain_deferred_wgrads`` before ``distwgrad.finalize_model_grads``.
 
 [Note: the model's mixed precision]
-``param_dtype`` (e.g. ``torch.bfloat16``) keeps every weight's master in fp32 and computes in
-``param_dtype``. Sharded, each ``ShardedWeight`` holds its fp32 shard and gathers in ``param_dtype``;
-the modules take and return ``param_dtype``. The oracle keeps fp32 ``nn.Parameter``s and casts them with
-``w.to(param_dtype)`` inside autograd at every use, so its gradients arrive in fp32 on the masters as
-well. Activations (the residual stream included) are ``param_dtype``; three things run in fp32 and are
-cast back: RMSNorm's mean of squares, the router's softmax, and the loss. The rotary tables are cast to
-the activations' dtype, so bf16 is not silently promoted to fp32 by an fp32 buffer.
+``param_dtype`` computes in that dtype over fp32 masters (the oracle casts inside autograd at each use, so
+its gradients are fp32 too); RMSNorm's mean of squares, the router's softmax and the loss run in fp32. The
+rotary tables are cast to the activations' dtype so an fp32 buffer does not promote bf16.
 
 [Note: load balancing]
-With ``aux_loss_coef > 0`` each MoE layer computes the Switch Transformer's load-balancing loss over the
-tokens it routes, ``E * sum_e f_e * P_e``: ``f_e`` the fraction of the layer's ``T * top_k`` assignments
-that went to expert ``e`` (counts: no gradient), ``P_e`` the router's mean probability for ``e`` (the
-gradient's path). It is 1 for a uniform router and grows as the routing concentrates, and the gradient of
-``P_e`` weighted by ``f_e`` pushes probability away from crowded experts. ``MoEGPT.loss`` adds
-``aux_loss_coef`` times the sum over layers (Megatron-core's ``aux_loss``, per layer, summed). Over the
-tokens a rank routes, as Megatron computes it: with data or expert parallelism each rank balances its own
-microbatch, so the loss of a batch split over ranks is the mean of the ranks' losses, not the loss of the
-batch in one piece (``tests/test_expert_parallel.py`` compares it so).
+``aux_loss_coef > 0`` adds each MoE layer's Switch Transformer loss ``E * sum_e f_e * P_e`` (``f_e``: share
+of assignments, no gradient; ``P_e``: mean router probability) to ``MoEGPT.loss``. Each rank balances the
+tokens it routes, as Megatron-core does, so a batch split over ranks gets the mean of the ranks' losses.
 
 [Note: tied embedding]
-``lm_head`` is ``Linear(D, V, bias=False, weight=embedding.weight)``: one object used twice per forward.
-Each use records one expected contribution; the lm_head wgrad and the embedding's scatter accumulate into
-the same fp32 buffer and the weight reduces once, when both have arrived. ``named_parameters()`` lists it
-once, as ``embedding.weight`` (so does a checkpoint).
-
-The experts' wgrads are deferred (``delay_wgrad_compute=True``): backward queues them and the caller
-drains them with ``distwgrad.drain_deferred_wgrads`` (under ``torch.no_grad()``: docs/training.md,
-"Known issues") before ``distwgrad.finalize_model_grads``.
+``lm_head`` uses ``embedding.weight`` itself: both uses accumulate into one buffer, the weight reduces once,
+and ``named_parameters()`` and checkpoints list it once, as ``embedding.weight``.
 """
 
 from __future__ import annotations
@@ -99,8 +76,7 @@ class MoEGPTConfig:
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef!r}")
 
     def architecture(self) -> dict[str, Any]:
-        """The fields that make the model (every one but the training-only ``aux_loss_coef``): what a checkpoint
-        must match to load, so a run may resume with another load-balancing weight."""
+        """What a checkpoint must match: every field but ``aux_loss_coef``, so a run may resume with another."""
         return {k: v for k, v in self.__dict__.items() if k != "aux_loss_coef"}
 
     def num_params(self) -> int:
@@ -109,23 +85,16 @@ class MoEGPTConfig:
         return self.vocab_size * D + self.n_layers * (4 * D * D + E * D + 2 * E * F_ * D)
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token (forward and backward): ``6 * N_active + 6 * L * S * D``.
-
-        ``N_active`` counts the weights a token multiplies by: attention's four projections, the router,
-        ``top_k`` experts' two GEMMs and the lm_head (the embedding lookup is no GEMM). The attention
-        scores and values add ``12 * L * S * D`` (PaLM's appendix B), halved because they are causal.
-        """
+        """Training FLOPs per token: ``6 * N_active`` (the weights a token multiplies by) plus
+        causal attention's ``6 * L * S * D`` (PaLM, appendix B)."""
         D, L = self.d_model, self.n_layers
         active = L * (4 * D * D + self.n_experts * D + 2 * self.top_k * self.d_ff * D) + self.vocab_size * D
         return 6 * active + 6 * L * self.seq_len * D
 
 
 def init_full_weights(config: MoEGPTConfig) -> dict[str, torch.Tensor]:
-    """Full fp32 tensors of every weight, by parameter name; deterministic in ``config.seed``.
-
-    Output projections are scaled by ``1/sqrt(2 * n_layers)`` (GPT-2) so the residual stream does not
-    grow with depth.
-    """
+    """Full fp32 weights by parameter name, deterministic in ``config.seed``; output projections
+    scaled by ``1/sqrt(2 * n_layers)`` (GPT-2) so the residual stream does not grow with depth."""
     c = config
     g = torch.Generator().manual_seed(c.seed)
     normal = lambda *shape, std=c.init_std: torch.randn(*shape, generator=g) * std
@@ -184,13 +153,8 @@ class _TorchLinear(_TorchLeaf):
 
 
 class _TorchExperts(_TorchLeaf):
-    """A packed ``[E, N, K]`` weight applied to each expert's contiguous tokens.
-
-    ``experts="loop"``: one ``F.linear`` per expert. ``experts="grouped_mm"``: one
-    ``torch._grouped_mm(x_AK, w_ENK.transpose(-2, -1), offs=offs_E)`` with int32 end offsets, as
-    torchtitan builds its MoE; torch 2.13 runs it on CPU too (fp32 and bf16, forward and backward; bf16
-    needs rows of 16-byte multiples, K and N multiples of 8) as well as on CUDA.
-    """
+    """A packed ``[E, N, K]`` weight on each expert's contiguous tokens: a ``F.linear`` loop or one
+    ``torch._grouped_mm`` (int32 end offsets; bf16 needs K and N multiples of 8)."""
 
     def __init__(self, weight: torch.Tensor, param_dtype: torch.dtype | None, experts: str) -> None:
         super().__init__(weight, param_dtype)
@@ -249,39 +213,29 @@ class CausalSelfAttention(nn.Module):
 
 
 def combine(y_AD: torch.Tensor, order_A: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Each token's ``top_k`` expert outputs, summed: ``y_AD`` holds them in expert order, ``order_A`` is the
-    sort that put the flattened ``[T, top_k]`` assignments there ([Note: the experts' combine])."""
+    """Each token's ``top_k`` expert outputs summed; ``order_A``: the expert sort ([Note: the experts' combine])."""
     return torch.empty_like(y_AD).index_copy(0, order_A, y_AD).view(-1, top_k, y_AD.shape[-1]).sum(dim=1)
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, m_splits_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """``E * sum_e f_e * P_e`` ([Note: load balancing]): 1 when the routing is uniform, up to ``E`` when it is
-    not. ``probs_TE``: the router's softmax (fp32); ``m_splits_E``: assignments per expert."""
+    """``E * sum_e f_e * P_e`` from the router's fp32 softmax and assignments per expert ([Note: load balancing])."""
     T, E = probs_TE.shape
     f_E = m_splits_E.to(probs_TE.dtype) / (T * top_k)
     return E * (f_E * probs_TE.mean(dim=0)).sum()
 
 
 class MoE(nn.Module):
-    """Top-k routed experts: a softmax router, then ``fc2(gelu(fc1(x)))`` per expert, gate-weighted.
-
-    Tokens are sorted by expert (stable) so each expert's tokens are one contiguous group, which is the
-    layout ``GroupedLinear`` takes (``m_splits`` tokens per expert). The experts' packed ``[E, N, K]``
-    weights defer their wgrads.
+    """Top-k routed experts: a softmax router, then gate-weighted ``fc2(gelu(fc1(x)))`` per expert.
 
     [Note: the experts' combine]
-    The experts' outputs go back to token order by the inverse of the sort (``index_copy``: each row is
-    written once) and each token's ``top_k`` rows are summed, instead of an ``index_add`` of every row into
-    its token. On CUDA an ``index_add`` in bf16 is an atomic add per element; the sum reads each token's
-    rows once, and its backward is a gather, as the ``index_add``'s was. For ``top_k <= 2`` the result is
-    bit-equal to the ``index_add``'s (a sum of two values has one rounding, in either order); for more it
-    is the sum in a fixed order, where the atomics' order varied from run to run.
+    Tokens are stably sorted by expert (``GroupedLinear``'s ``m_splits`` layout); outputs go back by
+    ``index_copy`` through the sort and each token's ``top_k`` rows are summed: unlike a bf16 ``index_add``
+    (CUDA atomics) this is deterministic, and bit-equal for ``top_k <= 2``.
     """
 
     def __init__(self, config: MoEGPTConfig, router: nn.Module, fc1: nn.Module, fc2: nn.Module,
                  ep: ExpertParallel | None = None) -> None:
-        """``ep``: the experts partitioned over an expert-parallel group, ``fc1`` and ``fc2`` holding this
-        rank's (``ep.local`` experts); tokens travel to them and back ([Note: expert-parallel dispatch])."""
+        """``ep``: experts split over an expert-parallel group ([Note: expert-parallel dispatch])."""
         super().__init__()
         self.top_k, self.n_experts, self.balance = config.top_k, config.n_experts, config.aux_loss_coef > 0
         self.router, self.fc1, self.fc2, self.ep = router, fc1, fc2, ep
@@ -310,7 +264,7 @@ class MoE(nn.Module):
         return combine(y_AD, order_A, self.top_k)
 
     def _drain_experts(self) -> None:
-        """The experts' queued wgrads, run while the dispatch's gradient travels ([Note: the dispatch's
+        """Runs the experts' queued wgrads while the dispatch's gradient travels ([Note: the dispatch's
         backward hides behind the experts' wgrads] in ``distwgrad/parallel/experts.py``)."""
         fc: Any
         for fc in (self.fc2, self.fc1):  # the order backward queued them in
@@ -340,20 +294,12 @@ class MoEGPT(nn.Module):
     """Decoder-only transformer: tied embedding, causal attention, MoE MLP, parameter-free norms.
 
     Args:
-        config: the model's shape and seed.
-        device: where the weights live.
-        group: process group the weights are sharded over (None: the default group, or a group of one
-            with no process group initialised).
-        sharded: distwgrad modules on ``ShardedWeight``s over ``group`` when True; plain torch modules
-            on ``nn.Parameter``s (the unsharded single-process oracle, the plain-torch peer) when False.
-        param_dtype: the dtype weights are gathered and computed in, masters staying fp32 ([Note: mixed
-            precision]); None computes in fp32.
-        experts: the plain build's experts, ``"loop"`` (one ``F.linear`` each) or ``"grouped_mm"`` (one
-            ``torch._grouped_mm``); the sharded build always runs distwgrad's ``GroupedLinear``.
-        ep_mesh: expert parallelism (sharded builds): a 2-D ``DeviceMesh`` with dims ``("ep", "dp")`` over the
-            ranks of ``group``. Each rank holds the experts of its ep place (``n_experts / ep`` of them),
-            sharded over its ``dp`` dim; the other weights stay sharded over ``group``
-            ([Note: expert-parallel dispatch] in ``distwgrad/parallel/experts.py``).
+        config: the model's shape and seed; device: where the weights live.
+        group: the process group they shard over (None: the default group, if any).
+        sharded: distwgrad modules on ``ShardedWeight``s (True), or the plain-torch oracle (False).
+        param_dtype: compute dtype over fp32 masters ([Note: the model's mixed precision]); None: fp32.
+        experts: the plain build's expert GEMMs, ``"loop"`` or ``"grouped_mm"``.
+        ep_mesh: expert parallelism: a ``DeviceMesh`` with dims ``("ep", "dp")`` ([Note: expert-parallel dispatch]).
     """
 
     def __init__(self, config: MoEGPTConfig, *, device: torch.device | str | None = None, group: Any = None,
@@ -414,8 +360,7 @@ class MoEGPT(nn.Module):
         return self.lm_head(rms_norm(x_BSD))
 
     def loss(self, ids_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over every position, computed in fp32, plus ``aux_loss_coef`` times
-        each layer's load-balancing loss ([Note: load balancing])."""
+        """Mean next-token cross-entropy in fp32, plus ``aux_loss_coef`` times the load-balancing losses."""
         logits_BSV = self(ids_BS)
         ce = F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         if not self.config.aux_loss_coef:

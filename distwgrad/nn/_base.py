@@ -1,39 +1,15 @@
-"""What Linear and GroupedLinear share: deferred-wgrad plumbing, hooks and contribution accounting.
+"""What distwgrad's modules share: deferred-wgrad plumbing, hooks and contribution accounting.
 
-The TransformerEngine-compatible surface lives here once: ``delay_wgrad_compute``,
-``fuse_wgrad_accumulation``, ``backward_dw()``, ``need_backward_dw()``,
-``register_wgrad_accumulation_and_reduce_hooks(hook)`` and ``skip_backward_post_hook`` on the
-parameters of deferred modules (Megatron's DDP then leaves them to the hooks above).
+TransformerEngine's deferred-wgrad surface lives here once; deferred parameters carry ``skip_backward_post_hook``,
+so Megatron's DDP leaves them to ``register_wgrad_accumulation_and_reduce_hooks``.
 
 [Note: torch.compile]
-Under ``torch.compile`` (``torch.compiler.is_compiling()``) Linear, GroupedLinear, LayerNormMLP (and
-LayerNormLinear, through Linear) trace as ONE opaque custom op per module call, ``distwgrad::module_forward``,
-whose registered autograd formula is a second opaque op, ``distwgrad::module_backward``
-(``distwgrad/nn/_compiled.py``). The bookkeeping stays outside the graph by design: the forward op's
-implementation runs, at run time, exactly the eager path (the checks, ``_begin_forward``'s use records,
-the autograd function's ``forward`` on a stand-in ctx), and the backward op runs that function's
-``backward`` (dgrad, and the wgrad now or queued for ``backward_dw()``). So compiled gradients are the
-eager ones bit for bit, and every contribution is counted by the same code. Making the bookkeeping
-traceable instead is not possible in dynamo today: it cannot trace ``_current_graph_task_id()`` (the
-activation-checkpoint check above, which never runs in the traced region), the ``Use`` finalizers that
-withdraw a dropped graph's uses, or closures queued in backward.
-* What dynamo traces: ``torch.is_grad_enabled()``, ``requires_grad`` and ``delay_wgrad_compute``
-  (guarded), which decide statically which gradients the main backward hands autograd (a plain
-  parameter not deferred; fused ``main_grad`` hands zeros, as in eager); LayerNormMLP's checks and
-  normalization (torch autograd, as in eager). Parameters are op inputs, for the autograd edges; the op
-  uses the module's own parameter objects, reached through an integer handle (a CPU int64 tensor, so
-  identical layers share one graph).
-* Per-call state: the forward op returns a token (a one-element int64 tensor) that is saved for
-  backward; it keys the call's saved tensors, ``_Call`` and ``Use``s, and owns them: a graph freed
-  without a backward frees the token and withdraws the uses, as in eager ([Note: contribution
-  accounting] in ``weights/base.py``).
-* A foreign distributed weight whose ``finalize_group_grads`` returns a gradient in the main backward
-  has it added to ``.grad`` (the deferred rule of [Note: the finalize contract]); which gradients go to
-  autograd must be known when tracing.
-* FP8: the recipe is read inside the op at run time, as in eager, so ``fp8_autocast`` around a compiled
-  module works (emulated on CPU, bit-equal).
-* Eager speed: outside compilation the modules call the autograd function directly (one
-  ``is_compiling()`` check), as ``kernels/_dispatch.py`` does ([Note: custom op bypass]).
+Under ``torch.compile`` each module call is one opaque op, ``distwgrad::module_forward``, whose autograd
+formula is another, ``distwgrad::module_backward`` (nn/_compiled.py). Both run the eager path at run time,
+as dynamo cannot trace the bookkeeping (``_current_graph_task_id()``, ``Use`` finalizers, queued closures):
+gradients are eager's bit for bit and ``fp8_autocast`` works. Which gradients go to autograd is fixed at
+trace time; a foreign weight's finalize result goes to ``.grad`` ([Note: the finalize contract]). More:
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -52,9 +28,8 @@ __all__ = ["WgradModule", "check_no_tensor_parallelism", "check_compute_dtype", 
 
 
 def parameter_device(device: torch.device | str | None, like: torch.Tensor | None = None) -> torch.device:
-    """Where a module creates a parameter: ``device`` if given; else beside ``like`` (a weight the caller
-    passed); else TransformerEngine's default, the current CUDA device where CUDA is available, otherwise
-    torch's default device. Pass ``device="cpu"`` for CPU weights on a machine with a GPU."""
+    """Where a module creates a parameter: ``device``, else beside ``like``, else TransformerEngine's default
+    (the current CUDA device where available, else torch's default); so CPU weights on a GPU host need ``"cpu"``."""
     if device is not None:
         return torch.device(device)
     if like is not None:
@@ -68,12 +43,7 @@ def parameter_device(device: torch.device | str | None, like: torch.Tensor | Non
 def check_compute_dtype(owner: str, params: Mapping[str, torch.Tensor],
                         params_dtype: torch.dtype | None) -> torch.dtype:
     """The one dtype a module computes in: every parameter's ``compute_dtype`` ([Note: mixed precision] in
-    ``weights/base.py``), which must agree, and agree with an explicit ``params_dtype``.
-
-    A plain bias next to a weight with ``param_dtype`` must be in that dtype (or be a distributed weight
-    with the same ``param_dtype``); a tied weight computes in its own ``param_dtype``, so a module built
-    with another ``params_dtype`` is refused rather than cast silently.
-    """
+    ``weights/base.py``). Raises ``TypeError`` unless they and ``params_dtype`` agree (nothing is cast)."""
     dtypes = {name: compute_dtype(p) for name, p in params.items()}
     if len(set(dtypes.values())) > 1:
         shown = {name: str(d) for name, d in dtypes.items()}
@@ -89,11 +59,7 @@ def check_compute_dtype(owner: str, params: Mapping[str, torch.Tensor],
 
 def check_no_tensor_parallelism(owner: str, *, sequence_parallel: bool, tp_group, tp_size: int,
                                 parallel_mode) -> None:
-    """TransformerEngine's tensor-parallel arguments are accepted at their defaults only.
-
-    distwgrad distributes weights with ``ShardedWeight`` (data-parallel sharding); tensor parallelism is
-    not implemented, and a non-default value is refused rather than silently ignored.
-    """
+    """Raises ``NotImplementedError`` for a non-default TE tensor-parallel argument, never ignoring it."""
     given = {k: v for k, v, default in (("sequence_parallel", sequence_parallel, False), ("tp_group", tp_group, None),
                                         ("tp_size", tp_size, 1), ("parallel_mode", parallel_mode, None))
              if not (v is default or (type(v) is type(default) and v == default))}
@@ -161,11 +127,8 @@ class WgradModule(nn.Module):
         return self.delay_wgrad_compute
 
     def backward_dw(self) -> None:
-        """Runs the oldest deferred wgrad of this module, then the registered hooks.
-
-        A no-op for a module that does not defer (as in TransformerEngine). For a deferring module with
-        nothing queued it raises ``DeferredWgradError`` naming the module.
-        """
+        """Runs this module's oldest deferred wgrad, then the hooks; a no-op if it does not defer (as TE).
+        Raises ``DeferredWgradError`` when a deferring module has nothing queued."""
         if not self.need_backward_dw():
             return
         self.wgrad_store.pop()
@@ -185,17 +148,11 @@ class WgradModule(nn.Module):
 
     # --- helpers for subclasses ----------------------------------------------------------------------
     def _checked_params(self, params: Iterable[torch.Tensor | None], check: Callable[[], torch.dtype]) -> torch.dtype:
-        """``check()`` (the parameters' shape and dtype checks; it returns the compute dtype), run only when
-        what it reads changed since its last run here.
+        """``check()`` (parameter checks returning the compute dtype), rerun only when what it reads changed.
 
         [Note: per-call host work]
-        A module's forward runs on the host before its first kernel can start, so on a GPU its host time
-        is device idle time wherever a stretch of small modules (the router, the experts' routing) outruns
-        the kernels. The parameter checks read only the parameters' full shapes, dtypes and
-        ``param_dtype``s and the module's ``params_dtype`` (and its sizes, fixed at construction), so they
-        are keyed by exactly that: any change of a parameter (replaced by one of another shape or dtype,
-        cast, another ``param_dtype``) runs them again, and an unchanged module skips them. Input checks
-        run on every call.
+        A forward's host time is device idle time wherever small modules outrun the kernels, so the parameter
+        checks are keyed by exactly what they read (shapes, dtypes, ``param_dtype``s); input checks run always.
         """
         key = (getattr(self, "params_dtype", None), *(None if p is None else (
             tuple(getattr(p, "full_shape", p.shape)), p.dtype, getattr(p, "param_dtype", None)) for p in params))
@@ -207,21 +164,13 @@ class WgradModule(nn.Module):
         return dtype
 
     def _begin_forward(self, tracked: Iterable[torch.Tensor]) -> Uses | None:
-        """Checks the calling order and records one use per tracked distributed weight.
-
-        ``tracked`` are the parameters whose gradient this forward will produce (grad mode on and
-        ``requires_grad`` read from the parameter itself, never from a materialized copy). Returns the
-        recorded uses (None if none): the caller keeps them on the autograd context and hands them to
-        ``run_wgrad``, so a graph freed without a backward withdraws its uses and a retained graph's second
-        backward counts once more ([Note: contribution accounting] in ``weights/base.py``).
+        """Checks the calling order and records one use per ``tracked`` parameter; returns the uses (or None)
+        for the autograd context to hand ``run_wgrad`` ([Note: contribution accounting] in ``weights/base.py``).
 
         [Note: activation checkpointing]
-        A forward that runs while autograd is executing a backward pass is the recomputation of
-        non-reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=False)``):
-        the original forward already recorded this use, and its backward delivers exactly one
-        contribution, so the recomputation records nothing. Reentrant checkpointing runs the original
-        forward without grad, so its use is never recorded; its contribution then arrives unexpected
-        and the weight raises, naming ``use_reentrant=False`` as the fix (never a silent miscount).
+        A forward run during a backward is non-reentrant checkpointing's recomputation: the original forward
+        recorded the use, so it records nothing. Reentrant checkpointing's forward runs without grad, so its
+        contribution arrives unrecorded and the weight raises, naming ``use_reentrant=False``.
         """
         if torch._C._current_graph_task_id() != -1:
             return None

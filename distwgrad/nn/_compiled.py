@@ -1,62 +1,27 @@
 """A module's forward and backward as two opaque ops, the path taken under ``torch.compile``.
 
-[Note: torch.compile] in ``distwgrad/nn/_base.py`` says why. Dynamo traces only
-:func:`compiled_forward` (the parameter list, static flags and one ``distwgrad::module_forward`` call);
-the op's implementation runs the module's eager path at run time (checks, ``_begin_forward``, the
-autograd function's ``forward`` on an :class:`OpContext`), and ``distwgrad::module_backward`` runs the
-same function's ``backward``. Two registries join the graph to the Python state it cannot carry:
-
-* ``_MODULES``: handle -> the module, by weak reference. The handle reaches the op as a one-element
-  int64 tensor held as a plain module attribute on the parameters' device (``WgradModule`` moves it with
-  them): a tensor is a graph input, so layers of one configuration share one compiled graph, where an int
-  attribute would be a constant and recompile per instance. Its address is the key, never its value;
-* ``_CALLS``: per-call key -> that call's ``OpContext`` (saved tensors, the call record and its
-  ``Use``s). The key travels as the *token*, a one-element int64 tensor on the input's device returned by
-  the forward op and saved for backward, so the backward finds the state of its own call at run time
-  (AOTAutograd traces ``setup_context`` and ``backward`` once, with fake tensors). The key is the token's
-  address, never its value: the token is allocated, never written or read, so it costs no kernel and no
-  sync. The token owns the entry: when the graph that saved it is freed, with or without a backward, the
-  entry goes (before its memory can be reused), and with it the ``Use``s (a dropped graph withdraws its
-  uses, as in eager: [Note: contribution accounting] in weights/base.py).
+Why: [Note: torch.compile] in nn/_base.py. Dynamo traces only :func:`compiled_forward`; the ops run the
+module's eager forward and backward at run time, finding what the graph cannot carry by a tensor's address,
+never its value (a read would sync): ``_MODULES`` maps a handle to its module (a tensor, so same-shaped
+layers share one graph), ``_CALLS`` a call's token, saved for backward, to its ``OpContext``. The token owns
+that entry: a graph freed without a backward drops the call's uses, as in eager.
 
 [Note: aligned op outputs]
-Inductor marks the outputs of an op that takes any CPU tensor as not 16-byte aligned, and every buffer
-computed from them by another extern op likewise; a Triton kernel that reads such a buffer gets no
-divisibility hint, so its loads are not vectorized. So neither op takes a CPU tensor where the module runs
-on a GPU: the module handle lives on the parameters' device and the token on the input's, and what
-consumes the ops' outputs (the kernels inductor fuses after a ``Linear``; attention's backward, then the
-rotary and qkv kernels after it) reads them with vector loads. On one H200 the large preset's fused
-rotary/qkv backward kernel took 0.62 ms with a CPU token and 0.30 ms in plain torch's graph
-(docs/benchmarks/LOG.md).
+Inductor marks the outputs of an op that takes any CPU tensor, and what other extern ops compute from them,
+as not 16-byte aligned, so Triton kernels reading them lose vectorized loads (docs/benchmarks/LOG.md).
+So on a GPU neither op takes a CPU tensor: the handle lives on the parameters' device, the token on the input's.
 
 [Note: the ops' run-time path]
-A compiled graph calls both ops through the dispatcher on every module call, and there their host time
-is the device's idle time wherever a stretch of small modules outruns the kernels ([Note: per-call host
-work] in nn/_base.py). ``torch.library.custom_op`` puts three Python layers around an implementation: an
-autograd kernel that redispatches below autograd, a backend wrapper under dynamo's ``disable`` and an
-output aliasing check. On the CPU those cost as much host time as a ``Linear``'s whole eager forward. So
-the ops are defined with ``torch.library.Library``, and each one's Autograd kernel runs the
-implementation itself where a redispatch would reach nothing else: real tensors (``torch.Tensor``
-itself, no dispatch mode on the stack) and, for the forward, grad off, which is how a compiled graph runs
-it. With grad on (tracing, or a direct call), the forward goes through :class:`_ModuleForward`, an
-autograd function that redispatches below autograd: AOTAutograd records the forward op and, for its
-backward, one ``module_backward``. Under a dispatch mode or with tensor subclasses (fake tensors,
-functionalization, a user's mode) both ops redispatch, as a custom op does. The implementations run
-outside dynamo, as a custom op's do, and ``_unaliased`` is the aliasing rule.
+Both ops run on every module call, where host time can be device idle time ([Note: per-call host work] in
+nn/_base.py), and ``custom_op``'s Python layers cost about a Linear's eager forward. So they use
+``torch.library.Library``, each Autograd kernel running the implementation itself for plain tensors under no
+dispatch mode (the forward with grad off, as compiled graphs call it); with grad on the forward goes through
+:class:`_ModuleForward`, and under a mode or with tensor subclasses both redispatch, as a custom op does.
 
 [Note: op inputs that outlive the op]
-Both ops keep tensors they were given past their own call, as the eager autograd function does: the
-forward op's context saves its input (the activation a wgrad reads) and a deferred wgrad queued by the
-backward op holds ``dy`` and that input until ``backward_dw()``. Inductor cannot see those references. Its
-memory planning hands a buffer whose last use in the graph has passed to a later buffer of the same size
-(``buf9 = buf4; del buf4  # reuse``), or lets a pointwise kernel write in place over its dead input, and a
-kernel then overwrites the saved activation: on the CPU, the MoE GPT's attention weights got gradients
-off by 1-25x their size, its loss unchanged. So every tensor input of either op is marked never to be
-reused (``_lower``: inductor's own fallback for the op, plus ``V.graph.never_reuse_buffers``, the set that
-inductor's own ops with hidden aliasing use). The graph still frees its reference when the buffer's last
-use has passed; the op's reference keeps the memory, as eager autograd's does. The lowering is registered
-when dynamo first traces a module (:func:`_lowering_registered`), so importing distwgrad does not import
-inductor.
+Both ops keep tensors past their call (the saved activation; a deferred wgrad's ``dy`` and input), unseen by
+inductor, whose memory planning would reuse those buffers and silently corrupt gradients. So ``_lower`` marks
+every tensor input never to be reused, registered on first trace (importing distwgrad must not import inductor).
 """
 
 from __future__ import annotations
@@ -82,17 +47,14 @@ def _key(t: torch.Tensor) -> tuple[str, int, int]:
 
 
 def _owned_key(t: torch.Tensor, registry: dict, value) -> None:
-    """Registers ``value`` under ``t``'s key for as long as ``t`` lives (the entry goes before ``t``'s memory
-    can be reused, so a later tensor at the same address never finds it)."""
+    """Registers ``value`` under ``t``'s key until ``t`` dies, before its address can be reused."""
     key = _key(t)
     registry[key] = value
     weakref.finalize(t, registry.pop, key, None)
 
 
 def register_module(module: torch.nn.Module, device: torch.device | str | None = None) -> torch.Tensor:
-    """A fresh handle for ``module`` on ``device`` (default CPU; a meta device keeps it on the CPU): an
-    allocated, never written one-element tensor whose address names the module ([Note: aligned op
-    outputs]). A copy or an unpickled module gets its own."""
+    """A new handle naming ``module`` on ``device`` (default and meta: CPU): [Note: aligned op outputs]."""
     device = torch.device("cpu" if device is None else device)
     handle = torch.empty((1,), dtype=torch.int64, device="cpu" if device.type == "meta" else device)
     _owned_key(handle, _MODULES, weakref.ref(module))
@@ -109,9 +71,7 @@ def _module(handle_t: torch.Tensor):
 
 
 class OpContext:
-    """The part of an autograd function's ``ctx`` that distwgrad's functions use, for running their
-    ``forward`` and ``backward`` by hand inside the ops: ``save_for_backward``, ``saved_tensors``,
-    ``needs_input_grad`` and plain attributes."""
+    """A stand-in autograd ``ctx``, for running distwgrad's autograd functions by hand inside the ops."""
 
     def __init__(self) -> None:
         self._saved: tuple[torch.Tensor, ...] = ()
@@ -126,10 +86,8 @@ class OpContext:
 
 
 def _autograd_dispatch() -> torch._C._ForceDispatchKeyGuard:
-    """Autograd dispatch as in eager, inside an op's implementation (the op's autograd kernel excludes
-    it): LayerNormMLP's backward differentiates its activation with ``torch.autograd.grad`` under
-    ``enable_grad``. Grad mode itself is left as the caller set it (off, as in an autograd function).
-    The guard itself, used with ``with`` (no generator around it: [Note: per-call host work] in nn/_base.py)."""
+    """Re-enables autograd dispatch inside an op (LayerNormMLP's backward calls ``torch.autograd.grad``);
+    grad mode stays as the caller set it. A bare guard, no generator: [Note: per-call host work] in nn/_base.py."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in _AUTOGRAD_KEYS:
         exclude = exclude.remove(key)
@@ -141,8 +99,7 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchK
 
 
 def _unaliased(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """An op's outputs may alias neither its inputs nor each other: a tensor sharing storage with one
-    is copied (the experts' gradients, views of one product; never on the eager path)."""
+    """``outs`` with any tensor sharing storage with an input or an earlier output copied (ops may not alias)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
     fresh = []
     for t in outs:
@@ -165,9 +122,8 @@ _LIB.define("module_backward(Tensor token, Tensor dy, Tensor[] params, SymInt[] 
 def module_forward(inp: torch.Tensor, params: list[torch.Tensor], aux: list[torch.Tensor], ints: list[int],
                    handle: torch.Tensor, grad_on: bool, hands: list[bool],
                    out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(module(inp), token)``: the module's eager forward, run at run time. ``params`` carry the autograd
-    edges only (the module's own parameter objects are used); ``aux``, ``ints``: the module's extra
-    arguments (GroupedLinear's ``m_splits``, a tensor or ints)."""
+    """``(module(inp), token)`` by the eager forward. ``params`` only carry autograd edges (the module's own
+    are used); ``aux``, ``ints``: extra arguments (GroupedLinear's ``m_splits``)."""
     del hands
     ctx = OpContext()
     with _autograd_dispatch(), torch.no_grad():  # as an autograd function's forward runs
@@ -184,10 +140,8 @@ def _forward_fake(inp, params, aux, ints, handle, grad_on, hands, out_cols):
 
 def module_backward(token: torch.Tensor, dy: torch.Tensor, params: list[torch.Tensor], inp_shape: list[int],
                     need_dx: bool, hands: list[bool]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``(dx, grads)``: the eager backward of the call ``token`` names. ``grads[i]`` is what autograd gets
-    for ``params[i]`` where ``hands[i]``, else an empty placeholder; a gradient the static plan did not
-    hand autograd (a foreign distributed weight's ``finalize_group_grads`` result) is added to ``.grad``,
-    the deferred rule of [Note: the finalize contract]."""
+    """``(dx, grads)`` by the eager backward of ``token``'s call; ``grads[i]`` is empty unless ``hands[i]``. A
+    gradient not handed to autograd is added to ``.grad`` ([Note: the finalize contract], deferred rule)."""
     ctx = _CALLS.get(_key(token))
     if ctx is None:
         raise RuntimeError("distwgrad: a compiled backward found no state for its forward call (its graph was "
@@ -218,9 +172,7 @@ def _below_autograd(op, keyset, *args):
 
 
 class _ModuleForward(torch.autograd.Function):
-    """The forward op's autograd formula, for tracing: AOTAutograd records the forward op below autograd
-    and, for its backward, one ``module_backward`` call. ``flat``: the op's arguments with ``params``
-    spread out (an autograd function sees only its direct tensor arguments)."""
+    """The forward op's autograd formula, for tracing; ``flat`` spreads ``params`` out so autograd sees them."""
 
     @staticmethod
     def forward(ctx, keyset, n_params, inp, *flat):
@@ -243,9 +195,7 @@ class _ModuleForward(torch.autograd.Function):
 
 @functools.cache
 def _outside_dynamo(fn):
-    """``fn`` never traced by dynamo, as a custom op's implementation: the ops run eager code, and an op
-    called where dynamo evaluates frames must run it, not compile it (made on first use: the ops run only
-    where dynamo is already imported)."""
+    """``fn`` under ``torch.compiler.disable``, as a custom op's implementation (made lazily: it imports dynamo)."""
     return torch.compiler.disable(fn)
 
 
@@ -259,8 +209,7 @@ def _forward_autograd(keyset, inp, params, aux, ints, handle, grad_on, hands, ou
 
 
 def _backward_autograd(keyset, token, dy, params, inp_shape, need_dx, hands):
-    """The backward op's Autograd kernel ([Note: the ops' run-time path]). The op has no formula of its
-    own: a compiled backward runs it without grad (AOTAutograd refuses a double backward)."""
+    """The backward op's Autograd kernel ([Note: the ops' run-time path]); no formula (no double backward)."""
     if torch._C._len_torch_dispatch_stack() == 0 and type(dy) is torch.Tensor:
         return _outside_dynamo(module_backward)(token, dy, params, inp_shape, need_dx, hands)
     return _below_autograd(_BACKWARD, keyset, token, dy, params, inp_shape, need_dx, hands)
@@ -282,8 +231,7 @@ _LOWERED = False
 
 
 def _lower(op):
-    """Inductor's lowering of ``op``: its usual fallback kernel, every tensor input never reused ([Note: op
-    inputs that outlive the op])."""
+    """Inductor's fallback for ``op``, its tensor inputs never reused ([Note: op inputs that outlive the op])."""
     from torch._inductor import ir
     from torch._inductor.lowering import fallback_handler
     from torch._inductor.virtualized import V
@@ -318,14 +266,8 @@ _lowering_registered._dynamo_marked_constant = True  # type: ignore[attr-defined
 
 def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | None], out_cols: int, *,
                      aux: Sequence[torch.Tensor] = (), ints: Sequence[int] = ()) -> torch.Tensor:
-    """What dynamo traces of a module's forward: one ``distwgrad::module_forward`` call.
-
-    ``hands[i]``: whether ``params[i]``'s gradient goes back to autograd from the main backward (a plain
-    parameter whose wgrad is not deferred; a weight fused into ``main_grad`` where it carries
-    ``grad_added_to_main_grad``: [Note: the fused .grad contract]), fixed at trace time from what dynamo
-    guards on (grad mode, ``requires_grad``, ``delay_wgrad_compute``, the attribute). A distributed weight
-    delivers itself, and a deferred wgrad waits for ``backward_dw()``.
-    """
+    """What dynamo traces of a module's forward: one ``distwgrad::module_forward`` call. Which gradients go
+    to autograd (``hands``) is fixed from what dynamo guards on ([Note: the fused .grad contract] for fused)."""
     _lowering_registered()  # [Note: op inputs that outlive the op]
     present = [p for p in params if p is not None]
     grad_on = torch.is_grad_enabled()

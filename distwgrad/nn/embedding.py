@@ -1,19 +1,10 @@
 """``Embedding``: a token lookup whose weight may be distributed and tied to an output projection.
 
-Legend: T tokens (all leading dims flattened), V vocabulary rows (``num_embeddings``), D ``embedding_dim``.
+Legend: T tokens (leading dims flattened), V rows (``num_embeddings``), D ``embedding_dim``.
 
-Forward materializes the full ``[V, D]`` weight through the protocol (a ``ShardedWeight`` all-gathers),
-looks the rows up and drops the gathered copy; the output is in the weight's compute dtype. Backward
-scatters the output gradient into the weight's fp32 ``grad_buffer()`` with ``index_add_`` (rows of a
-``param_dtype`` gradient are summed in fp32: [Note: mixed precision] in ``weights/base.py``; for a plain
-weight into a fresh fp32 tensor, rounded once to the weight's dtype: bit-exact with
-``torch.nn.Embedding``'s CPU backward in fp32) and delivers it through ``run_wgrad``, so the result lands
-as it does for ``Linear``: [Note: accumulate, never assign] in ``distwgrad/wgrad/accumulate.py``.
-Backward needs no weight at all, so nothing is re-gathered.
-
-Tying: ``Linear(D, V, bias=False, weight=embedding.weight)`` uses the same object. Each module's forward
-records its own expected contribution on it, both wgrads accumulate into the one buffer, and the weight
-reduces once when both have arrived ([Note: contribution accounting] in ``weights/base.py``).
+Backward needs no weight: ``run_wgrad`` ``index_add_``s ``dy`` into the fp32 ``grad_buffer()``, as ``Linear``
+accumulates ([Note: accumulate, never assign]). Tied (``Linear(D, V, bias=False, weight=embedding.weight)``),
+each use counts and the weight reduces once ([Note: contribution accounting] in ``weights/base.py``).
 """
 
 from __future__ import annotations
@@ -67,17 +58,13 @@ class _EmbeddingFunction(torch.autograd.Function):
 
 
 class Embedding(WgradModule):
-    """A lookup table ``y[..., :] = weight[ids[...], :]`` whose weight may be distributed or tied.
+    """A lookup ``y[..., :] = weight[ids[...], :]`` whose weight may be distributed or tied.
 
     Args:
-        num_embeddings: V, the number of rows (vocabulary size).
-        embedding_dim: D, the row width.
-        params_dtype: dtype of a freshly created weight (default: torch's default dtype). Given with
-            ``weight``, it must equal that weight's compute dtype (``distwgrad.compute_dtype``).
-        device: device of a freshly created weight (as :class:`distwgrad.nn.Linear`'s).
-        weight: an existing weight to use (a ``ShardedWeight``, or a parameter to tie), of full shape
-            ``[num_embeddings, embedding_dim]``. A fresh weight is drawn from N(0, 1), as
-            ``torch.nn.Embedding`` does.
+        num_embeddings, embedding_dim: V and D.
+        params_dtype, device: a fresh weight's; given with ``weight``, ``params_dtype`` must be its compute dtype.
+        weight: an existing full-shape ``[V, D]`` weight (a ``ShardedWeight``, or a parameter to tie); a fresh
+            one is drawn from N(0, 1), as ``torch.nn.Embedding`` does.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype | None = None,

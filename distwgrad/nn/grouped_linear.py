@@ -1,17 +1,8 @@
 """``GroupedLinear``: E expert GEMMs over ragged token groups (MoE), one grouped-GEMM call per product.
 
-Legend: E experts (``num_gemms``), T tokens, K in-features, N out-features.
-Parameters carry TransformerEngine's names: discrete ``weight0..weight{E-1}`` (``[N, K]`` each) and
-``bias0..bias{E-1}`` (``[N]``), or, with ``single_grouped_weight=True``, one packed ``weight``
-``[E, N, K]`` and ``bias`` ``[E, N]``. Any of them may be a distributed weight: discrete experts are
-materialized each on its own; a packed ``ShardedWeight`` (experts sharded over ranks along dim 0) is
-gathered with one collective for all experts.
-
-The products go through ``distwgrad.ops.grouped_gemm`` (torch reference on CPU, Triton on CUDA), so the
-module never knows which ran. The gradient contract is Linear's: [Note: accumulate, never assign].
-Under ``fp8_autocast`` the products run in FP8 through ``distwgrad.ops.grouped_gemm_fp8``: the FP8
-Triton kernels on CUDA, emulation elsewhere ([Note: fp8 gemm dispatch], [Note: fp8 distributed
-weights]).
+Legend: E experts (``num_gemms``), T tokens, K in-features, N out-features. Parameters have TransformerEngine's
+names; any may be a distributed weight (a packed ``ShardedWeight`` is gathered in one collective). Gradients
+and FP8 as Linear's ([Note: accumulate, never assign], [Note: fp8 gemm dispatch]).
 """
 
 from __future__ import annotations
@@ -67,10 +58,8 @@ def _weights_ENK(weights, call: _Call, *, backward: bool) -> torch.Tensor:
 
 
 def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Quantized] | QuantizedExperts:
-    """One ``Quantized`` ``[N, K]`` per expert (quantized before the gather when sharded), or plain experts
-    together as one ``QuantizedExperts`` in the layout of the GEMM that reads them. ``amax``: forward's
-    ``(amaxes, the weights' write tokens)``, reused if no weight was written since as far as anything can
-    tell ([Note: weight lifecycle] in ``weights/lifecycle.py``; forward and backward of one call are one step)."""
+    """The experts quantized for one GEMM (a sharded one before its gather). ``amax``: forward's ``(amaxes,
+    write tokens)``, reused while no weight was written ([Note: weight lifecycle] in ``weights/lifecycle.py``)."""
     assert call.recipe is not None
     if amax is not None and amax[1] != [write_token(w) for w in weights]:
         amax = None
@@ -80,12 +69,9 @@ def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Qua
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
                 x_qt: Quantized | None = None, wgrad_offs: torch.Tensor | None = None):
-    """The wgrad product for ``run_wgrad`` and its fresh fp32 form (``fresh=``: [Note: a fresh first
-    contribution] in ``wgrad/accumulate.py``): ``x_TK`` without a recipe, else ``x_qt`` (x^T saved by
-    forward). Under a recipe both operands are quantized along the tokens (the contraction) over the
-    whole token range, so a tile may span two experts' tokens (a valid quantization; per-group tiles
-    would need the offsets on the host). ``wgrad_offs``: x^T (and so dy^T) is in the aligned layout whose
-    end offsets these are ([Note: aligned token groups] in kernels/token_layout.py)."""
+    """``(gemm, fresh, unwritten)`` for ``run_wgrad``, reading saved ``x_qt`` under a recipe, else ``x_TK``. FP8
+    tiles may span two experts (valid; per-expert tiles would need the offsets on the host). ``wgrad_offs``:
+    x^T's aligned layout's end offsets ([Note: aligned token groups] in kernels/token_layout.py)."""
     if recipe is None:
         def product(out, out_dtype=None, first=None):
             return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out, out_dtype=out_dtype, first=first)
@@ -229,23 +215,14 @@ class GroupedLinear(WgradModule):
     """``num_gemms`` linear experts applied to consecutive token groups of sizes ``m_splits``.
 
     Args:
-        num_gemms: E, the number of experts.
-        in_features: K.
-        out_features: N.
-        bias: whether each expert has a bias.
-        params_dtype, device: for freshly created parameters (``device``: as :class:`distwgrad.nn.Linear`'s);
-            an explicit ``params_dtype`` must equal the compute dtype (``distwgrad.compute_dtype``) of weights
-            assigned later.
-        single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead of
-            ``weight0..weight{E-1}``.
-        use_grouped_tensor: TransformerEngine's choice of execution path (cuBLAS grouped GEMM or one
-            stream per expert); distwgrad always runs one grouped GEMM, so it is accepted and changes nothing.
-        delay_wgrad_compute, fuse_wgrad_accumulation, init_method, return_bias, sequence_parallel,
-            tp_group, tp_size, parallel_mode: as in :class:`distwgrad.nn.Linear` (``init_method`` is applied
-            to each expert's ``[N, K]`` matrix; ``return_bias`` returns ``(output, [biases])``).
+        num_gemms, in_features, out_features: E, K and N.
+        bias: whether each expert has a bias (``bias0..``, next to ``weight0..weight{E-1}`` ``[N, K]``).
+        single_grouped_weight: one packed ``weight`` ``[E, N, K]`` (and ``bias`` ``[E, N]``) instead.
+        use_grouped_tensor: accepted and ignored (distwgrad always runs one grouped GEMM).
+        params_dtype (later weights must match), device, delay_wgrad_compute, fuse_wgrad_accumulation, init_method
+            (per expert), return_bias (``(output, [biases])``), TP arguments: as ``distwgrad.nn.Linear``'s.
 
-    ``forward(inp, m_splits, is_first_microbatch=None)``; ``is_first_microbatch`` has no effect (nothing
-    is cached across microbatches).
+    ``forward(inp, m_splits, is_first_microbatch=None)``: ``m_splits`` are ints or a tensor.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,

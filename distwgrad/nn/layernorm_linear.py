@@ -1,9 +1,7 @@
 """``LayerNormLinear``: y = norm(x) W^T + b, TransformerEngine's ``te.LayerNormLinear``.
 
-It is ``Linear`` applied to the normalized input, so the GEMMs, deferred wgrads, fused ``main_grad``,
-distributed weights and FP8 recipes are Linear's own ([Note: accumulate, never assign] in
-``distwgrad/wgrad/accumulate.py``). The normalization's parameters get their gradients from the main
-backward (``distwgrad/nn/_norm.py``); only ``weight`` and ``bias`` are deferred.
+``Linear`` on the normalized input, so GEMMs, deferred wgrads, ``main_grad`` and FP8 are Linear's; the norm's
+parameters get their gradients in the main backward (``nn/_norm.py``): only ``weight`` and ``bias`` defer.
 """
 
 from __future__ import annotations
@@ -22,17 +20,10 @@ class LayerNormLinear(Linear):
     """A normalization followed by a :class:`distwgrad.nn.Linear`, with TransformerEngine's names.
 
     Args:
-        in_features, out_features: K and N.
-        eps: the normalization's epsilon.
-        bias: as in :class:`Linear`.
-        normalization: ``"LayerNorm"`` (parameters ``layer_norm_weight``, ``layer_norm_bias``) or
-            ``"RMSNorm"`` (``layer_norm_weight`` only).
-        zero_centered_gamma: the norm scales by ``1 + layer_norm_weight``, initialised to zeros.
-        return_layernorm_output: also return the normalized input: ``(out, ln_out)``, or
-            ``(out, bias, ln_out)`` with ``return_bias``.
-        params_dtype, device, delay_wgrad_compute, fuse_wgrad_accumulation, weight, init_method,
-            return_bias, sequence_parallel, tp_group, tp_size, parallel_mode: as in :class:`Linear`
-            (``weight=`` or assignment to ``.weight`` takes a ``ShardedWeight`` / ``ReplicatedWeight``).
+        normalization: ``"LayerNorm"`` (``layer_norm_weight``, ``layer_norm_bias``) or ``"RMSNorm"`` (weight only).
+        zero_centered_gamma: the norm scales by ``1 + layer_norm_weight`` (zeros at first).
+        return_layernorm_output: also return the norm's output: ``(out, ln_out)`` or ``(out, bias, ln_out)``.
+        eps: the norm's epsilon; the rest as in :class:`Linear`.
     """
 
     deferred_param_names = ("weight", "bias")

@@ -1,25 +1,14 @@
 """``LayerNormMLP``: y = fc2(act(fc1(norm(x)))), TransformerEngine's ``te.LayerNormMLP``.
 
-Legend: T tokens, H ``hidden_size``, F fc1's width (``ffn_hidden_size``, twice that for a gated
-activation), G ``ffn_hidden_size``.
-
-The normalization is torch autograd (``distwgrad/nn/_norm.py``); fc1, the activation and fc2 are one
-autograd function built from Linear's GEMM helpers (``_fprop_fp8``, ``_dgrad``, ``_wgrad``,
-``_linear_wgrad`` in ``distwgrad/nn/linear.py``), so each FC behaves exactly as a ``Linear`` would:
-the same materialization ([Note: what backward may hold]), the same FP8 dispatch and the same gradient
-landing ([Note: accumulate, never assign]).
+Legend: T tokens, H ``hidden_size``, G ``ffn_hidden_size``, F fc1's width (G, doubled when gated). The norm
+is torch autograd; fc1, act and fc2 are one autograd function built from Linear's helpers, so each FC
+behaves exactly as a ``Linear``.
 
 [Note: LayerNormMLP's deferred wgrads]
-With ``delay_wgrad_compute`` one backward queues ONE item holding both FCs' wgrads; each ``backward_dw()``
-drains one queued backward: fc2's weight and bias gradient, then fc1's, then the registered hooks. The
-bias gradients are computed in the main backward (where ``dy`` is at hand) and the queued item delivers
-those tensors; it never recomputes them from saved activations (seed 000's FP8 block-scaling bias).
-The activation's backward is torch autograd on a recomputed ``act(h)``, which also gives fc2's wgrad
-operand, so ``act(h)`` is never saved. ``checkpoint=True`` also recomputes ``h = fc1(norm(x))`` in
-backward (materialized for forward, as the original forward did), saving only ``norm(x)``.
-
-Distributed weights: assign them as TE users do, ``mlp.fc1_weight = ShardedWeight.from_full(w)`` (and
-``fc2_weight``, the biases); full shapes are checked at every forward.
+With ``delay_wgrad_compute`` one backward queues ONE item with both FCs' wgrads, drained by one
+``backward_dw()`` (fc2's, fc1's, then the hooks). Bias gradients come from the main backward's
+high-precision ``dy``, never recomputed. ``act(h)`` is recomputed in backward, never saved;
+``checkpoint=True`` also recomputes ``h``, saving only ``norm(x)``.
 """
 
 from __future__ import annotations
@@ -147,27 +136,18 @@ class LayerNormMLP(WgradModule):
     """A normalization, fc1, an activation and fc2, with TransformerEngine's names and deferred wgrads.
 
     Args:
-        hidden_size: H, the input and output width.
-        ffn_hidden_size: the activation's width (fc1 is twice as wide for a gated activation).
-        eps: the normalization's epsilon.
-        bias: give fc1 and fc2 a bias (``fc1_bias``, ``fc2_bias``).
-        normalization: ``"LayerNorm"`` or ``"RMSNorm"``; ``zero_centered_gamma`` as TE (scale ``1 + gamma``).
-        activation: one of ``distwgrad.nn._norm.ACTIVATIONS`` (``"gelu"`` is the tanh approximation;
-            ``"swiglu"`` is ``silu(a) * b`` with ``a`` the first half of fc1's output).
-        params_dtype, device: for fresh parameters (``device``: as :class:`distwgrad.nn.Linear`'s).
-        delay_wgrad_compute: queue both FCs' wgrads; each ``backward_dw()`` drains one backward
-            ([Note: LayerNormMLP's deferred wgrads]).
-        fuse_wgrad_accumulation: accumulate fc1's and fc2's weight gradients into fp32 ``main_grad``.
-        init_method, output_layer_init_method: ``fn(weight)`` initialising fc1's / fc2's weight in place
-            (default: TE's normal(0, 0.023)); biases start at zero.
-        return_layernorm_output: also return ``norm(x)``.
-        return_bias: return fc2's bias instead of adding it: ``(out, fc2_bias)`` (then ``ln_out`` last).
+        hidden_size, ffn_hidden_size: H and G.
+        eps, normalization (``"LayerNorm"``, ``"RMSNorm"``), zero_centered_gamma: as TE.
+        activation: one of ``distwgrad.nn._norm.ACTIVATIONS`` (``"gelu"``: tanh approximation; ``"swiglu"``:
+            ``silu(a) * b``, ``a`` fc1's first half).
+        delay_wgrad_compute: [Note: LayerNormMLP's deferred wgrads].
+        init_method, output_layer_init_method: initialise fc1's / fc2's weight in place (default: TE's).
+        return_layernorm_output, return_bias: also return ``norm(x)`` (last); return fc2's bias unadded.
         checkpoint: recompute fc1's output in backward instead of saving it.
-        sequence_parallel, tp_group, tp_size, set_parallel_mode: TE's tensor-parallel arguments,
-            accepted at their defaults only.
+        bias (a bool, for both FCs), params_dtype, device, fuse_wgrad_accumulation and the tensor-parallel
+            arguments: as :class:`distwgrad.nn.Linear`'s.
 
-    Distributed weights are assigned after construction, ``mlp.fc1_weight = ShardedWeight.from_full(w)``
-    (TE's constructor takes no weights either). ``forward(inp, is_first_microbatch=None)``.
+    Distributed weights are assigned after construction, as in TE: ``mlp.fc1_weight = ShardedWeight.from_full(w)``.
     """
 
     deferred_param_names = _FC_NAMES
@@ -266,8 +246,7 @@ class LayerNormMLP(WgradModule):
         return _MLPCall(fc1, fc2, self.activation, self.checkpoint, delay, self.wgrad_store, recipe)
 
     def _op_forward(self, ctx, ln_TH: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
-        """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile]); the checks
-        and the norm ran in the traced region."""
+        """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile]), after the norm."""
         params = self._op_params()
         ctx.op_params, ctx.run_backward = [p for p in params if p is not None], _op_backward
         return _LayerNormMLPFunction.forward(ctx, ln_TH, *params, self._call(grad_on))  # type: ignore[call-arg,arg-type]

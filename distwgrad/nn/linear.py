@@ -1,15 +1,8 @@
 """``Linear``: y = x W^T + b, with deferred wgrads, fused fp32 accumulation and distributed weights.
 
-Signature-compatible with TransformerEngine's ``te.Linear`` for the parts implemented here. The weight
-may be a plain parameter or any DistributedWeight (``ShardedWeight``, ``ReplicatedWeight``, or a weight
-written for TE's protocol); see [Note: what backward may hold] in ``distwgrad/protocol.py`` and
-[Note: accumulate, never assign] in ``distwgrad/wgrad/accumulate.py``.
-
-Under ``distwgrad.fp8.fp8_autocast(recipe)`` the three GEMMs run in FP8: on CUDA in the FP8 grouped
-kernels as one group, elsewhere emulated (quantize with the recipe's scales, fp32 GEMM of the
-dequantized operands); [Note: fp8 gemm dispatch] in ``distwgrad/ops/grouped_gemm_fp8.py``. The weight
-is quantized before it is gathered and re-gathered in FP8 for dgrad ([Note: fp8 distributed weights]).
-The recipe is read in forward and carried to backward on the autograd context.
+TransformerEngine's ``te.Linear`` signature, for the parts implemented; the weight may be any DistributedWeight
+([Note: what backward may hold], [Note: accumulate, never assign]). Under ``fp8_autocast`` the three GEMMs
+run in FP8 ([Note: fp8 gemm dispatch], [Note: fp8 distributed weights]), the recipe fixed at forward.
 """
 
 from __future__ import annotations
@@ -70,11 +63,8 @@ def _one_group(t_TX: torch.Tensor) -> torch.Tensor:
     """Offsets of one group holding every token: Linear on the grouped FP8 kernels (no host sync).
 
     [Note: one-group offsets]
-    Each FP8 Linear call takes them three times a step (fprop, dgrad, wgrad), and a new one-element tensor
-    is an allocation and a fill kernel (about 15 µs of host time on a GPU; a host-bound FP8 step spent 1.2
-    ms a step here). So they are a device table, made once per (device, tokens) and kept ([Note: device
-    tables] in ``kernels/_host.py``); not while torch.compile traces (the op belongs in the graph) or a CUDA
-    graph captures (a first use there could not copy), and only for a plain tensor."""
+    A new tensor costs an allocation and a fill kernel, three per FP8 call, so they are a kept device table
+    ([Note: device tables]), except under torch.compile, CUDA graph capture (cannot copy) or a subclass."""
     T, device = t_TX.shape[0], t_TX.device
     if (type(t_TX) is not torch.Tensor or torch.compiler.is_compiling()
             or (t_TX.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -110,10 +100,8 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
 
 def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_dtype=None,
            first=None) -> torch.Tensor:
-    """``x_TK`` without a recipe, else ``x_qt`` (x^T quantized, saved by forward). Without ``out``, a fresh
-    product in ``out_dtype`` (default: dy's; fp32 for a fresh first contribution: [Note: a fresh first
-    contribution] in ``wgrad/accumulate.py``). ``first`` (an FP8 recipe, with ``out``): the flag of an
-    ``out`` that may hold nothing yet ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
+    """dW = dy^T x into ``out`` (FP8 ``first``: [Note: an unwritten accumulator]), else fresh in ``out_dtype``
+    (default dy's). Reads the saved ``x_qt`` under a recipe, else ``x_TK``."""
     assert first is None or (recipe is not None and out is not None), "first= is for an FP8 product added into out"
     if recipe is None:
         return wgrad_mm(dy_TN, x_TK, out, out_dtype=None if out is not None else out_dtype)
@@ -138,11 +126,8 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_d
 
 def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None, call: _Call, deferred: bool, dy_qt=None, x_qt=None, db_N=None):
-    """One contribution to the weight (and bias) gradient; returns what autograd gets.
-
-    ``db_N``: a bias gradient the main backward already computed; it is delivered as is, never
-    recomputed from the saved ``dy`` (seed 000's FP8 block-scaling bias).
-    """
+    """One contribution to the weight (and bias) gradient; returns what autograd gets. ``db_N``: a bias
+    gradient the main backward computed from its high-precision ``dy``, delivered as is, never recomputed."""
     gw = gb = None
     shape = call.weight_shape
     if call.weight_grad:
@@ -213,29 +198,16 @@ class Linear(WgradModule):
     """A linear layer whose weight gradient may be deferred, fused into ``main_grad`` or distributed.
 
     Args:
-        in_features: K, the input width.
-        out_features: N, the output width.
-        bias: True for a fresh bias, False for none, or a tensor/parameter to use as the bias.
-        params_dtype: dtype of freshly created parameters (default: torch's default dtype, or a given
-            weight's compute dtype for a fresh bias). Given with ``weight``, it must equal that weight's
-            compute dtype (``distwgrad.compute_dtype``: its ``param_dtype``, else its dtype).
-        device: device of freshly created parameters (default: a given ``weight``'s, else the current CUDA
-            device where CUDA is available, else torch's default device, as TransformerEngine; see
-            ``parameter_device``).
+        in_features, out_features: K and N.
+        bias: True for a fresh bias, False for none, or a tensor to use as the bias.
+        params_dtype, device: of fresh parameters (default device: ``parameter_device``); with ``weight``,
+            ``params_dtype`` must equal its ``distwgrad.compute_dtype``, which a fresh bias takes.
         delay_wgrad_compute: queue the wgrad GEMM in backward; ``backward_dw()`` runs it.
-        fuse_wgrad_accumulation: accumulate the weight gradient into ``weight.main_grad`` (fp32).
-        weight: an existing weight to use (e.g. a ``ShardedWeight`` or a tied parameter), of full
-            shape ``[out_features, in_features]``.
-        init_method: ``init_method(weight)`` initialises a fresh weight in place (TransformerEngine's
-            convention); default: ``torch.nn.Linear``'s initialisation.
-        return_bias: return ``(output, bias)`` with the bias not added (TransformerEngine's convention, for
-            fusing the bias into what follows); its gradient then flows through the caller's use.
-        sequence_parallel, tp_group, tp_size, parallel_mode: TransformerEngine's tensor-parallel
-            arguments, accepted at their defaults only (``NotImplementedError`` otherwise).
-
-    ``forward(inp, is_first_microbatch=None)``: ``is_first_microbatch`` is TransformerEngine's hint for
-    caching FP8 weights across microbatches; distwgrad never caches a materialized weight, so it is
-    accepted and has no effect.
+        fuse_wgrad_accumulation: accumulate the weight gradient into fp32 ``weight.main_grad``.
+        weight: an existing weight (a ``ShardedWeight``, a tied parameter) of full shape ``[N, K]``.
+        init_method: initialises a fresh weight in place (default: ``nn.Linear``'s).
+        return_bias: return ``(output, bias)`` unadded (TE's convention).
+        sequence_parallel, tp_group, tp_size, parallel_mode: accepted at their defaults only.
     """
 
     _compute_dtype: torch.dtype  # set by the parameter checks (a plain attribute)

@@ -1,32 +1,21 @@
 """The one grouped-GEMM interface GroupedLinear calls: three MoE products over ragged token groups.
 
-Legend: E experts (groups), T tokens, K in-features, N out-features.
-``offs_E`` holds the END offset of each group's token range (int32, on the tokens' device), as
-``torch._grouped_mm`` takes it: group ``e`` owns rows ``offs_E[e-1]:offs_E[e]`` of ``x_TK``.
+Legend: E experts (groups), T tokens, K in-features, N out-features. ``offs_E``: each group's END offset
+(int32, on the tokens' device, as ``torch._grouped_mm`` takes it): group e owns rows ``offs_E[e-1]:offs_E[e]``.
 
     fprop   y_TN[g]   = x_TK[g] @ w_ENK[e]^T (+ bias_EN[e])
     dgrad   dx_TK[g]  = dy_TN[g] @ w_ENK[e]
     wgrad   dW_ENK[e] = dy_TN[g]^T @ x_TK[g]      (contraction over the group's tokens)
 
-``wgrad`` either returns a fresh tensor or ACCUMULATES into fp32 outputs (``main_grad`` or a
-distributed weight's ``grad_buffer()``): ``out`` is a stacked ``[E, N, K]`` fp32 tensor or a list of E
-``[N, K]`` fp32 tensors (discrete weights keep separate buffers); a group with no tokens adds nothing.
-
 [Note: grouped gemm dispatch]
-CPU tensors always take the torch reference in ``distwgrad.testing.reference`` (bit-exact with a
-per-expert ``torch.nn.functional.linear`` oracle, which the CPU tests rely on). CUDA tensors take the
-Triton kernels in ``distwgrad.kernels.grouped_gemm`` when Triton imports; otherwise the reference. The
-choice is made here and nowhere else, so the modules never know which one ran. (Tests of the wiring
-alone may send CPU tensors through the kernels: ``DISTWGRAD_KERNELS_ON_CPU=1`` with ``TRITON_INTERPRET=1``.)
+CPU tensors take the torch reference (``distwgrad.ops.reference``, bit-exact with a per-expert ``F.linear``);
+CUDA tensors the Triton kernels of ``distwgrad.kernels.grouped_gemm`` when Triton imports, else the
+reference. The choice is made here only: the modules never know which one ran.
 
 [Note: fp32 on CUDA]
-The Triton kernels are built for 16-bit operands on tensor cores. fp32 operands with IEEE products (torch's
-default, ``allow_tf32`` off) have no tensor-core instruction, so there the kernels run FMA loops far below
-cuBLAS. fp32 CUDA tensors therefore take torch's own grouped GEMM (``torch._grouped_mm``, cuBLAS-backed,
-offsets on the device: no host sync), which follows torch's TF32 switch exactly as ``torch.mm`` does; where
-a torch build lacks it for a dtype, the per-expert loop of the reference (one host read of the offsets).
-Every dtype's route was timed against the loop of ``torch.mm`` and ``torch._grouped_mm`` (rows ``bench:
-dtype_paths`` of ``docs/benchmarks/results.jsonl``).
+fp32 IEEE products have no tensor-core instruction, so the kernels (built for 16-bit operands) would run FMA
+loops far below cuBLAS. fp32 CUDA tensors take ``torch._grouped_mm`` (no host sync; torch's TF32 switch
+applies), or where a build lacks it, the reference's per-expert loop (one host read of the offsets).
 """
 
 from __future__ import annotations
@@ -48,14 +37,12 @@ _last_offsets: list = []  # [(weakref to a device m_splits, its _version, num_gr
 
 
 def _remembered_offsets(m_splits: torch.Tensor, num_groups: int, num_tokens: int, device: torch.device):
-    """The offsets computed last for this very tensor, unchanged since (``_version``), and the same problem.
+    """The offsets computed last for this very tensor, if unchanged since (``_version``), for the same problem.
 
     [Note: one routing, two GEMMs]
-    An MoE layer hands the same device ``m_splits`` to fc1 and fc2: the cumulative sum and the two device
-    assertions (six small kernels) are the same for both, so the second call reuses the first's offsets.
-    The entry names the tensor by a weak reference and its version counter, so an in-place change, a new
-    tensor at the same address or another token count computes afresh. Never while a CUDA graph captures,
-    neither read nor written: a graph must compute its offsets from its own inputs on every replay.
+    An MoE layer hands the same device ``m_splits`` to fc1 and fc2, so the second call reuses the first's cumsum
+    and device assertions. The entry holds a weak reference and the version counter: an in-place change, a new
+    tensor at the same address or another token count computes afresh. Never used while a CUDA graph captures.
     """
     if not _last_offsets:
         return None
@@ -68,12 +55,8 @@ def _remembered_offsets(m_splits: torch.Tensor, num_groups: int, num_tokens: int
 
 def splits_to_offsets(m_splits: Sequence[int] | torch.Tensor, num_groups: int, num_tokens: int,
                       device: torch.device) -> torch.Tensor:
-    """Validates ``m_splits`` and returns int32 end offsets on ``device``.
-
-    A list (or CPU tensor) is checked on the host: length, no negative split, sum equals the token
-    count. A CUDA tensor is never read on the host (no sync): the cumulative sum runs on the device and
-    the sum check is an asynchronous device assertion, once per tensor ([Note: one routing, two GEMMs]).
-    """
+    """Validates ``m_splits`` and returns int32 end offsets on ``device``: a list or CPU tensor on the host; a CUDA
+    tensor never read there, its sum an async device assertion, once per tensor ([Note: one routing, two GEMMs])."""
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.numel() != num_groups:
             raise ValueError(f"m_splits must have {num_groups} entries (one per GEMM), got shape "
@@ -207,13 +190,10 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, *,
                   out: torch.Tensor | Sequence[torch.Tensor] | None = None, out_dtype: torch.dtype | None = None,
                   first: torch.Tensor | None = None):
-    """``dW`` per group; with ``out`` it is added into ``out`` and ``out`` is returned. The kernels fuse
-    the add into fp32 buffers; other buffers (a bf16 ``main_grad``, a foreign weight's bf16
-    ``grad_buffer()``) get a fresh product added afterwards. ``out_dtype`` (without ``out``): a fresh
-    product's dtype, dy's by default; ``torch.float32`` holds exactly what adding the product into fp32
-    zeros would (the kernels write their fp32 accumulator; elsewhere the product is cast). ``first`` (with
-    ``out``): an int32 flag on the device; while set, ``out`` holds nothing yet: the kernels write it, the
-    other routes zero it first ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
+    """``dW`` per group (zeros for a group without tokens), or added into ``out`` and ``out`` returned (fused into
+    fp32 buffers; others, e.g. a bf16 ``main_grad``, get a fresh product added). ``out_dtype`` (no ``out``): dy's
+    by default; float32 holds exactly what adding into fp32 zeros would. ``first`` (with ``out``): an int32 device
+    flag; while set, ``out`` holds nothing yet ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
     if out is not None and out_dtype is not None:
         raise ValueError(f"grouped_wgrad: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
                          f"into) or out_dtype, not both")
@@ -256,11 +236,8 @@ def add_per_group(out, dW_ENK: torch.Tensor):
 
 
 def grouped_bias_grad(dy_TN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """``db_EN[e] = sum of dy_TN over group e's tokens``.
-
-    CPU: a per-group ``sum(0)``, bit-exact with a per-expert ``torch.nn.Linear``. CUDA: one fp32
-    ``index_add_`` keyed by each token's group (found on the device: no host sync), cast back.
-    """
+    """``db_EN[e]``: the sum of ``dy_TN`` over group e's tokens. CPU: bit-exact with a per-expert ``nn.Linear``;
+    CUDA: one fp32 ``index_add_`` keyed by each token's group (no host sync), cast back."""
     if dy_TN.device.type != "cuda":
         return reference.grouped_bias_grad(dy_TN, offs_E)
     num_tokens = dy_TN.shape[0]

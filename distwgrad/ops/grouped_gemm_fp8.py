@@ -1,41 +1,20 @@
 """The FP8 grouped GEMMs the modules call under an FP8 recipe: Triton on CUDA, emulation elsewhere.
 
-Legend: E experts (groups), T tokens, K in-features, N out-features; ``offs_E`` as in
-``distwgrad.ops.grouped_gemm`` (int32 END offsets on the tokens' device). ``Linear`` is one group.
+Legend as in ``distwgrad.ops.grouped_gemm``; ``Linear`` is one group. ``w_qs``: E per-expert ``[N, K]``
+``Quantized`` or one ``QuantizedExperts`` (``distwgrad.fp8.weights``).
 
-    quantize_operand(x_MK, recipe, grad)  -> (q, q_t): x for a GEMM contracting over its columns, and
-                                             x^T for one contracting over its rows (the tokens)
     grouped_fprop_fp8(x_q, w_qs, offs_E, bias_EN, out_dtype)   y_TN[g]   = deq(x)[g] @ deq(w_e)^T (+ b_e)
     grouped_dgrad_fp8(dy_q, w_qs, offs_E, out_dtype)           dx_TK[g]  = deq(dy)[g] @ deq(w_e)
     grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=None, out_dtype) dW_ENK[e] = deq(dy)[g]^T @ deq(x)[g]
 
-Each of these dispatches ([Note: fp8 gemm dispatch]); ``kernel_grouped_fprop_fp8`` / ``_dgrad_`` /
-``_wgrad_`` run the kernels on the same operands without a fallback (the kernels take tensors: these
-unpack each ``Quantized`` into its data, its scales and the recipe's block L). Each also takes
-``split_accumulator`` (the recipe's ``MMParams`` for that GEMM, from ``distwgrad.fp8.recipe.split_accumulator``):
-it reaches the kernels; emulation is exact fp32 either way.
-
-``w_qs`` is a list of E per-expert ``[N, K]`` ``Quantized`` (``distwgrad.fp8.weights.materialize_quantized``)
-or one ``QuantizedExperts`` (``materialize_quantized_group(..., stacked=True)``).
-A fresh wgrad is in ``out_dtype`` (fp32 by default; the kernels round their fp32 accumulator to bf16 or fp16
-in the epilogue, so a module without ``main_grad`` writes its gradient once); with ``out`` (fp32 ``[E, N, K]``
-or a list of E ``[N, K]``) the product is ADDED, as ``grouped_gemm.grouped_wgrad`` does.
+``split_accumulator`` (the recipe's ``MMParams``) reaches the kernels; ``kernel_grouped_*_fp8`` call them alone.
 
 [Note: fp8 gemm dispatch]
-Operands are quantized once, by the Triton quantize kernels on CUDA and by the torch reference
-elsewhere: the two are bit-identical (tests/test_fp8_quantize_kernels.py), so every device sees the same fp8
-values and scales. The products then run:
-* on CUDA, in the FP8 Triton kernels (``distwgrad.kernels.grouped_gemm_fp8``: fp8 tensor-core products,
-  scales applied in the kernel, fp32 accumulation) when they accept the operands: per-tensor scales, or
-  1xL activation tiles with LxL weight blocks of the same L >= 32;
-* otherwise by EMULATION: dequantize to fp32, then the fp32 grouped GEMM of ``distwgrad.ops.grouped_gemm``
-  (the torch reference on CPU, bit-exact with the CPU tests' oracles; Triton in fp32 on CUDA). Weights
-  whose gathered scales are not square blocks (a sharded weight whose row split is off the block grid
-  keeps per-row scales, ``distwgrad.fp8.weights``) and tiles shorter than 32 take this path.
-Both compute the same mathematical product of the same quantized values; they differ only in the order
-of fp32 accumulation and, on Hopper, in the tensor cores' limited-precision fp8 accumulation, which
-``distwgrad.testing.reference_fp8.error_bound`` bounds. Setting ``DISTWGRAD_KERNELS_ON_CPU=1`` together
-with ``TRITON_INTERPRET=1`` routes CPU tensors through the kernels (tests of this wiring on CPU).
+Operands are quantized once, by the Triton kernels on CUDA and the torch reference elsewhere: the same bits
+on every device. The products run in the FP8 Triton kernels on CUDA when these accept the operands
+(per-tensor scales, or 1xL tiles with LxL weight blocks, L >= 32), else by EMULATION: dequantize, then the
+fp32 GEMM of ``distwgrad.ops.grouped_gemm``. The two differ only in the order of fp32 sums and in Hopper's
+fp8 accumulation, which ``distwgrad.testing.reference_fp8.error_bound`` bounds.
 """
 
 from __future__ import annotations
@@ -71,8 +50,7 @@ def align_wgrad(x_TK: torch.Tensor, recipe: Recipe | None, num_groups: int) -> b
 
 
 def _aligned_groups(offs_E: torch.Tensor, num_tokens: int, align: int) -> tuple[torch.Tensor, ...]:
-    """(each group's end, size, size padded to ``align``, and its end in the aligned layout), int64, for
-    groups ending at ``offs_E`` (clamped into [0, num_tokens]; a decreasing offset gives an empty group)."""
+    """Per group: its end, size, size padded to ``align`` and aligned end (int64; ``offs_E`` clamped to the tokens)."""
     ends = offs_E.long().clamp(0, num_tokens)
     sizes = (ends - torch.cat([ends.new_zeros(1), ends[:-1]])).clamp_min(0)
     padded = -(-sizes // align) * align
@@ -80,10 +58,8 @@ def _aligned_groups(offs_E: torch.Tensor, num_tokens: int, align: int) -> tuple[
 
 
 def wgrad_offsets(offs_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The int32 end offsets of the aligned layout of ``num_tokens`` tokens in groups ending at ``offs_E``
-    (each group's zero padding counted in it; [Note: aligned token groups]). On the kernels' route it is the
-    ``ends`` the operands' ``transpose_aligned`` took, computed once per routing ([Note: one layout per
-    routing] in kernels/token_layout.py)."""
+    """The int32 end offsets of the aligned layout ([Note: aligned token groups]) of ``num_tokens`` tokens in groups
+    ending at ``offs_E``; on the kernels, computed once per routing ([Note: one layout per routing])."""
     if gg.kernels_available(offs_E):
         from distwgrad.kernels import token_layout as kt
         return kt.aligned_offsets(offs_E, num_tokens, ALIGN)[0]
@@ -92,10 +68,9 @@ def wgrad_offsets(offs_E: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
                      aligned_offs: torch.Tensor | None = None) -> tuple[Quantized, Quantized]:
-    """``(q, q_t)``: ``x`` quantized along its rows (tiles along K) and ``x^T`` along the tokens; one read
-    of ``x`` on CUDA. Bit-identical on every device ([Note: fp8 gemm dispatch]). ``aligned_offs``: the
-    token groups' end offsets, for ``q_t`` in the aligned layout (per-tensor only; [Note: aligned token
-    groups]; the wgrad then takes ``wgrad_offsets(aligned_offs, T)``)."""
+    """``(q, q_t)``: ``x`` quantized along its rows and ``x^T`` along the tokens, in one read on CUDA; the same bits
+    on every device. ``aligned_offs`` (per-tensor only): lay ``q_t`` out aligned ([Note: aligned token groups]);
+    the wgrad then takes ``wgrad_offsets(aligned_offs, T)``."""
     if aligned_offs is not None:
         if recipe.family != "per_tensor":
             raise ValueError(f"quantize_operand: the aligned layout is for per-tensor scaling, got {recipe!r}")
@@ -115,9 +90,8 @@ def quantize_operand(x_MK: torch.Tensor, recipe: Recipe, *, grad: bool,
 
 
 def saved_tensors(q: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensors of ``q`` for ``ctx.save_for_backward``; the rest is :func:`saved_meta`. Under a recipe
-    the modules save x^T quantized (what wgrad reads, 1 byte per element) instead of x: backward never
-    quantizes x a second time."""
+    """``q``'s tensors for ``ctx.save_for_backward`` (the rest: :func:`saved_meta`). The modules save x^T
+    quantized, which wgrad reads, so backward never quantizes x again."""
     return q.data, q.scale_inv
 
 
@@ -155,14 +129,10 @@ def fp8_kernels_accept(act_qs: Sequence[Quantized], w_qs: Sequence[Quantized] | 
 
 
 def align_token_groups(q_t: Quantized, offs_E: torch.Tensor, align: int = 128) -> tuple[Quantized, torch.Tensor]:
-    """``(q_t', offs')``: the per-tensor transposed operand ``q_t`` (``[R, T]``, tokens along dim 1) with each
-    group's tokens moved to start on a multiple of ``align`` and zeros between groups, and the end offsets
-    of that layout, each group's zero padding counted in it: every group starts and ends on the grid, so
-    no ``align``-token chunk of the FP8 wgrad holds two groups' tokens ([Note: fp8 wgrad chunks] in
-    ``kernels/grouped_gemm_fp8.py``). The products are unchanged (padding adds zeros); the chunk grid,
-    and so the order of the fp32 sums, follows each group's first token instead of the global grid.
-    Offsets must be non-decreasing (as the modules' are); nothing syncs with the host: the layout has
-    ``T + (align - 1) * E + 1`` columns rounded up to ``align``, zeros past the last group (unread)."""
+    """``(q_t', offs')``: per-tensor ``q_t`` ``[R, T]`` with each group's tokens moved to start on a multiple of
+    ``align`` (zeros between) and that layout's end offsets, so no ``align``-token chunk of the FP8 wgrad holds two
+    groups ([Note: fp8 wgrad chunks]); only the order of fp32 sums moves. Offsets must be non-decreasing. No host
+    sync: the width is ``T + (align - 1) * E + 1`` rounded up to ``align``."""
     if q_t.block is not None:
         raise ValueError(f"align_token_groups: per-tensor operands only (a 1xL tile's scale covers L tokens of "
                          f"the global grid), got block {q_t.block}")
@@ -195,13 +165,9 @@ def _emulated_weights(w_qs: Sequence[Quantized] | QuantizedExperts) -> torch.Ten
 
 
 def _contraction_contiguous(w_qs: Sequence[Quantized] | QuantizedExperts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stacked weights for dgrad, stored ``[E, K, N]`` (N, dgrad's contraction, contiguous) and
-    passed as the ``[E, N, K]`` view the kernel takes. Hopper's fp8 MMA reads its B operand only
-    K-major, so the forward layout costs a transpose of every tile in registers: 4-5x slower dgrad on an
-    H200 (``test_gpu_dgrad_weight_layouts``); the one transposing copy here (E*N*K bytes) is cheaper.
-    The scales are unchanged (square blocks: block (nb, kb) serves contraction block nb). A
-    ``QuantizedExperts`` already in that layout ([Note: a group of weights in two launches] in
-    ``kernels/weights_fp8.py``) is read in place."""
+    """The stacked dgrad weights stored ``[E, K, N]`` (N contiguous), as the ``[E, N, K]`` view the kernel takes:
+    Hopper's fp8 MMA reads B only K-major, and one transposing copy beats transposing every tile in registers. A
+    ``QuantizedExperts`` already so laid out ([Note: a group of weights in two launches]) is read in place."""
     if isinstance(w_qs, QuantizedExperts):
         data = w_qs.data
         return (data if data.stride(1) == 1 else data.transpose(1, 2).contiguous().transpose(1, 2)), w_qs.scale_inv
@@ -235,9 +201,8 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized] | QuantizedExpe
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor, *,
                       out: torch.Tensor | Sequence[torch.Tensor] | None = None, split_accumulator: bool = True,
                       out_dtype: torch.dtype = torch.float32, first: torch.Tensor | None = None):
-    """A fresh ``[E, N, K]`` in ``out_dtype``, or the product added into ``out``; see the module docstring.
-    ``first``: as in ``grouped_gemm.grouped_wgrad`` ([Note: an unwritten accumulator] in
-    ``weights/first_write.py``)."""
+    """A fresh ``[E, N, K]`` in ``out_dtype``, or the product ADDED into ``out`` (fp32 ``[E, N, K]`` or E ``[N, K]``).
+    ``first``: as in ``grouped_gemm.grouped_wgrad`` ([Note: an unwritten accumulator])."""
     if out is not None and out_dtype != torch.float32:
         raise ValueError(f"grouped_wgrad_fp8: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
                          f"into) or out_dtype, not both")
@@ -301,10 +266,9 @@ def _weights(op: str, w_qs, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 def kernel_grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN: torch.Tensor | None = None,
                              out_dtype: torch.dtype = torch.bfloat16, *,
                              split_accumulator: bool = True) -> torch.Tensor:
-    """``distwgrad.kernels.grouped_gemm_fp8.grouped_fprop_fp8`` on ``x_q`` ``[T, K]`` (per-tensor or 1xL tiles
-    along K) and ``w_qs``: E per-expert ``[N, K]`` ``Quantized`` (per-tensor, or LxL blocks with the same L;
-    stacked here, one copy) or a ``(w_ENK, scale_inv)`` tuple (scale_inv ``[E]`` or ``[E, cdiv(N, L),
-    cdiv(K, L)]``)."""
+    """``kernels.grouped_gemm_fp8.grouped_fprop_fp8`` on ``x_q`` ``[T, K]`` (per tensor or 1xL tiles) and ``w_qs``:
+    E ``[N, K]`` ``Quantized`` (stacked here) or ``(w_ENK, scale_inv)``, scale_inv ``[E]`` or
+    ``[E, cdiv(N, L), cdiv(K, L)]``."""
     from distwgrad.kernels import grouped_gemm_fp8 as k
     x, x_s, block = _act("grouped_fprop_fp8", "x_q", x_q)
     w, w_s = _weights("grouped_fprop_fp8", w_qs, block)
@@ -314,9 +278,8 @@ def kernel_grouped_fprop_fp8(x_q: Quantized, w_qs, offs_E: torch.Tensor, bias_EN
 
 def kernel_grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                              *, split_accumulator: bool = True) -> torch.Tensor:
-    """``distwgrad.kernels.grouped_gemm_fp8.grouped_dgrad_fp8`` on ``dy_q`` ``[T, N]`` (per-tensor or 1xL tiles
-    along N) and the weights as in :func:`kernel_grouped_fprop_fp8` (forward layout; block (nb, kb) serves
-    contraction block nb)."""
+    """``kernels.grouped_gemm_fp8.grouped_dgrad_fp8`` on ``dy_q`` ``[T, N]`` (per tensor or 1xL tiles) and weights
+    as in :func:`kernel_grouped_fprop_fp8`."""
     from distwgrad.kernels import grouped_gemm_fp8 as k
     dy, dy_s, block = _act("grouped_dgrad_fp8", "dy_q", dy_q)
     w, w_s = _weights("grouped_dgrad_fp8", w_qs, block)
@@ -327,9 +290,8 @@ def kernel_grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Te
                              out: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
                              split_accumulator: bool = True, out_dtype: torch.dtype | None = None,
                              first: torch.Tensor | None = None):
-    """``distwgrad.kernels.grouped_gemm_fp8.grouped_wgrad_fp8`` on the TRANSPOSED quantizations ``dy_qt``
-    ``[N, T]`` and ``x_qt`` ``[K, T]`` (per-tensor, or 1xL tiles along the tokens:
-    ``quantize_rowwise_and_columnwise(...)[1]``); ``out``, ``out_dtype`` and ``first`` as there."""
+    """``kernels.grouped_gemm_fp8.grouped_wgrad_fp8`` on the TRANSPOSED ``dy_qt`` ``[N, T]`` and ``x_qt`` ``[K, T]``
+    (``quantize_rowwise_and_columnwise(...)[1]``); ``out``, ``out_dtype`` and ``first`` as there."""
     from distwgrad.kernels import grouped_gemm_fp8 as k
     dy_t, dy_s, block = _act("grouped_wgrad_fp8", "dy_qt", dy_qt)
     x_t, x_s, x_block = _act("grouped_wgrad_fp8", "x_qt", x_qt)

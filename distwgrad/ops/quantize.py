@@ -1,11 +1,8 @@
 """The Triton FP8 quantize kernels on the runtime's types: recipes in, ``Quantized`` / ``QuantizedExperts`` out.
 
-The kernels (``distwgrad.kernels.quantize``, ``distwgrad.kernels.weights_fp8``) take tensors, float8 dtypes
-and block sizes and return tensors; this module translates a recipe into those arguments and wraps the
-results, so that each function here is the kernel twin of its namesake in ``distwgrad.fp8.quantize`` (same
-arguments, same bits; tests/test_fp8_quantize*.py). No device dispatch happens here: the callers choose the
-kernels where they run ([Note: fp8 gemm dispatch] in ``distwgrad/ops/grouped_gemm_fp8.py``), and the kernel
-modules are imported at the first call, so that importing this module needs no Triton.
+Each function is the kernel twin of its namesake in ``distwgrad.fp8.quantize`` (same arguments, same bits). No
+device dispatch here ([Note: fp8 gemm dispatch] in ``distwgrad/ops/grouped_gemm_fp8.py``); the kernel modules are
+imported at the first call, so importing this module needs no Triton.
 """
 
 from __future__ import annotations
@@ -25,11 +22,8 @@ __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_co
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
                         margin: int = 0) -> Quantized:
-    """Kernel version of ``distwgrad.fp8.quantize.quantize_per_tensor`` (same arguments, same bits).
-
-    ``amax``, when given, must be a one-element fp32 tensor on ``x``'s device (e.g. the MAX all-reduce
-    of ``compute_amax(shard)`` over the shard group); it is read on the device, never synced.
-    """
+    """Kernel twin of ``distwgrad.fp8.quantize.quantize_per_tensor``. ``amax``: a one-element fp32 tensor on
+    ``x``'s device (e.g. the shard group's MAX all-reduce), read on the device, never synced."""
     from distwgrad.kernels import quantize as kq
     fp8_format(dtype)
     data, scale_inv = kq.quantize_per_tensor(x, dtype, amax=amax, margin=margin)
@@ -38,7 +32,7 @@ def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tens
 
 def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
                        power_of_two: bool = True) -> Quantized:
-    """Kernel version of ``distwgrad.fp8.quantize.quantize_blockwise``; blocks must be powers of two."""
+    """Kernel twin of ``distwgrad.fp8.quantize.quantize_blockwise``; blocks must be powers of two."""
     from distwgrad.kernels import quantize as kq
     fp8_format(dtype)
     data, scale_inv = kq.quantize_blockwise(x, block, dtype, power_of_two=power_of_two)
@@ -47,11 +41,8 @@ def quantize_blockwise(x: torch.Tensor, block: tuple[int, int], dtype: torch.dty
 
 def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
                                     grad: bool = False) -> tuple[Quantized, Quantized]:
-    """Kernel version of ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``.
-
-    ``BlockwiseScaling``: one read of ``x`` for both outputs. ``PerTensorScaling``: the amax pass, then the
-    cast and a transposed copy of the fp8 data from one read of ``x`` (the scale is shared, so this is exact).
-    """
+    """Kernel twin of ``distwgrad.fp8.quantize.quantize_rowwise_and_columnwise``: both outputs from one read of
+    ``x`` (per-tensor: after the amax pass). Raises TypeError for a family the kernels do not run."""
     from distwgrad.kernels import quantize as kq
     dtype = recipe.dtype_for(grad=grad)
     if recipe.family == "blockwise":  # the kernels' families: [Note: fp8 recipe objects]
@@ -71,8 +62,8 @@ def quantize_rowwise_and_columnwise(x: torch.Tensor, recipe: Recipe, *,
 def quantize_weights_per_tensor(weights: Sequence[torch.Tensor], dtype: torch.dtype, *, margin: int = 0,
                                 transpose: bool = False, shared: Sequence[int] | None = None,
                                 amax: torch.Tensor | None = None) -> QuantizedExperts:
-    """``distwgrad.kernels.weights_fp8.quantize_weights_per_tensor`` (E alike ``[N, K]`` weights quantized per
-    tensor in two launches, [Note: a group of weights in two launches]) as one ``QuantizedExperts``."""
+    """``kernels.weights_fp8.quantize_weights_per_tensor`` as one ``QuantizedExperts``: E alike ``[N, K]``
+    weights per tensor ([Note: a group of weights in two launches])."""
     from distwgrad.kernels import weights_fp8 as kw
     data, scale_inv, amax = kw.quantize_weights_per_tensor(weights, dtype, margin=margin, transpose=transpose,
                                                            shared=shared, amax=amax)
@@ -94,9 +85,8 @@ def quantize_weights_alike(weights: Sequence[torch.Tensor], dtype: torch.dtype, 
 
 def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, *, margin: int = 0,
                                transpose: bool = False) -> QuantizedExperts:
-    """``distwgrad.kernels.weights_fp8.quantize_packed_per_tensor`` (a packed ``[E, N, K]`` weight quantized per
-    tensor with its one amax, in one launch; stored ``[E, K, N]`` with ``transpose``) as one
-    ``QuantizedExperts``, its ``amax`` the one value for every expert."""
+    """``kernels.weights_fp8.quantize_packed_per_tensor`` as one ``QuantizedExperts``: a packed ``[E, N, K]``
+    weight with one amax (every expert's), one launch; stored ``[E, K, N]`` with ``transpose``."""
     from distwgrad.kernels import weights_fp8 as kw
     fp8_format(dtype)
     data, scale_inv = kw.quantize_packed_per_tensor(w_ENK, dtype, amax, margin=margin, transpose=transpose)
@@ -105,9 +95,8 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
 
 def quantize_experts_blockwise(w_ENK: torch.Tensor, recipe: BlockwiseScaling, *, transpose: bool = False
                                ) -> QuantizedExperts:
-    """``distwgrad.kernels.weights_fp8.quantize_experts_blockwise`` (a packed ``[E, N, K]`` weight in the
-    recipe's square blocks, one launch, stored ``[E, K, N]`` with ``transpose``) as one ``QuantizedExperts``:
-    each expert's bits those of ``quantize_blockwise`` on it alone."""
+    """``kernels.weights_fp8.quantize_experts_blockwise`` as one ``QuantizedExperts``: a packed ``[E, N, K]`` weight
+    in square blocks, one launch (``[E, K, N]`` with ``transpose``); each expert's bits as if quantized alone."""
     from distwgrad.kernels import weights_fp8 as kw
     fp8_format(recipe.dtype)
     data, scale_inv = kw.quantize_experts_blockwise(w_ENK, recipe.weight_block, recipe.dtype,

@@ -1,37 +1,17 @@
 """Expert parallelism: each rank of an ``ep`` group owns ``E / ep`` experts; tokens travel to their expert's
-rank and back by all-to-all, and expert weights never leave their ranks.
+rank and back by all-to-all, and expert weights never leave their ranks (docs/experts.md).
 
 [Note: expert-parallel dispatch]
-A MoE layer sorts its token-to-expert assignments by expert (``m_splits_E`` rows each, experts in order), so
-the rows bound for ep rank ``p`` (experts ``p * L .. (p + 1) * L - 1``, ``L = E / ep``) are one contiguous
-run. ``dispatch`` exchanges the per-expert counts (one small all-to-all, on the device), reads the split
-sizes on the host (the layer's one synchronization: the all-to-all takes them as lists), and sends each run
-to its rank with torch's differentiable all-to-all (``all_to_all_single_autograd``). What arrives is grouped
-by source rank, then by local expert; one gather puts it expert-major (each local expert's rows contiguous,
-sources in rank order), the layout ``GroupedLinear`` takes. ``combine`` undoes both: the inverse permutation, then the
-all-to-all back. Backward runs the same exchanges reversed (torch's autograd of the collective). Dropless:
-every row is sent, whatever the counts, and an expert that gets no row has an empty group (a zero wgrad).
-
-The gradient's average. Every rank of the ep group sends tokens to a rank's experts, so the experts' wgrad on
-that rank sums contributions from ``ep`` ranks' losses; the weight reduces over its own data-parallel group
-(dividing by its ``dp_size``), and ``DistributedParameter.spread_over_experts(mesh)`` divides by ``ep`` as well:
-the average over the ``ep * dp`` ranks, as every other weight averages over all of them. (A power-of-two
-``ep`` divides exactly; otherwise one more rounding than the oracle's one division.)
-
-Order of additions. An expert's rows arrive from the sources in rank order, so its wgrad sums rank 0's rows,
-then rank 1's: the order the single-process model sums them in when its batch is the ranks' batches
-concatenated, up to the GEMM's own blocking.
+Rows come sorted by expert, so each ep rank's rows are one contiguous run. ``dispatch`` exchanges the counts
+on the device, reads the split sizes on the host (the layer's one sync: the all-to-all takes lists), sends
+the runs, and gathers what arrives (source-major) expert-major for ``GroupedLinear``; ``combine`` undoes both.
+Dropless: every row is sent. Rows arrive in source-rank order, the single-process model's order of addition.
+An expert's wgrad sums ``ep`` ranks' contributions, so ``spread_over_experts`` divides by ``ep`` too.
 
 [Note: the dispatch's backward hides behind the experts' wgrads]
-In backward, the dispatch's gradient (every row's dgrad, travelling back to the rank that sent the row) is
-the only thing the rest of backward waits for: attention and the layers below need it. The local experts'
-deferred wgrads need nothing from it. So the dispatch's backward issues its all-to-all asynchronously
-(on CUDA, NCCL runs it on its own stream), calls ``overlap`` (the MoE layer passes the drain of its experts'
-queued wgrads), and only then waits: the exchange travels while the wgrad GEMMs run, and the wait finds it
-done or nearly. The drained wgrads are the ones ``drain_deferred_wgrads`` would have run later, in the
-same order (each module's FIFO, oldest first), so the gradients are the same bits. ``exposed_s`` counts the
-time a rank waits on its exchanges after any overlapped work; comparing it with ``overlap_wgrads=False``
-gives the fraction hidden (``qa/bench/parallelism.py experts``).
+In backward the model waits only for the dispatch's gradient, which the experts' deferred wgrads do not
+need. So it issues its all-to-all asynchronously, runs ``overlap`` (the MoE layer's drain of those wgrads,
+in ``drain_deferred_wgrads``'s order: the same bits), then waits; ``exposed_s`` is the wait left over.
 """
 
 from __future__ import annotations
@@ -60,12 +40,12 @@ class Route:
 
 
 class ExpertParallel:
-    """``n_experts`` experts partitioned over ``group`` (the ep dimension of a ``DeviceMesh``, or any process
-    group): rank ``r`` of the group owns experts ``r * L .. (r + 1) * L - 1``, ``L = n_experts / ep``."""
+    """``n_experts`` experts partitioned over ``group`` (e.g. ``mesh.get_group("ep")``): rank ``r`` owns experts
+    ``r * L .. (r + 1) * L - 1``, ``L = n_experts / ep``."""
 
     def __init__(self, n_experts: int, group: Any, *, overlap_wgrads: bool = True) -> None:
-        """``overlap_wgrads``: the MoE layer drains its experts' deferred wgrads while the dispatch's gradient
-        travels ([Note: the dispatch's backward hides behind the experts' wgrads]); False waits first."""
+        """``overlap_wgrads=False`` waits for the dispatch's gradient before the experts' wgrads run
+        ([Note: the dispatch's backward hides behind the experts' wgrads])."""
         if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
             raise ValueError(f"ExpertParallel: n_experts must be a positive int, got {n_experts!r}")
         if group is None:
@@ -81,14 +61,11 @@ class ExpertParallel:
 
     @property
     def exposed_s(self) -> float:
-        """Seconds this rank waited on its exchanges since creation: host time on CPU, the current stream's
-        time on CUDA (events, read here: a synchronization), each backward exchange after its overlapped
-        work ([Note: the dispatch's backward hides behind the experts' wgrads])."""
+        """Seconds this rank waited on its exchanges, after overlapped work (on CUDA, reading it synchronizes)."""
         return self._timer.total()
 
     @property
     def group(self) -> Any:
-        """The ep group."""
         group = self._group_ref()
         if group is None:
             raise RuntimeError("ExpertParallel: its ep group was destroyed (destroy_process_group()); the layer "
@@ -109,9 +86,9 @@ class ExpertParallel:
 
     def dispatch(self, x_AD: torch.Tensor, m_splits_E: torch.Tensor,
                  overlap: Callable[[], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Route]:
-        """Sends each row of ``x_AD`` (sorted by expert, ``m_splits_E`` rows each) to its expert's rank.
-        Returns this rank's rows expert-major, its local experts' row counts ``[L]``, and the route back.
-        ``overlap()`` runs in backward while the gradient travels back (when ``overlap_wgrads``)."""
+        """Sends each row of ``x_AD`` (sorted by expert, ``m_splits_E`` rows each) to its expert's rank; returns
+        this rank's rows expert-major, its experts' row counts ``[L]`` and the route back. ``overlap()`` runs in
+        backward while the gradient travels (when ``overlap_wgrads``)."""
         if m_splits_E.shape != (self.n_experts,):
             raise ValueError(f"ExpertParallel.dispatch: m_splits_E must have shape ({self.n_experts},), got "
                              f"{tuple(m_splits_E.shape)}")
@@ -133,15 +110,13 @@ class ExpertParallel:
         return x_recv[order], got_PL.sum(0), Route(sent, received, order)
 
     def combine(self, y_local: torch.Tensor, route: Route) -> torch.Tensor:
-        """``dispatch`` reversed: ``y_local`` (expert-major, as dispatched) back to the sending ranks, in the
-        order their rows were sent."""
+        """``dispatch`` reversed: expert-major ``y_local`` back to the senders, in the order the rows were sent."""
         y_recv = torch.empty_like(y_local).index_copy(0, route.order, y_local)
         return _Exchange.apply(y_recv, self, route.sent, route.received, None)
 
     def _exchange(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int],
                   overlap: Callable[[], Any] | None) -> torch.Tensor:
-        """Sends ``in_rows[p]`` consecutive rows of ``x`` to rank ``p``, receives ``out_rows[p]`` from it;
-        ``overlap()`` runs between issuing the exchange and waiting for it."""
+        """Sends ``in_rows[p]`` rows of ``x`` to rank ``p``, gets ``out_rows[p]``; ``overlap()`` runs as they travel."""
         x = x.contiguous()
         out = x.new_empty((sum(out_rows), *x.shape[1:]))
         self.bytes_sent += x.numel() * x.element_size()
@@ -167,8 +142,7 @@ def _expert_major(got_PL: torch.Tensor, total: int) -> torch.Tensor:
 
 
 class _Exchange(torch.autograd.Function):
-    """The differentiable all-to-all: forward sends rows, backward sends their gradients the other way (with
-    ``overlap`` run while they travel)."""
+    """The differentiable all-to-all: backward sends the gradients the other way, running ``overlap`` meanwhile."""
 
     @staticmethod
     def forward(ctx, x, ep: ExpertParallel, out_rows: list[int], in_rows: list[int],
@@ -182,10 +156,8 @@ class _Exchange(torch.autograd.Function):
 
 
 class _Timer:
-    """Sums the time spent inside ``with timer.on(device):`` blocks: ``perf_counter`` on CPU; on CUDA a pair
-    of events on the current stream per block, resolved (one synchronization) when ``total()`` reads them,
-    and, without waiting, whenever more than ``_PENDING`` pairs are held (those already completed), so a long
-    run holds a bounded number."""
+    """Sums the time inside ``with timer.on(device):`` blocks; on CUDA by event pairs, resolved when ``total()``
+    reads them (a sync) and, once over ``_PENDING``, as they complete, so a long run holds a bounded number."""
 
     _PENDING = 256
 

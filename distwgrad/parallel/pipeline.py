@@ -1,28 +1,18 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``, whose W steps are distwgrad's deferred wgrads.
 
 [Note: W steps are deferred wgrads]
-Zero-bubble schedules split a microbatch's backward into B (the input gradient, which the previous stage
-waits for) and W (the weight gradient, which nobody waits for and so fills the idle slots). torch's own W
-splits backward at the level of the autograd graph, which cannot reach inside a module whose backward is
-one autograd Function; distwgrad's modules split it themselves: with ``delay_wgrad_compute=True`` their
-backward computes the input gradient and queues the wgrad. So a stage here runs torch's schedules through
-torch's ``dw_builder`` hook, and nothing else:
-* B is torch's full backward of the stage. For a deferring module that is dgrad only; plain parameters (a
-  LayerNorm's, a bias of a module that does not defer) get their gradients there, as in any backward.
-* Right after B, the stage claims what that backward queued in every deferring module of the stage,
-  labelled "W of stage s, microbatch m" (``WeightGradStore.claim``); the schedule's W for (s, m) runs
-  exactly those items, whatever order the schedule puts its Ws in. Schedules without W actions (``GPipe``,
-  ``1F1B``, ``Interleaved1F1B``) run them right after B.
-* A W that never ran leaves its items queued: ``finalize_model_grads`` refuses the step and names the
-  module, the stage and the microbatch (``MissingContributionError``). The weights' own accounting counts
-  every use, so a tied weight used on several stages of one rank waits for all of its Ws.
+Zero-bubble schedules split backward into B (the input gradient, which the previous stage awaits) and W (the
+weight gradient, which nobody awaits). torch's split works on the autograd graph and cannot reach inside one
+autograd Function; distwgrad modules with ``delay_wgrad_compute=True`` split themselves, so B is torch's full
+backward of the stage, and right after it the stage claims the wgrads it queued for the schedule's W of that
+(stage, microbatch) through torch's ``dw_builder`` hook (``WeightGradStore.claim``). A schedule without W
+actions runs them right after B; a W that never ran makes ``finalize_model_grads`` raise, naming the module,
+stage and microbatch.
 
 [Note: the loss is divided, not the gradients]
-torch's schedules divide ``.grad`` by the number of microbatches after the step (``scale_grads=True``, the
-default). A distwgrad weight's gradient is not in ``.grad`` then: it is in its fp32 buffer, or already
-reduced. :func:`build_schedule` divides each microbatch's loss by the microbatch count instead (the same
-gradients for every parameter: the mean over microbatches of a mean loss is the batch's mean loss), and
-a stage refuses torch's scaling with an error rather than scale the plain parameters alone.
+torch's schedules divide ``.grad`` by the microbatch count after the step, where a distwgrad weight's gradient
+is not yet. So :func:`build_schedule` divides each microbatch's loss instead (the same gradients), and a stage
+refuses torch's scaling rather than scale the plain parameters alone.
 """
 
 from __future__ import annotations
@@ -47,13 +37,8 @@ __all__ = ["PipelineStage", "build_schedule", "stage_placement", "SCHEDULES", "c
 class PipelineStage(_pp.PipelineStage):
     """torch's ``PipelineStage`` whose W actions run this stage's deferred wgrads of that microbatch.
 
-    The same arguments as torch's, with the activations' shapes given (``input_args``, ``output_args``:
-    example tensors or meta tensors of one microbatch): torch's shape inference would run the stage's
-    forward and backward on made-up data, and so record uses and deliver wgrads into the real step.
-
-    ``times`` holds the seconds of each action since the last :meth:`reset_times` ("F", "B", "W": lists, one
-    entry per action; on CUDA each is timed to the device's completion when ``timed=True``).
-    """
+    ``input_args``/``output_args`` (one microbatch, meta tensors will do) are required: torch's shape inference
+    would deliver made-up wgrads into the real step. ``times``: each action's seconds ("F", "B", "W")."""
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device | str, *,
                  input_args: Any, output_args: Any, group: Any = None, timed: bool = False) -> None:
@@ -111,8 +96,7 @@ class PipelineStage(_pp.PipelineStage):
         self.times["W"].append(self._clock() - t0)
 
     def _claim_wgrads(self) -> Callable[[], None]:
-        """Called by torch right after this stage's backward of one microbatch: binds that backward's queued
-        wgrads to the microbatch's W."""
+        """torch's ``dw_builder``, called right after a microbatch's B: binds the wgrads it queued to its W."""
         label = f"W of stage {self.stage_index}, microbatch {self._bwd_chunk}"
         if self._deferred is None:  # which modules defer is fixed at construction: found once
             self._deferred = list(deferred_modules(self.submod)[::-1])  # the order backward produced the work
@@ -135,12 +119,9 @@ class PipelineStage(_pp.PipelineStage):
 
 def build_schedule(schedule: str, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                    loss_fn: Callable[..., torch.Tensor], **kwargs: Any) -> Any:
-    """torch's schedule ``schedule`` (one of :data:`SCHEDULES`) over this rank's ``stages``.
-
+    """torch's schedule ``schedule`` (one of :data:`SCHEDULES`) over this rank's ``stages``; ``kwargs`` go to it.
     Each microbatch's loss is ``loss_fn(output, target) / n_microbatches`` ([Note: the loss is divided, not
-    the gradients]); ``step()`` then returns (and fills ``losses`` with) those divided losses, whose sum is the
-    batch's mean loss. Other keyword arguments go to torch's schedule.
-    """
+    the gradients]), so the ``losses`` that ``step()`` fills sum to the batch's mean loss."""
     name = _schedule_name(schedule)
     if "scale_grads" in kwargs:
         raise ValueError("build_schedule divides the loss; scale_grads cannot be passed "
@@ -164,17 +145,12 @@ def build_schedule(schedule: str, stages: PipelineStage | Sequence[PipelineStage
 
 
 def tie_first_and_last_stage(weight: nn.Parameter | None, schedule: str, mesh: DeviceMesh) -> None:
-    """Ties this rank's copy of ``weight``, used on the first and the last pipeline stage (an embedding and
-    its lm_head), to the other stage's copy: at finalize the two copies' gradients sum ([Note: a weight tied
-    across pipeline stages] in ``weights/base.py``).
+    """Ties this rank's copy of ``weight`` (used on the first and last stage: an embedding and its lm_head) to
+    the other stage's copy, so their gradients sum at finalize ([Note: a weight tied across pipeline stages]
+    in ``weights/base.py``).
 
-    ``mesh``: the job's ``(pp, dp)`` mesh (a 1-D mesh is ``(pp,)``, a 3-D one ``(pp, replicate, shard)``, each
-    stage's weights HSDP over the last two dims; the copies at one (replicate, shard) place are tied); dim 0
-    places the stages as
-    :func:`stage_placement` says. The first stage lives on pp rank 0, the last on pp rank ``pp - 1``, or also
-    on 0 in a V schedule, where one weight object serves both stages and nothing is tied. Collective over the
-    default group: every rank calls it, once per tied weight and in the same order (each tie gets a group of
-    its own); a rank holding neither stage passes None.
+    ``mesh``: ``(pp,)``, ``(pp, dp)`` or ``(pp, replicate, shard)``; a V schedule ties nothing. Collective over
+    the default group: every rank calls it per tied weight, in one order; a rank without either stage passes None.
     """
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2, 3):
         raise ValueError(f"tie_first_and_last_stage: mesh must be a 1-D (pp), 2-D (pp, dp) or 3-D (pp, replicate, "

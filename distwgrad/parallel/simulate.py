@@ -1,19 +1,11 @@
 """A pipeline step's time and bubble, predicted by replaying torch's own action lists with given stage times.
 
 [Note: the pipeline simulator]
-Each of torch's schedules lists, per rank, the compute actions it runs in order (``pipeline_order``): F
-(forward), I (input gradient: our B), W (weight gradient: our deferred wgrads), B (a full backward, I then
-W) and DualPipeV's overlapped F;B pairs. The schedule is built here on stand-in stages (nothing is run, no
-process group), and the lists are replayed: an action starts when its rank is free and its inputs exist:
-F(s, m) after F(s - 1, m), I or B(s, m) after I or B(s + 1, m) and after F(s, m) (the last stage: after its
-own F), W(s, m) after I(s, m); an input made on another rank arrives ``comm_ms`` later (one send/recv of one
-microbatch's activations). Nothing overlaps on a rank (an overlapped F;B takes the sum of both).
-
-Reported: the step time (the last action's end), each rank's busy time, and the bubble as idle over busy
-time averaged over ranks, the measure the analytic bounds use: (p - 1) / m for 1F1B with F = I = W (the
-backward twice the forward) and (p - 1) / (3 m) for ZB-H1. One repair: torch 2.13's ``Schedule1F1B`` lists
-the last rank's forwards one microbatch late (F1..Fm where its runtime runs F0..Fm-1); the replay reads
-them as the runtime runs them.
+torch's schedule on stand-in stages (nothing runs) lists each rank's actions: F, I (input gradient), W, B (I then
+W), overlapped F;B (their sum). One starts when its rank is free and its inputs exist: F(s, m) after F(s-1, m);
+I/B(s, m) after I/B(s+1, m) and F(s, m); W after I; from another rank ``comm_ms`` later. Bubble: idle over busy
+time, averaged over ranks (docs/pipeline.md). torch 2.13's ``Schedule1F1B`` lists the last rank's forwards one
+microbatch late; they are read as the runtime runs them.
 """
 
 from __future__ import annotations
@@ -55,8 +47,7 @@ class Prediction:
 
 
 def action_lists(schedule: str, pp: int, microbatches: int) -> dict[int, list[tuple[str, int, int]]]:
-    """torch's compute actions per rank, as ``(kind, stage, microbatch)`` with kind F, I, W or B (an
-    overlapped F;B becomes its two parts, one after the other)."""
+    """torch's compute actions per rank as ``(kind, stage, microbatch)``, kind F, I, W or B (F;B split in two)."""
     from torch.distributed.pipelining.schedules import _ComputationType as C
     from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -90,9 +81,7 @@ def action_lists(schedule: str, pp: int, microbatches: int) -> dict[int, list[tu
 
 def simulate(schedule: str, pp: int, microbatches: int, times: StageTimes | Mapping[int, StageTimes],
              comm_ms: float = 0.0) -> Prediction:
-    """Replays torch's action lists of ``schedule`` at ``pp`` ranks and ``microbatches`` with ``times`` (one
-    for every stage, or per stage index) and ``comm_ms`` per cross-rank transfer ([Note: the pipeline
-    simulator])."""
+    """Replays ``schedule`` with ``times`` (for all stages, or per stage index), ``comm_ms`` per cross-rank send."""
     lists = action_lists(schedule, pp, microbatches)
     n_stages = pp * (1 if SCHEDULES[_schedule_name(schedule)] == "single" else 2)
     per_stage = {s: times for s in range(n_stages)} if isinstance(times, StageTimes) else dict(times)
@@ -155,8 +144,7 @@ def analytic_bubble(pp: int, microbatches: int) -> dict[str, float]:
 
 def table(layer: StageTimes, n_layers: int, comm_ms: float, pps=(2, 4, 8), micro=(4, 8, 16, 32),
           schedules=tuple(SCHEDULES)) -> str:
-    """A markdown table of predicted bubbles (idle over busy) for a model of ``n_layers`` layers of ``layer``'s
-    times, cut evenly into each schedule's stages, beside the analytic 1F1B and ZB-H1 bubbles."""
+    """Markdown table of predicted bubbles for ``n_layers`` of ``layer``, cut evenly into stages, beside the bounds."""
     head = "| pp | m | " + " | ".join(schedules) + " | (p-1)/m | (p-1)/3m |"
     lines = [head, "|" + "---|" * (len(schedules) + 4)]
     for pp in pps:

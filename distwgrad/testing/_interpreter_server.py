@@ -1,10 +1,8 @@
 """The interpreter cases' fork server ([Note: interpreter fork server] in ``interpreter.py``).
 
-Started by ``run_interpreted`` with ``TRITON_INTERPRET=1``; imports torch, Triton and distwgrad, then
-reads one JSON request per line on stdin and answers on stdout: ``{"pid": ...}`` once the case's child is
-forked, ``{"rc": ...}`` when it has exited (its exit code, or minus the signal that ended it). The child
-runs the script as ``__main__`` with the request's ``argv``, environment, working directory and import
-path, its stdout and stderr in the request's files. At EOF on stdin the server exits.
+Reads one JSON request per line on stdin and answers on stdout ``{"pid": ...}`` once the case's child is forked,
+``{"rc": ...}`` when it exits (its exit code, or minus the signal). The child runs the script as ``__main__`` with
+the request's argv, environment, working directory, import path and output files. Exits at EOF.
 """
 
 from __future__ import annotations
@@ -43,14 +41,10 @@ def _skip_discarded_overflow_checks() -> None:
     """Skips the interpreter's discarded integer overflow checks.
 
     [Note: interpreter overflow checks]
-    Triton's front end wraps every integer add, sub and mul of a
-    kernel in an overflow check (``sanitize_overflow``: both operands cast to int64, the exact result
-    compared with the type's range) and hands the comparison to ``device_assert``, which drops it unless the
-    options say ``debug``. The interpreter's options never do, so in the interpreter each check is computed
-    in numpy and thrown away: about a quarter of an FP8 grouped-GEMM case's time. The server turns the
-    option off where ``debug`` is off (which is all the interpreter has), and nothing is checked less;
-    ``tests/test_interpreter_server.py`` holds Triton to the premise (an overflowing int32 add runs without
-    an error with the option on) and checks the switch."""
+    Triton wraps every integer add, sub and mul in an overflow check (``sanitize_overflow``) that
+    ``device_assert`` drops unless ``debug`` is set, which it never is in the interpreter; yet the interpreter
+    computes each check in numpy, about a quarter of an FP8 grouped-GEMM case. Turning the option off where
+    ``debug`` is off checks nothing less; ``tests/test_interpreter_server.py`` holds Triton to that premise."""
     from triton.runtime import interpreter
 
     builder = getattr(interpreter, "interpreter_builder", None)
@@ -64,14 +58,10 @@ def _reduce_nan_max_in_numpy() -> None:
     """Reduces ``_max_nan`` in numpy.
 
     [Note: interpreter NaN-max reductions]
-    The quantizers' amax reduces with ``_max_nan`` (``tl.maximum``
-    propagating NaN: one instruction on the GPU, ``kernels/_quantize_kernels.py``). The interpreter runs a
-    ``tl.reduce`` whose combine function is not one of Triton's own element by element in Python, which was
-    most of a quantize case's time (85% of the power-of-two case's). The server reduces ``_max_nan`` with
-    ``numpy.max``, which propagates NaN the same way and, as a max, does not depend on the order; the one
-    order-dependent input, a -0.0 next to +0.0, keeps the element-by-element reduction (the kernels reduce
-    ``|x|``, which has no -0.0). ``tests/test_interpreter_server.py`` checks the bits against Triton's own
-    reduction, NaN, infinities and signed zeros included."""
+    The interpreter runs a ``tl.reduce`` with a custom combine function, such as the quantizers' NaN-propagating
+    ``_max_nan``, element by element in Python: most of a quantize case's time. ``numpy.max`` propagates NaN the
+    same way and a max is order-independent, except for -0.0 next to +0.0: such inputs keep the generic path.
+    ``tests/test_interpreter_server.py`` checks the bits, NaN, infinities and signed zeros included."""
     import numpy as np
     from triton.runtime import interpreter
 

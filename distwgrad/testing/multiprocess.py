@@ -1,35 +1,11 @@
 """One harness for multi-rank tests: spawned gloo ranks, a per-call timeout, rank failures in the parent.
 
-Why: a multi-rank test has three ways to go wrong that a plain ``mp.spawn`` handles badly. A rank that
-raises leaves its peers blocked in a collective forever; a rank that hangs blocks the test run until
-CI's global timeout; a rank that dies in C code (segfault, ``os._exit``) reports nothing. Here the
-parent waits on every rank's result pipe and process sentinel with short polls, and as soon as one
-rank fails (or ``timeout`` passes) it kills all the others and raises :class:`DistributedTestError`
-with every rank's formatted traceback; for ranks that had not finished it adds their Python stacks,
-dumped by :mod:`faulthandler` on ``SIGUSR1`` just before the kill, which says where they were stuck.
-
-Each call rendezvouses through a FileStore in its own temporary directory (no TCP ports), so calls in
-parallel threads or under ``pytest -n auto`` do not collide. Children run ``torch.set_num_threads(1)``
-so several ranks do not oversubscribe a 2-core CI machine. Nothing is seeded: tests seed themselves.
-
-Start-up: on CPU, ranks are forked from a fork server (``multiprocessing``'s ``forkserver`` start
-method) that has imported torch and distwgrad once per test process, so a rank starts in a fraction of a
-second instead of the seconds a fresh interpreter importing torch takes; each rank is still a new
-process, with the caller's environment and working directory (a call that changed the environment gets
-fresh interpreters, see ``_context``). The rank still
-imports the test module (to unpickle ``fn``), so sweep a grid of cases inside one spawn instead of
-spawning per case::
-
-    def _rank_fn(rank, world_size, cases):            # module level, so the spawn can pickle it
-        for_each_case(cases, _check_one, rank, world_size)
-
-    @pytest.mark.distributed
-    def test_grid():
-        cases = [dict(n=n, dtype=d) for n, d in itertools.product([1, 7], [torch.float32])]
-        run_distributed(_rank_fn, 2, cases)           # a failure names its case: "case {'n': 7, ...}"
-
-Under ``torchrun`` (RANK, WORLD_SIZE and LOCAL_RANK set, e.g. on a GPU node) nothing is spawned: see
-:func:`run_distributed`.
+A raising rank leaves its peers blocked in a collective, a hung one blocks CI, one dying in C code reports
+nothing. So the parent polls every rank's pipe and sentinel; at the first failure or the timeout it kills the
+rest and raises :class:`DistributedTestError` with each traceback and the unfinished ranks' Python stacks.
+Each call rendezvouses in its own temporary directory (parallel calls never collide); ranks seed nothing.
+CPU ranks fork from a server that imported torch once, but each imports the test module: sweep a grid of
+cases inside one spawn (:func:`for_each_case`). docs/testing.md has the rest.
 """
 
 from __future__ import annotations
@@ -79,19 +55,8 @@ class CaseFailure(Exception):
 
 
 def for_each_case(cases: Iterable[Any], body: Callable[..., Any], *args: Any) -> list[Any]:
-    """Runs ``body(case, *args)`` for each case, naming the case that fails.
-
-    Args:
-        cases: The cases, e.g. dicts built from ``itertools.product``.
-        body: Called as ``body(case, *args)``.
-        *args: Passed after the case (typically ``rank, world_size``).
-
-    Returns:
-        The results of ``body``, in case order.
-
-    Raises:
-        CaseFailure: ``"case {case!r}: {type}: {message}"``, chained from the original exception.
-    """
+    """Runs ``body(case, *args)`` for each case, returning the results in order; a failure raises
+    :class:`CaseFailure` (``"case {case!r}: {type}: {message}"``), chained from the original exception."""
     results = []
     for case in cases:
         try:
@@ -103,39 +68,15 @@ def for_each_case(cases: Iterable[Any], body: Callable[..., Any], *args: Any) ->
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
                     backend: str | None = None, device: str = "cpu", **kwargs: Any) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks with a default group.
+    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; returns their results in rank order.
 
-    Spawn mode (the default): starts ``world_size`` processes (forked from the fork server on CPU, spawn
-    context on CUDA), each with the caller's environment and working directory; each initialises the
-    default process group through a ``file://`` store in a fresh temporary directory, calls ``fn``,
-    sends back its return value and destroys the group (also on failure, best effort). With
-    ``device="cuda"`` each rank first calls ``torch.cuda.set_device(rank)``.
-
-    Torchrun mode: if RANK, WORLD_SIZE and LOCAL_RANK are all set, nothing is spawned. The default
-    group is initialised from the environment unless it already is (and is left initialised for the
-    next call), ``fn`` runs for this rank in this process, and the result list holds only this rank's
-    value (others ``None``). ``timeout`` then only bounds collectives, and only if this call created
-    the group; a failure on one rank may leave the others waiting until that group timeout.
-
-    Args:
-        fn: A module-level (picklable) function; its ``args``/``kwargs`` and return value must be
-            picklable too. Return CPU tensors or plain values: they are unpickled in the parent.
-        world_size: Number of ranks.
-        *args: Passed to ``fn`` after ``rank, world_size``.
-        timeout: Seconds from the spawn until every rank must have returned.
-        backend: Process-group backend; default gloo for ``"cpu"``, nccl for ``"cuda"``.
-        device: ``"cpu"`` or ``"cuda"``.
-        **kwargs: Passed to ``fn`` (so ``fn`` cannot take ``timeout``, ``backend`` or ``device``).
-
-    Returns:
-        The per-rank return values, in rank order.
+    ``fn`` (module-level), its arguments and its result (CPU tensors, plain values) must pickle; ``timeout``
+    is seconds until every rank returns. Under torchrun ``fn`` runs in this process on the default group, the
+    list holds only this rank's value, and ``timeout`` bounds only collectives.
 
     Raises:
-        DistributedTestError: A rank raised (message holds ``rank N`` and its traceback, and those
-            of other ranks that failed), died without reporting (with its exit code), or had not
-            finished after ``timeout`` seconds (names the ranks and the timeout).
-        ValueError: ``world_size``, ``timeout`` or ``device`` is invalid.
-        TypeError: ``fn`` or its arguments cannot be pickled.
+        DistributedTestError: a rank raised, died without reporting, or had not finished in ``timeout``.
+        ValueError / TypeError: bad ``world_size``, ``timeout`` or ``device``; ``fn`` or its arguments do not pickle.
     """
     if world_size < 1 or timeout <= 0 or device not in _DEFAULT_BACKEND:
         raise ValueError(f"need world_size >= 1, timeout > 0, device in {sorted(_DEFAULT_BACKEND)}; "
@@ -175,10 +116,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 
 
 def _context(device: str):
-    """The fork server for CPU ranks, spawn otherwise: CUDA ranks keep the plain spawn they were tested with
-    on the GPU machines (where start-up is not what a test costs), and so does a call whose environment
-    differs from the one the fork server started with, since a variable read at a process's start (glibc's
-    ``MALLOC_*``, say) only reaches a fresh interpreter."""
+    """The fork server for CPU ranks; spawn for CUDA ranks and for a call whose environment differs from the
+    server's (a variable read at process start, glibc's ``MALLOC_*`` say, only reaches a fresh interpreter)."""
     global _forkserver_env
     if device != "cpu" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")

@@ -1,34 +1,20 @@
 """Reference FP8 grouped GEMMs: the oracle of ``distwgrad.kernels.grouped_gemm_fp8``, and its error bound.
 
-Legend: E experts (groups), T tokens, K in-features, N out-features, L the scale block; ``offs_E`` int32
-END offsets (read on the host here). Same arguments as the kernels' public functions, same semantics:
-every operand is dequantized to fp32 (``fp32(data) * scale_inv`` per element's tile or block, one
-rounding, as ``distwgrad.fp8.quantize.dequantize``) and each group is one fp32 ``torch`` matmul, i.e. the
-FP8 emulation of ``distwgrad.fp8.emulate`` per group. On CUDA keep TF32 off
-(``torch.backends.cuda.matmul.allow_tf32 = False``, torch's default) for a true fp32 product.
+The kernels' arguments and semantics (legend as there; L the scale block; ``offs_E`` read on the host here):
+each operand dequantized to fp32 as by ``dequantize``, each group one fp32 matmul. Keep TF32 off on CUDA.
 
 [Note: fp8 grouped gemm error bound]
-Kernel and oracle both compute y = sum_k a_k b_k (times scales) in fp32, in different orders: the kernel
-multiplies the fp8 values exactly (fp8 x fp8 fits in fp32) and applies the scales per K block (or once),
-the oracle dequantizes first and leaves the order to the BLAS. Each is within gamma_n * S of the exact
-value, S = sum_k |a_k||b_k| (dequantized), gamma_n = n u / (1 - n u), u = 2^-24, n = K + 4 (K - 1 sums,
-the dequantize/scale roundings, the product, a bias add; Higham, Thm 3.5), so
+Kernel and oracle both compute y = sum_k a_k b_k (times scales) in fp32, in different orders. Each is within
+gamma_n * S of the exact value, S = sum_k |a_k||b_k| (dequantized), gamma_n = n u / (1 - n u), u = 2^-24,
+n = K + 4 (K - 1 sums, the dequantize/scale roundings, the product, a bias add; Higham, Thm 3.5), so
 
     |ours - oracle| <= 2 gamma_n S + mma_rel S + u_out |y| + tiny            (elementwise)
 
-with u_out the output rounding (fp32 2^-24, fp16 2^-11, bf16 2^-7: the interpreter truncates bf16
-stores, RNE would be 2^-8), ``tiny`` the output format's smallest subnormal plus fp32 underflow, and
-``mma_rel`` the extra error of the MMA unit: 0 in the interpreter (numpy fp32), ``HOPPER_MMA_REL`` on
-GPUs, whose fp8 tensor cores add into a ~22-bit (13 explicit mantissa bits) accumulator inside each
-promotion interval (DeepSeek-V3 report, Sec. 3.3.2): at most ~4 truncating steps of 2^-13 per 128-deep
-interval, bounded here by 16 * 2^-13 = 2^-9 of S (``hopper_mma_rel(128)``; without the promotion,
-``split_accumulator=False``, the truncating steps run over the whole contraction: ``hopper_mma_rel(depth)``
-scales the same allowance by depth / 128). Set from that argument before any GPU run; on an H200
-(2026-11-29) the worst error/bound ratio over every GPU test was 0.32 (fprop/dgrad, bf16 outputs; wgrad
-0.02-0.09): the bound holds with margin. A loose ``atol`` would hide a wrong scale; this bound does
-not: a wrong tile scale errs by O(|partial sum|) >> gamma_n S, and a NaN where the oracle has none fails.
-Accumulating wgrad compares ``out + dW`` against ``addend + oracle`` in float64, with one more fp32
-rounding of the sum.
+with u_out the output rounding (fp32 2^-24, fp16 2^-11, bf16 2^-7: the interpreter truncates bf16 stores),
+``tiny`` the output's smallest subnormal plus fp32 underflow, and ``mma_rel`` the MMA unit's extra error: 0 in
+the interpreter, ``hopper_mma_rel`` on Hopper (fp8 tensor cores add into a ~22-bit accumulator between fp32
+promotions: DeepSeek-V3 report, Sec. 3.3.2). A wrong tile scale errs by O(|partial sum|) >> gamma_n S, and a
+NaN the oracle lacks fails: a loose ``atol`` would hide both. Accumulating wgrad adds one fp32 rounding.
 """
 
 from __future__ import annotations
@@ -48,9 +34,8 @@ HOPPER_MMA_REL = 2.0**-9
 
 
 def hopper_mma_rel(imprecise_depth: int) -> float:
-    """``mma_rel`` of a Hopper fp8 MMA whose partial sums run ``imprecise_depth`` products deep before an
-    fp32 promotion: 128 with the split accumulator (``HOPPER_MMA_REL``), the contraction length without
-    it. Four truncating 32-deep steps of 2^-13 per 128 products, with a 4x margin, as above."""
+    """``mma_rel`` for ``imprecise_depth`` products between fp32 promotions (128 with the split accumulator, else
+    the contraction): <= 4 truncating steps of 2^-13 per 128 products, times a 4x margin, scaled by depth / 128."""
     if imprecise_depth < 1:
         raise ValueError(f"hopper_mma_rel: imprecise_depth must be >= 1, got {imprecise_depth}")
     return HOPPER_MMA_REL * max(1.0, imprecise_depth / 128)
@@ -133,16 +118,9 @@ def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
 
 def error_bound(S: torch.Tensor, expected: torch.Tensor, *, depth: int, out_dtype: torch.dtype,
                 mma_rel: float = 0.0, addend: torch.Tensor | None = None) -> torch.Tensor:
-    """Elementwise float64 bound on ``|ours - expected|`` ([Note: fp8 grouped gemm error bound]).
-
-    Args:
-        S: ``sum |a||b|`` per output (``absolute=True`` of the reference functions).
-        expected: the oracle (plus ``addend``, for accumulation), unrounded.
-        depth: the contraction length (K, N or the group's tokens; the largest is fine).
-        out_dtype: dtype ours was stored in.
-        mma_rel: extra relative error of the MMA unit (``HOPPER_MMA_REL`` on GPUs).
-        addend: the fp32 buffer ours added into (one more fp32 rounding of ``|addend| + |y|``).
-    """
+    """Elementwise float64 bound on ``|ours - expected|`` ([Note: fp8 grouped gemm error bound]). ``S``: ``sum |a||b|``
+    per output (``absolute=True``); ``expected``: the oracle (plus ``addend``), unrounded; ``depth``: the contraction
+    length (or more); ``out_dtype``: ours'; ``addend``: the fp32 buffer ours was added into."""
     n = depth + 4
     gamma = n * U32 / (1 - n * U32)
     S = S.double()
@@ -156,9 +134,8 @@ def error_bound(S: torch.Tensor, expected: torch.Tensor, *, depth: int, out_dtyp
 
 def check(ours: torch.Tensor, expected: torch.Tensor, S: torch.Tensor, *, chunk: int = 1 << 25,
           **bound_kw) -> dict:
-    """``ok`` iff every element of ``ours`` is within :func:`error_bound` of ``expected`` (NaN matches NaN
-    only); ``worst`` the largest error/bound ratio (finite elements), for tightening the bound. Runs over
-    ``chunk`` elements at a time (float64 temporaries of a benchmark-sized wgrad would not fit)."""
+    """``ok`` iff every element of ``ours`` is within :func:`error_bound` (NaN matches NaN only); ``worst``: the largest
+    error/bound ratio. Works in ``chunk``-element pieces (float64 temporaries of a large wgrad would not fit)."""
     addend = bound_kw.pop("addend", None)
     flat = [t.reshape(-1) for t in (ours, expected, S)]
     flat_add = None if addend is None else addend.reshape(-1)

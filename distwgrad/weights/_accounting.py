@@ -1,10 +1,7 @@
 """Uses tied to autograd graphs, and the process-wide bound on reductions in flight.
 
-Both serve [Note: contribution accounting] in ``weights/base.py``: a :class:`Use` is one recorded use of a
-weight, held by the autograd context of the forward that made it (and by a queued deferred wgrad), so a
-graph freed without a backward withdraws its use; :func:`admit` keeps at most
-``MAX_INFLIGHT_REDUCTIONS`` asynchronous reductions in flight in this process, completing the oldest
-first, so a step's gradient buffers never pile up.
+Both serve [Note: contribution accounting] in ``weights/base.py``: a graph freed without a backward frees
+its :class:`Use`s and so withdraws them; :func:`admit` keeps a step's gradient buffers from piling up.
 """
 
 from __future__ import annotations
@@ -25,13 +22,7 @@ MAX_INFLIGHT_REDUCTIONS = 1
 
 
 class Use:
-    """One use of ``weight`` recorded in forward, waiting for its contribution.
-
-    The module's autograd context holds it (and a queued deferred wgrad closure, through the context's
-    call record). If it is freed before its contribution arrived, the use is withdrawn: the forward's
-    graph was dropped without a backward (a metric, a logged value), so torch would never have produced
-    that gradient either.
-    """
+    """One recorded use of ``weight``, held by its forward's autograd context; freed undelivered, withdrawn."""
 
     __slots__ = ("weight", "step", "delivered")
 
@@ -73,14 +64,8 @@ class Uses:
 def arriving(uses: Uses | None, params: Sequence[torch.Tensor]) -> Iterator[None]:
     """Wraps one contribution per param, from choosing where the wgrad lands to its delivery (``run_wgrad``).
 
-    A use that already delivered (a second backward through a retained graph) or that belongs to an
-    earlier step (a graph kept across a finished or discarded step) first records a new use in the
-    current step, so its contribution is counted as one more, as torch would accumulate it. That happens
-    before the wgrad picks its buffer: recording a use may reduce what the buffer holds (a coalesced
-    bucket's complete member, [Note: coalesced units]), and the new contribution must not land in the
-    buffer being reduced. On success every use is marked delivered; a delivery that raised leaves its use
-    pending (its weight's count did not move), and a new use recorded for it is withdrawn again.
-    """
+    A use already delivered (a retained graph) or of an earlier step records a new use first, before the wgrad
+    picks its buffer, which recording may reduce ([Note: coalesced units]); a failed delivery withdraws it."""
     picked = [] if uses is None else uses.take(params)
     renewed = []
     for p, use in picked:
@@ -105,13 +90,7 @@ def arriving(uses: Uses | None, params: Sequence[torch.Tensor]) -> Iterator[None
 class Launched:
     """A launched reduction: calling it waits and gives the local result; ``done()`` never blocks.
 
-    ``keep`` holds the collective's input alive until the wait; it is dropped as soon as the collective
-    no longer needs it. ``result`` may itself issue a collective (the all-reduce across replicas after a
-    reduce-scatter: [Note: device meshes] in ``weights/sharded.py``); say so with ``collective_at_wait``,
-    and ``done()`` is then False until the wait: such a reduction lands only at the program points every
-    rank reaches in the same order (the in-flight bound, ``grad_buffer``, the end of the step), never
-    because its first collective happened to finish early on this rank.
-    """
+    ``collective_at_wait``: ``result`` issues a collective, so ``done()`` stays False ([Note: device meshes])."""
 
     __slots__ = ("_work", "_result", "_keep", "_collective_at_wait")
 
@@ -140,8 +119,7 @@ _LAUNCHED: collections.deque[tuple[Any, Callable[[], None], Callable[[], bool]]]
 
 
 def admit() -> None:
-    """Makes room for one more reduction: lands those already complete, then the oldest until below the
-    bound. Landing only waits on launched work, so it issues no collective and any order is safe."""
+    """Makes room for one more reduction: lands those already complete, then the oldest while at the bound."""
     while _LAUNCHED and _LAUNCHED[0][2]():
         _LAUNCHED[0][1]()
     while len(_LAUNCHED) >= MAX_INFLIGHT_REDUCTIONS:
@@ -149,8 +127,7 @@ def admit() -> None:
 
 
 def launched(owner: Any, land: Callable[[], None], work: Any) -> None:
-    """Registers a launched reduction of ``owner``; ``land()`` lands the owner's oldest, ``work.done()``
-    says whether this one finished."""
+    """Registers ``owner``'s launched reduction; ``land()`` lands the owner's oldest."""
     _LAUNCHED.append((owner, land, getattr(work, "done", lambda: False)))
 
 

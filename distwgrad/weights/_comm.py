@@ -1,18 +1,12 @@
 """Collectives the weights use, with one spelling across the torch versions we support (>= 2.11).
 
-Every helper takes the group explicitly (no module-level group globals) and treats ``group=None`` with
-no initialised process group as a group of one, so single-process code needs no ``init_process_group``.
+Every helper takes the group explicitly; ``group=None`` with no initialised process group is a group of one.
 
 [Note: process groups at exit]
-A gloo process group that is still alive when the interpreter tears down (a reference kept past
-``destroy_process_group()``) is destroyed there, and that intermittently aborts the process after its last
-line ran ("terminate called without an active exception", exit -6; seen in a quarter of 2-rank runs on
-torch 2.13). Two things kept groups alive in ordinary distwgrad scripts: the weights themselves, which
-now refer to their groups weakly ([Note: groups held weakly] in ``weights/base.py``), and torch itself:
-``torch.distributed._shard``, imported on first use by dynamo (the first optimizer step imports dynamo),
-keeps the default group alive when it is first imported after ``init_process_group``. Importing it here,
-with distwgrad, before any group exists, avoids that (11 ms); a script that imports distwgrad after
-``init_process_group`` should import ``torch.distributed._shard`` before it.
+A gloo group alive at interpreter teardown can abort the process after its last line (exit -6). So weights hold
+groups weakly ([Note: groups held weakly] in ``weights/base.py``), and ``torch.distributed._shard``, which keeps
+the default group alive if first imported after ``init_process_group`` (dynamo imports it), is imported here;
+a script importing distwgrad after ``init_process_group`` should import it first.
 """
 
 from __future__ import annotations
@@ -40,9 +34,8 @@ def resolve_group(group: Any) -> Any:
 
 
 def resolve_groups(group: Any, mesh: Any, device_type: str, who: str) -> tuple[Any, Any]:
-    """``(shard group, replicate group or None)`` from ``group`` or ``mesh`` ([Note: device meshes] in
-    ``weights/sharded.py``): a 1-D mesh is its group; a 2-D mesh is ``(replicate, shard)``, FSDP2's HSDP
-    convention (dim 0 replicates, dim 1 shards). ``who`` names the caller in the errors."""
+    """``(shard group, replicate group or None)`` from ``group`` or ``mesh``; a 2-D mesh is ``(replicate, shard)``
+    (FSDP2's HSDP; [Note: device meshes] in ``weights/sharded.py``). ``who`` names the caller in errors."""
     if mesh is None:
         return resolve_group(group), None
     if group is not None:
@@ -70,16 +63,12 @@ def group_rank(group: Any) -> int:
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    """``out`` (``size * len(inp)`` rows) receives every rank's ``inp`` in rank order; with ``async_op``
-    returns the work handle to ``wait()`` on (``inp`` and ``out`` must stay alive until then)."""
+    """``out`` gets every rank's ``inp`` in rank order; ``async_op`` returns a handle (keep both tensors alive)."""
     return _all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    """``out`` receives this rank's row block of the element-wise sum of every rank's ``inp``.
-
-    With ``async_op`` returns the work handle to ``wait()`` on (``inp`` and ``out`` must stay alive).
-    """
+    """``out`` gets this rank's row block of the sum of every rank's ``inp``; ``async_op`` as in ``all_gather_into``."""
     return _reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

@@ -1,10 +1,7 @@
-"""The weights a set of CUDA graphs captured: what the capture needs of their lifecycles, and its replay.
+"""The weights a set of CUDA graphs captured: the capture's refusals, graph-owned buffers and flags, and replay.
 
-``distwgrad.make_graphed_callables`` ([Note: captured distributed weights] in ``distwgrad/graphs.py``)
-works on weights only through :class:`CapturedWeights`: the refusals, the graph-owned buffers and flags
-the graphs bake in, and the :class:`CaptureLedger` that re-applies, at each replay, the accounting changes
-its capture made (a replay skips the Python that counts). Everything here is a transition of the weights'
-lifecycles ([Note: weight lifecycle] in ``weights/lifecycle.py``).
+``make_graphed_callables`` ([Note: captured distributed weights] in ``distwgrad/graphs.py``) touches weights only
+here; :class:`CaptureLedger` re-applies at each replay the accounting a capture made (replays skip Python).
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ def _check(p: DistributedParameter) -> None:
 
 
 class CapturedWeights:
-    """The distinct distributed weights of one ``make_graphed_callables`` call, through its life: checked,
-    prepared, opened for the capture, closed, released by ``reset()``."""
+    """The distinct distributed weights of one ``make_graphed_callables`` call, from check to release."""
 
     def __init__(self, weights: Sequence[DistributedParameter]) -> None:
         for p in weights:
@@ -57,9 +53,8 @@ class CapturedWeights:
         self.flagged: list[DistributedParameter] = []  # weights whose main_grad the steps flag instead of zeroing
 
     def prepare(self) -> None:
-        """Before the warm-up: every weight gets a ``main_grad`` the graphs keep ([Note: main_grad lifetime]);
-        one accumulating in place flags it at each step instead of zeroing it, so the warm-up builds the
-        kernels that read the flag ([Note: an unwritten accumulator])."""
+        """Before warm-up: each weight keeps its ``main_grad`` ([Note: main_grad lifetime]); one accumulating in place
+        is flagged, not zeroed, so warm-up builds the kernels reading the flag ([Note: an unwritten accumulator])."""
         for p in self.weights:
             p.keep_main_grad()
         self.flagged = [p for p in self.weights if p.accumulates_in_place]
@@ -67,8 +62,7 @@ class CapturedWeights:
             p._life.use_first_flag(p)
 
     def open_for_capture(self) -> None:
-        """After the warm-up: each weight's step opened eagerly (its ``main_grad.zero_()`` stays out of the
-        graphs), and a graph-owned buffer for each that does not accumulate in place."""
+        """After warm-up: steps opened eagerly (``zero_()`` kept out of the graphs); graph buffers unless in place."""
         for p in self.weights:
             p.discard_step()
             p.expect_contribution(0)
@@ -83,8 +77,7 @@ class CapturedWeights:
                 p._life.first_flag.zero_()
 
     def release(self, *, failed: bool = False) -> None:
-        """``reset()`` (or, ``failed``, a capture that raised: its step is discarded too): the buffers and
-        flags the graphs baked in are dropped."""
+        """``reset()``, or a failed capture (its step discarded too): drops the buffers and flags baked in."""
         for p in self.weights:
             p._life.graph_buffer = None
         for p in self.flagged:
@@ -98,8 +91,7 @@ class CapturedWeights:
 
 
 class CaptureLedger:
-    """The accounting changes one capture made to the weights, re-applied at each replay ([Note: captured
-    distributed weights] in ``distwgrad/graphs.py``)."""
+    """One capture's accounting changes, re-applied at each replay ([Note: captured distributed weights])."""
 
     def __init__(self, weights: list[DistributedParameter]) -> None:
         self.weights, self.before = weights, [p._life.snapshot() for p in weights]

@@ -1,10 +1,7 @@
 """The life of a distributed weight across a step: one state machine, and every cache tied to it.
 
 [Note: weight lifecycle]
-A :class:`Lifecycle` (``w._life``, one per weight) owns everything a weight holds between the forward
-that opens a step and the optimizer step that ends it: the counts of uses and contributions, the fp32
-buffer and the reductions in flight, the ``main_grad`` the weight made, the graph-owned buffer and flag a
-CUDA graph baked in, the caches, and the weight's paths for errors. Its state is ``w.state``::
+A :class:`Lifecycle` (``w._life``) owns a weight's step (counts, buffers, caches); ``w.state`` reads it::
 
     IDLE --use--> PENDING --last contribution--> COMPLETE --reduction--> REDUCED --finalize--> FINALIZED
                     ^                                  |                    |                      |
@@ -12,30 +9,15 @@ CUDA graph baked in, the caches, and the weight's paths for errors. Its state is
     FINALIZED --optimizer step, load--> IDLE;   any state --discard--> IDLE;
     PENDING --every use withdrawn, nothing delivered (a forward whose output was dropped)--> IDLE
 
-* IDLE: no step open (a new weight, after an optimizer step or a load, after a discard).
-* PENDING: a forward recorded a use (``record_use``) whose contribution has not arrived.
-* COMPLETE: every recorded use delivered; some of it is not reduced yet (``PER_STEP``, or a coalesced
-  bucket waiting for another member).
-* REDUCED: every contribution is reduced into ``main_grad`` (with ``async_reduce``, maybe in flight).
-* FINALIZED: ``finalize_model_grads`` wrote ``.grad``; the optimizer may step.
+COMPLETE: every use delivered, some not reduced yet (``PER_STEP``, or a coalesced bucket waiting).
+Errors, naming the weight's paths: a contribution no use accounts for; finalizing with one missing
+(``MissingContributionError``); an optimizer step (any ``torch.optim``: a global hook) or a load over a step
+with unfinalized contributions (``UnfinalizedStepError``: the step would train nothing).
 
-Checked transitions, each error naming the weight's paths: a contribution no recorded use accounts for
-(a delivery twice, a forward that bypassed the accounting); finalizing with a contribution missing
-(``MissingContributionError``); an optimizer step (any ``torch.optim`` optimizer: torch's global step hook)
-over a weight whose step has contributions but no finalize (``UnfinalizedStepError``: the step would train
-nothing); a checkpoint load into such a weight.
-
-The epoch. ``epoch`` counts the weight's step boundaries and the writes to its master that the runtime
-sees: it moves at every finalize and discard, at every optimizer step over the weight (fused, foreach or
-for-loop alike: the hook sees them all) and at every load. A cache (the FP8 per-tensor amax and the
-blockwise scale grid, a forward's amaxes kept for its backward, a coalesced unit's gathered and prefetched
-copies) records the epoch and the weight's ``_version`` it was made at, and is used only while both hold.
-Some writes bump neither (``.data``, which no hook sees): so a cache is stored only while a step is open
-(made by that step's forwards and backwards, for its later microbatches) and dies with the step; a
-forward outside a step (an eval) keeps nothing, and ``sync_weight_amax``'s explicit refresh (``pin``)
-lives until the next boundary. Whatever wrote the master between two steps, the next step finds no cache
-to go stale. ``_version`` only ever drops a cache, never keeps one. Writing a weight through ``.data``
-while its step is open is not supported: the step's contributions would mix two weights.
+Caches (FP8 amaxes and scales, a unit's gathered copies) record ``epoch``, which moves at every finalize,
+discard, optimizer step and load, and ``_version``, and are used only while both hold. ``.data`` writes bump
+neither, so a cache is also kept only while a step is open and dies with it: ``_version`` only ever drops a
+cache, never keeps one. Writing ``.data`` while a step is open is not supported.
 """
 
 from __future__ import annotations
@@ -100,8 +82,7 @@ _optimizer_steps = 0
 
 
 def _agree_across_stages(w: Any, tie: Any, has_grad: bool) -> None:
-    """Every copy of a weight tied across stages has a gradient this step, or none has; else every rank
-    raises, naming the weight."""
+    """Raises on every rank unless all copies of a stage-tied weight, or none, have a gradient this step."""
     flag = torch.tensor([int(has_grad)], dtype=torch.int64, device=w.device)
     _comm.all_reduce_sum(flag, tie)
     n, size = int(flag.item()), _comm.group_size(tie)
@@ -112,19 +93,14 @@ def _agree_across_stages(w: Any, tie: Any, has_grad: bool) -> None:
 
 
 def write_token(p: torch.Tensor) -> tuple[int, int]:
-    """What a value derived from ``p`` records to be dropped when ``p`` is written: a distributed weight's
-    epoch ([Note: weight lifecycle]), for a plain parameter the process's optimizer-step count, and the
-    ``_version``. Equal tokens never prove ``p`` unchanged (``.data`` writes bump neither), so keep such a
-    value only inside one step."""
+    """What a value derived from ``p`` records; equal tokens never prove ``p`` unchanged (``.data``): keep such
+    a value within one step ([Note: weight lifecycle])."""
     life = getattr(p, "_life", None)
     return (life.epoch if isinstance(life, Lifecycle) else _optimizer_steps), p._version
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor:
-    """The parameter's ``main_grad`` (local shape), created as fp32 zeros at the first contribution if
-    absent; a caller-attached one (Megatron attaches views into its flat buffer) is used in place. A
-    plain parameter keeps one it was given or got (its owner zeroes it between steps); a distributed
-    weight releases one it created when its next step opens ([Note: main_grad lifetime])."""
+    """``param.main_grad`` (local shape), created as fp32 zeros if absent ([Note: main_grad lifetime])."""
     main_grad = getattr(param, "main_grad", None)
     if main_grad is None:
         main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
@@ -136,10 +112,7 @@ def main_grad_of(param: torch.Tensor) -> torch.Tensor:
 
 
 class Lifecycle:
-    """The per-step state of one distributed weight and its transitions ([Note: weight lifecycle]).
-
-    Every method that needs the weight takes it as ``w`` (the weight holds this object, not the other way
-    round, so copies and deep copies stay independent)."""
+    """One weight's per-step state ([Note: weight lifecycle]); methods take the weight as ``w``, never held."""
 
     def __init__(self) -> None:
         self.phase = _Phase.IDLE
@@ -216,10 +189,7 @@ class Lifecycle:
                 main_grad.zero_()
 
     def withdraw(self, step: int) -> None:
-        """A use of ``step`` whose graph was freed without a backward; only lowers the count (it may run
-        inside the garbage collector, so it never reduces: the next reduction point takes the buffer). A step
-        left with nothing (a forward with grad whose output was dropped, an eval) is no step: IDLE again, its
-        caches dropped, so what it cached cannot outlive a write before the next real step."""
+        """A use of ``step`` freed without a backward: lowers the count only (the GC may call it); IDLE if empty."""
         if step == self.step_id and self.open and self.expected > self.delivered:
             self.expected -= 1
             if (self.expected == 0 and self.delivered == 0 and self.buffer is None and not self.inflight
@@ -302,8 +272,7 @@ class Lifecycle:
         return main_grad is None or main_grad.dtype == torch.float32
 
     def main_grad(self, w: Any, keep: bool = False) -> torch.Tensor:
-        """``main_grad_of(w)``; one it creates is the weight's own, released when the next step opens, unless
-        ``keep`` (a CUDA graph bakes in its address): [Note: main_grad lifetime] in weights/base.py."""
+        """``main_grad_of(w)``; one it creates is released at the next opening unless ``keep``."""
         created = getattr(w, "main_grad", None) is None
         main_grad = main_grad_of(w)
         if keep:
@@ -313,8 +282,7 @@ class Lifecycle:
         return main_grad
 
     def grad_buffer(self, w: Any) -> torch.Tensor:
-        """The buffer the step's contributions accumulate in, made at the first one ([Note: contribution
-        accounting], [Note: a group of one] in weights/base.py)."""
+        """The buffer contributions accumulate in ([Note: a group of one] in weights/base.py)."""
         if self.buffer is None:
             self.wait_inflight(w)  # one full-size buffer per weight at a time
             capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -372,9 +340,7 @@ class Lifecycle:
 
     # --- the end of a step ---------------------------------------------------------------------------
     def finish(self, w: Any, scale: float | None) -> bool:
-        """COMPLETE or REDUCED -> FINALIZED: reduce what is left, scale, add to ``.grad``. A step with no
-        gradient (every use withdrawn), or no step, ends IDLE and returns False. Every call is a boundary
-        for the caches."""
+        """-> FINALIZED: reduce the rest, scale, add to ``.grad``; False (and IDLE) with no gradient."""
         self._boundary()
         tie = w.stage_tie_group  # [Note: a weight tied across pipeline stages] in weights/base.py
         if not self.open:
@@ -409,9 +375,7 @@ class Lifecycle:
         return True
 
     def discard(self, w: Any) -> None:
-        """Any state -> IDLE: reductions in flight are waited for (their collectives were launched on every
-        rank) and dropped, the buffer is freed, the counts reset; ``.grad`` and ``main_grad`` stay as they
-        are. Uses of the abandoned step no longer count."""
+        """``DistributedParameter.discard_step``: any state -> IDLE."""
         while self.inflight:
             _accounting.forget(self)
             self.inflight.pop(0)()
@@ -425,8 +389,7 @@ class Lifecycle:
             w._unit.units.end_step()
 
     def written(self, w: Any, by: str) -> None:
-        """The master was written (``by``: an optimizer step, a load): FINALIZED -> IDLE, caches dropped.
-        Refused while contributions of an open step wait for their finalize."""
+        """The master was written (``by``: an optimizer step, a load): FINALIZED -> IDLE, caches dropped."""
         if self.unfinalized():
             raise UnfinalizedStepError(unfinalized_message([w], by))
         self._boundary()
@@ -439,8 +402,7 @@ class Lifecycle:
 
     # --- caches --------------------------------------------------------------------------------------
     def cached(self, w: Any, key: Hashable, make: Callable[[], T]) -> T:
-        """``make()``'s value for ``key``, reused while it is current ([Note: weight lifecycle]); stored only
-        while the step is open."""
+        """``make()``'s value for ``key``, stored only while the step is open ([Note: weight lifecycle])."""
         entry = self.caches.get(key)
         if entry is not None and entry[0] == self.epoch and entry[1] == w._version:
             return entry[2]
@@ -452,8 +414,7 @@ class Lifecycle:
         return value
 
     def pin(self, w: Any, key: Hashable, value: Any) -> None:
-        """Stores ``value`` for ``key`` whatever the state, until the next boundary (an explicit refresh:
-        ``sync_weight_amax`` computes the amaxes of the step about to open)."""
+        """Stores ``value`` for ``key`` whatever the state, until the next boundary (``sync_weight_amax``)."""
         self.caches[key] = (self.epoch, w._version, value)
 
     # --- [Note: an unwritten accumulator] ------------------------------------------------------------
@@ -466,9 +427,7 @@ class Lifecycle:
 
 
     def use_first_flag(self, w: Any) -> None:
-        """From now on a step that opens flags ``main_grad`` as holding nothing instead of zeroing it, for a
-        weight accumulating in place; builds the flag-reading kernel now, outside any capture (a clear flag:
-        nothing is written). Counted: one per set of graphs that reads the flag."""
+        """One more set of graphs reads the flag: an opening step flags ``main_grad`` instead of zeroing it."""
         main_grad = w.main_grad
         assert w.solo and main_grad is not None and main_grad.dtype == torch.float32, \
             f"{w._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
@@ -493,8 +452,7 @@ class Lifecycle:
         return self.expected, self.delivered, self.reduced, self.buffer is not None, self.armed
 
     def replay(self, w: Any, before: tuple, after: tuple, what: str) -> None:
-        """Applies the accounting change a capture made (``before`` -> ``after`` snapshots), which the replay
-        of its graph skipped; raises if the weight is not where the capture left it."""
+        """Applies a capture's accounting change (``before`` -> ``after``), which its replay skipped."""
         if (self.buffer is not None) != before[3]:
             raise RuntimeError(f"{what}: {w._name()} has {'a' if self.buffer is not None else 'no'} gradient "
                                f"buffer pending, unlike at capture: a captured weight must not be used eagerly "
@@ -520,9 +478,7 @@ class Lifecycle:
 # --- names ---------------------------------------------------------------------------------------------
 
 def weight_paths(w: torch.Tensor) -> tuple[str, ...]:
-    """``w``'s paths from the outermost modules that hold it (``blocks.0.attn.qkv.weight``), found among the
-    live modules: for errors raised where no model is at hand (an optimizer step). Slow (it walks every
-    live module); never on a hot path."""
+    """``w``'s paths in the live modules, for errors where no model is at hand; slow (walks the GC's objects)."""
     modules = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]  # type(): no proxy warns
     parent: dict[int, tuple[nn.Module, str]] = {}
     for m in modules:
@@ -580,8 +536,7 @@ _hooks_installed = False
 
 
 def install_optimizer_hooks() -> None:
-    """Registers, once per process, torch's global optimizer step hooks that keep every weight's lifecycle
-    in step with its optimizer (fused, foreach and for-loop ``torch.optim`` optimizers all call them)."""
+    """Registers, once, torch's global optimizer step hooks (any ``torch.optim`` optimizer calls them)."""
     global _hooks_installed
     if not _hooks_installed:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook

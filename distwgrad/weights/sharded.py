@@ -1,46 +1,21 @@
 """``ShardedWeight``: a parameter that holds this rank's dim-0 shard of a full weight.
 
-Forward all-gathers a transient full weight, backward re-gathers it, wgrads accumulate into a full fp32
-``grad_buffer()`` and the reduction reduce-scatters that buffer, in fp32, into the shard's ``main_grad``
-(see [Note: contribution accounting] in ``weights/base.py``). The optimizer steps on shards.
-
-Shards may be uneven and follow ``torch.chunk`` (and so DTensor's ``Shard(0)``): every rank holds
-``ceil(rows / size)`` rows until the rows run out (10 rows on 3 ranks: 4, 4, 2; 2 rows on 3 ranks: 1, 1,
-0). Using DTensor's layout lets ``torch.distributed.checkpoint`` reshard our weights between world
-sizes. Collectives pad every shard to the largest shard's row count, so each rank sends and receives
-equal-sized blocks; padding rows are never read back.
+Forward and backward all-gather a transient full weight; the fp32 ``grad_buffer()`` is reduce-scattered into
+the shard's ``main_grad``. Shards follow ``torch.chunk`` (DTensor's ``Shard(0)``, so DCP reshards them): 10
+rows on 3 ranks are 4, 4, 2. Collectives pad every shard to the longest; padding is never read back.
 
 [Note: device meshes]
-``from_full`` / ``from_shard`` take ``group=`` or ``mesh=`` (a ``torch.distributed.DeviceMesh``; both is a
-``ValueError``). FSDP2's conventions: a 1-D mesh shards over its one dim and is exactly its group (the same
-collectives, bit-identical); a 2-D mesh is (replicate, shard), HSDP: dim 0 replicates, dim 1 shards
-(``init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))``; the dims are read by
-position, the names are the user's). Shard within a node, replicate across nodes.
-* Layout: ``group`` is the shard dim's group and ``replicate_group`` the replicate dim's (None without a
-  2-D mesh). The shards follow ``group`` (``torch.chunk`` over S ranks); the R replicas of a shard hold
-  the same rows and bytes. Every gather (forward, backward, FP8: ``fp8/weights.py`` gathers and takes
-  amaxes over ``w.group``) runs within the shard group, so it moves what an S-rank gather moves.
-* Reduction: reduce-scatter the fp32 buffer over the shard group (sum), then all-reduce the shard over
-  the replicate group (sum), then divide by ``dp_size = R * S``: the average over every data-parallel
-  rank, as FSDP2's HSDP averages (and as DDP would over R * S ranks). Both collectives are fp32.
-  ``bytes_reduced`` counts both: the reduce-scatter's (padded) input plus the all-reduce's (padded) shard.
-* Async: the reduce-scatter is launched without waiting; the all-reduce needs its result, so it is issued
-  when the reduction lands, i.e. only at points every rank reaches in the same order (the in-flight bound,
-  ``grad_buffer``, ``finish_step``, ``wait_for_reductions``, ``discard_step``), never because the
-  reduce-scatter happened to finish early on one rank: an early all-reduce on one rank could wait on a
-  replica that is itself waiting in a shard-group collective on a third rank. The values are those of
-  the synchronous path, bit for bit. The all-reduce does not overlap compute on gloo; on the GPU a stream
-  would order it after the reduce-scatter (FSDP2's way), which is not done here.
-* A shard group of one (S = 1, R > 1): the buffer is the shard, there is no reduce-scatter, and the
-  all-reduce across replicas still runs (async like any all-reduce); [Note: a group of one]'s in-place
-  path is only for ``dp_size == 1``. R = 1 gives the 1-D numbers (an all-reduce over one rank).
-* ``ReplicatedWeight`` on a 2-D mesh replicates over every rank of it: one fp32 all-reduce over the
-  flattened mesh (``DeviceMesh._flatten``, cached by the mesh: every weight shares the group), the same
-  average over R * S ranks as a ``ShardedWeight`` on that mesh; a 1-D mesh is its group.
-* Token scaling (``finalize_model_grads(num_tokens=...)``) sums tokens over the group then across
-  replicas and scales by ``dp_size / tokens`` (``wgrad/finalize.py``).
-* Checkpoints wrap a 2-D mesh's shards as ``DTensor`` ``[Replicate(), Shard(0)]`` on that mesh, so DCP
-  reshards between meshes and world sizes ([Note: checkpoint layout] in ``checkpoint.py``).
+``group=`` or ``mesh=`` (not both), with FSDP2's conventions: a 1-D mesh is exactly its group; a 2-D mesh is
+HSDP's (replicate, shard), dims read by position (``docs/protocol.md``). ``group`` is the shard dim's group,
+where every gather stays, and ``replicate_group`` the replicate dim's.
+* Reduction: fp32 reduce-scatter over ``group``, fp32 all-reduce across replicas, divided by ``dp_size``
+  (R * S): the average over every data-parallel rank. S = 1 skips only the reduce-scatter (no in-place
+  path: [Note: a group of one] needs ``dp_size == 1``).
+* Async: only the reduce-scatter is launched early. The all-reduce needs its result, so it is issued when the
+  reduction lands, at points every rank reaches in the same order; issued when one rank's reduce-scatter
+  happened to finish early, it could deadlock against a shard-group collective of another rank.
+* ``ReplicatedWeight`` on a 2-D mesh all-reduces over the flattened mesh. Checkpoints save ``[Replicate(),
+  Shard(0)]`` DTensors ([Note: checkpoint layout] in ``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -67,32 +42,19 @@ def shard_rows(rows: int, size: int) -> list[int]:
 
 
 class ShardedWeight(DistributedParameter):
-    """This rank's dim-0 shard of a weight, gathered on use and reduce-scattered on finalize.
-
-    Build it with :meth:`from_full` or :meth:`from_shard`; use it as any module's weight (constructor
-    argument or assignment), tied across as many modules as you like.
-    """
+    """This rank's dim-0 shard of a weight; build it with :meth:`from_full` or :meth:`from_shard`."""
 
     @classmethod
     def from_full(cls, tensor: torch.Tensor, *, group: Any = None, mesh: DeviceMesh | None = None,
                   reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
                   requires_grad: bool = True, async_reduce: bool = False,
                   param_dtype: torch.dtype | None = None) -> ShardedWeight:
-        """Shards ``tensor``, which must be identical on every rank of ``group`` (None: default group).
+        """Shards ``tensor``, which must be identical on every rank of ``group`` (None: the default group).
 
-        ``mesh`` instead of ``group``: a 1-D ``DeviceMesh`` (the same as passing its group) or a 2-D one
-        whose dims are (replicate, shard), FSDP2's HSDP mesh (``init_device_mesh("cuda", (R, S),
-        mesh_dim_names=("replicate", "shard"))``): the tensor is sharded over the shard dim, each replica
-        holds the same shards, and the gradient is reduce-scattered over the shard dim then all-reduced
-        across replicas, averaged over all ``R * S`` ranks ([Note: device meshes]). Passing both raises
-        ``ValueError``.
-
-        ``async_reduce`` launches each reduce-scatter without waiting, to overlap it with the rest of
-        backward ([Note: contribution accounting]). ``param_dtype`` (e.g. ``torch.bfloat16``): the shard
-        stays in the tensor's dtype (the master copy) and the weight is cast to ``param_dtype`` before
-        every all-gather, so modules compute in it ([Note: mixed precision]). Raises ``ValueError`` on
-        every rank when the ranks disagree on the shape, dtype or ``param_dtype``.
-        """
+        ``mesh``: instead of ``group``, a 1-D or 2-D (replicate, shard) ``DeviceMesh`` ([Note: device meshes]).
+        ``async_reduce``: overlap each reduce-scatter with the rest of backward. ``param_dtype`` (e.g. bf16):
+        the dtype modules compute in; the shard stays the master ([Note: mixed precision]). Raises
+        ``ValueError`` on every rank when the ranks disagree on shape, dtype or ``param_dtype``."""
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             raise ValueError(f"ShardedWeight.from_full needs a tensor with at least one dimension, got "
                              f"{tensor!r}")
@@ -117,10 +79,8 @@ class ShardedWeight(DistributedParameter):
                    reduce_policy: ReducePolicy = ReducePolicy.PER_MICROBATCH,
                    requires_grad: bool = True, async_reduce: bool = False,
                    param_dtype: torch.dtype | None = None) -> ShardedWeight:
-        """Wraps this rank's rows; ranks must agree on trailing dims, dtype and ``param_dtype`` (as in
-        :meth:`from_full`) and the rows must follow the ``torch.chunk`` layout of :func:`shard_rows`
-        (checked on every rank). ``mesh``: as in :meth:`from_full`; with a 2-D mesh the rows follow the
-        shard dim and every replica passes the same shape (checked)."""
+        """Wraps this rank's rows (arguments as :meth:`from_full`); ``ValueError`` unless ranks and replicas
+        agree on trailing dims and dtypes and the rows follow :func:`shard_rows`."""
         group, replicas = _comm.resolve_groups(group, mesh, shard.device.type, "ShardedWeight.from_shard")
         _check_param_dtype(param_dtype, shard.dtype)
         replica_meta = _comm.all_gather_objects((tuple(shard.shape), str(shard.dtype), str(param_dtype)), replicas)
@@ -161,15 +121,11 @@ class ShardedWeight(DistributedParameter):
         return torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
 
     def _gather(self) -> torch.Tensor:
-        """Cast (to ``param_dtype``), pad, all-gather: the gather moves compute-dtype bytes
-        ([Note: mixed precision] in ``weights/base.py``)."""
+        """Cast, pad, all-gather: the gather moves compute-dtype bytes ([Note: mixed precision])."""
         return self.gather_rows(self._local_for_gather())
 
     def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """All-gathers a tensor laid out like this weight: ``local`` holds this rank's ``shard_rows`` rows
-        (any trailing shape and dtype: the cast shard, its FP8 bytes, per-expert scale grids), the result
-        every rank's in rank order (padded to the longest shard on the wire). The bytes moved count in
-        ``bytes_gathered``. With one rank, ``local`` itself."""
+        """All-gathers a tensor with the shard's rows (any trailing shape, dtype) in rank order; alone: ``local``."""
         if local.dim() == 0 or local.shape[0] != self.shape[0]:
             raise ValueError(f"{self._name()}.gather_rows: local has shape {tuple(local.shape)}; it must have "
                              f"the shard's {self.shape[0]} rows")
@@ -186,10 +142,7 @@ class ShardedWeight(DistributedParameter):
         return torch.cat([b[:r] for b, r in zip(blocks, self.shard_rows)])
 
     def all_reduce_max(self, t: torch.Tensor, *, count: bool = True) -> torch.Tensor:
-        """In place, the element-wise MAX of ``t`` over the shard group (an amax, a block-amax grid: the
-        replicas of a 2-D mesh hold the same shards, so the shard group is enough); counted in
-        ``amax_allreduces`` unless ``count`` is False (one all-reduce on behalf of many weights).
-        Returns ``t``."""
+        """``t``, MAX-reduced in place over the shard group; ``count``: add one to ``amax_allreduces``."""
         if _comm.group_size(self.group) > 1:
             _comm.all_reduce_max(t, self.group)
             self.amax_allreduces += count

@@ -1,56 +1,24 @@
 """Units: the weights of one module gathered in one all-gather and reduced in one reduce-scatter.
 
-``distwgrad.coalesce(model)`` makes each block of the model a *unit* (FSDP2's ``fully_shard`` units).
+``distwgrad.coalesce(model)`` makes each block a *unit*, as FSDP2's ``fully_shard`` does.
 
 [Note: coalesced units]
-* Units. By default each member of every ``nn.ModuleList`` that is a direct child of the model is a
-  unit, and the model itself is the root unit, which takes every weight no block owns. ``units=`` names
-  the modules instead (the root always comes last and takes the rest). A weight belongs to exactly one
-  unit: the first unit whose module contains it, unless another unit's module contains it too (a tied
-  weight, e.g. the embedding and the LM head): then it belongs to the root, so it reduces once, after
-  its last use, like FSDP2's shared parameters at the common ancestor.
-* What coalesces. ``ShardedWeight``s of more than one data-parallel rank, grouped into *buckets* by
-  (group, replicas, dtype, ``param_dtype``, device, reduce policy); anything else keeps its own
-  collectives (a group of one has none: [Note: a group of one]; FP8 recipes gather quantized bytes
-  through ``fp8/weights.py``).
-* Gather. Which members a unit's forward (and its backward) materializes is learned: the first time,
-  every member gathers on its own and the unit notes who asked; from then on the unit's forward
-  pre-hook gathers the noted members of each bucket in ONE all-gather: each rank's padded, cast shards
-  side by side in one flat staging buffer, gathered rank-major, then copied out into each member's
-  full tensor (uneven and empty shards included). The copies live until the unit's forward returns
-  (the root's: the whole forward, like FSDP2's root); they are never saved for backward. A member asked
-  for outside the noted set, or outside its unit's forward, gathers on its own and is noted.
-* Backward. The first backward request of a noted member gathers the bucket's backward set in one
-  all-gather; each member's copy is handed out once (a second request gathers again). Copies nobody
-  asked for are dropped when a third unit gathers in backward (at most the current and the next
-  unit's copies are alive), at the unit's next forward, and when the step ends.
-* Prefetch. The unit order is learned from the first forward (pre-hook order) and the first backward
-  (order of first requests), or set with :meth:`Unit.set_modules_to_forward_prefetch` /
-  :meth:`Unit.set_modules_to_backward_prefetch`. When a unit gathers, the next unit's gather is
-  launched asynchronously (``async_op``) and completed when that unit needs it, so it overlaps the
-  current unit's compute. The first unit of a pass has nothing in flight: its all-gather carries the
-  next unit's members too (one collective, two units' copies). On CUDA the collectives run on the
-  process group's own stream; ``wait()`` orders the compute stream after them, and each staging buffer
-  is held until that wait (the collective reads it).
-* Passes. A forward pass is the forward of the outermost unit called (the root's, or a block called alone,
-  an eval probe say): it starts with no copy (an earlier backward's are dropped) and, when it returns or
-  raises, waits for and drops the prefetches it left unused. So no copy outlives its pass, whatever wrote
-  the weights in between (a fused optimizer, ``.data``), and no gather is in flight once a forward returned.
-  Every copy also records its members' tokens ([Note: weight lifecycle]) and is dropped if one moved.
-* Reduce. A bucket reduces when none of its members has a contribution outstanding (under
-  ``PER_MICROBATCH``): the members' full fp32 buffers are copied into one rank-major staging buffer
-  (each member's rows split by the ``torch.chunk`` layout, padded) and reduce-scattered once; each member
-  adds its slice of the 1/N result to ``main_grad``. A member that is complete while another still
-  waits (a deferred wgrad not drained yet) keeps its buffer unreduced; if it is used again first (the
-  next microbatch's forward), the bucket reduces its complete members then, so every member's buffer is
-  reduced at the same contents as without units and the gradients are bit-identical (two ranks: two-term
-  sums; with more, gloo's reduce-scatter may add in another order: a few ulps). ``PER_STEP`` buckets
-  reduce at ``finish_step``. With ``async_reduce`` the bucket's reduce-scatter is one entry of the
-  in-flight bound ([Note: contribution accounting]); on a 2-D mesh the flat result is then all-reduced
-  across replicas ([Note: device meshes]).
-* Counters. ``bytes_gathered`` / ``bytes_reduced`` count each member's share of the coalesced
-  collective, exactly what its own collective would have moved. ``Units.collectives`` counts the
-  coalesced collectives launched.
+* Units: by default each member of every ``nn.ModuleList`` directly under the model; the model is the root
+  unit and takes every weight no single unit owns, so a tied weight reduces once, after its last use.
+* Buckets: a unit's multi-rank ``ShardedWeight``s with one ``_key``; anything else keeps its own collectives.
+* Gather: the first pass notes which members a unit's forward and backward ask for; from then on each bucket
+  gathers them in ONE all-gather of a flat staging buffer. Forward copies live until the unit's forward
+  returns, never saved for backward; a backward copy is handed out once, and at most two units' are alive.
+* Prefetch: when a unit gathers, the next unit's gather (learned, or ``set_modules_to_*_prefetch``) is
+  launched asynchronously; the first unit of a pass carries the next one's in its own collective.
+* Passes: a pass (the outermost unit's forward) starts with no copy and, returning or raising, drops its
+  unused prefetches: no copy outlives its pass, whatever wrote the weights (a fused optimizer, ``.data``), and
+  one whose member's token moved is dropped too ([Note: weight lifecycle]).
+* Reduce: a bucket reduces once no member owes a contribution, in one fp32 reduce-scatter. A complete member
+  used again first (a deferred wgrad not drained) makes the bucket reduce its complete members then, so each
+  buffer reduces at the contents it would have alone: bit-identical gradients (a few ulps where gloo sums
+  more than two ranks in another order). One entry of the in-flight bound ([Note: contribution accounting]);
+  all-reduced across a 2-D mesh's replicas ([Note: device meshes]).
 """
 
 from __future__ import annotations
@@ -137,8 +105,7 @@ class _Copies:
         return id(w) in self.tokens
 
     def fresh(self, w: ShardedWeight) -> bool:
-        """The member was not written since the gather, as far as anything can tell ([Note: weight
-        lifecycle]); a copy also never outlives the pass that made it ([Note: coalesced units])."""
+        """The member's token is unchanged since the gather ([Note: weight lifecycle])."""
         return self.tokens.get(id(w)) == w.copy_token()
 
     def all_fresh(self) -> bool:
@@ -152,8 +119,7 @@ class _Copies:
 
 
 def _launch_gather(parts: Sequence[Sequence[ShardedWeight]], units: Units) -> list[_Copies]:
-    """ONE all-gather of every part's members (cast, padded shards through one flat staging buffer);
-    one :class:`_Copies` per part. Parts are buckets of one key: a unit's, and the next unit's prefetch."""
+    """ONE all-gather of every part's members (same-key buckets); one :class:`_Copies` per part."""
     members = [w for part in parts for w in part]
     layout = _Layout(members)
     locals_ = [w._padded(w._local_for_gather()).reshape(-1) for w in members]
@@ -168,10 +134,7 @@ def _launch_gather(parts: Sequence[Sequence[ShardedWeight]], units: Units) -> li
 
 
 class _BucketLaunch:
-    """One coalesced reduction in flight: an entry of the process's in-flight bound (``_accounting``).
-
-    Its members' shares (:class:`_Share`) point at it, never the other way (no reference cycle: the flat result
-    is freed as soon as the last member landed, not at the next garbage collection)."""
+    """One coalesced reduction in flight; shares point at it, never back, so no cycle keeps its result alive."""
 
     def __init__(self, launched: _accounting.Launched, members: list[DistributedParameter]) -> None:
         self._launched = launched
@@ -230,8 +193,7 @@ class _Bucket:
             self.flush()
 
     def flush(self) -> None:
-        """Reduces every complete member of the bucket in one reduce-scatter (then, on a 2-D mesh, one
-        all-reduce across replicas); members with contributions outstanding keep their buffers."""
+        """Reduces every complete member in one reduce-scatter; members still owing keep their buffers."""
         ready = [w for w in self.members if w._life.complete_unreduced()]
         if not ready:
             return
@@ -409,8 +371,7 @@ class Unit:
 
     def _gather_with_next(self, b: _Bucket, mine: list[ShardedWeight], nexts: list[Unit],
                           forward: bool) -> _Copies | None:
-        """``mine`` and, in the same all-gather, the same-key bucket of each next unit not prefetched yet:
-        the first unit of a pass has nothing prefetched, so its gather carries the next one's."""
+        """Gathers ``mine`` and, in the same collective, each next unit's same-key bucket not prefetched yet."""
         if not mine:
             return None
         parts, owners = [mine], []
@@ -547,12 +508,9 @@ def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def coalesce(model: nn.Module, units: Sequence[nn.Module] | None = None) -> Units:
     """Makes ``model``'s blocks units whose sharded weights gather and reduce in one collective each.
 
-    ``units``: the unit modules (default: every member of each ``nn.ModuleList`` directly under
-    ``model``); ``model`` is always the last (root) unit and owns every weight the others do not (tied
-    weights shared by several units included). Returns the :class:`Units`, root last. Gradients are
-    those of the uncoalesced weights ([Note: coalesced units]). Call it once per model, after building
-    it and before the first step; a weight already in a unit raises.
-    """
+    ``units``: the unit modules (default: each member of every ``nn.ModuleList`` directly under ``model``);
+    ``model`` is the root unit, last ([Note: coalesced units]). Call once, before the first step; raises
+    ``ValueError`` for a unit outside ``model`` or a weight already in a unit."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"coalesce needs an nn.Module, got {type(model).__name__}")
     named = dict((id(m), n) for n, m in model.named_modules())

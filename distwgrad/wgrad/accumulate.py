@@ -1,62 +1,32 @@
-"""Where a weight gradient lands, identical for every module, every path, weight and bias alike.
+"""Where a weight gradient lands: one rule for every module and path, weight and bias alike.
 
 [Note: accumulate, never assign]
-A parameter can receive several contributions in one step: tied uses, microbatches, deferred wgrads
-drained in any order. Every contribution is therefore added, never assigned:
+A parameter can receive several contributions in one step (tied uses, microbatches, deferred wgrads in
+any order), so each one is added, never assigned:
 
-* plain parameter, no fusion: the main backward hands the gradient to autograd (which accumulates into
-  ``.grad``); a deferred contribution initialises ``.grad`` when it is None and adds to it otherwise.
-  ``zero_grad(set_to_none=False)`` leaves zeros and ``True`` leaves None: both take a branch that lands
-  on the same value. The main backward never hands autograd an unfilled buffer: a deferred gradient is
-  ``None`` there.
-* plain parameter with ``fuse_wgrad_accumulation``: the GEMM accumulates into ``param.main_grad`` (fp32;
-  a caller-attached ``main_grad`` is used in place, never replaced; one is created at the first
-  contribution otherwise). What autograd gets is TransformerEngine's contract ([Note: the fused .grad
-  contract]).
+* plain: the main backward hands autograd the gradient; a deferred one initialises ``.grad`` if None, else
+  adds. The main backward never hands autograd an unfilled buffer.
+* fused (``fuse_wgrad_accumulation``): the GEMM adds into fp32 ``param.main_grad`` (a caller's is used in
+  place, never replaced); autograd gets what [Note: the fused .grad contract] says.
+* distributed: the GEMM adds into ``grad_buffer()``; ``finalize_weight_grads`` counts the contribution
+  and its return value is used once ([Note: the finalize contract] in protocol.py).
 
 [Note: the fused .grad contract]
-A weight whose wgrad is fused into ``main_grad`` hands autograd ``None``, so ``.grad`` stays None and a
-plain optimizer skips it, unless the weight carries the attribute ``grad_added_to_main_grad`` (Megatron's
-DDP sets it, to False, on every parameter it owns). Then the main backward sets it to True and hands
-autograd a dummy of the weight's shape, so the DDP hook on the weight's gradient fires and, reading the
-flag, discards the dummy instead of adding it to ``main_grad``. Deferred or not: the flag and the dummy
-come from the main backward, as in TE; ``backward_dw()`` then only accumulates into ``main_grad``. The
-dummy is zeros (TE hands uninitialised memory unless ``zero_out_wgrad`` is set; distwgrad never hands
-autograd memory nobody wrote). The attribute is never created by distwgrad.
-* distributed weight: the GEMM accumulates into ``grad_buffer()`` and ``finalize_weight_grads`` counts
-  the contribution; its return value is used once (see [Note: the finalize contract] in protocol.py).
-  The step's first contribution may be written instead of added ([Note: a fresh first contribution]).
+TransformerEngine's: a fused weight hands autograd None (a plain optimizer skips it) unless it carries
+``grad_added_to_main_grad`` (Megatron's DDP sets it); then the main backward, deferred or not, sets it True
+and hands a dummy of zeros (never unwritten memory), which DDP's hook discards. distwgrad never creates it.
 
 [Note: a fresh first contribution]
-A weight's buffer starts each accumulation as fp32 zeros that the first wgrad is added into: a memset
-and a read of 4 bytes per element that change nothing (0 + x is x). A module's wgrad that can also
-produce its product as a new fp32 tensor passes ``run_wgrad(..., fresh=)``; where every weight of the
-call is a ``DistributedParameter`` that has nothing accumulated yet (``ready_for_fresh_grad``: the
-step's or the microbatch's first contribution, no CUDA graph capturing, and in place only while it has
-no ``main_grad``), the GEMM writes that tensor and it becomes the buffer (``adopt_grad_buffer``; in
-place, the weight's own ``main_grad``), so ``finalize_weight_grads`` counts it without an add. Opt-in per
-call site, so no path ever adds into memory nobody wrote: ``fresh`` must return tensors it just made,
-each written in full (an expert with no tokens as zeros), one per weight, each weight once. The bits are
-those of the add into zeros (the GEMM's fp32 accumulator, or on CPU the product in the compute dtype,
-cast), except that a -0.0 stays -0.0. Everything else is unchanged: a caller's ``main_grad`` (Megatron's
-buffer, TE's convention) is added into, and later contributions, the embedding's row scatter and the
-bias are adds.
+Adding the first wgrad into fp32 zeros costs a memset and a read that change nothing. So where every weight
+of the call is a ``DistributedParameter`` with nothing accumulated (``ready_for_fresh_grad``), what
+``run_wgrad``'s ``fresh()`` returns becomes the buffer: new fp32 tensors, one per weight, each written in full
+(an expert with no tokens as zeros); the bits are the add's, but -0.0 stays. A caller's ``main_grad`` is added into.
 
 [Note: no capture into caller-owned gradients]
-A CUDA graph that captures ``param.grad.add_(g)`` bakes in the address of ``.grad``;
-``zero_grad(set_to_none=True)`` then frees that tensor and every replay writes into freed memory (the
-caching allocator may have handed the block to anything by then). So:
-
-* refused: adding into ``.grad`` while a stream is capturing, outside ``graph_owned_gradients``
-  (a hand-made ``torch.cuda.graph`` around ``backward_dw()``); the error says what to do instead.
-* what ``distwgrad.make_graphed_callables`` does instead ([Note: graphed deferred wgrads] in
-  ``distwgrad/graphs.py``): it captures each deferred wgrad inside ``graph_owned_gradients(sink)``, so the
-  contribution lands in a fresh graph-pool tensor the graphed callables own, and on replay, outside the
-  captured region and before the module's hooks fire, clones it into ``.grad`` (None) or adds it.
-* fused ``main_grad`` needs none of this: the GEMM accumulates in place into the caller's buffer, which
-  the graphed callables check at every replay (a replaced ``main_grad`` is refused, never written).
-* a distributed weight's ``grad_buffer()`` under capture is its graph-owned persistent buffer
-  ([Note: captured distributed weights] in ``distwgrad/graphs.py``) and is refused without one.
+A CUDA graph that captures ``param.grad.add_(g)`` bakes in an address ``zero_grad(set_to_none=True)`` frees,
+so that add is refused under capture outside ``graph_owned_gradients`` ([Note: graphed deferred wgrads] in
+``distwgrad/graphs.py``). Fused ``main_grad`` is the caller's; a distributed weight needs its graph-owned
+buffer ([Note: captured distributed weights] in ``distwgrad/graphs.py``).
 """
 
 from __future__ import annotations
@@ -86,9 +56,8 @@ _sinks = threading.local()  # the innermost graph_owned_gradients sink of this t
 
 @contextlib.contextmanager
 def graph_owned_gradients(sink: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[dict]:
-    """While active on this thread, :func:`add_to_grad` accumulates into ``sink`` (``id(param)`` ->
-    ``(param, gradient)``, a fresh tensor at the first contribution, then added to) instead of ``.grad``:
-    [Note: no capture into caller-owned gradients]."""
+    """On this thread, :func:`add_to_grad` accumulates into ``sink`` (``id(param)`` -> ``(param, grad)``)
+    instead of ``.grad``: [Note: no capture into caller-owned gradients]."""
     previous = getattr(_sinks, "sink", None)
     _sinks.sink = sink
     try:
@@ -132,18 +101,8 @@ def add_to_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
 def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence[int] | None = None,
                   dtype: torch.dtype | None = None) -> list[torch.Tensor | None]:
     """The buffer each parameter's wgrad GEMM accumulates into; None means 'return a fresh tensor'.
-
-    A group is all distributed or all plain (the dispatchers reject a plain leader with distributed
-    followers), so one GEMM call serves the group. ``shape`` is each member's FULL shape (a foreign
-    weight's own shape is its shard's; default: ``full_shape``, else the tensor's shape) and ``dtype``
-    the GEMM's compute dtype (default: the leader's dtype).
-
-    A distributed group's targets are ``weight_grad_buffers``: each member's own ``grad_buffer()``,
-    checked against ``shape``; the buffer must hold at least ``weight_grad_dtype`` (``main_grad``'s
-    dtype, fp32), so the wgrad and its reduction are never rounded to the compute dtype. A plain group
-    returns None: the GEMM's fresh product is the scratch, in the compute dtype (``weight_grad_dtype``
-    of a plain weight), or the fp32 ``main_grad`` with ``fuse``.
-    """
+    ``shape``: each member's FULL shape (a foreign weight's own is its shard's); ``dtype``: the GEMM's. Raises
+    ``RuntimeError`` for a ``grad_buffer()`` narrower than fp32, which would round the wgrad and its reduction."""
     if params and is_distributed_weight(params[0]):
         lead = params[0]
         full = tuple(shape) if shape is not None else tuple(getattr(lead, "full_shape", lead.shape))
@@ -162,13 +121,8 @@ def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence
 
 def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor], *, fuse: bool,
                    deferred: bool) -> list[torch.Tensor | None]:
-    """Completes one contribution per parameter; returns what the main backward hands autograd.
-
-    ``wgrads`` are what the GEMM produced: the targets of :func:`wgrad_targets` (already accumulated)
-    or fresh tensors. With ``deferred`` nothing goes to autograd (the main backward already returned
-    None) and every gradient is added to ``.grad`` here; see [Note: accumulate, never assign]. For
-    distributed weights, call it inside ``arriving`` (``run_wgrad`` does).
-    """
+    """Completes one contribution per parameter; returns what autograd gets (with ``deferred`` nothing: all is
+    added to ``.grad``, [Note: accumulate, never assign]). Distributed weights: call it inside ``arriving``."""
     if params and is_distributed_weight(params[0]):
         results = finalize_weight_grads(list(params), list(wgrads))
     elif fuse:
@@ -183,8 +137,7 @@ def deliver_wgrads(params: Sequence[torch.Tensor], wgrads: Sequence[torch.Tensor
 
 
 def fused_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """What the main backward hands autograd for weights whose wgrad is fused into ``main_grad``, deferred
-    or not: [Note: the fused .grad contract]. Sets ``grad_added_to_main_grad`` where the weight has it."""
+    """What the main backward hands autograd for fused weights: [Note: the fused .grad contract]."""
     out: list[torch.Tensor | None] = []
     for p in params:
         if hands_fused_dummy(p):
@@ -196,8 +149,7 @@ def fused_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
 
 
 def deferred_main_grads(params: Sequence[torch.Tensor], *, fuse: bool, on: bool) -> list[torch.Tensor | None]:
-    """What the main backward hands autograd for weights whose wgrad it deferred (``on``: they take one):
-    None, or for plain weights fused into ``main_grad`` :func:`fused_grads`."""
+    """What the main backward hands autograd for deferred weights (``on``: they take a gradient)."""
     if on and fuse and params and not is_distributed_weight(params[0]):
         return fused_grads(params)
     return [None] * len(params)
@@ -223,16 +175,9 @@ def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor 
               fresh: Callable[[], Sequence[torch.Tensor]] | None = None,
               unwritten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
               ) -> list[torch.Tensor | None]:
-    """Picks targets (``shape``, ``dtype``: as :func:`wgrad_targets`), runs ``gemm(targets)`` (which returns
-    per-param wgrads), delivers them. ``fresh()``: the same product as new fp32 tensors, one per param,
-    each written in full; given, distributed weights with nothing accumulated take it as their buffer
-    instead of zeros added into ([Note: a fresh first contribution]). ``unwritten(target, flag)``: for one
-    param, the product added into ``target`` by a kernel that writes it instead while the int32 ``flag`` is
-    set, returning ``target``; given, a weight whose ``main_grad`` a step flagged as holding nothing takes
-    that path and the flag is cleared after it ([Note: an unwritten accumulator] in
-    ``weights/first_write.py``). ``uses`` are what the forward's ``_begin_forward`` recorded ([Note:
-    contribution accounting] in ``weights/base.py``): a use renewed for this contribution (a retained graph's
-    second backward) is recorded before the target is chosen (``arriving``)."""
+    """Runs ``gemm(targets)`` (as :func:`wgrad_targets`) and delivers the wgrads. ``fresh()``: [Note: a fresh
+    first contribution]; ``unwritten(target, flag)``: [Note: an unwritten accumulator] in ``weights/first_write.py``;
+    ``uses``: the forward's, renewed before the target is chosen ([Note: contribution accounting])."""
     if params and is_distributed_weight(params[0]):
         with arriving(uses, params):
             return _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten)

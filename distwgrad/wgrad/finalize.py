@@ -1,11 +1,8 @@
 """``finalize_model_grads``: the one call that ends a step.
 
-It refuses to finish while any contribution is missing (a deferred wgrad never drained, a forward whose
-backward never ran), then has every distributed weight reduce what is left, scale by the token count, and
-write ``.grad`` (see [Note: contribution accounting] in ``weights/base.py``). Each weight is visited once
-however many modules share it, and learns its path(s) in the model, so every later accounting error,
-from here or from inside backward, names it (``blocks.0.attn.qkv.weight``). ``discard=True`` abandons a
-broken step instead, so the next one starts clean.
+It refuses while any contribution is missing ([Note: contribution accounting] in ``weights/base.py``), then
+has every weight reduce, scale by the token count and write ``.grad``. Each weight learns its paths in the
+model, so later accounting errors name it (``blocks.0.attn.qkv.weight``).
 """
 
 from __future__ import annotations
@@ -42,9 +39,7 @@ def distributed_parameters(model_chunks: nn.Module | Sequence[nn.Module]) -> lis
 
 
 def name_weights(model_chunks: nn.Module | Sequence[nn.Module]) -> list[tuple[str, DistributedParameter]]:
-    """Tells every distwgrad weight its path(s) in ``model_chunks`` (all of a tied weight's), for error
-    messages; returns :func:`distributed_parameters`. ``finalize_model_grads`` calls it each step; call it
-    once after building the model so errors raised in the first step's backward name weights too."""
+    """Tells each distwgrad weight its paths, for errors (call it once after building the model); returns them."""
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     names: dict[int, list[str]] = {}
     for i, chunk in enumerate(chunks):
@@ -71,14 +66,8 @@ def _missing(params: list[tuple[str, DistributedParameter]]) -> list[str]:
 
 
 def _token_scales(num_tokens: Any, params: list[DistributedParameter]) -> dict[int, float | None]:
-    """Megatron's per-token loss scaling, per weight: grads become sum over ranks / total tokens.
-
-    Weights reduce to the *average* over their own data-parallel ranks (the group, times the replicas on
-    a 2-D mesh: [Note: device meshes] in ``weights/sharded.py``), so each weight's factor is that rank
-    count over their total token count (this rank's ``num_tokens`` summed over the group, then across
-    replicas: float64 sums of counts, exact in any order). One all-reduce per distinct group, in the
-    order the groups first appear (the same on every rank).
-    """
+    """Megatron's per-token loss scaling, per weight: its ranks over their total tokens (float64: exact), as
+    weights average over their ranks ([Note: device meshes] in ``weights/sharded.py``); same order on every rank."""
     if num_tokens is None:
         return {}
     experts = [p for p in params if p.ep_size > 1]
@@ -106,34 +95,19 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], num_toke
                          pg_collection: Any = None, force_all_reduce: bool = False, discard: bool = False,
                          reduce_plain_params: bool = True, dp_group: Any = None) -> int:
     """Ends the step for every distwgrad weight in ``model_chunks`` and averages the plain parameters'
-    gradients over their data-parallel group; returns how many distwgrad weights were finalized.
+    gradients; returns how many distwgrad weights were finalized. A second call with nothing new is a no-op.
 
     Args:
-        model_chunks: a model or a list of model chunks (Megatron's convention).
-        num_tokens: if given, this rank's token count; gradients are scaled so the result is the sum
-            of per-token gradients over the group divided by the group's total token count.
-        pg_collection: Megatron's process groups; its ``dp_cp`` (else ``dp``) group averages the plain
-            parameters. ``force_all_reduce``: accepted for Megatron signature compatibility; weights carry
-            their own groups and always reduce in fp32.
-        discard: abandon the step instead (after an error, say): drop every queued deferred wgrad and
-            have each weight discard its step (``DistributedParameter.discard_step``); ``.grad`` is left
-            as it was and 0 is returned. Every rank must discard together (in-flight reductions are
-            waited for).
-        reduce_plain_params: average every trainable parameter that is not a distributed weight (a
-            LayerNorm's, a bias a module made) over its data-parallel group, as DDP does, so replicas never
-            drift ([Note: plain parameters at finalize] in ``wgrad/plain.py``). Pass False only when
-            something else reduces them (Megatron's DDP).
-        dp_group: the process group or ``DeviceMesh`` plain parameters average over; default: the group
-            of a fresh bias's weight, else ``pg_collection``'s, else the distributed weights' (when they
-            agree), else the default group.
+        model_chunks: a model or a list of chunks (Megatron's convention).
+        num_tokens: this rank's token count: gradients become per-token sums over the group / total tokens.
+        pg_collection, force_all_reduce: Megatron's (the former picks the plain parameters' group).
+        discard: abandon the step (drop queued wgrads, weights discard theirs, ``.grad`` untouched), on all ranks.
+        reduce_plain_params: average non-distributed trainable parameters, as DDP does ([Note: plain
+            parameters at finalize] in ``wgrad/plain.py``); False only if something else does (Megatron's DDP).
+        dp_group: the process group or ``DeviceMesh`` plain parameters average over (default: step 1 there).
 
     Raises:
-        MissingContributionError: naming every module with undrained deferred wgrads, or every weight
-            (by its path in the model) whose expected contributions did not all arrive, with the likely
-            causes and the fix. Nothing is reduced in that case and the step stays open.
-
-    Calling it twice with no new contributions is a no-op (each weight's step is already closed, each plain
-    gradient already averaged).
+        MissingContributionError: naming undrained modules and weights missing contributions; nothing reduced.
     """
     del force_all_reduce
     if discard:

@@ -1,46 +1,23 @@
 """Plain parameters at finalize: DDP's average for every trainable parameter that is not a distributed weight.
 
 [Note: plain parameters at finalize]
-A plain parameter is a parameter of the model chunks with ``requires_grad`` that is not a distributed weight
-(``is_distributed_weight`` false; TransformerEngine-style protocol weights reduce themselves and are left
-alone): a LayerNorm's weight, a bias a module made next to a distributed weight, a user's own parameter.
-Every rank holds it whole, so without a reduction each rank would step on its own gradient and the replicas
-would drift apart. ``finalize_model_grads`` therefore averages them over their data-parallel group, as DDP
-does, unless the caller reduces them itself (``reduce_plain_params=False``: Megatron's DDP).
+A plain parameter (trainable, not a distributed weight: a LayerNorm's, a fresh bias, a user's own) is whole
+on every rank, so ``finalize_model_grads`` averages it over its data-parallel group, as DDP does, or the
+replicas drift apart (Megatron's conventions in full: docs/megatron.md).
 
-1. The group. A parameter a distwgrad module made beside a distributed weight (a fresh bias) reduces with
-   that weight's groups. Any other uses ``dp_group`` if given (a process group or a ``DeviceMesh``, all of
-   whose ranks are data-parallel), else ``pg_collection.dp_cp`` or ``.dp`` (Megatron's), else the groups of
-   the chunks' distributed weights when they all average over the same ranks. With weights averaging over
-   different ranks (an expert-parallel model, say) and no ``dp_group``, finalize raises rather than guess;
-   chunks with no distributed weight at all are left alone (plain torch: DDP's business), except under
-   Megatron's finalize, which takes the default group. A group of one rank with no ``num_tokens`` leaves
-   plain gradients untouched (Megatron's finalize still folds ``.grad`` into ``main_grad``, step 3).
-2. Which ones: a parameter takes part when it has a gradient that finalize has not reduced yet, on any
-   rank of the group (one MAX all-reduce of a flag per parameter keeps the collectives matched; a rank
-   with no gradient contributes zeros). "Not reduced yet": ``main_grad`` changed (its ``_version``)
-   since the last finalize, or ``.grad`` is set (with ``main_grad``), or ``.grad`` is not the tensor
-   finalize wrote (without). A second finalize with no new gradient is a no-op, as for the weights. (These
-   marks are on gradients, which autograd and the runtime only ever change in place or replace, never on a
-   weight's data: [Note: weight lifecycle] in ``weights/lifecycle.py``.)
-3. Fold, in fp32. With ``main_grad`` (Megatron's convention): ``.grad`` is added into ``main_grad`` unless
-   ``grad_added_to_main_grad`` says it is a placeholder, then ``.grad`` is set to None (Megatron's DDP
-   does exactly this in its backward hook). It is a placeholder only when ``grad_added_to_main_grad``
-   is true, ``zero_out_wgrad`` is false, and some module holding the parameter is neither a distwgrad
-   module nor a ``torch.nn`` module (a foreign fused-accumulation layer, e.g. Megatron's own
-   ``ColumnParallelLinear``, may return uninitialised memory there). distwgrad's modules always return
-   zeros as the placeholder, so a tied parameter with one fused and one unfused distwgrad user keeps
-   both contributions without ``zero_out_wgrad``. Without ``main_grad``: ``.grad`` (None: zeros) in fp32.
-4. One flat fp32 all-reduce SUM per group (every parameter of the group side by side), divide by the
-   group's ranks: the average, as DDP does, and as the weights do.
-5. With ``num_tokens``: multiply by ``ranks / (num_tokens summed over the group)``, the weights' factor, so
-   the result is ``sum over ranks / total tokens`` (Megatron's per-token loss).
-6. Write: into ``main_grad`` in place (never replaced; ``.grad`` stays None: Megatron's optimizer reads
-   ``main_grad``), else ``.grad`` (the parameter's dtype).
+1. Group: a fresh bias takes its weight's groups; others ``dp_group`` (a group or ``DeviceMesh``), else
+   ``pg_collection.dp_cp``/``.dp``, else the distributed weights' groups if they all agree (if not, raise
+   rather than guess). Chunks with no distributed weight are left alone, except under Megatron's finalize
+   (the default group, which on one rank still folds, step 3).
+2. Which: those with a gradient finalize has not reduced, on any rank (a MAX all-reduce of flags keeps
+   collectives matched), so a second finalize is a no-op. The marks are on gradients (``main_grad``'s
+   ``_version``, ``.grad``'s identity), never on a weight's data ([Note: weight lifecycle] in ``weights/lifecycle.py``).
+3. Fold in fp32: ``.grad`` is added into ``main_grad`` and set to None, unless it is a foreign module's
+   placeholder (``grad_added_to_main_grad``, no ``zero_out_wgrad``; distwgrad's are zeros); else ``.grad``.
+4. Average with one flat fp32 all-reduce per group (times ``ranks / total tokens`` with ``num_tokens``, as
+   the weights), into ``main_grad`` in place, else ``.grad``.
 
-A parameter Megatron marks expert-parallel (``allreduce=False``) must not be averaged over the
-data-parallel group: finalize raises for it when the group has more than one rank (make it a distwgrad
-weight with its expert-data-parallel group).
+A parameter Megatron marks expert-parallel (``allreduce=False``) raises on a group of more than one rank.
 """
 
 from __future__ import annotations
@@ -66,9 +43,8 @@ _BESIDE = "_distwgrad_beside"  # on a parameter a module made beside a distribut
 
 
 def tag_beside(param: torch.Tensor, weight: torch.Tensor) -> None:
-    """Marks a plain ``param`` a module made next to ``weight`` (a fresh bias): at finalize it reduces with
-    ``weight``'s groups ([Note: plain parameters at finalize], step 1). The weight is held weakly, as it holds
-    its groups ([Note: groups held weakly] in ``weights/base.py``)."""
+    """Marks a fresh ``param`` made beside ``weight`` to reduce with ``weight``'s groups ([Note: plain parameters
+    at finalize], step 1); held weakly ([Note: groups held weakly] in ``weights/base.py``)."""
     if isinstance(weight, DistributedParameter):
         setattr(param, _BESIDE, weakref.ref(weight))
 
@@ -93,10 +69,8 @@ def _domain(w: DistributedParameter) -> frozenset[int]:
 
 def plain_groups(chunks: list[nn.Module], dp_group: Any = None, pg_collection: Any = None, *,
                  default_group: bool = False) -> tuple[Any, ...] | str:
-    """The groups an untagged plain parameter averages over, in order (step 1 of the Note): none (left as they
-    are) for chunks without a distributed weight unless ``default_group``; or, when the distributed weights
-    disagree and nothing was given, the reason as a string (raised only if such a parameter needs a
-    reduction)."""
+    """The groups an untagged plain parameter averages over (step 1 of the Note), or, when they are ambiguous,
+    the reason as a string (raised only if such a parameter needs a reduction)."""
     if isinstance(dp_group, DeviceMesh):
         return _mesh_groups(dp_group)
     if dp_group is not None:
@@ -202,8 +176,7 @@ Plan = list  # of (groups, [(name, param)]): which plain parameters average over
 def plan_plain_params(chunks: list[nn.Module], *, dp_group: Any = None, pg_collection: Any = None,
                       megatron: bool = False) -> Plan:
     """The plain trainable parameters of ``chunks`` by the groups they average over (step 1 of the Note).
-    Raises ``ValueError`` naming them when their group is ambiguous: decided from the model alone, so every
-    rank decides alike, before anything is reduced."""
+    Raises ``ValueError`` for an ambiguous group, from the model alone: every rank alike, before any reduction."""
     named: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for i, chunk in enumerate(chunks):
@@ -226,10 +199,8 @@ def plan_plain_params(chunks: list[nn.Module], *, dp_group: Any = None, pg_colle
 
 def reduce_plain_params(chunks: list[nn.Module], num_tokens: Any = None, *, dp_group: Any = None,
                         pg_collection: Any = None, megatron: bool = False, plan: Plan | None = None) -> int:
-    """Averages every plain trainable parameter's new gradient over its data-parallel group ([Note: plain
-    parameters at finalize]); returns how many were reduced. ``megatron``: Megatron's conventions, chunks
-    without a distributed weight average over the default group instead of being left alone, and a group of
-    one still folds ``.grad`` into ``main_grad``. ``plan``: :func:`plan_plain_params`'s, made earlier."""
+    """Averages every plain parameter's new gradient ([Note: plain parameters at finalize]); returns how many.
+    ``megatron``: Megatron's conventions (step 1); ``plan``: :func:`plan_plain_params`'s, made earlier."""
     if plan is None:
         plan = plan_plain_params(chunks, dp_group=dp_group, pg_collection=pg_collection, megatron=megatron)
     if not plan:

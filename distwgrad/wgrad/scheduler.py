@@ -1,14 +1,8 @@
 """Draining every deferred wgrad of a model in one call, in a chosen order.
 
-TransformerEngine makes the caller loop over modules calling ``backward_dw()``; its reviewers asked for a
-context manager instead. ``drain_deferred_wgrads`` and ``deferred_wgrad_scope`` are that: they find every
-module of the model that defers, and run all of their queued wgrads. The per-module ``backward_dw()``
-stays for compatibility and for schedules that interleave wgrads with other work (pipeline bubbles).
-
-Order matters only for performance and for the order in which reductions fire (the same on every rank,
-so any order is safe): ``"reverse"`` (default) drains in reverse registration order, which is the order
-backward produced the work; ``"forward"`` drains in registration order; a list of module indices (into
-``deferred_modules(model)``) or of modules gives any other order, and must name each module once.
+One call instead of TE's loop over each module's ``backward_dw()`` (kept for schedules that interleave wgrads).
+``order`` changes only speed and the order reductions fire, the same on every rank: ``"reverse"`` (default, the
+order backward queued), ``"forward"``, or modules or indices into ``deferred_modules(model)``, each named once.
 """
 
 from __future__ import annotations
@@ -62,10 +56,7 @@ def _ordered(mods: list[nn.Module], order) -> list[nn.Module]:
 
 
 def drain_deferred_wgrads(model: nn.Module | Sequence[nn.Module], *, order="reverse") -> int:
-    """Runs every queued deferred wgrad under ``model``; returns how many ran.
-
-    Each module drains its whole FIFO (oldest first) before the next module in ``order`` starts.
-    """
+    """Runs every queued deferred wgrad under ``model``, each module's whole FIFO in turn; returns how many."""
     count = 0
     m: Any
     for m in _ordered(deferred_modules(model), order):
@@ -78,12 +69,9 @@ def drain_deferred_wgrads(model: nn.Module | Sequence[nn.Module], *, order="reve
 @contextlib.contextmanager
 def deferred_wgrad_scope(model: nn.Module | Sequence[nn.Module], *, order="reverse",
                          strict: bool = False) -> Iterator[list[nn.Module]]:
-    """Runs the body, then drains every deferred wgrad of ``model``.
+    """Runs the body, then drains every deferred wgrad of ``model``; after an exception in the body, nothing.
 
-    With ``strict=True`` every deferring module refuses (``DeferredWgradError``) a forward that would
-    queue work on top of undrained work while the scope is open; the previous setting is restored on exit.
-    On an exception in the body nothing is drained (the step is broken; the weights' accounting will
-    say so at ``finalize_model_grads``).
+    ``strict=True``: while open, each store refuses to queue work on top of undrained work.
     """
     mods = deferred_modules(model)
     previous = [m.wgrad_store.strict for m in mods]
@@ -108,8 +96,7 @@ def undrained(model: nn.Module | Sequence[nn.Module]) -> list[str]:
 
 
 def run_deferred(module: Any, work: Any) -> None:
-    """Runs one queued deferred wgrad of ``module`` (one its store's ``claim`` returned), then the module's
-    wgrad-accumulation-and-reduce hooks, as ``backward_dw()`` does for the oldest."""
+    """Runs one claimed deferred wgrad of ``module`` and its accumulate-and-reduce hooks, as ``backward_dw()`` does."""
     module.wgrad_store.run(work)
     for hook in module.wgrad_accumulation_and_reduce_hooks:
         hook()

@@ -1,14 +1,8 @@
 """``WeightGradStore``: the per-module FIFO of deferred wgrad work.
 
-With ``delay_wgrad_compute=True`` a module's main backward computes dgrad only and queues a closure
-holding what the wgrad GEMM needs: the saved input, the output gradient and the *parameters* (never a
-gathered copy: the wgrad product needs no weight at all). ``backward_dw()`` pops the oldest closure,
-runs it, then fires the module's wgrad-accumulation-and-reduce hooks.
-
-A pipeline schedule's W action runs the work of one stage and microbatch, not the oldest: right after a
-microbatch's backward the stage claims (:meth:`claim`) what that backward queued, under a label naming the stage
-and microbatch, and its W runs (:meth:`run`) exactly those items (``distwgrad/parallel/pipeline.py``). A label
-names the item wherever it is reported undrained.
+Backward queues a closure over the saved input, ``dy`` and the *parameters* (never a gathered weight: wgrad
+needs none); ``backward_dw()`` runs the oldest. A pipeline's W runs exactly the items its stage and microbatch
+:meth:`claim`-ed, under a label that names them if left undrained (``distwgrad/parallel/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +23,7 @@ class DeferredWgradError(RuntimeError):
 class WeightGradStore:
     """FIFO of deferred wgrad closures for one module.
 
-    Args:
-        owner: a name for error messages (the module's qualified name once known).
-        strict: when True, :meth:`check_can_queue` (called at the start of every forward that will
-            queue work) raises if work from an earlier backward is still undrained.
+    ``strict``: :meth:`check_can_queue` (at each forward that will queue) raises while earlier work is undrained.
     """
 
     def __init__(self, owner: str, *, strict: bool = False) -> None:
@@ -71,11 +62,7 @@ class WeightGradStore:
                 f"turn strict checking off")
 
     def pop(self) -> None:
-        """Runs the oldest queued wgrad, then drops it; raises naming the module when nothing is queued.
-
-        If the work raises before changing any gradient (a refused CUDA-graph capture, say), it stays
-        queued, so the contribution is not lost and ``finalize_model_grads`` still sees it.
-        """
+        """Runs and drops the oldest wgrad; raises when none is queued. Work that raises stays queued, not lost."""
         if not self._queue:
             raise DeferredWgradError(
                 f"{self.owner}: backward_dw() called with no deferred wgrad queued (every backward "
@@ -83,7 +70,7 @@ class WeightGradStore:
         self._run(self._queue[0])
 
     def run(self, work: Callable[[], None]) -> None:
-        """Runs one queued item (one that :meth:`claim` returned), wherever it is in the queue, then drops it."""
+        """Runs one item :meth:`claim` returned, wherever it is in the queue, then drops it."""
         if not any(w is work for w in self._queue):
             raise DeferredWgradError(
                 f"{self.owner}: the deferred wgrad {self._labels.get(work, 'given')!r} is not queued (was it run "
@@ -96,7 +83,7 @@ class WeightGradStore:
         self._queue.remove(work)  # by identity: closures compare by identity
 
     def clear(self) -> int:
-        """Drops queued work without running it (e.g. after an aborted step); returns how many."""
+        """Drops queued work without running it (after an aborted step); returns how many."""
         n = len(self._queue)
         self._queue.clear()
         self._labels.clear()

@@ -1,92 +1,42 @@
 """FP8 fprop / dgrad over ragged token groups in Gluon, for the accumulations that promote every 128
-products (the per-tensor recipe with ``split_accumulator=True`` and the blockwise recipe): the same
-products as ``grouped_gemm_fp8._fp8_ragged_kernel``, with the tensor cores' partial sums added to the
-fp32 accumulator while the next step's MMAs run.
+products (per-tensor ``split_accumulator=True``, blockwise): ``grouped_gemm_fp8._fp8_ragged_kernel``'s partials in
+its order (the same bits), each added to the fp32 accumulator while the next step's MMAs run.
 
 [Note: promotion under the next MMA]
-Each 128-deep step ends in ``acc += partial`` (times the step's scales, blockwise). Triton lowers that
-add right after the step's wgmma, so every step waits for its MMAs to finish (``wgmma.wait_group 0``;
-with ``max_num_imprecise_acc`` ptxas reports "wgmma.mma_async instructions are serialized", C7514):
-the tensor cores idle through the add and the next step's issue. On an H200 that kept the promoting
-per-tensor kernels at 1.40-1.48x of our bf16 kernels and the blockwise ones at ~1.0x, against 1.76-1.98x
-for the per-tensor kernel that accumulates inside the tensor cores ([Note: fp8 split accumulator]).
-Here, per K step ``k``:
+Triton waits for each 128-deep step's MMAs (``wgmma.wait_group 0``) before ``acc += partial``, so the tensor cores
+idle through the add. Here, per K step ``k``:
 
-    cur = wgmma(a[k], b[k], use_acc=False)      # async: step k's 128-deep partial, fresh registers
-    wgmma.wait_group 1                          # every MMA but `cur` done: `prev` (step k-1) is final
-    refill the stage step k-1 read              # its MMA is done, so TMA may overwrite it
+    cur = wgmma(a[k], b[k], use_acc=False)      # async: step k's partial, fresh registers
+    wgmma.wait_group 1                          # `prev` (step k-1) is final; refill its stage
     acc += prev (* a_s[k-1] b_s[k-1])           # fp32, on the CUDA cores, while `cur` runs
     prev = cur
 
-Three fp32 tiles live per thread (acc, prev, cur): 192 registers at 128x128 over two warpgroups (64 x
-128 each), which is why the tile is 128x128 (a 256-wide tile would need 384); 64x128 over one warpgroup
-(two programs per SM) is the other choice (``GroupedGemmFp8Tuning.ragged_gluon_block_m``), measured slower.
-Operands come through a ring of NUM_STAGES shared-memory stages filled by TMA (one mbarrier per
-stage). The numbers are those of the Triton kernel: the same 128-deep partial sums, added in the same
-order, scaled the same way (bit-identical in every GPU test, both recipes).
-ptxas serializes all wgmmas of a kernel (C7514) as soon as it cannot prove that a register read by a
-non-wgmma instruction is not being written by an MMA in flight, so the loop is shaped for its analysis:
-step 0 is peeled (one step is in flight at the loop head on every path), two steps per iteration (the
-partials alternate between two register sets: no phi copy of an in-flight tile at the back edge), the
-last partial is added inside each branch of the odd/even tail, and each step's MMA takes ``acc`` as its
-(ignored, ``use_acc=False``) input so that LLVM cannot sink the previous add below the issue.
-``test_gluon_kernel_keeps_the_mma_pipeline`` builds it for sm_90a and fails on any of those messages.
-``ragged_kernel`` runs this loop warp-specialized: one extra warp issues the TMA loads, so the MMA
-warps only wait on the stages' ``ready`` mbarriers and hand each finished stage back through an
-``empty`` one (one partition barrier per step); the MMA warps get the registers (``setmaxnreg`` 240, the
-TMA warp 24). It is persistent: one program per SM over tiles pid, pid + grid, ...; both partitions walk
-the same group cursor forward (``_cursor``), the ring's step count runs on across tiles (``base``), and
-the MMA warps hand the last step's stage back before their epilogue, so the next tile's first stages load
-under this tile's last steps and epilogue instead of after a fresh program's launch. Measured (H200,
-docs/benchmarks.md), fprop/dgrad at the two large MoE shapes vs our bf16 kernels: 1.44-1.76x per-tensor
-and 1.40-1.69x blockwise, the Triton kernel 1.36-1.43x and 0.93-1.04x (one run,
-fp8_gemm_gluon_persistent_h200.json; the variants this kernel replaced: docs/benchmarks/LOG.md).
+Three fp32 tiles per thread (192 registers at 128x128 over two warpgroups) set the tile size. ptxas serializes
+every wgmma (warning C7514) once it cannot prove a register read outside the MMAs is not written by one in
+flight, so the loop is shaped for it: step 0 peeled, two steps per iteration (partials alternate between two
+register sets), the last partial added inside each branch of the tail, and each MMA takes ``acc`` as its ignored
+input so LLVM cannot sink the previous add below the issue (``test_gluon_kernel_keeps_the_mma_pipeline``).
+``ragged_kernel`` is warp-specialized (a TMA warp fills the ring) and persistent: both partitions walk one group
+cursor forward and the ring's steps run on across tiles, so the next tile's stages load under this one's tail.
 
 [Note: the next tile's first step under the epilogue]
-Each tile's epilogue runs after the next tile's step 0 is issued: otherwise the MMA warps would leave
-the tensor cores idle from the tile's last MMA (drained by the final ``wait_group 0``) through the
-scale, bias and store instructions until the next step 0 is issued, a fixed cost per tile that weighs
-most where tiles have few K steps (16 in the 2048-deep dgrad). The loop
-over tiles has its head between a tile's last MMA and the next one's first, where nothing is in flight
-(an in-flight step 0 carried across the back edge made ptxas serialize every wgmma, C7514): each
-iteration issues its tile's step 0, runs the previous tile's epilogue (the first iteration's covers no
-rows), then the rest of its steps; the epilogue after the loop is the last tile's. Only the epilogue's
-scalars (first row, first column, the group's end row, the group; per-tensor, its two scales) cross the
-loop; the row and column vectors are rebuilt. At the boundary the registers hold the finished sum and
-the new step's partial, two of the loop's three tiles. The per-tensor scales are loaded when a tile
-starts and carried to its epilogue (``_tile_scales``): loaded in the epilogue, their L2 round trip
-stalled the MMA warps between the next tile's step 0 and step 1 (Nsight Compute on an H200: the scale
-multiplies among the MMA warps' most-sampled stalls); carried, per-tensor fprop/dgrad ran 1.015-1.035x
-(one interleaved A/B run, docs/benchmarks/LOG.md).
+Each tile's epilogue (scale, bias, store) runs after the next tile's step 0 is issued, so the tensor cores do not
+idle through it. The tile loop's head is where nothing is in flight (else C7514): an iteration issues its step 0,
+runs the previous tile's epilogue (the first covers no rows), then its other steps. The per-tensor scales load
+when a tile starts and are carried to its epilogue (``_tile_scales``): loaded there, their L2 trip stalled it.
 
 [Note: blockwise scales two steps ahead]
-The blockwise promotion multiplies step k's partial by its rows' activation scales and its weight
-block's scale. Loaded at step k and used at step k+1 (one MMA step, ~0.5 us, to arrive), they still
-stalled the promotion's multiply (the most-sampled stall of the MMA warps in the blockwise fprop,
-Nsight Compute on an H200). Each step now loads step k+1's scales, used at step k+2 (``_step``, after
-its add, into the registers that step k-1's scales leave; step 0 and step 1's in ``_begin``): three
-more registers, no spill at 168 (Triton 3.6), and 1.02-1.06x on the blockwise fprop/dgrad at the two
-large MoE shapes in one A/B run (loaded before the add, which left a register copy at the loop's back
-edge waiting on the load: 1.00-1.02x less). Values and order of the arithmetic are unchanged, so are
-the bits.
+Scales loaded one step before use still stalled the promotion's multiply, so each step loads step k+1's, used at
+step k+2 (``_step``, after its add, into the registers step k-1's free; ``_begin`` loads steps 0 and 1).
 
 [Note: the epilogue's wide stores]
-In the MMA layout a thread holds pairs of adjacent columns, so a direct store writes 4 bytes (two
-bf16) per instruction: 32 store instructions per thread per 128x128 tile, which filled the store
-queue (Nsight Compute: "lg_throttle" among the MMA warps' top stalls in the 2048-deep dgrad). The
-epilogue converts the tile to a layout of 8 consecutive columns per thread (``gl.convert_layout``,
-through shared memory) and stores 16-byte rows: 8 instructions per thread, as the Triton kernels'
-epilogues do. One A/B run on an H200, interleaved in one process (docs/benchmarks/LOG.md):
-1.04-1.20x at the two large MoE shapes, most in the 2048-deep dgrad (per-tensor 1046 vs
-871 TFLOP/s). The staging buffer (32 KB in bf16) fits beside the four 32 KB stages.
+An MMA-layout thread holds pairs of adjacent columns, so direct stores write 4 bytes each and fill the store
+queue; the epilogue converts the tile through shared memory and stores 16-byte rows, as Triton's epilogues do.
 
-Preconditions (checked by ``grouped_gemm_fp8._gluon_ragged`` before it launches this): a Hopper GPU
-(wgmma is sm_90a only), this Triton has Gluon, TMA-aligned operands, B with the contraction innermost
-and its experts stacked so that ``[E * N, K]`` is a 2-D view (B's tile rows past an expert's N read the
-next expert or TMA's zero fill, and only feed output columns that the store masks), blockwise tiles of
-128 with BLOCK_N = BLOCK_K = 128 (one weight scale per step).
-Legend as in ``grouped_gemm_fp8``: T tokens, K the contraction, N output features, E groups.
-"""
+Preconditions (``grouped_gemm_fp8._gluon_ragged`` checks them): Hopper, Gluon, TMA-aligned operands, B with the
+contraction innermost and experts stacked so ``[E * N, K]`` is a 2-D view (tile rows past an expert's N feed only
+masked columns), blockwise tiles of 128 = BLOCK_N = BLOCK_K (one weight scale per step). T tokens, K the
+contraction, N output features, E groups."""
 
 from . import (
     AVAILABLE,
@@ -119,12 +69,8 @@ _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT
 
 @aggregate
 class Scales:
-    """The scales' pointers and strides: blockwise (BLOCKWISE), a_s[t, kb] (``as_ptr``, strides ``stride_ast``,
-    ``stride_ask``) and b_s[e, kb, nb] (``bs_ptr``; ``stride_bse``, ``stride_bsk``, ``stride_bsn``), one of
-    each per K step; per-tensor, ``as_ptr`` and ``bs_ptr`` [e] (stride ``stride_bse``). A stride may be a
-    constexpr (a specialized 1, or the wgrad's unused 0). COLS (the blockwise wgrad, [Note: blockwise wgrad
-    scales] in ``grouped_wgrad_fp8``): b_s has a scale per output column, read from shared memory by the
-    wgrad's own loop; ``_begin`` loads only the row scales."""
+    """Scale pointers and strides: blockwise a_s[t, kb], b_s[e, kb, nb]; per-tensor ``as_ptr``, ``bs_ptr`` [e]. COLS
+    (blockwise wgrad): b_s per output column, read by the wgrad's loop ([Note: blockwise wgrad scales])."""
 
     as_ptr: gl.tensor
     bs_ptr: gl.tensor
@@ -152,8 +98,7 @@ class Scales:
 
 @aggregate
 class StepScales:
-    """A tile's blockwise scale pointers (``_begin``): its rows' a_s pointers at step 0 (``as_ptrs``, masked
-    by ``rows_ok``) and its weight block's b_s at step 0 (``bs_base``); step k adds k times the K strides."""
+    """A tile's blockwise scale pointers at step 0 (rows masked by ``rows_ok``); step k adds k K strides."""
 
     as_ptrs: gl.tensor
     bs_base: gl.tensor
@@ -168,11 +113,9 @@ class StepScales:
 
 @aggregate
 class Chunks:
-    """A tile's K steps in the ring: step 0 is ring step ``base``, ``n_k`` steps. EDGES (the wgrad): step k
-    holds tokens t_first + BLOCK_K k ..., those outside the group's [t_lo, t_hi) are zeroed first ([Note: a
-    group's edge chunks in shared memory] in ``grouped_wgrad_fp8``). TOKENS_OUTER (the bf16 wgrad): the
-    stages hold [tokens, rows] of dy and x, the MMA reads them transposed and as they are, and only the
-    group's end can cut a step (its tokens start a step)."""
+    """A tile's ``n_k`` K steps from ring step ``base``; step k holds tokens t_first + BLOCK_K k ... EDGES
+    (wgrad): those outside [t_lo, t_hi) are zeroed first ([Note: a group's edge chunks in shared memory]).
+    TOKENS_OUTER (bf16 wgrad): stages hold [tokens, rows]."""
 
     base: gl.tensor
     n_k: _Scalar
@@ -195,8 +138,8 @@ class Chunks:
 
 @aggregate
 class Schedule:
-    """A persistent program's tiles: pid, pid + nprog, ... < total, over the groups of ``offs_ptr`` (stride
-    ``stride_o``; T tokens), N output columns, B's rows of group e from e * W_ROWS, n_k K steps per tile."""
+    """A persistent program's tiles pid, pid + nprog, ... < total over the groups of ``offs_ptr``;
+    group e's B rows start at e * W_ROWS."""
 
     offs_ptr: gl.tensor
     stride_o: _Scalar
@@ -225,8 +168,7 @@ class Schedule:
 
 @aggregate
 class Out:
-    """The output ``out_ptr`` [t, n] (strides ``stride_ot``, ``stride_on``) and, with HAS_BIAS, the bias
-    [e, n] (``bias_ptr``; ``stride_biase``, ``stride_biasn``)."""
+    """The output [t, n] and, with HAS_BIAS, the bias [e, n]."""
 
     out_ptr: gl.tensor
     bias_ptr: _Scalar
@@ -249,7 +191,7 @@ class Out:
 
 @gluon.jit
 def _issue(ring, step, g, row0, brow0, pred):
-    """TMA loads of K step ``step`` into the stage of the ring's step ``g`` (nothing if not ``pred``)."""
+    """TMA loads of K step ``step`` into ring step ``g``'s stage (nothing unless ``pred``)."""
     s = g % ring.NUM_STAGES
     k0 = step * ring.a_desc.block_type.shape[1]
     bar = ring.ready.index(s)
@@ -260,11 +202,9 @@ def _issue(ring, step, g, row0, brow0, pred):
 
 @gluon.jit
 def _step(k, ring, ch, sc, sp, acc, prev, prev_as, prev_bs, cur_as, cur_bs, mma: gl.constexpr):
-    """K step ``k`` of the tile ``ch``: issue its MMAs, then add step k-1's partial ``prev`` into ``acc`` while
-    they run. Blockwise scales: ``prev_as``/``prev_bs`` are step k-1's, ``cur_as``/``cur_bs`` step k's (loaded
-    a step ago); step k+1's are loaded here (``sp``). Returns (acc, this step's partial, its row scales, its
-    weight scale, step k+1's row scales and weight scale); the partial is still in flight: only the next
-    step's wait makes it readable. Step k-1's stage is then free: handed back to the TMA warp."""
+    """K step ``k``: issue its MMAs, then add step k-1's partial ``prev`` (scales ``prev_as``/``prev_bs``)
+    into ``acc`` under them, hand step k-1's stage back and load step k+1's blockwise scales. Returns (acc, this
+    step's partial, its scales ``cur_as``/``cur_bs``, step k+1's); the partial is in flight until the next wait."""
     g = ch.base + k
     s = ring.wait_ready(g)
     if ch.EDGES:
@@ -310,9 +250,8 @@ def _last(acc, prev, prev_as, prev_bs, BLOCKWISE: gl.constexpr):
 
 @gluon.jit
 def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
-    """Step 0 of the tile ``ch`` (in the ring's step ``ch.base``): waits for its stage and issues its MMAs into
-    fresh registers. Returns (the partial, in flight; its row scales; its weight scale; step 1's row scales
-    and weight scale; the blockwise scale pointers of the tile's later steps)."""
+    """Step 0 of tile ``ch``: wait for its stage, issue its MMAs. Returns (the in-flight partial, its scales,
+    step 1's, the tile's ``StepScales``)."""
     BLOCK_M: gl.constexpr = ring.a_bufs.type.shape[2] if ch.TOKENS_OUTER else ring.a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = ring.a_bufs.type.shape[1] if ch.TOKENS_OUTER else ring.a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = ring.b_bufs.type.shape[2] if ch.TOKENS_OUTER else ring.b_bufs.type.shape[1]
@@ -354,8 +293,8 @@ def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
 
 @gluon.jit
 def _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma: gl.constexpr):
-    """Steps 1 .. n_k - 1 of a tile whose step 0 (``_begin``) is in flight as ``prev``: the tile's fp32 sum,
-    every MMA of it done ([Note: promotion under the next MMA])."""
+    """Steps 1 .. n_k - 1 of a tile whose step 0 is in flight as ``prev``: the fp32 sum, every MMA
+    done ([Note: promotion under the next MMA])."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if ch.TOKENS_OUTER else ring.a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if ch.TOKENS_OUTER else ring.b_desc.block_type.shape[0]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
@@ -380,9 +319,7 @@ def _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma: g
 
 @gluon.jit
 def _tile_scales(sc, e64, BLOCKWISE: gl.constexpr):
-    """Per-tensor: the activation's scale and group e's weight scale, loaded when the tile starts so
-    that its epilogue does not wait on them ([Note: the next tile's first step under the epilogue]);
-    blockwise (scales applied per step): no loads, ones."""
+    """Per-tensor: the activation's and group e's weight scale, loaded as the tile starts; blockwise: ones."""
     if BLOCKWISE:
         return gl.load(sc.as_ptr, mask=False, other=1.0), gl.load(sc.bs_ptr, mask=False, other=1.0)
     return gl.load(sc.as_ptr), gl.load(sc.bs_ptr + e64 * sc.stride_bse)
@@ -390,9 +327,8 @@ def _tile_scales(sc, e64, BLOCKWISE: gl.constexpr):
 
 @gluon.jit
 def _finish(acc, out, e64, row0, col0, row_end, N, a_scale, b_scale, mma: gl.constexpr, BLOCKWISE: gl.constexpr):
-    """The epilogue of the tile at (row0, col0) whose group ends at row ``row_end`` (nothing stored if
-    row_end <= row0): per-tensor scales (``_tile_scales``), bias, and the store, masked to the
-    group's rows and N ([Note: the epilogue's wide stores])."""
+    """The epilogue of the tile at (row0, col0): per-tensor scales, bias, and the store masked to rows
+    below ``row_end`` and columns below N ([Note: the epilogue's wide stores])."""
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     # (the bias stays here: live across the MMA loop, it made the blockwise kernel spill)
     if not BLOCKWISE:
@@ -406,10 +342,7 @@ def _finish(acc, out, e64, row0, col0, row_end, N, a_scale, b_scale, mma: gl.con
 
 @gluon.jit
 def _produce(ring, sched, e, first):
-    """The warp-specialized kernel's TMA warp, over the program's tiles (``sched``), the group cursor
-    (group e, its first tile ``first``) walked forward: ring step g waits until the consumers hand its
-    stage back, then loads it; the next tile's loads start as soon as stages come free, under the
-    consumers' last steps and epilogue."""
+    """The TMA warp: ring step g waits for its stage, then loads it."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
     base = sched.pid * 0
@@ -427,9 +360,8 @@ def _produce(ring, sched, e, first):
 
 @gluon.jit
 def _consume_tiles(ring, sched, e, first, sc, out, mma: gl.constexpr):
-    """The warp-specialized kernel's MMA warps over the same tiles as ``_produce``, in the same order;
-    each tile's epilogue runs after the next tile's step 0 is issued ([Note: the next tile's first step
-    under the epilogue])."""
+    """The MMA warps over ``_produce``'s tiles, each tile's epilogue after the next tile's step 0
+    is issued ([Note: the next tile's first step under the epilogue])."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
     N = sched.N
@@ -467,11 +399,8 @@ def ragged_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, bias_ptr, offs_ptr,
                   stride_ot, stride_on, stride_biase, stride_biasn, stride_o,
                   BLOCKWISE: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                   BLOCK_E: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for the tokens t of group e
-    ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s. Warp-specialized (one
-    extra warp issues the TMA loads, the MMA warps only wait on mbarriers) and persistent (programs loop
-    over tiles pid, pid + grid, ...), each tile's epilogue after the next tile's step 0 ([Note: the next
-    tile's first step under the epilogue])."""
+    """out[t, :N] = a[t, :K] @ B[e * W_ROWS : e * W_ROWS + N, :K]^T for group e's tokens t
+    ([Note: promotion under the next MMA]); scales as ``_fp8_ragged_kernel``'s."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]

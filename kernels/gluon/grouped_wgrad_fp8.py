@@ -1,108 +1,49 @@
-"""FP8 wgrad over ragged token groups in Gluon, per-tensor recipe with the split accumulator: the
-products of ``grouped_gemm_fp8._wgrad_fp8_kernel`` (``EDGES`` "edges"), with each 128-token partial sum
-added to the fp32 accumulator while the next chunk's MMAs run.
+"""FP8 wgrad over ragged token groups in Gluon: the products of ``grouped_gemm_fp8._wgrad_fp8_kernel`` (the
+same bits), with each 128-token partial added to the fp32 sum while the next chunk's MMAs run.
 
 [Note: fp8 wgrad under the next MMA]
-The Triton FP8 wgrad promotes every 128 tokens (``max_num_imprecise_acc``), and Triton waits for each
-chunk's MMAs before the add (``wgmma.wait_group 0``): Nsight Compute on an H200 found its tensor pipes 34%
-busy at ~1024 tokens per group, with those waits among the most-sampled stalls. This kernel runs the
-fprop/dgrad Gluon kernel's promoting loop (``grouped_gemm_fp8``, [Note: promotion under the next MMA]: the
-same functions) over wgrad tiles: a = dy^T [N, T], b = x^T [K, T], both fp8 with the tokens innermost;
-output tile [BLOCK_M of N, BLOCK_N of K] of group e, contracted over the group's tokens in chunks on the
-global 128-token grid (the Triton kernel's chunks, so the same partial sums in the same order: the same
-bits).
-
-Persistent and warp-specialized: one program per SM walks tiles pid, pid + grid, ... (group-major,
-``_grouped_wgrad._swizzle`` inside a group, as the Triton kernel numbers them). A one-warp partition loads
-the chunks by TMA into a ring of NUM_STAGES stages; the MMA warps zero the edge chunks' foreign tokens
-(below), run the loop and apply the per-tensor scales; the epilogue (store, load-add-store or fp32
-reductions into ``out``, 16 bytes of a row per instruction) runs in two epilogue warps from a shared-memory
-copy of the tile ([Note: an epilogue partition]; with EPI_WARPS = 0 the MMA warps write it themselves). Each
-tile's handoff (or epilogue) comes after the next tile's first chunk is issued ([Note: the next tile's first
-step under the epilogue]).
+Triton's FP8 wgrad waits for each 128-token chunk's MMAs before its promoting add, idling the tensor cores. This
+kernel runs the fprop/dgrad loop ([Note: promotion under the next MMA]) over wgrad tiles: a = dy^T [N, T], b =
+x^T [K, T] (fp8, tokens innermost), chunks on the global 128-token grid, so its partials and their order are the
+Triton kernel's. Persistent and warp-specialized: a TMA warp fills the ring; the MMA warps zero edge chunks'
+foreign tokens, run the loop and scale; two epilogue warps write the tile ([Note: an epilogue partition];
+EPI_WARPS = 0: the MMA warps), after the next tile's first chunk ([Note: the next tile's first step under the
+epilogue]).
 
 [Note: a group's edge chunks in shared memory]
-A chunk that straddles a group edge holds another group's tokens, which must count as zeros (they may even
-be NaN: a poisoned buffer, another group's overflow). A TMA box cannot stop at a group's edge, and the MMA
-reads its operands from shared memory, so they are zeroed there: the MMA warps, once the chunk has landed
-and before they issue its MMAs, rewrite the other group's token columns of both operands
-(``tiles.zero_edges``, one 16-byte unit per thread per pass, the 128-byte swizzle undone in the index math,
-the byte masks computed once per chunk for every pass over both operands), fence the writes for the async
-proxy and synchronize their warps. Only a group's first and last chunks can be edge chunks (~2 of 9 at 1024
-tokens per group, nearly all at 128); a last chunk is rewritten while the previous chunk's MMAs run. Why the
-MMA warps zero the edge chunks (and what the zeroing costs beside the epilogue partition):
-docs/benchmarks/LOG.md.
+A chunk straddling a group edge holds other groups' tokens, which must count as zeros (they may be NaN). A TMA
+box cannot stop at the edge, so the MMA warps zero those tokens of both operands in shared memory after the
+chunk lands (``tiles.zero_edges``), fence for the async proxy and sync before its MMAs. Only a group's first and
+last chunks can be edge chunks. Why the MMA warps do it: docs/benchmarks/LOG.md.
 
 [Note: an epilogue partition]
-At ~1024 tokens per group (E=64) a 128x128 tile's MMAs take ~3 us, and its fp32 epilogue (64 KB written, or
-read and written) about as long: written by the MMA warps, it stalls the tensor pipes between tiles . With
-EPI_WARPS = 2 the MMA warps hand the scaled tile over in shared memory instead (``_hand_off``: wait until
-the previous tile has been read, store, arrive; ~0.5 us), and two epilogue warps (``_epilogue``) write it to
-global memory, EPI_ROWS rows at a time, while the MMA warps run the next tile. One 64 KB buffer (32 KB for a
-fresh 16-bit output, [Note: a 16-bit handoff]): the handoff of tile i + 1 waits for the epilogue warps to
-have read tile i, a whole tile's MMAs later. Its layout swizzles 32-byte units over 8 rows so that both the
-MMA layout's 8-byte stores and the epilogue's row-wise 16-byte loads are free of bank conflicts
-(``gl.bank_conflicts``: 0 and 0; unswizzled the stores take 4 wavefronts for 1). The epilogue warps share
-the TMA warp's warpgroup (3 of its 4 warps), so the MMA warps keep their 232 registers; the shared memory is
-5 stages x 32 KB + 64 KB (the layout conversion's 32 KB of scratch in the MMA warps' own epilogue goes
-away). Both partitions walk the same tiles and agree on which tiles write (``_writes``), so every handoff
-has its reader. Why this writer and not a TMA store or direct stores: docs/benchmarks/LOG.md.
+A tile's fp32 epilogue takes about as long as its MMAs, so with EPI_WARPS = 2 the MMA warps hand the scaled tile
+over in a shared-memory buffer and two epilogue warps (in the TMA warp's warpgroup: the MMA warps keep 232
+registers) write it, EPI_ROWS rows at a time, under the next tile's MMAs; handing off tile i + 1 waits until tile
+i has been read. The buffer's swizzle makes both sides bank-conflict-free. Both partitions agree on which tiles
+write (``_writes``), so every handoff has its reader.
 
 [Note: a 16-bit handoff]
-A fresh bf16 / fp16 output (``grouped_wgrad_fp8(..., out_dtype=)``, what the modules take without
-``main_grad``) is rounded by the MMA warps before the handoff instead of by the epilogue warps after it: the
-same fp32 value rounded to nearest even by the same conversion, so the same bits (the GPU tests compare it
-with the fp32 output rounded), and the handed-off tile is 32 KB instead of 64 KB. The MMA warps then store
-one 4-byte word per column pair (against 8 bytes), half the shared-memory wavefronts; the epilogue warps
-read 8 values per 16-byte load. The swizzle is the fp32 tile's in elements (16-byte units over 8 rows),
-conflict-free for both sides again. The 32 KB saved fit a sixth ring stage
-(``GroupedGemmFp8Tuning.wgrad_gluon_stages_16``). An accumulating output and a table of bases (fp32) hand
-off in fp32 as before.
+A fresh bf16 / fp16 output is rounded before the handoff, not after (the same conversion: the same bits), so
+the tile handed off is 32 KB, not 64, and a sixth ring stage fits (``wgrad_gluon_stages_16``).
 
 [Note: blockwise wgrad scales]
-With the blockwise recipe (BLOCKWISE: 1x128 tiles along the tokens, dy^T's scales [N, chunks], x^T's [K,
-chunks]) each chunk's partial is scaled before it is added: ``acc + part * (a_s[:, None] * b_s[None, :])``,
-the Triton kernel's expression on the same partials in the same order, so the same bits. The per-tensor
-epilogue's scales are then ones. The row scales (two a thread in the MMA layout) are loaded by the MMA warps
-a step ahead, as the fprop's (``_begin``, ``_col_step``). The column scales are 32 a thread: loaded from
-global memory beside the loop's three fp32 tiles (192 of the MMA warps' 232 registers) they made the sm_90a
-build spill inside the loop (1.3-1.9 KB). So the TMA warp copies each chunk's 128 column scales into a slot
-of their own ring (``cp.async``, 16 bytes a thread; the stage's ``ready`` barrier counts their landing), and
-the MMA warps read them from shared memory at the add. The launcher passes x^T's scales columns-contiguous
-([chunks, K rounded up to 128], zeros past K), so every copy is one aligned 16-byte unit. The slots are one
-more than the stages, so a step hands its stage back before it reads the previous chunk's scales: the TMA
-warp refills that stage, and with it the slot of the chunk before, whose reads every MMA warp finished
-before the hand-back's barrier. Read before the hand-back (a slot per stage), the scales would sit between
-the barrier Triton puts after the MMA wait and the hand-back's own: two barriers of all MMA warps a step
-instead of one, with the loads' latency between them (and ptxas spills where the loop's two tails merge).
-Read before the MMA wait, their 32 registers beside the three tiles spill inside the loop. The slots take
-shared memory a fifth stage would need, so the ring has four
-(``GroupedGemmFp8Tuning.wgrad_gluon_stages_blockwise``). A thread's 32 columns are 8j + 2q + {0, 1} for the
-16 n8 blocks j of the wgmma tile (q: its lane in the quad): 16 pairs 32 bytes apart, 16 loads of 8 bytes. So
-each slot holds the columns in the MMA layout's order (``ColumnScaleSlots.slot``: a linear shared layout
-that puts blocks 2J and 2J + 1 of one q side by side): 8 loads of 16 bytes a thread, the TMA warp's copies
-8-byte pieces. Where the MMA warps write the tile themselves or load it for a load-add-store, the 16-byte
-loads' aligned register quads made the sm_90a build spill, so those keep the columns' own order. Measured:
-docs/benchmarks/LOG.md.
+Blockwise (1x128 along the tokens: dy^T's scales [N, chunks], x^T's [K, chunks]), each partial is scaled before
+its add, ``acc + part * (a_s[:, None] * b_s[None, :])``: the Triton kernel's bits. Row scales load a step ahead,
+as in fprop. A thread's 32 column scales would spill the loop's registers, so the TMA warp copies each chunk's
+into a ring of shared-memory slots (``cp.async``, counted by the stage's ``ready`` barrier); the launcher pads
+x^T's to [chunks, K rounded up to 128] so each copy is one aligned 16-byte unit. One slot more than stages: a
+step hands its stage back before reading the previous chunk's scales (one barrier a step), and the refill
+overwrites an already-read slot. The slots cost a stage: four stages (``wgrad_gluon_stages_blockwise``).
 
 [Note: tracing the MMA warps' tile phases]
-Where the per-tile time goes is not visible in a profile's averages, so TRACE = True
-(``grouped_wgrad_fp8_launch.launch(..., trace=)``) has the MMA warps read the SM's cycle counter at four
-points of each tile with tokens: the loop's top, the first chunk's MMAs issued (``_begin``: the wait for its
-stage, the edge zeroing), the previous tile handed off or written (``_flush``), and the last chunk done
-(``_accumulate``), and store them with the tile's chunk count. Off (the default), nothing of it is built. A
-traced launch may also write nothing (ADD_MODE -1: the epilogue warps read each handed-off tile from shared
-memory and drop it), to time the chunks without the output's global traffic, and such a dry run may skip the
-edge chunks' zeroing (ZERO_EDGES = False), to time what it costs.
+TRACE (``launch(..., trace=)``) has the MMA warps store ``%clock64`` at four points of each tile (loop top, first
+chunk issued, previous tile flushed, last chunk done) and its chunk count; off, none of it is built. A traced
+dry run (ADD_MODE -1) writes nothing and may skip the edge zeroing (ZERO_EDGES = False) to time it.
 
-The kernel's bf16 / fp16 form ([Note: the bf16 wgrad in the fp8 kernel]) is described beside its launcher
-(``grouped_wgrad_fp8_launch.py``).
-
-Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): a Hopper GPU, a Triton with Gluon,
-TMA-aligned operands (T a multiple of 16), per-tensor scaling with the split accumulator or blockwise 1x128
-tiles ([Note: blockwise wgrad scales]), a stacked fp32 output ``[E, N, K]`` (bf16 / fp16 when fresh) or a
-table of per-group fp32 bases (``PTR_TABLE``). Legend as in ``grouped_gemm_fp8``: T tokens, N out-features
-(dy^T rows), K in-features (x^T rows), E groups."""
+bf16 / fp16: [Note: the bf16 wgrad in the fp8 kernel]. Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks
+them): Hopper, Gluon, T a multiple of 16, per-tensor split accumulator or blockwise 1x128, a stacked [E, N, K]
+output (fp32; 16-bit when fresh) or a table of fp32 bases (PTR_TABLE). T tokens, N out-, K in-features, E groups."""
 
 from . import (
     AVAILABLE,
@@ -145,8 +86,8 @@ _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT
 
 @aggregate
 class GroupSource:
-    """Where the TMA warp builds per-group descriptors from (GROUP_DESC, [Note: a group's tail zero-filled
-    by TMA]): dy at ``a_ptr`` and x at ``b_ptr``, token strides ``stride_at`` and ``stride_bt``."""
+    """With GROUP_DESC, where the TMA warp builds per-group descriptors from ([Note: a group's tail
+    zero-filled by TMA]): dy and x, with their token strides."""
 
     a_ptr: gl.tensor
     b_ptr: gl.tensor
@@ -165,9 +106,7 @@ class GroupSource:
 
 @aggregate
 class BlockScales:
-    """With BLOCKWISE, the 1 x BLOCK_K tiles' scales ([Note: blockwise wgrad scales]): dy^T's at ``as_ptr``
-    [N, chunks] (strides ``stride_asn``, ``stride_asc``) and x^T's at ``bs_ptr`` [K, chunks] (``stride_bsk``,
-    ``stride_bsc``)."""
+    """With BLOCKWISE, the scales of [Note: blockwise wgrad scales]: dy^T's [N, chunks], x^T's [K, chunks]."""
 
     as_ptr: gl.tensor
     bs_ptr: gl.tensor
@@ -190,8 +129,8 @@ class BlockScales:
 
 @aggregate
 class ColumnScaleSlots:
-    """The ring of the chunks' column scales ([Note: blockwise wgrad scales]): ``bufs`` [slots, BLOCK_N] fp32,
-    each slot in the MMA layout's order (MMA_ORDER) or the columns' own."""
+    """The ring of chunks' column scales, ``bufs`` [slots, BLOCK_N] fp32 ([Note: blockwise wgrad scales]);
+    MMA_ORDER where registers allow it (with epilogue warps, no load-add-store), else the columns' own order."""
 
     bufs: gl.shared_memory_descriptor
     MMA_ORDER: gl.constexpr
@@ -203,9 +142,8 @@ class ColumnScaleSlots:
 
     @gluon.jit
     def slot(self, g):
-        """Ring step ``g``'s slot as the tile's BLOCK_N columns. In the MMA layout's order, offset bits are
-        column bits 0, 3, 1, 2, 4, 5, 6: an MMA thread's columns 8j + 2q + {0, 1} of the n8 blocks j = 2J and
-        2J + 1 are 16 contiguous bytes (q: its lane in the quad), so it reads its 32 in 8 loads, not 16."""
+        """Ring step ``g``'s slot. MMA_ORDER permutes offset bits (0, 3, 1, 2, ...) so that an MMA
+        thread's columns 8j + 2q + {0, 1} of n8 blocks 2J and 2J + 1 are 16 contiguous bytes: 8 loads, not 16."""
         BLOCK_N: gl.constexpr = self.bufs.type.shape[1]
         view = self.bufs.index(g % self.bufs.type.shape[0])
         if self.MMA_ORDER:
@@ -220,8 +158,7 @@ class ColumnScaleSlots:
 
 @aggregate
 class Trace:
-    """With TRACE, where the MMA warps record their tile phases: ``trace_ptr`` [programs, TRACE_TILES, 5]
-    ([Note: tracing the MMA warps' tile phases])."""
+    """With TRACE, ``trace_ptr`` [programs, TRACE_TILES, 5] ([Note: tracing the MMA warps' tile phases])."""
 
     trace_ptr: gl.tensor
     TRACE_TILES: _Scalar
@@ -236,9 +173,8 @@ class Trace:
 
 @gluon.jit
 def _chain(ring, ch, acc, mma: gl.constexpr):
-    """Steps 1 .. n_k - 1 of a bf16 tile whose step 0 (``_begin``) is in flight as ``acc``, each chunk's
-    MMAs accumulating into the same registers ([Note: chained bf16 accumulation]); the tile's sum, every
-    MMA of it done. A step's stage goes back to the TMA warp once the next step's MMAs are issued."""
+    """Steps 1 .. n_k - 1 of a bf16 tile, chained into step 0's registers ``acc`` ([Note: chained bf16
+    accumulation]); returns the sum, every MMA done."""
     NUM_STAGES: gl.constexpr = ring.NUM_STAGES
     for k in range(1, ch.n_k):
         g = ch.base + k
@@ -256,10 +192,8 @@ def _chain(ring, ch, acc, mma: gl.constexpr):
 
 @gluon.jit
 def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, col_scales, mma: gl.constexpr):
-    """Blockwise step ``k`` of the tile ``ch`` ([Note: blockwise wgrad scales]): issue its MMAs, then add step
-    k-1's partial ``prev`` times its rows' scales ``prev_as`` and its columns' (from step k-1's slot)
-    while they run; load step k+1's row scales. Step k-1's stage is then handed back. Returns (acc, this
-    step's partial (in flight), its row scales, step k+1's)."""
+    """Blockwise step ``k``: issue its MMAs, add step k-1's scaled partial under them, load step k+1's row
+    scales. Returns (acc, this step's in-flight partial, its row scales, step k+1's)."""
     g = ch.base + k
     s = ring.wait_ready(g)
     if ch.EDGES:
@@ -286,10 +220,8 @@ def _col_last(acc, prev, prev_as, col_scales, g, mma: gl.constexpr):
 
 @gluon.jit
 def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, col_scales, mma: gl.constexpr):
-    """Steps 1 .. n_k - 1 of a blockwise tile whose step 0 (``_begin``) is in flight as ``prev``: the
-    promoting loop of ``grouped_gemm_fp8._accumulate`` (step 0 peeled, two steps an iteration, the last
-    partial added in each branch), each partial scaled by its rows' and columns' scales ([Note: blockwise
-    wgrad scales]); the tile's fp32 sum, every MMA of it done."""
+    """``grouped_gemm_fp8._accumulate`` for a blockwise wgrad tile, with per-column scales ([Note:
+    blockwise wgrad scales])."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
@@ -307,8 +239,8 @@ def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, col_scales, mma: gl.c
 
 @gluon.jit
 def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Descriptors of dy and x over the group's rows [start, end) alone: a chunk's rows past its end load
-    as zeros (an empty group's, one row long, is never loaded from)."""
+    """Descriptors of dy and x over the group's tokens [start, end) alone, so TMA zero-fills rows past
+    the end (an empty group's, one row long, is never read)."""
     rows_g = gl.maximum(end - start, 1)
     a_g = tma.make_tensor_descriptor(src.a_ptr + start.to(gl.int64) * src.stride_at, [rows_g, N], [src.stride_at, 1],
                                      [BLOCK_K, BLOCK_M], ring.a_desc.layout)
@@ -319,11 +251,8 @@ def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl
 
 @gluon.jit
 def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
-    """The TMA warp over the program's tiles: ring step g waits until the MMA warps hand its stage back
-    (a fresh mbarrier counts as released for the first round), then loads it. GROUP_DESC (the bf16
-    wgrad): each tile loads through descriptors of its group's tokens alone, built here from ``src``
-    ([Note: a group's tail zero-filled by TMA]). BLOCKWISE: each stage also gets its chunk's scales of the
-    tile's columns ([Note: blockwise wgrad scales])."""
+    """The TMA warp: ring step g waits for its stage, then loads it (with GROUP_DESC through per-group
+    descriptors, with BLOCKWISE also the chunk's column scales)."""
     a_desc = ring.a_desc
     b_desc = ring.b_desc
     NUM_STAGES: gl.constexpr = ring.NUM_STAGES
@@ -376,7 +305,7 @@ def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
 
 @gluon.jit
 def _clock(like):
-    """The SM's cycle counter (``%clock64``; ``like``: any scalar of the partition, for the shape)."""
+    """The SM's ``%clock64`` (``like``: any scalar of the partition, for the shape)."""
     return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [like], dtype=gl.int64, is_pure=False,
                                      pack=1)
 
@@ -396,8 +325,7 @@ def _trace(trace, pid, j, t_top, t_begun, t_flushed, t_done, n_k):
 @gluon.jit
 def _tile_scales(bw, row0, col0, first, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_K: gl.constexpr, mma: gl.constexpr):
-    """A blockwise tile's scales for the promoting loop ([Note: blockwise wgrad scales]): (the Scales whose
-    K steps are the tile's chunks, the tile's rows of dy^T, which of them exist)."""
+    """A blockwise tile's (Scales over its chunks, its rows of dy^T, which of them exist)."""
     c0 = (first // BLOCK_K).to(gl.int64)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     bs_base = bw.bs_ptr + col0.to(gl.int64) * bw.stride_bsk + c0 * bw.stride_bsc
@@ -409,10 +337,8 @@ def _tile_scales(bw, row0, col0, first, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl
 @gluon.jit
 def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
              ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr, CHAIN: gl.constexpr):
-    """The MMA warps over the same tiles as ``_produce``: each tile's chunks through the promoting loop,
-    its epilogue after the next tile's first chunk is issued (the first iteration's writes nothing).
-    With TRACE, [Note: tracing the MMA warps' tile phases]; with ``bw.BLOCKWISE``, [Note: blockwise wgrad
-    scales]."""
+    """The MMA warps over ``_produce``'s tiles: each through the promoting (or chained) loop, its
+    epilogue after the next tile's first chunk is issued (the first iteration's writes nothing)."""
     BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if TOKENS_OUTER else ring.a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = ring.a_desc.block_type.shape[0] if TOKENS_OUTER else ring.a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if TOKENS_OUTER else ring.b_desc.block_type.shape[0]
@@ -511,10 +437,8 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
                  TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
                  TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
                  CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
-    """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over the tokens g of group e, per-tensor scales
-    ``as_ptr`` (dy^T) and ``bs_ptr`` (x^T) ([Note: fp8 wgrad under the next MMA]); ADD_MODE 0 fresh, 1
-    load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run); ``out_ptr`` the stacked output or,
-    with PTR_TABLE, a table of per-group bases."""
+    """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g ([Note: fp8 wgrad under the next
+    MMA]); ADD_MODE, ``out_ptr``: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``, ``out`` / ``table``."""
     gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
     gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
     gl.static_assert(not (BLOCKWISE and (TOKENS_OUTER or CHAIN)), "blockwise scales are fp8's")

@@ -1,46 +1,26 @@
-"""Host launchers of the Gluon wgrad kernel (``grouped_wgrad_fp8.wgrad_kernel``).
-
-``launch``: the FP8 wgrad, per-tensor or blockwise recipe, from dy^T [N, T] and x^T [K, T] (tokens innermost).
-``launch_tokens_outer``: the bf16 / fp16 wgrad from dy [T, N] and x [T, K] as the caller holds them
-([Note: the bf16 wgrad in the fp8 kernel], below). Both run one program per SM (at most one per tile) and check
-only their own settings; the dispatchers (``grouped_gemm_fp8._launch_gluon_wgrad``,
-``grouped_gemm._launch_gluon_wgrad``) checked the preconditions in the kernel module's docstring. The
-kernel, its descriptor helper and the Triton it was built with are looked up on the kernel module at
-each call, so a test that replaces one there replaces it for the launchers too.
+"""Host launchers of ``grouped_wgrad_fp8.wgrad_kernel``: ``launch`` (FP8, from dy^T [N, T] and x^T [K, T]) and
+``launch_tokens_outer`` (bf16 / fp16, from dy [T, N] and x [T, K]). They check only their own settings (the
+dispatchers checked the kernel module's preconditions), and look the kernel up on its module at each call, so a
+test that replaces it there replaces it here.
 
 [Note: the bf16 wgrad in the fp8 kernel]
-The same kernel serves the accumulating bf16 / fp16 wgrad (``TOKENS_OUTER``,
-``grouped_wgrad_fp8_launch.launch_tokens_outer``; ``GroupedGemmTuning.wgrad_gluon``, where groups average
-256 tokens or more): dy [T, N] and x [T, K] as the caller holds them, tokens outer. A stage is a [64 tokens,
-128 rows] box of each (128 bytes per token row: the swizzle's line; 32 KB per stage as in FP8), and the MMA
-reads both transposed (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T and x^T there). The
-token is the box's outer coordinate, which TMA takes anywhere, so a group's chunks start at its first token
-and only its last chunk can hold another group's tokens: those token rows of both stages are zeroed
-(``tiles.zero_rows``), fenced and synchronized as for FP8, or never loaded ([Note: a group's tail
-zero-filled by TMA]). The persistent schedule and the epilogue partition are the FP8 kernel's, the loop
-chained ([Note: chained bf16 accumulation]); the scales are ones. bf16 MMAs run at half the fp8 rate, so at
-E=64 a tile's MMAs take about twice as long while its fp32 epilogue stays, for the partition to hide.
+The same kernel (TOKENS_OUTER) serves the accumulating bf16 / fp16 wgrad (``GroupedGemmTuning.wgrad_gluon``)
+from dy and x as held, tokens outer: a stage is a [64 tokens, 128 rows] box of each (128-byte rows, the swizzle's
+line), read transposed by the MMA (bf16 wgmma takes MN-major operands; fp8 does not, hence dy^T, x^T there). TMA
+takes the outer coordinate anywhere, so a group's chunks start at its first token and only its last chunk can
+hold other tokens ([Note: a group's tail zero-filled by TMA]). The loop is chained ([Note: chained bf16
+accumulation]), the scales ones; schedule and epilogue are the FP8 kernel's.
 
 [Note: a group's tail zero-filled by TMA]
-In the bf16 wgrad a group's last chunk may run past the group's end, into the next group's tokens or
-unrouted rows (which may be NaN). With GROUP_DESC (``launch_tokens_outer(tail="tma")``, the default) the TMA
-warp builds descriptors of dy and x whose base is the group's first token and whose row extent is the
-group's size, whenever its next tile belongs to another group than the last (``tma.make_tensor_descriptor``:
-128 bytes each in Triton's global scratch, published to the TMA unit through the tensormap proxy's fences),
-so TMA fills the rows past the end with zeros and the MMA warps zero nothing. A base at any token is 16-byte
-aligned because the row stride is (a TMA requirement of the whole tensor already), which is why this serves
-the tokens-outer bf16 stages and not the fp8 ones: there the token is the inner coordinate, and a group
-starting off a 16-token boundary cannot be the base of a descriptor ([Note: fp8 wgrad chunks] in
-``grouped_gemm_fp8``). With tail="zero" the whole-tensor descriptors load the chunk and the MMA warps zero
-the rows past the end (``tiles.zero_rows``); a Triton whose allocator setting cannot be reached runs that.
+A bf16 group's last chunk may run into the next group's tokens (possibly NaN). With GROUP_DESC (``tail="tma"``)
+the TMA warp builds descriptors of dy and x covering the group alone whenever its tiles change group
+(``tma.make_tensor_descriptor``, in Triton's global scratch), so TMA zero-fills past the end. Any token is a
+16-byte-aligned base because the row stride is; not so fp8's inner token coordinate ([Note: fp8 wgrad chunks] in
+``grouped_gemm_fp8``). ``tail="zero"`` (a Triton without the allocator setting): the MMA warps zero those rows.
 
 [Note: chained bf16 accumulation]
-The promoting loop keeps each chunk's partial in its own registers and adds it to the tile's sum under the
-next chunk's MMAs: fp8 needs that (its wgmma accumulates at reduced precision), bf16 does not. With CHAIN
-(what ``launch_tokens_outer`` launches) a bf16 tile's chunks after the first accumulate into the registers
-of the first (``use_acc=True``): no adds, no second register set, one wait per chunk for the chunk before
-it, as a plain Hopper matmul's loop. The sums are fp32 either way, in another order.
-"""
+fp8 needs each chunk's partial apart (its wgmma accumulates at reduced precision); bf16 does not. With CHAIN a
+tile's chunks accumulate into one register set (``use_acc=True``): no adds. Still fp32 sums, in another order."""
 
 from __future__ import annotations
 
@@ -60,8 +40,8 @@ _ONES: dict = {}   # a device's fp32 one: the bf16 wgrad's "scales"
 
 def _tiles_and_strides(what: str, epilogue_warps: int, E: int, N: int, K: int, out, table,
                        add_mode: int) -> tuple[int, tuple]:
-    """(output tiles, the output's (group, row, column) strides: group 0 with a ``table``) after checking
-    what both launchers share: the epilogue setting, and an fp32 ``out`` unless fresh (``add_mode`` 0)."""
+    """(output tiles, out's (group, row, column) strides, group 0 with a ``table``), after checking
+    the epilogue setting and that only a fresh output (``add_mode`` 0) is not fp32."""
     if epilogue_warps not in (0, 2):
         raise ValueError(f"{what}: epilogue_warps must be 0 or 2, got {epilogue_warps!r}")
     if out.dtype != torch.float32 and add_mode != 0:
@@ -72,15 +52,13 @@ def _tiles_and_strides(what: str, epilogue_warps: int, E: int, N: int, K: int, o
 
 
 def _epilogue_meta(epilogue_warps: int, stages: int) -> dict:
-    """The launch options both launchers pass: the ring depth, the epilogue partition (a Triton whose
-    warp_specialize takes no (function, args) pairs runs without it: the same bits) and its shape."""
+    """The launch options both launchers pass (no epilogue partition in a Triton without warp_specialize pairs)."""
     return dict(GROUP_M=8, NUM_STAGES=stages, EPI_WARPS=epilogue_warps if _k._WS_PAIRS else 0,
                 EPI_ROWS=_k.EPI_ROWS, EPI_REGS=_k.EPI_REGS, num_warps=8)
 
 
 def _columns_major(bs, K: int):
-    """x^T's blockwise scales [K, chunks] as the kernel reads them: [chunks, K rounded up to the tile], columns
-    contiguous, the padding zeros ([Note: blockwise wgrad scales])."""
+    """x^T's blockwise scales [K, chunks] as the kernel reads them: [chunks, K rounded up to BLOCK], zero-padded."""
     C = bs.shape[1]
     cols = torch.zeros(C, -(-K // _k.BLOCK) * _k.BLOCK, dtype=torch.float32, device=bs.device)
     cols[:, :K].copy_(bs.t())
@@ -89,19 +67,14 @@ def _columns_major(bs, K: int):
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
            num_sms: int, trace=None, zero_edges: bool = True, first=None, block: int = 0) -> None:
-    """``wgrad_kernel`` on one program per SM (at most one per tile): dW_e into the stacked ``out`` ([E, N, K];
-    fp32, or bf16/fp16 for a fresh one) or, with ``table`` (int64 bases), into the per-group buffers shaped and
-    strided like ``out``; ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry
-    run: the epilogue warps still read each handed-off tile); ``epilogue_warps`` 0 (the MMA warps write each
-    tile) or 2 ([Note: an epilogue partition]; a Triton whose warp_specialize takes (function, args) pairs:
-    older ones run 0, the same bits). ``trace``: None, or an int64 tensor [programs, tiles, 5] that receives the
-    MMA warps' tile phases ([Note: tracing the MMA warps' tile phases]; ``trace_shape`` gives its shape).
-    ``zero_edges`` False skips zeroing the edge chunks' foreign tokens: a traced dry run's diagnostic only (what
-    the zeroing costs), refused otherwise. ``first``: None, or an int32 flag on the device that, when not 0, says
-    ``out`` holds nothing yet (an accumulating launch then writes every tile: [Note: an unwritten
-    accumulator] in ``distwgrad/weights/first_write.py``). ``block``: 0 for per-tensor scales (``as_``, ``bs``
-    one element each), else the blockwise recipe's tile along the tokens, which must be the kernel's chunk
-    (``BLOCK``): ``as_`` [N, chunks] and ``bs`` [K, chunks] ([Note: blockwise wgrad scales])."""
+    """The FP8 wgrad, one program per SM: dW_e into the stacked ``out`` [E, N, K] (fp32; bf16 / fp16 when
+    fresh) or, with ``table`` (int64 bases), into per-group buffers shaped and strided like ``out``. ``add_mode``: 0
+    fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run, where alone ``zero_edges=False`` is
+    allowed). ``epilogue_warps``: 0 or 2 ([Note: an epilogue partition]). ``trace``: None or an int64 tensor shaped
+    ``trace_shape(tiles, programs)`` ([Note: tracing the MMA warps' tile phases]). ``first``: None or a device int32
+    flag, non-zero while ``out`` holds nothing ([Note: an unwritten accumulator] in ``distwgrad/weights``).
+    ``block``: 0 per-tensor (``as_``, ``bs`` one element each), or ``BLOCK`` with ``as_`` [N, chunks] and ``bs`` [K,
+    chunks]. Raises ValueError on any other ``block`` or a setting these rules refuse."""
     ensure_context(a_NT.device)  # [Note: a current context on any thread] in kernels/_context.py
     N, T = a_NT.shape
     K = b_KT.shape[0]
@@ -135,9 +108,7 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
 
 @functools.cache
 def _allocator():
-    """Triton's allocator setting for a launch's global scratch (a ContextVar), or None in a Triton without
-    one: the per-group descriptors then cannot be built, and the tail is zeroed instead. Looked up once:
-    every bf16 wgrad launch asks."""
+    """Triton's allocator ContextVar for global scratch, or None (a Triton without one: the tail is zeroed instead)."""
     from contextvars import ContextVar
 
     from triton.runtime import _allocation
@@ -147,14 +118,10 @@ def _allocator():
 
 def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
                         num_sms: int, tail: str = "tma", first=None) -> None:
-    """The bf16 / fp16 wgrad in ``wgrad_kernel`` (TOKENS_OUTER, [Note: the bf16 wgrad in the fp8 kernel]): dW_e =
-    dy[g]^T @ x[g] over the tokens g of group e from dy [T, N] and x [T, K] as they are, into the stacked
-    ``out`` ([E, N, K]; fp32, or dy's dtype for a fresh one) or the per-group buffers of ``table`` (int64 bases,
-    each shaped and strided like ``out``); ``add_mode`` 0 fresh, 1 load-add-store, 3 fp32 reductions. ``tail``:
-    "tma" loads each group through descriptors of its own tokens, so TMA fills a last chunk's rows past the
-    group with zeros; "zero" loads through whole-tensor descriptors and the MMA warps zero those rows ([Note: a
-    group's tail zero-filled by TMA]). Each chunk's MMAs accumulate into the tile's registers ([Note: chained
-    bf16 accumulation]). ``first``: as in ``launch``."""
+    """The bf16 / fp16 wgrad ([Note: the bf16 wgrad in the fp8 kernel]): dW_e = dy[g]^T @ x[g]
+    over group e's tokens, from dy [T, N] and x [T, K] as they are; ``out``, ``table``, ``add_mode`` (not -1),
+    ``first`` as in ``launch``, a fresh ``out`` in dy's dtype. ``tail``: one of TAILS ([Note: a group's tail
+    zero-filled by TMA]); a ValueError otherwise."""
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
     ensure_context(dy_TN.device)  # [Note: a current context on any thread] in kernels/_context.py

@@ -1,32 +1,17 @@
-"""Rows + columns 1x128 FP8 quantization in Gluon: the same products as ``quantize._quantize_rowcol_kernel``
-with a register layout chosen by hand, so that x^T leaves without a trip through shared memory.
+"""Rows + columns 1x128 FP8 quantization in Gluon: the bits of ``quantize._quantize_rowcol_kernel``, with a
+register layout chosen by hand so that x^T leaves without a trip through shared memory.
 
 [Note: rows and columns without a transpose]
-The Triton kernel holds a 128x128 tile of x in the layout its loads want (8 contiguous columns per
-thread) and lets the compiler transpose the fp8 bytes of x^T through shared memory before the store:
-64 single-byte shared loads per thread and ~24 SASS instructions per element, against ~8.5 for the
-rows-only kernel (sm_90a SASS; docs/benchmarks/LOG.md). Here every thread holds a 4x8 block (4 consecutive
-rows, 8 consecutive columns; ``BlockedLayout([1, 4, 8], ...)`` over the tile viewed as [32, 4, 128]):
-- x is loaded as 16-byte row pieces and x's quantized rows leave as 8-byte pieces, as before;
-- for x^T, the 4 bytes of one column in a thread's 4 rows are consecutive in x^T's row, so they are
-  packed into one 32-bit word in registers and stored directly: 8 lanes of a warp write 32 contiguous
-  bytes of each of x^T's rows (whole 32-byte sectors), no shared memory, no shuffles;
-- a row's amax reduces over 16 values in a thread, then 4 lanes and 2 warps; a column's over 4 values
-  in a thread, then 8 lanes and 4 warps. Every value comes from the same helpers as the Triton kernel
-  (``_scale_from_amax``, ``_inverse``, ``_to_fp8_bits``), so the bits are the same;
-- each reduced amax moves to one thread (``gl.convert_layout``: Gluon keeps the conversion where it is
-  written, which Triton's own compiler would not), which computes the scale and its inverse, stores the
-  inverse once and broadcasts the scale back: 18.1 instructions per element (every holder of a row or
-  column computing its scale took 24.6: docs/benchmarks/LOG.md).
-H200 (2026-11-29, ``qa/L2_gpu/rowcol_gluon_check.py`` and ``qa/bench/kernels.py fp8 --quant-sweep``): 0.73-0.755
-of the copy bandwidth against 0.59-0.61 for the Triton kernel, bit-exact in every run. A variant with 8
-rows per thread (x^T in 8-byte words; 14.9 instructions per element) built, but gave wrong x^T bits on
-Triton 3.6 in every run, so it is not offered.
-Taken when the tile is 128 (the recipes' default), the scales are powers of two, M is a multiple of 4
-(x^T rows are written in 4-byte words), the device is a CUDA GPU of compute capability 9 or newer and
-this Triton has Gluon; otherwise, and in the interpreter (which does not run Gluon), the Triton kernel.
-Gluon is experimental and its API moves between Triton releases: if this kernel does not build, the
-first call warns once and every call takes the Triton kernel (``quantize._launch_gluon_rowcol``).
+The Triton kernel lets the compiler transpose x^T's fp8 bytes through shared memory (~24 SASS instructions per
+element against ~8.5 for rows only). Here each thread holds a 4x8 block (4 rows, 8 columns: ``BlockedLayout([1,
+4, 8], ...)`` over the tile seen as [32, 4, 128]): a column's 4 bytes in a thread are consecutive in x^T's row,
+so they are packed into one 32-bit word and stored directly (whole 32-byte sectors, no shared memory, no
+shuffles). Each reduced amax moves to one thread (``gl.convert_layout``, kept where written, unlike in Triton),
+which computes the scale once and broadcasts it. The Triton kernel's helpers (``_scale_from_amax``,
+``_inverse``, ``_to_fp8_bits``) keep the bits identical. Measurements: docs/benchmarks/LOG.md.
+Taken for a 128 tile, power-of-two scales, M % 4 == 0 (x^T is written in 4-byte words), CUDA sm_90+ and a
+Triton with Gluon; otherwise, and in the interpreter, the Triton kernel. If it does not build, the first call
+warns once and every call takes the Triton kernel (``quantize._launch_gluon_rowcol``).
 """
 
 import triton.language as tl
@@ -42,8 +27,7 @@ NUM_WARPS = tl.constexpr(8)  # the layouts below spread a tile over 8 warps
 
 @gluon.jit
 def _row_scales(amax_ir, s_inv_ptr, row0, M, N, pid_n, NUM: tl.constexpr):
-    """Scales of the tile's 128 rows ([32, 4], as reduced); their inverses stored. Each is computed
-    once (one per thread) and the scales are broadcast back through shared memory."""
+    """Scales of the tile's 128 rows ([32, 4]), each computed by one thread, broadcast back; inverses stored."""
     lay_ir: gl.constexpr = amax_ir.type.layout
     one: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [NUM_WARPS, 1], [1, 0])
     rows = (row0 + 4 * gl.arange(0, 32, layout=gl.SliceLayout(1, one))[:, None]
@@ -67,9 +51,8 @@ def _col_scales(amax_c, st_inv_ptr, col0, M, N, pid_m, NUM: tl.constexpr):
 @gluon.jit
 def rowcol_kernel(x_ptr, q_ptr, s_inv_ptr, qt32_ptr, st_inv_ptr, M, N, NUM: tl.constexpr,
                   FP8: tl.constexpr):
-    """One 128x128 tile of x per program: q (x quantized in 1x128 row tiles, scales ``s_inv``
-    [M, cdiv(N, 128)]) and x^T (``qt32``: its bytes as int32 words, [N, M / 4]; scales ``st_inv``
-    [N, cdiv(M, 128)]). Power-of-two scales, hardware fp8 cast."""
+    """One 128x128 tile per program: q in 1x128 row tiles (``s_inv`` [M, cdiv(N, 128)]) and x^T as int32 words
+    ``qt32`` [N, M / 4] (``st_inv`` [N, cdiv(M, 128)]). Power-of-two scales, hardware fp8 cast."""
     # [i, r, c]: row 4 i + r, column c of the tile; a thread holds r = 0..3 and 8 columns (twice).
     lay: gl.constexpr = gl.BlockedLayout([1, 4, 8], [8, 1, 4], [NUM_WARPS // 2, 1, 2], [2, 1, 0])
     lay_ir: gl.constexpr = gl.SliceLayout(2, lay)   # [i, r]: per row

@@ -1,16 +1,11 @@
-"""Where a persistent program's output tiles lie over ragged token groups whose offsets stay on the
-device, the operand ring both grouped GEMM kernels fill by TMA, the epilogue's wide stores and the
-zeroing of a chunk's tokens outside its group (fprop/dgrad in ``grouped_gemm_fp8.py``, wgrad in
-``grouped_wgrad_fp8.py``).
+"""Tile placement over ragged token groups whose offsets stay on the device, the TMA operand ring, the
+epilogue's wide stores and the zeroing of a chunk's foreign tokens, shared by ``grouped_gemm_fp8.py`` and
+``grouped_wgrad_fp8.py``.
 
-Tiles are ordered group-major: group e owns cdiv(tokens_e, BLOCK_M) * cdiv(N, BLOCK_N) consecutive tile
-numbers, swizzled in bands of GROUP_M rows inside the group (``_grouped_wgrad._swizzle``). A persistent
-program, whose tiles pid, pid + grid, ... only grow, walks a cursor forward (``cursor``): over its whole
-life it reads each group's offsets once or twice, where a search per tile (the Triton kernels'
-``_grouped_ragged._find_group``) would reduce over every group each time.
-Offsets are clamped into [0, T] and a decreasing offset gives an empty group, as in
-``_grouped_ragged._find_group`` (the launchers check offsets where they can without a device sync).
-"""
+Tiles are group-major (group e owns cdiv(tokens_e, BLOCK_M) * cdiv(N, BLOCK_N) consecutive numbers, swizzled
+inside the group by ``_grouped_wgrad._swizzle``). A persistent program's tiles only grow, so it walks a cursor
+forward (``cursor``) instead of searching every group per tile. Offsets are clamped into [0, T] and a decreasing
+offset gives an empty group, as in ``_grouped_ragged._find_group``."""
 
 from .._grouped_wgrad import _swizzle  # (a scalar Triton helper: Gluon calls it as it is)
 from . import (
@@ -34,10 +29,8 @@ _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT
 
 @aggregate
 class Ring:
-    """The operand ring: NUM_STAGES shared-memory stages of A and B tiles (``a_bufs``, ``b_bufs``) filled by
-    TMA through ``a_desc`` and ``b_desc``; per stage a ``ready`` mbarrier (its loads landed) and an
-    ``empty`` one (its MMAs are done: the TMA warp may refill it). Ring step g uses stage g % NUM_STAGES in
-    round g // NUM_STAGES; a persistent program runs its steps on across tiles."""
+    """NUM_STAGES shared-memory stages of A and B filled by TMA, each with a ``ready`` (loads landed) and an ``empty``
+    mbarrier (MMAs done: refill allowed); ring step g uses stage g % NUM_STAGES in round g // NUM_STAGES."""
 
     a_desc: tma.tensor_descriptor
     b_desc: tma.tensor_descriptor
@@ -66,8 +59,7 @@ class Ring:
 
     @gluon.jit
     def wait_empty(self, g):
-        """Until the consumers hand ring step g's stage back (a fresh mbarrier counts as released for the
-        first round)."""
+        """Until ring step g's stage is handed back (a fresh mbarrier counts as released in round 0)."""
         mbarrier.wait(self.empty.index(g % self.NUM_STAGES), ((g // self.NUM_STAGES) & 1) ^ 1)
 
     @gluon.jit
@@ -78,8 +70,7 @@ class Ring:
 
 @aggregate
 class WgradSchedule:
-    """A persistent wgrad program's tiles: pid, pid + nprog, ... < total, group-major over [N, K] output
-    tiles per group, of the groups of ``offs_ptr`` (stride ``stride_o``; T tokens)."""
+    """A persistent wgrad program's tiles pid, pid + nprog, ... < total, group-major over each group's [N, K] tiles."""
 
     offs_ptr: gl.tensor
     stride_o: _Scalar
@@ -107,7 +98,7 @@ class WgradSchedule:
 @gluon.jit
 def total_tiles(offs_ptr, stride_o, E, T, tiles_n, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr,
                 num_warps: gl.constexpr):
-    """The tiles of all groups (``_grouped_ragged._find_group``'s last value, without the search)."""
+    """The tiles of all groups (``_grouped_ragged._find_group``'s total, without the search)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     eidx = gl.arange(0, BLOCK_E, layout=lay)
     ends = gl.minimum(gl.maximum(gl.load(offs_ptr + eidx * stride_o, mask=eidx < E, other=0), 0), T)
@@ -126,8 +117,7 @@ def group(offs_ptr, stride_o, T, e):
 
 @gluon.jit
 def cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M: gl.constexpr):
-    """The group holding ``tile`` (>= ``first``, the first tile of group e, and < the total):
-    (group, its first tile, first token, tokens), walking forward from group e."""
+    """(group, its first tile, first token, tokens) of ``tile``, walking forward from group e's first tile ``first``."""
     start, size = group(offs_ptr, stride_o, T, e)
     n = gl.cdiv(size, BLOCK_M) * tiles_n
     while first + n <= tile:
@@ -141,8 +131,7 @@ def cursor(offs_ptr, stride_o, T, e, first, tile, tiles_n, BLOCK_M: gl.constexpr
 @gluon.jit
 def origin(e, local, start, size, N, W_ROWS, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
            BLOCK_N: gl.constexpr):
-    """Group e's tile ``local``: its first row, first column and first row of B (``e * W_ROWS`` plus
-    the first column: the weight's output rows, stacked per group)."""
+    """Group e's tile ``local``: its first row, first column and first row of B (``e * W_ROWS`` + column)."""
     pid_m, pid_n = _swizzle(local, gl.cdiv(size, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
     col0 = pid_n * BLOCK_N
     return start + pid_m * BLOCK_M, col0, e * W_ROWS + col0
@@ -151,8 +140,7 @@ def origin(e, local, start, size, N, W_ROWS, GROUP_M: gl.constexpr, BLOCK_M: gl.
 @gluon.jit
 def tile(e, local, start, size, N, W_ROWS, mma: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
          BLOCK_N: gl.constexpr):
-    """``origin`` plus (rows, columns, row mask, column mask, e as int64), the vectors in the slices of
-    the MMA layout ``mma``."""
+    """``origin`` plus (rows, columns, their masks, e as int64), vectors in the slices of ``mma``."""
     row0, col0, brow0 = origin(e, local, start, size, N, W_ROWS, GROUP_M, BLOCK_M, BLOCK_N)
     rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -161,10 +149,8 @@ def tile(e, local, start, size, N, W_ROWS, mma: gl.constexpr, GROUP_M: gl.conste
 
 @gluon.jit
 def store_rows(out_ptr, acc, row0, col0, row_end, N, stride_ot, stride_on, mma: gl.constexpr):
-    """The epilogue's store of the fp32 tile ``acc`` (MMA layout ``mma``) at (row0, col0), cast to the
-    output's dtype, rows from ``row_end`` and columns from N masked off: converted (through shared
-    memory) to 8 consecutive columns per thread, so that each store writes 16 bytes of one row
-    ([Note: the epilogue's wide stores] in ``grouped_gemm_fp8.py``)."""
+    """Store the fp32 tile ``acc`` at (row0, col0) in the output's dtype, masked to rows below
+    ``row_end`` and columns below N, as 16-byte rows ([Note: the epilogue's wide stores])."""
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     WARPS: gl.constexpr = mma.warps_per_cta[0]
@@ -179,13 +165,10 @@ def store_rows(out_ptr, acc, row0, col0, row_end, N, stride_ot, stride_on, mma: 
 
 @gluon.jit
 def token_mask(t0, lo, hi, WARPS: gl.constexpr):
-    """The byte masks that keep tokens [lo, hi) of a chunk (tokens t0 .. t0 + 127) of [rows, 128] fp8,
-    128-byte swizzled, one 128-byte line per row, seen as [rows * 8, 4] int32: 16-byte unit u holds row
-    u // 8's token columns ((u % 8) ^ (u // 8 % 8)) * 16 .. + 15 (the swizzle is its own inverse), word w
-    of it tokens + 4 w .. + 3, byte b token + b (little-endian). One unit per thread: units u and
-    u + 32 * WARPS share their masks (32 * WARPS is a multiple of 64, the swizzle's period), so a pass's
-    masks serve every pass over both operands; computed once, they leave a load, an and and a store per
-    unit ([Note: a group's edge chunks in shared memory] in ``grouped_wgrad_fp8``)."""
+    """Byte masks keeping tokens [lo, hi) of a chunk (tokens t0 .. t0 + 127) of [rows, 128] fp8,
+    128-byte swizzled, seen as [rows * 8, 4] int32: unit u holds row u // 8's tokens ((u % 8) ^ (u // 8 % 8)) * 16
+    .. + 15, little-endian. One unit per thread; a pass of 32 * WARPS units is whole swizzle periods, so one mask
+    serves every pass over both operands ([Note: a group's edge chunks in shared memory])."""
     CH: gl.constexpr = 32 * WARPS
     gl.static_assert(CH % 64 == 0, "a pass covers whole periods of the 128-byte swizzle")
     lay: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
@@ -201,8 +184,7 @@ def token_mask(t0, lo, hi, WARPS: gl.constexpr):
 
 @gluon.jit
 def mask_tokens(bufs, s, mask, WARPS: gl.constexpr):
-    """Stage ``s`` of a ring of [rows, 128] fp8 chunks, through a plain [rows * 8, 4] int32 view, and-ed
-    with ``mask`` (``token_mask``) a pass of 32 * WARPS units at a time."""
+    """And stage ``s`` of [rows, 128] fp8 chunks with ``mask`` (``token_mask``), 32 * WARPS units a pass."""
     ROWS: gl.constexpr = bufs.type.shape[1]
     gl.static_assert(bufs.type.shape[2] == 128, "one 128-byte line per row (the swizzle's unit)")
     UNITS: gl.constexpr = ROWS * 8
@@ -220,9 +202,8 @@ def mask_tokens(bufs, s, mask, WARPS: gl.constexpr):
 
 @gluon.jit
 def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
-    """If stage ``s``'s chunk (tokens t0 .. t0 + 127) straddles the group's [lo, hi): the other tokens
-    of both operands zeroed (``token_mask``, ``mask_tokens``), fenced for the MMA (async proxy) and
-    synchronized over the partition's warps, whose MMAs read every thread's writes."""
+    """If stage ``s``'s chunk (tokens t0 .. t0 + 127) straddles the group's [lo, hi), zero both operands'
+    other tokens, fence for the MMA (async proxy) and sync the partition's warps."""
     if (t0 < lo) | (t0 + a_bufs.type.shape[2] > hi):
         mask = token_mask(t0, lo, hi, WARPS)
         mask_tokens(a_bufs, s, mask, WARPS)
@@ -233,10 +214,8 @@ def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
 
 @gluon.jit
 def zero_rows(a_bufs, b_bufs, s, t0, hi, WARPS: gl.constexpr):
-    """If stage ``s``'s chunk of [tokens, rows] tiles (tokens t0 .. t0 + BLOCK_K - 1: the bf16 wgrad,
-    whose chunks start at a group's first token) runs past the group's end ``hi``: those token rows of
-    both operands zeroed (read and written whole: a row of the swizzled tile is not one line), fenced
-    for the MMA (async proxy) and synchronized over the partition's warps."""
+    """If stage ``s``'s [tokens, rows] chunk (the bf16 wgrad) runs past the group's end ``hi``, zero those
+    token rows of both operands (whole rows: a swizzled row is not one line), fence and sync as ``zero_edges``."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[1]
     if t0 + BLOCK_K > hi:
         ROWS_A: gl.constexpr = a_bufs.type.shape[2]
@@ -258,7 +237,7 @@ def zero_rows(a_bufs, b_bufs, s, t0, hi, WARPS: gl.constexpr):
 @gluon.jit
 def wgrad_tile(tile, sched, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                TOKENS_OUTER: gl.constexpr = False):
-    """Wgrad tile ``tile``: (group, first row (of N), first column (of K), the group's first token and end,
+    """Wgrad tile ``tile``: (group, first row of N, first column of K, the group's first and end token,
     the first chunk's token on the BLOCK_K grid, the chunks)."""
     per_group = tiles_m * tiles_n
     e = tile // per_group

@@ -1,6 +1,5 @@
-"""The Gluon wgrad kernel's epilogue (``grouped_wgrad_fp8.py``): the MMA warps' side, which hands each
-scaled tile over in shared memory or writes it, and the epilogue warps' partition, which writes the
-handed-off tiles ([Note: an epilogue partition], [Note: a 16-bit handoff] in ``grouped_wgrad_fp8``).
+"""The Gluon wgrad kernel's epilogue: the MMA warps hand each scaled tile over in shared memory or write it, and
+the epilogue warps write handed-off tiles ([Note: an epilogue partition], [Note: a 16-bit handoff]).
 """
 
 from .._grouped_wgrad import _wgrad_out_base  # (a scalar Triton helper: Gluon calls it as it is)
@@ -14,11 +13,9 @@ _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT
 
 @aggregate
 class Out:
-    """The output: dW stacked [e, n, k] at ``out_ptr`` (strides ``stride_oe``, ``stride_on``, ``stride_ok``)
-    or, with PTR_TABLE, a table of per-group bases (``stride_oe`` 0); ADD_MODE 0 fresh, 1 load-add-store,
-    3 fp32 reductions, -1 nothing (a traced dry run). FIRST (accumulating): the int32 at ``first_ptr``, when
-    not 0, says ``out`` holds nothing yet, so every tile is written as a fresh one ([Note: an unwritten
-    accumulator] in ``distwgrad/weights/first_write.py``)."""
+    """dW stacked [e, n, k] at ``out_ptr``, or with PTR_TABLE a table of per-group bases (``stride_oe`` 0). ADD_MODE:
+    0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run). FIRST: a nonzero int32 at
+    ``first_ptr`` means ``out`` holds nothing yet, so tiles are written fresh ([Note: an unwritten accumulator])."""
 
     out_ptr: gl.tensor
     stride_oe: _Scalar
@@ -43,8 +40,7 @@ class Out:
 
 @aggregate
 class Handoff:
-    """The handed-off tile ``c_smem`` and its two mbarriers: ``c_ready`` (the MMA warps stored a tile),
-    ``c_free`` (the epilogue warps have read it)."""
+    """Handed-off tile ``c_smem``; mbarriers ``c_ready`` (MMA warps stored it), ``c_free`` (epilogue warps read it)."""
 
     c_smem: gl.shared_memory_descriptor
     c_ready: gl.shared_memory_descriptor
@@ -59,9 +55,7 @@ class Handoff:
 
 @gluon.jit
 def _write(acc, out, e, row0, col0, n_rows, K, a_scale, b_scale, mma: gl.constexpr):
-    """The epilogue of the tile at (row0, col0) of group e: the per-tensor scales, then store (ADD_MODE
-    0), load-add-store (1) or fp32 reductions (3) of rows < ``n_rows`` (0: write nothing) and
-    columns < K, 8 consecutive columns per thread."""
+    """Scales group e's tile at (row0, col0) and puts rows < ``n_rows`` (0: none), columns < K, per ADD_MODE."""
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     WARPS: gl.constexpr = mma.warps_per_cta[0]
@@ -102,8 +96,7 @@ def unwritten(out):
 
 @gluon.jit
 def _writes(n_k, out, fresh):
-    """Whether a tile writes: a fresh output (or one that holds nothing yet: ``fresh``) gets every tile (an
-    empty group's zeros too); an accumulating one only the tiles with tokens."""
+    """Whether a tile writes: every tile of a fresh or unwritten (``fresh``) output, else only tiles with tokens."""
     if out.ADD_MODE == 0:
         w = n_k >= 0
     else:
@@ -115,9 +108,8 @@ def _writes(n_k, out, fresh):
 
 @gluon.jit
 def _hand_off(acc, a_scale, b_scale, hand, h):
-    """The MMA warps' side of [Note: an epilogue partition]: handoff h waits until the epilogue warps
-    have read handoff h - 1 (a fresh mbarrier counts as released for the first), stores the scaled
-    tile and signals it (the arrive follows a barrier of the partition: every warp's stores)."""
+    """The MMA warps' side of [Note: an epilogue partition]: waits until handoff h - 1 was read (a fresh
+    mbarrier counts as released), stores the scaled tile and signals it."""
     mbarrier.wait(hand.c_free, (h & 1) ^ 1)
     hand.c_smem.store((acc * a_scale * b_scale).to(hand.c_smem.dtype))  # a fresh 16-bit output rounds here
     mbarrier.arrive(hand.c_ready, count=1)
@@ -125,10 +117,8 @@ def _hand_off(acc, a_scale, b_scale, hand, h):
 
 @gluon.jit
 def epilogue(hand, out, sched, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
-    """The epilogue warps over the program's tiles ([Note: an epilogue partition]): each handed-off tile
-    read from shared memory EPI_ROWS rows at a time and stored (ADD_MODE 0, in ``out``'s dtype),
-    load-added (1) or reduced (3) into ``out``, rows < N and columns < K; 16 bytes of output per
-    thread and instruction: 4 fp32 columns (a warp per row) or 8 bf16 / fp16 ones (a fresh output)."""
+    """The epilogue warps ([Note: an epilogue partition]): each handed-off tile read EPI_ROWS rows at a time and
+    put into ``out`` per ADD_MODE, 16 bytes per thread and instruction (4 fp32 or 8 bf16/fp16 columns)."""
     BLOCK_M: gl.constexpr = hand.c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = hand.c_smem.type.shape[1]
     ADD_MODE: gl.constexpr = out.ADD_MODE
@@ -170,8 +160,7 @@ def epilogue(hand, out, sched, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
 @gluon.jit
 def flush(acc, out, e, row0, col0, n_rows, K, a_scale, b_scale, hand, h, mma: gl.constexpr,
           EPI_WARPS: gl.constexpr):
-    """The previous tile's epilogue from the MMA warps: handed off to the epilogue warps (EPI_WARPS > 0;
-    returns the next handoff's number) or written here."""
+    """The previous tile's epilogue: handed off (EPI_WARPS > 0; returns the next handoff's number) or written."""
     if EPI_WARPS > 0:
         if n_rows > 0:
             _hand_off(acc, a_scale, b_scale, hand, h)

@@ -29,25 +29,17 @@ def _check_block(name: str, block: object) -> None:
 
 @dataclass(frozen=True)
 class BlockwiseScaling(Recipe):
-    """DeepSeek-V3 blockwise scaling: 1x128 tiles for activations and gradients, 128x128 for weights.
+    """DeepSeek-V3 blockwise scaling: 1x128 tiles for activations and gradients, 128x128 blocks for weights.
 
-    Each tile or block gets its own fp32 scale ``fp8_max / amax(block)``. With ``power_of_two=True``
-    (the default, as TransformerEngine's blockwise recipe) the scale is rounded DOWN to a power of two:
-    then ``x * scale`` and ``data * scale_inv`` are exact in fp32, the only error is the fp8 rounding,
-    and re-quantizing a dequantized tensor reproduces its values exactly (a bf16 copy of an fp8
-    weight, e.g. a re-gathered shard, re-quantizes losslessly). The price is up to one bit of fp8
-    range left unused in each block.
-
-    The weight transpose is exact because weight blocks are square (enforced): block ``(i, j)`` of
-    ``W`` transposed is block ``(j, i)`` of ``W^T`` with the same amax, hence the same scale and the
-    same fp8 bits. This holds with or without power-of-two scales.
+    Each block gets its own fp32 scale ``fp8_max / amax(block)``. ``power_of_two`` (default, as in
+    TransformerEngine) rounds it down to a power of two: scaling is then exact in fp32 and re-quantizing a
+    dequantized tensor (e.g. a re-gathered bf16 shard) is lossless, at up to one bit of unused range. Square
+    weight blocks make the weight transpose exact (each block keeps its amax, scale and bits).
 
     Args:
-        act_block: tile of activations and gradients, ``(1, L)`` along the contraction dim, L a power
-            of two >= 16.
-        weight_block: square block ``(B, B)`` of weights, B a power of two >= 16.
-        dtype: one format for all tensors (DeepSeek-V3 uses E4M3FN for gradients too; the small
-            tiles provide the range that E5M2 would).
+        act_block: ``(1, L)`` tile along the contraction dim, L a power of two >= 16.
+        weight_block: square ``(B, B)`` block, B a power of two >= 16.
+        dtype: one format for all tensors (E4M3FN: the small tiles give gradients their range).
         power_of_two: round scales down to powers of two.
     """
 
@@ -104,8 +96,8 @@ class BlockwiseScaling(Recipe):
                           power_of_two=self.power_of_two) for m in mats]
 
     def quantize_sharded(self, w: ShardedWeight) -> list[Quantized]:
-        """Quantized before the gather: whole experts with their own grids, a matrix with the full weight's
-        block scales (blocks straddling ranks combine their partial amaxes), then the FP8 bytes gathered."""
+        """Quantized before the gather (experts on their own grids, a matrix on the full weight's block scales,
+        blocks straddling ranks combining partial amaxes), then the FP8 bytes gathered."""
         from distwgrad.fp8.weights import gather_fp8, global_block_scales, quantize_weight  # late: it imports this
 
         local = w.detach()

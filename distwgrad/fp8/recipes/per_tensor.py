@@ -29,23 +29,16 @@ __all__ = ["PerTensorScaling"]
 
 @dataclass(frozen=True)
 class PerTensorScaling(Recipe):
-    """Current (just-in-time) per-tensor scaling.
-
-    ``scale = fp8_max * 2**-margin / amax`` in fp32 (``amax == 0`` gives scale 1), recomputed from
-    the tensor every time it is quantized; see ``distwgrad.fp8.quantize.compute_scale`` for the exact
-    arithmetic.
+    """Current (just-in-time) per-tensor scaling: ``scale = fp8_max * 2**-margin / amax`` in fp32 (amax 0: scale
+    1), recomputed at every quantization (the exact arithmetic: ``distwgrad.fp8.quantize.compute_scale``).
 
     Args:
-        fwd_dtype: format of forward tensors (activations, weights). E4M3FN by default: 3 mantissa
-            bits, range +-448.
-        grad_dtype: format of gradients. E5M2 by default (range +-57344 for the wide dynamic range of
-            gradients, 2 mantissa bits); E4M3FN is allowed.
-        margin: extra headroom in powers of two, ``0 <= margin <= 16``; the scaled amax lands at
-            ``fp8_max / 2**margin``.
-        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: accumulation of each GEMM (``MMParams``). All
-            split (full fp32 promotion every 128 products) by default. TransformerEngine's
-            ``Float8CurrentScaling`` defaults fprop to ``MMParams(use_split_accumulator=False)``; pass
-            that here for the same trade (a faster fprop whose error grows with K).
+        fwd_dtype: format of activations and weights (E4M3FN: range +-448, 3 mantissa bits).
+        grad_dtype: format of gradients (E5M2: range +-57344, 2 mantissa bits; E4M3FN allowed).
+        margin: headroom in powers of two, ``0 <= margin <= 16``.
+        fp8_gemm_fprop, fp8_gemm_dgrad, fp8_gemm_wgrad: each GEMM's ``MMParams``; all split (fp32 promotion
+            every 128 products) by default. ``MMParams(use_split_accumulator=False)`` for fprop, as in TE's
+            ``Float8CurrentScaling``, gives a faster fprop whose error grows with K.
     """
 
     family: ClassVar[str | None] = "per_tensor"
@@ -98,8 +91,8 @@ class PerTensorScaling(Recipe):
                 for m in mats]
 
     def quantize_sharded(self, w: ShardedWeight) -> list[Quantized]:
-        """Quantized before the gather with the weight's global amax (one MAX all-reduce, kept for the step),
-        then the FP8 bytes all-gathered: the bits of quantizing the full weight."""
+        """Quantized with the global amax (one MAX all-reduce, kept for the step), then the FP8 bytes gathered:
+        the bits of quantizing the full weight."""
         from distwgrad.fp8.weights import gather_fp8, global_amax, quantize_weight  # late: it imports this
 
         local = w.detach()

@@ -1,11 +1,8 @@
 """``ops.GroupedLinear``: TransformerEngine's fusible-ops grouped linear (``te.ops.GroupedLinear``).
 
-It is :class:`distwgrad.nn.GroupedLinear` (the same GEMMs, accumulation, FP8 recipes and distributed
-weights) with the ops path's names and semantics: the constructor (``num_groups``, ``dtype``,
-``accumulate_into_main_grad``, ``single_grouped_weight`` / ``single_grouped_bias``,
-``rng_state_tracker_function``), Kaiming-uniform weights and zero biases, ``forward(x, split_sizes)``, and,
-under ``delay_wgrad_compute``, only the weights wait for ``backward_dw()``: the biases' gradients come from
-the main backward, and only the weights carry ``skip_backward_post_hook``.
+:class:`distwgrad.nn.GroupedLinear` with the ops path's constructor, init and ``forward(x, split_sizes)``.
+Under ``delay_wgrad_compute`` only the weights wait for ``backward_dw()`` (and carry
+``skip_backward_post_hook``); the biases' gradients come from the main backward.
 """
 
 from __future__ import annotations
@@ -27,22 +24,16 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class GroupedLinear(_GroupedLinear):
-    """``num_groups`` linear maps applied to consecutive token groups: ``y_i = x_i W_i^T + b_i``.
+    """``num_groups`` linear maps on consecutive token groups: ``y_i = x_i W_i^T + b_i``.
 
     Args (TransformerEngine's):
-        num_groups, in_features, out_features: the groups, K and N.
-        bias: an additive bias per group (zeros at first).
-        device: as :class:`distwgrad.nn.Linear`'s. dtype: the parameters' dtype (fp32, fp16 or bf16).
-        rng_state_tracker_function: returns a tracker whose ``fork()`` context the weights are initialised in.
-        accumulate_into_main_grad: the wgrad accumulates into each weight's fp32 ``main_grad``
-            ([Note: the fused .grad contract]).
-        single_grouped_weight, single_grouped_bias: one packed ``weight`` ``[G, N, K]`` and ``bias`` ``[G, N]``
-            instead of ``weight0..`` and ``bias0..``; with a bias, both or neither.
-        delay_wgrad_compute: the weights' gradients wait for ``backward_dw()``.
-        scale_bias: refused (the bias times a per-token probability is not implemented).
+        num_groups, in_features, out_features: G, K and N. dtype: fp32, fp16 or bf16.
+        rng_state_tracker_function: returns a tracker whose ``fork()`` the weights are initialised in.
+        accumulate_into_main_grad: wgrads add into fp32 ``main_grad`` ([Note: the fused .grad contract]).
+        single_grouped_weight, single_grouped_bias: one packed ``weight`` ``[G, N, K]`` / ``bias`` ``[G, N]``;
+            with a bias, both or neither. scale_bias: refused (not implemented).
 
-    ``forward(x, split_sizes)``: ``split_sizes`` is one entry per group (an int64 tensor, as TE's callers
-    pass, or a list of ints) summing to the tokens in ``x``'s leading dimensions.
+    ``forward(x, split_sizes)``: a size per group (int64 tensor or ints), summing to ``x``'s leading tokens.
     """
 
     num_extra_inputs = 1  # split_sizes: ops.Sequential hands it over
@@ -83,8 +74,7 @@ class GroupedLinear(_GroupedLinear):
         return self.use_bias
 
     def reset_parameters(self) -> None:
-        """TE's initialisation: each group's weight Kaiming-uniform (``a=sqrt(5)``), in the tracker's
-        ``fork()`` when one was given; biases zero. Plain parameters only."""
+        """TE's init: each group's weight Kaiming-uniform (``a=sqrt(5)``) in the tracker's ``fork()``, biases zero."""
         params = self._weights() + self._biases()
         if any(is_distributed_weight(p) for p in params):
             raise ValueError(f"{self.wgrad_store.owner}.reset_parameters(): a distributed weight is initialised "
