@@ -14,6 +14,11 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
   amax, and a weight's amax is of its full (gathered) value.
 * ``_order``, ``_num_layers_per_chunk``: capture in a pipeline schedule's order (``graph_order.py``).
 * ``_reuse_graph_input_output_buffers=True``: refused: each forward pass keeps static buffers of its own.
+* ``clone_param_grads_on_return=False``: the backward replay hands autograd the graph's static parameter
+  gradients instead of clones: no copy, but a ``.grad`` (or hook) that keeps one sees the next replay's.
+* ``pre_warmup_hook``, ``post_warmup_hook``: called once before and once after all the warm-up iterations.
+* ``capture_time_hooks``: refused: module hooks run outside capture need a hook dispatch distwgrad's capture
+  does not have.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class GraphOptions:
     num_warmup_iters: int
     fp8: bool  # capture the forwards under fp8_autocast(recipe)
     recipe: Recipe | None
+    clone_param_grads: bool = True
+    pre_warmup_hook: Any = None
+    post_warmup_hook: Any = None
 
 
 def _one(name: str, value: Any, old: str, old_value: Any) -> Any:
@@ -50,7 +58,9 @@ def _one(name: str, value: Any, old: str, old_value: Any) -> Any:
 def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, recipe: Any, fp8_recipe: Any,
                     calibrating: Any, fp8_calibrating: Any, amax_reduction_group: Any, fp8_group: Any,
                     cache_quantized_params: Any, fp8_weight_caching: Any,
-                    _reuse_graph_input_output_buffers: Any) -> GraphOptions:
+                    _reuse_graph_input_output_buffers: Any, clone_param_grads_on_return: Any = True,
+                    pre_warmup_hook: Any = None, post_warmup_hook: Any = None,
+                    capture_time_hooks: Any = None) -> GraphOptions:
     """Checks every keyword and returns what the capture uses; each refusal names the keyword and why."""
     if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) or num_warmup_iters < 1:
         raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 1 (the last warm-up "
@@ -77,7 +87,18 @@ def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, re
         raise NotImplementedError("make_graphed_callables: _reuse_graph_input_output_buffers=True (forward passes "
                                   "sharing static buffers in a pipeline schedule) is not implemented; each forward "
                                   "pass keeps buffers of its own")
-    return GraphOptions(num_warmup_iters, fp8, chosen)
+    if not isinstance(clone_param_grads_on_return, bool):
+        raise TypeError(f"make_graphed_callables: clone_param_grads_on_return must be a bool, got "
+                        f"{clone_param_grads_on_return!r}")
+    for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"make_graphed_callables: {name} must be a callable or None, got {hook!r}")
+    if capture_time_hooks is not None:
+        raise NotImplementedError("make_graphed_callables: capture_time_hooks (module hooks run outside the "
+                                  "capture) is not implemented; register the hooks on the modules, or run the "
+                                  "non-capturable work before make_graphed_callables")
+    return GraphOptions(num_warmup_iters, fp8, chosen, clone_param_grads_on_return, pre_warmup_hook,
+                        post_warmup_hook)
 
 
 # --- the modules and sample inputs (no CUDA needed) --------------------------------------------------

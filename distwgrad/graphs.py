@@ -151,6 +151,7 @@ class _GraphSet:
         self.stream: Any = None  # the warm-up's and the captures' side stream
         self.alive = True
         self.per_forward = False  # each forward pass has buffers of its own: [Note: capture in schedule order]
+        self.clone_param_grads = True  # TE's clone_param_grads_on_return
 
     def check_alive(self, what: str) -> None:
         if not self.alive:
@@ -381,8 +382,9 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
             c.main_grads.mark_added()
             for item in c.dw_items:
                 item.module.wgrad_store.put(_Replay(gs, item))
-            # parameter slots as clones: [Note: graphed deferred wgrads]
-            return tuple(None if g is None else (g.detach() if j < param_start else g.clone())
+            # parameter slots as clones unless told otherwise: [Note: graphed deferred wgrads]
+            return tuple(None if g is None else (g.detach() if j < param_start or not gs.clone_param_grads
+                                                 else g.clone())
                          for j, g in enumerate(c.static_grad_inputs))
 
     def functionalized(*args, **kwargs):
@@ -431,12 +433,14 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
                            num_warmup_iters: int = 3, allow_unused_input: bool = False,
                            sample_kwargs: dict | tuple[dict, ...] | None = None, fp8_enabled: bool | None = None,
                            fp8_calibrating: bool | None = None, fp8_recipe: Recipe | None = None, fp8_group: Any = None,
-                           fp8_weight_caching: bool | None = None, _order: Any = None,
-                           _num_layers_per_chunk: Any = None, pool: Any = None, retain_graph_in_backward: bool = False,
-                           _reuse_graph_input_output_buffers: bool = False, *, enabled: bool | None = None,
+                           fp8_weight_caching: bool | None = None, enabled: bool | None = None,
                            calibrating: bool | None = None, recipe: Recipe | None = None,
-                           amax_reduction_group: Any = None,
-                           cache_quantized_params: bool | None = None) -> nn.Module | tuple[nn.Module, ...]:
+                           amax_reduction_group: Any = None, cache_quantized_params: bool | None = None,
+                           _order: Any = None, _num_layers_per_chunk: Any = None, pool: Any = None,
+                           retain_graph_in_backward: bool = False, _reuse_graph_input_output_buffers: bool = False,
+                           clone_param_grads_on_return: bool = True, pre_warmup_hook: Callable | None = None,
+                           post_warmup_hook: Callable | None = None,
+                           capture_time_hooks: Any = None) -> nn.Module | tuple[nn.Module, ...]:
     """CUDA-graphs the forward, backward and deferred wgrads of ``modules`` (docs/cuda_graphs.md).
 
     Args:
@@ -470,7 +474,9 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         num_warmup_iters=num_warmup_iters, enabled=enabled, fp8_enabled=fp8_enabled, recipe=recipe,
         fp8_recipe=fp8_recipe, calibrating=calibrating, fp8_calibrating=fp8_calibrating,
         amax_reduction_group=amax_reduction_group, fp8_group=fp8_group, cache_quantized_params=cache_quantized_params,
-        fp8_weight_caching=fp8_weight_caching, _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers)
+        fp8_weight_caching=fp8_weight_caching, _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers,
+        clone_param_grads_on_return=clone_param_grads_on_return, pre_warmup_hook=pre_warmup_hook,
+        post_warmup_hook=post_warmup_hook, capture_time_hooks=capture_time_hooks)
     for i, m in enumerate(mods):
         check_module(m, i)
     captured = CapturedWeights(distributed_weights(mods))  # refuses what a replay cannot do
@@ -494,14 +500,19 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(passes, args, kwargs, flat)]
     gs.callables, gs.per_forward = calls, plan is not None
+    gs.clone_param_grads = options.clone_param_grads
     n = len(calls)
     captures = plan.captures if plan else tuple([("fwd", i) for i in range(n)] + [("bwd", i) for i in range(n)][::-1])
     try:
         # One side stream for the warm-up and every capture: the per-stream library workspaces (cuBLAS)
         # are allocated in the warm-up, outside the graphs' pool, so reset() can release the whole pool.
         gs.stream = torch.cuda.Stream()
+        if options.pre_warmup_hook is not None:
+            options.pre_warmup_hook()
         _warmup([calls[i] for kind, i in captures if kind == "fwd"], options.num_warmup_iters, allow_unused_input,
                 fp8, recipe, gs.stream)
+        if options.post_warmup_hook is not None:
+            options.post_warmup_hook()
         captured.open_for_capture()
         _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe)
     except BaseException:

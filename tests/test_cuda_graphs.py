@@ -256,6 +256,30 @@ def test_replaced_main_grad_is_refused_and_nothing_written():
     g.reset()
 
 
+def test_uncloned_parameter_grads_and_warmup_hooks():
+    """``clone_param_grads_on_return=False`` hands autograd the graph's static parameter gradients (autograd
+    copies what it keeps as ``.grad`` while the graph holds them): the same values as eager; the warm-up hooks
+    run once each, around all the warm-up iterations."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(Linear(K, K, params_dtype=torch.float32, device="cuda"))
+    graphed_model = copy.deepcopy(eager)
+    calls = []
+    x = torch.randn(T, K, device="cuda")
+    g = distwgrad.make_graphed_callables(graphed_model, (x.clone().requires_grad_(),), num_warmup_iters=2,
+                                         clone_param_grads_on_return=False,
+                                         pre_warmup_hook=lambda: calls.append("pre"),
+                                         post_warmup_hook=lambda: calls.append("post"))
+    assert calls == ["pre", "post"]
+    for step in range(2):
+        xi = torch.randn(T, K, device="cuda")
+        for m in (eager, graphed_model):
+            m.zero_grad(set_to_none=True)
+        eager(xi.clone().requires_grad_()).sum().backward()
+        g(xi.clone().requires_grad_()).sum().backward()
+        _assert_same(_grads(graphed_model), _grads(eager), f"step {step}")  # the same kernels: bit-exact
+    g.reset()
+
+
 def test_reset_frees_the_pool_and_replay_after_reset_raises():
     model = _build("linear", torch.bfloat16, True, False, False)
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)

@@ -105,6 +105,35 @@ def test_te_keywords_in_both_spellings():
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), 0)
 
 
+def test_te_signature_in_te_order():
+    """TransformerEngine's make_graphed_callables keywords, in its order (transformer_engine/pytorch/graph.py)."""
+    import inspect
+
+    te_order = ["modules", "sample_args", "num_warmup_iters", "allow_unused_input", "sample_kwargs", "fp8_enabled",
+                "fp8_calibrating", "fp8_recipe", "fp8_group", "fp8_weight_caching", "enabled", "calibrating",
+                "recipe", "amax_reduction_group", "cache_quantized_params", "_order", "_num_layers_per_chunk",
+                "pool", "retain_graph_in_backward", "_reuse_graph_input_output_buffers",
+                "clone_param_grads_on_return", "pre_warmup_hook", "post_warmup_hook", "capture_time_hooks"]
+    assert list(inspect.signature(distwgrad.make_graphed_callables).parameters) == te_order
+
+
+def test_clone_and_warmup_hook_options():
+    from distwgrad.graph_options import GraphOptions, resolve_options
+
+    none = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
+                fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
+                fp8_weight_caching=None, _reuse_graph_input_output_buffers=False)
+    hook = print
+    assert resolve_options(**none, clone_param_grads_on_return=False, pre_warmup_hook=hook,
+                           post_warmup_hook=hook) == GraphOptions(3, False, None, False, hook, hook)
+    with pytest.raises(TypeError, match="clone_param_grads_on_return must be a bool, got 0"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), clone_param_grads_on_return=0)
+    with pytest.raises(TypeError, match="post_warmup_hook must be a callable or None, got 'h'"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), post_warmup_hook="h")
+    with pytest.raises(NotImplementedError, match="capture_time_hooks .* is not implemented"):
+        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), capture_time_hooks=[{}])
+
+
 def test_hooks_refused():
     m = Linear(4, 4)
     m.register_forward_hook(lambda *a: None)
