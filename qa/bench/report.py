@@ -62,9 +62,8 @@ class Layout:
 
 
 _LAYOUT = {
-    "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch (a line from a run before `68697e9` "
-                         "timed distwgrad first in every round, which favours it by up to 2-4%: LOG.md, 2026-12-02 "
-                         "(night); a run with the order rotated replaces it)",
+    "train_step": Layout("Training step: distwgrad against FSDP2 and plain torch (a run before `68697e9` timed "
+                         "distwgrad first in every round, which favours it by up to 2-4%)",
                          metrics=("tokens_per_s", "peak_gib", "collectives_per_step"),
                          off_page=("large b8x2048 compiled, two builds",  # all three discussed in LOG.md, 2026-12-02
                                    "large d_model=4096 n_layers=2 n_heads=32 n_experts=8 d_ff=14336 b4x2048 eager",
