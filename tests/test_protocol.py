@@ -43,23 +43,26 @@ class ScalingFake(torch.nn.Parameter):
     def finalize_group_grads(self, wgrads):
         self.calls.append("finalize")
         assert isinstance(wgrads, torch.Tensor), "a one-member group receives a bare tensor"
-        assert wgrads is self.buffer, "modules must pass the buffer they accumulated into"
+        # grad_buffer() is the fused path's scratch (TE's contract); unfused, a fresh allocation
+        assert (wgrads is self.buffer) == self.fused, "fused modules pass the buffer they accumulated into"
         out = (wgrads * 8).to(self.dtype)
         self.buffer = None
         return out
 
 
-def _fake(t):
+def _fake(t, fused=False):
     p = ScalingFake(t.clone())
-    p.calls, p.buffer = [], None
+    p.calls, p.buffer, p.fused = [], None, fused
     return p
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("delay", [False, True])
-def test_conformance_fake_in_linear(delay):
+def test_conformance_fake_in_linear(delay, fuse):
     torch.manual_seed(0)
     w = torch.randn(6, 5)
-    lin = Linear(5, 6, bias=False, weight=_fake(w), delay_wgrad_compute=delay)
+    lin = Linear(5, 6, bias=False, weight=_fake(w, fused=fuse), delay_wgrad_compute=delay,
+                 fuse_wgrad_accumulation=fuse)
     x = torch.randn(3, 5, requires_grad=True)
     y = lin(x)
     assert torch.equal(y, x.detach() @ (2 * w).t())  # forward copy used in forward

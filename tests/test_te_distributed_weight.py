@@ -140,16 +140,19 @@ class TEStyleWeight(torch.nn.Parameter):
         return self.buffer
 
     def finalize_group_grads(self, wgrads):
-        assert isinstance(wgrads, torch.Tensor) and wgrads is self.buffer, "a bare tensor: the buffer"
+        assert isinstance(wgrads, torch.Tensor), "a bare tensor"
+        # TE's contract: grad_buffer() is the fused path's scratch; unfused, a fresh allocation
+        assert (wgrads is self.buffer) == self.fused, (self.fused, self.buffer is None)
         self.log.append(("finalize", wgrads.dtype))
         self.main_grad.add_(wgrads)  # the 'reduction', in fp32
         self.buffer = None
         return self.main_grad.to(self.dtype)  # bare: one more contribution to .grad
 
 
-def _te_style(t, *, buffer_dtype=torch.float32, buffer_shape=None):
+def _te_style(t, *, buffer_dtype=torch.float32, buffer_shape=None, fused=False):
     w = TEStyleWeight(t.detach().clone())
     w.log, w.buffer, w.buffer_shape = [], None, tuple(t.shape) if buffer_shape is None else buffer_shape
+    w.fused = fused
     w.main_grad = torch.zeros(t.shape, dtype=buffer_dtype)
     return w
 
@@ -160,11 +163,13 @@ def _check_te_style(w, want_fp32):
     assert torch.equal(w.grad, want_fp32.to(w.dtype))
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("delay", [False, True])
-def test_te_style_implementer_in_linear(delay):
+def test_te_style_implementer_in_linear(delay, fuse):
     torch.manual_seed(0)
     w = torch.randn(6, 5, dtype=torch.bfloat16)
-    lin = Linear(5, 6, bias=False, weight=_te_style(w), delay_wgrad_compute=delay)
+    lin = Linear(5, 6, bias=False, weight=_te_style(w, fused=fuse), delay_wgrad_compute=delay,
+                 fuse_wgrad_accumulation=fuse)
     x = torch.randn(7, 5, dtype=torch.bfloat16, requires_grad=True)
     y = lin(x)
     dy = torch.randn_like(y)
@@ -175,13 +180,14 @@ def test_te_style_implementer_in_linear(delay):
     _check_te_style(lin.weight, (dy.t() @ x.detach()).float())
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("delay", [False, True])
-def test_te_style_implementer_in_packed_grouped_linear(delay):
+def test_te_style_implementer_in_packed_grouped_linear(delay, fuse):
     torch.manual_seed(0)
     g = GroupedLinear(2, 5, 6, bias=False, single_grouped_weight=True, params_dtype=torch.bfloat16,
-                      delay_wgrad_compute=delay)
+                      delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
     w = g.weight.detach().clone()
-    g.weight = _te_style(w)
+    g.weight = _te_style(w, fused=fuse)
     x = torch.randn(7, 5, dtype=torch.bfloat16, requires_grad=True)
     y = g(x, [3, 4])
     dy = torch.randn_like(y)
@@ -193,14 +199,15 @@ def test_te_style_implementer_in_packed_grouped_linear(delay):
     assert g.weight.log[-1] == ("finalize", torch.float32) and g.weight.grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("delay", [False, True])
-def test_te_style_implementer_in_layernorm_mlp(delay):
+def test_te_style_implementer_in_layernorm_mlp(delay, fuse):
     torch.manual_seed(0)
-    mlp = LayerNormMLP(8, 12, params_dtype=torch.bfloat16, delay_wgrad_compute=delay)
+    mlp = LayerNormMLP(8, 12, params_dtype=torch.bfloat16, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
     plain = LayerNormMLP(8, 12, params_dtype=torch.float32)
     plain.load_state_dict({k: v.float() for k, v in mlp.state_dict().items()})
     for name in ("fc1_weight", "fc2_weight"):
-        setattr(mlp, name, _te_style(getattr(mlp, name)))
+        setattr(mlp, name, _te_style(getattr(mlp, name), fused=fuse))
     x = torch.randn(5, 8, dtype=torch.bfloat16)
     mlp(x).float().square().sum().backward()
     mlp.backward_dw()
@@ -213,12 +220,55 @@ def test_te_style_implementer_in_layernorm_mlp(delay):
         assert (w.main_grad - want).abs().max() <= 0.05 * want.abs().max(), name
 
 
+def test_unfused_foreign_group_never_calls_grad_buffer():
+    """TE's ops test shape: only the leader implements the protocol, and its grad_buffer() is not a scratch
+    (it returns the weight's own data). Unfused, the wgrad GEMM must write fresh buffers: the weights stay
+    untouched and main_grad gets exactly the reference gradient."""
+    from distwgrad.nn import ops
+
+    class Leader(torch.nn.Parameter):
+        is_distributed_weight = True
+
+        def materialize_group_for_forward(self):
+            return [w.detach() for w in self.group]
+
+        def materialize_group_for_backward(self, **kwargs):
+            return [w.detach() for w in self.group]
+
+        def finalize_group_grads(self, wgrads, **kwargs):
+            for w, g in zip(self.group, wgrads):
+                w.main_grad.add_(g.to(w.main_grad.dtype))
+            return [torch.zeros_like(g) for g in wgrads]
+
+        def grad_buffer(self):
+            return self.data  # not a scratch: writing a wgrad here would corrupt the weight
+
+    torch.manual_seed(0)
+    op = ops.GroupedLinear(2, 4, 6, bias=False, device="cpu", dtype=torch.float32)
+    ref = ops.GroupedLinear(2, 4, 6, bias=False, device="cpu", dtype=torch.float32)
+    ref.load_state_dict(op.state_dict())
+    leader = Leader(op.weight0.detach().clone())
+    leader.group = [leader, op.weight1]
+    op.weight0 = leader
+    for w in (op.weight0, op.weight1):
+        w.main_grad = torch.zeros(6, 4)
+    before = [w.detach().clone() for w in (op.weight0, op.weight1)]
+    x = torch.randn(5, 4)
+    op(x, torch.tensor([2, 3])).sum().backward()
+    ref(x, torch.tensor([2, 3])).sum().backward()
+    for w, b, r in zip((op.weight0, op.weight1), before, (ref.weight0, ref.weight1)):
+        assert torch.equal(w.detach(), b), "a weight was written"
+        assert torch.equal(w.main_grad, r.grad)
+
+
 def test_a_buffer_of_the_wrong_shape_or_a_narrow_dtype_is_refused():
-    lin = Linear(5, 6, bias=False, weight=_te_style(torch.randn(6, 5), buffer_shape=(3, 5)))
+    """grad_buffer() is the fused path's scratch (TE's contract), so the checks are of fused modules."""
+    lin = Linear(5, 6, bias=False, weight=_te_style(torch.randn(6, 5), buffer_shape=(3, 5), fused=True),
+                 fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match="wgrad GEMM needs a buffer of shape \\(6, 5\\)"):
         lin(torch.randn(2, 5)).sum().backward()
-    w = _te_style(torch.randn(6, 5, dtype=torch.bfloat16))
+    w = _te_style(torch.randn(6, 5, dtype=torch.bfloat16), fused=True)
     w.grad_buffer = lambda: torch.zeros(6, 5, dtype=torch.bfloat16)  # main_grad is fp32
-    lin = Linear(5, 6, bias=False, weight=w)
+    lin = Linear(5, 6, bias=False, weight=w, fuse_wgrad_accumulation=True)
     with pytest.raises(RuntimeError, match="grad_buffer\\(\\) is torch.bfloat16 but the wgrad must be torch.float32"):
         lin(torch.randn(2, 5, dtype=torch.bfloat16)).sum().backward()

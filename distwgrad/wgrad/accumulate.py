@@ -107,6 +107,10 @@ def wgrad_targets(params: Sequence[torch.Tensor], fuse: bool, *, shape: Sequence
         lead = params[0]
         full = tuple(shape) if shape is not None else tuple(getattr(lead, "full_shape", lead.shape))
         want = weight_grad_dtype(list(params), dtype or lead.dtype)
+        if not fuse and not isinstance(lead, DistributedParameter):
+            # TE's contract: a foreign group's grad_buffer() is the fused path's scratch; unfused, the wgrad
+            # GEMM writes a fresh allocation (here in main_grad's dtype, so the reduction stays fp32)
+            return [torch.zeros(full, dtype=want, device=lead.device) for _ in params]
         buffers = weight_grad_buffers(list(params), full, want, lead.device)
         for p, b in zip(params, buffers):
             if b.dtype != want and b.dtype.itemsize < want.itemsize:

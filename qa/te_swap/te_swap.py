@@ -91,6 +91,14 @@ class _FP8GlobalStateManager:
         return _HELPERS["transformer_engine.pytorch"]["is_fp8_available"](return_reason)
 
 
+def _window_size(attn_mask_type: str, window_size=None):
+    """TE's default sliding window for a mask type: what its test utilities' ``ModelConfig`` stores (its
+    attention tests read it; distwgrad has no attention)."""
+    if window_size is not None:
+        return window_size
+    return (-1, 0) if "causal" in attn_mask_type else (-1, -1)
+
+
 def _helpers() -> dict[str, dict[str, object]]:
     fp8 = _cuda_capability() >= (8, 9)
     block = _cuda_capability() >= (9, 0)
@@ -110,6 +118,7 @@ def _helpers() -> dict[str, dict[str, object]]:
         "transformer_engine.pytorch.quantization": top,
         "transformer_engine.pytorch.fp8": top,
         "transformer_engine.pytorch.utils": top,
+        "transformer_engine.pytorch.attention.dot_product_attention.utils": {"check_set_window_size": _window_size},
         "transformer_engine.pytorch.module.grouped_linear": {"is_module_grouped_tensor_path_supported": packed},
         "transformer_engine.pytorch.ops.basic.grouped_linear": {"is_op_fuser_grouped_tensor_path_supported": packed},
     }
