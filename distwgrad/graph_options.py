@@ -17,8 +17,10 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
 * ``clone_param_grads_on_return=False``: the backward replay hands autograd the graph's static parameter
   gradients instead of clones: no copy, but a ``.grad`` (or hook) that keeps one sees the next replay's.
 * ``pre_warmup_hook``, ``post_warmup_hook``: called once before and once after all the warm-up iterations.
-* ``capture_time_hooks``: refused: module hooks run outside capture need a hook dispatch distwgrad's capture
-  does not have.
+* ``capture_time_hooks``: per module, a dict of ``forward_pre_hooks``, ``forward_hooks``,
+  ``backward_pre_hooks``, ``backward_hooks`` (each ``{id: hook(module)}``), run around that module's forward
+  and backward in every warm-up iteration and at capture, outside the capture, and never replayed (host
+  work a graph cannot hold). A hook returns None.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from distwgrad.fp8.recipe import Recipe
 from distwgrad.weights.base import DistributedParameter
 from distwgrad.wgrad.store import DeferredWgradError
 
-__all__ = ["GraphOptions", "resolve_options", "as_tuple_of_modules", "per_callable", "check_inputs", "check_module",
+__all__ = ["GraphOptions", "resolve_options", "check_capture_time_hooks", "HOOK_KINDS", "as_tuple_of_modules",
+           "per_callable", "check_inputs", "check_module",
            "distributed_weights", "check_devices"]
 
 
@@ -59,8 +62,7 @@ def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, re
                     calibrating: Any, fp8_calibrating: Any, amax_reduction_group: Any, fp8_group: Any,
                     cache_quantized_params: Any, fp8_weight_caching: Any,
                     _reuse_graph_input_output_buffers: Any, clone_param_grads_on_return: Any = True,
-                    pre_warmup_hook: Any = None, post_warmup_hook: Any = None,
-                    capture_time_hooks: Any = None) -> GraphOptions:
+                    pre_warmup_hook: Any = None, post_warmup_hook: Any = None) -> GraphOptions:
     """Checks every keyword and returns what the capture uses; each refusal names the keyword and why."""
     if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) or num_warmup_iters < 1:
         raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 1 (the last warm-up "
@@ -93,12 +95,32 @@ def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, re
     for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
         if hook is not None and not callable(hook):
             raise TypeError(f"make_graphed_callables: {name} must be a callable or None, got {hook!r}")
-    if capture_time_hooks is not None:
-        raise NotImplementedError("make_graphed_callables: capture_time_hooks (module hooks run outside the "
-                                  "capture) is not implemented; register the hooks on the modules, or run the "
-                                  "non-capturable work before make_graphed_callables")
     return GraphOptions(num_warmup_iters, fp8, chosen, clone_param_grads_on_return, pre_warmup_hook,
                         post_warmup_hook)
+
+
+HOOK_KINDS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+
+def check_capture_time_hooks(hooks: Any, n_modules: int) -> list[dict | None] | None:
+    """TE's ``capture_time_hooks``: None, or one entry per module, each None or ``{kind: {id: hook}}``."""
+    if hooks is None:
+        return None
+    if not isinstance(hooks, list | tuple) or len(hooks) != n_modules:
+        raise ValueError(f"make_graphed_callables: capture_time_hooks must be a list with one entry per module "
+                         f"({n_modules}), got {hooks!r}")
+    for i, spec in enumerate(hooks):
+        if spec is None:
+            continue
+        unknown = set(spec) - set(HOOK_KINDS) if isinstance(spec, dict) else None
+        if unknown is None or unknown:
+            raise ValueError(f"make_graphed_callables: capture_time_hooks[{i}] must be a dict with keys from "
+                             f"{HOOK_KINDS}, got {spec!r}")
+        for kind, fns in spec.items():
+            if not isinstance(fns, dict) or not all(callable(f) for f in fns.values()):
+                raise TypeError(f"make_graphed_callables: capture_time_hooks[{i}][{kind!r}] must be a dict of "
+                                f"callables (hook_id: hook(module)), got {fns!r}")
+    return list(hooks)
 
 
 # --- the modules and sample inputs (no CUDA needed) --------------------------------------------------

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from distwgrad.fp8.recipe import Recipe, fp8_autocast
 from distwgrad.graph_options import (
     as_tuple_of_modules,
+    check_capture_time_hooks,
     check_devices,
     check_inputs,
     check_module,
@@ -255,46 +256,77 @@ def _drain_into(sink: dict, modules: list[nn.Module]) -> None:
                 m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
 
 
-def _warmup(calls: list[_Callable], n: int, allow_unused: bool, fp8: Callable, recipe: Recipe | None,
-            stream: torch.cuda.Stream) -> None:
+class _Hooks:
+    """TE's ``capture_time_hooks``, run by forward pass around the warm-up and capture steps, outside capture."""
+
+    def __init__(self, per_module: list[dict | None] | None, modules: tuple[nn.Module, ...],
+                 module_of: Callable[[int], int]) -> None:
+        self.per_module, self.modules, self.module_of = per_module, modules, module_of
+
+    def run(self, i: int, kind: str) -> None:
+        if self.per_module is None:
+            return
+        m = self.module_of(i)
+        for hook_id, hook in ((self.per_module[m] or {}).get(kind) or {}).items():
+            result = hook(self.modules[m])
+            if result is not None:
+                raise RuntimeError(f"make_graphed_callables: capture_time_hooks[{m}][{kind!r}][{hook_id!r}] "
+                                   f"returned {result!r}; a capture-time hook must return None")
+
+
+def _warmup(calls: list[_Callable], captures: Sequence[tuple[str, int]], n: int, allow_unused: bool, fp8: Callable,
+            recipe: Recipe | None, stream: torch.cuda.Stream, hooks: _Hooks) -> None:
+    """``n`` iterations of the forwards and backwards in ``captures``' order (TE's), each backward's deferred
+    wgrads drained after it; then the unused-input checks."""
     all_deferred = [s for c in calls for s in _deferred_modules(c.module)]
+    wants = [[j for j, t in enumerate(c.surface) if t.requires_grad] for c in calls]
+    grads: dict[int, tuple] = {i: () for i in range(len(calls))}
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
-        for i, c in enumerate(calls):
-            wants = [j for j, t in enumerate(c.surface) if t.requires_grad]
-            grads: tuple = ()
-            for it in range(n):
-                with _explain(f"the warm-up of module {i} ({type(c.module).__name__})", recipe), \
-                        _sync_check(it == n - 1), fp8():
-                    outs = [o for o in pytree.tree_leaves(c.module(*c.args, **c.kwargs)) if o.requires_grad]
-                    if outs and wants:
-                        grads = torch.autograd.grad(outs, [c.surface[j] for j in wants],
-                                                    [torch.ones_like(o) for o in outs], allow_unused=True)
-                    _drain_into({}, all_deferred)
-                del outs
-            used = [j for j, g in zip(wants, grads) if g is not None]
-            for j in set(wants) - set(used):
-                t = c.surface[j]
-                if j < c.n_user and not allow_unused:
-                    raise ValueError(f"make_graphed_callables: input {j} of module {i} requires grad but gets none "
-                                     f"(pass allow_unused_input=True if that is intended)")
-                if j >= c.n_user and not (allow_unused or id(t) in c.deferred or is_distributed_weight(t)):
-                    raise ValueError(f"make_graphed_callables: parameter {c.name(t)!r} of module {i} requires grad "
-                                     f"but its forward does not use it (pass allow_unused_input=True)")
-            c.bwd_inputs = tuple(wants)  # a deferred parameter's slot stays None (never empty inputs)
+        for it in range(n):
+            outs: dict[int, list[torch.Tensor]] = {}
+            for kind, i in captures:
+                c = calls[i]
+                what = f"the warm-up of module {i} ({type(c.module).__name__})"
+                hooks.run(i, "forward_pre_hooks" if kind == "fwd" else "backward_pre_hooks")
+                with _explain(what, recipe), _sync_check(it == n - 1), fp8():
+                    if kind == "fwd":
+                        outs[i] = [o for o in pytree.tree_leaves(c.module(*c.args, **c.kwargs)) if o.requires_grad]
+                    else:
+                        if outs[i] and wants[i]:
+                            grads[i] = torch.autograd.grad(outs[i], [c.surface[j] for j in wants[i]],
+                                                           [torch.ones_like(o) for o in outs[i]], allow_unused=True)
+                        del outs[i]
+                        _drain_into({}, all_deferred)
+                hooks.run(i, "forward_hooks" if kind == "fwd" else "backward_hooks")
+    for i, c in enumerate(calls):
+        used = [j for j, g in zip(wants[i], grads[i]) if g is not None]
+        for j in set(wants[i]) - set(used):
+            t = c.surface[j]
+            if j < c.n_user and not allow_unused:
+                raise ValueError(f"make_graphed_callables: input {j} of module {i} requires grad but gets none "
+                                 f"(pass allow_unused_input=True if that is intended)")
+            if j >= c.n_user and not (allow_unused or id(t) in c.deferred or is_distributed_weight(t)):
+                raise ValueError(f"make_graphed_callables: parameter {c.name(t)!r} of module {i} requires grad "
+                                 f"but its forward does not use it (pass allow_unused_input=True)")
+        c.bwd_inputs = tuple(wants[i])  # a deferred parameter's slot stays None (never empty inputs)
     torch.cuda.synchronize()
 
 
 def _capture(gs: _GraphSet, calls: list[_Callable], captures: Sequence[tuple[str, int]], fp8: Callable,
-             retain_graph: bool, recipe: Recipe | None) -> None:
+             retain_graph: bool, recipe: Recipe | None, hooks: _Hooks) -> None:
     """Forwards and backwards in ``captures``' order, then each backward's deferred wgrads in that order."""
     queued: dict[int, list[nn.Module]] = {}
     stores = {id(s): s for c in calls for s in _deferred_modules(c.module)}
     for kind, i in captures:
         if kind == "fwd":
+            hooks.run(i, "forward_pre_hooks")
             _capture_forward(gs, calls[i], i, fp8, recipe)
+            hooks.run(i, "forward_hooks")
         else:
+            hooks.run(i, "backward_pre_hooks")
             queued[i] = _capture_backward(gs, calls[i], i, stores, retain_graph, recipe)
+            hooks.run(i, "backward_hooks")
     _capture_wgrads(gs, calls, queued, recipe)
 
 
@@ -476,7 +508,9 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         amax_reduction_group=amax_reduction_group, fp8_group=fp8_group, cache_quantized_params=cache_quantized_params,
         fp8_weight_caching=fp8_weight_caching, _reuse_graph_input_output_buffers=_reuse_graph_input_output_buffers,
         clone_param_grads_on_return=clone_param_grads_on_return, pre_warmup_hook=pre_warmup_hook,
-        post_warmup_hook=post_warmup_hook, capture_time_hooks=capture_time_hooks)
+        post_warmup_hook=post_warmup_hook)
+    hooks = _Hooks(check_capture_time_hooks(capture_time_hooks, len(mods)), mods,
+                   plan.module_of if plan else (lambda i: i))
     for i, m in enumerate(mods):
         check_module(m, i)
     captured = CapturedWeights(distributed_weights(mods))  # refuses what a replay cannot do
@@ -509,12 +543,11 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         gs.stream = torch.cuda.Stream()
         if options.pre_warmup_hook is not None:
             options.pre_warmup_hook()
-        _warmup([calls[i] for kind, i in captures if kind == "fwd"], options.num_warmup_iters, allow_unused_input,
-                fp8, recipe, gs.stream)
+        _warmup(calls, captures, options.num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream, hooks)
         if options.post_warmup_hook is not None:
             options.post_warmup_hook()
         captured.open_for_capture()
-        _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe)
+        _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe, hooks)
     except BaseException:
         captured.close_capture()
         captured.release(failed=True)

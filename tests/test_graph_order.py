@@ -117,3 +117,44 @@ def test_every_backward_queues_its_own_wgrad_graph():
         _ModelGraph.replay = original
     # forward 0, forward 1, backward 0, backward 1, then the two wgrad graphs: six distinct graphs
     assert len(replays) == 6 and len(set(replays)) == 6
+
+
+@pytest.mark.usefixtures("modelled_cuda")
+@pytest.mark.parametrize("with_order", [False, True])
+def test_capture_time_hooks_run_around_each_warmup_and_capture_step_and_never_replay(with_order):
+    """TE's ``capture_time_hooks``: per module, around its forward and backward in every warm-up iteration
+    and at capture, in the schedule's order (forwards, then backwards in reverse), outside the capture."""
+    mods = (Linear(8, 8, device="cpu"), Linear(8, 8, device="cpu"))
+    records = []
+
+    def hook(i, kind):
+        def record(module):
+            assert module is mods[i]
+            records.append((i, kind))
+        return record
+
+    hooks = [{kind: {0: hook(i, kind)} for kind in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks",
+                                                    "backward_hooks")} for i in range(2)]
+    fns = distwgrad.make_graphed_callables(mods, tuple((_x(4, 8, requires_grad=True),) for _ in mods),
+                                           num_warmup_iters=2, _order=[1, 2, -2, -1] if with_order else None,
+                                           capture_time_hooks=hooks)
+    one = [(0, "forward_pre_hooks"), (0, "forward_hooks"), (1, "forward_pre_hooks"), (1, "forward_hooks"),
+           (1, "backward_pre_hooks"), (1, "backward_hooks"), (0, "backward_pre_hooks"), (0, "backward_hooks")]
+    assert records == one * 3  # two warm-up iterations, then the capture
+    for f in fns:
+        f(_x(4, 8, requires_grad=True)).sum().backward()
+    assert records == one * 3, "a replay ran a capture-time hook"
+
+
+@pytest.mark.usefixtures("modelled_cuda")
+@pytest.mark.parametrize(("hooks", "error", "match"), [
+    ([{}], ValueError, r"one entry per module \(2\)"),
+    ([{"forward_hook": {}}, None], ValueError, r"capture_time_hooks\[0\] must be a dict with keys from"),
+    ([None, {"forward_hooks": {0: "f"}}], TypeError, r"capture_time_hooks\[1\]\['forward_hooks'\] must be a dict"),
+    ([{"forward_hooks": {7: lambda m: 1}}, None], RuntimeError,
+     r"capture_time_hooks\[0\]\['forward_hooks'\]\[7\] returned 1; a capture-time hook must return None"),
+])
+def test_capture_time_hooks_bad_input(hooks, error, match):
+    mods = (Linear(8, 8, device="cpu"), Linear(8, 8, device="cpu"))
+    with pytest.raises(error, match=match):
+        distwgrad.make_graphed_callables(mods, tuple((_x(4, 8),) for _ in mods), capture_time_hooks=hooks)

@@ -130,8 +130,6 @@ def test_clone_and_warmup_hook_options():
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), clone_param_grads_on_return=0)
     with pytest.raises(TypeError, match="post_warmup_hook must be a callable or None, got 'h'"):
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), post_warmup_hook="h")
-    with pytest.raises(NotImplementedError, match="capture_time_hooks .* is not implemented"):
-        distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), capture_time_hooks=[{}])
 
 
 def test_hooks_refused():
