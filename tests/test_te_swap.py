@@ -1,6 +1,7 @@
 """The import swap (``qa/te_swap/te_swap.py``) that runs TransformerEngine's public test files against
 distwgrad: TE's module names give distwgrad's modules, TE's test helpers answer for distwgrad, and a name
-distwgrad lacks imports but refuses to be used, naming itself."""
+distwgrad lacks imports (and, while pytest collects, builds a placeholder) but refuses to be used in a test,
+naming itself."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def test_te_names_are_distwgrads_modules_and_missing_names_refuse_by_name():
         assert is_fp8_block_scaling_available(return_reason=True) == (False, "blockwise FP8 needs sm_90 or newer")
         assert is_module_grouped_tensor_path_supported(None, None) is True
         FP8GlobalStateManager.reset()
+        built = TransformerLayer(8, 8)  # while collecting: a placeholder (a parametrize value, say)
+        assert repr(built) == "<transformer_engine.pytorch.TransformerLayer(...): not provided by distwgrad>"
+        te_swap.pytest_collection_finish(None)  # tests run: using a missing name refuses, naming it
         for missing, name in ((TransformerLayer, "transformer_engine.pytorch.TransformerLayer"),
                               (tex.DType.kFloat8E4M3, "transformer_engine_torch.DType.kFloat8E4M3")):
             try:

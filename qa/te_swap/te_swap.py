@@ -10,9 +10,9 @@ load it puts a finder first on ``sys.meta_path`` that answers every import of ``
 - the helpers TE's test files import from TE's internals (``is_fp8_available``,
   ``is_module_grouped_tensor_path_supported``, ``FP8GlobalStateManager.reset``, ...) answer for distwgrad
   (``_HELPERS``);
-- any other name resolves to a placeholder that raises ``MissingFromDistwgrad`` naming it when a test uses
-  it, so a file whose other tests need attention or NVFP4 still imports, and only those tests fail, each
-  with the name distwgrad lacks.
+- any other name resolves to a placeholder (``_Missing``): the file imports, and only the tests that use
+  one (attention, NVFP4, TE's quantizer objects) fail, each with ``MissingFromDistwgrad`` naming what
+  distwgrad lacks.
 
 Nothing here changes what distwgrad computes; a test passes or fails on distwgrad's own modules.
 """
@@ -40,16 +40,25 @@ class MissingFromDistwgrad(NotImplementedError):
     """A test used a TransformerEngine name that distwgrad does not provide."""
 
 
+_COLLECTING = [True]  # pytest imports the test files while it collects; tests run after
+
+
 class _Missing:
-    """A TransformerEngine name distwgrad does not provide: importable, unusable."""
+    """A TransformerEngine name distwgrad does not provide. While pytest collects (the test files import, and
+    build parametrize values such as TE quantizers), using it gives another placeholder; in a test, calling
+    it, entering it or iterating it raises ``MissingFromDistwgrad`` naming it."""
 
     def __init__(self, name: str) -> None:
         self._name = name
 
+    def __call__(self, *args, **kwargs):
+        if _COLLECTING[0]:
+            return _Missing(f"{self._name}(...)")
+        raise MissingFromDistwgrad(f"{self._name} is not provided by distwgrad")
+
     def _refuse(self, *args, **kwargs):
         raise MissingFromDistwgrad(f"{self._name} is not provided by distwgrad")
 
-    __call__ = _refuse
     __enter__ = _refuse
     __iter__ = _refuse
     __bool__ = lambda self: False  # noqa: E731  a missing feature flag reads as off
@@ -58,6 +67,9 @@ class _Missing:
         if attr.startswith("__"):
             raise AttributeError(attr)
         return _Missing(f"{self._name}.{attr}")
+
+    def __repr__(self) -> str:
+        return f"<{self._name}: not provided by distwgrad>"
 
     def __mro_entries__(self, bases):  # ``class X(te.Missing)`` imports, instantiating it refuses
         return (_MissingBase,)
@@ -161,6 +173,11 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         pass
+
+
+def pytest_collection_finish(session) -> None:
+    """Collection is over: from here a missing name that a test calls raises."""
+    _COLLECTING[0] = False
 
 
 def install() -> None:
