@@ -9,6 +9,8 @@
 # Steps:
 #   tests         the GPU tests with --full (GPU_TESTS: paths, PYTEST_ARGS: e.g. "-k nccl"); cpu_full: the CPU
 #                 suite with --full, the GPU hidden
+#   te_swap       TransformerEngine's public test files through the import swap (TE_TESTS: a folder of TE's
+#                 tests/pytorch files, carried with the tree; qa/te_swap/run.sh)
 #   job           the job at the large preset: bf16 --check-parity, FP8 per-tensor, CUDA-graphed --check-parity;
 #                 and the tiny preset compiled + graphed --check-parity, bf16 and per-tensor FP8
 #   job_recipes   the tiny job with fused AdamW, --check-parity, each recipe eager and compiled + graphed
@@ -29,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-ALL="tests cpu_full job job_recipes bench bench_fp8 bench_best layer kernels sweep_gemm sweep_fp8 sweep_quant curves
+ALL="tests cpu_full te_swap job job_recipes bench bench_fp8 bench_best layer kernels sweep_gemm sweep_fp8 sweep_quant curves
      megatron tools multi_gpu"
 STEPS=${STEPS:-"tests job bench layer"}
 [ "$STEPS" = all ] && STEPS=$ALL
@@ -65,8 +67,17 @@ LARGE="$TRAIN --model large --log-every 1"
 STEP="torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --microbatches 1"
 for step in $STEPS; do
   case $step in
-    tests) run tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu --full -q -p no:cacheprovider -rf --tb=short \
+    tests) STEP_TIMEOUT=${STEP_TIMEOUT:-580} run tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu --full -q -p no:cacheprovider -rf --tb=short \
              --timeout 150 --durations 12 ${PYTEST_ARGS:-} ;;
+    te_swap)  # the files the TE drop-in is judged by; each case's outcome in the log
+      for spec in "tied:test_tied_delayed_wgrad.py" "numerics:test_numerics.py -k delay_wgrad" \
+                  "graphs:test_cuda_graphs.py -k interleaved_pipeline_parallelism or capture_time_hooks" \
+                  "dw:test_distributed_weight.py test_ops_grouped_linear_distributed_weight.py"; do
+        name=${spec%%:*} args=${spec#*:}
+        case $args in *" -k "*) files=${args%% -k *} k=${args#* -k } ;; *) files=$args k= ;; esac
+        run "te_$name" env TE_TESTS="$(cd "${TE_TESTS:-.te_tests}" 2>/dev/null && pwd || echo "${TE_TESTS:-.te_tests}")" \
+          bash qa/te_swap/run.sh $files ${k:+-k "$k"} -q -rfE --tb=line
+      done ;;
     cpu_full) run cpu_full env CUDA_VISIBLE_DEVICES= python3 -m pytest tests -m "not distributed and not gpu" --full \
                 -q -p no:cacheprovider -n "${PYTEST_WORKERS:-auto}" -rf --tb=short ;;
     job) run job_bf16 $LARGE --precision bf16 --steps 4 --check-parity --out "$OUT_ABS/job_bf16"
