@@ -13,7 +13,9 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
   calibration and amax reduction groups serve delayed scaling; distwgrad's recipes scale from the current
   amax, and a weight's amax is of its full (gathered) value.
 * ``_order``, ``_num_layers_per_chunk``: capture in a pipeline schedule's order (``graph_order.py``).
-* ``_reuse_graph_input_output_buffers=True``: refused: each forward pass keeps static buffers of its own.
+* ``_reuse_graph_input_output_buffers=True`` (with ``_order`` only, as in TE): accepted with a warning, and no
+  buffer is shared: each forward pass keeps static buffers of its own, so its outputs also stay valid past
+  its backward (TE's memory saving is not made).
 * ``clone_param_grads_on_return=False``: the backward replay hands autograd the graph's static parameter
   gradients instead of clones: no copy, but a ``.grad`` (or hook) that keeps one sees the next replay's.
 * ``pre_warmup_hook``, ``post_warmup_hook``: called once before and once after all the warm-up iterations.
@@ -25,6 +27,7 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +89,9 @@ def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, re
     if cache is not None and not isinstance(cache, bool):
         raise TypeError(f"make_graphed_callables: cache_quantized_params must be a bool, got {cache!r}")
     if _reuse_graph_input_output_buffers:
-        raise NotImplementedError("make_graphed_callables: _reuse_graph_input_output_buffers=True (forward passes "
-                                  "sharing static buffers in a pipeline schedule) is not implemented; each forward "
-                                  "pass keeps buffers of its own")
+        warnings.warn("make_graphed_callables: _reuse_graph_input_output_buffers=True is accepted but shares no "
+                      "buffer: each forward pass keeps static input and output buffers of its own (no memory is "
+                      "saved)", UserWarning, stacklevel=3)
     if not isinstance(clone_param_grads_on_return, bool):
         raise TypeError(f"make_graphed_callables: clone_param_grads_on_return must be a bool, got "
                         f"{clone_param_grads_on_return!r}")

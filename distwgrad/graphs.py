@@ -496,8 +496,10 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         plan = plan_order(_order, _num_layers_per_chunk, len(mods), len(samples) if isinstance(samples, tuple) else 0)
         sample_args = samples
         sample_kwargs = tuple(sample_kwargs) if isinstance(sample_kwargs, list) else sample_kwargs
-    elif _num_layers_per_chunk is not None:
-        raise ValueError(f"make_graphed_callables: _num_layers_per_chunk={_num_layers_per_chunk!r} without _order")
+    elif _num_layers_per_chunk is not None or _reuse_graph_input_output_buffers:
+        what = (f"_num_layers_per_chunk={_num_layers_per_chunk!r}" if _num_layers_per_chunk is not None
+                else "_reuse_graph_input_output_buffers=True")
+        raise ValueError(f"make_graphed_callables: {what} without _order")
     passes = [mods[plan.module_of(i)] for i in range(plan.forward_passes)] if plan else list(mods)
     args = per_callable("sample_args", sample_args, len(passes), just_one, tuple)
     kwargs = per_callable("sample_kwargs", sample_kwargs, len(passes), just_one, dict)

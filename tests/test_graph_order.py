@@ -158,3 +158,14 @@ def test_capture_time_hooks_bad_input(hooks, error, match):
     mods = (Linear(8, 8, device="cpu"), Linear(8, 8, device="cpu"))
     with pytest.raises(error, match=match):
         distwgrad.make_graphed_callables(mods, tuple((_x(4, 8),) for _ in mods), capture_time_hooks=hooks)
+
+
+@pytest.mark.usefixtures("modelled_cuda")
+def test_reuse_of_buffers_in_an_order_is_accepted_and_each_pass_keeps_its_own():
+    m = Linear(8, 8, device="cpu", delay_wgrad_compute=True)
+    xs = [_x(4, 8) for _ in range(2)]
+    with pytest.warns(UserWarning, match="shares no buffer"):
+        f0, f1 = distwgrad.make_graphed_callables((m,), ((xs[0],), (xs[1],)), _order=[1, 1, -1, -1],
+                                                 _reuse_graph_input_output_buffers=True)
+    y0, y1 = f0(xs[0]), f1(xs[1])
+    assert y0.data_ptr() != y1.data_ptr(), "each forward pass keeps its own static output"

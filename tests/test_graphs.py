@@ -68,9 +68,17 @@ def test_fp8_options():
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), fp8_enabled=1)
 
 
-def test_reuse_of_buffers_not_implemented():
-    with pytest.raises(NotImplementedError, match="_reuse_graph_input_output_buffers=True .* not implemented"):
+def test_reuse_of_buffers_needs_order_and_shares_nothing():
+    """TE allows buffer reuse only in a pipeline order; distwgrad accepts it there and says it shares none."""
+    with pytest.raises(ValueError, match="_reuse_graph_input_output_buffers=True without _order"):
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), _reuse_graph_input_output_buffers=True)
+    from distwgrad.graph_options import GraphOptions, resolve_options
+
+    none = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
+                fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
+                fp8_weight_caching=None)
+    with pytest.warns(UserWarning, match="accepted but shares no buffer"):
+        assert resolve_options(**none, _reuse_graph_input_output_buffers=True) == GraphOptions(3, False, None)
 
 
 def test_te_keywords_in_both_spellings():
