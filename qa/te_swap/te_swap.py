@@ -4,9 +4,9 @@ A pytest plugin (``-p te_swap`` with ``qa/te_swap`` on ``PYTHONPATH``; ``qa/te_s
 load it puts a finder first on ``sys.meta_path`` that answers every import of ``transformer_engine`` and
 ``transformer_engine_torch``:
 
-- ``transformer_engine.pytorch`` is ``distwgrad.nn``, ``transformer_engine.pytorch.ops`` is
-  ``distwgrad.nn.ops``, ``transformer_engine.common.recipe`` is ``distwgrad.fp8.recipe``: what a user's swap
-  of the import gives them;
+- ``transformer_engine.pytorch`` is ``distwgrad.nn`` (``.ops`` is ``distwgrad.nn.ops``, ``.distributed_weight``
+  ``distwgrad.protocol``), ``transformer_engine.common.recipe`` is ``distwgrad.fp8.recipe`` (``_MODULES``):
+  what a user's swap of the import gives them;
 - the helpers TE's test files import from TE's internals (``is_fp8_available``,
   ``is_module_grouped_tensor_path_supported``, ``FP8GlobalStateManager.reset``, ...) answer for distwgrad
   (``_HELPERS``);
