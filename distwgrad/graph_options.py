@@ -17,7 +17,9 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
   buffer is shared: each forward pass keeps static buffers of its own, so its outputs also stay valid past
   its backward (TE's memory saving is not made).
 * ``clone_param_grads_on_return=False``: the backward replay hands autograd the graph's static parameter
-  gradients instead of clones: no copy, but a ``.grad`` (or hook) that keeps one sees the next replay's.
+  gradients instead of clones: an existing ``.grad`` adds them with no copy; a new ``.grad`` is still a copy
+  (the replay's gradients are held, so autograd cannot keep a static buffer that the next replay rewrites);
+  a parameter's gradient hook sees the static buffer.
 * ``pre_warmup_hook``, ``post_warmup_hook``: called once before and once after all the warm-up iterations.
 * ``capture_time_hooks``: per module, a dict of ``forward_pre_hooks``, ``forward_hooks``,
   ``backward_pre_hooks``, ``backward_hooks`` (each ``{id: hook(module)}``), run around that module's forward

@@ -199,6 +199,7 @@ class _Callable:
         self.surface = flat + self.params
         self.deferred = _deferred_params(module)
         self.fwd_graph, self.bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.uncloned: tuple = ()  # the last backward's uncloned parameter gradients (clone_param_grads_on_return)
         self.bwd_inputs: tuple[int, ...] = ()  # surface indices that require grad
         self.static_outputs: tuple[torch.Tensor, ...] = ()
         self.spec: Any = None
@@ -415,9 +416,15 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
             for item in c.dw_items:
                 item.module.wgrad_store.put(_Replay(gs, item))
             # parameter slots as clones unless told otherwise: [Note: graphed deferred wgrads]
-            return tuple(None if g is None else (g.detach() if j < param_start or not gs.clone_param_grads
-                                                 else g.clone())
-                         for j, g in enumerate(c.static_grad_inputs))
+            out = tuple(None if g is None else (g.detach() if j < param_start or not gs.clone_param_grads
+                                                else g.clone())
+                        for j, g in enumerate(c.static_grad_inputs))
+            if not gs.clone_param_grads:
+                # held until the next replay, so autograd copies (never keeps) a static buffer as a new
+                # .grad: one kept would be rewritten by the replay, and a zero_grad(set_to_none=False) .grad
+                # then added to itself
+                c.uncloned = out[param_start:]
+            return out
 
     def functionalized(*args, **kwargs):
         if tuple(sorted(kwargs)) != c.kw_keys:

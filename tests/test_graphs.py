@@ -342,3 +342,28 @@ def test_unused_parameter_refused(modelled_cuda):
     with pytest.raises(ValueError, match=r"parameter 'spare' of module 0 requires grad but its forward does not"):
         distwgrad.make_graphed_callables(Unused(), (_x(4, 8),))
     distwgrad.make_graphed_callables(Unused(), (_x(4, 8),), allow_unused_input=True)
+
+
+def test_uncloned_parameter_grads_are_never_kept_as_a_grad(modelled_cuda, monkeypatch):
+    """``clone_param_grads_on_return=False``: autograd adds the static gradients into an existing ``.grad``,
+    and a new ``.grad`` is a copy: kept, a static buffer would be rewritten by the next replay, and a
+    ``zero_grad(set_to_none=False)`` gradient then added to itself."""
+    made = []
+
+    class Recording(graphs._Callable):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(graphs, "_Callable", Recording)
+    m = Linear(4, 4, device="cpu")
+    x = _x(3, 4, requires_grad=True)
+    g = distwgrad.make_graphed_callables(m, (x,), clone_param_grads_on_return=False)
+    for _ in range(3):
+        m.zero_grad(set_to_none=False)
+        g(x).sum().backward()
+        static = [t for t in made[0].static_grad_inputs if t is not None]
+        assert len(made[0].uncloned) == 2  # the weight's and the bias's, handed over uncloned
+        for name, p in m.named_parameters():
+            assert all(p.grad.data_ptr() != t.data_ptr() for t in static), f"{name}.grad is a static buffer"
+
