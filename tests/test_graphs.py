@@ -44,6 +44,12 @@ def test_sample_args_one_per_module():
         distwgrad.make_graphed_callables(Linear(4, 4), [_x(2, 4)])
 
 
+# resolve_options' keywords, each at its default
+_NO_OPTIONS = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
+                   fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
+                   fp8_weight_caching=None, _reuse_graph_input_output_buffers=False)
+
+
 def test_sample_inputs_must_be_tensors():
     with pytest.raises(TypeError, match=r"sample inputs of module 0 must be tensors, got \['int'\]"):
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4), 3))
@@ -74,9 +80,7 @@ def test_reuse_of_buffers_needs_order_and_shares_nothing():
         distwgrad.make_graphed_callables(Linear(4, 4), (_x(2, 4),), _reuse_graph_input_output_buffers=True)
     from distwgrad.graph_options import GraphOptions, resolve_options
 
-    none = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
-                fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
-                fp8_weight_caching=None)
+    none = {k: v for k, v in _NO_OPTIONS.items() if k != "_reuse_graph_input_output_buffers"}
     with pytest.warns(UserWarning, match="accepted but shares no buffer"):
         assert resolve_options(**none, _reuse_graph_input_output_buffers=True) == GraphOptions(3, False, None)
 
@@ -87,9 +91,7 @@ def test_te_keywords_in_both_spellings():
     from distwgrad.graph_options import GraphOptions, resolve_options
 
     recipe = distwgrad.fp8.PerTensorScaling()
-    none = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
-                fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
-                fp8_weight_caching=None, _reuse_graph_input_output_buffers=False)
+    none = _NO_OPTIONS
     assert resolve_options(**none) == GraphOptions(3, False, None)
     with pytest.raises(ValueError, match="enabled=True and fp8_enabled=True are one option"):
         resolve_options(**{**none, "enabled": True, "fp8_enabled": True})
@@ -128,9 +130,7 @@ def test_te_signature_in_te_order():
 def test_clone_and_warmup_hook_options():
     from distwgrad.graph_options import GraphOptions, resolve_options
 
-    none = dict(num_warmup_iters=3, enabled=None, fp8_enabled=None, recipe=None, fp8_recipe=None, calibrating=None,
-                fp8_calibrating=None, amax_reduction_group=None, fp8_group=None, cache_quantized_params=None,
-                fp8_weight_caching=None, _reuse_graph_input_output_buffers=False)
+    none = _NO_OPTIONS
     hook = print
     assert resolve_options(**none, clone_param_grads_on_return=False, pre_warmup_hook=hook,
                            post_warmup_hook=hook) == GraphOptions(3, False, None, False, hook, hook)
