@@ -72,7 +72,6 @@ from .tiles import zero_rows as _zero_rows
 from .wgrad_epilogue import Handoff, Out
 from .wgrad_epilogue import epilogue as _epilogue
 from .wgrad_epilogue import flush as _flush
-from .wgrad_epilogue import unwritten as _unwritten
 
 __all__ = ["AVAILABLE", "BLOCK", "BLOCK_K_16", "wgrad_kernel", "descriptor"]
 
@@ -370,7 +369,6 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
     p_as = a_scale
     p_bs = b_scale
     h = zero           # handoffs to the epilogue warps so far
-    fresh = _unwritten(out)  # an output that holds nothing yet gets every tile, as a fresh one
     # each tile's place is read one tile ahead: its offsets' loads run under the tile before, not
     # between the two tiles' MMAs (the last tile reads its own again)
     e, row0, col0, start, end, first, n_k = _tile(pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -411,8 +409,6 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
         p_row0 = row0
         p_col0 = col0
         p_rows = gl.where(n_k > 0, N, 0)
-        if out.FIRST:
-            p_rows = gl.where(fresh, N, p_rows)
         if out.ADD_MODE == 0:  # a fresh output gets every tile, an empty group's too
             p_rows = N + zero
         p_as = gl.where(n_k > 0, a_scale, 1.0)
@@ -430,13 +426,13 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
 @gluon.jit(do_not_specialize=["T"])
 def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
                  stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
-                 stride_bt, first_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, ADD_MODE: gl.constexpr,
+                 stride_bt, stride_asn, stride_asc, stride_bsk, stride_bsc, ADD_MODE: gl.constexpr,
                  PTR_TABLE: gl.constexpr,
                  GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                  EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                  TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
                  TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
-                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
+                 CHAIN: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g ([Note: fp8 wgrad under the next
     MMA]); ADD_MODE, ``out_ptr``: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``, ``out`` / ``table``."""
     gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
@@ -479,7 +475,7 @@ def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
     mbarrier.init(c_free, count=1)
     ring = Ring(a_desc, b_desc, ready, empty, a_bufs, b_bufs, NUM_STAGES)
     sched = WgradSchedule(offs_ptr, stride_o, T, N, K, pid, total, nprog, GROUP_M)
-    out = Out(out_ptr, stride_oe, stride_on, stride_ok, first_ptr, ADD_MODE, PTR_TABLE, FIRST)
+    out = Out(out_ptr, stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE)
     hand = Handoff(c_smem, c_ready, c_free)
     src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)
