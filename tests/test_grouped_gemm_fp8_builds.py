@@ -183,13 +183,11 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     a_ty = "fp8e5" if "e5m2" in rest else "fp8e4nv"
     a_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e5 if "e5m2" in rest else gl.float8e4nv)
     b_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e4nv)
+    out_ty = "*i64" if "table" in rest else "*bf16" if "bf16" in rest else "*fp16" if "fp16" in rest else "*fp32"
     vals = dict(a_desc=f"tensordesc<{a_ty}[{L},{L}],{a_lay!r}>", b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
-                as_ptr="*fp32", bs_ptr="*fp32", offs_ptr="*i32",
-                out_ptr="*i64" if "table" in rest else "*bf16" if "bf16" in rest else "*fp16" if "fp16" in rest
-                else "*fp32",
-                T=T, E=E, N=N, K=K, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i64",
-                TRACE_TILES=435, a_ptr=f"*{a_ty}", b_ptr="*fp8e4nv", stride_at="i32", stride_bt="i32",
-                stride_asn=T // L, stride_asc=1, stride_bsk=1, stride_bsc=K)
+                T=T, groups=("*i32", 1, E, N, K), output=(out_ty, N * K, K, 1),
+                scales=("*fp32", "*fp32", T // L, 1, 1, K), source=(f"*{a_ty}", "*fp8e4nv", "i32", "i32"),
+                tracing=("*i64", 435))
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=stages,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
@@ -272,12 +270,9 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     E, T, K, N = 64, 65536, 7168, 2048
     lay = gl.NVMMASharedLayout.get_default_for([kw.BLOCK_K_16, kw.BLOCK], gl.bfloat16)
     desc = f"tensordesc<bf16[{kw.BLOCK_K_16},{kw.BLOCK}],{lay!r}>"
-    vals = dict(a_desc=desc, b_desc=desc, as_ptr="*fp32", bs_ptr="*fp32",
-                out_ptr="*i64" if "table" in rest else "*fp32", offs_ptr="*i32",
-                T=T, E=E, N=N, K=K,
-                stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1, trace_ptr="*i32", TRACE_TILES=0,
-                a_ptr="*bf16", b_ptr="*bf16", stride_at="i32", stride_bt="i32",
-                stride_asn=0, stride_asc=0, stride_bsk=0, stride_bsc=0)
+    vals = dict(a_desc=desc, b_desc=desc, T=T, groups=("*i32", 1, E, N, K),
+                output=("*i64" if "table" in rest else "*fp32", N * K, K, 1), scales=("*fp32", "*fp32", 0, 0, 0, 0),
+                source=("*bf16", "*bf16", "i32", "i32"), tracing=("*i32", 0))
     zero = "zero" in rest
     consts = dict(ADD_MODE={"load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,

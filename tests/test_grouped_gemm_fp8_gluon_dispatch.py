@@ -238,10 +238,10 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     t = current().grouped_gemm_fp8
     assert kws["NUM_STAGES"] == t.wgrad_gluon_stages and kws["num_warps"] == 8
     assert kws["EPI_WARPS"] == (t.wgrad_gluon_epilogue_warps if kw._WS_PAIRS else 0)
-    assert kws["TRACE"] is False and args[15] == 0  # untraced: no trace buffer, nothing of it built
-    assert args[4] is (tbl if table else out)
-    strides = args[10:13]
-    assert strides == ((0, K, 1) if table else (N * K, K, 1))
+    _, _, _, groups, output, _, _, tracing = args  # a_desc, b_desc, T, then the kernel's argument tuples
+    assert kws["TRACE"] is False and tracing[1] == 0  # untraced: no trace buffer, nothing of it built
+    assert groups[0] is offs and output[0] is (tbl if table else out)
+    assert output[1:] == ((0, K, 1) if table else (N * K, K, 1))
 
 
 def test_gluon_blockwise_wgrad_launch(monkeypatch):
@@ -261,10 +261,11 @@ def test_gluon_blockwise_wgrad_launch(monkeypatch):
     out = torch.zeros(2, 256, 200)
     kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, add_mode=3, stages=4, epilogue_warps=2, num_sms=8, block=128)
     (g, args, kws), = launched
-    assert kws["BLOCKWISE"] is True and args[2] is dy_s
-    cols = args[3]
+    scales = args[5]
+    assert kws["BLOCKWISE"] is True and scales[0] is dy_s
+    cols = scales[1]
     assert cols.shape == (3, 256) and torch.equal(cols[:, :200], x_s.t()) and not cols[:, 200:].any()
-    assert args[-4:] == (3, 1, 1, 256)  # dy^T's (row, chunk) strides, x^T's (column, chunk) strides
+    assert scales[2:] == (3, 1, 1, 256)  # dy^T's (row, chunk) strides, x^T's (column, chunk) strides
     with pytest.raises(ValueError, match="chunk is 128 tokens; blockwise scales of 1x64 tiles"):
         kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, add_mode=3, stages=4, epilogue_warps=2, num_sms=8, block=64)
 
@@ -288,7 +289,7 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
     trace = torch.zeros(5, 3, 5, dtype=torch.int64)
     kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, **common)
     (g, args, kws), = launched
-    assert g == (5,) and args[14] is trace and args[15] == 3 and kws["TRACE"] is True
+    assert g == (5,) and args[7][0] is trace and args[7][1] == 3 and kws["TRACE"] is True
     with pytest.raises(ValueError, match=r"trace must be shaped \(5, 3, 5\), got \(5, 2, 5\)"):
         kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
     with pytest.raises(ValueError, match="add_mode -1 writes nothing"):  # a dry run is traced only

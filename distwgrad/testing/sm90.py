@@ -12,23 +12,27 @@ import tempfile
 
 def specialize(fn, vals: dict, consts: dict, nospec) -> tuple[dict, dict]:
     """(signature, attributes) of ``fn`` as the JIT would build them for arguments ``vals`` (type strings
-    for pointers and descriptors, ints otherwise): unit ints become constants and 16-divisible ones get
-    the divisibility hint, except the ``nospec`` names; ``consts`` (updated in place) are constexprs."""
+    for pointers and descriptors, ints otherwise, or a tuple of those for a tuple argument): unit ints become
+    constants and 16-divisible ones get the divisibility hint, except the ``nospec`` names; ``consts``
+    (updated in place, keyed by name or, inside a tuple, by path) are constexprs."""
     sig, attrs = {}, {}
+
+    def leaf(path: tuple[int, ...], v, spec: bool):
+        if isinstance(v, tuple):
+            return tuple(leaf(path + (j,), x, spec) for j, x in enumerate(v))
+        if isinstance(v, str):
+            attrs.update({path: [["tt.divisibility", 16]]} if v.startswith("*") else {})
+            return v
+        if not isinstance(v, int):
+            raise TypeError(f"specialize: argument {path} needs a type string or an int, got {v!r}")
+        if v == 1 and spec:
+            consts[path if len(path) > 1 else fn.arg_names[path[0]]] = 1
+            return "constexpr"
+        attrs.update({path: [["tt.divisibility", 16]]} if v % 16 == 0 and spec else {})
+        return "i32"
+
     for i, name in enumerate(fn.arg_names):
-        v = vals.get(name)
-        if name in consts:
-            sig[name] = "constexpr"
-        elif isinstance(v, str):
-            sig[name] = v
-            attrs.update({(i,): [["tt.divisibility", 16]]} if v.startswith("*") else {})
-        elif v == 1 and name not in nospec:
-            sig[name], consts[name] = "constexpr", 1
-        else:
-            if not isinstance(v, int):
-                raise TypeError(f"specialize: argument {name!r} needs a type string or an int, got {v!r}")
-            sig[name] = "i32"
-            attrs.update({(i,): [["tt.divisibility", 16]]} if v % 16 == 0 and name not in nospec else {})
+        sig[name] = "constexpr" if name in consts else leaf((i,), vals.get(name), name not in nospec)
     return sig, attrs
 
 

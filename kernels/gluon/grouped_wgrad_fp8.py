@@ -424,17 +424,23 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
 
 
 @gluon.jit(do_not_specialize=["T"])
-def wgrad_kernel(a_desc, b_desc, as_ptr, bs_ptr, out_ptr, offs_ptr, T, E, N, K,
-                 stride_oe, stride_on, stride_ok, stride_o, trace_ptr, TRACE_TILES, a_ptr, b_ptr, stride_at,
-                 stride_bt, stride_asn, stride_asc, stride_bsk, stride_bsc, ADD_MODE: gl.constexpr,
-                 PTR_TABLE: gl.constexpr,
-                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
+def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD_MODE: gl.constexpr,
+                 PTR_TABLE: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                  EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                  TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
                  TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
                  CHAIN: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g ([Note: fp8 wgrad under the next
-    MMA]); ADD_MODE, ``out_ptr``: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``, ``out`` / ``table``."""
+    MMA]). The runtime arguments come in tuples (``grouped_wgrad_fp8_launch`` builds them): ``groups`` (offs_ptr,
+    stride_o, E, N, K), ``output`` (out_ptr, stride_oe, stride_on, stride_ok: the stacked output or, with
+    PTR_TABLE, a table of per-group bases), ``scales`` (as_ptr, bs_ptr and the blockwise strides stride_asn,
+    stride_asc, stride_bsk, stride_bsc), ``source`` (a_ptr, b_ptr, stride_at, stride_bt: GROUP_DESC's tensors),
+    ``tracing`` (trace_ptr, TRACE_TILES). ADD_MODE: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``."""
+    offs_ptr, stride_o, E, N, K = groups
+    out_ptr, stride_oe, stride_on, stride_ok = output
+    as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc = scales
+    a_ptr, b_ptr, stride_at, stride_bt = source
+    trace_ptr, TRACE_TILES = tracing
     gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
     gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
     gl.static_assert(not (BLOCKWISE and (TOKENS_OUTER or CHAIN)), "blockwise scales are fp8's")

@@ -97,10 +97,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
         raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
                          f"{tuple(trace.shape)}")
     _k.wgrad_kernel[(grid,)](
-        _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), as_, bs,
-        out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0),
-        offs_E if trace is None else trace, 0 if trace is None else trace.shape[1], a_NT, b_KT, 0, 0,
-        *scale_strides, TRACE=trace is not None, ZERO_EDGES=zero_edges,
+        _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), T,
+        (offs_E, offs_E.stride(0), E, N, K), (out if table is None else table, *so), (as_, bs, *scale_strides),
+        (a_NT, b_KT, 0, 0), (offs_E, 0) if trace is None else (trace, trace.shape[1]), TRACE=trace is not None, ZERO_EDGES=zero_edges,
         ADD_MODE=add_mode, PTR_TABLE=table is not None, BLOCKWISE=block != 0, **_epilogue_meta(epilogue_warps, stages))
 
 
@@ -140,9 +139,9 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stage
     block = (_k.BLOCK_K_16, _k.BLOCK)
     try:
         _k.wgrad_kernel[(min(tiles, num_sms),)](
-            _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), ones, ones,
-            out if table is None else table, offs_E, T, E, N, K, so[0], so[1], so[2], offs_E.stride(0), offs_E, 0,
-            dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0), 0, 0, 0, 0, TRACE=False,
+            _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), T, (offs_E, offs_E.stride(0), E, N, K),
+            (out if table is None else table, *so), (ones, ones, 0, 0, 0, 0),
+            (dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0)), (offs_E, 0), TRACE=False,
             ZERO_EDGES=not group_desc, TOKENS_OUTER=True, GROUP_DESC=group_desc, CHAIN=True, ADD_MODE=add_mode,
             PTR_TABLE=table is not None, **_epilogue_meta(epilogue_warps, stages))
     finally:
