@@ -99,8 +99,9 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
     _k.wgrad_kernel[(grid,)](
         _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), T,
         (offs_E, offs_E.stride(0), E, N, K), (out if table is None else table, *so), (as_, bs, *scale_strides),
-        (a_NT, b_KT, 0, 0), (offs_E, 0) if trace is None else (trace, trace.shape[1]), TRACE=trace is not None, ZERO_EDGES=zero_edges,
-        ADD_MODE=add_mode, PTR_TABLE=table is not None, BLOCKWISE=block != 0, **_epilogue_meta(epilogue_warps, stages))
+        (a_NT, b_KT, 0, 0), (offs_E, 0) if trace is None else (trace, trace.shape[1]), TRACE=trace is not None,
+        ZERO_EDGES=zero_edges, ADD_MODE=add_mode, PTR_TABLE=table is not None, BLOCKWISE=block != 0,
+        **_epilogue_meta(epilogue_warps, stages))
 
 
 @functools.cache
