@@ -259,7 +259,9 @@ def test_replaced_main_grad_is_refused_and_nothing_written():
 def test_uncloned_parameter_grads_and_warmup_hooks():
     """``clone_param_grads_on_return=False`` hands autograd the graph's static parameter gradients (autograd
     copies what it keeps as ``.grad`` while the graph holds them): the same values as eager; the warm-up hooks
-    run once each, around all the warm-up iterations."""
+    run once each, around all the warm-up iterations. The loss weights the output by a probe, as ``_step`` does: a
+    plain ``.sum()`` hands eager backward a stride-0 gradient, which ``mm`` copies into another layout than the
+    graph's contiguous static one, so cuBLAS would run another kernel and sum in another order."""
     torch.manual_seed(0)
     eager = nn.Sequential(Linear(K, K, params_dtype=torch.float32, device="cuda"))
     graphed_model = copy.deepcopy(eager)
@@ -271,11 +273,11 @@ def test_uncloned_parameter_grads_and_warmup_hooks():
                                          post_warmup_hook=lambda: calls.append("post"))
     assert calls == ["pre", "post"]
     for step in range(2):
-        xi = torch.randn(T, K, device="cuda")
+        xi, probe = torch.randn(T, K, device="cuda"), torch.randn(T, K, device="cuda")
         for m in (eager, graphed_model):
             m.zero_grad(set_to_none=True)
-        eager(xi.clone().requires_grad_()).sum().backward()
-        g(xi.clone().requires_grad_()).sum().backward()
+        (eager(xi.clone().requires_grad_()) * probe).sum().backward()
+        (g(xi.clone().requires_grad_()) * probe).sum().backward()
         _assert_same(_grads(graphed_model), _grads(eager), f"step {step}")  # the same kernels: bit-exact
     g.reset()
 
