@@ -92,3 +92,25 @@ def test_the_gpu_runner_names_every_step_and_its_scripts_exist():
     bad = subprocess.run(["bash", str(runner)], env={**env, "STEPS": "nope"}, capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert "unknown step nope" in bad.stderr
+
+
+def test_the_gpu_runner_shards_the_gpu_test_files():
+    """``TEST_SHARD=i/n`` splits the files with GPU tests into n disjoint parts that cover them all (a suite
+    longer than one device call runs in several); a shard outside ``0 <= i < n`` exits 2, naming it."""
+    import os
+    import subprocess
+
+    runner = ROOT / "qa" / "L2_gpu" / "run.sh"
+    gpu_files = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text()}
+    env = {**os.environ, "DRY_RUN": "1", "STEPS": "tests", "OUT_DIR": "/nonexistent/out"}
+    parts = []
+    for i in range(3):
+        out = subprocess.run(["bash", str(runner)], env={**env, "TEST_SHARD": f"{i}/3"}, capture_output=True,
+                             text=True, timeout=60, cwd=ROOT).stdout
+        parts.append({w for w in out.split() if w.startswith("tests/")})
+    assert all(parts) and not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2]), parts
+    assert set().union(*parts) == gpu_files
+    for shard in ("3/3", "1/0", "x"):
+        bad = subprocess.run(["bash", str(runner)], env={**env, "TEST_SHARD": shard}, capture_output=True, text=True,
+                             timeout=60, cwd=ROOT)
+        assert bad.returncode == 2 and f"got {shard}" in bad.stderr, (shard, bad.stderr)

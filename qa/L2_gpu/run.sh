@@ -7,7 +7,8 @@
 #   DRY_RUN=1 STEPS=all bash qa/L2_gpu/run.sh      # print each step's commands, run nothing
 #
 # Steps:
-#   tests         the GPU tests with --full (GPU_TESTS: paths, PYTEST_ARGS: e.g. "-k nccl"); cpu_full: the CPU
+#   tests         the GPU tests with --full (GPU_TESTS: paths, PYTEST_ARGS: e.g. "-k nccl"; TEST_SHARD=i/n: every
+#                 n-th file with GPU tests from the i-th, for a suite longer than one call); cpu_full: the CPU
 #                 suite with --full, the GPU hidden
 #   te_swap       TransformerEngine's public test files through the import swap (TE_TESTS: a folder of TE's
 #                 tests/pytorch files, carried with the tree; qa/te_swap/run.sh)
@@ -62,12 +63,25 @@ run() {  # run NAME CMD...: the command's output into run.log, its exit code and
   RESULT[$name]="rc=$? $((SECONDS - t0))s"
   echo "   ${RESULT[$name]}" | tee -a "$LOG"
 }
+if [ -n "${TEST_SHARD:-}" ]; then
+  shard_i=${TEST_SHARD%/*} shard_n=${TEST_SHARD#*/}
+  if ! [[ "$shard_i" =~ ^[0-9]+$ && "$shard_n" =~ ^[0-9]+$ ]] || [ "$shard_n" -eq 0 ] || [ "$shard_i" -ge "$shard_n" ]
+  then
+    echo "TEST_SHARD must be i/n with 0 <= i < n, got ${TEST_SHARD}" >&2
+    exit 2
+  fi
+fi
+gpu_test_files() {  # "tests", or with TEST_SHARD=i/n the files with GPU tests whose (sorted) index is i mod n
+  [ -z "${TEST_SHARD:-}" ] && { echo tests; return; }
+  local i=$shard_i n=$shard_n
+  grep -l "mark\.gpu" tests/test_*.py | sort | awk -v i="$i" -v n="$n" '(NR - 1) % n == i' | tr '\n' ' '
+}
 TRAIN="python3 -m distwgrad.launch.train --no-progress"
 LARGE="$TRAIN --model large --log-every 1"
 STEP="torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --microbatches 1"
 for step in $STEPS; do
   case $step in
-    tests) STEP_TIMEOUT=${STEP_TIMEOUT:-580} run tests python3 -m pytest ${GPU_TESTS:-tests} -m gpu --full -q -p no:cacheprovider -rf --tb=short \
+    tests) STEP_TIMEOUT=${STEP_TIMEOUT:-580} run tests python3 -m pytest ${GPU_TESTS:-$(gpu_test_files)} -m gpu --full -q -p no:cacheprovider -rf --tb=short \
              --timeout 150 --durations 12 ${PYTEST_ARGS:-} ;;
     te_swap)  # the files the TE drop-in is judged by; each case's outcome in the log
       for spec in "tied:test_tied_delayed_wgrad.py" "numerics:test_numerics.py -k delay_wgrad" \
