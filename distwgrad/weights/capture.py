@@ -69,12 +69,10 @@ class CapturedWeights:
         for p in self.weights:
             p.discard_step()
 
-    def release(self, *, failed: bool = False) -> None:
-        """``reset()``, or a failed capture (its step discarded too): drops the buffers baked in."""
+    def release(self) -> None:
+        """``reset()``, or a failed capture (after ``close_capture``): drops the buffers baked in."""
         for p in self.weights:
             p._life.graph_buffer = None
-            if failed:
-                p.discard_step()
         self.weights = []
 
     def ledger(self) -> CaptureLedger:
