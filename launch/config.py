@@ -44,6 +44,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # unsharded and 2-8 sharded; 32 sequences of 2048 tokens a step
     "large": dict(vocab_size=32768, seq_len=2048, d_model=2048, n_layers=8, n_heads=16, n_experts=16, top_k=2,
                   d_ff=2048, global_batch=32, microbatches=2, lr=3e-4, warmup_steps=20),
+    # 4.97 B parameters, FP8-sized GEMMs (d_model 4096, d_ff 8192): fp32 masters + AdamW are 80 GB, so
+    # unsharded it needs one H200 (an H100 holds 80 GB), or 2-8 ranks sharded; 16 sequences of 2048 tokens
+    "xl": dict(vocab_size=32768, seq_len=2048, d_model=4096, n_layers=8, n_heads=32, n_experts=8, top_k=2,
+               d_ff=8192, global_batch=16, microbatches=2, lr=1.5e-4, warmup_steps=20),
 }
 _PRESET_FIELDS = tuple(PRESETS["tiny"])
 

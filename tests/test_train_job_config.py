@@ -122,6 +122,15 @@ def test_presets_fill_what_is_not_given():
     assert 16 * big.num_params() < 40e9
     for ranks in (1, 2, 4, 8):
         large.check_world_size(ranks)
+    # xl: the FP8-sized preset, d_model 4096, d_ff >= 8192, >= 8 layers and experts; its 16 bytes a parameter
+    # leave over 40 GB of one H200's 141 GB for the compute copies and activations
+    xl = config.TrainConfig(model="xl")
+    wide = xl.model_config()
+    assert (wide.d_model, wide.seq_len) == (4096, 2048) and wide.d_ff >= 8192
+    assert wide.n_layers >= 8 and wide.n_experts >= 8
+    assert 16 * wide.num_params() < 100e9
+    for ranks in (1, 2, 4, 8):
+        xl.check_world_size(ranks)
     over = config.parse_args(["--model", "small", "--d-model", "64", "--lr", "0.5"])
     assert (over.d_model, over.n_layers, over.lr, over.vocab_size) == (64, 4, 0.5, 256)
     assert "(default: from --model)" in config.build_parser().format_help()
