@@ -3,12 +3,14 @@
 The bench runs at world 1 (plain ``python``) and world 2 (torchrun, gloo) on the ``tiny`` preset, one
 warm-up step and one round of one step, ``--no-record``. Its ``--json`` output must hold every (impl,
 precision, metric) a CPU run promises (no MFU or peak memory on CPU: the module docstring says why), the
-FP8 peers must be listed as not run with a reason, and the step-1 losses must agree within the bench's
-own ``LOSS_ATOL`` (same weights, same data; the bench exits 1 otherwise).
+FP8 peers must run torchao's FP8 in ``fp8_per_tensor`` where torchao is installed (its experts bf16 on a CPU)
+and be listed as not run with a reason otherwise, and the step-1 losses must agree within the bench's own
+``LOSS_ATOL`` (same weights, same data; the bench exits 1 otherwise).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "qa", "bench", "train_step.py")
 PRECISIONS = ("bf16", "fp8_per_tensor", "fp8_blockwise")
 CPU_METRICS = {"step_ms", "tokens_per_s", "collectives_per_step", "comm_bytes_per_step"}
+PEER_FP8 = ("fp8_per_tensor",) if importlib.util.find_spec("torchao") else ()  # qa/bench/_torchao_fp8.py
 
 
 def _bench(tmp_path, nproc: int | None) -> tuple[dict, str]:
@@ -41,12 +44,14 @@ def _check(report: dict, stdout: str, world: int) -> None:
     for r in report["rows"]:
         assert r["bench"] == "train_step" and r["world"] == world and r["case"] == "tiny b16x64 mb2 eager", r
         got.setdefault((r["impl"], r["precision"]), set()).add(r["metric"])
-    want = {("distwgrad", p) for p in PRECISIONS} | {("fsdp2", "bf16"), ("torch", "bf16")}
+    want = {("distwgrad", p) for p in PRECISIONS} | {(i, p) for i in ("fsdp2", "torch") for p in ("bf16", *PEER_FP8)}
     assert set(got) == want, sorted(got)
     expect = CPU_METRICS | ({"comm_hidden"} if world > 1 else set())  # the hidden fraction needs peers
     assert all(metrics == expect for metrics in got.values()), got
     not_run = {(n["impl"], n["precision"]) for n in report["not_run"]}
-    assert not_run == {(i, p) for i in ("fsdp2", "torch") for p in PRECISIONS[1:]}, report["not_run"]
+    assert not_run == {(i, p) for i in ("fsdp2", "torch") for p in PRECISIONS[1:] if p not in PEER_FP8}, not_run
+    peers = [r for r in report["rows"] if r["impl"] != "distwgrad" and r["precision"] != "bf16"]
+    assert all(r["recipe"] == "torchao" and r["fp8_experts"] is False for r in peers), peers  # CPU: attention only
     assert all(n["why"] for n in report["not_run"])
     checks = {c["build"]: c for c in report["loss_checks"]}
     assert set(checks) == {f"{i}/{p}/eager" for i, p in want}, sorted(checks)
@@ -56,8 +61,8 @@ def _check(report: dict, stdout: str, world: int) -> None:
     tokens = {(r["impl"], r["precision"]): r["value"] for r in report["rows"] if r["metric"] == "tokens_per_s"}
     best = {(b["impl"], b["precision"]): b for b in report["best"]}  # one mode here: eager is each one's best
     assert set(best) == want and all(b["mode"] == "eager" for b in best.values()), best
-    for peer in ("fsdp2", "torch"):
-        assert best[(peer, "bf16")]["vs_distwgrad"] == tokens[("distwgrad", "bf16")] / tokens[(peer, "bf16")]
+    for peer, p in ((i, p) for i in ("fsdp2", "torch") for p in ("bf16", *PEER_FP8)):
+        assert best[(peer, p)]["vs_distwgrad"] == tokens[("distwgrad", p)] / tokens[(peer, p)]
     for p in PRECISIONS[1:]:
         assert best[("distwgrad", p)]["vs_bf16"] == tokens[("distwgrad", p)] / tokens[("distwgrad", "bf16")]
     assert "best configuration" in stdout and f"distwgrad {best[('fsdp2', 'bf16')]['vs_distwgrad']:.3f}x" in stdout

@@ -2,6 +2,9 @@
 
     # CPU, 2 ranks over gloo (eager only: inductor on two cores takes minutes per build)
     torchrun --standalone --nproc-per-node 2 qa/bench/train_step.py --model small --modes eager
+    # one H200: FP8 against torchao's FP8 peers (the plain and FSDP2 builds converted; pip install .[bench])
+    torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --microbatches 1 \
+        --impls distwgrad,torch,fsdp2 --precisions bf16,fp8_per_tensor --modes eager,compiled
     # one H200: every precision, eager and compiled, with a profiler trace per build (and each build's op
     # table, idle device time and kernel time by kind: GEMMs, quantization, optimizer, attention, other)
     torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model large --batch 8 --profile runs/trace
@@ -29,9 +32,12 @@ The builds share the model (``distwgrad.models.MoEGPT``: same config, same initi
 Every build uses AdamW, fused on CUDA (``foreach`` on CPU, or where fused refuses the parameters: the
 rows' ``optimizer`` field says which ran). ``--modes`` compiled adds ``torch.compile`` on each block; a
 build that fails to compile is reported and left out. FP8 (``fp8_per_tensor``, ``fp8_blockwise``) runs
-distwgrad under ``distwgrad.fp8.fp8_autocast``; the peers would need torchao's float8 training, which
-converts ``nn.Linear`` modules only (the plain model uses ``F.linear`` and grouped_mm experts), so they
-are printed and recorded as not run.
+distwgrad under ``distwgrad.fp8.fp8_autocast``. The peers' FP8 is torchao's, as torchtitan converts a model
+(``_torchao_fp8.py``: tensorwise ``Float8Linear`` attention projections, FP8 rowwise grouped experts, the tied
+embedding and the routers bf16), in ``fp8_per_tensor`` where torchao imports (the optional extra ``bench``);
+their rows carry ``recipe`` "torchao" and say what was converted. On a CPU (a smoke run) the experts stay bf16
+(``fp8_experts`` false: ``torch._scaled_grouped_mm`` is CUDA only); on a GPU the peer runs the whole recipe
+or is listed as not run with the reason, as it is without torchao and in ``fp8_blockwise``.
 
 ``--cuda-graph`` (mode ``cuda_graph``, CUDA only) replays each block's forward, backward and deferred wgrads
 from CUDA graphs, the embedding and loss head eager: distwgrad's blocks through the job's own ``--cuda-graph``
@@ -108,6 +114,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torchao_fp8  # noqa: E402
 import _trace  # noqa: E402
 import results  # noqa: E402
 
@@ -154,10 +161,11 @@ def model_config(args) -> tuple[str, MoEGPTConfig, int, int]:
 
 
 def build_model(impl: str, cfg: MoEGPTConfig, param_dtype: torch.dtype, device: torch.device,
-                group: Any) -> tuple[nn.Module, dict[str, Any]]:
+                group: Any, *, precision: str = "bf16", tokens: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """The one place models are built: (model, facts recorded with its rows). Masters are fp32 everywhere:
     distwgrad's shards gather in ``param_dtype``, the plain build casts at each use, FSDP2 casts with its
-    ``MixedPrecisionPolicy`` (so its model is built without ``param_dtype``)."""
+    ``MixedPrecisionPolicy`` (so its model is built without ``param_dtype``). A peer in an FP8 precision is
+    converted to torchao's FP8 (``_torchao_fp8.convert``; ``tokens``: rows of a microbatch on a rank)."""
     facts: dict[str, Any] = {"param_dtype": str(param_dtype).removeprefix("torch."), "master_dtype": "float32"}
     mixed = None if param_dtype == torch.float32 else param_dtype
     if impl == "distwgrad":
@@ -166,8 +174,11 @@ def build_model(impl: str, cfg: MoEGPTConfig, param_dtype: torch.dtype, device: 
             facts["units"] = len(distwgrad.coalesce(model))
         return model, facts
     facts["experts"] = "torch._grouped_mm"
-    return MoEGPT(cfg, device=device, sharded=False, experts="grouped_mm",
-                  param_dtype=mixed if impl == "torch" else None), facts
+    model = MoEGPT(cfg, device=device, sharded=False, experts="grouped_mm",
+                   param_dtype=mixed if impl == "torch" else None)
+    if precision.startswith("fp8"):
+        facts.update(_torchao_fp8.convert(model, tokens=tokens, experts=_torchao_fp8.experts_why(device) is None))
+    return model, facts
 
 
 def _loss(model: Callable, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -259,7 +270,8 @@ def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype
 
 def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict, args) -> Build:
     dtype = _DTYPES["fp32" if precision == "fp32" else args.param_dtype]
-    model, facts = build_model(impl, cfg, dtype, rt["device"], rt["group"])
+    tokens = args.batch // (rt["world"] * args.microbatches) * (cfg.seq_len - 1)
+    model, facts = build_model(impl, cfg, dtype, rt["device"], rt["group"], precision=precision, tokens=tokens)
     if mode == "compiled":
         for block in model.blocks:
             block.compile()
@@ -321,8 +333,10 @@ def _resident_bytes(b: Build) -> int:
     seen: dict[int, int] = {}
 
     def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__"):  # DTensor, torchao's wrappers
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        elif isinstance(t, torch.Tensor):
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     for p in b.model.parameters():
@@ -552,9 +566,9 @@ def _check_losses(builds: list[Seen], rt: dict) -> list[dict]:
     checks = []
     for precision in dict.fromkeys(b.precision for b in builds):
         group = [b for b in builds if b.precision == precision]
-        # the plain eager build of this precision; FP8 runs distwgrad only, so against plain bf16
+        # the plain eager build of this precision; every FP8 build (distwgrad's, torchao's) against plain bf16
         plain = {b.precision: b for b in builds if b.impl == "torch" and b.mode == "eager"}
-        ref = plain.get(precision) or plain.get("bf16") or group[0]
+        ref = (None if precision.startswith("fp8") else plain.get(precision)) or plain.get("bf16") or group[0]
         for b in group:
             diff = abs(b.loss1 - ref.loss1)
             checks.append({"build": b.name, "loss_step1": b.loss1, "reference": ref.name, "abs_diff": diff,
@@ -723,8 +737,9 @@ def _main(args, rt: dict) -> int:
     not_run: list[dict] = []
     for precision in args.precisions:
         for impl in args.impls:
-            if precision.startswith("fp8") and impl != "distwgrad":
-                not_run.append({"impl": impl, "precision": precision, "mode": "*", "why": _peer_fp8_why()})
+            if _peer_fp8_why(impl, precision, rt):
+                not_run.append({"impl": impl, "precision": precision, "mode": "*",
+                                "why": _peer_fp8_why(impl, precision, rt)})
             else:
                 not_run += [{"impl": impl, "precision": precision, "mode": mode, "why": _graph_why(impl, precision, rt)}
                             for mode in args.modes if mode in GRAPHED and _graph_why(impl, precision, rt)]
@@ -736,7 +751,7 @@ def _main(args, rt: dict) -> int:
     for precision in args.precisions:
         for modes in [args.modes] if args.together else [(m,) for m in args.modes]:
             specs = [(i, precision, mode) for mode in modes for i in args.impls
-                     if not (precision.startswith("fp8") and i != "distwgrad")
+                     if not _peer_fp8_why(i, precision, rt)
                      and not (mode in GRAPHED and _graph_why(i, precision, rt))]
             _measure_group(specs, f"{precision}/{'+'.join(modes)}", case, cfg, corpus, rt, args, not_run, peak_tflops,
                            rows, seen)
@@ -775,12 +790,11 @@ def _allocator_extras(b: Build) -> dict[str, Any]:
     return {"allocator_per_step": {k: round(n / b.timed_steps, 2) for k, n in b.allocator.items()}}
 
 
-def _peer_fp8_why() -> str:
-    import importlib.util
-
-    have = importlib.util.find_spec("torchao") is not None
-    return ("torchao is importable, but its float8 training converts nn.Linear modules only; the plain model "
-            "uses F.linear and grouped_mm experts" if have else "torchao is not importable")
+def _peer_fp8_why(impl: str, precision: str, rt: dict) -> str | None:
+    """Why a peer's FP8 build is not run (None: it runs, or it is no peer's FP8 build)."""
+    if impl == "distwgrad" or not precision.startswith("fp8"):
+        return None
+    return _torchao_fp8.peer_why(precision, rt["device"])
 
 
 if __name__ == "__main__":
