@@ -559,7 +559,7 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe, hooks)
     except BaseException:
         captured.close_capture()
-        captured.release()
+        captured.release(failed=True)
         raise
     finally:
         captured.close_capture()

@@ -71,7 +71,7 @@ def _data_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-def _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype=None) -> None:
+def _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype=None, first=None) -> None:
     op = "grouped_wgrad"
     _check_tensor(op, "dy_TN", dy_TN, 2)
     _check_tensor(op, "x_TK", x_TK, 2)
@@ -88,8 +88,25 @@ def _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype=None) -> None:
             raise ValueError(f"{op}: out_dtype must be dy's dtype ({dy_TN.dtype}) or torch.float32, got "
                              f"{out_dtype!r}")
     if out is None:
+        if first is not None:
+            raise ValueError(f"{op}: first= flags an output to write or add into; a fresh output (out=None) "
+                             f"takes none")
         return
     _check_wgrad_out(op, out, E, N, K, dy_TN.device, "dy_TN")
+    _check_first(op, first, dy_TN.device)
+
+
+def _check_first(op: str, first, device: torch.device) -> None:
+    """``first`` of an accumulating wgrad: None, or one int32 on the output's device ([Note: an unwritten
+    accumulator] in ``distwgrad/weights/first_write.py``)."""
+    if first is None:
+        return
+    if not isinstance(first, torch.Tensor) or first.dtype != torch.int32 or first.numel() != 1:
+        got = (f"{first.dtype} of shape {tuple(first.shape)}" if isinstance(first, torch.Tensor)
+               else type(first).__name__)
+        raise TypeError(f"{op}: first must be an int32 tensor of one element (the flag), got {got}")
+    if first.device != device:
+        raise ValueError(f"{op}: first is on {first.device} but the output is on {device}")
 
 
 def _check_wgrad_out(op: str, out, E: int, N: int, K: int, device: torch.device, ref_name: str) -> None:

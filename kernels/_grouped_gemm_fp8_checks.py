@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ._grouped_gemm_checks import _check_tensor, _check_wgrad_out
+from ._grouped_gemm_checks import _check_first, _check_tensor, _check_wgrad_out
 from .grouped_gemm import _interpreting
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -68,8 +68,10 @@ def _check_ragged(op, a, a_s, w, w_s, offs_E, block, out_dtype, bias_EN=None) ->
             raise ValueError(f"{op}: bias_EN is on {bias_EN.device} but {a_name} is on {a.device}")
 
 
-def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype: torch.dtype = torch.float32) -> None:
-    """``out_dtype``: a fresh output's dtype (an ``out`` to add into is fp32, checked with it)."""
+def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype: torch.dtype = torch.float32,
+                 first=None) -> None:
+    """``out_dtype``: a fresh output's dtype (an ``out`` to add into is fp32, checked with it); ``first``: the
+    flag of an output to add into ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
     op = "grouped_wgrad_fp8"
     _check_tensor(op, "dy_t", dy_t, 2)
     _check_tensor(op, "x_t", x_t, 2)
@@ -83,8 +85,12 @@ def _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype: torch.dtyp
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"{op}: out_dtype must be one of {list(_OUT_DTYPES)}, got {out_dtype!r}")
     if out is None:
+        if first is not None:
+            raise ValueError(f"{op}: first= flags an output to write or add into; a fresh output (out=None) "
+                             f"takes none")
         return
     _check_wgrad_out(op, out, E, N, K, dy_t.device, "dy_t")
+    _check_first(op, first, dy_t.device)
 
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ._grouped_ragged import _find_group
-from ._grouped_wgrad import _prefetch_out_tile, _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
+from ._grouped_wgrad import _prefetch_out_tile, _reads_out, _skips, _swizzle, _wgrad_out_base, _wgrad_tile, _wgrad_write
 
 
 @triton.jit
@@ -131,7 +131,7 @@ def _wgrad_fp8_scaled(a, b, acc, as_ptrs, bs_ptrs, c, rows_m, cols_n, N, K, stri
 
 
 @triton.jit(do_not_specialize=["T"])
-def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, offs_ptr,
+def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, offs_ptr, first_ptr,
                       T, N, K,
                       stride_an, stride_at, stride_bk, stride_bt,
                       stride_asn, stride_asc, stride_bsk, stride_bsc,
@@ -139,17 +139,20 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                       BLOCKWISE: tl.constexpr, ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr,
                       USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      SPLIT_ACC: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
+                      SPLIT_ACC: tl.constexpr, L2_PREFETCH: tl.constexpr = False, FIRST: tl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g; a = dy^T [N, T], b = x^T [K, T].
     ADD_MODE 0 fresh, 1 load-add-store, 3 fp32 atomics (one addend per element: deterministic). PTR_TABLE:
-    ``out_ptr`` is a table of per-group bases. L2_PREFETCH: [Note: L2 prefetch of the accumulated tile]."""
+    ``out_ptr`` is a table of per-group bases. L2_PREFETCH: [Note: L2 prefetch of the accumulated tile]. FIRST:
+    a nonzero int32 at ``first_ptr`` means ``out`` holds nothing yet ([Note: an unwritten accumulator])."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
-        if end == start:
+        if _skips(end, start, first_ptr, FIRST):
             return
     base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
     if L2_PREFETCH and ADD_MODE != 0:
-        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
+        if _reads_out(first_ptr, FIRST):
+            _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M,
+                               BLOCK_N)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     as_ptrs = as_ptr + rows_m.to(tl.int64) * stride_asn      # blockwise only
@@ -182,5 +185,5 @@ def _wgrad_fp8_kernel(a_desc, b_desc, a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, off
                                    BLOCKWISE, BLOCK_K, UPCAST, SPLIT_ACC)
     if not BLOCKWISE:  # an empty group keeps its zeros even under a NaN per-tensor scale
         acc = acc * tl.where(end > start, tl.load(as_ptr), 1.0) * tl.where(end > start, tl.load(bs_ptr), 1.0)
-    _wgrad_write(acc, None, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok,
-                 ADD_MODE, BLOCK_M, BLOCK_N)
+    _wgrad_write(acc, None, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, first_ptr,
+                 ADD_MODE, BLOCK_M, BLOCK_N, FIRST)

@@ -152,7 +152,8 @@ def _handoff_16(out, accumulate: bool, table) -> bool:
     return not accumulate and table is None and out.dtype != torch.float32
 
 
-def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, block: int = 0) -> bool:
+def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, table, first=None,
+                        block: int = 0) -> bool:
     """Launches the Gluon wgrad; False (warned once) if this Triton cannot build it: run the Triton one."""
     from .gluon import grouped_wgrad_fp8_launch as kl
     if "wgrad" in _GLUON_FAILED:
@@ -162,7 +163,8 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
         stages = t.wgrad_gluon_stages_blockwise if block else t.wgrad_stages(_handoff_16(out, accumulate, table))
         kl.launch(a_NT, as_, b_KT, bs, offs_E, out, table, add_mode=_ADD_MODES[t.wgrad_gluon_add_mode] if accumulate
                   else 0, stages=stages,
-                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device), block=block)
+                  epilogue_warps=t.wgrad_gluon_epilogue_warps, num_sms=_num_sms(a_NT.device), first=first,
+                  block=block)
     except CompilationError as exc:
         return _gluon_failed(_GLUON_FAILED, "wgrad", "FP8 wgrad kernel", "the Triton kernel (same products, slower)",
                              exc)
@@ -170,8 +172,9 @@ def _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate: bool, tabl
 
 
 def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: bool, table, config, use_tma,
-                  split_acc: bool = True, gluon: bool | None = None):
-    """dW_e per group into ``out`` [E, N, K] or ``table``'s buffers. ``gluon``: None picks, True/False force one."""
+                  split_acc: bool = True, gluon: bool | None = None, first=None):
+    """dW_e per group into ``out`` [E, N, K] or ``table``'s buffers; a set int32 ``first`` makes an accumulating
+    launch write, not add ([Note: an unwritten accumulator]). ``gluon``: None picks, True/False force one."""
     ensure_context(a_NT.device)  # [Note: a current context on any thread]
     N, T = a_NT.shape
     K = b_KT.shape[0]
@@ -189,7 +192,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
                              f"outer strides, T % 16 == 0); got block={block}, split_accumulator={split_acc}, "
                              f"aligned={eligible}, device={a_NT.device}")
         if can:
-            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table, block):
+            if _launch_gluon_wgrad(a_NT, as_, b_KT, bs, offs_E, out, accumulate, table, first, block):
                 return
             if gluon:
                 raise RuntimeError(f"grouped_wgrad_fp8: gluon=True, but the Gluon kernel does not build here: "
@@ -209,7 +212,8 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
     sbs = bs.stride() if block else (0, 0)
     grid = (E * cdiv(N, bm) * cdiv(K, bn),)
     _wgrad_fp8_kernel[grid](
-        a_desc, b_desc, a_NT, b_KT, as_, bs, out if table is None else table, offs_E, T, N, K,
+        a_desc, b_desc, a_NT, b_KT, as_, bs, out if table is None else table, offs_E,
+        offs_E if first is None else first, T, N, K,
         a_NT.stride(0), a_NT.stride(1), b_KT.stride(0), b_KT.stride(1),
         sas[0], sas[1], sbs[0], sbs[1],
         so[0], so[1], so[2], offs_E.stride(0),
@@ -217,7 +221,7 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
         PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, L2_PREFETCH=cfg.l2_prefetch and accumulate and not _interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FIRST=first is not None and accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---- the three products on raw tensors (config and use_tma are for tests and benchmarks) -----------
@@ -248,9 +252,10 @@ def _dgrad(dy, dy_s, w, w_s, offs_E, block, out_dtype, *, config=None, use_tma=N
 
 
 def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, out_dtype: torch.dtype = torch.float32, config=None,
-           use_tma=None, split_accumulator: bool = True, gluon: bool | None = None, checked: bool = False):
+           use_tma=None, split_accumulator: bool = True, gluon: bool | None = None, checked: bool = False,
+           first=None):
     if not checked:
-        _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype)
+        _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype, first)
         _check_split("grouped_wgrad_fp8", block, split_accumulator)
     _check_runnable("grouped_wgrad_fp8", dy_t)
     kw = dict(block=block, config=config, use_tma=use_tma, split_acc=split_accumulator, gluon=gluon)
@@ -259,6 +264,7 @@ def _wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out=None, *, out_dtype: torch.dt
         dW = torch.empty(offs_E.shape[0], dy_t.shape[0], x_t.shape[0], dtype=out_dtype, device=dy_t.device)
         _launch_wgrad(*args, dW, accumulate=False, table=None, **kw)
         return dW
+    kw["first"] = first
     if isinstance(out, torch.Tensor):
         _launch_wgrad(*args, out, accumulate=True, table=None, **kw)
     elif len(out) > 0:

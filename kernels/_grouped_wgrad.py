@@ -116,10 +116,9 @@ def _prefetch_out_tile(base, row0, col0, N, K, stride_on, stride_ok, BLOCK_M: tl
 
 
 @triton.jit
-def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
-                 ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
-    """Both Triton wgrads' epilogue: writes (0), load-adds (1), atomically adds (3) or TMA-reduces (4) a part of
-    group e's output tile."""
+def _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok,
+               ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """Writes (0), load-adds (1), atomically adds (3) or TMA-reduces (4) a part of group e's output tile."""
     if ADD_MODE == 4:  # rows and columns past N, K are dropped by the descriptor
         out_desc.atomic_add([e, row0, col0], tl.reshape(part, (1, BLOCK_M, WIDTH)))
     else:
@@ -135,33 +134,67 @@ def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok
             tl.store(ptrs, part.to(base.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _wgrad_write(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, first_ptr,
+                 ADD_MODE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr):
+    """Both Triton wgrads' epilogue: ``_wgrad_put`` in ADD_MODE, or a plain write while FIRST's flag is set."""
+    if FIRST:
+        if tl.load(first_ptr) != 0:
+            _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, 0, BLOCK_M, WIDTH)
+        else:
+            _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, ADD_MODE, BLOCK_M, WIDTH)
+    else:
+        _wgrad_put(part, out_desc, base, e, row0, col0, N, K, stride_on, stride_ok, ADD_MODE, BLOCK_M, WIDTH)
+
+
+@triton.jit
+def _skips(end, start, first_ptr, FIRST: tl.constexpr):
+    """Whether an accumulating tile writes nothing: an empty group, unless FIRST's flag says ``out`` is unwritten."""
+    skips = end == start
+    if FIRST:
+        skips = skips & (tl.load(first_ptr) == 0)
+    return skips
+
+
+@triton.jit
+def _reads_out(first_ptr, FIRST: tl.constexpr):
+    """Whether the old tile will be read (for the L2 prefetch): not when the flag says it holds nothing."""
+    reads = True
+    if FIRST:
+        reads = tl.load(first_ptr) == 0
+    return reads
+
+
 # ---------------------------------------------------------------------------------------------------
 # The wgrad kernel: one program per tile
 # ---------------------------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=["T"])
-def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr,
+def _wgrad_kernel(dy_desc, x_desc, out_desc, dy_ptr, x_ptr, out_ptr, offs_ptr, first_ptr,
                   T, N, K,
                   stride_dt, stride_dn, stride_xt, stride_xk,
                   stride_oe, stride_on, stride_ok, stride_o,
                   ADD_MODE: tl.constexpr, PTR_TABLE: tl.constexpr, USE_TMA: tl.constexpr,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False):
+                  GROUP_M: tl.constexpr, L2_PREFETCH: tl.constexpr = False, FIRST: tl.constexpr = False):
     """dW_e[:N, :K] (+)= dy[g, :N]^T @ x[g, :K]; ``out_ptr`` is the stacked output or, with PTR_TABLE, an int64
     table of per-group fp32 bases. ADD_MODE: 0 writes fresh; 1 load-adds after the main loop, 3 sends fp32
     reductions to L2 (deterministic: one addend per element), 4 one TMA bulk reduction per tile (GPU only).
-    L2_PREFETCH: [Note: L2 prefetch of the accumulated tile]."""
+    L2_PREFETCH: [Note: L2 prefetch of the accumulated tile]. FIRST: while the int32 at ``first_ptr`` is not 0,
+    ``out`` holds nothing and is written ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``)."""
     e, pid_m, pid_n, start, end = _wgrad_tile(offs_ptr, stride_o, N, K, T, BLOCK_M, BLOCK_N, GROUP_M)
     if ADD_MODE != 0:
-        if end == start:
+        if _skips(end, start, first_ptr, FIRST):
             return
     base = _wgrad_out_base(out_ptr, e, stride_oe, PTR_TABLE)
     if L2_PREFETCH and ADD_MODE != 0:
-        _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M, BLOCK_N)
+        if _reads_out(first_ptr, FIRST):
+            _prefetch_out_tile(base, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, BLOCK_M,
+                               BLOCK_N)
     acc = _wgrad_mainloop(dy_desc, x_desc, dy_ptr, x_ptr, start, end, pid_m, pid_n, N, K, stride_dt,
                           stride_dn, stride_xt, stride_xk, USE_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
                           BLOCK_K)
-    _wgrad_write(acc, out_desc, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok,
-                 ADD_MODE, BLOCK_M, BLOCK_N)
+    _wgrad_write(acc, out_desc, base, e, pid_m * BLOCK_M, pid_n * BLOCK_N, N, K, stride_on, stride_ok, first_ptr,
+                 ADD_MODE, BLOCK_M, BLOCK_N, FIRST)

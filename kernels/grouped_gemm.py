@@ -170,7 +170,7 @@ def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -
     return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, accumulate)
 
 
-def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool) -> bool:
+def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool, first=None) -> bool:
     """Launches the Gluon wgrad; False (and one warning) where this Triton cannot build it (then Triton runs)."""
     from .gluon import grouped_wgrad_fp8_launch as kl
     if "wgrad16" in _GLUON_FAILED:
@@ -180,17 +180,17 @@ def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool) -> bo
     try:
         kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, add_mode=add_mode,
                                stages=t.wgrad_gluon_stages, epilogue_warps=t.wgrad_gluon_epilogue_warps,
-                               num_sms=_num_sms(dy_TN.device), tail=t.wgrad_gluon_tail)
+                               num_sms=_num_sms(dy_TN.device), tail=t.wgrad_gluon_tail, first=first)
     except CompilationError as exc:
         return _gluon_failed(_GLUON_FAILED, "wgrad16", "wgrad kernel", "the Triton kernel", exc)
     return True
 
 
 def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma,
-                  gluon: bool | None = None):
+                  gluon: bool | None = None, first=None):
     """dW_e into ``out`` ([E, N, K]) or, with ``table``, the buffers it points to (``out`` is then entry 0, for
-    its strides); adds iff ``accumulate``. ``gluon``: None picks, True requires the Gluon kernel, False runs a
-    Triton one."""
+    its strides); adds iff ``accumulate`` (``first``: [Note: an unwritten accumulator]). ``gluon``: None picks,
+    True requires the Gluon kernel, False runs a Triton one."""
     ensure_context(dy_TN.device)  # [Note: a current context on any thread]
     T, N = dy_TN.shape
     K = x_TK.shape[1]
@@ -203,7 +203,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                          f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}, "
                          f"accumulate={accumulate}")
         if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out, accumulate), needs,
-                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate)):
+                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate, first)):
             return
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
@@ -230,13 +230,14 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
         else:
             add_mode = 3
     upcast, precision = _dot_flags(dy_TN.dtype, dy_TN.device)
-    args = (dy_desc, x_desc, out_desc, dy_TN, x_TK, out if table is None else table, offs_E, T, N, K)
+    args = (dy_desc, x_desc, out_desc, dy_TN, x_TK, out if table is None else table, offs_E,
+            offs_E if first is None else first, T, N, K)
     strides = (dy_TN.stride(0), dy_TN.stride(1), x_TK.stride(0), x_TK.stride(1),
                so[0], so[1], so[2], offs_E.stride(0))
     meta = dict(ADD_MODE=add_mode, PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=upcast,
                 PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
                 L2_PREFETCH=config.l2_prefetch and add_mode != 0 and not _interpreting(),
-                num_warps=config.num_warps, num_stages=config.num_stages)
+                FIRST=first is not None and add_mode != 0, num_warps=config.num_warps, num_stages=config.num_stages)
     num_tiles = E * cdiv(N, bm) * cdiv(K, bn)
     _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
 
@@ -269,10 +270,10 @@ def _dgrad(dy_TN, w_ENK, offs_E, *, config=None, use_tma=None) -> torch.Tensor:
     return _launch_ragged(dy_TN, w_ENK, offs_E, None, dx_TK, w_trans=False, config=config, use_tma=use_tma)
 
 
-def _wgrad(dy_TN, x_TK, offs_E, out=None, *, out_dtype=None, config=None, use_tma=None):
-    _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype)
+def _wgrad(dy_TN, x_TK, offs_E, out=None, *, out_dtype=None, config=None, use_tma=None, first=None):
+    _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype, first)
     _check_runnable("grouped_wgrad", dy_TN)
-    kw = dict(config=config, use_tma=use_tma)
+    kw = dict(config=config, use_tma=use_tma, first=first)
     if out is None:  # every tile is written, an empty group's as zeros
         dW_ENK = dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1], dtype=out_dtype or dy_TN.dtype)
         _launch_wgrad(dy_TN, x_TK, offs_E, dW_ENK, accumulate=False, table=None, config=config, use_tma=use_tma)
@@ -331,21 +332,22 @@ def _(dy_TN, x_TK, offs_E, out_dtype=None):
     return dy_TN.new_empty(offs_E.shape[0], dy_TN.shape[1], x_TK.shape[1], dtype=out_dtype or dy_TN.dtype)
 
 
-def _wgrad_acc_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, out: torch.Tensor) -> None:
-    _wgrad(dy_TN, x_TK, offs_E, out)
+def _wgrad_acc_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, out: torch.Tensor,
+                    first: torch.Tensor | None = None) -> None:
+    _wgrad(dy_TN, x_TK, offs_E, out, first=first)
 
 
 _wgrad_acc_op = torch.library.custom_op("distwgrad::grouped_wgrad_accumulate", _wgrad_acc_impl, mutates_args=("out",))
 
 
 @_wgrad_acc_op.register_fake
-def _(dy_TN, x_TK, offs_E, out):
-    _check_wgrad(dy_TN, x_TK, offs_E, out, None)
+def _(dy_TN, x_TK, offs_E, out, first=None):
+    _check_wgrad(dy_TN, x_TK, offs_E, out, None, first)
 
 
 def _wgrad_acc_list_impl(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
-                         out: list[torch.Tensor]) -> None:
-    _wgrad(dy_TN, x_TK, offs_E, out)
+                         out: list[torch.Tensor], first: torch.Tensor | None = None) -> None:
+    _wgrad(dy_TN, x_TK, offs_E, out, first=first)
 
 
 _wgrad_acc_list_op = torch.library.custom_op(
@@ -353,8 +355,8 @@ _wgrad_acc_list_op = torch.library.custom_op(
 
 
 @_wgrad_acc_list_op.register_fake
-def _(dy_TN, x_TK, offs_E, out):
-    _check_wgrad(dy_TN, x_TK, offs_E, out, None)
+def _(dy_TN, x_TK, offs_E, out, first=None):
+    _check_wgrad(dy_TN, x_TK, offs_E, out, None, first)
 
 
 def grouped_fprop(x_TK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
@@ -377,7 +379,8 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 
 
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
-                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, out_dtype: torch.dtype | None = None):
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, out_dtype: torch.dtype | None = None,
+                  first: torch.Tensor | None = None):
     """``dW_e = dy_TN[g]^T @ x_TK[g]`` summed over the tokens g of each group e: a fresh tensor, or ``out``.
 
     Args:
@@ -386,13 +389,16 @@ def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor,
         out: None for a fresh ``[E, N, K]`` (zeros for an empty group); or fp32 buffers to ADD into in the same
             pass: a stacked ``[E, N, K]`` or a list of E ``[N, K]`` sharing shape and strides.
         out_dtype: a fresh tensor's dtype: dy's (default) or float32 (the accumulator unrounded); not with ``out``.
+        first: only with ``out``: an int32 ``[1]`` device flag; while not 0, ``out`` is written instead of added
+            into ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``).
     """
-    _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype)
+    _check_wgrad(dy_TN, x_TK, offs_E, out, out_dtype, first)
     if out is None:
         return call(torch.ops.distwgrad.grouped_wgrad, _wgrad_impl, dy_TN, x_TK, offs_E, out_dtype)
     if isinstance(out, torch.Tensor):
-        call(torch.ops.distwgrad.grouped_wgrad_accumulate, _wgrad_acc_impl, dy_TN, x_TK, offs_E, out, mutated=(3,))
+        call(torch.ops.distwgrad.grouped_wgrad_accumulate, _wgrad_acc_impl, dy_TN, x_TK, offs_E, out, first,
+             mutated=(3,))
     else:
         call(torch.ops.distwgrad.grouped_wgrad_accumulate_list, _wgrad_acc_list_impl, dy_TN, x_TK, offs_E, list(out),
-             mutated=(3,))
+             first, mutated=(3,))
     return out

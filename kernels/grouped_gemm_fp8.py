@@ -109,8 +109,9 @@ def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out_dtype, split_
 
 def _wgrad_acc_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
                     x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int, out: torch.Tensor,
-                    split_accumulator: bool = True) -> None:
-    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator)
+                    split_accumulator: bool = True, first: torch.Tensor | None = None) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator,
+           first=first)
 
 
 _wgrad_acc_op = torch.library.custom_op(
@@ -118,15 +119,17 @@ _wgrad_acc_op = torch.library.custom_op(
 
 
 @_wgrad_acc_op.register_fake
-def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=True):
-    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=True, first=None):
+    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, first=first)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
 
 
 def _wgrad_acc_list_impl(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
                          x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor, block: int,
-                         out: list[torch.Tensor], split_accumulator: bool = True) -> None:
-    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator)
+                         out: list[torch.Tensor], split_accumulator: bool = True,
+                         first: torch.Tensor | None = None) -> None:
+    _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator,
+           first=first)
 
 
 _wgrad_acc_list_op = torch.library.custom_op(
@@ -134,8 +137,8 @@ _wgrad_acc_list_op = torch.library.custom_op(
 
 
 @_wgrad_acc_list_op.register_fake
-def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=True):
-    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out)
+def _(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=True, first=None):
+    _check_wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, first=first)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
 
 
@@ -158,9 +161,10 @@ def _wgrad_checked(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out_
                   split_accumulator=split_accumulator, checked=True)
 
 
-def _wgrad_acc_checked(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator) -> None:
+def _wgrad_acc_checked(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator,
+                       first=None) -> None:
     _wgrad(dy_t, dy_t_scale_inv, x_t, x_t_scale_inv, offs_E, block, out, split_accumulator=split_accumulator,
-           checked=True)
+           checked=True, first=first)
 
 
 def grouped_fprop_fp8(x: torch.Tensor, x_scale_inv: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
@@ -197,7 +201,8 @@ def grouped_dgrad_fp8(dy: torch.Tensor, dy_scale_inv: torch.Tensor, w: torch.Ten
 def grouped_wgrad_fp8(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: torch.Tensor,
                       x_t_scale_inv: torch.Tensor, offs_E: torch.Tensor,
                       out: torch.Tensor | Sequence[torch.Tensor] | None = None, *, block: int,
-                      split_accumulator: bool = True, out_dtype: torch.dtype | None = None):
+                      split_accumulator: bool = True, out_dtype: torch.dtype | None = None,
+                      first: torch.Tensor | None = None):
     """``dW_e = deq(dy)[g]^T @ deq(x)[g]`` summed over the tokens g of each group e: a fresh tensor, or ``out``.
 
     Args:
@@ -207,21 +212,23 @@ def grouped_wgrad_fp8(dy_t: torch.Tensor, dy_t_scale_inv: torch.Tensor, x_t: tor
             ``[E, N, K]`` or a list of E ``[N, K]`` sharing shape and strides.
         offs_E, block, split_accumulator: as in :func:`grouped_fprop_fp8`.
         out_dtype: a fresh output's dtype: fp32 (None), bf16 or fp16; ValueError with ``out``.
+        first: only with ``out``: an int32 ``[1]`` device flag; while not 0, ``out`` is written instead of
+            added into ([Note: an unwritten accumulator] in ``distwgrad/weights/first_write.py``).
     """
     if out is not None and out_dtype not in (None, torch.float32):
         raise ValueError(f"grouped_wgrad_fp8: out_dtype={out_dtype} is a fresh output's dtype; an out to add "
                          f"into is fp32 (pass one or the other)")
     out_dtype = torch.float32 if out_dtype is None else out_dtype
     dy_s, x_s = dy_t_scale_inv, x_t_scale_inv
-    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype)
+    _check_wgrad(dy_t, dy_s, x_t, x_s, offs_E, block, out, out_dtype, first)
     _check_split("grouped_wgrad_fp8", block, split_accumulator)
     ops, split = torch.ops.distwgrad, split_accumulator
     if out is None:
         return call(ops.grouped_wgrad_fp8, _wgrad_checked, dy_t, dy_s, x_t, x_s, offs_E, block, out_dtype, split)
     if isinstance(out, torch.Tensor):
         call(ops.grouped_wgrad_fp8_accumulate, _wgrad_acc_checked, dy_t, dy_s, x_t, x_s, offs_E, block, out, split,
-             mutated=(6,))
+             first, mutated=(6,))
     else:
         call(ops.grouped_wgrad_fp8_accumulate_list, _wgrad_acc_checked, dy_t, dy_s, x_t, x_s, offs_E, block,
-             list(out), split, mutated=(6,))
+             list(out), split, first, mutated=(6,))
     return out

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as cfg
-from distwgrad.kernels import cast_transpose, token_layout, weights_fp8
+from distwgrad.kernels import cast_transpose, flagged_zero, token_layout, weights_fp8
 from distwgrad.kernels import grouped_gemm as kg
+from distwgrad.kernels import grouped_gemm_fp8 as k8
 from distwgrad.kernels import quantize as kq
 
 F8 = torch.float8_e4m3fn
@@ -18,6 +19,16 @@ F8 = torch.float8_e4m3fn
 
 def _offs() -> torch.Tensor:
     return torch.tensor([4], dtype=torch.int32)
+
+
+def _flag(device: str = "cpu") -> torch.Tensor:
+    return torch.ones(1, dtype=torch.int32, device=device)
+
+
+def _fp8_wgrad(**kw):
+    one = torch.ones((), dtype=torch.float32)
+    return k8.grouped_wgrad_fp8(torch.zeros(3, 16, dtype=torch.float8_e5m2), one,
+                                torch.zeros(2, 16, dtype=F8), one, torch.tensor([16], dtype=torch.int32), block=0, **kw)
 
 
 def _interpreting(monkeypatch):
@@ -57,6 +68,17 @@ CASES = [
      r"a packed \[E, N, K\] weight, got shape \(4, 4\)"),
     ("KRN-105", lambda: weights_fp8.quantize_packed_per_tensor(torch.ones(2, 4, 4), F8, torch.ones(2)), ValueError,
      r"amax must be one fp32 value on cpu, got torch.float32 \(2,\) on cpu"),
+    ("KRN-106", lambda: kg.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs(), first=_flag()), ValueError,
+     r"a fresh output \(out=None\) takes none"),
+    ("KRN-107", lambda: kg.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs(), out=torch.zeros(1, 3, 2),
+                                         first=torch.ones(1)), TypeError, r"got torch.float32 of shape \(1,\)"),
+    ("KRN-108", lambda: kg.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs(), out=torch.zeros(1, 3, 2),
+                                         first=_flag("meta")), ValueError, "first is on meta but the output is on cpu"),
+    ("KRN-109", lambda: _fp8_wgrad(first=_flag()), ValueError, r"a fresh output \(out=None\) takes none"),
+    ("KRN-110", lambda: flagged_zero.zero_if_flagged(torch.zeros(2, 2).t(), _flag()), ValueError,
+     r"contiguous float32 tensor, got torch.float32 with strides \(1, 2\)"),
+    ("KRN-111", lambda: flagged_zero.zero_if_flagged(torch.zeros(2), torch.ones(2, dtype=torch.int32)), ValueError,
+     r"first must be one int32 on cpu, got torch.int32 of shape \(2,\) on cpu"),
     ("KRN-113", lambda: cast_transpose.cast_transpose_per_tensor(torch.zeros(2, 3, 4), F8), ValueError,
      r"x must be 2-D \[T, R\] \(tokens, features\), got shape \(2, 3, 4\)"),
     ("KRN-088", lambda: weights_fp8.quantize_weights_per_tensor([], F8), ValueError, "no weights"),

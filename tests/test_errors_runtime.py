@@ -121,6 +121,12 @@ CASES = [
     ("MOD-044", lambda: grouped_gemm.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs4(),
                                                    out_dtype=torch.float16),
      ValueError, "got torch.float16"),
+    ("MOD-045", lambda: grouped_gemm.grouped_wgrad(torch.ones(4, 3), torch.ones(4, 2), _offs4(),
+                                                   first=torch.ones(1, dtype=torch.int32)),
+     ValueError, "pass out as well"),
+    ("FP8-044", lambda: grouped_gemm_fp8.grouped_wgrad_fp8(None, None, _offs4(),
+                                                           first=torch.ones(1, dtype=torch.int32)),
+     ValueError, "pass out as well"),
 ]
 
 

@@ -35,12 +35,14 @@ def test_wgrad_l2_prefetch_only_where_it_was_measured_faster():
         C.TileConfig(64, 16, 32, l2_prefetch=True)
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["", "first"])
 @pytest.mark.parametrize("mode", ["load", "atomic", "tma_add"])
-def test_wgrad_l2_prefetch_builds_for_sm90(mode):
+def test_wgrad_l2_prefetch_builds_for_sm90(mode, first):
     """[Note: L2 prefetch of the accumulated tile]: with ``l2_prefetch`` the accumulating wgrad kernel
     (E=64 pick: 128x128x32, 4 warps) issues one ``prefetch.global.L2::evict_last`` per 128-byte line of its
-    fp32 tile (128 rows x 4 lines over 128 threads: 4 each) before its first MMA; without it, none. Only the
-    load-add build stores plainly; the others reduce."""
+    fp32 tile (128 rows x 4 lines over 128 threads: 4 each) before its first MMA; without it, none. With FIRST
+    ([Note: an unwritten accumulator]) the same prefetches (skipped at run time when the flag is set), and the
+    accumulating build also has the plain stores of an output that holds nothing yet."""
     triton = pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_wgrad as kw
     from triton.backends.compiler import GPUTarget
@@ -54,10 +56,11 @@ def test_wgrad_l2_prefetch_builds_for_sm90(mode):
     for prefetch in (False, True):
         vals = dict(dy_desc=f"tensordesc<bf16[{bk}, {bm}]>", x_desc=f"tensordesc<bf16[{bk}, {bn}]>",
                     out_desc=f"tensordesc<fp32[1, {bm}, {bn}]>" if add == 4 else None, dy_ptr="*bf16",
-                    x_ptr="*bf16", out_ptr="*fp32", offs_ptr="*i32", T=T, N=N, K=K, stride_dt=N, stride_dn=1,
+                    x_ptr="*bf16", out_ptr="*fp32", offs_ptr="*i32", first_ptr="*i32", T=T, N=N, K=K, stride_dt=N,
+                    stride_dn=1,
                     stride_xt=K, stride_xk=1, stride_oe=N * K, stride_on=K, stride_ok=1, stride_o=1)
         consts = dict(ADD_MODE=add, PTR_TABLE=False, USE_TMA=True, UPCAST=False, PRECISION="tf32", BLOCK_M=bm,
-                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, L2_PREFETCH=prefetch)
+                      BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, L2_PREFETCH=prefetch, FIRST=first)
         if add != 4:
             consts["out_desc"] = None
         sig, attrs = specialize(kw._wgrad_kernel, {k: v for k, v in vals.items() if v is not None}, consts, ("T",))
@@ -74,7 +77,7 @@ def test_wgrad_l2_prefetch_builds_for_sm90(mode):
         if prefetch:
             assert ptx.index("prefetch.global.L2::evict_last") < ptx.index("wgmma.mma_async"), "prefetch after MMAs"
         stores = re.findall(r"\bst\.global[.\w]*", ptx)
-        assert bool(stores) is (add == 1), stores
+        assert bool(stores) is (first or add == 1), stores
     assert counts == {False: 0, True: 4}, counts
 
 

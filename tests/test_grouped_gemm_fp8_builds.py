@@ -18,7 +18,7 @@ _MOE = dict(E=8, T=32768, K=4096, N=14336)
 
 
 def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: int = 0, split: bool = True,
-                 l2_prefetch: bool = False):
+                 l2_prefetch: bool = False, first: bool = False):
     """ASTSource of one kernel variant at the first MoE shape with the JIT's specializations (unit strides
     constant, 16-divisible ints and all pointers hinted), as a launch on CUDA tensors would build it."""
     from triton.compiler import ASTSource
@@ -33,11 +33,12 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     if op == "wgrad":
         fn, nospec = k._wgrad_fp8_kernel, ("T",)
         vals = dict(a_ptr=f"*{grad}", b_ptr="*fp8e4nv", as_ptr="*fp32", bs_ptr="*fp32", out_ptr="*fp32",
-                    offs_ptr="*i32", T=T, N=N, K=K, stride_an=T, stride_at=1, stride_bk=T, stride_bt=1,
+                    offs_ptr="*i32", first_ptr="*i32", T=T, N=N, K=K, stride_an=T, stride_at=1, stride_bk=T,
+                    stride_bt=1,
                     stride_asn=sc(T), stride_asc=1, stride_bsk=sc(T), stride_bsc=1, stride_oe=N * K, stride_on=K,
                     stride_ok=1, stride_o=1,
                     a_desc=f"tensordesc<{grad}[{bm}, {bk}]>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>")
-        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False, L2_PREFETCH=l2_prefetch)
+        consts = dict(BLOCKWISE=block > 0, ADD_MODE=add_mode, PTR_TABLE=False, L2_PREFETCH=l2_prefetch, FIRST=first)
     else:
         fn, nospec = k._fp8_ragged_kernel, ("T", "E")
         Kc, No = (K, N) if op == "fprop" else (N, K)       # contraction, output features
@@ -65,7 +66,7 @@ def _sm90_source(op: str, block: int, *, tma: bool, kn: bool = False, add_mode: 
     "fprop/128/tma", "fprop/0/tma", "fprop/128/ptr", "dgrad/128/tma", "dgrad/0/tma", "dgrad/128/tma/kn",
     "wgrad/128/tma/add3", "wgrad/0/tma/add0", "wgrad/128/ptr/add1",
     "fprop/0/tma/nosplit", "dgrad/0/tma/kn/nosplit", "wgrad/0/tma/add3/nosplit",
-    "wgrad/0/tma/add3/l2pf", "wgrad/128/ptr/add3/l2pf", "wgrad/0/tma/add1/l2pf",
+    "wgrad/0/tma/add3/l2pf", "wgrad/128/ptr/add3/l2pf", "wgrad/128/tma/add3/first", "wgrad/0/tma/add1/l2pf/first",
 ], 6))
 def test_compiles_for_sm90(variant):
     """The GPU path of the default configs compiles for Hopper (sm_90a) and runs its products on fp8
@@ -75,7 +76,7 @@ def test_compiles_for_sm90(variant):
     op, block, load, *rest = variant.split("/")
     add = next((int(r[3:]) for r in rest if r.startswith("add")), 0)
     src, cfg, a_dt = _sm90_source(op, int(block), tma=load == "tma", kn="kn" in rest, add_mode=add,
-                                  split="nosplit" not in rest, l2_prefetch="l2pf" in rest)
+                                  split="nosplit" not in rest, l2_prefetch="l2pf" in rest, first="first" in rest)
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -162,8 +163,9 @@ def test_gluon_kernel_keeps_the_mma_pipeline(variant):
                                             "atomic/table/epi/s5", "atomic/epi/s5/trace", "dry/epi/s5/trace",
                                             "dry/trace", "dry/epi/s5/trace/unzeroed", "fresh/epi/s5/bf16",
                                             "fresh/epi/s5/fp16", "fresh/epi/s6/bf16",
-                                            "fresh/bf16", "atomic/epi/s4/blockwise", "fresh/epi/s4/bf16/blockwise",
-                                            "load/epi/blockwise",
+                                            "fresh/bf16", "atomic/epi/s5/first", "atomic/first", "load/epi/s5/first",
+                                            "atomic/epi/s4/blockwise", "fresh/epi/s4/bf16/blockwise",
+                                            "atomic/epi/s4/first/blockwise", "load/epi/blockwise",
                                             "atomic/blockwise"], 8))
 def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     """[Note: fp8 wgrad under the next MMA]: the Gluon wgrad kernel builds for sm_90a at the second MoE
@@ -171,7 +173,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     (C7514, C7512) and no spill (blockwise fresh or load-add-store: a few words); the MMA warps fence their
     zeroing of edge chunks for the async proxy ([Note: a group's edge chunks in shared memory]); the epilogue
     writes 16 bytes per instruction (fp32 reductions
-    likewise into a stacked output; 8 elements of a fresh bf16 / fp16 output)."""
+    likewise into a stacked output; 8 elements of a fresh bf16 / fp16 output). With FIRST ([Note: an unwritten
+    accumulator]) an accumulating build also stores: the tiles of an output that holds nothing yet."""
     pytest.importorskip("triton")
     from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
     if not kw.AVAILABLE:
@@ -185,14 +188,14 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     b_lay = gl.NVMMASharedLayout.get_default_for([L, L], gl.float8e4nv)
     out_ty = "*i64" if "table" in rest else "*bf16" if "bf16" in rest else "*fp16" if "fp16" in rest else "*fp32"
     vals = dict(a_desc=f"tensordesc<{a_ty}[{L},{L}],{a_lay!r}>", b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
-                T=T, groups=("*i32", 1, E, N, K), output=(out_ty, N * K, K, 1),
+                T=T, groups=("*i32", 1, E, N, K), output=(out_ty, N * K, K, 1, "*i32"),
                 scales=("*fp32", "*fp32", T // L, 1, 1, K), source=(f"*{a_ty}", "*fp8e4nv", "i32", "i32"),
                 tracing=("*i64", 435))
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=stages,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
                   TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False,
-                  GROUP_DESC=False, CHAIN=False, BLOCKWISE="blockwise" in rest)
+                  GROUP_DESC=False, CHAIN=False, FIRST="first" in rest, BLOCKWISE="blockwise" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -233,7 +236,7 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     elif mode == "atomic":  # a table's bases carry no alignment: one element per reduction there
         wide = "table" not in rest
         assert reductions and all((".v4.f32" in r) == wide for r in reductions), (stores, reductions)
-        assert not stores, stores
+        assert (stores and all(".v4." in st for st in stores)) if "first" in rest else not stores, stores
     else:
         assert stores and all(".v4." in st for st in stores) and not reductions, (stores, reductions)
     if "bf16" in rest or "fp16" in rest:  # rounded in registers: 8 elements per 16-byte store
@@ -252,7 +255,8 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         assert ("st.shared.v2.b32" in ptx) is not out16 and "ld.shared.v4.b32" in ptx
 
 
-@pytest.mark.parametrize("variant", params(["atomic", "atomic/zero", "atomic/table", "load", "load/zero"], 3))
+@pytest.mark.parametrize("variant", params(["atomic", "atomic/zero", "atomic/table", "load", "load/zero",
+                                            "atomic/first"], 3))
 def test_gluon_wgrad_bf16_kernel_builds(variant):
     """[Note: the bf16 wgrad in the fp8 kernel]: the TOKENS_OUTER build (bf16 dy and x as [tokens, rows]
     stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),
@@ -271,13 +275,14 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     lay = gl.NVMMASharedLayout.get_default_for([kw.BLOCK_K_16, kw.BLOCK], gl.bfloat16)
     desc = f"tensordesc<bf16[{kw.BLOCK_K_16},{kw.BLOCK}],{lay!r}>"
     vals = dict(a_desc=desc, b_desc=desc, T=T, groups=("*i32", 1, E, N, K),
-                output=("*i64" if "table" in rest else "*fp32", N * K, K, 1), scales=("*fp32", "*fp32", 0, 0, 0, 0),
+                output=("*i64" if "table" in rest else "*fp32", N * K, K, 1, "*i32"),
+                scales=("*fp32", "*fp32", 0, 0, 0, 0),
                 source=("*bf16", "*bf16", "i32", "i32"), tracing=("*i32", 0))
     zero = "zero" in rest
     consts = dict(ADD_MODE={"load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
                   TRACE=False, ZERO_EDGES=zero, TOKENS_OUTER=True, GROUP_DESC=not zero, CHAIN=True,
-                  BLOCKWISE=False)
+                  FIRST="first" in rest, BLOCKWISE=False)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, [^;]*;", ptx)
     assert mmas and all(m.endswith(", 1, 1, 1, 1;") for m in mmas), "bf16 wgmma, both operands transposed"

@@ -241,7 +241,8 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     _, _, _, groups, output, _, _, tracing = args  # a_desc, b_desc, T, then the kernel's argument tuples
     assert kws["TRACE"] is False and tracing[1] == 0  # untraced: no trace buffer, nothing of it built
     assert groups[0] is offs and output[0] is (tbl if table else out)
-    assert output[1:] == ((0, K, 1) if table else (N * K, K, 1))
+    assert output[1:4] == ((0, K, 1) if table else (N * K, K, 1))
+    assert output[4] is offs and kws["FIRST"] is False  # no flag: a placeholder pointer the kernel never reads
 
 
 def test_gluon_blockwise_wgrad_launch(monkeypatch):

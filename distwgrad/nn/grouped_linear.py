@@ -69,12 +69,12 @@ def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Qua
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
                 x_qt: Quantized | None = None, wgrad_offs: torch.Tensor | None = None):
-    """``(gemm, fresh)`` for ``run_wgrad``, reading saved ``x_qt`` under a recipe, else ``x_TK``. FP8
+    """``(gemm, fresh, unwritten)`` for ``run_wgrad``, reading saved ``x_qt`` under a recipe, else ``x_TK``. FP8
     tiles may span two experts (valid; per-expert tiles would need the offsets on the host). ``wgrad_offs``:
     x^T's aligned layout's end offsets ([Note: aligned token groups] in kernels/token_layout.py)."""
     if recipe is None:
-        def product(out, out_dtype=None):
-            return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out, out_dtype=out_dtype)
+        def product(out, out_dtype=None, first=None):
+            return gg.grouped_wgrad(dy_TN, x_TK, offs_E, out=out, out_dtype=out_dtype, first=first)
     else:
         assert x_qt is not None
         if dy_qt is None:
@@ -82,10 +82,10 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt:
                                          aligned_offs=None if wgrad_offs is None else offs_E)[1]
         offs_w = offs_E if wgrad_offs is None else wgrad_offs
 
-        def product(out, out_dtype=None):  # a fresh product straight from the kernel's epilogue
+        def product(out, out_dtype=None, first=None):  # a fresh product straight from the kernel's epilogue
             return gg8.grouped_wgrad_fp8(dy_qt, x_qt, offs_w, out=out, out_dtype=torch.float32 if out is not None
                                          else out_dtype or dy_TN.dtype,
-                                         split_accumulator=split_accumulator(recipe, "wgrad"))
+                                         split_accumulator=split_accumulator(recipe, "wgrad"), first=first)
 
     def fresh(out_dtype=None) -> list[torch.Tensor]:  # every expert written, one with no tokens as zeros
         dW_ENK = product(None, out_dtype)
@@ -97,7 +97,9 @@ def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt:
         if packed:
             return [product(targets[0])]
         return list(product([t for t in targets if t is not None]))
-    return gemm, lambda: fresh(torch.float32)
+    def unwritten(target: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:  # one stacked weight's main_grad
+        return product(target, first=flag)
+    return gemm, lambda: fresh(torch.float32), unwritten if packed else None
 
 
 def _bias_gemm(dy_TN, offs_E, packed: bool):
@@ -115,9 +117,9 @@ def _grouped_wgrad(x_TK, dy_TN, offs_E, weights, biases, call: _Call, deferred: 
     gws: list[torch.Tensor | None] = [None] * len(weights)
     gbs: list[torch.Tensor | None] = [None] * len(biases)
     if call.weight_grad:
-        gemm, fresh = _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs)
+        gemm, fresh, unwritten = _wgrad_gemm(dy_TN, x_TK, offs_E, call.packed, call.recipe, dy_qt, x_qt, wgrad_offs)
         gws = run_wgrad(weights, gemm, fuse=call.fuse, deferred=deferred, shape=call.weight_shape,
-                        dtype=dy_TN.dtype, uses=call.uses, fresh=fresh)
+                        dtype=dy_TN.dtype, uses=call.uses, fresh=fresh, unwritten=unwritten)
     if call.bias_grad:
         gbs = _grouped_bias_grad(dy_TN, offs_E, biases, call, deferred)
     return gws, gbs

@@ -30,6 +30,7 @@ from distwgrad.protocol import (
 )
 from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
+from distwgrad.weights.first_write import zero_where_flagged
 from distwgrad.wgrad.accumulate import deferred_main_grads, run_wgrad
 from distwgrad.wgrad.plain import tag_beside
 from distwgrad.wgrad.store import WeightGradStore
@@ -97,9 +98,11 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
 
-def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_dtype=None) -> torch.Tensor:
-    """dW = dy^T x into ``out``, else fresh in ``out_dtype`` (default dy's). Reads the saved ``x_qt`` under a
-    recipe, else ``x_TK``."""
+def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_dtype=None,
+           first=None) -> torch.Tensor:
+    """dW = dy^T x into ``out`` (FP8 ``first``: [Note: an unwritten accumulator]), else fresh in ``out_dtype``
+    (default dy's). Reads the saved ``x_qt`` under a recipe, else ``x_TK``."""
+    assert first is None or (recipe is not None and out is not None), "first= is for an FP8 product added into out"
     if recipe is None:
         return wgrad_mm(dy_TN, x_TK, out, out_dtype=None if out is not None else out_dtype)
     assert x_qt is not None
@@ -113,8 +116,10 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_d
         # pointers, so a CUDA graph can capture it into a buffer the warm-up never saw (graph-owned).
         target = out.unsqueeze(0) if out.dtype == torch.float32 and out.is_contiguous() else [out]
         gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out=target,
-                              split_accumulator=split_accumulator(recipe, "wgrad"))
+                              split_accumulator=split_accumulator(recipe, "wgrad"), first=first)
         return out
+    if first is not None:
+        zero_where_flagged(out, first)
     dW_NK = dequantize(dy_qt, dtype=torch.float32).mm(dequantize(x_qt, dtype=torch.float32).t())
     return dW_NK.to(fresh_dtype) if out is None else out.add_(dW_NK)
 
@@ -128,7 +133,9 @@ def _linear_wgrad(x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor,
     if call.weight_grad:
         (gw,) = run_wgrad([weight], lambda t: [_wgrad(dy_TN, x_TK, t[0], call.recipe, dy_qt, x_qt)],
                           fuse=call.fuse, deferred=deferred, shape=shape, dtype=dy_TN.dtype, uses=call.uses,
-                          fresh=lambda: [_wgrad(dy_TN, x_TK, None, call.recipe, dy_qt, x_qt, torch.float32)])
+                          fresh=lambda: [_wgrad(dy_TN, x_TK, None, call.recipe, dy_qt, x_qt, torch.float32)],
+                          unwritten=None if call.recipe is None else
+                          lambda t, flag: _wgrad(dy_TN, x_TK, t, call.recipe, dy_qt, x_qt, first=flag))
     if call.bias_grad:
         assert bias is not None
         db = dy_TN.sum(0) if db_N is None else db_N

@@ -188,13 +188,23 @@ def grouped_dgrad(dy_TN: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
 
 
 def grouped_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, offs_E: torch.Tensor, *,
-                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, out_dtype: torch.dtype | None = None):
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None, out_dtype: torch.dtype | None = None,
+                  first: torch.Tensor | None = None):
     """``dW`` per group (zeros for a group without tokens), or added into ``out`` and ``out`` returned (fused into
     fp32 buffers; others, e.g. a bf16 ``main_grad``, get a fresh product added). ``out_dtype`` (no ``out``): dy's
-    by default; float32 holds exactly what adding into fp32 zeros would."""
+    by default; float32 holds exactly what adding into fp32 zeros would. ``first`` (with ``out``): an int32 device
+    flag; while set, ``out`` holds nothing yet ([Note: an unwritten accumulator] in ``weights/first_write.py``)."""
     if out is not None and out_dtype is not None:
         raise ValueError(f"grouped_wgrad: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
                          f"into) or out_dtype, not both")
+    if first is not None:
+        if out is None:
+            raise ValueError("grouped_wgrad: first= flags an output to add into; pass out as well")
+        if kernels_available(dy_TN) and not torch_route(dy_TN) and all_fp32(out):
+            from distwgrad.kernels import grouped_gemm as k
+            return k.grouped_wgrad(dy_TN, x_TK, offs_E, out=out, first=first)
+        from distwgrad.weights.first_write import zero_where_flagged
+        zero_where_flagged(out, first)
     if out_dtype not in (None, dy_TN.dtype, torch.float32):
         raise ValueError(f"grouped_wgrad: out_dtype must be None, dy's dtype ({dy_TN.dtype}) or torch.float32, "
                          f"got {out_dtype!r}")

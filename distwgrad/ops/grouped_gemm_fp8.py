@@ -200,12 +200,20 @@ def grouped_dgrad_fp8(dy_q: Quantized, w_qs: Sequence[Quantized] | QuantizedExpe
 
 def grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor, *,
                       out: torch.Tensor | Sequence[torch.Tensor] | None = None, split_accumulator: bool = True,
-                      out_dtype: torch.dtype = torch.float32):
-    """A fresh ``[E, N, K]`` in ``out_dtype``, or the product ADDED into ``out`` (fp32 ``[E, N, K]`` or E
-    ``[N, K]``)."""
+                      out_dtype: torch.dtype = torch.float32, first: torch.Tensor | None = None):
+    """A fresh ``[E, N, K]`` in ``out_dtype``, or the product ADDED into ``out`` (fp32 ``[E, N, K]`` or E ``[N, K]``).
+    ``first``: as in ``grouped_gemm.grouped_wgrad`` ([Note: an unwritten accumulator])."""
     if out is not None and out_dtype != torch.float32:
         raise ValueError(f"grouped_wgrad_fp8: out_dtype={out_dtype} is a fresh output's dtype; pass out (added "
                          f"into) or out_dtype, not both")
+    if first is not None:
+        if out is None:
+            raise ValueError("grouped_wgrad_fp8: first= flags an output to add into; pass out as well")
+        if fp8_kernels_accept([dy_qt, x_qt]) and gg.all_fp32(out):
+            return kernel_grouped_wgrad_fp8(dy_qt, x_qt, offs_E, out=out, split_accumulator=split_accumulator,
+                                            first=first)
+        from distwgrad.weights.first_write import zero_where_flagged
+        zero_where_flagged(out, first)
     if fp8_kernels_accept([dy_qt, x_qt]):
         split = split_accumulator
         if out is not None and not gg.all_fp32(out):  # the fused add is into fp32 only
@@ -280,9 +288,10 @@ def kernel_grouped_dgrad_fp8(dy_q: Quantized, w_qs, offs_E: torch.Tensor, out_dt
 
 def kernel_grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Tensor,
                              out: torch.Tensor | Sequence[torch.Tensor] | None = None, *,
-                             split_accumulator: bool = True, out_dtype: torch.dtype | None = None):
+                             split_accumulator: bool = True, out_dtype: torch.dtype | None = None,
+                             first: torch.Tensor | None = None):
     """``kernels.grouped_gemm_fp8.grouped_wgrad_fp8`` on the TRANSPOSED ``dy_qt`` ``[N, T]`` and ``x_qt`` ``[K, T]``
-    (``quantize_rowwise_and_columnwise(...)[1]``); ``out`` and ``out_dtype`` as there."""
+    (``quantize_rowwise_and_columnwise(...)[1]``); ``out``, ``out_dtype`` and ``first`` as there."""
     from distwgrad.kernels import grouped_gemm_fp8 as k
     dy_t, dy_s, block = _act("grouped_wgrad_fp8", "dy_qt", dy_qt)
     x_t, x_s, x_block = _act("grouped_wgrad_fp8", "x_qt", x_qt)
@@ -290,4 +299,4 @@ def kernel_grouped_wgrad_fp8(dy_qt: Quantized, x_qt: Quantized, offs_E: torch.Te
         raise ValueError(f"grouped_wgrad_fp8: dy_qt and x_qt must share one recipe, got blocks {dy_qt.block} "
                          f"and {x_qt.block}")
     return k.grouped_wgrad_fp8(dy_t, dy_s, x_t, x_s, offs_E, out, block=block, split_accumulator=split_accumulator,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, first=first)

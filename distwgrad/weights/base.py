@@ -30,7 +30,7 @@ opens and zeroes a kept ``main_grad`` that ``.grad`` still is gives ``.grad`` a 
 [Note: main_grad lifetime]
 One the weight created lives until the next step opens and releases it, so no fp32 gradient is held between
 ``zero_grad()`` and backward. One a caller attached (Megatron, a TE user) or a CUDA graph baked in is kept,
-and zeroed in place at the opening.
+and zeroed in place at the opening or flagged ([Note: an unwritten accumulator] in ``weights/first_write.py``).
 So read ``main_grad`` between ``finalize_model_grads`` and the next forward, or read ``.grad``.
 
 [Note: mixed precision]
@@ -242,6 +242,11 @@ class DistributedParameter(nn.Parameter):
     def adopt_grad_buffer(self, wgrad: torch.Tensor) -> None:
         """Takes ``wgrad`` (fresh, fp32, this weight's alone) as the buffer, after ``ready_for_fresh_grad()``."""
         self._life.adopt(self, wgrad)
+
+    def take_unwritten(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(main_grad, flag)`` for a flag-reading kernel whose caller then clears the flag, else None (use
+        ``grad_buffer()``): [Note: an unwritten accumulator] in ``weights/first_write.py``."""
+        return self._life.take_unwritten(self)
 
     @property
     def accumulates_in_place(self) -> bool:

@@ -1,4 +1,4 @@
-"""The weights a set of CUDA graphs captured: the capture's refusals, graph-owned buffers, and replay.
+"""The weights a set of CUDA graphs captured: the capture's refusals, graph-owned buffers and flags, and replay.
 
 ``make_graphed_callables`` ([Note: captured distributed weights] in ``distwgrad/graphs.py``) touches weights only
 here; :class:`CaptureLedger` re-applies at each replay the accounting a capture made (replays skip Python).
@@ -50,11 +50,16 @@ class CapturedWeights:
         for p in weights:
             _check(p)
         self.weights = list(weights)
+        self.flagged: list[DistributedParameter] = []  # weights whose main_grad the steps flag instead of zeroing
 
     def prepare(self) -> None:
-        """Before warm-up: each weight keeps its ``main_grad`` ([Note: main_grad lifetime])."""
+        """Before warm-up: each weight keeps its ``main_grad`` ([Note: main_grad lifetime]); one accumulating in place
+        is flagged, not zeroed, so warm-up builds the kernels reading the flag ([Note: an unwritten accumulator])."""
         for p in self.weights:
             p.keep_main_grad()
+        self.flagged = [p for p in self.weights if p.accumulates_in_place]
+        for p in self.flagged:
+            p._life.use_first_flag(p)
 
     def open_for_capture(self) -> None:
         """After warm-up: steps opened eagerly (``zero_()`` kept out of the graphs); graph buffers unless in place."""
@@ -65,15 +70,21 @@ class CapturedWeights:
                 p._life.graph_buffer = torch.zeros(p.full_shape, dtype=torch.float32, device=p.device)
 
     def close_capture(self) -> None:
-        """After the captures, or their failure: the capture's step is gone."""
+        """After the captures, or their failure: the capture's step is gone, its flag cleared."""
         for p in self.weights:
             p.discard_step()
+            if p._life.first_flag is not None:  # the capture's opening set it; the step is gone
+                p._life.first_flag.zero_()
 
-    def release(self) -> None:
-        """``reset()``, or a failed capture (after ``close_capture``): drops the buffers baked in."""
+    def release(self, *, failed: bool = False) -> None:
+        """``reset()``, or a failed capture (its step discarded too): drops the buffers and flags baked in."""
         for p in self.weights:
             p._life.graph_buffer = None
-        self.weights = []
+        for p in self.flagged:
+            if failed:
+                p.discard_step()
+            p._life.drop_first_flag(p)
+        self.weights, self.flagged = [], []
 
     def ledger(self) -> CaptureLedger:
         return CaptureLedger(self.weights)

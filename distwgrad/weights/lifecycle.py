@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from distwgrad.weights import _accounting, _comm
+from distwgrad.weights import _accounting, _comm, first_write
 
 __all__ = ["WeightState", "ReducePolicy", "Lifecycle", "UnfinalizedStepError", "MissingContributionError",
            "write_token", "weight_paths", "main_grad_of"]
@@ -123,6 +123,9 @@ class Lifecycle:
         self.inflight: list[Callable[[], torch.Tensor]] = []  # launched reductions, oldest first
         self.has_grad = False  # something reached main_grad this step
         self.own_main_grad: torch.Tensor | None = None  # [Note: main_grad lifetime] in weights/base.py
+        self.first_flag: torch.Tensor | None = None  # [Note: an unwritten accumulator] in weights/first_write.py
+        self.armed = False  # the flag's host mirror
+        self.flag_users = 0  # sets of graphed callables whose graphs read the flag
         self.graph_buffer: torch.Tensor | None = None  # [Note: captured distributed weights] in graphs.py
         self.caches: dict[Hashable, tuple[int, int, Any]] = {}
         self.names: tuple[str, ...] = ()
@@ -179,13 +182,18 @@ class Lifecycle:
         elif main_grad is not None:
             if w.grad is main_grad:  # the last step's .grad is still held: it keeps its values
                 w.grad = main_grad.clone()  # [Note: .grad is main_grad]
-            main_grad.zero_()
+            if self.first_flag is not None:  # [Note: an unwritten accumulator]
+                self.first_flag.fill_(1)
+                self.armed = True
+            else:
+                main_grad.zero_()
 
     def withdraw(self, step: int) -> None:
         """A use of ``step`` freed without a backward: lowers the count only (the GC may call it); IDLE if empty."""
         if step == self.step_id and self.open and self.expected > self.delivered:
             self.expected -= 1
-            if self.expected == 0 and self.delivered == 0 and self.buffer is None and not self.inflight:
+            if (self.expected == 0 and self.delivered == 0 and self.buffer is None and not self.inflight
+                    and self.first_flag is None):
                 self.phase = _Phase.IDLE
                 self._boundary()
 
@@ -282,6 +290,10 @@ class Lifecycle:
                 # a CUDA graph captures the same in-place accumulation eager code runs (the same adds in the
                 # same order), and keeps main_grad: [Note: main_grad lifetime]
                 self.buffer = self.main_grad(w, keep=capturing)
+                if self.first_flag is not None and (capturing or self.armed):
+                    # added into: zeros first where it holds nothing ([Note: an unwritten accumulator])
+                    first_write.settle(self.buffer, self.first_flag, capturing=capturing)
+                    self.armed = False
             elif capturing:
                 if self.graph_buffer is None:
                     raise RuntimeError(
@@ -315,6 +327,17 @@ class Lifecycle:
             w.main_grad = self.own_main_grad = wgrad
         self.buffer = wgrad
 
+    def take_unwritten(self, w: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``DistributedParameter.take_unwritten``: [Note: an unwritten accumulator]."""
+        if self.first_flag is None or self.buffer is not None or not self.in_place(w):
+            return None
+        capturing = w.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (capturing or self.armed):
+            return None
+        self.buffer = self.main_grad(w, keep=capturing)
+        self.armed = False
+        return self.buffer, self.first_flag
+
     # --- the end of a step ---------------------------------------------------------------------------
     def finish(self, w: Any, scale: float | None) -> bool:
         """-> FINALIZED: reduce the rest, scale, add to ``.grad``; False (and IDLE) with no gradient."""
@@ -330,6 +353,7 @@ class Lifecycle:
                 f"({MISSING_CAUSES})")
         self.reduce_pending(w)
         self.wait_inflight(w)
+        self.settle_unwritten(w)  # nothing arrived: main_grad reads as zeros ([Note: an unwritten accumulator])
         self.phase = _Phase.FINALIZED if self.has_grad else _Phase.IDLE
         if w._unit is not None:
             w._unit.units.end_step()  # no gathered copy outlives the step
@@ -355,6 +379,7 @@ class Lifecycle:
         while self.inflight:
             _accounting.forget(self)
             self.inflight.pop(0)()
+        self.settle_unwritten(w)
         self.buffer = None
         self.expected = self.delivered = self.reduced = 0
         self.phase, self.has_grad = _Phase.IDLE, False
@@ -392,10 +417,39 @@ class Lifecycle:
         """Stores ``value`` for ``key`` whatever the state, until the next boundary (``sync_weight_amax``)."""
         self.caches[key] = (self.epoch, w._version, value)
 
+    # --- [Note: an unwritten accumulator] ------------------------------------------------------------
+    def settle_unwritten(self, w: Any) -> None:
+        """Eagerly: zeros in ``main_grad`` if the open step flagged it and nothing arrived yet."""
+        main_grad = getattr(w, "main_grad", None)
+        if self.armed and self.first_flag is not None and main_grad is not None:
+            first_write.settle(main_grad, self.first_flag, capturing=False)
+        self.armed = False
+
+
+    def use_first_flag(self, w: Any) -> None:
+        """One more set of graphs reads the flag: an opening step flags ``main_grad`` instead of zeroing it."""
+        main_grad = w.main_grad
+        assert w.solo and main_grad is not None and main_grad.dtype == torch.float32, \
+            f"{w._name()}: only a weight of a group of one with an fp32 main_grad accumulates in place"
+        if self.first_flag is None:
+            self.first_flag = first_write.new_flag(w.device)
+        self.flag_users += 1
+        first_write.zero_where_flagged(main_grad, self.first_flag)
+        if self.open and self.delivered == 0 and self.buffer is None:
+            self.first_flag.fill_(1)  # the open step's main_grad was zeroed when it opened: either is right
+            self.armed = True
+
+    def drop_first_flag(self, w: Any) -> None:
+        """One set of graphs that read the flag is gone; after the last, a step that opens zeroes ``main_grad``."""
+        self.flag_users = max(self.flag_users - 1, 0)
+        if self.flag_users == 0:
+            self.settle_unwritten(w)
+            self.first_flag = None
+
     # --- [Note: captured distributed weights] in distwgrad/graphs.py -------------------------------------
     def snapshot(self) -> tuple:
-        """What a capture's replay re-applies: the counts and whether a buffer is held."""
-        return self.expected, self.delivered, self.reduced, self.buffer is not None
+        """What a capture's replay re-applies: the counts, whether a buffer is held, the flag's mirror."""
+        return self.expected, self.delivered, self.reduced, self.buffer is not None, self.armed
 
     def replay(self, w: Any, before: tuple, after: tuple, what: str) -> None:
         """Applies a capture's accounting change (``before`` -> ``after``), which its replay skipped."""
@@ -417,6 +471,8 @@ class Lifecycle:
             self.reduced, self.has_grad = self.delivered, True
         owned = self.graph_buffer  # None: a group of one, accumulating in main_grad
         self.buffer = (owned if owned is not None else self.main_grad(w)) if after[3] else None
+        if before[4] and not after[4]:  # the replay wrote (or settled) main_grad and cleared the flag
+            self.armed = False
 
 
 # --- names ---------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from .tiles import zero_rows as _zero_rows
 from .wgrad_epilogue import Handoff, Out
 from .wgrad_epilogue import epilogue as _epilogue
 from .wgrad_epilogue import flush as _flush
+from .wgrad_epilogue import unwritten as _unwritten
 
 __all__ = ["AVAILABLE", "BLOCK", "BLOCK_K_16", "wgrad_kernel", "descriptor"]
 
@@ -369,6 +370,7 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
     p_as = a_scale
     p_bs = b_scale
     h = zero           # handoffs to the epilogue warps so far
+    fresh = _unwritten(out)  # an output that holds nothing yet gets every tile, as a fresh one
     # each tile's place is read one tile ahead: its offsets' loads run under the tile before, not
     # between the two tiles' MMAs (the last tile reads its own again)
     e, row0, col0, start, end, first, n_k = _tile(pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -409,6 +411,8 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
         p_row0 = row0
         p_col0 = col0
         p_rows = gl.where(n_k > 0, N, 0)
+        if out.FIRST:
+            p_rows = gl.where(fresh, N, p_rows)
         if out.ADD_MODE == 0:  # a fresh output gets every tile, an empty group's too
             p_rows = N + zero
         p_as = gl.where(n_k > 0, a_scale, 1.0)
@@ -429,15 +433,16 @@ def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD
                  EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
                  TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
                  TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
-                 CHAIN: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
+                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g ([Note: fp8 wgrad under the next
     MMA]). The runtime arguments come in tuples (``grouped_wgrad_fp8_launch`` builds them): ``groups`` (offs_ptr,
     stride_o, E, N, K), ``output`` (out_ptr, stride_oe, stride_on, stride_ok: the stacked output or, with
-    PTR_TABLE, a table of per-group bases), ``scales`` (as_ptr, bs_ptr and the blockwise strides stride_asn,
+    PTR_TABLE, a table of per-group bases; first_ptr, FIRST's flag: [Note: an unwritten accumulator]), ``scales``
+    (as_ptr, bs_ptr and the blockwise strides stride_asn,
     stride_asc, stride_bsk, stride_bsc), ``source`` (a_ptr, b_ptr, stride_at, stride_bt: GROUP_DESC's tensors),
     ``tracing`` (trace_ptr, TRACE_TILES). ADD_MODE: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``."""
     offs_ptr, stride_o, E, N, K = groups
-    out_ptr, stride_oe, stride_on, stride_ok = output
+    out_ptr, stride_oe, stride_on, stride_ok, first_ptr = output
     as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc = scales
     a_ptr, b_ptr, stride_at, stride_bt = source
     trace_ptr, TRACE_TILES = tracing
@@ -481,7 +486,7 @@ def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD
     mbarrier.init(c_free, count=1)
     ring = Ring(a_desc, b_desc, ready, empty, a_bufs, b_bufs, NUM_STAGES)
     sched = WgradSchedule(offs_ptr, stride_o, T, N, K, pid, total, nprog, GROUP_M)
-    out = Out(out_ptr, stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE)
+    out = Out(out_ptr, stride_oe, stride_on, stride_ok, first_ptr, ADD_MODE, PTR_TABLE, FIRST)
     hand = Handoff(c_smem, c_ready, c_free)
     src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)

@@ -66,14 +66,15 @@ def _columns_major(bs, K: int):
 
 
 def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
-           num_sms: int, trace=None, zero_edges: bool = True, block: int = 0) -> None:
+           num_sms: int, trace=None, zero_edges: bool = True, first=None, block: int = 0) -> None:
     """The FP8 wgrad, one program per SM: dW_e into the stacked ``out`` [E, N, K] (fp32; bf16 / fp16 when
     fresh) or, with ``table`` (int64 bases), into per-group buffers shaped and strided like ``out``. ``add_mode``: 0
     fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run, where alone ``zero_edges=False`` is
     allowed). ``epilogue_warps``: 0 or 2 ([Note: an epilogue partition]). ``trace``: None or an int64 tensor shaped
-    ``trace_shape(tiles, programs)`` ([Note: tracing the MMA warps' tile phases]). ``block``: 0 per-tensor (``as_``,
-    ``bs`` one element each), or ``BLOCK`` with ``as_`` [N, chunks] and ``bs`` [K, chunks]. Raises ValueError on
-    any other ``block`` or a setting these rules refuse."""
+    ``trace_shape(tiles, programs)`` ([Note: tracing the MMA warps' tile phases]). ``first``: None or a device int32
+    flag, non-zero while ``out`` holds nothing ([Note: an unwritten accumulator] in ``distwgrad/weights``).
+    ``block``: 0 per-tensor (``as_``, ``bs`` one element each), or ``BLOCK`` with ``as_`` [N, chunks] and ``bs`` [K,
+    chunks]. Raises ValueError on any other ``block`` or a setting these rules refuse."""
     ensure_context(a_NT.device)  # [Note: a current context on any thread] in kernels/_context.py
     N, T = a_NT.shape
     K = b_KT.shape[0]
@@ -98,10 +99,10 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
                          f"{tuple(trace.shape)}")
     _k.wgrad_kernel[(grid,)](
         _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), T,
-        (offs_E, offs_E.stride(0), E, N, K), (out if table is None else table, *so), (as_, bs, *scale_strides),
-        (a_NT, b_KT, 0, 0), (offs_E, 0) if trace is None else (trace, trace.shape[1]), TRACE=trace is not None,
-        ZERO_EDGES=zero_edges, ADD_MODE=add_mode, PTR_TABLE=table is not None, BLOCKWISE=block != 0,
-        **_epilogue_meta(epilogue_warps, stages))
+        (offs_E, offs_E.stride(0), E, N, K), (out if table is None else table, *so, offs_E if first is None else first),
+        (as_, bs, *scale_strides), (a_NT, b_KT, 0, 0), (offs_E, 0) if trace is None else (trace, trace.shape[1]),
+        TRACE=trace is not None, ZERO_EDGES=zero_edges, ADD_MODE=add_mode, PTR_TABLE=table is not None,
+        FIRST=first is not None and add_mode > 0, BLOCKWISE=block != 0, **_epilogue_meta(epilogue_warps, stages))
 
 
 @functools.cache
@@ -115,10 +116,10 @@ def _allocator():
 
 
 def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stages: int, epilogue_warps: int,
-                        num_sms: int, tail: str = "tma") -> None:
+                        num_sms: int, tail: str = "tma", first=None) -> None:
     """The bf16 / fp16 wgrad ([Note: the bf16 wgrad in the fp8 kernel]): dW_e = dy[g]^T @ x[g]
     over group e's tokens, from dy [T, N] and x [T, K] as they are; ``out``, ``table``, ``add_mode`` (not -1),
-    as in ``launch``, a fresh ``out`` in dy's dtype. ``tail``: one of TAILS ([Note: a group's tail
+    ``first`` as in ``launch``, a fresh ``out`` in dy's dtype. ``tail``: one of TAILS ([Note: a group's tail
     zero-filled by TMA]); a ValueError otherwise."""
     if tail not in TAILS:
         raise ValueError(f"grouped_wgrad: tail must be one of {TAILS}, got {tail!r}")
@@ -141,10 +142,11 @@ def launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, *, add_mode: int, stage
     try:
         _k.wgrad_kernel[(min(tiles, num_sms),)](
             _k.descriptor(dy_TN, block), _k.descriptor(x_TK, block), T, (offs_E, offs_E.stride(0), E, N, K),
-            (out if table is None else table, *so), (ones, ones, 0, 0, 0, 0),
+            (out if table is None else table, *so, offs_E if first is None else first), (ones, ones, 0, 0, 0, 0),
             (dy_TN, x_TK, dy_TN.stride(0), x_TK.stride(0)), (offs_E, 0), TRACE=False,
             ZERO_EDGES=not group_desc, TOKENS_OUTER=True, GROUP_DESC=group_desc, CHAIN=True, ADD_MODE=add_mode,
-            PTR_TABLE=table is not None, **_epilogue_meta(epilogue_warps, stages))
+            PTR_TABLE=table is not None, FIRST=first is not None and add_mode > 0,
+            **_epilogue_meta(epilogue_warps, stages))
     finally:
         if token is not None:
             var.reset(token)

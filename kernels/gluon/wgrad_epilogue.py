@@ -6,7 +6,7 @@ from .._grouped_wgrad import _wgrad_out_base  # (a scalar Triton helper: Gluon c
 from . import aggregate, constexpr_function, field, gl, gluon, mbarrier
 from .tiles import wgrad_tile as _tile
 
-__all__ = ["Handoff", "Out", "epilogue", "flush"]
+__all__ = ["Handoff", "Out", "epilogue", "flush", "unwritten"]
 
 _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT specializes it (a 1)
 
@@ -14,23 +14,28 @@ _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT
 @aggregate
 class Out:
     """dW stacked [e, n, k] at ``out_ptr``, or with PTR_TABLE a table of per-group bases (``stride_oe`` 0). ADD_MODE:
-    0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run)."""
+    0 fresh, 1 load-add-store, 3 fp32 reductions, -1 nothing (a traced dry run). FIRST: a nonzero int32 at
+    ``first_ptr`` means ``out`` holds nothing yet, so tiles are written fresh ([Note: an unwritten accumulator])."""
 
     out_ptr: gl.tensor
     stride_oe: _Scalar
     stride_on: _Scalar
     stride_ok: _Scalar
+    first_ptr: gl.tensor
     ADD_MODE: gl.constexpr
     PTR_TABLE: gl.constexpr
+    FIRST: gl.constexpr
 
     @constexpr_function
-    def __init__(self, out_ptr, stride_oe, stride_on, stride_ok, ADD_MODE, PTR_TABLE):
+    def __init__(self, out_ptr, stride_oe, stride_on, stride_ok, first_ptr, ADD_MODE, PTR_TABLE, FIRST):
         self.out_ptr = field(out_ptr)
         self.stride_oe = field(stride_oe)
         self.stride_on = field(stride_on)
         self.stride_ok = field(stride_ok)
+        self.first_ptr = field(first_ptr)
         self.ADD_MODE = field(ADD_MODE)
         self.PTR_TABLE = field(PTR_TABLE)
+        self.FIRST = field(FIRST)
 
 
 @aggregate
@@ -62,7 +67,10 @@ def _write(acc, out, e, row0, col0, n_rows, K, a_scale, b_scale, mma: gl.constex
     base = _wgrad_out_base(out.out_ptr, e, out.stride_oe, out.PTR_TABLE)
     ptrs = base + rows.to(gl.int64)[:, None] * out.stride_on + cols[None, :] * out.stride_ok
     mask = (rows < n_rows)[:, None] & (cols < K)[None, :]
-    _put(ptrs, val, mask, out.ADD_MODE)
+    if unwritten(out):
+        gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
+    else:
+        _put(ptrs, val, mask, out.ADD_MODE)
 
 
 @gluon.jit
@@ -77,13 +85,24 @@ def _put(ptrs, val, mask, ADD_MODE: gl.constexpr):
 
 
 @gluon.jit
-def _writes(n_k, ADD_MODE: gl.constexpr):
-    """Whether a tile writes: every tile of a fresh output (an empty group's zeros too), else only tiles with
-    tokens."""
-    if ADD_MODE == 0:
+def unwritten(out):
+    """Whether ``out`` holds nothing yet: FIRST and its flag set (a runtime bool), else the constant False."""
+    if out.FIRST:
+        flag = gl.load(out.first_ptr) != 0
+    else:
+        flag = False
+    return flag
+
+
+@gluon.jit
+def _writes(n_k, out, fresh):
+    """Whether a tile writes: every tile of a fresh or unwritten (``fresh``) output, else only tiles with tokens."""
+    if out.ADD_MODE == 0:
         w = n_k >= 0
     else:
         w = n_k > 0
+        if out.FIRST:
+            w = w | fresh
     return w
 
 
@@ -111,11 +130,12 @@ def epilogue(hand, out, sched, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
     TN: gl.constexpr = BLOCK_N // VEC
     lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TN, TN], [EPI_WARPS, 1], [1, 0])
     h = sched.pid * 0
+    fresh = unwritten(out)
     keep = gl.zeros([EPI_ROWS, BLOCK_N], gl.float32, lay)  # a dry run's reads (ADD_MODE -1), kept live
     for tile in range(sched.pid, sched.total, sched.nprog):
         e, row0, col0, start, end, first, n_k = _tile(tile, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N,
                                                       BLOCK_M)  # the chunk: BLOCK_M tokens
-        if _writes(n_k, ADD_MODE):
+        if _writes(n_k, out, fresh):
             base = _wgrad_out_base(out.out_ptr, e, out.stride_oe, out.PTR_TABLE)
             cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
             mbarrier.wait(hand.c_ready, h & 1)
@@ -126,6 +146,8 @@ def epilogue(hand, out, sched, EPI_WARPS: gl.constexpr, EPI_ROWS: gl.constexpr):
                 mask = (rows < N)[:, None] & (cols < K)[None, :]
                 if ADD_MODE < 0:
                     keep += val.to(gl.float32)
+                elif fresh:
+                    gl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=mask)
                 else:
                     _put(ptrs, val, mask, ADD_MODE)  # a fresh output: bf16/fp16 or fp32
             mbarrier.arrive(hand.c_free, count=1)

@@ -37,6 +37,7 @@ import torch
 
 from distwgrad.fp8.quantize import Quantized
 from distwgrad.ops import grouped_gemm_fp8 as ops
+from distwgrad.weights.first_write import zero_where_flagged
 
 L = 128  # the blockwise recipe's block (activations 1xL, weights LxL)
 
@@ -101,8 +102,10 @@ def make_products(bits: int):
                                                                        _block_scales(ws[nb], K))
         return dx.to(out_dtype)
 
-    def wgrad(dy_qt, x_qt, offs_E, *, out=None, split_accumulator=True, out_dtype=torch.float32):
+    def wgrad(dy_qt, x_qt, offs_E, *, out=None, split_accumulator=True, out_dtype=torch.float32, first=None):
         del split_accumulator
+        if first is not None:  # an output that may hold nothing yet ([Note: an unwritten accumulator])
+            zero_where_flagged(out, first)
         a, a_s = _values(dy_qt), dy_qt.scale_inv.float()
         b, b_s = _values(x_qt), x_qt.scale_inv.float()
         res = torch.zeros(offs_E.numel(), a.shape[0], b.shape[0])
@@ -137,10 +140,12 @@ def noisy_products(rel: float, seed: int):
     def ragged(fn):
         return lambda *a, **k: (lambda y: (y.float() + noise(y)).to(y.dtype))(fn(*a, **k))
 
-    def wgrad(*a, out=None, **k):
+    def wgrad(*a, out=None, first=None, **k):
         if out is None:
             dW = real[2](*a, **k)
             return (dW.float() + noise(dW)).to(dW.dtype)
+        if first is not None:  # an output that may hold nothing yet ([Note: an unwritten accumulator])
+            zero_where_flagged(out, first)
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
         before = [o.clone() for o in outs]
         real[2](*a, out=out, **k)
