@@ -176,17 +176,26 @@ def _fresh_first(params: Sequence[torch.Tensor]) -> bool:
 def run_wgrad(params: Sequence[torch.Tensor], gemm: Callable[[list[torch.Tensor | None]], Sequence[torch.Tensor]],
               *, fuse: bool, deferred: bool, shape: Sequence[int] | None = None,
               dtype: torch.dtype | None = None, uses: Uses | None = None,
-              fresh: Callable[[], Sequence[torch.Tensor]] | None = None) -> list[torch.Tensor | None]:
+              fresh: Callable[[], Sequence[torch.Tensor]] | None = None,
+              unwritten: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+              ) -> list[torch.Tensor | None]:
     """Runs ``gemm(targets)`` (as :func:`wgrad_targets`) and delivers the wgrads. ``fresh()``: [Note: a fresh
-    first contribution]; ``uses``: the forward's, renewed before the target is chosen ([Note: contribution
-    accounting])."""
+    first contribution]; ``unwritten(target, flag)``: [Note: an unwritten accumulator] in ``weights/first_write.py``;
+    ``uses``: the forward's, renewed before the target is chosen ([Note: contribution accounting])."""
     if params and is_distributed_weight(params[0]):
         with arriving(uses, params):
-            return _run(params, gemm, fuse, deferred, shape, dtype, fresh)
-    return _run(params, gemm, fuse, deferred, shape, dtype, fresh)
+            return _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten)
+    return _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten)
 
 
-def _run(params, gemm, fuse, deferred, shape, dtype, fresh) -> list[torch.Tensor | None]:
+def _run(params, gemm, fuse, deferred, shape, dtype, fresh, unwritten) -> list[torch.Tensor | None]:
+    if unwritten is not None and len(params) == 1 and isinstance(params[0], DistributedParameter):
+        taken = params[0].take_unwritten()
+        if taken is not None:
+            target, flag = taken
+            wgrad = unwritten(target, flag)
+            flag.zero_()  # after the kernel, on its stream: the next contribution adds
+            return deliver_wgrads(params, [wgrad], fuse=fuse, deferred=deferred)
     if fresh is not None and _fresh_first(params):
         wgrads = list(fresh())
         if len(wgrads) != len(params):
