@@ -18,6 +18,12 @@
 #   bench         the whole step at large beside FSDP2 and plain torch, bf16, eager / compiled / graphed
 #   bench_fp8     the whole step at large, one precision a process (FP8_MODES, default eager)
 #   bench_best    the bf16 best configurations, distwgrad beside each peer in one group of rotated rounds
+#   bench_peers_fp8  the whole step at large, bf16 and per-tensor FP8, distwgrad beside the plain and FSDP2 builds
+#                 converted to torchao's FP8 (its wheel in .whl/: pip download --no-deps torchao -d .whl), one
+#                 process a mode (PEER_MODES, default eager compiled)
+#   bench_xl      the xl preset, one build alive at a time (80 GB of fp32 state: one H200), each precision's
+#                 builds in one process: distwgrad bf16 and both recipes, then the plain build bf16 and torchao
+#                 (XL_MODES, default eager compiled_cuda_graph)
 #   layer         the layer step (MoE layer and tied embedding, bf16 and both recipes), eager and graphed
 #   kernels       qa/bench/kernels.py gemm and fp8 (KERNEL_ARGS); sweeps: sweep_gemm, sweep_fp8, sweep_quant
 #   curves        the FP8 loss bound's four runs a seed (CURVE_SEEDS, CURVE_STEPS, CURVE_RUNS, CURVE_ARGS),
@@ -32,8 +38,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-ALL="tests cpu_full te_swap job job_recipes bench bench_fp8 bench_best layer kernels sweep_gemm sweep_fp8 sweep_quant curves
-     megatron tools multi_gpu"
+ALL="tests cpu_full te_swap job job_recipes bench bench_fp8 bench_best bench_peers_fp8 bench_xl layer kernels sweep_gemm
+     sweep_fp8 sweep_quant curves megatron tools multi_gpu"
 STEPS=${STEPS:-"tests job bench layer"}
 [ "$STEPS" = all ] && STEPS=$ALL
 OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu}}
@@ -118,6 +124,17 @@ for step in $STEPS; do
       for peer in fsdp2 torch; do
         STEP_TIMEOUT=480 run "bench_best_$peer" $STEP --precisions bf16 --impls "distwgrad,$peer" \
           --modes compiled,compiled_cuda_graph --together --warmup 2 --rounds 6 --steps 2
+      done ;;
+    bench_peers_fp8)
+      for mode in ${PEER_MODES:-eager compiled}; do
+        STEP_TIMEOUT=480 run "bench_peers_fp8_$mode" $STEP --precisions bf16,fp8_per_tensor --modes "$mode" --warmup 2 \
+          --rounds 6 --steps 2
+      done ;;
+    bench_xl)  # ratios to bf16 from one process; the plain build's FP8 is torchao's
+      for spec in "distwgrad:bf16,fp8_per_tensor,fp8_blockwise" "torch:bf16,fp8_per_tensor"; do
+        STEP_TIMEOUT=580 run "bench_xl_${spec%%:*}" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py \
+          --model xl --batch 8 --microbatches 1 --impls "${spec%%:*}" --precisions "${spec#*:}" \
+          --modes "${XL_MODES:-eager,compiled_cuda_graph}" --warmup 2 --rounds 3 --steps 2
       done ;;
     layer) run layer python3 qa/bench/layer_step.py
            run layer_graph python3 qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph ;;
