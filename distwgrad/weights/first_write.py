@@ -4,8 +4,9 @@
 Eagerly, a group of one's first contribution becomes its ``main_grad`` ([Note: a fresh first contribution]
 in ``wgrad/accumulate.py``). A CUDA graph bakes in the address and replays the same work every microbatch,
 so it cannot choose between writing and adding; rather than a memset per step and the first add's read
-(two passes over every ``main_grad``: about 3% of the graphed ``large`` step, ``docs/benchmarks/results.jsonl``
-rows with ``ab``), a captured weight carries a flag, one int32 on its device (``weights/capture.py``):
+(two passes over every ``main_grad``: about 3% of the graphed ``large`` step, the "first-write flag A/B" rows
+of ``docs/benchmarks/results.jsonl``), a captured weight carries a flag, one int32 on its device
+(``weights/capture.py``):
 * A step that opens sets the flag, leaving ``main_grad`` stale until the first contribution.
 * A wgrad kernel given the flag (``first=`` of ``grouped_wgrad`` / ``grouped_wgrad_fp8``, through
   ``take_unwritten``) writes where it would add while it is set; the caller clears it after the launch.

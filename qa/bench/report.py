@@ -73,7 +73,9 @@ _LAYOUT = {
                                    "large b8x2048 compiled_cuda_graph, triton blockwise wgrad",
                                    # the weight lifecycle against the commit before it: LOG.md, 2026-12-05
                                    "large b8x2048 eager, commits A/B",
-                                   "large b8x2048 compiled_cuda_graph, commits A/B")),
+                                   "large b8x2048 compiled_cuda_graph, commits A/B",
+                                   # the first-write flag off and on: LOG.md, 2026-12-05 (fourth)
+                                   "large b8x2048 compiled_cuda_graph, first-write flag A/B (H100)")),
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
                          only=(("impl", ("distwgrad",)),)),  # not layer_step.py --tunings' rows (distwgrad@...)
