@@ -438,9 +438,9 @@ def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD
     MMA]). The runtime arguments come in tuples (``grouped_wgrad_fp8_launch`` builds them): ``groups`` (offs_ptr,
     stride_o, E, N, K), ``output`` (out_ptr, stride_oe, stride_on, stride_ok: the stacked output or, with
     PTR_TABLE, a table of per-group bases; first_ptr, FIRST's flag: [Note: an unwritten accumulator]), ``scales``
-    (as_ptr, bs_ptr and the blockwise strides stride_asn,
-    stride_asc, stride_bsk, stride_bsc), ``source`` (a_ptr, b_ptr, stride_at, stride_bt: GROUP_DESC's tensors),
-    ``tracing`` (trace_ptr, TRACE_TILES). ADD_MODE: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``."""
+    (as_ptr, bs_ptr and the blockwise strides stride_asn, stride_asc, stride_bsk, stride_bsc), ``source`` (a_ptr,
+    b_ptr, stride_at, stride_bt: GROUP_DESC's tensors), ``tracing`` (trace_ptr, TRACE_TILES). ADD_MODE: as
+    ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``."""
     offs_ptr, stride_o, E, N, K = groups
     out_ptr, stride_oe, stride_on, stride_ok, first_ptr = output
     as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc = scales
