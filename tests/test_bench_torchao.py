@@ -8,6 +8,7 @@ recipe, experts included, on an SM90 device.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -15,17 +16,35 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("torchao.float8")
-pytest.importorskip("torchao.prototype.moe_training.config")
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "qa" / "bench"))
 import _torchao_fp8  # noqa: E402
 import train_step  # noqa: E402
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
-from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor  # noqa: E402
 
 from distwgrad.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from distwgrad.models.moe_gpt import _TorchExperts  # noqa: E402
+
+# torchao is imported by the tests that use it, never at collection: each xdist worker collects every file,
+# and importing torchao takes seconds
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                reason="torchao is not installed (the optional extra bench)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torchao():
+    """Skips where torchao is installed but does not import (one built for another torch)."""
+    why = _torchao_fp8.import_error()
+    if why:
+        pytest.skip(why)
+
+
+def _float8_linear() -> type:
+    from torchao.float8.float8_linear import Float8Linear
+    return Float8Linear
+
+
+def _expert_weight() -> type:
+    from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+    return Float8TrainingWeightWrapperTensor
 
 # e4m3 keeps 3 mantissa bits to bf16's 7, so an FP8 GEMM rounds its operands 2^4 = 16 times as coarsely as the
 # bf16 build rounds them. The bf16 build's own distance from fp32 (same weights, same data) is what bf16's
@@ -69,15 +88,15 @@ def test_conversion_keeps_the_parameters():
     assert list(after) == list(before) and facts["fp8_experts"] and facts["recipe"] == "torchao"
     for name, p in after.items():
         if ".moe.fc" in name:
-            assert isinstance(p, Float8TrainingWeightWrapperTensor), name
+            assert isinstance(p, _expert_weight()), name
             assert p._data.untyped_storage().data_ptr() == before[name].untyped_storage().data_ptr(), name
             assert torch.equal(p._data, values[name]), name
         else:
             assert p is before[name], name
     for block in model.blocks:
-        assert isinstance(block.attn.qkv, Float8Linear) and isinstance(block.attn.proj, Float8Linear)
-        assert not isinstance(block.moe.router, Float8Linear)
-    assert model.lm_head.weight is model.embedding.weight and not isinstance(model.lm_head, Float8Linear)
+        assert isinstance(block.attn.qkv, _float8_linear()) and isinstance(block.attn.proj, _float8_linear())
+        assert not isinstance(block.moe.router, _float8_linear())
+    assert model.lm_head.weight is model.embedding.weight and not isinstance(model.lm_head, _float8_linear())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,7 +139,7 @@ def _step_losses(impls_precisions, rt, args, cfg) -> dict:
         losses[(impl, precision)] = b.run_step(tok).item()
         if precision == "fp8_per_tensor":
             assert b.facts["recipe"] == "torchao" and b.facts["fp8_experts"] == (rt["device"].type == "cuda")
-            assert all(isinstance(blk.attn.qkv, Float8Linear) for blk in b.model.blocks)
+            assert all(isinstance(blk.attn.qkv, _float8_linear()) for blk in b.model.blocks)
             unchanged = [i for i, (p, q) in enumerate(zip(params, before, strict=True)) if torch.equal(_local(p), q)]
             assert not unchanged, unchanged  # the optimizer stepped every parameter
     return losses
