@@ -75,7 +75,8 @@ _LAYOUT = {
                                    "large b8x2048 eager, commits A/B",
                                    "large b8x2048 compiled_cuda_graph, commits A/B",
                                    # the first-write flag off and on: LOG.md, 2026-12-05 (fourth)
-                                   "large b8x2048 compiled_cuda_graph, first-write flag A/B (H100)")),
+                                   "large b8x2048 compiled_cuda_graph, first-write flag A/B (H100)",
+                                   "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
                          only=(("impl", ("distwgrad",)),)),  # not layer_step.py --tunings' rows (distwgrad@...)
