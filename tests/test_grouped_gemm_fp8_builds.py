@@ -262,7 +262,8 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),
     no serialized wgmma, no spill, the epilogue
     partition's shared memory; a group's tail rows either left to TMA (per-group descriptors built in the
-    kernel, published to the TMA unit through the tensormap proxy fences, no zeroing) or zeroed by the MMA
+    kernel, published to the TMA unit through the tensormap proxy fences, rewritten once the loads through them
+    landed, no zeroing) or zeroed by the MMA
     warps and fenced for the async proxy ("zero"; [Note: a group's tail zero-filled by TMA]); chained, one
     wait per step and no promotion ([Note: chained bf16 accumulation])."""
     pytest.importorskip("triton")
@@ -293,6 +294,8 @@ def test_gluon_wgrad_bf16_kernel_builds(variant):
     assert ("fence.proxy.async.shared::cta" in ptx) is zero, "zeroed tail rows fenced, and only when zeroed"
     # a descriptor written in the kernel reaches the TMA unit only through the tensormap proxy's fences
     assert ("fence.proxy.tensormap" in ptx) is not zero, "per-group descriptors published"
+    # and rewritten in place only after the loads through them landed: one more barrier wait, the TMA warp's
+    assert ptx.count("mbarrier.try_wait") == 7 + (not zero), ptx.count("mbarrier.try_wait")
     assert (kernel.metadata.global_scratch_size > 0) is not zero, kernel.metadata.global_scratch_size
     # the handed-off tile: 64 KB in fp32
     assert ptx.count(".reqntid 384") == 1 and kernel.metadata.shared >= 5 * 32768 + 65536, kernel.metadata.shared

@@ -183,6 +183,26 @@ def test_gpu_gluon_wgrad_tail_ignores_other_tokens(tail, kernel_tuning):
            m.double() + R.grouped_wgrad(dy[:end].double(), x[:end].double(), offs))
 
 
+@pytest.mark.gpu
+@gpu
+def test_gpu_gluon_wgrad_group_descriptors_rewritten_after_their_loads(kernel_tuning):
+    """Each program's per-group descriptors live in one scratch slot, rewritten whenever its tiles change group
+    ([Note: a group's tail zero-filled by TMA]); a load still in flight through the old descriptor would read the
+    new group's tokens. Here groups of about 64 tokens (one chunk) change at nearly every tile, over repeated
+    accumulating calls, each against the oracle."""
+    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
+    if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
+    k = _kernels()
+    kernel_tuning(grouped_gemm=dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0, wgrad_gluon_tail="tma"))
+    T, E, K, N = 16384, 256, 512, 384
+    for seed in range(8):
+        d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=seed)
+        x, dy, offs, m = d["x"], d["dy"], d["offs"], d["m"]
+        out = m.clone()
+        k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
+        _check(f"gluon wgrad, seed {seed}", out, R.grouped_wgrad(dy, x, offs, out=m.clone()),
+               m.double() + R.grouped_wgrad(dy.double(), x.double(), offs))
 
 
 @pytest.mark.gpu

@@ -250,6 +250,16 @@ def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
+def _landed(ring, g):
+    """Waits until the ring's last NUM_STAGES loads (those before ring step g) have landed: a descriptor in
+    global scratch is rewritten in place, so no load through it may still be in flight ([Note: a group's tail
+    zero-filled by TMA])."""
+    NUM_STAGES: gl.constexpr = ring.NUM_STAGES
+    for j in range(gl.maximum(g - NUM_STAGES, 0), g):
+        mbarrier.wait(ring.ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+
+
+@gluon.jit
 def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
     """The TMA warp: ring step g waits for its stage, then loads it (with GROUP_DESC through per-group
     descriptors, with BLOCKWISE also the chunk's column scales)."""
@@ -276,6 +286,7 @@ def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
                                                       TOKENS_OUTER)
         if GROUP_DESC:
             if e != g_e:  # rebuilt when the program's tiles move to another group
+                _landed(ring, g)
                 a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
                 g_e = e
         if bw.BLOCKWISE:

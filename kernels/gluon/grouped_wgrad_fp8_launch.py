@@ -14,7 +14,9 @@ accumulation]), the scales ones; schedule and epilogue are the FP8 kernel's.
 [Note: a group's tail zero-filled by TMA]
 A bf16 group's last chunk may run into the next group's tokens (possibly NaN). With GROUP_DESC (``tail="tma"``)
 the TMA warp builds descriptors of dy and x covering the group alone whenever its tiles change group
-(``tma.make_tensor_descriptor``, in Triton's global scratch), so TMA zero-fills past the end. Any token is a
+(``tma.make_tensor_descriptor``, in Triton's global scratch), so TMA zero-fills past the end. The scratch is one
+slot per call site, rewritten in place: the TMA warp first waits until every load it issued has landed, else a
+load still in flight reads the next group's descriptor (a wrong tile, no error). Any token is a
 16-byte-aligned base because the row stride is; not so fp8's inner token coordinate ([Note: fp8 wgrad chunks] in
 ``grouped_gemm_fp8``). ``tail="zero"`` (a Triton without the allocator setting): the MMA warps zero those rows.
 
