@@ -7,7 +7,8 @@
 #   DRY_RUN=1 STEPS=all bash qa/L2_gpu/run.sh      # print each step's commands, run nothing
 #
 # Steps:
-#   tests         the GPU tests with --full (GPU_TESTS: paths, PYTEST_ARGS: e.g. "-k nccl"; TEST_SHARD=i/n: every
+#   tests         the GPU tests with --full in GPU_WORKERS processes (default 6, 0: one), GPU_TESTS: paths, PYTEST_ARGS:
+#                 e.g. "-k nccl"; TEST_SHARD=i/n: every
 #                 n-th file with GPU tests from the i-th, for a suite longer than one call); cpu_full: the CPU
 #                 suite with --full, the GPU hidden
 #   te_swap       TransformerEngine's public test files through the import swap (TE_TESTS: a folder of TE's
@@ -77,6 +78,9 @@ if [ -n "${TEST_SHARD:-}" ]; then
     exit 2
   fi
 fi
+gpu_workers() {  # "-n GPU_WORKERS" (default 6: every GPU test file in about 4 minutes on one H100) where xdist imports
+  [ "${GPU_WORKERS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null && echo "-n ${GPU_WORKERS:-6}"
+}
 gpu_test_files() {  # "tests", or with TEST_SHARD=i/n the files with GPU tests whose (sorted) index is i mod n
   [ -z "${TEST_SHARD:-}" ] && { echo tests; return; }
   local i=$shard_i n=$shard_n
@@ -88,7 +92,7 @@ STEP="torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py --model la
 for step in $STEPS; do
   case $step in
     tests) STEP_TIMEOUT=${STEP_TIMEOUT:-580} run tests python3 -m pytest ${GPU_TESTS:-$(gpu_test_files)} -m gpu --full -q -p no:cacheprovider -rf --tb=short \
-             --timeout 150 --durations 12 ${PYTEST_ARGS:-} ;;
+             --timeout 150 --durations 12 $(gpu_workers) ${PYTEST_ARGS:-} ;;
     te_swap)  # the files the TE drop-in is judged by; each case's outcome in the log
       for spec in "tied:test_tied_delayed_wgrad.py" "numerics:test_numerics.py -k delay_wgrad" \
                   "graphs:test_cuda_graphs.py -k interleaved_pipeline_parallelism or capture_time_hooks" \
