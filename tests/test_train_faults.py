@@ -243,9 +243,10 @@ def test_parity_reference_may_outlast_the_timeout(tmp_path):
     lockstep reference step is bracketed by a monitored barrier of twice the timeout: a run whose
     free-running reference alone takes longer than ``--timeout`` passes."""
     out = str(tmp_path / "run")
-    # a wider model than SMALL, so that the reference's 60 steps take well over --timeout on any machine
+    # a wider model than SMALL, so that the reference's 60 steps take well over --timeout: about 5 s on an
+    # AVX-512 core (at seq-len 64 they took 2 s there, which the log's whole-second stamps cannot tell apart)
     proc = _run(["--steps", "60", "--check-parity", "--timeout", "2", "--out", out, *SMALL, "--d-model", "128",
-                 "--d-ff", "512", "--seq-len", "64"])
+                 "--d-ff", "512", "--seq-len", "128"])
     r = _report(out)
     assert r["parity"]["passed"] and r["config"]["timeout"] == 2
     assert r["interrupted"] is None and r["summary"]["interrupted"] is None
