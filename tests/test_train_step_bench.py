@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -99,16 +100,32 @@ def test_world_2(tmp_path):
     assert ddp["unsized"] == 0 and ddp["by_kind"]["all_reduce"]["bytes"] > 0, ddp
 
 
-def test_layer_step_tiny():
-    """qa/bench/layer_step.py --tiny: a MoE layer and the tied embedding, bf16 and both FP8 recipes."""
-    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--reps", "1", "--no-record"]
+def test_layer_step_tiny(tmp_path):
+    """qa/bench/layer_step.py --tiny: a MoE layer and the tied embedding, bf16 and both FP8 recipes, beside the
+    plain-torch peer: its bf16 rows, and each FP8 case it cannot run here said with the reason."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--reps", "1",
+           "--impls", "distwgrad,torch", "--results", str(out)]
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    lines = [line.strip() for line in proc.stdout.splitlines() if " ms " in line]
+    lines = [line.strip() for line in proc.stdout.splitlines() if " ms " in line or "not run" in line]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     for case in ("moe E=4", "tied_embedding V=256"):
         for p in PRECISIONS:
-            assert any(line.startswith(case) and f" {p} " in line for line in lines), (case, p, proc.stdout)
+            assert any(line.startswith(case) and f" {p} " in line and "torch" not in line for line in lines), (
+                case, p, proc.stdout)
+            peer = [line for line in lines if line.startswith(case) and f" {p} " in line and "torch" in line]
+            assert len(peer) == 1, (case, p, proc.stdout)
+            # on a CPU the peer runs bf16 only: torchao's FP8 needs an SM90 GPU, and no peer quantizes the
+            # tied embedding or runs the blockwise recipe
+            assert ("not run (" in peer[0]) == (p != "bf16"), peer
+        torch_rows = [r for r in rows if r["impl"] == "torch" and r["case"].startswith(case)]
+        assert {(r["precision"], r["metric"]) for r in torch_rows} == {("bf16", "step_ms"), ("bf16", "tflops")}, rows
+    # the MoE case's reason: torchao missing (CI), or torchao present and this device not CUDA
+    reason = r"moe E=4 .* fp8_per_tensor .*torch: not run \((torchao is not importable|.*need CUDA)"
+    assert re.search(reason, proc.stdout), proc.stdout
+    assert "keeps the tied embedding and lm_head bf16" in proc.stdout, proc.stdout
 
 
 def test_layer_step_tunings_tiny(tmp_path):
@@ -145,6 +162,10 @@ def test_layer_step_tunings_tiny(tmp_path):
                                                      "family.knob=value"),
     (["--tunings", "", "quantize.per_tensor_block=8192", "--profile"], "--tunings times the eager step only"),
     (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--impls", "torch"], "--impls: distwgrad and optionally torch"),
+    (["--impls", "distwgrad,fsdp2"], "got 'distwgrad,fsdp2'"),
+    (["--impls", "distwgrad,torch", "--tunings", "", "quantize.per_tensor_block=8192"],
+     "--tunings times distwgrad's kernels"),
 ])
 def test_layer_step_tunings_refused(args, message):
     cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--no-record", *args]

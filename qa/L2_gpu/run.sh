@@ -25,7 +25,8 @@
 #   bench_xl      the xl preset, one build alive at a time (80 GB of fp32 state: one H200), each precision's
 #                 builds in one process: distwgrad bf16 and both recipes, then the plain build bf16 and torchao
 #                 (XL_MODES, default eager compiled_cuda_graph)
-#   layer         the layer step (MoE layer and tied embedding, bf16 and both recipes), eager and graphed
+#   layer         the layer step (MoE layer and tied embedding, bf16 and both recipes, beside the plain layer and
+#                 torchao's FP8), eager and graphed
 #   kernels       qa/bench/kernels.py gemm and fp8 (KERNEL_ARGS); sweeps: sweep_gemm, sweep_fp8, sweep_quant
 #   curves        the FP8 loss bound's four runs a seed (CURVE_SEEDS, CURVE_STEPS, CURVE_RUNS, CURVE_ARGS),
 #                 then qa/bench/loss_curves.py over their reports ($OUT_DIR/curves/)
@@ -140,7 +141,7 @@ for step in $STEPS; do
           --model xl --batch 8 --microbatches 1 --impls "${spec%%:*}" --precisions "${spec#*:}" \
           --modes "${XL_MODES:-eager,compiled_cuda_graph}" --warmup 2 --rounds 3 --steps 2
       done ;;
-    layer) run layer python3 qa/bench/layer_step.py
+    layer) run layer python3 qa/bench/layer_step.py --impls distwgrad,torch
            run layer_graph python3 qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph ;;
     kernels) run kernels_gemm python3 qa/bench/kernels.py gemm --rounds 3 ${KERNEL_ARGS:-}
              run kernels_fp8 python3 qa/bench/kernels.py fp8 ${KERNEL_ARGS:-} ;;

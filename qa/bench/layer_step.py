@@ -3,6 +3,8 @@
     python qa/bench/layer_step.py                 # GPU: the MoE shapes and embeddings below
     python qa/bench/layer_step.py --no-record     # the same, nothing appended
     python qa/bench/layer_step.py --tiny          # CPU smoke: tiny shapes (FP8 emulated)
+    # GPU: the MoE layers beside the plain-torch layer, bf16 and converted to torchao's FP8
+    python qa/bench/layer_step.py --impls distwgrad,torch --precisions bf16,fp8_per_tensor --no-record
     # GPU: the E=128 MoE layer eager and CUDA-graphed, bf16 and both FP8 recipes, no embedding case
     python qa/bench/layer_step.py --moe 128,16384,2048,768 --embed --cuda-graph
     # GPU: also where each case's device time goes (torch.profiler over three steps, the top kernels and the
@@ -25,6 +27,14 @@ looks up T ids, applies RMSNorm and the tied lm_head, and backpropagates the fp3
 Under ``fp8_autocast`` (``fp8_per_tensor``: ``PerTensorScaling()``, ``fp8_blockwise``:
 ``BlockwiseScaling()``) the GEMMs run in FP8. Times: median of ``triton.testing.do_bench`` on CUDA,
 of ``--reps`` steps on CPU. ``tflops``: the step's GEMM FLOPs (3 x forward) over its time.
+
+``--impls distwgrad,torch`` adds the peer: the plain-torch layer of ``MoEGPT(sharded=False,
+experts="grouped_mm")`` (fp32 masters cast to bf16 at each use, one ``torch._grouped_mm`` per expert GEMM),
+timed in the same process after the distwgrad layer of each case. Under ``fp8_per_tensor`` it is converted to
+torchao's FP8 as ``train_step.py``'s peers are (``_torchao_fp8.py``: FP8 rowwise grouped experts, the router
+bf16); its rows carry ``recipe`` "torchao" and ``vs_bf16`` against the plain layer's bf16. Where that peer
+cannot run (no torchao, no SM90 GPU, the blockwise recipe, the tied embedding, which torchtitan keeps bf16)
+the case prints "not run" with the reason.
 
 ``--cuda-graph`` (CUDA only) also times each MoE case with a second copy of the layer (same weights, same
 inputs) graphed by ``distwgrad.make_graphed_callables``: forward, backward and each deferred expert wgrad
@@ -56,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _torchao_fp8  # noqa: E402
 import _trace  # noqa: E402
 import _tunings  # noqa: E402
 import distwgrad.kernels  # noqa: E402
@@ -71,16 +82,19 @@ EMBED_SHAPES = [(32768, 2048, 16384), (128256, 4096, 8192)]  # V, D, T (the larg
 TINY_MOE, TINY_EMBED = [(4, 256, 64, 128)], [(256, 64, 256)]
 TOP_K = 2
 RECIPES = {"bf16": None, "fp8_per_tensor": PerTensorScaling, "fp8_blockwise": BlockwiseScaling}
+IMPLS = ("distwgrad", "torch")
 
 
-def _model(device: torch.device, **sizes) -> MoEGPT:
+def _model(device: torch.device, sharded: bool = True, **sizes) -> MoEGPT:
     cfg = MoEGPTConfig(n_layers=1, n_heads=4, seq_len=8, **sizes)
-    return MoEGPT(cfg, device=device, sharded=True, param_dtype=torch.bfloat16)
+    return MoEGPT(cfg, device=device, sharded=sharded, param_dtype=torch.bfloat16,
+                  experts="loop" if sharded else "grouped_mm")
 
 
-def _moe(E: int, T: int, K: int, N: int, device: torch.device):
-    """The job's MoE layer and T/top_k bf16 tokens with an output gradient (seed 0)."""
-    moe = _model(device, vocab_size=8, d_model=K, n_experts=E, top_k=TOP_K, d_ff=N).blocks[0].moe
+def _moe(E: int, T: int, K: int, N: int, device: torch.device, model: MoEGPT | None = None):
+    """The job's MoE layer (of ``model`` if given) and T/top_k bf16 tokens with an output gradient (seed 0)."""
+    model = _model(device, vocab_size=8, d_model=K, n_experts=E, top_k=TOP_K, d_ff=N) if model is None else model
+    moe = model.blocks[0].moe
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T // TOP_K, K, generator=gen).to(device, torch.bfloat16).requires_grad_()
     dy = torch.randn(T // TOP_K, K, generator=gen).to(device, torch.bfloat16)
@@ -92,6 +106,29 @@ def moe_problem(E: int, T: int, K: int, N: int, device: torch.device):
     moe, x, dy = _moe(E, T, K, N, device)
     flops = 3 * (2 * (T // TOP_K) * K * E + 2 * 2 * T * K * N)  # router, fc1 and fc2; forward x 3
     return moe, (lambda: moe(x).backward(dy)), flops
+
+
+def peer_moe_problem(E: int, T: int, K: int, N: int, device: torch.device, precision: str):
+    """(module, step, facts): the plain-torch MoE layer on :func:`moe_problem`'s tokens, under
+    ``fp8_per_tensor`` converted to torchao's FP8; ``facts`` are its rows' extra fields."""
+    model = _model(device, sharded=False, vocab_size=8, d_model=K, n_experts=E, top_k=TOP_K, d_ff=N)
+    facts = {}
+    if precision == "fp8_per_tensor":
+        facts = _torchao_fp8.convert(model, tokens=T // TOP_K, experts=True)
+    moe, x, dy = _moe(E, T, K, N, device, model)
+    return moe, (lambda: moe(x).backward(dy)), facts
+
+
+def peer_why(case_kind: str, precision: str, device: torch.device) -> str | None:
+    """Why the plain-torch peer of a ``case_kind`` ("moe" or "embed") case is not run at ``precision``."""
+    if precision == "bf16":
+        return None
+    if case_kind == "embed":
+        return "torchtitan's float8 keeps the tied embedding and lm_head bf16: there is no FP8 peer of this case"
+    why = _torchao_fp8.peer_why(precision, device)
+    if why is None and device.type != "cuda":
+        why = _torchao_fp8.experts_why(device)
+    return why
 
 
 def graphed_moe_problem(E: int, T: int, K: int, N: int, device: torch.device, recipe):
@@ -112,9 +149,10 @@ def _job_cuda_graph():
     return cuda_graph
 
 
-def embed_problem(V: int, D: int, T: int, device: torch.device):
-    """(module, step, GEMM FLOPs): the tied embedding and lm_head on T random ids (seed 0)."""
-    model = _model(device, vocab_size=V, d_model=D, n_experts=1, top_k=1, d_ff=8)
+def embed_problem(V: int, D: int, T: int, device: torch.device, sharded: bool = True):
+    """(module, step, GEMM FLOPs): the tied embedding and lm_head on T random ids (seed 0); ``sharded``
+    False: the plain-torch pair."""
+    model = _model(device, sharded=sharded, vocab_size=V, d_model=D, n_experts=1, top_k=1, d_ff=8)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(V, (1, T), generator=gen).to(device)
     targets = torch.randint(V, (T,), generator=gen).to(device)
@@ -198,6 +236,43 @@ def bench(args, device: torch.device) -> list[dict]:
         del module, fwd_bwd
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if "torch" in args.impls and not args.tunings:
+            rows += _peer_rows(case, problem, shape, flops, device, args, prov)
+    return rows
+
+
+def _peer_rows(case: str, problem, shape, flops: int, device: torch.device, args, prov: dict) -> list[dict]:
+    """The plain-torch peer of ``case`` at each precision it runs (module docstring), each in a fresh layer."""
+    rows, base_ms = [], None
+    for precision in args.precisions:
+        why = peer_why("moe" if problem is moe_problem else "embed", precision, device)
+        if why is not None:
+            print(f"  {case:45s} {precision:15s} torch: not run ({why})", flush=True)
+            continue
+        if problem is moe_problem:
+            module, fwd_bwd, facts = peer_moe_problem(*shape, device, precision)
+        else:
+            module, fwd_bwd, _ = embed_problem(*shape, device, sharded=False)
+            facts = {}
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ms = _timed(module, fwd_bwd, None, device, args.reps)
+        base_ms = ms if precision == "bf16" else base_ms
+        metrics = {"step_ms": (ms, "ms"), "tflops": (flops / ms / 1e9, "TFLOP/s")}
+        if device.type == "cuda":
+            metrics["peak_gib"] = (torch.cuda.max_memory_allocated(device) / 2 ** 30, "GiB")
+        extra = {"vs_bf16": round(base_ms / ms, 3) if base_ms and precision != "bf16" else None,
+                 "param_dtype": "bfloat16", "master_dtype": "float32", "shape": list(shape), **facts}
+        for metric, (value, unit) in metrics.items():
+            rows.append(results.row(bench="layer_step", case=case, impl="torch", precision=precision, world=1,
+                                    metric=metric, value=value, unit=unit, device=device, command=prov["command"],
+                                    **extra))
+        print(f"  {case:45s} {precision:15s} torch{' (torchao)' if facts else ''}: {ms:9.3f} ms  "
+              f"{flops / ms / 1e9:9.3g} TFLOP/s" + (f"  ({extra['vs_bf16']:.2f}x bf16)" if extra["vs_bf16"] else ""),
+              flush=True)
+        del module, fwd_bwd
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -276,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--embed", type=_ints, nargs="*", default=None, help="V,D,T embedding shapes")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke)")
     p.add_argument("--precisions", default=",".join(RECIPES), help="comma-separated subset of " + ",".join(RECIPES))
+    p.add_argument("--impls", default="distwgrad", help="comma-separated subset of " + ",".join(IMPLS)
+                   + "; torch: the plain-torch layer, its FP8 torchao's (module docstring)")
     p.add_argument("--reps", type=int, default=20, help="CPU: timed steps; CUDA: do_bench rep = 10 x reps ms")
     p.add_argument("--cuda-graph", action="store_true", help="also time each MoE case CUDA-graphed (forward, "
                    "backward, deferred wgrads replayed by distwgrad.make_graphed_callables; CUDA only)")
@@ -302,6 +379,11 @@ def main(argv=None) -> int:
             p.error("--tunings times the eager step only; run --cuda-graph and --profile without it")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    args.impls = tuple(v for v in args.impls.split(",") if v)
+    if "distwgrad" not in args.impls or any(v not in IMPLS for v in args.impls):
+        p.error(f"--impls: distwgrad and optionally torch (of {','.join(IMPLS)}), got {','.join(args.impls)!r}")
+    if "torch" in args.impls and args.tunings is not None:
+        p.error("--tunings times distwgrad's kernels; run --impls torch without it")
     args.precisions = tuple(v for v in args.precisions.split(",") if v)
     if not args.precisions or any(v not in RECIPES for v in args.precisions):
         p.error(f"--precisions: choose from {','.join(RECIPES)}")
