@@ -79,7 +79,8 @@ _LAYOUT = {
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
-                         only=(("impl", ("distwgrad",)),)),  # not layer_step.py --tunings' rows (distwgrad@...)
+                         only=(("impl", ("distwgrad",)),),  # not layer_step.py --tunings' rows (distwgrad@...)
+                         off_page=("moe E=8 T=32768 K=4096 N=14336 top_k=2 (H100)",)),  # beside torchao: docs/fp8.md
     "loss_curve": Layout("The job's loss curves: an FP8 run's distance from bf16's, bf16's from fp32's "
                          "([Note: the FP8 loss bound] in `qa/bench/loss_curves.py`: within the bound at <= 2.00x)",
                          columns="precision", baseline="bf16", metrics=("distance",),
