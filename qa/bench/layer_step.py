@@ -29,7 +29,7 @@ Under ``fp8_autocast`` (``fp8_per_tensor``: ``PerTensorScaling()``, ``fp8_blockw
 of ``--reps`` steps on CPU. ``tflops``: the step's GEMM FLOPs (3 x forward) over its time.
 
 ``--impls distwgrad,torch`` adds the peer: the plain-torch layer of ``MoEGPT(sharded=False,
-experts="grouped_mm")`` (fp32 masters cast to bf16 at each use, one ``torch._grouped_mm`` per expert GEMM),
+experts="grouped_mm")`` (fp32 masters cast to bf16 at each use; fc1 and fc2 one ``torch._grouped_mm`` each),
 timed in the same process after the distwgrad layer of each case. Under ``fp8_per_tensor`` it is converted to
 torchao's FP8 as ``train_step.py``'s peers are (``_torchao_fp8.py``: FP8 rowwise grouped experts, the router
 bf16); its rows carry ``recipe`` "torchao" and ``vs_bf16`` against the plain layer's bf16. Where that peer
