@@ -7,10 +7,9 @@
 #   DRY_RUN=1 STEPS=all bash qa/L2_gpu/run.sh      # print each step's commands, run nothing
 #
 # Steps:
-#   tests         the GPU tests with --full in GPU_WORKERS processes (default 6, 0: one), GPU_TESTS: paths, PYTEST_ARGS:
-#                 e.g. "-k nccl"; TEST_SHARD=i/n: every
-#                 n-th file with GPU tests from the i-th, for a suite longer than one call); cpu_full: the CPU
-#                 suite with --full, the GPU hidden
+#   tests         the GPU tests with --full in GPU_WORKERS processes (default 6, 0: one); GPU_TESTS: paths,
+#                 PYTEST_ARGS: e.g. "-k nccl", TEST_SHARD=i/n: every n-th file with GPU tests from the i-th, for a
+#                 suite longer than one call; cpu_full: the CPU suite with --full, the GPU hidden
 #   te_swap       TransformerEngine's public test files through the import swap (TE_TESTS: a folder of TE's
 #                 tests/pytorch files, carried with the tree; qa/te_swap/run.sh)
 #   job           the job at the large preset: bf16 --check-parity, FP8 per-tensor, CUDA-graphed --check-parity;

@@ -214,21 +214,10 @@ def bench(args, device: torch.device) -> list[dict]:
             if args.tunings:
                 rows += _tuning_rows(case, module, fwd_bwd, precision, flops, device, args, prov)
                 continue
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            ms = _timed(module, fwd_bwd, RECIPES[precision], device, args.reps)
+            ms, timed_rows = _timed_rows(case, "distwgrad", precision, module, fwd_bwd, RECIPES[precision], base_ms,
+                                         shape, flops, device, args, prov)
+            rows += timed_rows
             base_ms = ms if precision == "bf16" else base_ms
-            metrics = {"step_ms": (ms, "ms"), "tflops": (flops / ms / 1e9, "TFLOP/s")}
-            if device.type == "cuda":
-                metrics["peak_gib"] = (torch.cuda.max_memory_allocated(device) / 2 ** 30, "GiB")
-            extra = {"vs_bf16": round(base_ms / ms, 3) if base_ms else None, "param_dtype": "bfloat16",
-                     "master_dtype": "float32", "shape": list(shape)}
-            for metric, (value, unit) in metrics.items():
-                rows.append(results.row(bench="layer_step", case=case, impl="distwgrad", precision=precision,
-                                        world=1, metric=metric, value=value, unit=unit, device=device,
-                                        command=prov["command"], **extra))
-            print(f"  {case:45s} {precision:15s} {ms:9.3f} ms  {flops / ms / 1e9:9.3g} TFLOP/s"
-                  + (f"  ({extra['vs_bf16']:.2f}x bf16)" if extra["vs_bf16"] else ""), flush=True)
             if args.profile:
                 _profile(module, fwd_bwd, RECIPES[precision], case, precision)
             if args.cuda_graph and problem is moe_problem:
@@ -239,6 +228,29 @@ def bench(args, device: torch.device) -> list[dict]:
         if "torch" in args.impls and not args.tunings:
             rows += _peer_rows(case, problem, shape, flops, device, args, prov)
     return rows
+
+
+def _timed_rows(case: str, impl: str, precision: str, module: torch.nn.Module, fwd_bwd, recipe, base_ms: float | None,
+                shape, flops: int, device: torch.device, args, prov: dict, facts: dict | None = None
+                ) -> tuple[float, list[dict]]:
+    """Times one build of ``case`` at ``precision`` (``recipe``: the fp8_autocast one, None for bf16 and the peer,
+    which quantizes itself); ``(ms, rows)``, printing the line. ``base_ms``: the same build's bf16 time, if run."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = _timed(module, fwd_bwd, recipe, device, args.reps)
+    metrics = {"step_ms": (ms, "ms"), "tflops": (flops / ms / 1e9, "TFLOP/s")}
+    if device.type == "cuda":
+        metrics["peak_gib"] = (torch.cuda.max_memory_allocated(device) / 2 ** 30, "GiB")
+    vs_bf16 = 1.0 if precision == "bf16" else round(base_ms / ms, 3) if base_ms else None
+    extra = {"vs_bf16": vs_bf16, "param_dtype": "bfloat16", "master_dtype": "float32", "shape": list(shape),
+             **(facts or {})}
+    rows = [results.row(bench="layer_step", case=case, impl=impl, precision=precision, world=1, metric=metric,
+                        value=value, unit=unit, device=device, command=prov["command"], **extra)
+            for metric, (value, unit) in metrics.items()]
+    name = "" if impl == "distwgrad" else f"{impl}{' (torchao)' if facts else ''}: "
+    print(f"  {case:45s} {precision:15s} {name}{ms:9.3f} ms  {flops / ms / 1e9:9.3g} TFLOP/s"
+          + (f"  ({vs_bf16:.2f}x bf16)" if vs_bf16 else ""), flush=True)
+    return ms, rows
 
 
 def _peer_rows(case: str, problem, shape, flops: int, device: torch.device, args, prov: dict) -> list[dict]:
@@ -254,22 +266,10 @@ def _peer_rows(case: str, problem, shape, flops: int, device: torch.device, args
         else:
             module, fwd_bwd, _ = embed_problem(*shape, device, sharded=False)
             facts = {}
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ms = _timed(module, fwd_bwd, None, device, args.reps)
+        ms, timed_rows = _timed_rows(case, "torch", precision, module, fwd_bwd, None, base_ms, shape, flops, device,
+                                     args, prov, facts)
+        rows += timed_rows
         base_ms = ms if precision == "bf16" else base_ms
-        metrics = {"step_ms": (ms, "ms"), "tflops": (flops / ms / 1e9, "TFLOP/s")}
-        if device.type == "cuda":
-            metrics["peak_gib"] = (torch.cuda.max_memory_allocated(device) / 2 ** 30, "GiB")
-        extra = {"vs_bf16": round(base_ms / ms, 3) if base_ms and precision != "bf16" else None,
-                 "param_dtype": "bfloat16", "master_dtype": "float32", "shape": list(shape), **facts}
-        for metric, (value, unit) in metrics.items():
-            rows.append(results.row(bench="layer_step", case=case, impl="torch", precision=precision, world=1,
-                                    metric=metric, value=value, unit=unit, device=device, command=prov["command"],
-                                    **extra))
-        print(f"  {case:45s} {precision:15s} torch{' (torchao)' if facts else ''}: {ms:9.3f} ms  "
-              f"{flops / ms / 1e9:9.3g} TFLOP/s" + (f"  ({extra['vs_bf16']:.2f}x bf16)" if extra["vs_bf16"] else ""),
-              flush=True)
         del module, fwd_bwd
         if device.type == "cuda":
             torch.cuda.empty_cache()
