@@ -218,6 +218,31 @@ def test_fp8_recipe_under_compile():
     _assert_bit_equal(_step(model, fp8(model), x, (), False), _step(twin, fp8(compiled), xc, (), False))
 
 
+def test_fp8_exempt_under_compile():
+    """[Note: a module out of FP8]: under fp8_autocast a compiled exempt Linear is one graph and gives the bits
+    of the eager Linear with FP8 off; the same compiled Linear not exempt does not (so the comparison can fail)."""
+    model = _linear_case(True, False, False, torch.float32)
+    exempt = copy.deepcopy(model)
+    exempt.fp8_exempt = True
+    twin = copy.deepcopy(model)
+
+    def fp8(module):
+        def run(x):
+            with fp8_autocast(PerTensorScaling()):
+                return module(x)
+        return run
+
+    explain = torch._dynamo.explain(copy.deepcopy(exempt))(torch.randn(2, 5, K))
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    x = torch.randn(2, 5, K, requires_grad=True)
+    xe, xt = (x.detach().clone().requires_grad_() for _ in range(2))
+    want = _step(model, model, x, (), False)
+    _assert_bit_equal(want, _step(exempt, fp8(torch.compile(exempt, fullgraph=True, backend="aot_eager")), xe, (),
+                                  False))
+    quantized = _step(twin, fp8(torch.compile(twin, fullgraph=True, backend="aot_eager")), xt, (), False)
+    assert not torch.equal(quantized["input"], want["input"])
+
+
 def test_eager_modules_never_call_the_op(monkeypatch):
     """Outside torch.compile the modules call today's path directly ([Note: torch.compile])."""
     import distwgrad.nn._compiled as compiled_mod

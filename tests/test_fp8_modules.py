@@ -82,6 +82,34 @@ def test_grouped_linear_fp8_matches_emulation_reference(recipe):
         assert torch.equal(x.grad[s:t], dyq[s:t].mm(wq[e]).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_fp8_exempt_linear_runs_as_without_fp8(recipe, delay):
+    """[Note: a module out of FP8]: an exempt Linear under fp8_autocast gives the output and gradients of the same
+    Linear with FP8 off, bit for bit; the same Linear not exempt does not (so the comparison can fail)."""
+    torch.manual_seed(0)
+    base = Linear(48, 40, params_dtype=torch.bfloat16, delay_wgrad_compute=delay)
+    x = torch.randn(24, 48, dtype=torch.bfloat16)
+    dy = torch.randn(24, 40, dtype=torch.bfloat16)
+
+    def run(fp8_exempt: bool, autocast: bool):
+        lin = Linear(48, 40, params_dtype=torch.bfloat16, delay_wgrad_compute=delay, fp8_exempt=fp8_exempt)
+        lin.load_state_dict(base.state_dict())
+        xi = x.clone().requires_grad_()
+        with fp8_autocast(recipe if autocast else None):
+            y = lin(xi)
+        y.backward(dy)
+        lin.backward_dw()
+        return y, xi.grad, lin.weight.grad, lin.bias.grad
+
+    want = run(fp8_exempt=False, autocast=False)
+    for got, ref in zip(run(fp8_exempt=True, autocast=True), want, strict=True):
+        assert torch.equal(got, ref)
+    quantized = run(fp8_exempt=False, autocast=True)
+    assert not torch.equal(quantized[0], want[0]) and not torch.equal(quantized[2], want[2])
+    assert "fp8_exempt=True" in repr(Linear(4, 4, fp8_exempt=True))
+
+
 def test_recipe_is_carried_into_backward():
     """Backward runs outside the autocast block (and on another thread on CUDA): it must still be FP8."""
     torch.manual_seed(0)

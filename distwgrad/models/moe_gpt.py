@@ -11,7 +11,8 @@ wgrads are deferred: ``distwgrad.drain_deferred_wgrads`` before ``distwgrad.fina
 [Note: the model's mixed precision]
 ``param_dtype`` computes in that dtype over fp32 masters (the oracle casts inside autograd at each use, so
 its gradients are fp32 too); RMSNorm's mean of squares, the router's softmax and the loss run in fp32. The
-rotary tables are cast to the activations' dtype so an fp32 buffer does not promote bf16.
+rotary tables are cast to the activations' dtype so an fp32 buffer does not promote bf16. Under FP8 the
+router's GEMMs stay in ``param_dtype`` ([Note: a module out of FP8] in ``distwgrad/nn/linear.py``).
 
 [Note: load balancing]
 ``aux_loss_coef > 0`` adds each MoE layer's Switch Transformer loss ``E * sum_e f_e * P_e`` (``f_e``: share
@@ -169,11 +170,12 @@ class _TorchExperts(_TorchLeaf):
         return torch.cat([F.linear(x, w) for x, w in zip(groups, w_ENK.unbind(0))])
 
 
-def _linear(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | None = None) -> nn.Module:
+def _linear(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | None = None, *,
+            fp8_exempt: bool = False) -> nn.Module:
     if not sharded:
         return _TorchLinear(weight, param_dtype)
     n, k = getattr(weight, "full_shape", weight.shape)
-    return Linear(k, n, bias=False, weight=weight)
+    return Linear(k, n, bias=False, weight=weight, fp8_exempt=fp8_exempt)
 
 
 def _experts(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | None = None,
@@ -280,10 +282,11 @@ class Block(nn.Module):
                  expert_weight: Callable[[str], torch.Tensor] | None = None, ep: ExpertParallel | None = None) -> None:
         super().__init__()
         expert_weight = expert_weight or weight
-        lin = lambda name: _linear(sharded, weight(prefix + name), param_dtype)
+        lin = lambda name, **kw: _linear(sharded, weight(prefix + name), param_dtype, **kw)
         exp = lambda name: _experts(sharded, expert_weight(prefix + name), param_dtype, experts)
         self.attn = CausalSelfAttention(config, lin("attn.qkv.weight"), lin("attn.proj.weight"))
-        self.moe = MoE(config, lin("moe.router.weight"), exp("moe.fc1.weight"), exp("moe.fc2.weight"), ep)
+        router = lin("moe.router.weight", fp8_exempt=True)  # never FP8: [Note: the model's mixed precision]
+        self.moe = MoE(config, router, exp("moe.fc1.weight"), exp("moe.fc2.weight"), ep)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(rms_norm(x_BSD))

@@ -34,11 +34,11 @@ class LayerNormLinear(Linear):
                  device: torch.device | str | None = None, delay_wgrad_compute: bool = False,
                  fuse_wgrad_accumulation: bool = False, weight: torch.Tensor | None = None,
                  init_method: Callable[[torch.Tensor], object] | None = None, return_bias: bool = False,
-                 sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
+                 fp8_exempt: bool = False, sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
                  parallel_mode: str | None = None) -> None:
         super().__init__(in_features, out_features, bias, params_dtype=params_dtype, device=device,
                          delay_wgrad_compute=delay_wgrad_compute, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                         weight=weight, init_method=init_method, return_bias=return_bias,
+                         weight=weight, init_method=init_method, return_bias=return_bias, fp8_exempt=fp8_exempt,
                          sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=tp_size,
                          parallel_mode=parallel_mode)
         self.wgrad_store.owner = f"LayerNormLinear({in_features}, {out_features})"

@@ -207,7 +207,17 @@ class Linear(WgradModule):
         weight: an existing weight (a ``ShardedWeight``, a tied parameter) of full shape ``[N, K]``.
         init_method: initialises a fresh weight in place (default: ``nn.Linear``'s).
         return_bias: return ``(output, bias)`` unadded (TE's convention).
+        fp8_exempt: the GEMMs stay in the compute dtype under ``fp8_autocast`` ([Note: a module out of FP8]).
         sequence_parallel, tp_group, tp_size, parallel_mode: accepted at their defaults only.
+
+    [Note: a module out of FP8]
+    ``fp8_autocast`` covers every module; a module built with ``fp8_exempt=True`` reads no recipe, so its three
+    GEMMs run as without FP8, bit for bit. It is a module attribute, not a nested ``fp8_autocast(False)``,
+    because the recipe is read when the op runs: under ``torch.compile`` a context manager inside the
+    compiled region breaks the graph (dynamo cannot trace the ``ContextVar`` it sets), an attribute does not.
+    An MoE router is the use: its N is the expert count, so FP8 saves nothing there, and which experts a token
+    goes to moves with every rounding; Megatron computes its router outside FP8, and the benchmarks' torchao
+    peer keeps it in bf16.
     """
 
     _compute_dtype: torch.dtype  # set by the parameter checks (a plain attribute)
@@ -216,14 +226,17 @@ class Linear(WgradModule):
                  params_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  delay_wgrad_compute: bool = False, fuse_wgrad_accumulation: bool = False,
                  weight: torch.Tensor | None = None, init_method: Callable[[torch.Tensor], object] | None = None,
-                 return_bias: bool = False, sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
-                 parallel_mode: str | None = None) -> None:
+                 return_bias: bool = False, fp8_exempt: bool = False, sequence_parallel: bool = False,
+                 tp_group=None, tp_size: int = 1, parallel_mode: str | None = None) -> None:
         super().__init__()
         self._init_wgrad(delay_wgrad_compute=delay_wgrad_compute,
                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         check_no_tensor_parallelism(f"Linear({in_features}, {out_features})", sequence_parallel=sequence_parallel,
                                     tp_group=tp_group, tp_size=tp_size, parallel_mode=parallel_mode)
         self.return_bias = bool(return_bias)
+        if not isinstance(fp8_exempt, bool):
+            raise TypeError(f"Linear({in_features}, {out_features}): fp8_exempt must be a bool, got {fp8_exempt!r}")
+        self.fp8_exempt = fp8_exempt
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -298,7 +311,8 @@ class Linear(WgradModule):
         tracked = [p for p, t in ((self.weight, weight_grad), (bias, bias_grad)) if t and p is not None]
         uses = self._begin_forward(tracked)
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                     self.wgrad_store, current_recipe(), (self.out_features, self.in_features), uses)
+                     self.wgrad_store, None if self.fp8_exempt else current_recipe(),
+                     (self.out_features, self.in_features), uses)
         return inp.reshape(-1, self.in_features), call
 
     def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
@@ -316,4 +330,5 @@ class Linear(WgradModule):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, delay_wgrad_compute={self.delay_wgrad_compute}, "
-                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}")
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}"
+                + (", fp8_exempt=True" if self.fp8_exempt else ""))

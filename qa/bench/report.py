@@ -76,6 +76,7 @@ _LAYOUT = {
                                    "large b8x2048 compiled_cuda_graph, commits A/B",
                                    # the first-write flag off and on: LOG.md, 2026-12-05 (fourth)
                                    "large b8x2048 compiled_cuda_graph, first-write flag A/B (H100)",
+                                   "large b8x2048 eager (H100)",  # beside torchao: docs/fp8.md
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
@@ -86,7 +87,9 @@ _LAYOUT = {
                          columns="precision", baseline="bf16", metrics=("distance",),
                          off_page=("tiny 200 steps seed 0",)),  # the CPU preset: the large preset's seeds decide
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
-    "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",)),
+    "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",),
+                           off_page=tuple(f"{op} E=16 T=32768 K=2048 N=2048 (H100)"  # LOG.md, 2026-12-06 (later)
+                                          for op in ("fprop", "dgrad", "wgrad", "wgrad_accumulate"))),
     "dtype_paths": Layout("Grouped GEMM by dtype: distwgrad's route against torch's (TFLOP/s, host time included)",
                           baseline="loop", metrics=("tflops",), on_page=False),  # LOG, 2026-12-01
     "grouped_gemm_tails": Layout("Grouped GEMM tail tiles, bf16 (TFLOP/s)", baseline="distwgrad_full_tail",
@@ -256,8 +259,10 @@ def render(rows: Iterable[dict[str, Any]]) -> str:
 
 
 def plot_grouped_gemm(rows: Iterable[dict[str, Any]], path: Path = PLOT) -> bool:
-    """TFLOP/s by op and shape of the current grouped GEMM rows, one bar per impl; False without rows."""
-    rows = [r for r in current(rows) if r["bench"] == "grouped_gemm" and r["metric"] == "tflops"]
+    """TFLOP/s by op and shape of the current grouped GEMM rows on the page, one bar per impl; False without rows."""
+    off = _LAYOUT["grouped_gemm"].off_page
+    rows = [r for r in current(rows)
+            if r["bench"] == "grouped_gemm" and r["metric"] == "tflops" and r["case"] not in off]
     if not rows:
         return False
     import matplotlib
