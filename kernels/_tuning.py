@@ -58,13 +58,14 @@ class GroupedGemmTuning:
     ``wide_tail_max_tokens``: fprop/dgrad run wide tail tiles up to this many tokens per group on average ([Note:
     wide tail tiles]); beyond, the wide loop slows every full tile. ``wgrad_gluon``: the accumulating bf16 / fp16
     wgrad runs in the Gluon kernel ([Note: the bf16 wgrad in the fp8 kernel]) on Hopper from
-    ``wgrad_gluon_min_tokens`` per group on average (below, Triton wins); a fresh one ([Note: a fresh first
-    contribution]) runs Triton, no slower. ``wgrad_gluon_epilogue_warps``: 2 ([Note: an epilogue partition]) or 0.
+    ``wgrad_gluon_min_tokens`` per group on average; off by default, as the Triton kernel accumulates faster at
+    every shape measured (docs/benchmarks/LOG.md); a fresh one ([Note: a fresh first contribution]) runs Triton.
+    ``wgrad_gluon_epilogue_warps``: 2 ([Note: an epilogue partition]) or 0.
     ``wgrad_gluon_add_mode``: "atomic" (fp32 reductions, deterministic: one addend per element) or "load"
     (load-add-store). ``wgrad_gluon_tail``: "tma" or "zero" ([Note: a group's tail zero-filled by TMA])."""
 
     wide_tail_max_tokens: int = 160
-    wgrad_gluon: bool = True
+    wgrad_gluon: bool = False
     wgrad_gluon_min_tokens: int = 256
     wgrad_gluon_stages: int = 5
     wgrad_gluon_epilogue_warps: int = 2

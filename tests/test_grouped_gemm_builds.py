@@ -154,15 +154,17 @@ def test_gluon_wgrad_reaches_tritons_allocator_setting():
 
 
 def test_gluon_wgrad_dispatch_and_refusals(monkeypatch, kernel_tuning):
-    """The default dispatch tries the Gluon wgrad for accumulating calls whose groups hold
-    ``wgrad_gluon_min_tokens`` tokens or more on average, unless a config or ``use_tma=False`` asks for a
-    Triton kernel or ``wgrad_gluon`` is off (``GroupedGemmTuning``); it never runs off Hopper or in the
-    interpreter, and ``gluon=True`` where it cannot run names why."""
+    """With ``wgrad_gluon`` on (off by default: ``GroupedGemmTuning``), the default dispatch tries the Gluon wgrad
+    for accumulating calls whose groups hold ``wgrad_gluon_min_tokens`` tokens or more on average, unless a config
+    or ``use_tma=False`` asks for a Triton kernel; it never runs off Hopper or in the interpreter, and
+    ``gluon=True`` where it cannot run names why."""
     pytest.importorskip("triton")
     k = _kernels()
     t = current().grouped_gemm
-    assert t.wgrad_gluon is True and t.wgrad_gluon_min_tokens == 256
+    assert t.wgrad_gluon is False and t.wgrad_gluon_min_tokens == 256
     pick = k._gluon_wgrad_by_default
+    assert not pick(65536, 64, True, None, None)  # the default: the Triton kernel
+    kernel_tuning(grouped_gemm=dict(wgrad_gluon=True))
     assert pick(65536, 64, True, None, None) and pick(256 * 8, 8, True, None, True)
     assert not pick(256 * 8 - 1, 8, True, None, None)
     assert not pick(16384, 128, True, None, None)                       # 128 tokens per group

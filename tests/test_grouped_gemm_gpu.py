@@ -245,8 +245,8 @@ def test_gpu_e256():
 @pytest.mark.parametrize("wgrad", ["default", "triton", "gluon/tma", "gluon/zero"])
 def test_gpu_cuda_graph_and_compile(wgrad, kernel_tuning):
     """Captured once, replayed with new routing (offsets on the device change, the graph does not); the
-    accumulating wgrad as the default dispatch picks it (256 tokens per group: the Gluon kernel on Hopper),
-    through the Triton kernel, and through the Gluon kernel with either tail, whose per-group descriptors
+    accumulating wgrad as the default dispatch picks it (the Triton kernel), with the Triton kernel asked for,
+    and through the Gluon kernel with either tail, whose per-group descriptors
     live in scratch allocated at capture ([Note: a group's tail zero-filled by TMA])."""
     k = _kernels()
     if wgrad == "triton":
@@ -255,7 +255,8 @@ def test_gpu_cuda_graph_and_compile(wgrad, kernel_tuning):
         from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
         if not kw.AVAILABLE or torch.cuda.get_device_capability()[0] != 9:
             pytest.skip("the Gluon kernel runs on Hopper with a Triton that has Gluon")
-        kernel_tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=0, wgrad_gluon_tail=wgrad.split("/")[1]))
+        kernel_tuning(grouped_gemm=dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0,
+                                        wgrad_gluon_tail=wgrad.split("/")[1]))
     T, E, K, N = 2048, 8, 256, 512
     d = _inputs(T, E, K, N, torch.bfloat16, "cuda", seed=4)
     x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]

@@ -30,7 +30,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 KNOBS = {
     "grouped_gemm": {
         "wide_tail_max_tokens": 160,
-        "wgrad_gluon": True,
+        "wgrad_gluon": False,
         "wgrad_gluon_min_tokens": 256,
         "wgrad_gluon_stages": 5,
         "wgrad_gluon_epilogue_warps": 2,
@@ -233,9 +233,9 @@ def test_blocks_must_nest():
 
 
 def test_the_fixture_scopes_to_the_test(kernel_tuning):
-    assert kernel_tuning(grouped_gemm=dict(wgrad_gluon=False)).grouped_gemm.wgrad_gluon is False
+    assert kernel_tuning(grouped_gemm=dict(wgrad_gluon=True)).grouped_gemm.wgrad_gluon is True
     kernel_tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=0))
-    assert current().grouped_gemm == GroupedGemmTuning(wgrad_gluon=False, wgrad_gluon_min_tokens=0)
+    assert current().grouped_gemm == GroupedGemmTuning(wgrad_gluon=True, wgrad_gluon_min_tokens=0)
 
 
 def test_the_fixture_left_nothing_behind():
@@ -249,9 +249,11 @@ def test_the_kernels_read_the_tuning_in_force():
     from distwgrad.kernels import _grouped_gemm_configs as C
     from distwgrad.kernels import grouped_gemm as G
     from distwgrad.kernels import grouped_gemm_fp8 as F  # noqa: F401  (imports under a block too)
-    assert G._gluon_wgrad_by_default(65536, 64, True, None, None)
-    with tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=2048)):
-        assert not G._gluon_wgrad_by_default(65536, 64, True, None, None)
+    assert not G._gluon_wgrad_by_default(65536, 64, True, None, None)  # off by default
+    with tuning(grouped_gemm=dict(wgrad_gluon=True)):
+        assert G._gluon_wgrad_by_default(65536, 64, True, None, None)
+        with tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=2048)):
+            assert not G._gluon_wgrad_by_default(65536, 64, True, None, None)
     kw = dict(num_tokens=16384, num_groups=128, n=768, k=2048, elem_bytes=2, smem_limit=None)
     assert C.pick_ragged(**kw).wide_tail
     assert not C.pick_ragged(**kw, tuning=GroupedGemmTuning(wide_tail_max_tokens=64)).wide_tail
@@ -259,5 +261,6 @@ def test_the_kernels_read_the_tuning_in_force():
     assert fp8.ragged_gluon_wanted(768, 0) and not fp8.ragged_gluon_wanted(512, 128)
     assert not GroupedGemmFp8Tuning(ragged_gluon=False).ragged_gluon_wanted(4096, 0)
     assert (fp8.wgrad_stages(True), fp8.wgrad_stages(False)) == (6, 5)
-    assert GroupedGemmTuning().wgrad_gluon_wanted(256 * 8, 8, True)
-    assert not GroupedGemmTuning().wgrad_gluon_wanted(256 * 8, 8, False)  # a fresh wgrad: the Triton kernel
+    assert not GroupedGemmTuning().wgrad_gluon_wanted(256 * 8, 8, True)
+    assert GroupedGemmTuning(wgrad_gluon=True).wgrad_gluon_wanted(256 * 8, 8, True)
+    assert not GroupedGemmTuning(wgrad_gluon=True).wgrad_gluon_wanted(256 * 8, 8, False)  # fresh: Triton

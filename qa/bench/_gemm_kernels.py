@@ -90,11 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
     p.add_argument("--gluon-wgrad", action="store_true",
                    help="wgrad_accumulate: the 'distwgrad' rows run the Gluon wgrad at every shape (by default "
-                        "it runs where the groups average GroupedGemmTuning.wgrad_gluon_min_tokens tokens)")
+                        "the Triton kernel: GroupedGemmTuning.wgrad_gluon)")
     p.add_argument("--triton-rows", action="store_true",
-                   help="wgrad_accumulate: also time the Triton kernel where the default may run the Gluon one "
-                        "(impl 'distwgrad_triton') and the Gluon wgrad with each group's tail zeroed by the MMA "
-                        "warps or zero-filled by TMA (impls 'distwgrad_gluon_<zero|tma>')")
+                   help="wgrad_accumulate, where the Gluon wgrad can run: also time the Triton kernel (impl "
+                        "'distwgrad_triton', the default unless --gluon-wgrad) and the Gluon wgrad with each "
+                        "group's tail zeroed by the MMA warps or zero-filled by TMA (impls "
+                        "'distwgrad_gluon_<zero|tma>')")
     p.add_argument("--half-tail-rows", action="store_true",
                    help="fprop/dgrad: also time the default tile config with half_tail flipped (impl "
                         "'distwgrad_half_tail' or 'distwgrad_full_tail'; [Note: half tail tiles])")

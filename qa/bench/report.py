@@ -77,6 +77,8 @@ _LAYOUT = {
                                    # the first-write flag off and on: LOG.md, 2026-12-05 (fourth)
                                    "large b8x2048 compiled_cuda_graph, first-write flag A/B (H100)",
                                    "large b8x2048 eager (H100)",  # beside torchao: docs/fp8.md
+                                   # the accumulating wgrad's dispatch: LOG.md, 2026-12-06 (later)
+                                   "large b8x2048 mb2 compiled_cuda_graph, wgrad dispatch A/B",
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
@@ -88,8 +90,11 @@ _LAYOUT = {
                          off_page=("tiny 200 steps seed 0",)),  # the CPU preset: the large preset's seeds decide
     "train_job": Layout("Training job (`distwgrad.launch.train`)"),
     "grouped_gemm": Layout("Grouped GEMM, bf16 (TFLOP/s)", baseline="torch_grouped_mm", metrics=("tflops",),
-                           off_page=tuple(f"{op} E=16 T=32768 K=2048 N=2048 (H100)"  # LOG.md, 2026-12-06 (later)
-                                          for op in ("fprop", "dgrad", "wgrad", "wgrad_accumulate"))),
+                           off_page=(*(f"{op} E=16 T=32768 K=2048 N=2048 (H100)"  # LOG.md, 2026-12-06 (later)
+                                       for op in ("fprop", "dgrad", "wgrad", "wgrad_accumulate")),
+                                     *(f"wgrad_accumulate {shape}, wgrad dispatch A/B"  # the same entry
+                                       for shape in ("E=16 T=32768 K=2048 N=2048", "E=16 T=16384 K=2048 N=2048",
+                                                     "E=8 T=32768 K=4096 N=14336", "E=64 T=16384 K=2048 N=768")))),
     "dtype_paths": Layout("Grouped GEMM by dtype: distwgrad's route against torch's (TFLOP/s, host time included)",
                           baseline="loop", metrics=("tflops",), on_page=False),  # LOG, 2026-12-01
     "grouped_gemm_tails": Layout("Grouped GEMM tail tiles, bf16 (TFLOP/s)", baseline="distwgrad_full_tail",
