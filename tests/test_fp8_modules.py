@@ -110,6 +110,31 @@ def test_fp8_exempt_linear_runs_as_without_fp8(recipe, delay):
     assert "fp8_exempt=True" in repr(Linear(4, 4, fp8_exempt=True))
 
 
+def test_the_models_routers_run_out_of_fp8():
+    """Under fp8_autocast the job's model quantizes its attention and experts but not its routers ([Note: the
+    model's mixed precision]): each router's output is what it gives with FP8 off, bit for bit."""
+    from distwgrad.models import MoEGPT, MoEGPTConfig
+    cfg = MoEGPTConfig(vocab_size=64, seq_len=17, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32)
+    model = MoEGPT(cfg, device=torch.device("cpu"), sharded=True, param_dtype=torch.bfloat16)
+    seen = []
+    hooks = [block.moe.router.register_forward_hook(lambda m, args, out: seen.append((m, args[0].clone(), out.clone())))
+             for block in model.blocks]
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with fp8_autocast(PerTensorScaling()):
+        model(tokens[:, :-1])
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == cfg.n_layers
+    for router, x, y in seen:
+        assert router.fp8_exempt
+        with torch.no_grad():
+            assert torch.equal(y, router(x))
+            router.fp8_exempt = False
+            with fp8_autocast(PerTensorScaling()):
+                assert not torch.equal(y, router(x))  # the check can fail: quantized, the output differs
+            router.fp8_exempt = True
+
+
 def test_recipe_is_carried_into_backward():
     """Backward runs outside the autocast block (and on another thread on CUDA): it must still be FP8."""
     torch.manual_seed(0)
