@@ -18,6 +18,7 @@ from ._context import ensure_context
 from ._grouped_gemm_fp8_checks import _check_ragged, _check_runnable, _check_split, _check_wgrad
 from ._grouped_gemm_fp8_kernels import _fp8_ragged_kernel, _wgrad_fp8_kernel
 from ._host import cdiv, next_pow2
+from ._launch import launch
 from ._tuning import current as _tuning
 from .grouped_gemm import _device_info, _gluon_failed, _interpreting, _num_sms, _ptr_table, _resolve_tma
 
@@ -69,13 +70,13 @@ def _launch_gluon_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, block, sas
     b2 = b_EKN.as_strided((E * N, K), (b_EKN.stride(2), 1))
     tiles = (cdiv(T, bm) + E) * cdiv(N, L)  # >= the tiles of any split (offsets stay on device)
     try:
-        kg.ragged_kernel[(min(tiles, _num_sms(a.device)),)](
-            kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
-            T, E, N, K, N,
-            sas[0], sas[1], sbs[0], sbs[1], sbs[2],
-            out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
-            BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
-            BLOCK_E=max(16, next_pow2(E)), NUM_STAGES=t.ragged_gluon_stages, num_warps=bm // 16)
+        launch(kg.ragged_kernel, (min(tiles, _num_sms(a.device)),),
+               kg.descriptor(a, (bm, L)), kg.descriptor(b2, (L, L)), a_s, bs_EKN, out, bias_EN, offs_E,
+               T, E, N, K, N,
+               sas[0], sas[1], sbs[0], sbs[1], sbs[2],
+               out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
+               BLOCKWISE=block > 0, HAS_BIAS=bias_EN is not None, GROUP_M=8,
+               BLOCK_E=max(16, next_pow2(E)), NUM_STAGES=t.ragged_gluon_stages, num_warps=bm // 16)
     except CompilationError as exc:
         return _gluon_failed(_GLUON_FAILED, "ragged", "FP8 grouped GEMM kernel",
                              "the Triton kernel (same products, slower)", exc)
@@ -120,16 +121,16 @@ def _launch_ragged(a, a_s, b_EKN, bs_EKN, offs_E, bias_EN, out, *, block: int, o
         else:
             b_desc = TensorDescriptor(b_EKN, [E, K, N], [sb[0], sb[1], 1], [1, bk, bn])
     grid = ((cdiv(T, bm) + E) * cdiv(N, bn),)
-    _fp8_ragged_kernel[grid](
-        a_desc, b_desc, a, b_EKN, a_s, bs_EKN, out, bias_EN, offs_E,
-        T, E, N, K,
-        a.stride(0), a.stride(1), sb[0], sb[1], sb[2],
-        sas[0], sas[1], sbs[0], sbs[1], sbs[2],
-        out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
-        BLOCKWISE=block > 0, B_K_INNER=b_k_inner, HAS_BIAS=bias_EN is not None, USE_TMA=tma,
-        UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        BLOCK_E=max(16, next_pow2(E)), SPLIT_ACC=split_acc, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    launch(_fp8_ragged_kernel, grid,
+           a_desc, b_desc, a, b_EKN, a_s, bs_EKN, out, bias_EN, offs_E,
+           T, E, N, K,
+           a.stride(0), a.stride(1), sb[0], sb[1], sb[2],
+           sas[0], sas[1], sbs[0], sbs[1], sbs[2],
+           out.stride(0), out.stride(1), sbias[0], sbias[1], offs_E.stride(0),
+           BLOCKWISE=block > 0, B_K_INNER=b_k_inner, HAS_BIAS=bias_EN is not None, USE_TMA=tma,
+           UPCAST=_interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+           BLOCK_E=max(16, next_pow2(E)), SPLIT_ACC=split_acc, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)
     return out
 
 
@@ -211,17 +212,17 @@ def _launch_wgrad(a_NT, as_, b_KT, bs, offs_E, out, *, block: int, accumulate: b
     sas = as_.stride() if block else (0, 0)
     sbs = bs.stride() if block else (0, 0)
     grid = (E * cdiv(N, bm) * cdiv(K, bn),)
-    _wgrad_fp8_kernel[grid](
-        a_desc, b_desc, a_NT, b_KT, as_, bs, out if table is None else table, offs_E,
-        offs_E if first is None else first, T, N, K,
-        a_NT.stride(0), a_NT.stride(1), b_KT.stride(0), b_KT.stride(1),
-        sas[0], sas[1], sbs[0], sbs[1],
-        so[0], so[1], so[2], offs_E.stride(0),
-        BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
-        PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, L2_PREFETCH=cfg.l2_prefetch and accumulate and not _interpreting(),
-        FIRST=first is not None and accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch(_wgrad_fp8_kernel, grid,
+           a_desc, b_desc, a_NT, b_KT, as_, bs, out if table is None else table, offs_E,
+           offs_E if first is None else first, T, N, K,
+           a_NT.stride(0), a_NT.stride(1), b_KT.stride(0), b_KT.stride(1),
+           sas[0], sas[1], sbs[0], sbs[1],
+           so[0], so[1], so[2], offs_E.stride(0),
+           BLOCKWISE=block > 0, ADD_MODE=_ADD_MODES[cfg.add_mode] if accumulate else 0,
+           PTR_TABLE=table is not None, USE_TMA=tma, UPCAST=_interpreting(),
+           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+           GROUP_M=cfg.group_m, SPLIT_ACC=split_acc, L2_PREFETCH=cfg.l2_prefetch and accumulate and not _interpreting(),
+           FIRST=first is not None and accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # ---- the three products on raw tensors (config and use_tma are for tests and benchmarks) -----------

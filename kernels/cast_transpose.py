@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ._dispatch import call
 from ._host import cdiv, next_pow2
+from ._launch import launch
 from ._quantize_kernels import _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
 from .quantize import _amax, _check_input, _fmt_args, _fmt_args_of, _fp8_format
@@ -81,12 +82,12 @@ def _impl(x: torch.Tensor, ends: torch.Tensor | None, table: torch.Tensor | None
     t = _tuning()
     amax = _amax(x)
     grid = (max(1, cdiv(W, t.token_layout.block_t)), max(1, cdiv(R, t.token_layout.block_r)))
-    _cast_transpose_kernel[grid](
-        x, amax, data.view(torch.uint8), data_t.view(torch.uint8), scale_inv,
-        ends if ends is not None else amax, table if table is not None else amax, T, R, W, E,
-        E_POW2=next_pow2(max(E, 1)), BLOCK_T=t.token_layout.block_t, BLOCK_R=t.token_layout.block_r,
-        ALIGNED=ends is not None, ONE_GROUP=ends is not None and align % t.token_layout.block_t == 0,
-        **(_fmt_args_of(dtype, margin, False) if x.dtype == torch.float32 else _fmt_args(dtype, margin)))
+    launch(_cast_transpose_kernel, grid,
+           x, amax, data.view(torch.uint8), data_t.view(torch.uint8), scale_inv,
+           ends if ends is not None else amax, table if table is not None else amax, T, R, W, E,
+           E_POW2=next_pow2(max(E, 1)), BLOCK_T=t.token_layout.block_t, BLOCK_R=t.token_layout.block_r,
+           ALIGNED=ends is not None, ONE_GROUP=ends is not None and align % t.token_layout.block_t == 0,
+           **(_fmt_args_of(dtype, margin, False) if x.dtype == torch.float32 else _fmt_args(dtype, margin)))
     return data, scale_inv, data_t
 
 

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ._context import ensure_context
 from ._host import cdiv
+from ._launch import launch
 
 __all__ = ["zero_if_flagged"]
 
@@ -33,5 +34,5 @@ def zero_if_flagged(out: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     block = 8192  # fp32 elements a program zeroes: 32 KB, 16 bytes a thread and store with 8 warps
     if out.numel():
         ensure_context(out.device)  # [Note: a current context on any thread] in _context.py
-        _zero_if_flagged_kernel[(cdiv(out.numel(), block),)](out, first, out.numel(), BLOCK=block, num_warps=8)
+        launch(_zero_if_flagged_kernel, (cdiv(out.numel(), block),), out, first, out.numel(), BLOCK=block, num_warps=8)
     return out

@@ -36,6 +36,7 @@ from triton.compiler.errors import CompilationError
 
 from ._dispatch import call
 from ._host import cdiv, next_pow2
+from ._launch import launch
 from ._quantize_kernels import (
     _amax_kernel,
     _cast_per_tensor_kernel,
@@ -149,7 +150,7 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     n = x.numel()
     grid = (max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs)),)
-    _amax_kernel[grid](x, amax, n, BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
+    launch(_amax_kernel, grid, x, amax, n, BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
     return amax
 
 
@@ -166,8 +167,8 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, cdiv(n, t.per_tensor_block)),)
-    _cast_per_tensor_kernel[grid](x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=t.per_tensor_block,
-                                  num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
+    launch(_cast_per_tensor_kernel, grid, x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=t.per_tensor_block,
+           num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data, scale_inv
 
 
@@ -191,13 +192,13 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
     t = _tuning().quantize
     if bm == 1:
         tile_m = min(t.rows_tile_m, next_pow2(M))
-        _quantize_rows_kernel[(cdiv(M, tile_m), grid[1])](
-            x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
-            num_warps=t.rows_warps, **_fmt_args(dtype))
+        launch(_quantize_rows_kernel, (cdiv(M, tile_m), grid[1]),
+               x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
+               num_warps=t.rows_warps, **_fmt_args(dtype))
     else:
-        _quantize_blocks_kernel[grid](x, data.view(torch.uint8), scale_inv, M, N, M, POW2=power_of_two,
-                                      TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, num_warps=t.blocks_warps,
-                                      **_fmt_args(dtype))
+        launch(_quantize_blocks_kernel, grid, x, data.view(torch.uint8), scale_inv, M, N, M, POW2=power_of_two,
+               TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, num_warps=t.blocks_warps,
+               **_fmt_args(dtype))
     return data, scale_inv
 
 
@@ -222,10 +223,10 @@ def _rowcol_impl(x: torch.Tensor, tile: int, dtype: torch.dtype,
     if M * N > 0 and not (_gluon_rowcol(x, L, power_of_two)
                           and _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype)):
         t = _tuning().quantize
-        _quantize_rowcol_kernel[(cdiv(M, L), cdiv(N, L))](
-            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
-            POW2=power_of_two, L=L, num_warps=t.rowcol_warps, maxnreg=t.rowcol_maxnreg,
-            **_fmt_args(dtype))
+        launch(_quantize_rowcol_kernel, (cdiv(M, L), cdiv(N, L)),
+               x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8), scale_inv_t, M, N,
+               POW2=power_of_two, L=L, num_warps=t.rowcol_warps, maxnreg=t.rowcol_maxnreg,
+               **_fmt_args(dtype))
     return data, scale_inv, data_t, scale_inv_t
 
 
@@ -241,9 +242,9 @@ def _launch_gluon_rowcol(x, data, scale_inv, data_t, scale_inv_t, dtype) -> bool
     from .gluon import quantize_rowcol as kg
     M, N = x.shape
     try:
-        kg.rowcol_kernel[(cdiv(M, kg.L), cdiv(N, kg.L))](
-            x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
-            NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], num_warps=kg.NUM_WARPS.value)
+        launch(kg.rowcol_kernel, (cdiv(M, kg.L), cdiv(N, kg.L)),
+               x, data.view(torch.uint8), scale_inv, data_t.view(torch.uint8).view(torch.int32), scale_inv_t, M, N,
+               NUM=_fmt_args(dtype)["NUM"], FP8=_TL_FP8[dtype], num_warps=kg.NUM_WARPS.value)
     except CompilationError as exc:
         _GLUON_FAILED = f"{type(exc).__name__}: {exc}"[:2000]
         warnings.warn(f"the Gluon rows + columns FP8 quantize kernel does not build with triton "

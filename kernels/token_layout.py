@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._dispatch import call
 from ._host import cdiv, next_pow2
+from ._launch import launch
 from ._tuning import current as _tuning
 
 __all__ = ["transpose_aligned", "transpose", "aligned_width", "aligned_offsets"]
@@ -85,7 +86,7 @@ def _layout_kernel_call(offs_E: torch.Tensor, T: int, align: int) -> tuple[torch
     ends = torch.empty(E, dtype=torch.int32, device=offs_E.device)
     table = torch.empty(3, E, dtype=torch.int32, device=offs_E.device)
     if E:
-        _layout_kernel[(1,)](offs_E, ends, table, E, T, align, BLOCK=next_pow2(E))
+        launch(_layout_kernel, (1,), offs_E, ends, table, E, T, align, BLOCK=next_pow2(E))
     return ends, table
 
 
@@ -159,9 +160,9 @@ def _impl(data: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, align: in
     if R:
         t = _tuning().token_layout  # output columns (token places) and rows (features) per program
         grid = (cdiv(W, t.block_t), cdiv(R, t.block_r))
-        _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
-                                        data.stride(0), out.stride(0), E_POW2=next_pow2(max(E, 1)),
-                                        BLOCK_T=t.block_t, BLOCK_R=t.block_r, ONE_GROUP=align % t.block_t == 0)
+        launch(_transpose_aligned_kernel, grid, data.view(torch.uint8), out.view(torch.uint8), ends, table, R, W, E,
+               data.stride(0), out.stride(0), E_POW2=next_pow2(max(E, 1)),
+               BLOCK_T=t.block_t, BLOCK_R=t.block_r, ONE_GROUP=align % t.block_t == 0)
     return out
 
 
@@ -180,9 +181,9 @@ def _plain_impl(data: torch.Tensor) -> torch.Tensor:
     if R and T:
         t = _tuning().token_layout
         grid = (cdiv(T, t.block_t), cdiv(R, t.block_r))
-        _transpose_aligned_kernel[grid](data.view(torch.uint8), out.view(torch.uint8), data, data, R, T, 0,
-                                        data.stride(0), out.stride(0), E_POW2=1, BLOCK_T=t.block_t,
-                                        BLOCK_R=t.block_r, ALIGNED=False)
+        launch(_transpose_aligned_kernel, grid, data.view(torch.uint8), out.view(torch.uint8), data, data, R, T, 0,
+               data.stride(0), out.stride(0), E_POW2=1, BLOCK_T=t.block_t,
+               BLOCK_R=t.block_r, ALIGNED=False)
     return out
 
 

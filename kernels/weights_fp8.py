@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, device_table
+from ._launch import launch
 from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
 from .quantize import _check_block, _check_input, _fmt_args
@@ -127,8 +128,8 @@ def _group_amax(weights: Sequence[torch.Tensor], table: torch.Tensor, aligned: b
     if n:
         t = _tuning().quantize
         chunks = max(1, min(cdiv(n, t.per_tensor_block), t.amax_max_programs // E))
-        _amax_group_kernel[(chunks, E)](table, amax, n, X_TY=_TL[w0.dtype], ALIGNED=aligned,
-                                        BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
+        launch(_amax_group_kernel, (chunks, E), table, amax, n, X_TY=_TL[w0.dtype], ALIGNED=aligned,
+               BLOCK=t.per_tensor_block, num_warps=t.per_tensor_warps)
     if shared is not None and len(set(shared)) < E:
         if len(shared) != E:
             raise ValueError(f"quantize_weights_per_tensor: shared has {len(shared)} entries for {E} weights")
@@ -179,9 +180,9 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     t = _tuning().quantize
     tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(n, t.per_tensor_block)
-    _cast_group_kernel[(max(programs, 1), E)](table, amax, data.view(torch.uint8), s_inv, N, K, X_TY=_TL[w0.dtype],
-                                              ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block,
-                                              TILE=tile, num_warps=t.per_tensor_warps, **fmt)
+    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, data.view(torch.uint8), s_inv, N, K,
+           X_TY=_TL[w0.dtype], ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
+           num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
 
 
@@ -202,10 +203,10 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
     tile = t.weights_tile
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
     if E:
-        _cast_group_kernel[(max(programs, 1), E)](w_ENK, amax, data.view(torch.uint8), s_inv, N, K,
-                                                  X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
-                                                  BLOCK=t.per_tensor_block, TILE=tile, PACKED=True,
-                                                  num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
+        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, N, K,
+               X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
+               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True,
+               num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data.transpose(1, 2) if transpose else data, s_inv
 
 
@@ -224,9 +225,9 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtyp
     grid = (E * N // bm, cdiv(K, bn))
     s_inv = torch.empty(E, N // bm, grid[1], dtype=torch.float32, device=w_ENK.device)
     if data.numel():
-        _quantize_blocks_kernel[grid](w_ENK, data.view(torch.uint8), s_inv, E * N, K, N, POW2=power_of_two,
-                                      TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn,
-                                      num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))
+        launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, E * N, K, N, POW2=power_of_two,
+               TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn,
+               num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))
     return data.transpose(1, 2) if transpose else data, s_inv
 
 

@@ -27,9 +27,9 @@ CPU_METRICS = {"step_ms", "tokens_per_s", "collectives_per_step", "comm_bytes_pe
 PEER_FP8 = ("fp8_per_tensor",) if importlib.util.find_spec("torchao") else ()  # qa/bench/_torchao_fp8.py
 
 
-def _bench(tmp_path, nproc: int | None) -> tuple[dict, str]:
+def _bench(tmp_path, nproc: int | None, precisions=PRECISIONS) -> tuple[dict, str]:
     out = tmp_path / "bench.json"
-    args = [BENCH, "--model", "tiny", "--precisions", ",".join(PRECISIONS), "--modes", "eager", "--warmup", "1",
+    args = [BENCH, "--model", "tiny", "--precisions", ",".join(precisions), "--modes", "eager", "--warmup", "1",
             "--rounds", "1", "--steps", "1", "--no-record", "--json", str(out)]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = (launcher if nproc else [sys.executable]) + args
@@ -40,17 +40,18 @@ def _bench(tmp_path, nproc: int | None) -> tuple[dict, str]:
         return json.load(f), proc.stdout
 
 
-def _check(report: dict, stdout: str, world: int) -> None:
+def _check(report: dict, stdout: str, world: int, precisions=PRECISIONS) -> None:
+    peer_fp8 = tuple(p for p in PEER_FP8 if p in precisions)
     got: dict[tuple[str, str], set[str]] = {}
     for r in report["rows"]:
         assert r["bench"] == "train_step" and r["world"] == world and r["case"] == "tiny b16x64 mb2 eager", r
         got.setdefault((r["impl"], r["precision"]), set()).add(r["metric"])
-    want = {("distwgrad", p) for p in PRECISIONS} | {(i, p) for i in ("fsdp2", "torch") for p in ("bf16", *PEER_FP8)}
+    want = {("distwgrad", p) for p in precisions} | {(i, p) for i in ("fsdp2", "torch") for p in ("bf16", *peer_fp8)}
     assert set(got) == want, sorted(got)
     expect = CPU_METRICS | ({"comm_hidden"} if world > 1 else set())  # the hidden fraction needs peers
     assert all(metrics == expect for metrics in got.values()), got
     not_run = {(n["impl"], n["precision"]) for n in report["not_run"]}
-    assert not_run == {(i, p) for i in ("fsdp2", "torch") for p in PRECISIONS[1:] if p not in PEER_FP8}, not_run
+    assert not_run == {(i, p) for i in ("fsdp2", "torch") for p in precisions[1:] if p not in peer_fp8}, not_run
     peers = [r for r in report["rows"] if r["impl"] != "distwgrad" and r["precision"] != "bf16"]
     assert all(r["recipe"] == "torchao" and r["fp8_experts"] is False for r in peers), peers  # CPU: attention only
     assert all(n["why"] for n in report["not_run"])
@@ -62,9 +63,9 @@ def _check(report: dict, stdout: str, world: int) -> None:
     tokens = {(r["impl"], r["precision"]): r["value"] for r in report["rows"] if r["metric"] == "tokens_per_s"}
     best = {(b["impl"], b["precision"]): b for b in report["best"]}  # one mode here: eager is each one's best
     assert set(best) == want and all(b["mode"] == "eager" for b in best.values()), best
-    for peer, p in ((i, p) for i in ("fsdp2", "torch") for p in ("bf16", *PEER_FP8)):
+    for peer, p in ((i, p) for i in ("fsdp2", "torch") for p in ("bf16", *peer_fp8)):
         assert best[(peer, p)]["vs_distwgrad"] == tokens[("distwgrad", p)] / tokens[(peer, p)]
-    for p in PRECISIONS[1:]:
+    for p in precisions[1:]:
         assert best[("distwgrad", p)]["vs_bf16"] == tokens[("distwgrad", p)] / tokens[("distwgrad", "bf16")]
     assert "best configuration" in stdout and f"distwgrad {best[('fsdp2', 'bf16')]['vs_distwgrad']:.3f}x" in stdout
 
@@ -74,8 +75,9 @@ def _comm(report: dict, impl: str, precision: str) -> dict:
 
 
 def test_world_1(tmp_path):
-    report, stdout = _bench(tmp_path, None)
-    _check(report, stdout, 1)
+    """One process, bf16 (the recipes and their peers: test_world_2)."""
+    report, stdout = _bench(tmp_path, None, ("bf16",))
+    _check(report, stdout, 1, ("bf16",))
     rows = [r for r in report["rows"] if r["impl"] == "torch"]
     assert all(r["torch_mode"] == "single" for r in rows)
     assert {r["python_gc"] for r in report["rows"]} == {"off, gc.collect(1) before each block"}
@@ -167,11 +169,23 @@ def test_layer_step_tunings_tiny(tmp_path):
     (["--impls", "distwgrad,torch", "--tunings", "", "quantize.per_tensor_block=8192"],
      "--tunings times distwgrad's kernels"),
 ])
-def test_layer_step_tunings_refused(args, message):
-    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--no-record", *args]
+def test_layer_step_tunings_refused(monkeypatch, capsys, args, message):
+    """In this process (argparse's exit 2 is a SystemExit); the script's own exit path: the test below."""
+    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])
+    import layer_step
+
+    with pytest.raises(SystemExit) as exc:
+        layer_step.main(["--tiny", "--no-record", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_layer_step_refusal_exits_2_with_one_line():
+    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--no-record", "--rounds", "0"]
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "--rounds must be >= 1, got 0" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("python_gc", [False, True])
