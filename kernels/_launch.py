@@ -10,7 +10,7 @@ argument key ran, and calls its launcher directly.
 The key decides which compiled kernel runs, so it holds everything Triton specializes on, and more: each tensor's
 dtype and address modulo 16 (Triton: divisible by 16 or not); each int, bool, float and string by value (Triton:
 an int's width, divisibility by 16 and equality to 1; constexprs by value); a host tensor descriptor's (Triton's
-or Gluon's) base tensor as above, shape, strides, block shape, padding and layout; ``None``; and the keywords'
+or Gluon's) base tensor as above and every other field (shape, strides, block shape, layout, ...) by value; ``None``; and the keywords'
 names (constexprs, launch options). Anything else, more than ``_MAX_KEYS`` keys for one kernel, a launch or pre-run
 hook (a profiler's), the interpreter or a stand-in kernel take ``kernel[grid]`` itself: the same kernel, never a
 guess. A key's first launch goes through ``kernel[grid]`` too, which compiles; what it returns is kept. Triton's
@@ -55,9 +55,14 @@ def _key(values) -> tuple | None:
             key.append(t)
             key.append(a)
         elif t in _DESCRIPTORS:
-            base = a.base
-            key.append((t, base.dtype, base.data_ptr() & 15, tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
-                        a.padding, a.round_f32_to_tf32, getattr(a, "layout", None)))
+            key.append(t)
+            for name, v in vars(a).items():  # its fields, as this Triton has them
+                key.append(name)
+                if name == "base":
+                    key.append(v.dtype)
+                    key.append(v.data_ptr() & 15)
+                else:
+                    key.append(tuple(v) if type(v) is list else v)
         elif t is torch.dtype or t.__module__.startswith("triton.language"):  # a dtype given as a constexpr
             key.append(t)
             key.append(a)
