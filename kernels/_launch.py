@@ -8,13 +8,14 @@ host, against 6 µs for the compiled kernel's own launcher (docs/benchmarks/LOG.
 argument key ran, and calls its launcher directly.
 
 The key decides which compiled kernel runs, so it holds everything Triton specializes on, and more: each tensor's
-dtype and address modulo 16 (Triton: divisible by 16 or not); each int, bool, float and string by value (Triton:
-an int's width, divisibility by 16 and equality to 1; constexprs by value); a host tensor descriptor's (Triton's
-or Gluon's) base tensor as above and every other field (shape, strides, block shape, layout, ...) by value; ``None``; and the keywords'
-names (constexprs, launch options). Anything else, more than ``_MAX_KEYS`` keys for one kernel, a launch or pre-run
-hook (a profiler's), the interpreter or a stand-in kernel take ``kernel[grid]`` itself: the same kernel, never a
-guess. A key's first launch goes through ``kernel[grid]`` too, which compiles; what it returns is kept. Triton's
-refusal of a kernel whose globals changed after it compiled is not repeated: the kernels are fixed at import.
+dtype and address modulo 16 (Triton: divisible by 16 or not); each int, bool, float and string by value (Triton: an
+int's width, divisibility by 16 and equality to 1; constexprs by value); a host tensor descriptor's (Triton's or
+Gluon's) base tensor as above and every other field (shape, strides, block shape, layout, ...) by value; ``None``;
+and the keywords' names (constexprs, launch options). Anything else, more than ``_MAX_KEYS`` keys for one kernel, a
+launch or pre-run hook (a profiler's), the interpreter or a stand-in kernel take ``kernel[grid]`` itself: the same
+kernel, never a guess. A key's first launch goes through ``kernel[grid]`` too, which compiles; what it returns is
+kept. Triton's refusal of a kernel whose globals changed after it compiled is not repeated: the kernels are fixed at
+import.
 """
 
 from __future__ import annotations

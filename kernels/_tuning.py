@@ -5,7 +5,7 @@ only inside a ``with tuning(...)`` block.
 Each family's dataclass holds the knobs its launchers read (blocks, ring depths, warps, where a Gluon kernel takes
 over, switches forcing the Triton fallback); defaults are the tuned values (docs/benchmarks/LOG.md), and a
 launcher's choice is a pure function of shape and dtype. Nothing else in ``kernels/`` chooses tuning or paths,
-and nothing sets attributes on kernel modules: tests write ``with tuning(grouped_gemm=dict(wgrad_gluon=False)):``
+and nothing sets attributes on kernel modules: tests write ``with tuning(grouped_gemm_fp8=dict(wgrad_gluon=False)):``
 (fields of one family) or ``with tuning(QuantizeTuning(rows_tile_m=16)):`` (a whole family). An override ends
 with its block, exception or not; nested blocks start from the enclosing one's values. Overrides are
 process-wide, not a context variable, so that backward on the autograd engine's device threads sees them;
@@ -56,35 +56,14 @@ class GroupedGemmTuning:
     """The bf16 / fp16 / fp32 grouped GEMMs (``kernels/grouped_gemm.py``; tile configs: ``TileConfig``).
 
     ``wide_tail_max_tokens``: fprop/dgrad run wide tail tiles up to this many tokens per group on average ([Note:
-    wide tail tiles]); beyond, the wide loop slows every full tile. ``wgrad_gluon``: the accumulating bf16 / fp16
-    wgrad runs in the Gluon kernel ([Note: the bf16 wgrad in the fp8 kernel]) on Hopper from
-    ``wgrad_gluon_min_tokens`` per group on average; off by default, as the Triton kernel accumulates faster at
-    every shape measured (docs/benchmarks/LOG.md); a fresh one ([Note: a fresh first contribution]) runs Triton.
-    ``wgrad_gluon_epilogue_warps``: 2 ([Note: an epilogue partition]) or 0.
-    ``wgrad_gluon_add_mode``: "atomic" (fp32 reductions, deterministic: one addend per element) or "load"
-    (load-add-store). ``wgrad_gluon_tail``: "tma" or "zero" ([Note: a group's tail zero-filled by TMA])."""
+    wide tail tiles]); beyond, the wide loop slows every full tile."""
 
     wide_tail_max_tokens: int = 160
-    wgrad_gluon: bool = False
-    wgrad_gluon_min_tokens: int = 256
-    wgrad_gluon_stages: int = 5
-    wgrad_gluon_epilogue_warps: int = 2
-    wgrad_gluon_add_mode: str = "atomic"
-    wgrad_gluon_tail: str = "tma"
 
     def __post_init__(self) -> None:
         _check_fields(self, {
             "wide_tail_max_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-            "wgrad_gluon_min_tokens": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-            "wgrad_gluon_stages": (lambda v: _is_int(v) and 2 <= v <= 8, "an int in 2..8 (shared-memory stages)"),
-            "wgrad_gluon_epilogue_warps": (lambda v: v in (0, 2) and _is_int(v), "0 or 2"),
-            "wgrad_gluon_add_mode": (lambda v: v in ("atomic", "load"), "'atomic' or 'load'"),
-            "wgrad_gluon_tail": (lambda v: v in ("tma", "zero"), "'tma' or 'zero'"),
         })
-
-    def wgrad_gluon_wanted(self, num_tokens: int, num_groups: int, accumulate: bool) -> bool:
-        """Whether the default dispatch tries the Gluon wgrad (which then checks Hopper and TMA alignment)."""
-        return self.wgrad_gluon and accumulate and num_tokens >= self.wgrad_gluon_min_tokens * num_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +75,10 @@ class GroupedGemmFp8Tuning:
     won every run); ``ragged_gluon_block_m``: rows per program (one warpgroup per 64). ``wgrad_gluon`` /
     ``wgrad_gluon_blockwise``: the per-tensor split-accumulator / blockwise wgrad in the Gluon kernel ([Note: fp8
     wgrad under the next MMA]). Ring depths (``*_stages*``, 32 KB a stage): a fresh 16-bit wgrad has room for one
-    more ([Note: a 16-bit handoff]), a blockwise one for at most 4 ([Note: blockwise wgrad scales]). The rest: as
-    ``GroupedGemmTuning``'s. False forces the Triton kernel."""
+    more ([Note: a 16-bit handoff]), a blockwise one for at most 4 ([Note: blockwise wgrad scales]).
+    ``wgrad_gluon_epilogue_warps``: 2 ([Note: an epilogue partition]) or 0. ``wgrad_gluon_add_mode``: "atomic"
+    (fp32 reductions, deterministic: one addend per element) or "load" (load-add-store). False forces the Triton
+    kernel."""
 
     ragged_gluon: bool = True
     ragged_gluon_min_depth_per_tensor: int = 768

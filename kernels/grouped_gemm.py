@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 import triton
-from triton.compiler.errors import CompilationError
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _grouped_gemm_configs as _cfg
@@ -37,7 +36,6 @@ from ._tuning import current as _tuning
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
 
 _ADD_MODES = {"load": 1, "atomic": 3, "tma_add": 4}  # TileConfig.add_mode -> ADD_MODE
-_GLUON_FAILED: dict[str, str] = {}  # "wgrad16" -> why the Gluon wgrad did not build here (then Triton runs)
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers: check, allocate, grid, launch
@@ -101,18 +99,6 @@ def _gluon_failed(failed: dict[str, str], key: str, kernel: str, fallback: str, 
     return False
 
 
-def _ran_gluon(gluon: bool | None, what: str, applies: bool, needs, launch) -> bool:
-    """The ``gluon=`` contract: ``launch()`` where the Gluon kernel ``applies``; whether it ran. ``gluon=True``
-    raises ValueError naming what it ``needs()`` where it does not apply, RuntimeError where it does not build."""
-    if gluon and not applies:
-        raise ValueError(f"{what}: gluon=True, but the Gluon kernel needs {needs()}")
-    if applies and launch():
-        return True
-    if gluon:
-        raise RuntimeError(f"{what}: gluon=True, but the Gluon kernel does not build here: {_GLUON_FAILED}")
-    return False
-
-
 def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use_tma):
     """out[g] = a[g] @ (w_e^T if w_trans else w_e) for every group; a is [T, K], out is [T, N]."""
     ensure_context(a.device)  # [Note: a current context on any thread]
@@ -154,57 +140,15 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     return out
 
 
-def _gluon_wgrad(dy_TN: torch.Tensor, x_TK: torch.Tensor, out: torch.Tensor, accumulate: bool = True) -> bool:
-    """Whether the Gluon wgrad applies: Hopper, Gluon, dy and x of one 16-bit dtype, TMA-aligned, an fp32 out."""
-    if not dy_TN.is_cuda or _interpreting() or dy_TN.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    from .gluon import grouped_wgrad_fp8 as kw
-    out_ok = out.dtype == torch.float32
-    return (kw.AVAILABLE and x_TK.dtype == dy_TN.dtype and dy_TN.shape[0] > 0 and out_ok
-            and _tma_2d_ok(dy_TN, dy_TN.stride(0), dy_TN.stride(1)) and _tma_2d_ok(x_TK, x_TK.stride(0), x_TK.stride(1))
-            and torch.cuda.get_device_capability(dy_TN.device)[0] == 9)
-
-
-def _gluon_wgrad_by_default(T: int, E: int, accumulate: bool, config, use_tma) -> bool:
-    """Whether the default dispatch tries the Gluon wgrad: the tuning wants it, and no Triton config was asked for."""
-    return config is None and use_tma is not False and _tuning().grouped_gemm.wgrad_gluon_wanted(T, E, accumulate)
-
-
-def _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate: bool, first=None) -> bool:
-    """Launches the Gluon wgrad; False (and one warning) where this Triton cannot build it (then Triton runs)."""
-    from .gluon import grouped_wgrad_fp8_launch as kl
-    if "wgrad16" in _GLUON_FAILED:
-        return False
-    t = _tuning().grouped_gemm
-    add_mode = _ADD_MODES[t.wgrad_gluon_add_mode] if accumulate else 0
-    try:
-        kl.launch_tokens_outer(dy_TN, x_TK, offs_E, out, table, add_mode=add_mode,
-                               stages=t.wgrad_gluon_stages, epilogue_warps=t.wgrad_gluon_epilogue_warps,
-                               num_sms=_num_sms(dy_TN.device), tail=t.wgrad_gluon_tail, first=first)
-    except CompilationError as exc:
-        return _gluon_failed(_GLUON_FAILED, "wgrad16", "wgrad kernel", "the Triton kernel", exc)
-    return True
-
-
-def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma,
-                  gluon: bool | None = None, first=None):
+def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, use_tma, first=None):
     """dW_e into ``out`` ([E, N, K]) or, with ``table``, the buffers it points to (``out`` is then entry 0, for
-    its strides); adds iff ``accumulate`` (``first``: [Note: an unwritten accumulator]). ``gluon``: None picks,
-    True requires the Gluon kernel, False runs a Triton one."""
+    its strides); adds iff ``accumulate`` (``first``: [Note: an unwritten accumulator])."""
     ensure_context(dy_TN.device)  # [Note: a current context on any thread]
     T, N = dy_TN.shape
     K = x_TK.shape[1]
     E = offs_E.shape[0]
     if E == 0 or N == 0 or K == 0:
         return
-    if gluon if gluon is not None else _gluon_wgrad_by_default(T, E, accumulate, config, use_tma):
-        needs = lambda: (f"a Hopper GPU, a Triton with Gluon, bf16 or fp16 TMA-aligned dy and x of one dtype and "  # noqa: E731
-                         f"an fp32 output; got {dy_TN.dtype} and {x_TK.dtype} on {dy_TN.device}, strides "
-                         f"{tuple(dy_TN.stride())} and {tuple(x_TK.stride())}, output {out.dtype}, "
-                         f"accumulate={accumulate}")
-        if _ran_gluon(gluon, "grouped_wgrad", _gluon_wgrad(dy_TN, x_TK, out, accumulate), needs,
-                      lambda: _launch_gluon_wgrad(dy_TN, x_TK, offs_E, out, table, accumulate, first)):
-            return
     if config is None:
         config = (_cfg.INTERPRETER if _interpreting() else
                   _cfg.pick_wgrad(num_tokens=T, num_groups=E, n=N, k=K, elem_bytes=dy_TN.element_size(),

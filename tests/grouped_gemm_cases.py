@@ -50,12 +50,10 @@ def _poisoned(shape, like):
 
 
 def _check_all_ops(T, E, K, N, dtype, device, *, seed=0, use_tma=None, config=None, bias=True,
-                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list"), splits=None, exact_fresh=False,
-                   fresh_gluon=None):
+                   ops=("fprop", "dgrad", "wgrad", "wgrad_acc", "wgrad_acc_list"), splits=None, exact_fresh=False):
     """Runs the launchers on NaN-poisoned outputs and checks each op against the oracle; ``splits``
     (tokens per group) replaces the random split. ``exact_fresh``: "wgrad_fp32" must also be bit-equal to
-    the accumulating wgrad into zeros (where both run one kernel with one tile order); ``fresh_gluon``: its
-    ``gluon`` argument (None: the default dispatch)."""
+    the accumulating wgrad into zeros (where both run one kernel with one tile order)."""
     k = _kernels()
     d = _inputs(T, E, K, N, dtype, device, seed)
     x, w, dy, offs, m = d["x"], d["w"], d["dy"], d["offs"], d["m"]
@@ -80,7 +78,7 @@ def _check_all_ops(T, E, K, N, dtype, device, *, seed=0, use_tma=None, config=No
         _check(f"wgrad {tag}", dw, R.grouped_wgrad(dy, x, offs), oracle_dw)
     if "wgrad_fp32" in ops:  # a fresh fp32 output: what adding into zeros holds ([Note: a fresh first contribution])
         dw = torch.full((E, N, K), float("nan"), device=device)
-        k._launch_wgrad(dy, x, offs, dw, accumulate=False, table=None, gluon=fresh_gluon, **kw)
+        k._launch_wgrad(dy, x, offs, dw, accumulate=False, table=None, **kw)
         assert not dw.isnan().any(), f"wgrad_fp32 {tag}: a tile left unwritten"
         zeros = torch.zeros(E, N, K, device=device)
         _check(f"wgrad_fp32 {tag}", dw, R.grouped_wgrad(dy, x, offs, out=zeros.clone()), oracle_dw)

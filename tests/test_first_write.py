@@ -291,7 +291,7 @@ def test_graphing_flags_and_reset_unflags(modelled_cuda):  # noqa: F811
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("path", ["gluon", "triton", "triton/tma_add", "triton/load/l2pf"])
+@pytest.mark.parametrize("path", ["default", "triton", "triton/tma_add", "triton/load/l2pf"])
 @pytest.mark.parametrize("gpu", [pytest.param(None, marks=_gpu)])
 def test_gpu_bf16_wgrad(path, gpu):
     from distwgrad.kernels import grouped_gemm as k
@@ -299,13 +299,11 @@ def test_gpu_bf16_wgrad(path, gpu):
     gen = torch.Generator().manual_seed(4)
     dy, x, offs, shape = _bf16_problem(torch.bfloat16, "cuda", gen, T=640, K=256, N=384)
     kind, *opts = path.split("/")
-    cfg = None if kind == "gluon" else TileConfig(128, 128, 32, num_warps=4, num_stages=4,
-                                                  add_mode=opts[0] if opts else "atomic", l2_prefetch="l2pf" in opts)
+    cfg = None if kind == "default" else TileConfig(128, 128, 32, num_warps=4, num_stages=4,
+                                                    add_mode=opts[0] if opts else "atomic", l2_prefetch="l2pf" in opts)
 
     def run(out, first):
-        return k._wgrad(dy, x, offs, out, config=cfg, first=first) if cfg else \
-            (k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True,
-                             first=first), out)[1]
+        return k._wgrad(dy, x, offs, out, config=cfg, first=first)
     _check_flag(run, shape, "cuda", path, gen)
 
 

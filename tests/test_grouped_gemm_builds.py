@@ -1,15 +1,11 @@
 """The grouped GEMMs without a GPU: sm_90a builds of the Triton kernels (Triton ships ptxas; half and wide
-tail tiles, the L2 prefetch), the config picks, and the Gluon wgrad's dispatch and refusals (stubbed).
+tail tiles, the L2 prefetch) and the config picks.
 """
 
 import re
 
 import pytest
-import torch
-from distwgrad.kernels import current, tuning
 from grouped_gemm_cases import _kernels
-
-from distwgrad.testing.stubs import StubKernel
 
 # ---- sm_90a builds and config picks (no GPU needed) ---------------------------------------------------
 
@@ -133,61 +129,3 @@ def test_half_tail_builds_for_sm90(op, shape):
     # [Note: wide tail tiles]: the wide stage adds a [64, 64] x tile to each of the four stages, and the
     # ring still fits (the margin pick_ragged leaves)
     assert wides[1] == plain[1] + 4 * 64 * bk * 2 <= 232448 - 1024 + 32, built
-
-
-def test_gluon_wgrad_reaches_tritons_allocator_setting():
-    """[Note: a group's tail zero-filled by TMA]: the per-group descriptors need Triton's global scratch,
-    which ``launch_tokens_outer`` supplies for its launch through Triton's allocator setting (a
-    ContextVar, restored after the launch); a Triton that moved it would silently lose the TMA tail, so
-    the installed one must expose it, and an invalid ``tail`` names itself."""
-    pytest.importorskip("triton")
-    from contextvars import ContextVar
-
-    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
-    from distwgrad.kernels.gluon import grouped_wgrad_fp8_launch as kl
-    if not kw.AVAILABLE:
-        pytest.skip("this Triton has no Gluon")
-    assert isinstance(kl._allocator(), ContextVar)
-    with pytest.raises(ValueError, match=r"tail must be one of \('tma', 'zero'\), got 'nan'"):
-        kl.launch_tokens_outer(None, None, None, None, None, add_mode=3, stages=5, epilogue_warps=2, num_sms=132,
-                               tail="nan")
-
-
-def test_gluon_wgrad_dispatch_and_refusals(monkeypatch, kernel_tuning):
-    """With ``wgrad_gluon`` on (off by default: ``GroupedGemmTuning``), the default dispatch tries the Gluon wgrad
-    for accumulating calls whose groups hold ``wgrad_gluon_min_tokens`` tokens or more on average, unless a config
-    or ``use_tma=False`` asks for a Triton kernel; it never runs off Hopper or in the interpreter, and
-    ``gluon=True`` where it cannot run names why."""
-    pytest.importorskip("triton")
-    k = _kernels()
-    t = current().grouped_gemm
-    assert t.wgrad_gluon is False and t.wgrad_gluon_min_tokens == 256
-    pick = k._gluon_wgrad_by_default
-    assert not pick(65536, 64, True, None, None)  # the default: the Triton kernel
-    kernel_tuning(grouped_gemm=dict(wgrad_gluon=True))
-    assert pick(65536, 64, True, None, None) and pick(256 * 8, 8, True, None, True)
-    assert not pick(256 * 8 - 1, 8, True, None, None)
-    assert not pick(16384, 128, True, None, None)                       # 128 tokens per group
-    assert not pick(65536, 64, False, None, None)                       # a fresh output
-    assert not pick(65536, 64, True, k._cfg.INTERPRETER, None)          # a config: the Triton kernel
-    assert not pick(65536, 64, True, None, False)                       # no TMA: the Triton kernel
-    with tuning(grouped_gemm=dict(wgrad_gluon=False)):
-        assert not pick(65536, 64, True, None, None)
-    dy, x = torch.randn(64, 32).bfloat16(), torch.randn(64, 48).bfloat16()
-    out = torch.zeros(2, 32, 48)
-    offs = torch.tensor([30, 64], dtype=torch.int32)
-    assert not k._gluon_wgrad(dy, x, out)
-    with pytest.raises(ValueError, match=r"gluon=True, but the Gluon kernel needs a Hopper GPU.*torch.bfloat16.*cpu"):
-        k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
-    # where it applies but does not build: gluon=True raises, the default dispatch runs the Triton kernel
-    kernel_tuning(grouped_gemm=dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0))
-    monkeypatch.setattr(k, "_gluon_wgrad", lambda *a: True)
-    monkeypatch.setattr(k, "_launch_gluon_wgrad", lambda *a: False)
-    monkeypatch.setattr(k, "_GLUON_FAILED", {"wgrad16": "CompilationError: no such op"})
-    with pytest.raises(RuntimeError, match=r"grouped_wgrad: gluon=True, but the Gluon kernel does not build here: "
-                                           r"\{'wgrad16': 'CompilationError: no such op'\}"):
-        k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None, gluon=True)
-    taken = []
-    monkeypatch.setattr(k, "_wgrad_kernel", StubKernel(lambda grid, *a, **kws: taken.append("triton")))
-    k._launch_wgrad(dy, x, offs, out, accumulate=True, table=None, config=None, use_tma=None)
-    assert taken == ["triton"]

@@ -189,13 +189,12 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
     out_ty = "*i64" if "table" in rest else "*bf16" if "bf16" in rest else "*fp16" if "fp16" in rest else "*fp32"
     vals = dict(a_desc=f"tensordesc<{a_ty}[{L},{L}],{a_lay!r}>", b_desc=f"tensordesc<fp8e4nv[{L},{L}],{b_lay!r}>",
                 T=T, groups=("*i32", 1, E, N, K), output=(out_ty, N * K, K, 1, "*i32"),
-                scales=("*fp32", "*fp32", T // L, 1, 1, K), source=(f"*{a_ty}", "*fp8e4nv", "i32", "i32"),
-                tracing=("*i64", 435))
+                scales=("*fp32", "*fp32", T // L, 1, 1, K), tracing=("*i64", 435))
     consts = dict(ADD_MODE={"fresh": 0, "load": 1, "atomic": 3, "dry": -1}[mode], PTR_TABLE="table" in rest,
                   GROUP_M=8, NUM_STAGES=stages,
                   EPI_WARPS=2 if "epi" in rest else 0, EPI_ROWS=kw.EPI_ROWS, EPI_REGS=kw.EPI_REGS, num_warps=8,
-                  TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, TOKENS_OUTER=False,
-                  GROUP_DESC=False, CHAIN=False, FIRST="first" in rest, BLOCKWISE="blockwise" in rest)
+                  TRACE="trace" in rest, ZERO_EDGES="unzeroed" not in rest, FIRST="first" in rest,
+                  BLOCKWISE="blockwise" in rest)
     kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
     a_name = "e5m2" if "e5m2" in rest else "e4m3"
     assert f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{a_name}.e4m3" in ptx, "no fp8 wgmma"
@@ -253,50 +252,3 @@ def test_gluon_wgrad_kernel_keeps_the_mma_pipeline(variant):
         # the MMA layout's pairs of columns stored (two fp32, or two 16-bit values in one word), the epilogue
         # warps' 16-byte loads (four fp32, or eight 16-bit values)
         assert ("st.shared.v2.b32" in ptx) is not out16 and "ld.shared.v4.b32" in ptx
-
-
-@pytest.mark.parametrize("variant", params(["atomic", "atomic/zero", "atomic/table", "load", "load/zero",
-                                            "atomic/first"], 3))
-def test_gluon_wgrad_bf16_kernel_builds(variant):
-    """[Note: the bf16 wgrad in the fp8 kernel]: the TOKENS_OUTER build (bf16 dy and x as [tokens, rows]
-    stages) for sm_90a at the second MoE shape: bf16 wgmma with both operands read transposed (MN-major),
-    no serialized wgmma, no spill, the epilogue
-    partition's shared memory; a group's tail rows either left to TMA (per-group descriptors built in the
-    kernel, published to the TMA unit through the tensormap proxy fences, rewritten once the loads through them
-    landed, no zeroing) or zeroed by the MMA
-    warps and fenced for the async proxy ("zero"; [Note: a group's tail zero-filled by TMA]); chained, one
-    wait per step and no promotion ([Note: chained bf16 accumulation])."""
-    pytest.importorskip("triton")
-    from distwgrad.kernels.gluon import grouped_wgrad_fp8 as kw
-    if not kw.AVAILABLE:
-        pytest.skip("this Triton has no Gluon")
-    from triton.experimental.gluon import language as gl
-    mode, *rest = variant.split("/")
-    E, T, K, N = 64, 65536, 7168, 2048
-    lay = gl.NVMMASharedLayout.get_default_for([kw.BLOCK_K_16, kw.BLOCK], gl.bfloat16)
-    desc = f"tensordesc<bf16[{kw.BLOCK_K_16},{kw.BLOCK}],{lay!r}>"
-    vals = dict(a_desc=desc, b_desc=desc, T=T, groups=("*i32", 1, E, N, K),
-                output=("*i64" if "table" in rest else "*fp32", N * K, K, 1, "*i32"),
-                scales=("*fp32", "*fp32", 0, 0, 0, 0),
-                source=("*bf16", "*bf16", "i32", "i32"), tracing=("*i32", 0))
-    zero = "zero" in rest
-    consts = dict(ADD_MODE={"load": 1, "atomic": 3}[mode], PTR_TABLE="table" in rest,
-                  GROUP_M=8, NUM_STAGES=5, EPI_WARPS=2, EPI_REGS=kw.EPI_REGS, EPI_ROWS=kw.EPI_ROWS, num_warps=8,
-                  TRACE=False, ZERO_EDGES=zero, TOKENS_OUTER=True, GROUP_DESC=not zero, CHAIN=True,
-                  FIRST="first" in rest, BLOCKWISE=False)
-    kernel, ptx, info = _sm90_gluon_build(kw.wgrad_kernel, vals, consts, ("T",))
-    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, [^;]*;", ptx)
-    assert mmas and all(m.endswith(", 1, 1, 1, 1;") for m in mmas), "bf16 wgmma, both operands transposed"
-    # the peeled step 0 and one step per iteration, then one full wait per tile
-    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2, "peeled step + the chained loop's step"
-    assert "C7514" not in info and "C7512" not in info and "serialized" not in info, info
-    assert " 0 bytes spill stores" in info, info
-    assert ("fence.proxy.async.shared::cta" in ptx) is zero, "zeroed tail rows fenced, and only when zeroed"
-    # a descriptor written in the kernel reaches the TMA unit only through the tensormap proxy's fences
-    assert ("fence.proxy.tensormap" in ptx) is not zero, "per-group descriptors published"
-    # and rewritten in place only after the loads through them landed: one more barrier wait, the TMA warp's
-    assert ptx.count("mbarrier.try_wait") == 7 + (not zero), ptx.count("mbarrier.try_wait")
-    assert (kernel.metadata.global_scratch_size > 0) is not zero, kernel.metadata.global_scratch_size
-    # the handed-off tile: 64 KB in fp32
-    assert ptx.count(".reqntid 384") == 1 and kernel.metadata.shared >= 5 * 32768 + 65536, kernel.metadata.shared
-    assert kernel.metadata.shared <= 232448, kernel.metadata.shared

@@ -238,7 +238,7 @@ def test_gluon_wgrad_launch(monkeypatch, accumulate, table, tiles, grid):
     t = current().grouped_gemm_fp8
     assert kws["NUM_STAGES"] == t.wgrad_gluon_stages and kws["num_warps"] == 8
     assert kws["EPI_WARPS"] == (t.wgrad_gluon_epilogue_warps if kw._WS_PAIRS else 0)
-    _, _, _, groups, output, _, _, tracing = args  # a_desc, b_desc, T, then the kernel's argument tuples
+    _, _, _, groups, output, _, tracing = args  # a_desc, b_desc, T, then the kernel's argument tuples
     assert kws["TRACE"] is False and tracing[1] == 0  # untraced: no trace buffer, nothing of it built
     assert groups[0] is offs and output[0] is (tbl if table else out)
     assert output[1:4] == ((0, K, 1) if table else (N * K, K, 1))
@@ -290,7 +290,7 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
     trace = torch.zeros(5, 3, 5, dtype=torch.int64)
     kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, **common)
     (g, args, kws), = launched
-    assert g == (5,) and args[7][0] is trace and args[7][1] == 3 and kws["TRACE"] is True
+    assert g == (5,) and args[6][0] is trace and args[6][1] == 3 and kws["TRACE"] is True
     with pytest.raises(ValueError, match=r"trace must be shaped \(5, 3, 5\), got \(5, 2, 5\)"):
         kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=torch.zeros(5, 2, 5, dtype=torch.int64), **common)
     with pytest.raises(ValueError, match="add_mode -1 writes nothing"):  # a dry run is traced only

@@ -30,12 +30,6 @@ _ROOT = Path(__file__).resolve().parents[1]
 KNOBS = {
     "grouped_gemm": {
         "wide_tail_max_tokens": 160,
-        "wgrad_gluon": False,
-        "wgrad_gluon_min_tokens": 256,
-        "wgrad_gluon_stages": 5,
-        "wgrad_gluon_epilogue_warps": 2,
-        "wgrad_gluon_add_mode": "atomic",
-        "wgrad_gluon_tail": "tma",
     },
     "grouped_gemm_fp8": {
         "ragged_gluon": True,
@@ -79,16 +73,16 @@ MODULE_CONSTANTS = {
     "_grouped_gemm_fp8_configs.py": ["ADD_MODES", "INTERPRETER", "RAGGED_CANDIDATES", "WGRAD_CANDIDATES", "_T"],
     "_grouped_gemm_fp8_launch.py": ["_ADD_MODES", "_GLUON_FAILED"],
     "_host.py": ["_TABLES", "_TABLES_MAX"],
+    "_launch.py": ["_CACHES", "_DESCRIPTORS", "_MAX_KEYS", "_PLAIN"],
     "_quantize_kernels.py": ["_FLT_MAX", "_FLT_MIN_NORMAL", "_INF"],
     "_tuning.py": ["_CLASSES", "_FAMILIES", "_WARPS"],
-    "grouped_gemm.py": ["_ADD_MODES", "_GLUON_FAILED"],
+    "grouped_gemm.py": ["_ADD_MODES"],
     "quantize.py": ["SWEEP", "_FORMATS", "_GLUON_FAILED", "_INPUT_DTYPES", "_TL_FP8"],
     "token_layout.py": ["_ATTR"],
     "weights_fp8.py": ["_TL"],
     "gluon/__init__.py": ["AVAILABLE", "REINTERPRET", "WS_PAIRS", "_GL_DTYPES"],
     "gluon/grouped_gemm_fp8.py": ["BLOCK"],
-    "gluon/grouped_wgrad_fp8.py": ["BLOCK", "BLOCK_K_16", "EPI_REGS", "EPI_ROWS"],
-    "gluon/grouped_wgrad_fp8_launch.py": ["TAILS", "_ONES"],
+    "gluon/grouped_wgrad_fp8.py": ["BLOCK", "EPI_REGS", "EPI_ROWS"],
     "gluon/quantize_rowcol.py": ["L", "NUM_WARPS"],
 }
 
@@ -124,10 +118,9 @@ def test_no_new_module_constants():
 
 
 @pytest.mark.parametrize("family,field,value,what", [
-    (GroupedGemmTuning, "wgrad_gluon_tail", "dma", "'tma' or 'zero'"),
-    (GroupedGemmTuning, "wgrad_gluon_epilogue_warps", 1, "0 or 2"),
-    (GroupedGemmTuning, "wgrad_gluon_min_tokens", -1, "an int >= 0"),
-    (GroupedGemmTuning, "wgrad_gluon", 1, "a bool"),
+    (GroupedGemmTuning, "wide_tail_max_tokens", -1, "an int >= 0"),
+    (GroupedGemmFp8Tuning, "wgrad_gluon_epilogue_warps", 1, "0 or 2"),
+    (GroupedGemmFp8Tuning, "wgrad_gluon", 1, "a bool"),
     (GroupedGemmFp8Tuning, "ragged_gluon_block_m", 96, "64 or 128 (one warpgroup per 64 rows)"),
     (GroupedGemmFp8Tuning, "wgrad_gluon_stages", 1, "an int in 2..8 (shared-memory stages)"),
     (GroupedGemmFp8Tuning, "wgrad_gluon_add_mode", "tma_add", "'atomic' or 'load'"),
@@ -148,13 +141,16 @@ def test_a_bad_value_names_itself(family, field, value, what):
 
 def test_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        current().grouped_gemm.wgrad_gluon = False  # type: ignore[misc]
+        current().grouped_gemm.wide_tail_max_tokens = 0  # type: ignore[misc]
 
 
 def test_unknown_names_raise_naming_the_valid_ones():
-    with pytest.raises(ValueError, match=r"GroupedGemmTuning has no knob 'wgrad_glue'; its knobs are "
-                                         r"wide_tail_max_tokens, wgrad_gluon, .*wgrad_gluon_tail"):
-        tuning(grouped_gemm=dict(wgrad_glue=False))
+    with pytest.raises(ValueError, match=r"GroupedGemmFp8Tuning has no knob 'wgrad_glue'; its knobs are "
+                                         r"ragged_gluon, .*wgrad_gluon_epilogue_warps$"):
+        tuning(grouped_gemm_fp8=dict(wgrad_glue=False))
+    with pytest.raises(ValueError, match=r"GroupedGemmTuning has no knob 'wgrad_gluon'; its knobs are "
+                                         r"wide_tail_max_tokens$"):
+        tuning(grouped_gemm=dict(wgrad_gluon=False))  # (the bf16 wgrad has one kernel: no Gluon switch)
     with pytest.raises(ValueError, match=r"no kernel family 'gemm'; the families are grouped_gemm, grouped_gemm_fp8, "
                                          r"quantize, token_layout"):
         tuning(gemm=dict(wgrad_gluon=False))
@@ -168,11 +164,11 @@ def test_unknown_names_raise_naming_the_valid_ones():
 
 
 def test_the_override_ends_with_the_block():
-    with tuning(grouped_gemm=dict(wgrad_gluon=False), quantize=dict(rows_tile_m=16)) as t:
+    with tuning(grouped_gemm_fp8=dict(wgrad_gluon=False), quantize=dict(rows_tile_m=16)) as t:
         assert t is current()
-        assert not current().grouped_gemm.wgrad_gluon and current().quantize.rows_tile_m == 16
-        assert current().grouped_gemm.wgrad_gluon_min_tokens == 256  # the other knobs keep their values
-        assert current().grouped_gemm_fp8 == GroupedGemmFp8Tuning()
+        assert not current().grouped_gemm_fp8.wgrad_gluon and current().quantize.rows_tile_m == 16
+        assert current().grouped_gemm_fp8.wgrad_gluon_stages == 5  # the other knobs keep their values
+        assert current().grouped_gemm == GroupedGemmTuning()
     assert current() == KernelTuning()
 
 
@@ -207,11 +203,11 @@ def test_reaches_other_threads():
     """Process-wide, as the module constants were: a kernel launched on another thread (the autograd
     engine's device threads run backward on CUDA) sees the override."""
     seen = []
-    with tuning(grouped_gemm=dict(wgrad_gluon_tail="zero")):
-        th = threading.Thread(target=lambda: seen.append(current().grouped_gemm.wgrad_gluon_tail))
+    with tuning(grouped_gemm=dict(wide_tail_max_tokens=64)):
+        th = threading.Thread(target=lambda: seen.append(current().grouped_gemm.wide_tail_max_tokens))
         th.start()
         th.join()
-    assert seen == ["zero"]
+    assert seen == [64]
 
 
 def test_blocks_must_nest():
@@ -233,9 +229,9 @@ def test_blocks_must_nest():
 
 
 def test_the_fixture_scopes_to_the_test(kernel_tuning):
-    assert kernel_tuning(grouped_gemm=dict(wgrad_gluon=True)).grouped_gemm.wgrad_gluon is True
-    kernel_tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=0))
-    assert current().grouped_gemm == GroupedGemmTuning(wgrad_gluon=True, wgrad_gluon_min_tokens=0)
+    assert kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon=False)).grouped_gemm_fp8.wgrad_gluon is False
+    kernel_tuning(grouped_gemm_fp8=dict(wgrad_gluon_stages=4))
+    assert current().grouped_gemm_fp8 == GroupedGemmFp8Tuning(wgrad_gluon=False, wgrad_gluon_stages=4)
 
 
 def test_the_fixture_left_nothing_behind():
@@ -247,20 +243,14 @@ def test_the_kernels_read_the_tuning_in_force():
     tuning; no kernel runs)."""
     pytest.importorskip("triton")
     from distwgrad.kernels import _grouped_gemm_configs as C
-    from distwgrad.kernels import grouped_gemm as G
-    from distwgrad.kernels import grouped_gemm_fp8 as F  # noqa: F401  (imports under a block too)
-    assert not G._gluon_wgrad_by_default(65536, 64, True, None, None)  # off by default
-    with tuning(grouped_gemm=dict(wgrad_gluon=True)):
-        assert G._gluon_wgrad_by_default(65536, 64, True, None, None)
-        with tuning(grouped_gemm=dict(wgrad_gluon_min_tokens=2048)):
-            assert not G._gluon_wgrad_by_default(65536, 64, True, None, None)
+    from distwgrad.kernels import grouped_gemm as G  # noqa: F401  (imports under a block too)
+    from distwgrad.kernels import grouped_gemm_fp8 as F  # noqa: F401
     kw = dict(num_tokens=16384, num_groups=128, n=768, k=2048, elem_bytes=2, smem_limit=None)
-    assert C.pick_ragged(**kw).wide_tail
+    assert C.pick_ragged(**kw, tuning=current().grouped_gemm).wide_tail
     assert not C.pick_ragged(**kw, tuning=GroupedGemmTuning(wide_tail_max_tokens=64)).wide_tail
+    with tuning(grouped_gemm=dict(wide_tail_max_tokens=64)):  # what the fprop/dgrad launcher passes
+        assert not C.pick_ragged(**kw, tuning=current().grouped_gemm).wide_tail
     fp8 = GroupedGemmFp8Tuning()
     assert fp8.ragged_gluon_wanted(768, 0) and not fp8.ragged_gluon_wanted(512, 128)
     assert not GroupedGemmFp8Tuning(ragged_gluon=False).ragged_gluon_wanted(4096, 0)
     assert (fp8.wgrad_stages(True), fp8.wgrad_stages(False)) == (6, 5)
-    assert not GroupedGemmTuning().wgrad_gluon_wanted(256 * 8, 8, True)
-    assert GroupedGemmTuning(wgrad_gluon=True).wgrad_gluon_wanted(256 * 8, 8, True)
-    assert not GroupedGemmTuning(wgrad_gluon=True).wgrad_gluon_wanted(256 * 8, 8, False)  # fresh: Triton

@@ -8,8 +8,8 @@ answers every name with ``object`` (the annotations' types), so that the dispatc
 
 Modules: ``tiles`` (a persistent program's tiles over ragged groups, the operand ring, the epilogue's
 stores and the edge chunks' zeroing), ``grouped_gemm_fp8`` (fprop/dgrad and the promoting loop),
-``grouped_wgrad_fp8`` (the FP8 and bf16 wgrad; its epilogue partition in ``wgrad_epilogue``),
-``grouped_wgrad_fp8_launch`` (the wgrad's host launchers), ``quantize_rowcol`` (rows + columns FP8
+``grouped_wgrad_fp8`` (the FP8 wgrad; its epilogue partition in ``wgrad_epilogue``),
+``grouped_wgrad_fp8_launch`` (the wgrad's host launcher), ``quantize_rowcol`` (rows + columns FP8
 quantization). State that several helpers share travels in ``@aggregate`` structs (the Triton Gluon
 tutorial on persistent kernels); they hold no ``from __future__ import annotations``, because Triton
 before 3.9 reads a struct's field types from its annotations as they are.
@@ -55,8 +55,7 @@ REINTERPRET = tl.constexpr(gl is not None and hasattr(gl.shared_memory_descripto
 # default_partition, worker_args, worker_partitions, ...)
 WS_PAIRS = tl.constexpr(gl is not None and hasattr(gl, "warp_specialize") and next(
     iter(inspect.signature(gl.warp_specialize).parameters)) == "functions_and_args")
-_GL_DTYPES = {"torch.float8_e4m3fn": "float8e4nv", "torch.float8_e5m2": "float8e5", "torch.bfloat16": "bfloat16",
-              "torch.float16": "float16"}
+_GL_DTYPES = {"torch.float8_e4m3fn": "float8e4nv", "torch.float8_e5m2": "float8e5"}  # descriptor(): FP8 operands
 
 if AVAILABLE:
     # structs of tensors, shared-memory views and constexprs (``triton.experimental.gluon.aggregate`` since

@@ -59,7 +59,6 @@ from .tiles import store_rows as _store_rows
 from .tiles import tile as _tile
 from .tiles import total_tiles as _total_tiles
 from .tiles import zero_edges as _zero_edges
-from .tiles import zero_rows as _zero_rows
 
 __all__ = ["AVAILABLE", "BLOCK", "Chunks", "Scales", "ragged_kernel", "descriptor"]
 
@@ -114,8 +113,7 @@ class StepScales:
 @aggregate
 class Chunks:
     """A tile's ``n_k`` K steps from ring step ``base``; step k holds tokens t_first + BLOCK_K k ... EDGES
-    (wgrad): those outside [t_lo, t_hi) are zeroed first ([Note: a group's edge chunks in shared memory]).
-    TOKENS_OUTER (bf16 wgrad): stages hold [tokens, rows]."""
+    (wgrad): those outside [t_lo, t_hi) are zeroed first ([Note: a group's edge chunks in shared memory])."""
 
     base: gl.tensor
     n_k: _Scalar
@@ -123,17 +121,15 @@ class Chunks:
     t_lo: _Scalar
     t_hi: _Scalar
     EDGES: gl.constexpr
-    TOKENS_OUTER: gl.constexpr
 
     @constexpr_function
-    def __init__(self, base, n_k, t_first, t_lo, t_hi, EDGES, TOKENS_OUTER):
+    def __init__(self, base, n_k, t_first, t_lo, t_hi, EDGES):
         self.base = field(base)
         self.n_k = field(n_k)
         self.t_first = field(t_first)
         self.t_lo = field(t_lo)
         self.t_hi = field(t_hi)
         self.EDGES = field(EDGES)
-        self.TOKENS_OUTER = field(TOKENS_OUTER)
 
 
 @aggregate
@@ -208,20 +204,11 @@ def _step(k, ring, ch, sc, sp, acc, prev, prev_as, prev_bs, cur_as, cur_bs, mma:
     g = ch.base + k
     s = ring.wait_ready(g)
     if ch.EDGES:
-        if ch.TOKENS_OUTER:
-            _zero_rows(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[1], ch.t_hi,
-                       mma.warps_per_cta[0])
-        else:
-            _zero_edges(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[2], ch.t_lo, ch.t_hi,
-                        mma.warps_per_cta[0])
+        _zero_edges(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[2], ch.t_lo, ch.t_hi,
+                    mma.warps_per_cta[0])
     # use_acc=False ignores the input's values; passing ``acc`` orders the previous step's add before
     # this issue (else LLVM may sink the add below it, and copy the in-flight partial at the back edge)
-    if ch.TOKENS_OUTER:
-        cur = warpgroup_mma(ring.a_bufs.index(s).permute((1, 0)), ring.b_bufs.index(s), acc, use_acc=False,
-                            is_async=True)
-    else:
-        cur = warpgroup_mma(ring.a_bufs.index(s), ring.b_bufs.index(s).permute((1, 0)), acc, use_acc=False,
-                            is_async=True)
+    cur = warpgroup_mma(ring.a_bufs.index(s), ring.b_bufs.index(s).permute((1, 0)), acc, use_acc=False, is_async=True)
     cur, prev = warpgroup_mma_wait(num_outstanding=1, deps=(cur, prev))
     # step k-1's MMAs are done: its stage takes step k + NUM_STAGES - 1
     ring.release(g - 1)
@@ -252,9 +239,9 @@ def _last(acc, prev, prev_as, prev_bs, BLOCKWISE: gl.constexpr):
 def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
     """Step 0 of tile ``ch``: wait for its stage, issue its MMAs. Returns (the in-flight partial, its scales,
     step 1's, the tile's ``StepScales``)."""
-    BLOCK_M: gl.constexpr = ring.a_bufs.type.shape[2] if ch.TOKENS_OUTER else ring.a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = ring.a_bufs.type.shape[1] if ch.TOKENS_OUTER else ring.a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = ring.b_bufs.type.shape[2] if ch.TOKENS_OUTER else ring.b_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = ring.a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = ring.a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = ring.b_bufs.type.shape[1]
     row_lay: gl.constexpr = gl.SliceLayout(1, mma)
     # blockwise: row scales of the step (a_s[rows, kb]) and the weight block's scale (one per step:
     # the tile's 128 columns are one block, BLOCK_N == BLOCK_K == L)
@@ -277,16 +264,9 @@ def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
         nxt_bs = prev_bs
     s0 = ring.wait_ready(ch.base)
     if ch.EDGES:
-        if ch.TOKENS_OUTER:
-            _zero_rows(ring.a_bufs, ring.b_bufs, s0, ch.t_first, ch.t_hi, mma.warps_per_cta[0])
-        else:
-            _zero_edges(ring.a_bufs, ring.b_bufs, s0, ch.t_first, ch.t_lo, ch.t_hi, mma.warps_per_cta[0])
-    if ch.TOKENS_OUTER:
-        prev = warpgroup_mma(ring.a_bufs.index(s0).permute((1, 0)), ring.b_bufs.index(s0),
-                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
-    else:
-        prev = warpgroup_mma(ring.a_bufs.index(s0), ring.b_bufs.index(s0).permute((1, 0)),
-                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+        _zero_edges(ring.a_bufs, ring.b_bufs, s0, ch.t_first, ch.t_lo, ch.t_hi, mma.warps_per_cta[0])
+    prev = warpgroup_mma(ring.a_bufs.index(s0), ring.b_bufs.index(s0).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
     prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))  # still in flight: a type change only
     return prev, prev_as, prev_bs, nxt_as, nxt_bs, StepScales(as_ptrs, bs_base, rows_ok)
 
@@ -295,8 +275,8 @@ def _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma: gl.constexpr):
 def _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma: gl.constexpr):
     """Steps 1 .. n_k - 1 of a tile whose step 0 is in flight as ``prev``: the fp32 sum, every MMA
     done ([Note: promotion under the next MMA])."""
-    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if ch.TOKENS_OUTER else ring.a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if ch.TOKENS_OUTER else ring.b_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     # Step 0 is outside the loop, so that one step's MMAs are in flight at the loop's head on every
     # path (ptxas serializes every wgmma if it cannot tell which accumulators are in flight there);
@@ -382,7 +362,7 @@ def _consume_tiles(ring, sched, e, first, sc, out, mma: gl.constexpr):
         row0, col0, brow0, rows, cols, rows_ok, cols_ok, e64 = _tile(e, tile - first, start, size, N, sched.W_ROWS,
                                                                     mma, sched.GROUP_M, BLOCK_M, BLOCK_N)
         t_as, t_bs = _tile_scales(sc, e64, sc.BLOCKWISE)
-        ch = Chunks(base, n_k, 0, 0, 0, False, False)
+        ch = Chunks(base, n_k, 0, 0, 0, False)
         prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, sc, e64, col0, rows, rows_ok, mma)
         _finish(acc, out, p_e64, p_row0, p_col0, p_end, N, p_as, p_bs, mma, sc.BLOCKWISE)
         acc = _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma)

@@ -41,9 +41,9 @@ TRACE (``launch(..., trace=)``) has the MMA warps store ``%clock64`` at four poi
 chunk issued, previous tile flushed, last chunk done) and its chunk count; off, none of it is built. A traced
 dry run (ADD_MODE -1) writes nothing and may skip the edge zeroing (ZERO_EDGES = False) to time it.
 
-bf16 / fp16: [Note: the bf16 wgrad in the fp8 kernel]. Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks
-them): Hopper, Gluon, T a multiple of 16, per-tensor split accumulator or blockwise 1x128, a stacked [E, N, K]
-output (fp32; 16-bit when fresh) or a table of fp32 bases (PTR_TABLE). T tokens, N out-, K in-features, E groups."""
+Preconditions (``grouped_gemm_fp8._gluon_wgrad`` checks them): Hopper, Gluon, T a multiple of 16, per-tensor
+split accumulator or blockwise 1x128, a stacked [E, N, K] output (fp32; 16-bit when fresh) or a table of fp32
+bases (PTR_TABLE). T tokens, N out-, K in-features, E groups."""
 
 from . import (
     AVAILABLE,
@@ -54,7 +54,6 @@ from . import (
     gl,
     gluon,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -68,40 +67,18 @@ from .grouped_gemm_fp8 import Chunks, Scales, _accumulate, _begin
 from .tiles import Ring, WgradSchedule
 from .tiles import wgrad_tile as _tile
 from .tiles import zero_edges as _zero_edges
-from .tiles import zero_rows as _zero_rows
 from .wgrad_epilogue import Handoff, Out
 from .wgrad_epilogue import epilogue as _epilogue
 from .wgrad_epilogue import flush as _flush
 from .wgrad_epilogue import unwritten as _unwritten
 
-__all__ = ["AVAILABLE", "BLOCK", "BLOCK_K_16", "wgrad_kernel", "descriptor"]
+__all__ = ["AVAILABLE", "BLOCK", "wgrad_kernel", "descriptor"]
 
 BLOCK = 128  # BLOCK_M = BLOCK_N = BLOCK_K (the token chunk: the promotion interval)
-BLOCK_K_16 = 64  # tokens per chunk of the bf16/fp16 wgrad (TOKENS_OUTER): 128 bytes, the swizzle's line
 EPI_ROWS = 8   # rows of the handed-off tile the epilogue warps write per step ([Note: an epilogue partition])
 EPI_REGS = 40  # registers per epilogue thread: what the MMA warps' 232 leave in 64K (it shares the TMA warp's
 #                warpgroup)
 _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT specializes it (a 1)
-
-
-@aggregate
-class GroupSource:
-    """With GROUP_DESC, where the TMA warp builds per-group descriptors from ([Note: a group's tail
-    zero-filled by TMA]): dy and x, with their token strides."""
-
-    a_ptr: gl.tensor
-    b_ptr: gl.tensor
-    stride_at: _Scalar
-    stride_bt: _Scalar
-    GROUP_DESC: gl.constexpr
-
-    @constexpr_function
-    def __init__(self, a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC):
-        self.a_ptr = field(a_ptr)
-        self.b_ptr = field(b_ptr)
-        self.stride_at = field(stride_at)
-        self.stride_bt = field(stride_bt)
-        self.GROUP_DESC = field(GROUP_DESC)
 
 
 @aggregate
@@ -172,25 +149,6 @@ class Trace:
 
 
 @gluon.jit
-def _chain(ring, ch, acc, mma: gl.constexpr):
-    """Steps 1 .. n_k - 1 of a bf16 tile, chained into step 0's registers ``acc`` ([Note: chained bf16
-    accumulation]); returns the sum, every MMA done."""
-    NUM_STAGES: gl.constexpr = ring.NUM_STAGES
-    for k in range(1, ch.n_k):
-        g = ch.base + k
-        s = g % NUM_STAGES
-        mbarrier.wait(ring.ready.index(s), (g // NUM_STAGES) & 1)
-        if ch.EDGES:
-            _zero_rows(ring.a_bufs, ring.b_bufs, s, ch.t_first + k * ring.a_bufs.type.shape[1], ch.t_hi,
-                       mma.warps_per_cta[0])
-        acc = warpgroup_mma(ring.a_bufs.index(s).permute((1, 0)), ring.b_bufs.index(s), acc, use_acc=True,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(ring.empty.index((g - 1) % NUM_STAGES), count=1)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-
-@gluon.jit
 def _col_step(k, ring, ch, sc, sp, acc, prev, prev_as, cur_as, col_scales, mma: gl.constexpr):
     """Blockwise step ``k``: issue its MMAs, add step k-1's scaled partial under them, load step k+1's row
     scales. Returns (acc, this step's in-flight partial, its row scales, step k+1's)."""
@@ -238,57 +196,22 @@ def _promote_cols(ring, ch, sc, sp, prev, prev_as, nxt_as, col_scales, mma: gl.c
 
 
 @gluon.jit
-def _group_descs(src, ring, start, end, N, K, BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Descriptors of dy and x over the group's tokens [start, end) alone, so TMA zero-fills rows past
-    the end (an empty group's, one row long, is never read)."""
-    rows_g = gl.maximum(end - start, 1)
-    a_g = tma.make_tensor_descriptor(src.a_ptr + start.to(gl.int64) * src.stride_at, [rows_g, N], [src.stride_at, 1],
-                                     [BLOCK_K, BLOCK_M], ring.a_desc.layout)
-    b_g = tma.make_tensor_descriptor(src.b_ptr + start.to(gl.int64) * src.stride_bt, [rows_g, K], [src.stride_bt, 1],
-                                     [BLOCK_K, BLOCK_N], ring.b_desc.layout)
-    return a_g, b_g
-
-
-@gluon.jit
-def _landed(ring, g):
-    """Waits until the ring's last NUM_STAGES loads (those before ring step g) have landed: a descriptor in
-    global scratch is rewritten in place, so no load through it may still be in flight ([Note: a group's tail
-    zero-filled by TMA])."""
-    NUM_STAGES: gl.constexpr = ring.NUM_STAGES
-    for j in range(gl.maximum(g - NUM_STAGES, 0), g):
-        mbarrier.wait(ring.ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
-
-
-@gluon.jit
-def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
-    """The TMA warp: ring step g waits for its stage, then loads it (with GROUP_DESC through per-group
-    descriptors, with BLOCKWISE also the chunk's column scales)."""
+def _produce(ring, sched, bw, col_scales):
+    """The TMA warp: ring step g waits for its stage, then loads it (with BLOCKWISE also the chunk's column
+    scales)."""
     a_desc = ring.a_desc
     b_desc = ring.b_desc
     NUM_STAGES: gl.constexpr = ring.NUM_STAGES
-    GROUP_DESC: gl.constexpr = src.GROUP_DESC
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     N = sched.N
     K = sched.K
     tiles_m = gl.cdiv(N, BLOCK_M)
     tiles_n = gl.cdiv(K, BLOCK_N)
     g = sched.pid * 0
-    if GROUP_DESC:
-        gl.static_assert(TOKENS_OUTER, "per-group descriptors serve the tokens-outer (bf16) wgrad")
-        e, row0, col0, start, end, first, n_k = _tile(sched.pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                      TOKENS_OUTER)
-        a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
-        g_e = e
     for tile in range(sched.pid, sched.total, sched.nprog):
-        e, row0, col0, start, end, first, n_k = _tile(tile, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                      TOKENS_OUTER)
-        if GROUP_DESC:
-            if e != g_e:  # rebuilt when the program's tiles move to another group
-                _landed(ring, g)
-                a_g, b_g = _group_descs(src, ring, start, end, N, K, BLOCK_K, BLOCK_M, BLOCK_N)
-                g_e = e
+        e, row0, col0, start, end, first, n_k = _tile(tile, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K)
         if bw.BLOCKWISE:
             cols_n = gl.arange(0, BLOCK_N, layout=gl.BlockedLayout([4], [32], [1], [0]))
             bs_tile = bw.bs_ptr + (col0 + cols_n) * bw.stride_bsk + (first // BLOCK_K).to(gl.int64) * bw.stride_bsc
@@ -302,15 +225,8 @@ def _produce(ring, sched, src, bw, col_scales, TOKENS_OUTER: gl.constexpr):
                 _async_arrive(bar)
                 _thread_barrier()
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            if GROUP_DESC:
-                _tma_load(a_g, [k * BLOCK_K, row0], bar, ring.a_bufs.index(s))
-                _tma_load(b_g, [k * BLOCK_K, col0], bar, ring.b_bufs.index(s))
-            elif TOKENS_OUTER:
-                _tma_load(a_desc, [first + k * BLOCK_K, row0], bar, ring.a_bufs.index(s))
-                _tma_load(b_desc, [first + k * BLOCK_K, col0], bar, ring.b_bufs.index(s))
-            else:
-                _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, ring.a_bufs.index(s))
-                _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, ring.b_bufs.index(s))
+            _tma_load(a_desc, [row0, first + k * BLOCK_K], bar, ring.a_bufs.index(s))
+            _tma_load(b_desc, [col0, first + k * BLOCK_K], bar, ring.b_bufs.index(s))
             g += 1
 
 
@@ -347,12 +263,12 @@ def _tile_scales(bw, row0, col0, first, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl
 
 @gluon.jit
 def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma: gl.constexpr, EPI_WARPS: gl.constexpr,
-             ZERO_EDGES: gl.constexpr, TOKENS_OUTER: gl.constexpr, CHAIN: gl.constexpr):
-    """The MMA warps over ``_produce``'s tiles: each through the promoting (or chained) loop, its
-    epilogue after the next tile's first chunk is issued (the first iteration's writes nothing)."""
-    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[1] if TOKENS_OUTER else ring.a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = ring.a_desc.block_type.shape[0] if TOKENS_OUTER else ring.a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[1] if TOKENS_OUTER else ring.b_desc.block_type.shape[0]
+             ZERO_EDGES: gl.constexpr):
+    """The MMA warps over ``_produce``'s tiles: each through the promoting loop, its epilogue after the next
+    tile's first chunk is issued (the first iteration's writes nothing)."""
+    BLOCK_M: gl.constexpr = ring.a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = ring.a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = ring.b_desc.block_type.shape[0]
     TRACE: gl.constexpr = trace.TRACE
     pid = sched.pid
     nprog = sched.nprog
@@ -384,15 +300,14 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
     fresh = _unwritten(out)  # an output that holds nothing yet gets every tile, as a fresh one
     # each tile's place is read one tile ahead: its offsets' loads run under the tile before, not
     # between the two tiles' MMAs (the last tile reads its own again)
-    e, row0, col0, start, end, first, n_k = _tile(pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                  TOKENS_OUTER)
+    e, row0, col0, start, end, first, n_k = _tile(pid, sched, tiles_m, tiles_n, BLOCK_M, BLOCK_N, BLOCK_K)
     for tile in range(pid, total, nprog):
         e1, row1, col1, start1, end1, first1, n_k1 = _tile(gl.minimum(tile + nprog, total - 1), sched, tiles_m,
-                                                           tiles_n, BLOCK_M, BLOCK_N, BLOCK_K, TOKENS_OUTER)
+                                                           tiles_n, BLOCK_M, BLOCK_N, BLOCK_K)
         if TRACE:
             t_top = _clock(pid)
         if n_k > 0:
-            ch = Chunks(base, n_k, first, start, end, ZERO_EDGES, TOKENS_OUTER)
+            ch = Chunks(base, n_k, first, start, end, ZERO_EDGES)
             if BLOCKWISE:
                 tsc, t_rows, t_rows_ok = _tile_scales(bw, row0, col0, first, N, K, BLOCK_M, BLOCK_N, BLOCK_K, mma)
                 prev, prev_as, prev_bs, nxt_as, nxt_bs, sp = _begin(ring, ch, tsc, zero.to(gl.int64), zero, t_rows,
@@ -405,9 +320,7 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
             h = _flush(acc, out, p_e, p_row0, p_col0, p_rows, K, p_as, p_bs, hand, h, mma, EPI_WARPS)
             if TRACE:
                 t_flushed = _clock(pid)
-            if CHAIN:
-                acc = _chain(ring, ch, prev, mma)
-            elif BLOCKWISE:
+            if BLOCKWISE:
                 acc = _promote_cols(ring, ch, tsc, sp, prev, prev_as, nxt_as, col_scales, mma)
             else:
                 acc = _accumulate(ring, ch, sc, sp, prev, prev_as, prev_bs, nxt_as, nxt_bs, mma)
@@ -439,42 +352,32 @@ def _consume(ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma:
 
 
 @gluon.jit(do_not_specialize=["T"])
-def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD_MODE: gl.constexpr,
+def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, tracing, ADD_MODE: gl.constexpr,
                  PTR_TABLE: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_WARPS: gl.constexpr,
                  EPI_ROWS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr,
-                 TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True,
-                 TOKENS_OUTER: gl.constexpr = False, GROUP_DESC: gl.constexpr = False,
-                 CHAIN: gl.constexpr = False, FIRST: gl.constexpr = False, BLOCKWISE: gl.constexpr = False):
+                 TRACE: gl.constexpr = False, ZERO_EDGES: gl.constexpr = True, FIRST: gl.constexpr = False,
+                 BLOCKWISE: gl.constexpr = False):
     """dW_e[:N, :K] (+)= dy^T[:N, g] @ x^T[:K, g]^T over group e's tokens g ([Note: fp8 wgrad under the next
     MMA]). The runtime arguments come in tuples (``grouped_wgrad_fp8_launch`` builds them): ``groups`` (offs_ptr,
     stride_o, E, N, K), ``output`` (out_ptr, stride_oe, stride_on, stride_ok: the stacked output or, with
     PTR_TABLE, a table of per-group bases; first_ptr, FIRST's flag: [Note: an unwritten accumulator]), ``scales``
-    (as_ptr, bs_ptr and the blockwise strides stride_asn, stride_asc, stride_bsk, stride_bsc), ``source`` (a_ptr,
-    b_ptr, stride_at, stride_bt: GROUP_DESC's tensors), ``tracing`` (trace_ptr, TRACE_TILES). ADD_MODE: as
-    ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``."""
+    (as_ptr, bs_ptr and the blockwise strides stride_asn, stride_asc, stride_bsk, stride_bsc), ``tracing``
+    (trace_ptr, TRACE_TILES). ADD_MODE: as ``grouped_wgrad_fp8_launch.launch``'s ``add_mode``."""
     offs_ptr, stride_o, E, N, K = groups
     out_ptr, stride_oe, stride_on, stride_ok, first_ptr = output
     as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc = scales
-    a_ptr, b_ptr, stride_at, stride_bt = source
     trace_ptr, TRACE_TILES = tracing
     gl.static_assert(NUM_STAGES >= 2, "a ring of at least two stages")
-    gl.static_assert(TOKENS_OUTER or not CHAIN, "fp8 products are promoted, never chained")
-    gl.static_assert(not (BLOCKWISE and (TOKENS_OUTER or CHAIN)), "blockwise scales are fp8's")
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1] if TOKENS_OUTER else a_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0] if TOKENS_OUTER else a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if TOKENS_OUTER else b_desc.block_type.shape[0]
-    INSTR_K: gl.constexpr = 32 if a_desc.dtype.primitive_bitwidth == 8 else 16  # wgmma's k: fp8 32, bf16 16
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                 instr_shape=[16, BLOCK_N, INSTR_K])
+                                                 instr_shape=[16, BLOCK_N, 32])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     total = E * gl.cdiv(N, BLOCK_M) * gl.cdiv(K, BLOCK_N)
-    if TOKENS_OUTER:  # [tokens, rows] stages (the bf16 wgrad)
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
-    else:
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -499,7 +402,6 @@ def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD
     sched = WgradSchedule(offs_ptr, stride_o, T, N, K, pid, total, nprog, GROUP_M)
     out = Out(out_ptr, stride_oe, stride_on, stride_ok, first_ptr, ADD_MODE, PTR_TABLE, FIRST)
     hand = Handoff(c_smem, c_ready, c_free)
-    src = GroupSource(a_ptr, b_ptr, stride_at, stride_bt, GROUP_DESC)
     trace = Trace(trace_ptr, TRACE_TILES, TRACE)
     bw = BlockScales(as_ptr, bs_ptr, stride_asn, stride_asc, stride_bsk, stride_bsc, BLOCKWISE)
     # the chunks' column scales, a slot more than the stages ([Note: blockwise wgrad scales]); one unused
@@ -514,21 +416,18 @@ def wgrad_kernel(a_desc, b_desc, T, groups, output, scales, source, tracing, ADD
         gl.static_assert(_WS_PAIRS, "the epilogue partition needs a Triton whose warp_specialize takes "
                                     "(function, args) pairs")
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
-                        TOKENS_OUTER, CHAIN)),
-            (_produce, (ring, sched, src, bw, col_scales, TOKENS_OUTER)),
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES)),
+            (_produce, (ring, sched, bw, col_scales)),
             (_epilogue, (hand, out, sched, EPI_WARPS, EPI_ROWS)),
         ], [1, EPI_WARPS], [40, EPI_REGS])
     elif _WS_PAIRS:
         gl.warp_specialize([
-            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
-                        TOKENS_OUTER, CHAIN)),
-            (_produce, (ring, sched, src, bw, col_scales, TOKENS_OUTER)),
+            (_consume, (ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES)),
+            (_produce, (ring, sched, bw, col_scales)),
         ], [1], [40])
     else:
-        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES,
-                            TOKENS_OUTER, CHAIN), _consume, (ring, sched, src, bw, col_scales, TOKENS_OUTER),
-                           [_produce], [1], [40])
+        gl.warp_specialize((ring, sched, as_ptr, bs_ptr, out, hand, trace, bw, col_scales, mma, EPI_WARPS, ZERO_EDGES),
+                           _consume, (ring, sched, bw, col_scales), [_produce], [1], [40])
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

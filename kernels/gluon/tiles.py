@@ -22,7 +22,7 @@ from . import (
 )
 
 __all__ = ["Ring", "WgradSchedule", "cursor", "group", "origin", "store_rows", "tile", "total_tiles", "wgrad_tile",
-           "zero_edges", "zero_rows"]
+           "zero_edges"]
 
 _Scalar = gl.tensor | gl.constexpr  # an int argument: a constexpr where the JIT specializes it (a 1)
 
@@ -213,30 +213,7 @@ def zero_edges(a_bufs, b_bufs, s, t0, lo, hi, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def zero_rows(a_bufs, b_bufs, s, t0, hi, WARPS: gl.constexpr):
-    """If stage ``s``'s [tokens, rows] chunk (the bf16 wgrad) runs past the group's end ``hi``, zero those
-    token rows of both operands (whole rows: a swizzled row is not one line), fence and sync as ``zero_edges``."""
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[1]
-    if t0 + BLOCK_K > hi:
-        ROWS_A: gl.constexpr = a_bufs.type.shape[2]
-        ROWS_B: gl.constexpr = b_bufs.type.shape[2]
-        lay_a: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROWS_A // 8), ROWS_A // 8], [WARPS, 1], [1, 0])
-        lay_b: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (ROWS_B // 8), ROWS_B // 8], [WARPS, 1], [1, 0])
-        a = a_bufs.index(s)
-        keep_a = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay_a)) < hi - t0
-        va = a.load(lay_a)
-        a.store(gl.where(keep_a[:, None], va, gl.zeros_like(va)))
-        b = b_bufs.index(s)
-        keep_b = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay_b)) < hi - t0
-        vb = b.load(lay_b)
-        b.store(gl.where(keep_b[:, None], vb, gl.zeros_like(vb)))
-        fence_async_shared()
-        thread_barrier()
-
-
-@gluon.jit
-def wgrad_tile(tile, sched, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               TOKENS_OUTER: gl.constexpr = False):
+def wgrad_tile(tile, sched, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """Wgrad tile ``tile``: (group, first row of N, first column of K, the group's first and end token,
     the first chunk's token on the BLOCK_K grid, the chunks)."""
     per_group = tiles_m * tiles_n
@@ -244,9 +221,6 @@ def wgrad_tile(tile, sched, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl
     pid_m, pid_n = _swizzle(tile % per_group, tiles_m, tiles_n, sched.GROUP_M)
     start, size = group(sched.offs_ptr, sched.stride_o, sched.T, e)
     end = start + size
-    if TOKENS_OUTER:  # (the bf16 wgrad: the token is a box's outer coordinate, any start loads)
-        first = start
-    else:
-        first = (start // BLOCK_K) * BLOCK_K
+    first = (start // BLOCK_K) * BLOCK_K
     n_k = gl.where(size > 0, gl.cdiv(end - first, BLOCK_K), 0)
     return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end, first, n_k

@@ -6,7 +6,6 @@ Run on a GPU machine from the repository root::
     PYTHONPATH=. python qa/bench/kernels.py gemm --rounds 3 --json out.json --plot out.png   # the record
     PYTHONPATH=. python qa/bench/kernels.py gemm --sweep --sweep-json sweep.json   # + every candidate config
     PYTHONPATH=. python qa/bench/kernels.py gemm --shapes 8,4096,512,1024 --ops fprop   # a subset
-    PYTHONPATH=. python qa/bench/kernels.py gemm --ops wgrad_accumulate --triton-rows --rounds 3   # + wgrad variants
     TRITON_INTERPRET=1 PYTHONPATH=. python qa/bench/kernels.py gemm --device cpu --shapes 3,64,32,48   # smoke
 
 Ops (FLOPs 2*T*N*K for all; ``E, T, K, N`` = experts, tokens, in-features, out-features):
@@ -59,7 +58,6 @@ from pathlib import Path
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as C
 from distwgrad.kernels import grouped_gemm as G
-from distwgrad.kernels import tuning
 
 from distwgrad.testing import reference as R
 
@@ -88,14 +86,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sweep only the candidates whose short name contains one of these (e.g. /l2pf); the "
                         "default config is always timed")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check before timing")
-    p.add_argument("--gluon-wgrad", action="store_true",
-                   help="wgrad_accumulate: the 'distwgrad' rows run the Gluon wgrad at every shape (by default "
-                        "the Triton kernel: GroupedGemmTuning.wgrad_gluon)")
-    p.add_argument("--triton-rows", action="store_true",
-                   help="wgrad_accumulate, where the Gluon wgrad can run: also time the Triton kernel (impl "
-                        "'distwgrad_triton', the default unless --gluon-wgrad) and the Gluon wgrad with each "
-                        "group's tail zeroed by the MMA warps or zero-filled by TMA (impls "
-                        "'distwgrad_gluon_<zero|tma>')")
     p.add_argument("--half-tail-rows", action="store_true",
                    help="fprop/dgrad: also time the default tile config with half_tail flipped (impl "
                         "'distwgrad_half_tail' or 'distwgrad_full_tail'; [Note: half tail tiles])")
@@ -217,35 +207,6 @@ def _launch_ours(op, p, out, config=None, use_tma=None):
     return out
 
 
-def _triton_wgrad(p: Problem):
-    """The accumulating wgrad through a Triton kernel (default config), where the default may run the Gluon
-    one: a zero-argument callable into a preallocated fp32 output."""
-    out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
-    return lambda: G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
-                                   gluon=False)
-
-
-def _gluon_wgrad_variant(p: Problem, **settings):
-    """The accumulating Gluon wgrad under other ``GroupedGemmTuning.wgrad_gluon_*`` settings (``tail="zero"``:
-    each group's tail zeroed by the MMA warps): a zero-argument callable into a preallocated fp32 output."""
-    out = torch.zeros(p.E, p.N, p.K, device=p.dy.device)
-    fields = {f"wgrad_gluon_{k}": v for k, v in settings.items()}
-
-    def run():
-        with tuning(grouped_gemm=fields):
-            G._launch_wgrad(p.dy, p.x, p.offs, out, accumulate=True, table=None, config=None, use_tma=None,
-                            gluon=True)
-    return run
-
-
-def _runs_gluon(op: str, p: Problem) -> bool:
-    """Whether the default dispatch runs this op in a Gluon kernel."""
-    if op == "wgrad_accumulate":
-        return (G._gluon_wgrad_by_default(p.T, p.E, True, None, None)
-                and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32)))
-    return False
-
-
 def time_ms(fn, args, rep=None) -> float:
     import triton
     fn()
@@ -334,11 +295,6 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                                            (args.wide_tail_rows, "wide_tail", ("no_wide_tail", "wide_tail"))):
                     if flag:
                         all_ok &= _flipped_row(op, p, exp, cfg, field, names, impls, check_it=not args.no_check)
-            if (args.triton_rows and op == "wgrad_accumulate"
-                    and G._gluon_wgrad(p.dy, p.x, p.dy.new_empty(0, dtype=torch.float32))):
-                impls["distwgrad_triton"] = _triton_wgrad(p)
-                for tail in ("zero", "tma"):
-                    impls[f"distwgrad_gluon_{tail}"] = _gluon_wgrad_variant(p, tail=tail)
             times: dict[str, list[float]] = {}
             for _ in range(args.rounds):  # the peers interleaved: clock drift hits each alike
                 for name, fn in impls.items():
@@ -358,7 +314,7 @@ def run(args) -> tuple[list[dict], list[dict], bool]:
                 if args.rounds > 1:
                     row["ms_rounds"] = ms_rounds
                 if name == "distwgrad":
-                    row["config"] = "gluon" if _runs_gluon(op, p) else default_config(op, p).short()
+                    row["config"] = default_config(op, p).short()
                 rows.append(row)
                 print(f"  {op:17s} {str(shape):26s} {name:17s} {row['tflops']:7.1f} TFLOP/s  {ms:8.3f} ms",
                       flush=True)
@@ -471,9 +427,7 @@ def main(argv=None) -> int:
     import triton
     name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     print(f"{name}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
-    everywhere = dict(wgrad_gluon=True, wgrad_gluon_min_tokens=0) if args.gluon_wgrad else {}
-    with tuning(grouped_gemm=everywhere):
-        rows, sweep_rows, ok = run(args)
+    rows, sweep_rows, ok = run(args)
     print(summarize(rows))
     if "wgrad_accumulate" in args.ops:
         gbps = copy_gbps(args.device)
