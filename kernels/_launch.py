@@ -4,8 +4,8 @@
 Triton's ``JITFunction.run`` binds and specializes every argument, reads its knobs, looks the compiled kernel up
 and checks the kernel's globals on every launch: about 11 µs of host time for a four-argument kernel on an H100
 host, against 6 µs for the compiled kernel's own launcher (docs/benchmarks/LOG.md). An FP8 step launches about
-300 of them, where the host is the bound (docs/fp8.md). So ``launch`` keeps, per kernel, the compiled kernel each
-argument key ran, and calls its launcher directly.
+300 of them a microbatch, where the host can be the bound (docs/fp8.md). So ``launch`` keeps, per kernel, the
+compiled kernel each argument key ran, and calls its launcher directly.
 
 The key decides which compiled kernel runs, so it holds everything Triton specializes on, and more: each tensor's
 dtype and address modulo 16 (Triton: divisible by 16 or not); each int, bool, float and string by value (Triton: an

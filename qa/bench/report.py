@@ -79,6 +79,13 @@ _LAYOUT = {
                                    "large b8x2048 eager (H100)",  # beside torchao: docs/fp8.md
                                    # the accumulating wgrad's dispatch: LOG.md, 2026-12-06 (later)
                                    "large b8x2048 mb2 compiled_cuda_graph, wgrad dispatch A/B",
+                                   # cached launches, and the recipes profiled: LOG.md, 2026-12-06 (evening)
+                                   "large b8x2048 compiled, launches A/B (H100)",
+                                   "large b8x2048 eager, launches A/B (H100)",
+                                   "large b8x2048 compiled, recipes profiled (H100)",
+                                   "large b8x2048 mb2 compiled, recipes profiled (H100)",
+                                   *(f"large b8x2048 {mb}{mode}, recipes (H100)" for mb in ("", "mb2 ")
+                                     for mode in ("eager", "compiled")),
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
