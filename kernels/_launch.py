@@ -11,11 +11,11 @@ The key decides which compiled kernel runs, so it holds everything Triton specia
 dtype and address modulo 16 (Triton: divisible by 16 or not); each int, bool, float and string by value (Triton: an
 int's width, divisibility by 16 and equality to 1; constexprs by value); a host tensor descriptor's (Triton's or
 Gluon's) base tensor as above and every other field (shape, strides, block shape, layout, ...) by value; ``None``;
-and the keywords' names (constexprs, launch options). Anything else, more than ``_MAX_KEYS`` keys for one kernel, a
-launch or pre-run hook (a profiler's), the interpreter or a stand-in kernel take ``kernel[grid]`` itself: the same
-kernel, never a guess. A key's first launch goes through ``kernel[grid]`` too, which compiles; what it returns is
-kept. Triton's refusal of a kernel whose globals changed after it compiled is not repeated: the kernels are fixed at
-import.
+the keywords' names (constexprs, launch options); and the current device, where Triton launches. Anything else, more
+than ``_MAX_KEYS`` keys for one kernel, a launch or pre-run hook (a profiler's), the interpreter or a stand-in
+kernel take ``kernel[grid]`` itself: the same kernel, never a guess. A key's first launch goes through
+``kernel[grid]`` too, which compiles; what it returns is kept. Triton's refusal of a kernel whose globals changed
+after it compiled is not repeated: the kernels are fixed at import.
 """
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     if entry is None or entry[0] is not kernel:
         entry = _CACHES[id(kernel)] = (kernel, {})
     cache = entry[1]
+    device = torch.cuda.current_device()  # where Triton launches; a compiled kernel is loaded on one device
     key = _key(args)
     if key is not None:
         kw = _key(kwargs.values())
-        key = None if kw is None else (key, tuple(kwargs), kw)
+        key = None if kw is None else (device, key, tuple(kwargs), kw)
     try:
         hit = cache.get(key) if key is not None else None
     except TypeError:  # an unhashable layout object
@@ -102,7 +103,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
             cache[key] = (compiled, _tail(kernel, len(args), kwargs))
         return
     compiled, tail = hit
-    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    stream = torch._C._cuda_getCurrentRawStream(device)
     n = len(grid)
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                  compiled.packed_metadata, None, None, None, *args,

@@ -88,6 +88,25 @@ def test_what_triton_specializes_on_is_a_new_key(cpu_stream, change):
     assert [len(c.calls) for c in k.compiled] == [1, 1]
 
 
+def test_a_kernel_compiled_on_one_device_is_not_launched_on_another(cpu_stream, monkeypatch):
+    k = _Recording(_axpy)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for device in (0, 1, 0, 1):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda d=device: d)
+        _launch.launch(k, (1,), x, y, 64, 0.5, SCALE=3)
+    assert len(k.uncached) == 2 and [len(c.calls) for c in k.compiled] == [1, 1]
+
+
+def test_descriptors_are_keyed_by_their_fields():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a = torch.zeros(64, 64)
+    key = _launch._key((TensorDescriptor(a, [64, 64], [64, 1], [16, 16]),))
+    assert key == _launch._key((TensorDescriptor(a.clone(), [64, 64], [64, 1], [16, 16]),))
+    assert key != _launch._key((TensorDescriptor(a, [64, 64], [64, 1], [32, 16]),))
+    assert key != _launch._key((TensorDescriptor(a.double(), [64, 64], [64, 1], [16, 16]),))
+
+
 def test_what_cannot_be_keyed_takes_the_uncached_launch_every_time(cpu_stream):
     k = _Recording(_axpy)
     x, y = torch.zeros(64), torch.zeros(64)
@@ -145,7 +164,7 @@ def test_gpu_the_compiled_kernel_is_tritons_choice():
                 for _ in range(2):  # the first compiles, the second is a cache hit
                     _launch.launch(_scaled_copy, grid, x, y, n, SCALE=2.0, BLOCK=1024, num_warps=4)
                 torch.testing.assert_close(y, x * 2.0, rtol=0, atol=0)
-                key = (_launch._key((x, y, n)), ("SCALE", "BLOCK", "num_warps"),
+                key = (torch.cuda.current_device(), _launch._key((x, y, n)), ("SCALE", "BLOCK", "num_warps"),
                        _launch._key((2.0, 1024, 4)))
                 kept = _launch._CACHES[id(_scaled_copy)][1][key][0]
                 assert kept is _scaled_copy.warmup(x, y, n, SCALE=2.0, BLOCK=1024, num_warps=4, grid=grid)
