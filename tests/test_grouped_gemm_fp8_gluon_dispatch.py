@@ -302,3 +302,20 @@ def test_gluon_wgrad_trace_launch(monkeypatch):
                       **{**common, "add_mode": add_mode})
     kl.launch(dy_t, dy_s, x_t, x_s, offs, out, None, trace=trace, zero_edges=False, **{**common, "add_mode": -1})
     assert launched[-1][2]["ZERO_EDGES"] is False and launched[-1][2]["ADD_MODE"] == -1
+
+
+def test_a_descriptor_takes_the_default_layout_made_once():
+    """``gluon.descriptor``: the default swizzled layout of its tiles and dtype, one object for each (made once: it
+    is most of a descriptor's host time)."""
+    pytest.importorskip("triton")
+    from distwgrad.kernels import gluon as kg
+    if not kg.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    t = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    for x, gl_dtype in ((t, kg.gl.float8e4nv), (t.view(torch.float8_e5m2), kg.gl.float8e5)):
+        for block in ((128, 64), (128, 128), (64, 32)):
+            d = kg.descriptor(x, block)
+            assert d.base is x and list(d.shape) == [256, 128] and list(d.strides) == [128, 1]
+            assert list(d.block_shape) == list(block)
+            assert d.layout == kg.gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+            assert kg.descriptor(x[64:], block).layout is d.layout

@@ -139,12 +139,15 @@ def _case_wgrad_blockwise():
 def _case_wgrad_tma_edges():
     """The wgrad kernel's TMA path (masked head and tail chunks around the unmasked ones, [Note: fp8 wgrad
     edges]) gives the oracle's result: mid-tile group starts, an empty group, a group inside one chunk, one
-    spanning several, offsets past T."""
+    spanning several, offsets past T. Each recipe and problem accumulating; of the fresh outputs a fixed sample of
+    two in CI (the same loads, another epilogue), all with --full."""
+    fresh = set(sweep.sample([(r, i) for r in ("per_tensor", "blockwise") for i in range(3)], 2))
     for recipe in ("per_tensor", "blockwise"):
         probs = [_problem(*SHAPE_TMA, recipe, splits=[0, 100, 20, 168]), _problem(*SHAPE_TMA, recipe, seed=7),
                  _problem(*SHAPE_TMA, recipe, offs=torch.tensor([10, 10, 200, 400], dtype=torch.int32))]
         for i, pb in enumerate(probs):
-            _run_wgrad(pb, "fresh", use_tma=True)
+            if (recipe, i) in fresh:
+                _run_wgrad(pb, "fresh", use_tma=True)
             _run_wgrad(pb, "acc", use_tma=True, config=_cfg(add_mode="atomic") if i else None)
 
 

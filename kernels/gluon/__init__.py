@@ -15,9 +15,11 @@ tutorial on persistent kernels); they hold no ``from __future__ import annotatio
 before 3.9 reads a struct's field types from its annotations as they are.
 """
 
+import functools
 import inspect
 from types import SimpleNamespace
 
+import torch
 import triton.language as tl
 
 from .._context import ensure_context
@@ -96,5 +98,11 @@ def field(value):
 def descriptor(t, block_shape):
     """A Gluon TMA descriptor of 2-D ``t`` (unit inner stride) with the default swizzle for its tiles."""
     ensure_context(t.device)  # [Note: a current context on any thread]
-    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, _GL_DTYPES[str(t.dtype)]))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), _layout(tuple(block_shape), t.dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(block_shape: tuple[int, ...], dtype: torch.dtype):
+    """The default swizzled layout of ``block_shape`` tiles of ``dtype``: a frozen value, made once (it takes most of a
+    descriptor's host time, which every launch pays)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), getattr(gl, _GL_DTYPES[str(dtype)]))
