@@ -99,7 +99,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         hit = key = None
     if hit is None:
         compiled = kernel[grid](*args, **kwargs)
-        if key is not None and compiled is not None and len(cache) < _MAX_KEYS:
+        if (key is not None and len(cache) < _MAX_KEYS and hasattr(compiled, "packed_metadata")
+                and hasattr(compiled, "function")):  # the launcher's form since Triton 3.2 (inductor's too)
             cache[key] = (compiled, _tail(kernel, len(args), kwargs))
         return
     compiled, tail = hit

@@ -124,6 +124,25 @@ def test_a_launch_hook_turns_the_cache_off(cpu_stream, monkeypatch):
     assert len(k.uncached) == 2 and k.compiled[0].calls == []
 
 
+class _OtherForm(_Recording):
+    """Hands back compiled kernels without ``packed_metadata``: another launcher form than the one ``launch`` calls."""
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            compiled = super(_OtherForm, self).__getitem__(grid)(*args, **kwargs)
+            del compiled.packed_metadata
+            return compiled
+        return run
+
+
+def test_a_compiled_kernel_of_another_form_is_not_kept(cpu_stream):
+    k = _OtherForm(_axpy)
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(2):
+        _launch.launch(k, (1,), x, y, 64, 0.5, SCALE=3)
+    assert len(k.uncached) == 2
+
+
 def test_the_cache_of_a_kernel_is_bounded(cpu_stream, monkeypatch):
     monkeypatch.setattr(_launch, "_MAX_KEYS", 2)
     k = _Recording(_axpy)
