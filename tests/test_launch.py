@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
-from distwgrad.kernels import _launch
-from triton.runtime.jit import JITFunction
 
-from distwgrad.testing.stubs import StubKernel
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from distwgrad.kernels import _launch  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from distwgrad.testing.stubs import StubKernel  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
