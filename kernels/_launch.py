@@ -9,13 +9,13 @@ compiled kernel each argument key ran, and calls its launcher directly.
 
 The key decides which compiled kernel runs, so it holds everything Triton specializes on, and more: each tensor's
 dtype and address modulo 16 (Triton: divisible by 16 or not); each int, bool, float and string by value (Triton: an
-int's width, divisibility by 16 and equality to 1; constexprs by value); a host tensor descriptor's (Triton's or
-Gluon's) base tensor as above and every other field (shape, strides, block shape, layout, ...) by value; ``None``;
-the keywords' names (constexprs, launch options); and the current device, where Triton launches. Anything else, more
-than ``_MAX_KEYS`` keys for one kernel, a launch or pre-run hook (a profiler's), the interpreter or a stand-in
-kernel take ``kernel[grid]`` itself: the same kernel, never a guess. A key's first launch goes through
-``kernel[grid]`` too, which compiles; what it returns is kept. Triton's refusal of a kernel whose globals changed
-after it compiled is not repeated: the kernels are fixed at import.
+int's width, divisibility by 16 and equality to 1; constexprs by value); a tuple's elements, each as above; a host
+tensor descriptor's (Triton's or Gluon's) base tensor as above and every other field (shape, strides, block shape,
+layout, ...) by value; ``None``; the keywords' names (constexprs, launch options); and the current device, where
+Triton launches. Anything else, more than ``_MAX_KEYS`` keys for one kernel, a launch or pre-run hook (a
+profiler's), the interpreter or a stand-in kernel take ``kernel[grid]`` itself: the same kernel, never a guess. A
+key's first launch goes through ``kernel[grid]`` too, which compiles; what it returns is kept. Triton's refusal of a
+kernel whose globals changed after it compiled is not repeated: the kernels are fixed at import.
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ def _key(values) -> tuple | None:
         elif t is torch.dtype or t.__module__.startswith("triton.language"):  # a dtype given as a constexpr
             key.append(t)
             key.append(a)
+        elif t is tuple:  # Triton binds a tuple argument's elements as it binds arguments
+            inner = _key(a)
+            if inner is None:
+                return None
+            key.append(tuple)
+            key.append(inner)
         else:
             return None
     return tuple(key)

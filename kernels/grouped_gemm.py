@@ -27,6 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _grouped_gemm_configs as _cfg
 from ._context import ensure_context
 from ._dispatch import call
+from ._launch import launch
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_ragged import _ragged_m_kernel
 from ._grouped_wgrad import _wgrad_kernel
@@ -128,8 +129,8 @@ def _launch_ragged(a, w_ENK, offs_E, bias_EN, out, *, w_trans: bool, config, use
     bias_strides = bias_EN.stride() if bias_EN is not None else (0, 0)
     upcast, precision = _dot_flags(a.dtype, a.device)
     grid = ((cdiv(T, bm) + E) * cdiv(N, bn),)
-    _ragged_m_kernel[grid](
-        a_desc, a_half_desc, w_desc, a, w_ENK, out, bias_EN, offs_E,
+    launch(
+        _ragged_m_kernel, grid, a_desc, a_half_desc, w_desc, a, w_ENK, out, bias_EN, offs_E,
         T, E, N, K, w_rows,
         a.stride(0), a.stride(1), sw[0], stride_bk, stride_bn,
         out.stride(0), out.stride(1), bias_strides[0], bias_strides[1], offs_E.stride(0),
@@ -183,7 +184,7 @@ def _launch_wgrad(dy_TN, x_TK, offs_E, out, *, accumulate: bool, table, config, 
                 L2_PREFETCH=config.l2_prefetch and add_mode != 0 and not _interpreting(),
                 FIRST=first is not None and add_mode != 0, num_warps=config.num_warps, num_stages=config.num_stages)
     num_tiles = E * cdiv(N, bm) * cdiv(K, bn)
-    _wgrad_kernel[(num_tiles,)](*args, *strides, **meta)
+    launch(_wgrad_kernel, (num_tiles,), *args, *strides, **meta)
 
 
 def _check_runnable(op: str, t: torch.Tensor) -> None:

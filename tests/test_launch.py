@@ -108,6 +108,17 @@ def test_descriptors_are_keyed_by_their_fields():
     assert key != _launch._key((TensorDescriptor(a.double(), [64, 64], [64, 1], [16, 16]),))
 
 
+def test_a_tuple_is_keyed_by_its_elements():
+    x = torch.zeros(64)
+    key = _launch._key((1, (x, 16, 2)))
+    assert key == _launch._key((1, (x.clone(), 16, 2)))
+    assert key != _launch._key((1, (x, 17, 2)))  # an element's value
+    assert key != _launch._key((1, (x[1:], 16, 2)))  # an element's alignment
+    assert key != _launch._key((1, x, 16, 2))  # the same values unpacked
+    assert key != _launch._key((1, (x, (16, 2))))  # nested otherwise
+    assert _launch._key((1, (x, [16], 2))) is None
+
+
 def test_what_cannot_be_keyed_takes_the_uncached_launch_every_time(cpu_stream):
     k = _Recording(_axpy)
     x, y = torch.zeros(64), torch.zeros(64)

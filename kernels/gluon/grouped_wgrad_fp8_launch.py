@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .._context import ensure_context
+from .._launch import launch as launch_kernel
 from . import grouped_wgrad_fp8 as _k
 
 __all__ = ["launch", "trace_shape"]
@@ -64,7 +65,8 @@ def launch(a_NT, as_, b_KT, bs, offs_E, out, table, *, add_mode: int, stages: in
     if trace is not None and tuple(trace.shape) != trace_shape(tiles, grid):
         raise ValueError(f"grouped_wgrad_fp8: trace must be shaped {trace_shape(tiles, grid)}, got "
                          f"{tuple(trace.shape)}")
-    _k.wgrad_kernel[(grid,)](
+    launch_kernel(
+        _k.wgrad_kernel, (grid,),
         _k.descriptor(a_NT, (_k.BLOCK, _k.BLOCK)), _k.descriptor(b_KT, (_k.BLOCK, _k.BLOCK)), T,
         (offs_E, offs_E.stride(0), E, N, K), (out if table is None else table, *so, offs_E if first is None else first),
         (as_, bs, *scale_strides), (offs_E, 0) if trace is None else (trace, trace.shape[1]),
