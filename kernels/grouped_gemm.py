@@ -27,11 +27,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _grouped_gemm_configs as _cfg
 from ._context import ensure_context
 from ._dispatch import call
-from ._launch import launch
 from ._grouped_gemm_checks import _check_dgrad, _check_fprop, _check_wgrad
 from ._grouped_ragged import _ragged_m_kernel
 from ._grouped_wgrad import _wgrad_kernel
 from ._host import cdiv, device_table, next_pow2
+from ._launch import launch
 from ._tuning import current as _tuning
 
 __all__ = ["grouped_fprop", "grouped_dgrad", "grouped_wgrad"]
