@@ -78,7 +78,8 @@ class GroupedGemmFp8Tuning:
     more ([Note: a 16-bit handoff]), a blockwise one for at most 4 ([Note: blockwise wgrad scales]).
     ``wgrad_gluon_epilogue_warps``: 2 ([Note: an epilogue partition]) or 0. ``wgrad_gluon_add_mode``: "atomic"
     (fp32 reductions, deterministic: one addend per element) or "load" (load-add-store). False forces the Triton
-    kernel."""
+    kernel. ``linear_cublas``: a Linear's per-tensor GEMMs on cuBLASLt where it runs them ([Note: a Linear's fp8
+    GEMMs on cuBLASLt] in ``distwgrad/ops/scaled_mm.py``); False keeps them in these kernels."""
 
     ragged_gluon: bool = True
     ragged_gluon_min_depth_per_tensor: int = 768
@@ -92,6 +93,7 @@ class GroupedGemmFp8Tuning:
     wgrad_gluon_stages: int = 5
     wgrad_gluon_stages_16: int = 6
     wgrad_gluon_epilogue_warps: int = 2
+    linear_cublas: bool = True
 
     def __post_init__(self) -> None:
         stages = (lambda v: _is_int(v) and 2 <= v <= 8, "an int in 2..8 (shared-memory stages)")

@@ -44,6 +44,7 @@ KNOBS = {
         "wgrad_gluon_stages": 5,
         "wgrad_gluon_stages_16": 6,
         "wgrad_gluon_epilogue_warps": 2,
+        "linear_cublas": True,
     },
     "quantize": {
         "per_tensor_block": 4096,
@@ -146,7 +147,7 @@ def test_frozen():
 
 def test_unknown_names_raise_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"GroupedGemmFp8Tuning has no knob 'wgrad_glue'; its knobs are "
-                                         r"ragged_gluon, .*wgrad_gluon_epilogue_warps$"):
+                                         r"ragged_gluon, .*wgrad_gluon_epilogue_warps, linear_cublas$"):
         tuning(grouped_gemm_fp8=dict(wgrad_glue=False))
     with pytest.raises(ValueError, match=r"GroupedGemmTuning has no knob 'wgrad_gluon'; its knobs are "
                                          r"wide_tail_max_tokens$"):

@@ -22,6 +22,7 @@ from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_g
 from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm_fp8 as gg8
+from distwgrad.ops import scaled_mm
 from distwgrad.ops.gemm import wgrad_mm
 from distwgrad.protocol import (
     is_distributed_weight,
@@ -77,9 +78,13 @@ def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe) -> torch.Tensor:
     """[Note: fp8 gemm dispatch]: the FP8 kernels where they apply, else fp32 of the dequantized operands."""
     w_qs = materialize_quantized(weight, recipe, backward=False)
     b = _materialize_bias(bias)
+    split = split_accumulator(recipe, "fprop")
+    y = scaled_mm.linear_fprop(x_q, w_qs, x_q.orig_dtype, split) if b is None else None
+    if y is not None:  # [Note: a Linear's fp8 GEMMs on cuBLASLt]
+        return y
     if gg8.fp8_kernels_accept([x_q], w_qs):
         return gg8.grouped_fprop_fp8(x_q, w_qs, _one_group(x_q.data), None if b is None else b[None],
-                                     x_q.orig_dtype, split_accumulator=split_accumulator(recipe, "fprop"))
+                                     x_q.orig_dtype, split_accumulator=split)
     w_NK = dequantize_weights(w_qs, packed=False)
     return F.linear(dequantize(x_q, dtype=torch.float32), w_NK, None if b is None else b.float()).to(x_q.orig_dtype)
 
@@ -91,9 +96,12 @@ def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
     # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision; held
     # whole here, it is quantized straight into dgrad's layout (materialize_quantized_group).
     w_qs = materialize_quantized_group([weight], recipe, backward=True, stacked=True)
+    split = split_accumulator(recipe, "dgrad")
+    dx = scaled_mm.linear_dgrad(dy_q, w_qs, dy_TN.dtype, split)
+    if dx is not None:
+        return dx
     if gg8.fp8_kernels_accept([dy_q], w_qs):
-        return gg8.grouped_dgrad_fp8(dy_q, w_qs, _one_group(dy_TN), dy_TN.dtype,
-                                     split_accumulator=split_accumulator(recipe, "dgrad"))
+        return gg8.grouped_dgrad_fp8(dy_q, w_qs, _one_group(dy_TN), dy_TN.dtype, split_accumulator=split)
     w_NK = dequantize_weights(w_qs.unbind() if isinstance(w_qs, QuantizedExperts) else w_qs, packed=False)
     return dequantize(dy_q, dtype=torch.float32).mm(w_NK).to(dy_TN.dtype)
 
@@ -108,6 +116,10 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_d
     assert x_qt is not None
     dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
     fresh_dtype = out_dtype or dy_TN.dtype
+    if first is None:  # (a flagged out stays with the kernel that writes it in place)
+        dW = scaled_mm.linear_wgrad(dy_qt, x_qt, out, fresh_dtype, split_accumulator(recipe, "wgrad"))
+        if dW is not None:
+            return dW
     if gg8.fp8_kernels_accept([dy_qt, x_qt]):
         if out is None:  # straight from the kernel's epilogue
             return gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out_dtype=fresh_dtype,
