@@ -1,10 +1,11 @@
 """The interpreter cases' fork server changes how fast the interpreter runs a kernel, never what it computes.
 
 ``distwgrad/testing/_interpreter_server.py``: [Note: interpreter overflow checks] turns Triton's
-``sanitize_overflow`` off because the interpreter's ``device_assert`` drops the check's result, and
-[Note: interpreter NaN-max reductions] reduces the quantizers' ``_max_nan`` with ``numpy.max``. This file
-holds Triton to the first premise and the second to Triton's own reduction, bit for bit, in cases forked
-from the server like every other.
+``sanitize_overflow`` off because the interpreter's ``device_assert`` drops the check's result,
+[Note: interpreter NaN-max reductions] reduces the quantizers' ``_max_nan`` with ``numpy.max``, and
+[Note: interpreter builtin lists] lists the language's builtins once. This file holds Triton to the first
+premise, the second to Triton's own reduction, bit for bit, and the third to Triton's own listing, name for
+name, in cases forked from the server like every other.
 """
 
 from __future__ import annotations
@@ -95,7 +96,38 @@ def _case_nan_max() -> None:
     ops._distwgrad_generic = generic
 
 
-_CASES = {"overflow": _case_overflow, "nan_max": _case_nan_max}
+def _case_builtin_lists() -> None:
+    import triton.language as tl
+    from distwgrad.kernels import cast_transpose
+    from triton.runtime import interpreter
+
+    ours, triton_s = interpreter._patch_builtin, interpreter._distwgrad_patch_builtin
+    assert ours is not triton_s
+
+    def patched(patch, holder) -> list[str]:
+        scope = interpreter._LangPatchScope()
+        patch(holder, interpreter.interpreter_builder, scope)
+        names = [name for _, name, _ in scope._changes]
+        scope.restore()
+        return names
+
+    def same(when: str) -> None:
+        for holder in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+            want = patched(triton_s, holder)
+            assert patched(ours, holder) == want, (when, holder, want)
+
+    same("before any patch")
+    assert len(patched(ours, tl)) > 50 and "__add__" in patched(ours, tl.tensor)
+    launch = interpreter._patch_lang(cast_transpose._cast_transpose_kernel.fn)  # a launch: tl, tl.tensor, tl.math
+    same("during a launch's patch")
+    helper = interpreter._patch_lang(tl.zeros.fn)  # a helper of tl.core's (Triton never restores these)
+    same("during a helper's patch")
+    helper.restore()
+    launch.restore()
+    same("after both")
+
+
+_CASES = {"overflow": _case_overflow, "nan_max": _case_nan_max, "builtin_lists": _case_builtin_lists}
 
 
 @pytest.mark.interpret
@@ -109,6 +141,13 @@ def test_the_server_skips_only_discarded_overflow_checks():
 def test_nan_max_reductions_in_numpy_give_tritons_bits():
     pytest.importorskip("triton")
     out = run_interpreted(_HERE, "nan_max", timeout=120)
+    assert "case ok" in out, out
+
+
+@pytest.mark.interpret
+def test_builtins_listed_once_are_the_ones_triton_patches():
+    pytest.importorskip("triton")
+    out = run_interpreted(_HERE, "builtin_lists", timeout=120)
     assert "case ok" in out, out
 
 

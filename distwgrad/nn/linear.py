@@ -116,10 +116,9 @@ def _wgrad(dy_TN, x_TK, out, recipe: Recipe | None, dy_qt=None, x_qt=None, out_d
     assert x_qt is not None
     dy_qt = gg8.quantize_operand(dy_TN, recipe, grad=True)[1] if dy_qt is None else dy_qt
     fresh_dtype = out_dtype or dy_TN.dtype
-    if first is None:  # (a flagged out stays with the kernel that writes it in place)
-        dW = scaled_mm.linear_wgrad(dy_qt, x_qt, out, fresh_dtype, split_accumulator(recipe, "wgrad"))
-        if dW is not None:
-            return dW
+    dW = scaled_mm.linear_wgrad(dy_qt, x_qt, out, fresh_dtype, split_accumulator(recipe, "wgrad"), first)
+    if dW is not None:  # [Note: a Linear's fp8 GEMMs on cuBLASLt]
+        return dW
     if gg8.fp8_kernels_accept([dy_qt, x_qt]):
         if out is None:  # straight from the kernel's epilogue
             return gg8.grouped_wgrad_fp8(dy_qt, x_qt, _one_group(dy_TN), out_dtype=fresh_dtype,

@@ -14,8 +14,9 @@ there when all of these hold, else in the grouped kernels:
   dgrad its transposed copy, wgrad x^T), with 16-byte aligned addresses and leading dimensions, the contraction
   and the output's width multiples of 16, and at least one row;
 * fprop has no bias (the Triton epilogue adds it in fp32);
-* wgrad writes a fresh product, or adds into a contiguous fp32 ``out`` (one more pass over ``out``); one flagged
-  unwritten ([Note: an unwritten accumulator]) stays with the kernel that writes it in place.
+* wgrad writes a fresh product, or adds it into a contiguous fp32 ``out`` (one more pass over ``out``), zeroed
+  first if flagged unwritten ([Note: an unwritten accumulator]): a graphed first contribution is then eager's
+  fresh product, as the Triton kernels' would be.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
+from distwgrad.weights.first_write import zero_where_flagged
 
 __all__ = ["linear_fprop", "linear_dgrad", "linear_wgrad", "layout_ok"]
 
@@ -96,9 +98,10 @@ def linear_dgrad(dy_q: Quantized, w_qs, out_dtype: torch.dtype, split: bool) -> 
 
 
 def linear_wgrad(dy_qt: Quantized, x_qt: Quantized, out: torch.Tensor | None, out_dtype: torch.dtype,
-                 split: bool) -> torch.Tensor | None:
+                 split: bool, first: torch.Tensor | None = None) -> torch.Tensor | None:
     """``dW = dy^T x``: fresh in ``out_dtype`` (``out`` None) or added into a contiguous fp32 ``out``, returned;
-    None where cuBLASLt does not run it (nothing written)."""
+    ``first``: ``out``'s flag ([Note: an unwritten accumulator]), zeroed first where set. None where cuBLASLt does
+    not run it (nothing written)."""
     if not (_per_tensor(dy_qt) and _per_tensor(x_qt)) or not _enabled(dy_qt.data):
         return None
     if out is not None and not (out.dtype == torch.float32 and out.is_contiguous()
@@ -108,4 +111,6 @@ def linear_wgrad(dy_qt: Quantized, x_qt: Quantized, out: torch.Tensor | None, ou
              out_dtype if out is None else torch.float32, split)
     if dW is None or out is None:
         return dW
+    if first is not None:
+        zero_where_flagged(out, first)
     return out.add_(dW)

@@ -27,6 +27,7 @@ def _preload() -> None:
         importlib.import_module(name)
     _skip_discarded_overflow_checks()
     _reduce_nan_max_in_numpy()
+    _list_builtins_once()
     import distwgrad
     for info in pkgutil.walk_packages(distwgrad.__path__, "distwgrad."):
         if ".launch" in info.name:  # entry points, not what a kernel case imports
@@ -82,6 +83,42 @@ def _reduce_nan_max_in_numpy() -> None:
 
     reduce_ops._distwgrad_generic = generic
     reduce_ops.apply_impl = apply_impl
+
+
+def _list_builtins_once() -> None:
+    """Lists the language's builtins once, at start-up, for the interpreter's patch of them.
+
+    [Note: interpreter builtin lists]
+    The interpreter patches each builtin of ``tl``, ``tl.core``, ``tl.tensor``, ``tl.math`` and the tensor
+    descriptor (``_patch_builtin``) at every launch and at every call of a ``@triton.jit`` helper (``tl.zeros``,
+    ``tl.sum`` and the kernels' own), in every program and loop iteration, and finds them by listing and sorting
+    every member (``inspect.getmembers``): about a third of an FP8 grouped-GEMM case. Builtins are defined at
+    import, and a patch replaces them under the same names; so the names are listed here, before anything is
+    patched, and each patch checks only those, in the same order, patching those still builtin, as Triton
+    does. Any other object gets Triton's own listing. ``tests/test_interpreter_server.py`` checks that both
+    patch the same names, before, during and after a launch's patch."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_builtin, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
+    if patch_builtin is None or patch_attr is None or hasattr(interpreter, "_distwgrad_patch_builtin"):
+        return
+    holders = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    names = {id(h): (h, [n for n, m in inspect.getmembers(h) if tl.core.is_builtin(m)]) for h in holders}
+
+    def _patch_builtin(pkg, builder, scope):
+        listed = names.get(id(pkg))
+        if listed is None or listed[0] is not pkg:
+            return patch_builtin(pkg, builder, scope)
+        for name in listed[1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._distwgrad_patch_builtin = patch_builtin  # Triton's, for the test
+    interpreter._patch_builtin = _patch_builtin
 
 
 def _run_case(request: dict) -> None:
