@@ -86,6 +86,9 @@ _LAYOUT = {
                                    "large b8x2048 mb2 compiled, recipes profiled (H100)",
                                    *(f"large b8x2048 {mb}{mode}, recipes (H100)" for mb in ("", "mb2 ")
                                      for mode in ("eager", "compiled")),
+                                   # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
+                                   *(f"large b8x2048 {mb}{mode}, Linear cuBLASLt A/B (H100)"
+                                     for mb, mode in (("", "eager"), ("", "compiled"), ("mb2 ", "compiled"))),
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
