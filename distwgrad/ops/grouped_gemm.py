@@ -103,6 +103,12 @@ def kernels_available(t: torch.Tensor) -> bool:
     wiring, ``DISTWGRAD_KERNELS_ON_CPU=1`` with ``TRITON_INTERPRET=1`` and ``t`` on the CPU)."""
     if t.device.type != "cuda" and not (t.device.type == "cpu" and _kernels_on_cpu()):
         return False
+    return _kernels_import()
+
+
+@functools.cache
+def _kernels_import() -> bool:
+    """Whether the kernel module imports, tried once (the modules ask at every GEMM and quantization)."""
     try:
         from distwgrad.kernels import grouped_gemm  # noqa: F401
     except ImportError:
