@@ -87,7 +87,8 @@ def run_case(recipe_name: str, module: str, delay: bool, device: str, setattr_fn
             b.normal_()
     counts = _counting(setattr_fn, K, ["grouped_fprop_fp8", "grouped_dgrad_fp8", "grouped_wgrad_fp8"])
     # A Linear's per-tensor GEMMs that cuBLASLt takes ([Note: a Linear's fp8 GEMMs on cuBLASLt]): here only dgrad,
-    # as fprop has a bias and the wgrad's T is not a multiple of 16.
+    # as fprop has a bias and the wgrad's T is not a multiple of 16. Blockwise: none (contraction widths off the
+    # 512 grid, tokens off the 128 grid: scaled_mm.blockwise_ok).
     on_cublas = {"grouped_dgrad_fp8"} if cuda and module == "linear" and recipe_name == "per_tensor" else set()
     scaled = _counting(setattr_fn, torch, ["_scaled_mm"])
     # the weights' form as the fprop hands them to the kernel: per-expert list or one stacked pair

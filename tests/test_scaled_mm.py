@@ -1,7 +1,8 @@
-"""A Linear's per-tensor FP8 GEMMs on cuBLASLt ([Note: a Linear's fp8 GEMMs on cuBLASLt] in
-``distwgrad/ops/scaled_mm.py``): which GEMMs it takes, and on a GPU (``-m gpu``) its products against the fp32
-oracle of the dequantized operands within ``reference_fp8.error_bound`` (the Triton kernels' bound: the two
-differ only in the order of fp32 sums), with the switch off as the control.
+"""A Linear's FP8 GEMMs on cuBLASLt ([Note: a Linear's fp8 GEMMs on cuBLASLt] in ``distwgrad/ops/scaled_mm.py``):
+which GEMMs it takes, and on a GPU (``-m gpu``) its products against the fp32 oracle of the dequantized operands
+within ``reference_fp8.error_bound`` (the Triton kernels' bound: the two differ only in the order of fp32 sums),
+with the switch off as the control; blockwise also at the widths cuBLASLt gets wrong ([Note: cuBLASLt's blockwise
+scale layouts]), which must stay with the kernels.
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def test_layout_ok(case, ok):
     assert scaled_mm.layout_ok(a, b) is ok
 
 
+@pytest.mark.parametrize("M,K,N,weight,ok", [
+    (1024, 512, 384, True, True),
+    (1000, 2048, 128, True, True),      # rows a multiple of 4 suffice by a weight
+    (1022, 512, 384, True, False),      # a scale column not 16-byte aligned
+    (1024, 640, 384, True, False),      # 5 weight blocks along the contraction: wrong numbers on the H100
+    (1024, 384, 384, True, False),
+    (1024, 512, 200, True, False),      # a partial weight block in the output
+    (0, 512, 384, True, False),
+    (384, 1024, 512, False, True),      # wgrad: rows and output width are features, contraction tokens
+    (384, 1000, 512, False, False),     # tokens not a multiple of 128
+    (200, 1024, 512, False, False),
+])
+def test_blockwise_ok(M, K, N, weight, ok):
+    assert scaled_mm.blockwise_ok(M, K, N, weight=weight) is ok
+
+
 def test_nothing_runs_off_cuda():
     x = quantize_per_tensor(torch.randn(32, 64), E4)
     w = quantize_per_tensor(torch.randn(48, 64), E4)
@@ -65,6 +82,12 @@ def test_nothing_runs_off_cuda():
     assert scaled_mm.linear_dgrad(quantize_per_tensor(torch.randn(32, 48), E5), [transpose_quantized(w)],
                                   torch.bfloat16, True) is None
     assert scaled_mm.linear_wgrad(transpose_quantized(x), transpose_quantized(x), None, torch.float32, True) is None
+    bw = BlockwiseScaling()
+    x_q, x_qt = bw.quantize_rowwise_and_columnwise(torch.randn(128, 512), grad=False)
+    w_q = bw.quantize_weight(torch.randn(512, 512))
+    assert scaled_mm.linear_fprop(x_q, w_q, torch.bfloat16, True) is None
+    assert scaled_mm.linear_dgrad(x_q, w_q, torch.bfloat16, True) is None
+    assert scaled_mm.linear_wgrad(x_qt, x_qt, None, torch.float32, True) is None
 
 
 def _counting(monkeypatch) -> list:
@@ -127,13 +150,11 @@ def test_linear_gemms_within_the_bound(split, cublas, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case,want", [("bias", 2), ("blockwise", 0)])
-def test_what_stays_with_the_kernels(case, want, monkeypatch):
-    """A bias keeps fprop in the kernels' fp32 epilogue (dgrad and wgrad still run on cuBLASLt); blockwise scales
-    keep all three there."""
+def test_a_bias_stays_with_the_kernels(monkeypatch):
+    """A bias keeps fprop in the kernels' fp32 epilogue (dgrad and wgrad still run on cuBLASLt)."""
     torch.manual_seed(0)
-    recipe = BlockwiseScaling() if case == "blockwise" else PerTensorScaling()
-    lin = Linear(512, 384, bias=case == "bias", params_dtype=torch.bfloat16, device="cuda")
+    recipe, want = PerTensorScaling(), 2
+    lin = Linear(512, 384, bias=True, params_dtype=torch.bfloat16, device="cuda")
     calls = _counting(monkeypatch)
     x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with fp8_autocast(recipe):
@@ -141,3 +162,50 @@ def test_what_stays_with_the_kernels(case, want, monkeypatch):
     y.float().square().mean().backward()
     assert len(calls) == want
     assert torch.isfinite(x.grad).all() and torch.isfinite(lin.weight.grad).all()
+
+
+def _blockwise_capable() -> bool:
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and cuda >= (12, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blockwise_capable(), reason="cuBLASLt's block scaling needs Hopper and CUDA 12.9")
+@pytest.mark.parametrize("cublas", [True, False], ids=["cublas", "kernels"])
+@pytest.mark.parametrize("T,K,N,on_cublas", [
+    (1024, 512, 512, 3),   # fprop, dgrad and wgrad
+    (1000, 2048, 512, 2),  # tokens not a multiple of 128: the wgrad stays with the kernels
+    (1024, 640, 384, 1),   # contractions cuBLASLt gets wrong (fprop 640, dgrad 384): only the wgrad goes there
+    (1024, 384, 640, 1),
+    (1024, 256, 256, 1),
+], ids=["all", "tokens", "640x384", "384x640", "256x256"])
+def test_blockwise_linear_gemms_within_the_bound(T, K, N, on_cublas, cublas, monkeypatch):
+    """Blockwise, as the per-tensor test above, at shapes on both sides of ``blockwise_ok``: wherever a GEMM runs,
+    its product is within the oracle's bound, and the count says which ran on cuBLASLt (1x128 by 128x128 at
+    contractions 256, 384 and 640 wide returned wrong numbers there)."""
+    from distwgrad.kernels._tuning import tuning
+    torch.manual_seed(0)
+    recipe = BlockwiseScaling()
+    lin = Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True)
+    lin.weight.main_grad = torch.zeros(N, K, device="cuda")
+    calls = _counting(monkeypatch)
+    one = torch.tensor([T], dtype=torch.int32, device="cuda")
+    w_q = recipe.quantize_weight(lin.weight.detach())
+    for _ in range(2):
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+        before = lin.weight.main_grad.clone()
+        with tuning(grouped_gemm_fp8=dict(linear_cublas=cublas)):
+            with fp8_autocast(recipe):
+                y = lin(x)
+            y.backward(dy)
+        x_q, x_qt = recipe.quantize_rowwise_and_columnwise(x.detach(), grad=False)
+        dy_q, dy_qt = recipe.quantize_rowwise_and_columnwise(dy, grad=True)
+        _check(y, ref.grouped_fprop_fp8(x_q, w_q, one, out_dtype=torch.float32),
+               ref.grouped_fprop_fp8(x_q, w_q, one, absolute=True), K, True, torch.bfloat16)
+        _check(x.grad, ref.grouped_dgrad_fp8(dy_q, w_q, one, out_dtype=torch.float32),
+               ref.grouped_dgrad_fp8(dy_q, w_q, one, absolute=True), N, True, torch.bfloat16)
+        want = ref.grouped_wgrad_fp8(dy_qt, x_qt, one, out=before.clone()[None])[0]
+        S = ref.grouped_wgrad_fp8(dy_qt, x_qt, one, absolute=True)[0]
+        _check(lin.weight.main_grad, want, S, T, True, torch.float32, addend=before)
+    assert calls == ([False] * 2 * on_cublas if cublas else [])

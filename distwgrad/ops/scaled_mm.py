@@ -1,15 +1,17 @@
-"""A Linear's per-tensor FP8 GEMMs on cuBLASLt (``torch._scaled_mm``), where it runs them; None elsewhere.
+"""A Linear's FP8 GEMMs on cuBLASLt (``torch._scaled_mm``), where it runs them right; None elsewhere.
 
 [Note: a Linear's fp8 GEMMs on cuBLASLt]
-A Linear is one group of the grouped FP8 GEMMs ([Note: fp8 gemm dispatch] in ``grouped_gemm_fp8.py``). Under
-per-tensor scaling cuBLASLt's FP8 GEMM reads the same operands (FP8 data, one fp32 ``scale_inv`` each) and
-accumulates as the recipe's ``MMParams`` say (``use_fast_accum`` is ``not use_split_accumulator``), so its
-products differ from the Triton kernels' only in the order of fp32 sums, within ``reference_fp8.error_bound``.
-Its kernels are faster at every Linear shape of the ``large`` and ``xl`` presets, and a call costs the host one
-C++ operation where the Triton path runs Python (docs/benchmarks/LOG.md). So a Linear's fprop, dgrad and wgrad run
-there when all of these hold, else in the grouped kernels:
+A Linear is one group of the grouped FP8 GEMMs ([Note: fp8 gemm dispatch] in ``grouped_gemm_fp8.py``). cuBLASLt's
+FP8 GEMM reads the same operands (FP8 data and fp32 ``scale_inv``: one per tensor, or DeepSeek's 1x128 activation
+tiles by 128x128 weight blocks) and accumulates as the recipe's ``MMParams`` say (``use_fast_accum`` is ``not
+use_split_accumulator``; blockwise always splits), so its products differ from the Triton kernels' only in the
+order of fp32 sums, within ``reference_fp8.error_bound``. Its kernels are faster at every Linear shape of the
+``large`` and ``xl`` presets, and a call costs the host one C++ operation where the Triton path runs Python
+(docs/benchmarks/LOG.md). So a Linear's fprop, dgrad and wgrad run there when all of these hold, else in the
+grouped kernels:
 * the operands are on a CUDA device of compute capability 8.9 or more, and ``GroupedGemmFp8Tuning.linear_cublas``;
-* both are per tensor and not both E5M2 (cuBLASLt has no E5M2 x E5M2 GEMM);
+* both are per tensor and not both E5M2 (cuBLASLt has no E5M2 x E5M2 GEMM), or both blockwise in exactly those
+  tiles on compute capability 9.x (:func:`blockwise_ok`);
 * the first is row-major and the second column-major, as the modules lay them out (fprop reads the weight,
   dgrad its transposed copy, wgrad x^T), with 16-byte aligned addresses and leading dimensions, the contraction
   and the output's width multiples of 16, and at least one row;
@@ -17,6 +19,18 @@ there when all of these hold, else in the grouped kernels:
 * wgrad writes a fresh product, or adds it into a contiguous fp32 ``out`` (one more pass over ``out``), zeroed
   first if flagged unwritten ([Note: an unwritten accumulator]): a graphed first contribution is then eager's
   fresh product, as the Triton kernels' would be.
+
+[Note: cuBLASLt's blockwise scale layouts]
+cuBLASLt reads a 1x128 operand's scales outer dimension first (``[M, K / 128]`` with strides ``(1, M)``) and a
+128x128 weight's in the grid of the operand as it reads it; the kernels write both row-major, so a call reorders
+the activation's grid (one small copy: 1/128 of a bf16 operand's bytes at 4 bytes a scale). torch checks the
+shapes and strides but not the alignment cuBLASLt needs, and cuBLASLt then returns wrong numbers without an
+error: on an H100 (torch 2.11, CUDA 13.0) every 1x128 by 128x128 GEMM whose contraction was 256, 384 or 640 wide
+went wrong by 30% to 1e34, and so did wgrads at widths that are not multiples of 16 (those torch refused)
+(``qa/studies/linear_cublas.py --recipe blockwise --limits``). :func:`blockwise_ok` therefore admits only what
+that grid measured right: rows a multiple of 4, widths multiples of 128, and for 1x128 by 128x128 a contraction
+that is a multiple of 512 (a 16-byte row of weight scales); ``tests/test_scaled_mm.py`` checks a Linear at the
+refused widths against the oracle.
 """
 
 from __future__ import annotations
@@ -29,15 +43,23 @@ import torch
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.weights.first_write import zero_where_flagged
 
-__all__ = ["linear_fprop", "linear_dgrad", "linear_wgrad", "layout_ok"]
+__all__ = ["linear_fprop", "linear_dgrad", "linear_wgrad", "layout_ok", "blockwise_ok"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
+_ACT, _WEIGHT = (1, 128), (128, 128)  # the only blockwise tiles cuBLASLt takes
 
 
 @functools.cache
 def _capable(index: int) -> bool:
     return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+@functools.cache
+def _blockwise_capable(index: int) -> bool:
+    """cuBLASLt's 1x128 / 128x128 block scaling: Hopper, CUDA 12.9 or later."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(index)[0] == 9 and cuda >= (12, 9)
 
 
 def _enabled(t: torch.Tensor) -> bool:
@@ -60,19 +82,40 @@ def layout_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
             and b.data_ptr() % 16 == 0)
 
 
+def blockwise_ok(M: int, K: int, N: int, *, weight: bool) -> bool:
+    """Whether an ``[M, K] @ [K, N]`` GEMM of blockwise operands is one cuBLASLt gets right ([Note: cuBLASLt's
+    blockwise scale layouts]): ``weight``, 1x128 tiles by 128x128 blocks (fprop, dgrad): M a multiple of 4, K of
+    512, N of 128; else 1x128 by 1x128 along the contraction (wgrad): M and N multiples of 128, K of 128."""
+    if weight:
+        return M > 0 and M % 4 == 0 and K % 512 == 0 and N % 128 == 0
+    return M > 0 and M % 128 == 0 and K % 128 == 0 and N % 128 == 0
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """A scale grid of the same shape, stored outer dimension first."""
+    return s.t().contiguous().t()
+
+
 def _per_tensor(q) -> bool:
     return q.block is None and q.scale_inv.numel() == 1
 
 
-def _weight(w_qs: Sequence[Quantized] | QuantizedExperts) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The one weight's ``[N, K]`` data and scale, if per tensor; else None."""
+def _blockwise(q: Quantized, block: tuple[int, int]) -> bool:
+    return q.block == block and q.scale_inv.is_contiguous()
+
+
+def _weight(w_qs: Sequence[Quantized] | QuantizedExperts):
+    """The one weight's ``[N, K]`` data, scale (per tensor, or its row-major 128x128 grid) and block; else None."""
     if isinstance(w_qs, QuantizedExperts):
-        if w_qs.data.shape[0] != 1 or w_qs.block is not None:
+        if w_qs.data.shape[0] != 1:
             return None
-        return w_qs.data[0], w_qs.scale_inv
-    if len(w_qs) != 1 or not _per_tensor(w_qs[0]):
+        w = (w_qs.data[0], w_qs.scale_inv if w_qs.block is None else w_qs.scale_inv[0], w_qs.block)
+    elif len(w_qs) != 1:
         return None
-    return w_qs[0].data, w_qs[0].scale_inv
+    else:
+        w = (w_qs[0].data, w_qs[0].scale_inv, w_qs[0].block)
+    ok = w[1].numel() == 1 if w[2] is None else w[2] == _WEIGHT and w[1].is_contiguous()
+    return w if ok else None
 
 
 def _mm(a, a_s, b, b_s, out_dtype: torch.dtype, split: bool) -> torch.Tensor | None:
@@ -81,20 +124,33 @@ def _mm(a, a_s, b, b_s, out_dtype: torch.dtype, split: bool) -> torch.Tensor | N
     return torch._scaled_mm(a, b, a_s, b_s, out_dtype=out_dtype, use_fast_accum=not split)
 
 
+def _act_by_weight(a_q: Quantized, w, b: torch.Tensor, out_dtype, split, *, transposed: bool):
+    """``a @ b``, ``b`` the weight ``w`` as the GEMM reads it (``transposed``: dgrad's copy): per tensor, or 1x128
+    tiles by 128x128 blocks where :func:`blockwise_ok` admits them; else None."""
+    if not _enabled(a_q.data):
+        return None
+    if _per_tensor(a_q) and w[2] is None:
+        return _mm(a_q.data, a_q.scale_inv, b, w[1], out_dtype, split)
+    if (_blockwise(a_q, _ACT) and w[2] == _WEIGHT and out_dtype in _OUT and layout_ok(a_q.data, b)
+            and blockwise_ok(a_q.shape[0], a_q.shape[1], b.shape[1], weight=True)
+            and _blockwise_capable(a_q.data.device.index)):
+        # [Note: cuBLASLt's blockwise scale layouts]: the weight's grid as the GEMM reads its operand
+        b_s = _outer_major(w[1]) if transposed else w[1].t()
+        return torch._scaled_mm(a_q.data, b, _outer_major(a_q.scale_inv), b_s, out_dtype=out_dtype,
+                                use_fast_accum=not split)
+    return None
+
+
 def linear_fprop(x_q: Quantized, w_qs, out_dtype: torch.dtype, split: bool) -> torch.Tensor | None:
     """``y = x w^T`` (no bias) in ``out_dtype``, or None where cuBLASLt does not run it."""
     w = _weight(w_qs)
-    if w is None or not _per_tensor(x_q) or not _enabled(x_q.data):
-        return None
-    return _mm(x_q.data, x_q.scale_inv, w[0].t(), w[1], out_dtype, split)
+    return None if w is None else _act_by_weight(x_q, w, w[0].t(), out_dtype, split, transposed=False)
 
 
 def linear_dgrad(dy_q: Quantized, w_qs, out_dtype: torch.dtype, split: bool) -> torch.Tensor | None:
     """``dx = dy w`` in ``out_dtype`` from dgrad's weight layout, or None where cuBLASLt does not run it."""
     w = _weight(w_qs)
-    if w is None or not _per_tensor(dy_q) or not _enabled(dy_q.data):
-        return None
-    return _mm(dy_q.data, dy_q.scale_inv, w[0], w[1], out_dtype, split)
+    return None if w is None else _act_by_weight(dy_q, w, w[0], out_dtype, split, transposed=True)
 
 
 def linear_wgrad(dy_qt: Quantized, x_qt: Quantized, out: torch.Tensor | None, out_dtype: torch.dtype,
@@ -102,13 +158,23 @@ def linear_wgrad(dy_qt: Quantized, x_qt: Quantized, out: torch.Tensor | None, ou
     """``dW = dy^T x``: fresh in ``out_dtype`` (``out`` None) or added into a contiguous fp32 ``out``, returned;
     ``first``: ``out``'s flag ([Note: an unwritten accumulator]), zeroed first where set. None where cuBLASLt does
     not run it (nothing written)."""
-    if not (_per_tensor(dy_qt) and _per_tensor(x_qt)) or not _enabled(dy_qt.data):
+    if not _enabled(dy_qt.data):
         return None
     if out is not None and not (out.dtype == torch.float32 and out.is_contiguous()
                                 and tuple(out.shape) == (dy_qt.shape[0], x_qt.shape[0])):
         return None
-    dW = _mm(dy_qt.data, dy_qt.scale_inv, x_qt.data.t(), x_qt.scale_inv,
-             out_dtype if out is None else torch.float32, split)
+    out_dtype = out_dtype if out is None else torch.float32
+    if _per_tensor(dy_qt) and _per_tensor(x_qt):
+        dW = _mm(dy_qt.data, dy_qt.scale_inv, x_qt.data.t(), x_qt.scale_inv, out_dtype, split)
+    elif (_blockwise(dy_qt, _ACT) and _blockwise(x_qt, _ACT) and out_dtype in _OUT
+          and layout_ok(dy_qt.data, x_qt.data.t())
+          and blockwise_ok(dy_qt.shape[0], dy_qt.shape[1], x_qt.shape[0], weight=False)
+          and _blockwise_capable(dy_qt.data.device.index)):
+        # [Note: cuBLASLt's blockwise scale layouts]: both operands' tiles run along the tokens
+        dW = torch._scaled_mm(dy_qt.data, x_qt.data.t(), _outer_major(dy_qt.scale_inv),
+                              _outer_major(x_qt.scale_inv).t(), out_dtype=out_dtype, use_fast_accum=not split)
+    else:
+        return None
     if dW is None or out is None:
         return dW
     if first is not None:
