@@ -11,7 +11,7 @@ order of fp32 sums, within ``reference_fp8.error_bound``. Its kernels are faster
 grouped kernels:
 * the operands are on a CUDA device of compute capability 8.9 or more, and ``GroupedGemmFp8Tuning.linear_cublas``;
 * both are per tensor and not both E5M2 (cuBLASLt has no E5M2 x E5M2 GEMM), or both blockwise in exactly those
-  tiles on compute capability 9.x (:func:`blockwise_ok`);
+  tiles on compute capability 9.x with CUDA 12.9 or later (:func:`blockwise_ok`);
 * the first is row-major and the second column-major, as the modules lay them out (fprop reads the weight,
   dgrad its transposed copy, wgrad x^T), with 16-byte aligned addresses and leading dimensions, the contraction
   and the output's width multiples of 16, and at least one row;
@@ -22,15 +22,17 @@ grouped kernels:
 
 [Note: cuBLASLt's blockwise scale layouts]
 cuBLASLt reads a 1x128 operand's scales outer dimension first (``[M, K / 128]`` with strides ``(1, M)``) and a
-128x128 weight's in the grid of the operand as it reads it; the kernels write both row-major, so a call reorders
-the activation's grid (one small copy: 1/128 of a bf16 operand's bytes at 4 bytes a scale). torch checks the
-shapes and strides but not the alignment cuBLASLt needs, and cuBLASLt then returns wrong numbers without an
-error: on an H100 (torch 2.11, CUDA 13.0) every 1x128 by 128x128 GEMM whose contraction was 256, 384 or 640 wide
-went wrong by 30% to 1e34, and so did wgrads at widths that are not multiples of 16 (those torch refused)
-(``qa/studies/linear_cublas.py --recipe blockwise --limits``). :func:`blockwise_ok` therefore admits only what
-that grid measured right: rows a multiple of 4, widths multiples of 128, and for 1x128 by 128x128 a contraction
-that is a multiple of 512 (a 16-byte row of weight scales); ``tests/test_scaled_mm.py`` checks a Linear at the
-refused widths against the oracle.
+128x128 weight's in the grid of the operand as the GEMM reads it; the kernels write both row-major, so a call
+reorders the activations' grids and dgrad's weight grid (small copies: 4 bytes for each 128 of an operand's
+values). torch checks the shapes and strides but not what cuBLASLt needs beyond them, and then cuBLASLt returns
+wrong numbers without an error: on an H100 (torch 2.11, CUDA 13.0), of the 1x128 by 128x128 GEMMs whose
+contraction was 256, 384 or 640 wide (a row of 2, 3 or 5 weight scales, not 16 bytes), 61 of 72 fprops and 52 of
+60 dgrads came back wrong, by 12% to 3e37 of the product's largest value; every one at 512 and 2048 was right,
+as were all the wgrads torch took (it refuses token counts that are not multiples of 16)
+(``qa/studies/linear_cublas.py --recipe blockwise --limits``, the same counts in two runs). :func:`blockwise_ok`
+therefore admits what that grid measured right: rows a multiple of 4, widths multiples of 128, and a 1x128 by
+128x128 contraction a multiple of 512; ``tests/test_scaled_mm.py`` checks a Linear at the widths it refuses
+against the oracle.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def limits(recipe) -> None:
         for verdict, cases in by.items():
             print(f"{gemm:6s} {verdict:50s} {len(cases):3d} cases", flush=True)
             if verdict != "right":
-                for M, K, N, why in cases[:40]:
+                for M, K, N, why in cases:
                     print(f"       M {M} K {K} N {N}: {why}", flush=True)
 
 
