@@ -89,6 +89,9 @@ _LAYOUT = {
                                    # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
                                    *(f"large b8x2048 {mb}{mode}, Linear cuBLASLt A/B (H100)"
                                      for mb, mode in (("", "eager"), ("", "compiled"), ("mb2 ", "compiled"))),
+                                   # and blockwise: LOG.md, 2026-12-06 (morning)
+                                   *(f"large b8x2048 {mode}, Linear cuBLASLt blockwise A/B (H100)"
+                                     for mode in ("eager", "compiled")),
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
