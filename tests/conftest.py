@@ -52,14 +52,20 @@ def pytest_collection_modifyitems(config, items):
     # test at the end while the other idles. Whole modules move, in their order, so that a module fixture
     # (the training job's shared run, say) is still set up once; the sort is stable, the same on every worker.
     # The job's modules (test_train_*: torchrun jobs, up to a minute a test) go before the other multi-rank
-    # ones: one of them last in a worker's queue left that worker alone for its whole run at the end.
-    rank = {}
+    # ones: one of them last in a worker's queue left that worker alone for its whole run at the end. Among
+    # them, the modules of fewer tests go first: xdist hands the head of the list to one worker, which runs it
+    # in order while the others steal from its end, so the job modules run one after another there. A module
+    # of a few tests is mostly one long test (the parallelism and documented-command tests, one to two minutes
+    # each), which no steal can split, and taken late it ran alone at the end of the run; a module of many
+    # tests splits between workers.
+    rank, size = {}, {}
     for item in items:
         r = 0 if "distributed" in item.keywords else 1 if "interpret" in item.keywords else 2
         if r == 0 and item.module.__name__.rpartition(".")[2].startswith("test_train_"):
             r = -1
         rank[item.module] = min(rank.get(item.module, 2), r)
-    items.sort(key=lambda item: rank[item.module])
+        size[item.module] = size.get(item.module, 0) + 1
+    items.sort(key=lambda item: (rank[item.module], size[item.module] if rank[item.module] < 0 else 0))
     if config.getoption("--full"):
         return
     skip = pytest.mark.skip(reason="outside the sweep's sample: run with --full")

@@ -2,8 +2,8 @@
 
 [Note: contribution accounting] promises that ``PER_MICROBATCH`` holds 1/N of a weight's fp32 gradient
 between microbatches plus at most one in-flight buffer, and that no policy grows with the number of
-microbatches. One ShardedWeight whose full fp32 gradient is 32 MiB, on 2 ranks, 8 microbatches per step:
-a buffer kept per microbatch would add 32 MiB per microbatch (224 MiB over the step).
+microbatches. One ShardedWeight whose full fp32 gradient is 32 MiB, on 2 ranks, 4 microbatches per step:
+a buffer kept per microbatch would add 32 MiB per microbatch (96 MiB over the step).
 
 The weight's own fp32 ``main_grad`` (1/N) is created inside each step, at its first landed reduction
 ([Note: main_grad lifetime] in ``weights/base.py``): after the first microbatch, or after the second
@@ -37,7 +37,7 @@ from distwgrad.testing.multiprocess import for_each_case, run_distributed
 from distwgrad.weights import _accounting
 
 N, K = 2048, 4096  # a 32 MiB fp32 gradient, 16 MiB of it per rank
-MICROBATCHES = 8
+MICROBATCHES = 4
 MIB = 2 ** 20
 RSS_MARGIN_MIB = 8  # a quarter of one 32 MiB buffer; see the module docstring
 

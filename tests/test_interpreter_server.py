@@ -2,15 +2,17 @@
 
 ``distwgrad/testing/_interpreter_server.py``: [Note: interpreter overflow checks] turns Triton's
 ``sanitize_overflow`` off because the interpreter's ``device_assert`` drops the check's result,
-[Note: interpreter NaN-max reductions] reduces the quantizers' ``_max_nan`` with ``numpy.max``, and
-[Note: interpreter builtin lists] lists the language's builtins once. This file holds Triton to the first
-premise, the second to Triton's own reduction, bit for bit, and the third to Triton's own listing, name for
-name, in cases forked from the server like every other.
+[Note: interpreter NaN-max reductions] reduces the quantizers' ``_max_nan`` with ``numpy.max``,
+[Note: interpreter builtin lists] lists the language's builtins once, and [Note: interpreter helper patches]
+skips a helper's language patch that an earlier one of its launch made. This file holds Triton to the first
+and last premises, the second to Triton's own reduction, bit for bit, and the third to Triton's own listing,
+name for name, in cases forked from the server like every other.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -127,7 +129,71 @@ def _case_builtin_lists() -> None:
     same("after both")
 
 
-_CASES = {"overflow": _case_overflow, "nan_max": _case_nan_max, "builtin_lists": _case_builtin_lists}
+def _code(value):
+    """What a patched attribute runs: its code (and a partial's keywords), else the value itself."""
+    if isinstance(value, functools.partial):
+        return _code(value.func), tuple(value.args), tuple(sorted(value.keywords.items()))
+    if isinstance(value, property):
+        return _code(value.fget)
+    return getattr(value, "__code__", value)
+
+
+def _case_helper_patches() -> None:
+    import triton.language as tl
+    from distwgrad.kernels import cast_transpose
+    from triton.runtime import interpreter
+
+    ours, triton_s = interpreter._patch_lang, interpreter._distwgrad_patch_lang
+    launch = interpreter.GridExecutor.__call__
+    events: list[tuple] = []
+
+    def launching(self, *args, **kwargs):
+        events.append(("launch",))
+        return launch(self, *args, **kwargs)
+
+    def recording(fn):  # Triton's patch, and whether it changed anything: a builtin wrapped, or other code
+        scope = triton_s(fn)
+        changes = [(id(obj), name, tl.core.is_builtin(old) or _code(getattr(obj, name)) != _code(old))
+                   for obj, name, old in scope._changes]
+        events.append(("patch", {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}, changes))
+        return scope
+
+    x = (torch.randn(300, 48, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    offs_E = torch.tensor([100, 100, 250], dtype=torch.int32)
+    # offs_E afresh: a layout made once is kept on the tensor. A first run rewrites the helpers (which adds to
+    # their globals), so that the two runs compared launch the same kernels with the same globals.
+    run = lambda: cast_transpose.cast_transpose_per_tensor(x, torch.float8_e4m3fn, offs_E=offs_E.clone())
+    run()
+    interpreter.GridExecutor.__call__, interpreter._patch_lang = launching, recording
+    want = run()  # every patch Triton's
+    interpreter._patch_lang = ours
+    # The premise: in a launch, a helper's patch of modules earlier patches of the launch covered wraps no
+    # builtin, sets only attributes they set, and to the same code.
+    skippable = needed = 0
+    for event in events:
+        if event[0] == "launch":
+            covered, keys, first = set(), set(), True
+            continue
+        _, langs, changes = event
+        if not first and langs and langs <= covered:
+            assert {(o, n) for o, n, _ in changes} <= keys and not any(changed for _, _, changed in changes), changes
+            skippable += 1
+        else:
+            needed += 1
+        first, covered, keys = False, covered | langs, keys | {(o, n) for o, n, _ in changes}
+    assert skippable > needed > 0, (skippable, needed)
+    # The server's patch runs Triton's exactly where the premise does not hold, with the same results.
+    calls = []
+    interpreter._distwgrad_patch_lang = lambda fn: calls.append(fn) or triton_s(fn)
+    got = run()
+    interpreter._distwgrad_patch_lang, interpreter.GridExecutor.__call__ = triton_s, launch
+    assert len(calls) == needed, (len(calls), needed)
+    bits = lambda t: t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t
+    assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want, strict=True))
+
+
+_CASES = {"overflow": _case_overflow, "nan_max": _case_nan_max, "builtin_lists": _case_builtin_lists,
+          "helper_patches": _case_helper_patches}
 
 
 @pytest.mark.interpret
@@ -148,6 +214,13 @@ def test_nan_max_reductions_in_numpy_give_tritons_bits():
 def test_builtins_listed_once_are_the_ones_triton_patches():
     pytest.importorskip("triton")
     out = run_interpreted(_HERE, "builtin_lists", timeout=120)
+    assert "case ok" in out, out
+
+
+@pytest.mark.interpret
+def test_helper_patches_skipped_only_where_they_would_change_nothing():
+    pytest.importorskip("triton")
+    out = run_interpreted(_HERE, "helper_patches", timeout=120)
     assert "case ok" in out, out
 
 
