@@ -92,6 +92,11 @@ _LAYOUT = {
                                    # and blockwise: LOG.md, 2026-12-06 (morning)
                                    *(f"large b8x2048 {mode}, Linear cuBLASLt blockwise A/B (H100)"
                                      for mode in ("eager", "compiled")),
+                                   # the xl preset's plain build and torchao, in a process of their own (one
+                                   # xl build fits an H200 at a time), and the H100's side by side: docs/fp8.md
+                                   "xl b8x2048 compiled_cuda_graph, the plain build and torchao",
+                                   "large b8x2048 compiled (H100)",
+                                   "large b8x2048 mb2 eager",  # two microbatches: docs/fp8.md has the H100's
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
                          columns="precision", baseline="bf16", metrics=("tflops",),
