@@ -78,8 +78,9 @@ class GroupedGemmFp8Tuning:
     more ([Note: a 16-bit handoff]), a blockwise one for at most 4 ([Note: blockwise wgrad scales]).
     ``wgrad_gluon_epilogue_warps``: 2 ([Note: an epilogue partition]) or 0. ``wgrad_gluon_add_mode``: "atomic"
     (fp32 reductions, deterministic: one addend per element) or "load" (load-add-store). False forces the Triton
-    kernel. ``linear_cublas``: a Linear's per-tensor GEMMs on cuBLASLt where it runs them ([Note: a Linear's fp8
-    GEMMs on cuBLASLt] in ``distwgrad/ops/scaled_mm.py``); False keeps them in these kernels."""
+    kernel. ``linear_cublas``: a Linear's GEMMs (per tensor, and blockwise where ``scaled_mm.blockwise_ok``) on
+    cuBLASLt ([Note: a Linear's fp8 GEMMs on cuBLASLt] in ``distwgrad/ops/scaled_mm.py``); False keeps them in
+    these kernels."""
 
     ragged_gluon: bool = True
     ragged_gluon_min_depth_per_tensor: int = 768
