@@ -8,8 +8,8 @@ and it is the same on any device: so the job's model (``MoEGPT``, small widths) 
 with CPU tensors routed through the Triton kernels' code ([Note: fp8 gemm dispatch]), every launch counted by
 kernel and skipped, and every torch operation counted by a dispatch mode. Nothing reads a skipped kernel's output
 on the host, so the step issues what a CUDA step issues through the Triton kernels; on Hopper a Gluon kernel
-replaces some of them one for one, and cuBLAS the dense bf16 GEMMs and a Linear's per-tensor FP8 GEMMs
-([Note: a Linear's fp8 GEMMs on cuBLASLt]).
+replaces some of them one for one, and cuBLAS the dense bf16 GEMMs and a Linear's FP8 GEMMs (per tensor, and
+blockwise on Hopper: [Note: a Linear's fp8 GEMMs on cuBLASLt]).
 """
 
 from __future__ import annotations
