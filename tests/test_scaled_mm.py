@@ -172,29 +172,34 @@ def _blockwise_capable() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _blockwise_capable(), reason="cuBLASLt's block scaling needs Hopper and CUDA 12.9")
 @pytest.mark.parametrize("cublas", [True, False], ids=["cublas", "kernels"])
-@pytest.mark.parametrize("T,K,N,on_cublas", [
-    (1024, 512, 512, 3),   # fprop, dgrad and wgrad
-    (1000, 2048, 512, 2),  # tokens not a multiple of 128: the wgrad stays with the kernels
-    (1024, 640, 384, 1),   # contractions cuBLASLt gets wrong (fprop 640, dgrad 384): only the wgrad goes there
-    (1024, 384, 640, 1),
-    (1024, 256, 256, 1),
-], ids=["all", "tokens", "640x384", "384x640", "256x256"])
-def test_blockwise_linear_gemms_within_the_bound(T, K, N, on_cublas, cublas, monkeypatch):
-    """Blockwise, as the per-tensor test above, at shapes on both sides of ``blockwise_ok``: wherever a GEMM runs,
-    its product is within the oracle's bound, and the count says which ran on cuBLASLt (1x128 by 128x128 at
-    contractions 256, 384 and 640 wide returned wrong numbers there)."""
+@pytest.mark.parametrize("T,K,N,dtype,fuse,on_cublas", [
+    (1024, 512, 512, torch.bfloat16, True, 3),   # fprop, dgrad and wgrad
+    (1000, 2048, 512, torch.bfloat16, True, 2),  # tokens not a multiple of 128: the wgrad stays with the kernels
+    (1024, 640, 384, torch.bfloat16, True, 1),   # contractions cuBLASLt gets wrong (fprop 640, dgrad 384)
+    (1024, 384, 640, torch.bfloat16, True, 1),
+    (1024, 256, 256, torch.bfloat16, True, 1),
+    (1024, 512, 512, torch.float32, True, 1),    # fp32 outputs: fprop and dgrad stay, the fp32 wgrad goes
+    (1024, 512, 512, torch.bfloat16, False, 2),  # a fresh bf16 wgrad stays with the kernels
+], ids=["all", "tokens", "640x384", "384x640", "256x256", "fp32", "unfused"])
+def test_blockwise_linear_gemms_within_the_bound(T, K, N, dtype, fuse, on_cublas, cublas, monkeypatch):
+    """Blockwise, as the per-tensor test above, on both sides of ``blockwise_ok`` and of the outputs measured:
+    wherever a GEMM runs, its product is within the oracle's bound, and the count says which ran on cuBLASLt
+    (1x128 by 128x128 at contractions 256, 384 and 640 wide returned wrong numbers there). Fused: two
+    microbatches into ``main_grad``; unfused: one, its fresh wgrad in ``.grad``."""
     from distwgrad.kernels._tuning import tuning
     torch.manual_seed(0)
     recipe = BlockwiseScaling()
-    lin = Linear(K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", fuse_wgrad_accumulation=True)
-    lin.weight.main_grad = torch.zeros(N, K, device="cuda")
+    lin = Linear(K, N, bias=False, params_dtype=dtype, device="cuda", fuse_wgrad_accumulation=fuse)
+    if fuse:
+        lin.weight.main_grad = torch.zeros(N, K, device="cuda")
     calls = _counting(monkeypatch)
     one = torch.tensor([T], dtype=torch.int32, device="cuda")
     w_q = recipe.quantize_weight(lin.weight.detach())
-    for _ in range(2):
-        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
-        before = lin.weight.main_grad.clone()
+    microbatches = 2 if fuse else 1
+    for _ in range(microbatches):
+        x = torch.randn(T, K, device="cuda", dtype=dtype, requires_grad=True)
+        dy = torch.randn(T, N, device="cuda", dtype=dtype)
+        before = lin.weight.main_grad.clone() if fuse else None
         with tuning(grouped_gemm_fp8=dict(linear_cublas=cublas)):
             with fp8_autocast(recipe):
                 y = lin(x)
@@ -202,10 +207,13 @@ def test_blockwise_linear_gemms_within_the_bound(T, K, N, on_cublas, cublas, mon
         x_q, x_qt = recipe.quantize_rowwise_and_columnwise(x.detach(), grad=False)
         dy_q, dy_qt = recipe.quantize_rowwise_and_columnwise(dy, grad=True)
         _check(y, ref.grouped_fprop_fp8(x_q, w_q, one, out_dtype=torch.float32),
-               ref.grouped_fprop_fp8(x_q, w_q, one, absolute=True), K, True, torch.bfloat16)
+               ref.grouped_fprop_fp8(x_q, w_q, one, absolute=True), K, True, dtype)
         _check(x.grad, ref.grouped_dgrad_fp8(dy_q, w_q, one, out_dtype=torch.float32),
-               ref.grouped_dgrad_fp8(dy_q, w_q, one, absolute=True), N, True, torch.bfloat16)
-        want = ref.grouped_wgrad_fp8(dy_qt, x_qt, one, out=before.clone()[None])[0]
+               ref.grouped_dgrad_fp8(dy_q, w_q, one, absolute=True), N, True, dtype)
         S = ref.grouped_wgrad_fp8(dy_qt, x_qt, one, absolute=True)[0]
-        _check(lin.weight.main_grad, want, S, T, True, torch.float32, addend=before)
-    assert calls == ([False] * 2 * on_cublas if cublas else [])
+        if fuse:
+            want = ref.grouped_wgrad_fp8(dy_qt, x_qt, one, out=before.clone()[None])[0]
+            _check(lin.weight.main_grad, want, S, T, True, torch.float32, addend=before)
+        else:
+            _check(lin.weight.grad, ref.grouped_wgrad_fp8(dy_qt, x_qt, one)[0], S, T, True, dtype)
+    assert calls == ([False] * microbatches * on_cublas if cublas else [])

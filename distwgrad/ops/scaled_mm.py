@@ -31,8 +31,8 @@ contraction was 256, 384 or 640 wide (a row of 2, 3 or 5 weight scales, not 16 b
 as were all the wgrads torch took (it refuses token counts that are not multiples of 16)
 (``qa/studies/linear_cublas.py --recipe blockwise --limits``, the same counts in two runs). :func:`blockwise_ok`
 therefore admits what that grid measured right: rows a multiple of 4, widths multiples of 128, and a 1x128 by
-128x128 contraction a multiple of 512; ``tests/test_scaled_mm.py`` checks a Linear at the widths it refuses
-against the oracle.
+128x128 contraction a multiple of 512; and the calls take only the outputs measured: bf16 from fprop and dgrad,
+fp32 from wgrad. ``tests/test_scaled_mm.py`` checks a Linear at the widths and dtypes refused against the oracle.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ __all__ = ["linear_fprop", "linear_dgrad", "linear_wgrad", "layout_ok", "blockwi
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 _ACT, _WEIGHT = (1, 128), (128, 128)  # the only blockwise tiles cuBLASLt takes
+# blockwise outputs measured right ([Note: cuBLASLt's blockwise scale layouts]): fprop and dgrad, wgrad
+_BLOCKWISE_OUT, _BLOCKWISE_WGRAD_OUT = (torch.bfloat16,), (torch.float32,)
 
 
 @functools.cache
@@ -133,7 +135,7 @@ def _act_by_weight(a_q: Quantized, w, b: torch.Tensor, out_dtype, split, *, tran
         return None
     if _per_tensor(a_q) and w[2] is None:
         return _mm(a_q.data, a_q.scale_inv, b, w[1], out_dtype, split)
-    if (_blockwise(a_q, _ACT) and w[2] == _WEIGHT and out_dtype in _OUT and layout_ok(a_q.data, b)
+    if (_blockwise(a_q, _ACT) and w[2] == _WEIGHT and out_dtype in _BLOCKWISE_OUT and layout_ok(a_q.data, b)
             and blockwise_ok(a_q.shape[0], a_q.shape[1], b.shape[1], weight=True)
             and _blockwise_capable(a_q.data.device.index)):
         # [Note: cuBLASLt's blockwise scale layouts]: the weight's grid as the GEMM reads its operand
@@ -168,7 +170,7 @@ def linear_wgrad(dy_qt: Quantized, x_qt: Quantized, out: torch.Tensor | None, ou
     out_dtype = out_dtype if out is None else torch.float32
     if _per_tensor(dy_qt) and _per_tensor(x_qt):
         dW = _mm(dy_qt.data, dy_qt.scale_inv, x_qt.data.t(), x_qt.scale_inv, out_dtype, split)
-    elif (_blockwise(dy_qt, _ACT) and _blockwise(x_qt, _ACT) and out_dtype in _OUT
+    elif (_blockwise(dy_qt, _ACT) and _blockwise(x_qt, _ACT) and out_dtype in _BLOCKWISE_WGRAD_OUT
           and layout_ok(dy_qt.data, x_qt.data.t())
           and blockwise_ok(dy_qt.shape[0], dy_qt.shape[1], x_qt.shape[0], weight=False)
           and _blockwise_capable(dy_qt.data.device.index)):
