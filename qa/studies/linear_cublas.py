@@ -2,6 +2,7 @@
 
     python qa/studies/linear_cublas.py                      # per tensor, the Linear shapes of large and xl
     python qa/studies/linear_cublas.py --recipe blockwise   # 1x128 activations by 128x128 weights
+    python qa/studies/linear_cublas.py --recipe blockwise --limits --shapes proj_large  # where cuBLASLt is right
     python qa/studies/linear_cublas.py --host-only          # host microseconds a call only
 
 What [Note: a Linear's fp8 GEMMs on cuBLASLt] (``distwgrad/ops/scaled_mm.py``) rests on, for each Linear of the
@@ -66,7 +67,7 @@ def _gemms(M: int, K: int, N: int, recipe) -> dict:
     deq = lambda q: dequantize(q, dtype=torch.float32)  # noqa: E731
     w_nk = deq(Quantized(wf.data[0], wf.scale_inv[0] if wf.block else wf.scale_inv.reshape(()), wf.block,
                          torch.bfloat16, wf.data[0].shape))
-    if recipe.family == "blockwise":  # scales as cuBLASLt reads them: [Note: a Linear's fp8 GEMMs on cuBLASLt]
+    if recipe.family == "blockwise":  # scales as cuBLASLt reads them: [Note: cuBLASLt's blockwise scale layouts]
         s_f = lambda: (_outer_major(xq.scale_inv), wf.scale_inv[0].t())  # noqa: E731
         s_d = lambda: (_outer_major(dyq.scale_inv), _outer_major(wb.scale_inv[0]))  # noqa: E731
         s_w = lambda: (_outer_major(dyqt.scale_inv), xqt.scale_inv.t().contiguous())  # noqa: E731
