@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distwgrad.kernels import _grouped_gemm_configs as cfg
-from distwgrad.kernels import cast_transpose, flagged_zero, token_layout, weights_fp8
+from distwgrad.kernels import cast_transpose, flagged_zero, rotary, token_layout, weights_fp8
 from distwgrad.kernels import grouped_gemm as kg
 from distwgrad.kernels import grouped_gemm_fp8 as k8
 from distwgrad.kernels import quantize as kq
@@ -81,6 +81,13 @@ CASES = [
      r"first must be one int32 on cpu, got torch.int32 of shape \(2,\) on cpu"),
     ("KRN-113", lambda: cast_transpose.cast_transpose_per_tensor(torch.zeros(2, 3, 4), F8), ValueError,
      r"x must be 2-D \[T, R\] \(tokens, features\), got shape \(2, 3, 4\)"),
+    ("KRN-114", lambda: rotary.rotate(torch.zeros(1, 2, 3, 5), torch.zeros(3, 2), torch.zeros(3, 2)), ValueError,
+     r"x must be \[B, H, S, D\] with an even D, got shape \(1, 2, 3, 5\)"),
+    ("KRN-115", lambda: rotary.rotate(torch.zeros(1, 2, 3, 4), torch.zeros(2, 3).t(), torch.zeros(3, 2)), ValueError,
+     r"cos must be a contiguous \[S, D / 2\] = \[3, 2\] tensor on cpu, got shape \(3, 2\), strides \(1, 3\)"),
+    ("KRN-116", lambda: rotary.rotate(torch.zeros(1, 2, 3, 4, dtype=torch.int32), torch.zeros(3, 2),
+                                      torch.zeros(3, 2)), ValueError,
+     r"bf16, fp16 or fp32, got torch.int32, torch.float32"),
     ("KRN-088", lambda: weights_fp8.quantize_weights_per_tensor([], F8), ValueError, "no weights"),
     ("KRN-089", lambda: weights_fp8.quantize_weights_per_tensor([torch.ones(4, 4), torch.ones(2, 4)], F8),
      ValueError, r"weights\[1\]"),

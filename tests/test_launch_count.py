@@ -13,7 +13,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "qa" / "studies" / "launch_count.
 
 
 def test_one_layer_issues_one_quantization_per_operand(tmp_path):
-    """One block: bf16 runs fc1 and fc2 (fprop and dgrad: 4 ragged launches, 2 wgrads); FP8 quantizes the inputs
+    """One block: bf16 runs fc1 and fc2 (fprop and dgrad: 4 ragged launches, 2 wgrads) and rotates q and k (forward
+    and backward: 4 rotary launches, [Note: rotary in one pass]); FP8 quantizes the inputs
     of qkv, proj, fc1 and fc2 and their output gradients, and the lm_head's input and gradient: 10 operands, each
     one amax and one cast + transpose per tensor (one rows + columns pass blockwise). The router is not among
     them ([Note: a module out of FP8])."""
@@ -21,7 +22,7 @@ def test_one_layer_issues_one_quantization_per_operand(tmp_path):
     out = tmp_path / "counts.json"
     run_interpreted(str(SCRIPT), "--layers", "1", "--json", str(out), kernels_on_cpu=True, timeout=300)
     got = {p: c["launches"] for p, c in json.loads(out.read_text()).items()}
-    assert got["bf16"] == {"_ragged_m_kernel": 4, "_wgrad_kernel": 2}
+    assert got["bf16"] == {"_ragged_m_kernel": 4, "_wgrad_kernel": 2, "_rotary_kernel": 4}
     per_tensor, blockwise = got["fp8_per_tensor"], got["fp8_blockwise"]
     assert per_tensor["_amax_kernel"] == per_tensor["_cast_transpose_kernel"] == 10
     assert blockwise["_quantize_rowcol_kernel"] == 10 and "_amax_kernel" not in blockwise

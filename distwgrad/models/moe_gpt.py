@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.nn import Embedding, GroupedLinear, Linear
+from distwgrad.ops.rotary import rotate_halves
 from distwgrad.parallel.experts import ExpertParallel
 from distwgrad.weights import ShardedWeight
 
@@ -124,11 +125,6 @@ def _rotary_tables(seq_len: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
     return angles.cos().float(), angles.sin().float()
 
 
-def _rotate(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BHSd.chunk(2, dim=-1)
-    return torch.cat([x1 * cos_Sh - x2 * sin_Sh, x1 * sin_Sh + x2 * cos_Sh], dim=-1)
-
-
 # --- the oracle's leaves (sharded=False): plain torch, no distwgrad code -------------------------------
 
 class _TorchLeaf(nn.Module):
@@ -211,7 +207,8 @@ class CausalSelfAttention(nn.Module):
                    for t in self.qkv(x_BSD).split(D, dim=-1))
         # fp32 tables, cast to the activations' dtype ([Note: the model's mixed precision])
         cos, sin = (self.get_buffer(n)[:S].to(q.dtype) for n in ("cos", "sin"))
-        y_BHSd = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True)
+        y_BHSd = F.scaled_dot_product_attention(rotate_halves(q, cos, sin), rotate_halves(k, cos, sin), v,
+                                                 is_causal=True)
         return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))
 
 
