@@ -86,9 +86,10 @@ _LAYOUT = {
                                    "large b8x2048 mb2 compiled, recipes profiled (H100)",
                                    *(f"large b8x2048 {mb}{mode}, recipes (H100)" for mb in ("", "mb2 ")
                                      for mode in ("eager", "compiled", "compiled_cuda_graph")),
-                                   # the recipes at 4a57d04 and the RMSNorm A/B: LOG.md, 2026-12-06 (midday)
+                                   # the recipes at 4a57d04, the RMSNorm and rotary A/Bs: LOG.md, 2026-12-06 (midday)
                                    "large b8x2048 eager, recipes profiled (H100)",
                                    "large b8x2048 eager, RMSNorm A/B (H100)",
+                                   "large b8x2048 eager, rotary A/B (H100)",
                                    # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
                                    *(f"large b8x2048 {mb}{mode}, Linear cuBLASLt A/B (H100)"
                                      for mb, mode in (("", "eager"), ("", "compiled"), ("mb2 ", "compiled"))),
