@@ -11,7 +11,9 @@ wgrads are deferred: ``distwgrad.drain_deferred_wgrads`` before ``distwgrad.fina
 [Note: the model's mixed precision]
 ``param_dtype`` computes in that dtype over fp32 masters (the oracle casts inside autograd at each use, so
 its gradients are fp32 too); RMSNorm's mean of squares, the router's softmax and the loss run in fp32. The
-rotary tables are cast to the activations' dtype so an fp32 buffer does not promote bf16. Under FP8 the
+rotary tables are cast to the activations' dtype so an fp32 buffer does not promote bf16; the rotation itself runs
+in fp32 with one rounding in eager mode on CUDA and under compile, in the activations' dtype elsewhere
+(``distwgrad.ops.rotary``). Under FP8 the
 router's GEMMs stay in ``param_dtype`` ([Note: a module out of FP8] in ``distwgrad/nn/linear.py``).
 
 [Note: load balancing]
