@@ -15,12 +15,11 @@ import triton.language as tl
 
 from ._context import ensure_context
 from ._dispatch import call
-from ._host import cdiv
+from ._host import cdiv, next_pow2
 from ._launch import launch
 
 __all__ = ["rotate"]
 
-_BLOCK_S = 32  # positions a program rotates: with a 64-wide half, 4096 elements in and out, 4 warps
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -46,10 +45,11 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, S, HALF, sxb, sxh, sxs, sx
 def _impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     B, H, S, D = x.shape
     y = torch.empty((B, H, S, D), dtype=x.dtype, device=x.device)
+    block_s = 32  # positions a program rotates: with 64-wide halves, 4096 elements in and out over 4 warps
     if y.numel():
         ensure_context(x.device)  # [Note: a current context on any thread] in _context.py
-        launch(_rotary_kernel, (B * H, cdiv(S, _BLOCK_S)), x, cos, sin, y, H, S, D // 2, *x.stride(),
-               SIGN=-1.0 if inverse else 1.0, BLOCK_S=_BLOCK_S, BLOCK_D=triton.next_power_of_2(D // 2), num_warps=4)
+        launch(_rotary_kernel, (B * H, cdiv(S, block_s)), x, cos, sin, y, H, S, D // 2, *x.stride(),
+               SIGN=-1.0 if inverse else 1.0, BLOCK_S=block_s, BLOCK_D=next_pow2(D // 2), num_warps=4)
     return y
 
 

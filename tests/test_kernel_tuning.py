@@ -79,6 +79,7 @@ MODULE_CONSTANTS = {
     "_tuning.py": ["_CLASSES", "_FAMILIES", "_WARPS"],
     "grouped_gemm.py": ["_ADD_MODES"],
     "quantize.py": ["SWEEP", "_FORMATS", "_GLUON_FAILED", "_INPUT_DTYPES", "_TL_FP8"],
+    "rotary.py": ["_DTYPES"],
     "token_layout.py": ["_ATTR"],
     "weights_fp8.py": ["_TL"],
     "gluon/__init__.py": ["AVAILABLE", "REINTERPRET", "WS_PAIRS", "_GL_DTYPES"],
