@@ -17,6 +17,9 @@
 #   job_recipes   the tiny job with fused AdamW, --check-parity, each recipe eager and compiled + graphed
 #   bench         the whole step at large beside FSDP2 and plain torch, bf16, eager / compiled / graphed
 #   bench_fp8     the whole step at large, one precision a process (FP8_MODES, default eager)
+#   bench_recipes the whole step at large, bf16 and both recipes in one process a mode and microbatch count
+#                 (RECIPE_MODES, default eager compiled compiled_cuda_graph; RECIPE_MB, default 1 2): docs/fp8.md's
+#                 table of the recipes at large
 #   bench_best    the bf16 best configurations, distwgrad beside each peer in one group of rotated rounds
 #   bench_peers_fp8  the whole step at large, bf16 and per-tensor FP8, distwgrad beside the plain and FSDP2 builds
 #                 converted to torchao's FP8 (its wheel in .whl/: pip download --no-deps torchao -d .whl), one
@@ -39,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-ALL="tests cpu_full te_swap job job_recipes bench bench_fp8 bench_best bench_peers_fp8 bench_xl layer kernels sweep_gemm
+ALL="tests cpu_full te_swap job job_recipes bench bench_fp8 bench_recipes bench_best bench_peers_fp8 bench_xl layer kernels sweep_gemm
      sweep_fp8 sweep_quant curves megatron tools multi_gpu"
 STEPS=${STEPS:-"tests job bench layer"}
 [ "$STEPS" = all ] && STEPS=$ALL
@@ -123,6 +126,13 @@ for step in $STEPS; do
       for p in bf16 fp8_per_tensor fp8_blockwise; do
         run "bench_fp8_$p" $STEP --impls distwgrad --precisions "$p" --modes "${FP8_MODES:-eager}" --warmup 2 \
           --rounds 3 --steps 3
+      done ;;
+    bench_recipes)  # FP8 / bf16 ratios from one process (the issue's measure); the FP8 rounds spread more (LOG.md)
+      for mb in ${RECIPE_MB:-1 2}; do
+        for mode in ${RECIPE_MODES:-eager compiled compiled_cuda_graph}; do
+          run "bench_recipes_mb${mb}_$mode" ${STEP% --microbatches 1} --microbatches "$mb" --impls distwgrad \
+            --precisions bf16,fp8_per_tensor,fp8_blockwise --modes "$mode" --warmup 2 --rounds 3 --steps 3
+        done
       done ;;
     bench_best)
       for peer in fsdp2 torch; do
