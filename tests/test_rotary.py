@@ -55,8 +55,8 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _case_bits():
     """Each dtype of activations and tables, a strided q, positions off the block, a head width off a power of two:
-    forward and backward equal the fp32 formula rounded once; the route takes the kernel (a contiguous result whose
-    bits the bf16 formula does not give)."""
+    forward and backward equal the fp32 formula rounded once; an eval forward and a retained graph's two backwards;
+    the route takes the kernel (a contiguous result whose bits the bf16 formula does not give)."""
     torch.manual_seed(0)
     for dtype in DTYPES:
         for table_dtype in (dtype, torch.float32):
@@ -73,6 +73,18 @@ def _case_bits():
                 assert torch.equal(x.grad, want_dx), what
     x = _q(2, 40, 2, 64, torch.bfloat16)
     cos, sin = _tables(40, 32, torch.bfloat16)
+    with torch.no_grad():  # an eval forward between steps: the same bits, no graph
+        y_eval = rotary.rotate_halves(x, cos, sin)
+    assert y_eval.grad_fn is None
+    x.requires_grad_()
+    y = rotary.rotate_halves(x, cos, sin)
+    assert torch.equal(y.detach(), y_eval)
+    dy = torch.randn(y.shape).to(y.dtype)
+    y.backward(dy, retain_graph=True)  # a retained graph, two backwards: the gradients add
+    once = x.grad.clone()
+    y.backward(dy)
+    assert torch.equal(x.grad, once + once)
+    x = x.detach()
     assert not torch.equal(rotary.rotate_halves_formula(x, cos, sin), rotary.rotate_halves(x, cos, sin)), \
         "the bf16 formula rounds each operation: the kernel's single rounding must differ somewhere"
 
