@@ -90,7 +90,7 @@ _LAYOUT = {
                                    "large b8x2048 eager, recipes profiled (H100)",
                                    "large b8x2048 eager, RMSNorm A/B (H100)",
                                    "large b8x2048 eager, rotary A/B (H100)",
-                                   # the host-bound two-microbatch steps, process to process: LOG.md, 2026-12-06 (afternoon)
+                                   # two-microbatch FP8 steps, process to process: LOG.md, 2026-12-06 (afternoon)
                                    "large b8x2048 mb2 compiled, host spread (H100)",
                                    "large b8x2048 mb2 eager, host spread (H100)",
                                    # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
