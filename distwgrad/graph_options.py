@@ -6,9 +6,10 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
 
 * ``enabled`` (``fp8_enabled``), ``recipe`` (``fp8_recipe``): warm up and capture the forwards under
   ``fp8_autocast(recipe)``.
-* ``cache_quantized_params`` (``fp8_weight_caching``): accepted, changes nothing: a weight is quantized at
-  each use, to the values TE's cache would hold within a step, and never kept ([Note: weight lifecycle] in
-  ``weights/lifecycle.py``).
+* ``cache_quantized_params`` (``fp8_weight_caching``): accepted, changes nothing: in a replay a weight is
+  quantized at each use, to the values TE's cache would hold within a step, and never kept (a capture keeps no
+  host cache: [Note: amax under capture] in ``fp8/weights.py``); eager and compiled calls keep FP8 weights through
+  ``is_first_microbatch`` ([Note: fp8 weights kept across microbatches]).
 * ``calibrating=True`` (``fp8_calibrating``), an ``amax_reduction_group`` (``fp8_group``): refused:
   calibration and amax reduction groups serve delayed scaling; distwgrad's recipes scale from the current
   amax, and a weight's amax is of its full (gathered) value.

@@ -55,19 +55,26 @@ def optimizer_for(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Op
 
 
 def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatches: int,
-                     recipe: str = "none", amax_modules: Sequence[torch.nn.Module] | None = None) -> torch.Tensor:
+                     recipe: str = "none", amax_modules: Sequence[torch.nn.Module] | None = None, *,
+                     keep_fp8_weights: bool = True) -> torch.Tensor:
     """Forward and backward of every microbatch of ``tokens_BS`` (``[B, S + 1]``: inputs, then shifted
     targets), deferred wgrads drained; returns the loss (token mean, summed over microbatches), detached.
     The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer. ``amax_modules``:
     whose sharded weights' amaxes a per-tensor step syncs first (default: the whole model; under
-    ``--cuda-graph`` the eager parts, ``cuda_graph.eager_modules``: the graphs compute their own)."""
+    ``--cuda-graph`` the eager parts, ``cuda_graph.eager_modules``: the graphs compute their own).
+    ``keep_fp8_weights``: with an FP8 recipe and several microbatches, each microbatch's forward passes
+    ``is_first_microbatch``, so a weight held whole is quantized once a step ([Note: fp8 weights kept across
+    microbatches] in ``distwgrad/fp8/weights.py``); False under ``--cuda-graph``, whose replays take only the
+    arguments they were captured with."""
     total = torch.zeros((), device=tokens_BS.device)
     if recipe.startswith("fp8_per_tensor"):
         # one amax all-reduce for every sharded weight of the step
         sync_weight_amax(model if amax_modules is None else amax_modules)
-    for mb in tokens_BS.chunk(microbatches):
+    flag = keep_fp8_weights and microbatches > 1 and recipe != "none"
+    for i, mb in enumerate(tokens_BS.chunk(microbatches)):
         with RECIPE_CONTEXTS[recipe]():
-            loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches
+            loss = model.loss(mb[:, :-1], mb[:, 1:], **({"is_first_microbatch": i == 0} if flag else {}))
+            loss = loss / microbatches
             loss.backward()
         distwgrad.drain_deferred_wgrads(model)
         total += loss.detach()

@@ -82,6 +82,8 @@ CASES = [
      r"bias has shape \(2,\), expected \(3,\)"),
     ("MOD-026", lambda: Linear(2, 3)([1.0, 2.0]), TypeError, "list"),
     ("MOD-055", lambda: Linear(2, 3, fp8_exempt=1), TypeError, r"Linear\(2, 3\): fp8_exempt must be a bool, got 1"),
+    ("MOD-056", lambda: GroupedLinear(2, 4, 4)(torch.ones(3, 4), [1, 2], is_first_microbatch=1), TypeError,
+     r"GroupedLinear\(2, 4, 4\): is_first_microbatch must be True, False or None, got 1"),
     ("MOD-029", lambda: Linear(2, 3)(torch.ones(4, 2, device="meta")), ValueError, "input on meta, weight on cpu"),
     ("MOD-033", lambda: GroupedLinear(2, 4, 4)(torch.ones(3, 4), [1.5, 1.5]), TypeError, "1.5"),
     ("MOD-036", lambda: scheduler.drain_deferred_wgrads(3), TypeError, "int"),

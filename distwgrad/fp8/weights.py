@@ -10,6 +10,18 @@
 * Backward re-gathers the FP8 weight (or re-quantizes a foreign weight's materialization), never the shard's
   bf16 values. A ``param_dtype`` weight ([Note: mixed precision]) is quantized from its fp32 master, not its cast.
 
+[Note: fp8 weights kept across microbatches]
+By default a weight is quantized at every use and the copy dropped after it (forward, then again in backward).
+A module call given TransformerEngine's ``is_first_microbatch`` (True or False, not None) keeps the FP8 copy of a
+weight held whole here (a ``DistributedParameter`` of one rank: no gathered copy is ever kept) in the weight's
+step cache ([Note: weight lifecycle]), one per layout (forward's, dgrad's): True quantizes afresh and keeps it,
+False uses the kept one (quantizing and keeping it if none is current). The copy is the same bits as the one it
+saves, and it dies with the step (finalize, discard, an optimizer step, a load), so no later step can read a
+stale one, whichever flag a call passes; it costs a byte an element per layout (plus scales) from its first
+microbatch to the finalize. Not kept: a weight sharded over ranks, a plain tensor (no step bounds its copy),
+several weights of one grouped call, a call with no gradient (no step is open), and CUDA graph capture
+([Note: amax under capture]).
+
 [Note: amax under capture]
 The step's cached amax (or block grid) is host state a CUDA graph replay never sees: a graph reading it would
 quantize every replay with the capture's amax, from a tensor the next refresh frees. So while the weight's
@@ -19,8 +31,8 @@ device captures, the amax is computed afresh in the graph (its all-reduce too), 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +61,9 @@ __all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_gr
            "global_amax", "global_block_scales", "gather_fp8"]
 
 _AMAX = "fp8 amax"  # the cache key of a weight's per-tensor amax ([Note: weight lifecycle])
+_KEPT = "fp8 weight"  # ... and of its kept FP8 copies ([Note: fp8 weights kept across microbatches])
+
+T = TypeVar("T")
 
 
 def _quantizers(w: torch.Tensor):
@@ -156,9 +171,26 @@ def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Ten
     return make() if _capturing(w) else w.cached(key, make)
 
 
-def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool) -> list[Quantized]:
+def _kept(weights: list[torch.Tensor], keep: bool | None, key: tuple, make: Callable[[], T]) -> T:
+    """``make()``, or the copy kept for the step: [Note: fp8 weights kept across microbatches]."""
+    if keep is None or len(weights) != 1 or not isinstance(weights[0], DistributedParameter):
+        return make()
+    w = weights[0]
+    if (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1) or _capturing(w):
+        return make()
+    return w.cached((_KEPT, *key), make, refresh=keep)
+
+
+def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool,
+                          keep: bool | None = None) -> list[Quantized]:
     """The full weight in FP8 for a GEMM: one ``Quantized`` per ``[N, K]`` matrix (per expert if packed); a foreign
-    DistributedWeight is materialized through the protocol, then quantized ([Note: fp8 distributed weights])."""
+    DistributedWeight is materialized through the protocol, then quantized ([Note: fp8 distributed weights]).
+    ``keep``: a module call's ``is_first_microbatch`` ([Note: fp8 weights kept across microbatches])."""
+    return _kept([weight], keep, ("matrices", recipe, backward),
+                 lambda: _materialize_quantized(weight, recipe, backward=backward))
+
+
+def _materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool) -> list[Quantized]:
     if isinstance(weight, ShardedWeight):
         return recipe.quantize_sharded(weight)
     if isinstance(weight, DistributedParameter):
@@ -190,8 +222,17 @@ def _whole_experts(w: torch.Tensor, recipe: BlockwiseScaling) -> bool:
 
 
 def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
-                                stacked: bool = False, amax: torch.Tensor | None = None
-                                ) -> list[Quantized] | QuantizedExperts:
+                                stacked: bool = False, amax: torch.Tensor | None = None,
+                                keep: bool | None = None) -> list[Quantized] | QuantizedExperts:
+    """:func:`_materialize_quantized_group`, or its copy kept for the step: ``keep`` is a module call's
+    ``is_first_microbatch`` ([Note: fp8 weights kept across microbatches])."""
+    return _kept(weights, keep, ("group", recipe, backward, stacked), lambda: _materialize_quantized_group(
+        weights, recipe, backward=backward, stacked=stacked, amax=amax))
+
+
+def _materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
+                                 stacked: bool = False, amax: torch.Tensor | None = None
+                                 ) -> list[Quantized] | QuantizedExperts:
     """:func:`materialize_quantized` of each weight, concatenated; the fast paths below give the same bits.
     Plain weights under per-tensor scaling on the kernels are quantized together into one buffer in the reading
     GEMM's layout (``backward``: dgrad's; [Note: a group of weights in two launches]), not under torch.compile
@@ -226,5 +267,5 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
                                          shared=owner, amax=amax)
         if experts is not None:
             return experts if stacked else experts.unbind()
-    return [q for w in weights for q in materialize_quantized(w, recipe, backward=backward)]
+    return [q for w in weights for q in _materialize_quantized(w, recipe, backward=backward)]
 

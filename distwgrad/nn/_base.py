@@ -24,7 +24,8 @@ from distwgrad.weights._accounting import Uses
 from distwgrad.weights.base import compute_dtype
 from distwgrad.wgrad.store import WeightGradStore
 
-__all__ = ["WgradModule", "check_no_tensor_parallelism", "check_compute_dtype", "parameter_device"]
+__all__ = ["WgradModule", "check_no_tensor_parallelism", "check_compute_dtype", "check_first_microbatch",
+           "parameter_device"]
 
 
 def parameter_device(device: torch.device | str | None, like: torch.Tensor | None = None) -> torch.device:
@@ -66,6 +67,14 @@ def check_no_tensor_parallelism(owner: str, *, sequence_parallel: bool, tp_group
     if given:
         raise NotImplementedError(f"{owner}: tensor parallelism is not implemented ({given}); distribute the "
                                   f"weight with distwgrad.ShardedWeight instead")
+
+
+def check_first_microbatch(owner: str, is_first_microbatch: object) -> bool | None:
+    """TransformerEngine's ``is_first_microbatch``, checked: True, False or None ([Note: fp8 weights kept across
+    microbatches] in ``distwgrad/fp8/weights.py``)."""
+    if is_first_microbatch is not None and type(is_first_microbatch) is not bool:
+        raise TypeError(f"{owner}: is_first_microbatch must be True, False or None, got {is_first_microbatch!r}")
+    return is_first_microbatch
 
 
 class WgradModule(nn.Module):

@@ -114,27 +114,28 @@ def _unaliased(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> 
 
 _LIB = torch.library.Library("distwgrad", "FRAGMENT")  # the kernels' custom ops share the namespace
 _LIB.define("module_forward(Tensor inp, Tensor[] params, Tensor[] aux, SymInt[] ints, Tensor handle, bool grad_on, "
-            "bool[] hands, SymInt out_cols) -> (Tensor, Tensor)")
+            "bool[] hands, SymInt out_cols, bool? first=None) -> (Tensor, Tensor)")
 _LIB.define("module_backward(Tensor token, Tensor dy, Tensor[] params, SymInt[] inp_shape, bool need_dx, "
             "bool[] hands) -> (Tensor, Tensor[])")
 
 
 def module_forward(inp: torch.Tensor, params: list[torch.Tensor], aux: list[torch.Tensor], ints: list[int],
-                   handle: torch.Tensor, grad_on: bool, hands: list[bool],
-                   out_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   handle: torch.Tensor, grad_on: bool, hands: list[bool], out_cols: int,
+                   first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(module(inp), token)`` by the eager forward. ``params`` only carry autograd edges (the module's own
-    are used); ``aux``, ``ints``: extra arguments (GroupedLinear's ``m_splits``)."""
+    are used); ``aux``, ``ints``: extra arguments (GroupedLinear's ``m_splits``); ``first``: the call's
+    ``is_first_microbatch``."""
     del hands
     ctx = OpContext()
     with _autograd_dispatch(), torch.no_grad():  # as an autograd function's forward runs
-        y = _module(handle)._op_forward(ctx, inp, aux, ints, grad_on)
+        y = _module(handle)._op_forward(ctx, inp, aux, ints, grad_on, first)
     token = inp.new_empty((1,), dtype=torch.int64)  # [Note: aligned op outputs]: on the input's device
     _owned_key(token, _CALLS, ctx)
     (y,) = _unaliased([y], [inp, *params, *aux, handle])
     return y, token
 
 
-def _forward_fake(inp, params, aux, ints, handle, grad_on, hands, out_cols):
+def _forward_fake(inp, params, aux, ints, handle, grad_on, hands, out_cols, first=None):
     return inp.new_empty((*inp.shape[:-1], out_cols)), inp.new_empty((1,), dtype=torch.int64)
 
 
@@ -176,8 +177,8 @@ class _ModuleForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, keyset, n_params, inp, *flat):
-        params, (aux, ints, handle, grad_on, hands, out_cols) = list(flat[:n_params]), flat[n_params:]
-        y, token = _below_autograd(_FORWARD, keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols)
+        params, (aux, ints, handle, grad_on, hands, out_cols, first) = list(flat[:n_params]), flat[n_params:]
+        y, token = _below_autograd(_FORWARD, keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols, first)
         ctx.save_for_backward(token, *params)
         ctx.inp_shape, ctx.hands = list(inp.shape), list(hands)
         ctx.mark_non_differentiable(token)
@@ -190,7 +191,7 @@ class _ModuleForward(torch.autograd.Function):
         dx, grads = torch.ops.distwgrad.module_backward(token, dy.contiguous(), params, ctx.inp_shape, need_dx,
                                                         ctx.hands)
         grads = [g if hand else None for g, hand in zip(grads, ctx.hands)]
-        return None, None, (dx if need_dx else None), *grads, None, None, None, None, None, None
+        return None, None, (dx if need_dx else None), *grads, None, None, None, None, None, None, None
 
 
 @functools.cache
@@ -199,13 +200,14 @@ def _outside_dynamo(fn):
     return torch.compiler.disable(fn)
 
 
-def _forward_autograd(keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols):
+def _forward_autograd(keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols, first=None):
     """The forward op's Autograd kernel ([Note: the ops' run-time path])."""
     if torch.is_grad_enabled() and (inp.requires_grad or any(p.requires_grad for p in params)):
-        return _ModuleForward.apply(keyset, len(params), inp, *params, aux, ints, handle, grad_on, hands, out_cols)
+        return _ModuleForward.apply(keyset, len(params), inp, *params, aux, ints, handle, grad_on, hands, out_cols,
+                                    first)
     if torch._C._len_torch_dispatch_stack() == 0 and type(inp) is torch.Tensor:
-        return _outside_dynamo(module_forward)(inp, params, aux, ints, handle, grad_on, hands, out_cols)
-    return _below_autograd(_FORWARD, keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols)
+        return _outside_dynamo(module_forward)(inp, params, aux, ints, handle, grad_on, hands, out_cols, first)
+    return _below_autograd(_FORWARD, keyset, inp, params, aux, ints, handle, grad_on, hands, out_cols, first)
 
 
 def _backward_autograd(keyset, token, dy, params, inp_shape, need_dx, hands):
@@ -265,9 +267,11 @@ _lowering_registered._dynamo_marked_constant = True  # type: ignore[attr-defined
 
 
 def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | None], out_cols: int, *,
-                     aux: Sequence[torch.Tensor] = (), ints: Sequence[int] = ()) -> torch.Tensor:
+                     aux: Sequence[torch.Tensor] = (), ints: Sequence[int] = (),
+                     first_microbatch: bool | None = None) -> torch.Tensor:
     """What dynamo traces of a module's forward: one ``distwgrad::module_forward`` call. Which gradients go
-    to autograd (``hands``) is fixed from what dynamo guards on ([Note: the fused .grad contract] for fused)."""
+    to autograd (``hands``) is fixed from what dynamo guards on ([Note: the fused .grad contract] for fused);
+    ``first_microbatch``: the call's checked ``is_first_microbatch``."""
     _lowering_registered()  # [Note: op inputs that outlive the op]
     present = [p for p in params if p is not None]
     grad_on = torch.is_grad_enabled()
@@ -282,5 +286,5 @@ def compiled_forward(module, inp: torch.Tensor, params: Sequence[torch.Tensor | 
 
     hands = [hand(p) for p in present]
     y, _ = torch.ops.distwgrad.module_forward(inp, present, list(aux), list(ints), module._op_handle, grad_on,
-                                              hands, out_cols)
+                                              hands, out_cols, first_microbatch)
     return y

@@ -18,7 +18,13 @@ from torch import nn
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized_group
-from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
+from distwgrad.nn._base import (
+    WgradModule,
+    check_compute_dtype,
+    check_first_microbatch,
+    check_no_tensor_parallelism,
+    parameter_device,
+)
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm as gg
 from distwgrad.ops import grouped_gemm_fp8 as gg8
@@ -44,6 +50,7 @@ class _Call:
     weight_shape: tuple[int, ...] | None = None  # each weight's full shape, for a foreign grad_buffer check
     uses: Uses | None = None  # this forward's recorded uses ([Note: contribution accounting])
     bias_now: bool = False  # deferring, the biases' gradients still come from the main backward (te.ops)
+    first_microbatch: bool | None = None  # keeps FP8 weights: [Note: fp8 weights kept across microbatches]
 
 
 def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
@@ -64,7 +71,7 @@ def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Qua
     if amax is not None and amax[1] != [write_token(w) for w in weights]:
         amax = None
     return materialize_quantized_group(weights, call.recipe, backward=backward, stacked=True,
-                                       amax=None if amax is None else amax[0])
+                                       amax=None if amax is None else amax[0], keep=call.first_microbatch)
 
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,
@@ -222,7 +229,8 @@ class GroupedLinear(WgradModule):
         params_dtype (later weights must match), device, delay_wgrad_compute, fuse_wgrad_accumulation, init_method
             (per expert), return_bias (``(output, [biases])``), TP arguments: as ``distwgrad.nn.Linear``'s.
 
-    ``forward(inp, m_splits, is_first_microbatch=None)``: ``m_splits`` are ints or a tensor.
+    ``forward(inp, m_splits, is_first_microbatch=None)``: ``m_splits`` are ints or a tensor;
+    ``is_first_microbatch`` as ``Linear``'s (a packed weight only: [Note: fp8 weights kept across microbatches]).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
@@ -309,22 +317,24 @@ class GroupedLinear(WgradModule):
 
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None):
-        del is_first_microbatch  # nothing is cached across microbatches
+        first = check_first_microbatch(self.wgrad_store.owner, is_first_microbatch)
         weights, all_biases = self._weights(), self._biases()
         biases = [] if self.return_bias else all_biases
         if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
             if isinstance(m_splits, torch.Tensor):
-                out = compiled_forward(self, inp, weights + biases, self.out_features, aux=[m_splits], ints=())
+                out = compiled_forward(self, inp, weights + biases, self.out_features, aux=[m_splits], ints=(),
+                                       first_microbatch=first)
             else:
-                out = compiled_forward(self, inp, weights + biases, self.out_features, aux=(), ints=m_splits)
+                out = compiled_forward(self, inp, weights + biases, self.out_features, aux=(), ints=m_splits,
+                                       first_microbatch=first)
             return (out, all_biases) if self.return_bias else out
-        x_TK, offs_E, call = self._prepare(inp, m_splits, weights, biases, torch.is_grad_enabled())
+        x_TK, offs_E, call = self._prepare(inp, m_splits, weights, biases, torch.is_grad_enabled(), first)
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
         out = y_TN.reshape(*inp.shape[:-1], self.out_features)
         return (out, all_biases) if self.return_bias else out
 
     def _prepare(self, inp: torch.Tensor, m_splits, weights: list[torch.Tensor], biases: list[torch.Tensor],
-                 grad_on: bool) -> tuple[torch.Tensor, torch.Tensor, _Call]:
+                 grad_on: bool, first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, _Call]:
         """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, offs_E, call)``."""
         self._check(inp, weights, self._biases())
         x_TK = inp.reshape(-1, self.in_features)
@@ -340,14 +350,14 @@ class GroupedLinear(WgradModule):
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
                      ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features),
-                     uses, bias_now=self._biases_in_main_backward)
+                     uses, bias_now=self._biases_in_main_backward, first_microbatch=first)
         return x_TK, offs_E, call
 
-    def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
+    def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool, first: bool | None) -> torch.Tensor:
         """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile])."""
         weights = self._weights()
         biases = [] if self.return_bias else self._biases()
-        x_TK, offs_E, call = self._prepare(inp, aux[0] if aux else list(ints), weights, biases, grad_on)
+        x_TK, offs_E, call = self._prepare(inp, aux[0] if aux else list(ints), weights, biases, grad_on, first)
         ctx.op_params, ctx.inp_shape, ctx.run_backward = weights + biases, inp.shape, _op_backward
         y_TN = _GroupedLinearFunction.forward(ctx, x_TK, offs_E, call, *weights, *biases)
         return y_TN.reshape(*inp.shape[:-1], self.out_features)

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.fp8.recipe import Recipe, current_recipe
-from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
+from distwgrad.nn._base import (
+    WgradModule,
+    check_compute_dtype,
+    check_first_microbatch,
+    check_no_tensor_parallelism,
+    parameter_device,
+)
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.nn._norm import activation as _activation
 from distwgrad.nn._norm import apply_norm, init_norm
@@ -49,29 +55,30 @@ class _MLPCall:
     recipe: Recipe | None
 
 
-def _fc_forward(x_TK: torch.Tensor, weight, bias, recipe: Recipe | None):
-    """``(y, x^T quantized or None)``: one FC's forward GEMM, as Linear runs it."""
+def _fc_forward(x_TK: torch.Tensor, weight, bias, recipe: Recipe | None, keep: bool | None = None):
+    """``(y, x^T quantized or None)``: one FC's forward GEMM, as Linear runs it (``keep``: its
+    ``is_first_microbatch``)."""
     if recipe is None:
         (w_NK,) = materialize_weight_for_forward([weight])  # transient
         return F.linear(x_TK, w_NK, _materialize_bias(bias)), None
     x_q, x_qt = gg8.quantize_operand(x_TK, recipe, grad=False)
-    return _fprop_fp8(x_q, weight, bias, recipe), x_qt
+    return _fprop_fp8(x_q, weight, bias, recipe, keep), x_qt
 
 
-def _dgrad_and_quantized(dy, weight, recipe: Recipe | None, need_dgrad: bool):
+def _dgrad_and_quantized(dy, weight, recipe: Recipe | None, need_dgrad: bool, keep: bool | None = None):
     """``(dx or None, dy^T quantized or None)``: one quantization of dy serves dgrad and wgrad."""
     dy_q = dy_qt = None
     if recipe is not None and need_dgrad:
         dy_q, dy_qt = gg8.quantize_operand(dy, recipe, grad=True)
-    return (_dgrad(dy, weight, recipe, dy_q) if need_dgrad else None), dy_qt
+    return (_dgrad(dy, weight, recipe, dy_q, keep) if need_dgrad else None), dy_qt
 
 
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ln_TH, w1, b1, w2, b2, call: _MLPCall):
         act, _ = _activation(call.activation)
-        h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe)
-        y_TH, _ = _fc_forward(act(h_TF), w2, b2, call.recipe)
+        h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe, call.fc1.first_microbatch)
+        y_TH, _ = _fc_forward(act(h_TF), w2, b2, call.recipe, call.fc2.first_microbatch)
         if call.checkpoint:
             ctx.save_for_backward(ln_TH)
         elif call.recipe is None:
@@ -89,7 +96,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ln_TH = ln_qt = None
         if call.checkpoint:
             (ln_TH,) = ctx.saved_tensors
-            h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe)  # the forward again, for fc1's output
+            # the forward again, for fc1's output
+            h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe, call.fc1.first_microbatch)
             ln_TH = ln_TH if call.recipe is None else None
         elif call.recipe is None:
             ln_TH, h_TF = ctx.saved_tensors
@@ -102,10 +110,11 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             h = h_TF.detach().requires_grad_(need_fc1)
             a_TG = act(h)
         a_qt = None if call.recipe is None else gg8.quantize_operand(a_TG.detach(), call.recipe, grad=False)[1]
-        da_TG, dy_qt = _dgrad_and_quantized(dy_TH, w2, call.recipe, need_fc1)
+        da_TG, dy_qt = _dgrad_and_quantized(dy_TH, w2, call.recipe, need_fc1, call.fc2.first_microbatch)
         dh_TF = torch.autograd.grad(a_TG, h, da_TG)[0] if need_fc1 else None
         a_TG = a_TG.detach()
-        dln_TH, dh_qt = _dgrad_and_quantized(dh_TF, w1, call.recipe, ctx.needs_input_grad[0])
+        dln_TH, dh_qt = _dgrad_and_quantized(dh_TF, w1, call.recipe, ctx.needs_input_grad[0],
+                                             call.fc1.first_microbatch)
         db2 = dy_TH.sum(0) if call.fc2.bias_grad else None  # kept, never recomputed later
         db1 = dh_TF.sum(0) if call.fc1.bias_grad else None
 
@@ -212,14 +221,14 @@ class LayerNormMLP(WgradModule):
         return dtype
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        del is_first_microbatch  # nothing is cached across microbatches
+        first = check_first_microbatch(self.wgrad_store.owner, is_first_microbatch)
         self._check(inp)
         ln_TH = apply_norm(self, inp.reshape(-1, self.hidden_size))
         params = self._op_params()
         if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
-            y_TH = compiled_forward(self, ln_TH, params, self.hidden_size)
+            y_TH = compiled_forward(self, ln_TH, params, self.hidden_size, first_microbatch=first)
         else:
-            y_TH = _LayerNormMLPFunction.apply(ln_TH, *params, self._call(torch.is_grad_enabled()))
+            y_TH = _LayerNormMLPFunction.apply(ln_TH, *params, self._call(torch.is_grad_enabled(), first))
         out = y_TH.reshape(inp.shape)
         ln_out = ln_TH.reshape(inp.shape)
         if self.return_bias:
@@ -234,22 +243,24 @@ class LayerNormMLP(WgradModule):
         return [self.fc1_weight, self.fc1_bias, self.fc2_weight,  # type: ignore[list-item]  # nn.Module attributes
                 None if self.return_bias else self.fc2_bias]  # type: ignore[list-item]
 
-    def _call(self, grad_on: bool) -> _MLPCall:
+    def _call(self, grad_on: bool, first: bool | None = None) -> _MLPCall:
         """Records this forward's uses and fixes its ``_MLPCall``."""
         params = self._op_params()
         flags = [bool(grad_on and p is not None and p.requires_grad) for p in params]
         uses = self._begin_forward([p for p, f in zip(params, flags) if f and p is not None])
         recipe, store = current_recipe(), self.wgrad_store
         delay, fuse = self.delay_wgrad_compute, self.fuse_wgrad_accumulation
-        fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses)
-        fc2 = _Call(flags[2], flags[3], delay, fuse, store, recipe, (self.hidden_size, self.ffn_hidden_size), uses=uses)
+        fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses,
+                    first_microbatch=first)
+        fc2 = _Call(flags[2], flags[3], delay, fuse, store, recipe, (self.hidden_size, self.ffn_hidden_size), uses=uses,
+                    first_microbatch=first)
         return _MLPCall(fc1, fc2, self.activation, self.checkpoint, delay, self.wgrad_store, recipe)
 
-    def _op_forward(self, ctx, ln_TH: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
+    def _op_forward(self, ctx, ln_TH: torch.Tensor, aux, ints, grad_on: bool, first: bool | None) -> torch.Tensor:
         """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile]), after the norm."""
         params = self._op_params()
         ctx.op_params, ctx.run_backward = [p for p in params if p is not None], _op_backward
-        return _LayerNormMLPFunction.forward(ctx, ln_TH, *params, self._call(grad_on))  # type: ignore[call-arg,arg-type]
+        return _LayerNormMLPFunction.forward(ctx, ln_TH, *params, self._call(grad_on, first))  # type: ignore[call-arg,arg-type]
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -19,7 +19,13 @@ from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
 from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
-from distwgrad.nn._base import WgradModule, check_compute_dtype, check_no_tensor_parallelism, parameter_device
+from distwgrad.nn._base import (
+    WgradModule,
+    check_compute_dtype,
+    check_first_microbatch,
+    check_no_tensor_parallelism,
+    parameter_device,
+)
 from distwgrad.nn._compiled import compiled_forward
 from distwgrad.ops import grouped_gemm_fp8 as gg8
 from distwgrad.ops import scaled_mm
@@ -51,6 +57,7 @@ class _Call:
     recipe: Recipe | None = None
     weight_shape: tuple[int, int] | None = None  # full [N, K], for a foreign weight's grad_buffer check
     uses: Uses | None = None  # this forward's recorded uses ([Note: contribution accounting])
+    first_microbatch: bool | None = None  # keeps FP8 weights: [Note: fp8 weights kept across microbatches]
 
 
 def _materialize_bias(bias: torch.Tensor | None, backward: bool = False) -> torch.Tensor | None:
@@ -74,9 +81,10 @@ def _one_group(t_TX: torch.Tensor) -> torch.Tensor:
     return device_table((T,), device, "Linear's one-group offsets", dtype=torch.int32)
 
 
-def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe) -> torch.Tensor:
-    """[Note: fp8 gemm dispatch]: the FP8 kernels where they apply, else fp32 of the dequantized operands."""
-    w_qs = materialize_quantized(weight, recipe, backward=False)
+def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe, keep: bool | None = None) -> torch.Tensor:
+    """[Note: fp8 gemm dispatch]: the FP8 kernels where they apply, else fp32 of the dequantized operands. ``keep``:
+    the call's ``is_first_microbatch`` ([Note: fp8 weights kept across microbatches])."""
+    w_qs = materialize_quantized(weight, recipe, backward=False, keep=keep)
     b = _materialize_bias(bias)
     split = split_accumulator(recipe, "fprop")
     y = scaled_mm.linear_fprop(x_q, w_qs, x_q.orig_dtype, split) if b is None else None
@@ -89,13 +97,13 @@ def _fprop_fp8(x_q: Quantized, weight, bias, recipe: Recipe) -> torch.Tensor:
     return F.linear(dequantize(x_q, dtype=torch.float32), w_NK, None if b is None else b.float()).to(x_q.orig_dtype)
 
 
-def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None) -> torch.Tensor:
+def _dgrad(dy_TN, weight, recipe: Recipe | None, dy_q=None, keep: bool | None = None) -> torch.Tensor:
     if recipe is None:
         (w_NK,) = materialize_weight_for_backward([weight])
         return dy_TN.mm(w_NK)
     # FP8: the weight is re-gathered in FP8 (or re-quantized), never used at the shard's precision; held
     # whole here, it is quantized straight into dgrad's layout (materialize_quantized_group).
-    w_qs = materialize_quantized_group([weight], recipe, backward=True, stacked=True)
+    w_qs = materialize_quantized_group([weight], recipe, backward=True, stacked=True, keep=keep)
     split = split_accumulator(recipe, "dgrad")
     dx = scaled_mm.linear_dgrad(dy_q, w_qs, dy_TN.dtype, split)
     if dx is not None:
@@ -166,7 +174,7 @@ class _LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_TK)
         else:
             x_q, x_qt = gg8.quantize_operand(x_TK, call.recipe, grad=False)
-            y_TN = _fprop_fp8(x_q, weight, bias, call.recipe)
+            y_TN = _fprop_fp8(x_q, weight, bias, call.recipe, call.first_microbatch)
             ctx.save_for_backward(*gg8.saved_tensors(x_qt))  # wgrad reads only x^T, in fp8
             ctx.x_meta = gg8.saved_meta(x_qt)
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
@@ -186,7 +194,7 @@ class _LinearFunction(torch.autograd.Function):
             dy_q = None
             if call.recipe is not None:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
                 dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
-            dx_TK = _dgrad(dy_TN, weight, call.recipe, dy_q)
+            dx_TK = _dgrad(dy_TN, weight, call.recipe, dy_q, call.first_microbatch)
         if not (call.weight_grad or call.bias_grad):
             return dx_TK, None, None, None
         if call.delay:
@@ -220,6 +228,10 @@ class Linear(WgradModule):
         return_bias: return ``(output, bias)`` unadded (TE's convention).
         fp8_exempt: the GEMMs stay in the compute dtype under ``fp8_autocast`` ([Note: a module out of FP8]).
         sequence_parallel, tp_group, tp_size, parallel_mode: accepted at their defaults only.
+
+    ``forward(inp, is_first_microbatch=None)``: TransformerEngine's flag; True or False (the step's first
+    microbatch, or a later one) keeps the weight's FP8 copies for the step where it is held whole, None keeps none
+    ([Note: fp8 weights kept across microbatches] in ``distwgrad/fp8/weights.py``).
 
     [Note: a module out of FP8]
     ``fp8_autocast`` covers every module; a module built with ``fp8_exempt=True`` reads no recipe, so its three
@@ -303,17 +315,18 @@ class Linear(WgradModule):
             raise ValueError(f"{self.wgrad_store.owner}: input on {inp.device}, weight on {self.weight.device}")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        del is_first_microbatch  # nothing is cached across microbatches
+        first = check_first_microbatch(self.wgrad_store.owner, is_first_microbatch)
         bias = None if self.return_bias else self.bias
         if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
-            out = compiled_forward(self, inp, [self.weight, bias], self.out_features)
+            out = compiled_forward(self, inp, [self.weight, bias], self.out_features, first_microbatch=first)
         else:
-            x_TK, call = self._prepare(inp, bias, torch.is_grad_enabled())
+            x_TK, call = self._prepare(inp, bias, torch.is_grad_enabled(), first)
             y_TN = _LinearFunction.apply(x_TK, self.weight, bias, call)
             out = y_TN.reshape(*inp.shape[:-1], self.out_features)
         return (out, self.bias) if self.return_bias else out
 
-    def _prepare(self, inp: torch.Tensor, bias: torch.Tensor | None, grad_on: bool) -> tuple[torch.Tensor, _Call]:
+    def _prepare(self, inp: torch.Tensor, bias: torch.Tensor | None, grad_on: bool,
+                 first: bool | None = None) -> tuple[torch.Tensor, _Call]:
         """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, call)``."""
         self._checked_params((self.weight, self.bias), self._check_param_shapes)  # sets _compute_dtype
         self._check_input(inp)
@@ -323,13 +336,13 @@ class Linear(WgradModule):
         uses = self._begin_forward(tracked)
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                      self.wgrad_store, None if self.fp8_exempt else current_recipe(),
-                     (self.out_features, self.in_features), uses)
+                     (self.out_features, self.in_features), uses, first)
         return inp.reshape(-1, self.in_features), call
 
-    def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool) -> torch.Tensor:
+    def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool, first: bool | None) -> torch.Tensor:
         """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile])."""
         bias = None if self.return_bias else self.bias
-        x_TK, call = self._prepare(inp, bias, grad_on)
+        x_TK, call = self._prepare(inp, bias, grad_on, first)
         ctx.op_params = [p for p in (self.weight, bias) if p is not None]
         ctx.inp_shape, ctx.run_backward = inp.shape, _op_backward
         y_TN = _LinearFunction.forward(ctx, x_TK, self.weight, bias, call)

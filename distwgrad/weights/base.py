@@ -352,9 +352,10 @@ class DistributedParameter(nn.Parameter):
         ``distwgrad.checkpoint`` loads call it. Raises ``UnfinalizedStepError`` over unfinalized contributions."""
         self._life.written(self, by)
 
-    def cached(self, key: Hashable, make: Callable[[], T]) -> T:
-        """``make()`` (an amax, a scale grid), reused for ``key`` within the open step ([Note: weight lifecycle])."""
-        return self._life.cached(self, key, make)
+    def cached(self, key: Hashable, make: Callable[[], T], refresh: bool = False) -> T:
+        """``make()`` (an amax, a scale grid, an FP8 copy), reused for ``key`` within the open step ([Note: weight
+        lifecycle]); ``refresh``: made afresh, and stored in place of the one kept."""
+        return self._life.cached(self, key, make, refresh)
 
     def pin_cache(self, key: Hashable, value: Any) -> None:
         """Stores ``value`` for ``key`` until the next step boundary, whatever the state (``sync_weight_amax``)."""

@@ -401,9 +401,10 @@ class Lifecycle:
         self.caches.clear()
 
     # --- caches --------------------------------------------------------------------------------------
-    def cached(self, w: Any, key: Hashable, make: Callable[[], T]) -> T:
-        """``make()``'s value for ``key``, stored only while the step is open ([Note: weight lifecycle])."""
-        entry = self.caches.get(key)
+    def cached(self, w: Any, key: Hashable, make: Callable[[], T], refresh: bool = False) -> T:
+        """``make()``'s value for ``key``, stored only while the step is open ([Note: weight lifecycle]);
+        ``refresh``: made afresh even where a current one is stored."""
+        entry = None if refresh else self.caches.get(key)
         if entry is not None and entry[0] == self.epoch and entry[1] == w._version:
             return entry[2]
         value = make()

@@ -1,0 +1,183 @@
+"""FP8 weights kept across microbatches: TransformerEngine's ``is_first_microbatch``.
+
+[Note: fp8 weights kept across microbatches] in ``distwgrad/fp8/weights.py``. A kept copy is the one a fresh
+quantization would make, so every comparison with the unkept run is bit-exact (the same operations, in the same
+order); the counts are of weight quantizations, which keeping must halve or better and never skip across a step.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import distwgrad
+from distwgrad import ShardedWeight
+from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
+from distwgrad.fp8 import weights as fp8_weights
+from distwgrad.nn import GroupedLinear, LayerNormMLP, Linear
+from distwgrad.testing.multiprocess import run_distributed
+
+RECIPES = [PerTensorScaling(), BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16))]
+K, N, T = 32, 48, 24
+
+
+def _sharded(module: torch.nn.Module, group=None) -> torch.nn.Module:
+    """Every matrix of ``module`` as a ShardedWeight (one rank: held whole), with the same values."""
+    for name, p in list(module.named_parameters()):
+        if p.dim() >= 2:
+            setattr(module, name, ShardedWeight.from_full(p.detach().clone(), group=group))
+    return module
+
+
+def _module(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "linear":
+        return Linear(K, N, params_dtype=torch.bfloat16)
+    if kind == "grouped":
+        return GroupedLinear(3, K, N, single_grouped_weight=True, params_dtype=torch.bfloat16,
+                             delay_wgrad_compute=True)
+    return LayerNormMLP(K, N, params_dtype=torch.bfloat16)
+
+
+def _kept(w) -> list:
+    """The FP8 copies ``w`` keeps for its step."""
+    return [v for key, (_, _, v) in w._life.caches.items() if isinstance(key, tuple) and key[0] == "fp8 weight"]
+
+
+def _call(module, x, first):
+    kw = {} if first is None else {"is_first_microbatch": first}
+    if isinstance(module, GroupedLinear):
+        return module(x, [10, 0, T - 10], **kw)
+    return module(x, **kw)
+
+
+@pytest.fixture
+def quantizations(monkeypatch) -> list[int]:
+    """Counts the weights' materializations in FP8 (each one a kept copy did not answer)."""
+    count = [0]
+    orig = fp8_weights._kept
+
+    def kept(weights, keep, key, make):
+        def counted():
+            count[0] += 1
+            return make()
+        return orig(weights, keep, key, counted)
+    monkeypatch.setattr(fp8_weights, "_kept", kept)
+    return count
+
+
+def _train(module, recipe, flags, *, steps=2, write_data=False, fused=False):
+    """``steps`` steps of ``len(flags)`` microbatches, microbatch i called with ``flags[i]``; returns every
+    output and gradient, in order."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, fused=fused)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(steps):
+        for first in flags:
+            x = torch.randn(T, K, generator=gen).to(torch.bfloat16).requires_grad_()
+            with fp8_autocast(recipe):
+                y = _call(module, x, first)
+            y.backward(torch.randn(y.shape, generator=gen).to(torch.bfloat16))
+            module.backward_dw()
+            seen += [y.detach(), x.grad]  # dgrad reads the weight in its other layout
+        distwgrad.finalize_model_grads([module])
+        seen += [p.grad.clone() for p in module.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if write_data:  # a write no version counter sees, between steps
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.data.mul_(0.5)
+    return seen
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
+@pytest.mark.parametrize("kind", ["linear", "grouped", "mlp"])
+def test_kept_weights_give_the_same_bits_and_quantize_once_a_step(kind, recipe, quantizations):
+    fresh = _train(_sharded(_module(kind)), recipe, [None, None, None])
+    per_step_fresh = quantizations[0] // 2
+    quantizations[0] = 0
+    kept = _train(_sharded(_module(kind)), recipe, [True, False, False])
+    assert len(kept) == len(fresh)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+    # three microbatches quantize each weight twice each (forward, dgrad); kept, once a layout a step; the
+    # MLP's checkpoint-free backward reads its two weights as Linear does
+    assert quantizations[0] // 2 == per_step_fresh // 3, (quantizations[0], per_step_fresh)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
+def test_no_step_reads_a_copy_kept_by_an_earlier_one(recipe, quantizations):
+    """``is_first_microbatch=False`` everywhere (a misuse: no microbatch says the weights changed), with a fused
+    AdamW and ``.data`` writes between steps, neither of which moves ``_version``: each step still quantizes the
+    weights it has, as the unkept run does."""
+    fresh = _train(_sharded(_module("linear")), recipe, [None, None], steps=3, write_data=True, fused=True)
+    quantizations[0] = 0
+    kept = _train(_sharded(_module("linear")), recipe, [False, False], steps=3, write_data=True, fused=True)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+    assert quantizations[0] == 3 * 2  # each step: forward's layout and dgrad's, once each
+
+
+def test_kept_copies_are_one_byte_an_element_a_layout_and_die_at_finalize():
+    lin = _sharded(_module("linear"))
+    x = torch.randn(T, K).to(torch.bfloat16).requires_grad_()
+    with fp8_autocast(PerTensorScaling()):
+        lin(x, is_first_microbatch=True).sum().backward()
+    kept = _kept(lin.weight)
+    assert len(kept) == 2  # forward's layout and dgrad's
+    datas = [q.data for v in kept for q in (v if isinstance(v, list) else [v])]
+    assert sum(d.numel() * d.element_size() for d in datas) == 2 * N * K
+    refs = [weakref.ref(d) for d in datas]
+    del kept, datas
+    distwgrad.finalize_model_grads([lin])
+    gc.collect()
+    assert not _kept(lin.weight)
+    assert all(r() is None for r in refs)
+
+
+def test_what_is_never_kept(quantizations):
+    """A plain weight (no step bounds its copy), an eval forward (no step is open), None (the default)."""
+    plain = _module("linear")
+    x = torch.randn(T, K).to(torch.bfloat16).requires_grad_()
+    with fp8_autocast(PerTensorScaling()):
+        for first in (True, False):
+            plain(x, is_first_microbatch=first).sum().backward()
+        assert quantizations[0] == 4  # forward's and dgrad's, each microbatch
+        lin = _sharded(_module("linear"))
+        with torch.no_grad():
+            lin(x, is_first_microbatch=True)
+        assert not _kept(lin.weight)
+        lin(x).sum().backward()
+        assert not _kept(lin.weight)
+
+
+def test_the_compiled_path_carries_the_flag():
+    """``distwgrad::module_forward`` hands ``is_first_microbatch`` to the module (its ``first`` argument)."""
+    lin = _sharded(_module("linear"))
+    x = torch.randn(T, K).to(torch.bfloat16)
+    with fp8_autocast(PerTensorScaling()), torch.no_grad():
+        for first, kept in ((None, 0), (True, 1)):
+            _, token = torch.ops.distwgrad.module_forward(x, [lin.weight, lin.bias], [], [], lin._op_handle, True,
+                                                          [False, False], N, first)
+            assert len(_kept(lin.weight)) == kept  # while the token holds the call's use, the step is open
+    del token
+    distwgrad.finalize_model_grads([lin], discard=True)
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    lin = _sharded(_module("linear"), group=dist.group.WORLD)
+    assert len(lin.weight.shard_rows) == 2
+    x = torch.randn(T, K).to(torch.bfloat16)
+    with fp8_autocast(PerTensorScaling()):
+        lin(x, is_first_microbatch=True).sum().backward()
+    assert not _kept(lin.weight)
+
+
+def test_a_weight_sharded_over_ranks_keeps_no_gathered_copy():
+    run_distributed(_two_ranks, world_size=2)
