@@ -12,6 +12,7 @@ import torch
 
 import distwgrad
 from distwgrad.fp8 import fp8_autocast
+from distwgrad.fp8 import microbatch as fp8_microbatch
 from distwgrad.fp8.weights import sync_weight_amax
 from distwgrad.models import MoEGPT
 
@@ -62,19 +63,17 @@ def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatch
     The caller ends the step with ``distwgrad.finalize_model_grads`` and the optimizer. ``amax_modules``:
     whose sharded weights' amaxes a per-tensor step syncs first (default: the whole model; under
     ``--cuda-graph`` the eager parts, ``cuda_graph.eager_modules``: the graphs compute their own).
-    ``keep_fp8_weights``: with an FP8 recipe and several microbatches, each microbatch's forward passes
-    ``is_first_microbatch``, so a weight held whole is quantized once a step ([Note: fp8 weights kept across
-    microbatches] in ``distwgrad/fp8/weights.py``); False under ``--cuda-graph``, whose replays take only the
-    arguments they were captured with."""
+    ``keep_fp8_weights``: with an FP8 recipe and several microbatches, each runs under ``fp8.microbatch(first=...)``
+    ([Note: fp8 weights kept across microbatches] in ``distwgrad/fp8/weights.py``); False: weights quantized at
+    every use (``qa/studies/fp8_weights_kept.py`` compares the two)."""
     total = torch.zeros((), device=tokens_BS.device)
     if recipe.startswith("fp8_per_tensor"):
         # one amax all-reduce for every sharded weight of the step
         sync_weight_amax(model if amax_modules is None else amax_modules)
-    flag = keep_fp8_weights and microbatches > 1 and recipe != "none"
+    keep = keep_fp8_weights and microbatches > 1 and recipe != "none"
     for i, mb in enumerate(tokens_BS.chunk(microbatches)):
-        with RECIPE_CONTEXTS[recipe]():
-            loss = model.loss(mb[:, :-1], mb[:, 1:], **({"is_first_microbatch": i == 0} if flag else {}))
-            loss = loss / microbatches
+        with RECIPE_CONTEXTS[recipe](), (fp8_microbatch(first=i == 0) if keep else contextlib.nullcontext()):
+            loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches
             loss.backward()
         distwgrad.drain_deferred_wgrads(model)
         total += loss.detach()

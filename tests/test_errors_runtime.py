@@ -12,7 +12,7 @@ from torch import nn
 
 from distwgrad import ShardedWeight, coalesce
 from distwgrad.fp8 import quantize as q
-from distwgrad.fp8.recipe import BlockwiseScaling
+from distwgrad.fp8.recipe import BlockwiseScaling, microbatch
 from distwgrad.fp8.weights import quantize_weight
 from distwgrad.integrations import megatron
 from distwgrad.integrations._megatron_hooks import register_grad_ready_hook
@@ -102,6 +102,7 @@ CASES = [
     ("FP8-002", lambda: q.Quantized(torch.zeros(2, dtype=torch.float8_e4m3fn), torch.tensor(1.0), None,
                                     torch.float32, torch.Size([3])), ValueError, r"\(2,\), expected \(3,\)"),
     ("FP8-005", lambda: q.quantize_per_tensor([1.0], torch.float8_e4m3fn), TypeError, "list"),
+    ("FP8-051", lambda: microbatch(first=0).__enter__(), TypeError, "microbatch: first must be True or False, got 0"),
     ("FP8-008", lambda: q.quantize_per_tensor(torch.ones(2), torch.float8_e4m3fn,
                                               amax=torch.ones(1, device="meta")), ValueError, "amax is on meta"),
     ("FP8-010", lambda: q.quantize_rowwise_and_columnwise(torch.ones(4, 4), "fp8"), TypeError, "'fp8'"),

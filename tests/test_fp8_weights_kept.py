@@ -15,7 +15,7 @@ import torch
 
 import distwgrad
 from distwgrad import ShardedWeight
-from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
+from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, current_first_microbatch, fp8_autocast, microbatch
 from distwgrad.fp8 import weights as fp8_weights
 from distwgrad.nn import GroupedLinear, LayerNormMLP, Linear
 from distwgrad.testing.multiprocess import run_distributed
@@ -155,6 +155,48 @@ def test_what_is_never_kept(quantizations):
         assert not _kept(lin.weight)
 
 
+def test_the_microbatch_context_gives_calls_the_flag(quantizations):
+    """``microbatch(first=...)`` stands for the argument where a call gives none, is read when the module runs
+    (the same bits as the argument), and an explicit ``is_first_microbatch`` overrides it."""
+    by_arg = _train(_sharded(_module("grouped")), RECIPES[1], [True, False])
+    quantizations[0] = 0
+    module = _sharded(_module("grouped"))
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(2):
+        for first in (True, False):
+            x = torch.randn(T, K, generator=gen).to(torch.bfloat16).requires_grad_()
+            with fp8_autocast(RECIPES[1]), microbatch(first=first):
+                y = _call(module, x, None)
+            y.backward(torch.randn(y.shape, generator=gen).to(torch.bfloat16))
+            module.backward_dw()
+            seen += [y.detach(), x.grad]
+        distwgrad.finalize_model_grads([module])
+        seen += [p.grad.clone() for p in module.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for a, b in zip(seen, by_arg):
+        assert torch.equal(a, b)
+    assert quantizations[0] == 2 * 2
+    x = torch.randn(T, K).to(torch.bfloat16)
+    with fp8_autocast(RECIPES[1]), microbatch(first=True):
+        assert current_first_microbatch() is True
+        _call(module, x, None).sum().backward()  # keeps forward's copy
+        module.backward_dw()
+        quantizations[0] = 0
+        with microbatch(first=False):
+            assert current_first_microbatch() is False
+            _call(module, x, None).sum().backward()  # the context's False: the kept copy
+            module.backward_dw()
+            assert quantizations[0] == 0
+            _call(module, x, True).sum().backward()  # the argument wins: quantized afresh
+            module.backward_dw()
+            assert quantizations[0] == 1
+    assert current_first_microbatch() is None
+    distwgrad.finalize_model_grads([module])
+
+
 def test_the_compiled_path_carries_the_flag():
     """``distwgrad::module_forward`` hands ``is_first_microbatch`` to the module (its ``first`` argument)."""
     lin = _sharded(_module("linear"))
@@ -181,3 +223,24 @@ def _two_ranks(rank: int, world: int) -> None:
 
 def test_a_weight_sharded_over_ranks_keeps_no_gathered_copy():
     run_distributed(_two_ranks, world_size=2)
+
+
+def test_the_study_runs_its_three_arms(tmp_path):
+    """``qa/studies/fp8_weights_kept.py`` on the tiny preset: a median and a minimum line, and rows for each arm."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "qa" / "studies" / "fp8_weights_kept.py"
+    results = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, str(script), "--model", "tiny", "--batch", "4", "--modes", "eager",
+                           "--recipes", "fp8_blockwise", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                           "--results", str(results)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("fp8_blockwise")]
+    assert [line.split()[-1] for line in lines] == ["median", "min"]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["precision"], r.get("variant")) for r in rows] == [
+        ("bf16", None), ("fp8_blockwise", "fresh"), ("fp8_blockwise", "kept")]
+    assert all(r["case"] == "tiny b4x64 mb2 eager, fp8 weights kept, interleaved" for r in rows)

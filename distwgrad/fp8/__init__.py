@@ -24,15 +24,17 @@ from distwgrad.fp8.recipe import (
     MMParams,
     PerTensorScaling,
     Recipe,
+    current_first_microbatch,
     current_recipe,
     fp8_autocast,
     fp8_format,
+    microbatch,
     split_accumulator,
 )
 
 __all__ = [
     "PerTensorScaling", "BlockwiseScaling", "MMParams", "Recipe", "split_accumulator", "fp8_autocast",
-    "current_recipe",
+    "current_recipe", "microbatch", "current_first_microbatch",
     "Fp8Format", "fp8_format", "FP8_DTYPES",
     "Quantized", "QuantizedExperts", "compute_amax", "compute_scale", "quantize_per_tensor", "quantize_blockwise",
     "quantize_rowwise_and_columnwise", "dequantize", "transpose_quantized", "fp8_matmul_reference",

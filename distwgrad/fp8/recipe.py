@@ -28,7 +28,7 @@ from distwgrad.fp8.recipes import (
 __all__ = [
     "Fp8Format", "fp8_format", "FP8_DTYPES",
     "MMParams", "PerTensorScaling", "BlockwiseScaling", "Recipe", "split_accumulator",
-    "fp8_autocast", "autocast", "current_recipe",
+    "fp8_autocast", "autocast", "current_recipe", "microbatch", "current_first_microbatch",
     "Format", "Float8CurrentScaling", "Float8BlockScaling", "DelayedScaling",
 ]
 
@@ -177,3 +177,25 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Recipe | N
 def current_recipe() -> Recipe | None:
     """The recipe of the innermost active ``fp8_autocast``, or ``None`` (no FP8)."""
     return _ACTIVE.get()
+
+
+_FIRST: contextvars.ContextVar[bool | None] = contextvars.ContextVar("distwgrad_fp8_first_microbatch", default=None)
+
+
+@contextlib.contextmanager
+def microbatch(*, first: bool) -> Iterator[None]:
+    """Module calls inside given no ``is_first_microbatch`` take ``first`` ([Note: fp8 weights kept across
+    microbatches] in ``distwgrad/fp8/weights.py``), read when the module runs as the recipe is: so a compiled
+    region traces no argument (dynamo would specialize a graph on each value); nesting restores."""
+    if type(first) is not bool:
+        raise TypeError(f"microbatch: first must be True or False, got {first!r}")
+    token = _FIRST.set(first)
+    try:
+        yield
+    finally:
+        _FIRST.reset(token)
+
+
+def current_first_microbatch() -> bool | None:
+    """The ``first`` of the innermost active ``microbatch``, or ``None`` (no FP8 weight is kept)."""
+    return _FIRST.get()

@@ -11,16 +11,13 @@
   bf16 values. A ``param_dtype`` weight ([Note: mixed precision]) is quantized from its fp32 master, not its cast.
 
 [Note: fp8 weights kept across microbatches]
-By default a weight is quantized at every use and the copy dropped after it (forward, then again in backward).
-A module call given TransformerEngine's ``is_first_microbatch`` (True or False, not None) keeps the FP8 copy of a
-weight held whole here (a ``DistributedParameter`` of one rank: no gathered copy is ever kept) in the weight's
-step cache ([Note: weight lifecycle]), one per layout (forward's, dgrad's): True quantizes afresh and keeps it,
-False uses the kept one (quantizing and keeping it if none is current). The copy is the same bits as the one it
-saves, and it dies with the step (finalize, discard, an optimizer step, a load), so no later step can read a
-stale one, whichever flag a call passes; it costs a byte an element per layout (plus scales) from its first
-microbatch to the finalize. Not kept: a weight sharded over ranks, a plain tensor (no step bounds its copy),
-several weights of one grouped call, a call with no gradient (no step is open), and CUDA graph capture
-([Note: amax under capture]).
+A call given TransformerEngine's ``is_first_microbatch`` (or, given none, inside ``fp8.microbatch(first=...)``,
+read at run time so compiled code traces no flag) keeps the FP8 copies of a weight held whole here (one rank: no
+gathered copy is kept) in its step cache ([Note: weight lifecycle]), one per layout (forward's, dgrad's); True
+quantizes afresh, False reuses. The copies are the bits they save and die with the step, so no step reads an
+earlier one whatever the flags; a byte an element per layout from the first microbatch to the finalize. Never
+kept: weights sharded over ranks, plain tensors (no step), several weights of a call, calls with no gradient
+(no step open), CUDA graph capture ([Note: amax under capture]).
 
 [Note: amax under capture]
 The step's cached amax (or block grid) is host state a CUDA graph replay never sees: a graph reading it would
@@ -224,8 +221,8 @@ def _whole_experts(w: torch.Tensor, recipe: BlockwiseScaling) -> bool:
 def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
                                 stacked: bool = False, amax: torch.Tensor | None = None,
                                 keep: bool | None = None) -> list[Quantized] | QuantizedExperts:
-    """:func:`_materialize_quantized_group`, or its copy kept for the step: ``keep`` is a module call's
-    ``is_first_microbatch`` ([Note: fp8 weights kept across microbatches])."""
+    """:func:`_materialize_quantized_group`, or its copy kept for the step (``keep``: [Note: fp8 weights kept
+    across microbatches])."""
     return _kept(weights, keep, ("group", recipe, backward, stacked), lambda: _materialize_quantized_group(
         weights, recipe, backward=backward, stacked=stacked, amax=amax))
 

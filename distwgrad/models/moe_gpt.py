@@ -148,8 +148,7 @@ class _TorchEmbedding(_TorchLeaf):
 class _TorchLinear(_TorchLeaf):
     """``F.linear`` without bias on a given (possibly tied) parameter."""
 
-    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        del is_first_microbatch  # a plain leaf keeps no copy
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.w())
 
 
@@ -161,9 +160,7 @@ class _TorchExperts(_TorchLeaf):
         super().__init__(weight, param_dtype)
         self.experts = experts
 
-    def forward(self, x_AK: torch.Tensor, m_splits_E: torch.Tensor,
-                is_first_microbatch: bool | None = None) -> torch.Tensor:
-        del is_first_microbatch  # a plain leaf keeps no copy
+    def forward(self, x_AK: torch.Tensor, m_splits_E: torch.Tensor) -> torch.Tensor:
         w_ENK = self.w()
         if self.experts == "grouped_mm":
             offs_E = m_splits_E.cumsum(0).to(torch.int32)
@@ -194,13 +191,6 @@ def _experts(sharded: bool, weight: torch.Tensor, param_dtype: torch.dtype | Non
 
 # --- the model -------------------------------------------------------------------------------------------
 
-def _leaf(module: nn.Module, is_first_microbatch: bool | None, *args: torch.Tensor) -> torch.Tensor:
-    """``module(*args)``, given ``is_first_microbatch`` unless it is None."""
-    if is_first_microbatch is None:
-        return module(*args)
-    return module(*args, is_first_microbatch=is_first_microbatch)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with rotary positions."""
 
@@ -213,15 +203,15 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 
-    def forward(self, x_BSD: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         q, k, v = (t.view(B, S, self.n_heads, D // self.n_heads).transpose(1, 2)
-                   for t in _leaf(self.qkv, is_first_microbatch, x_BSD).split(D, dim=-1))
+                   for t in self.qkv(x_BSD).split(D, dim=-1))
         # fp32 tables, cast to the activations' dtype ([Note: the model's mixed precision])
         cos, sin = (self.get_buffer(n)[:S].to(q.dtype) for n in ("cos", "sin"))
         y_BHSd = F.scaled_dot_product_attention(rotate_halves(q, cos, sin), rotate_halves(k, cos, sin), v,
                                                  is_causal=True)
-        return _leaf(self.proj, is_first_microbatch, y_BHSd.transpose(1, 2).reshape(B, S, D))
+        return self.proj(y_BHSd.transpose(1, 2).reshape(B, S, D))
 
 
 def combine(y_AD: torch.Tensor, order_A: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -253,9 +243,8 @@ class MoE(nn.Module):
         self.router, self.fc1, self.fc2, self.ep = router, fc1, fc2, ep
         self.aux_loss: torch.Tensor | None = None  # the last forward's ([Note: load balancing])
 
-    def forward(self, x_TD: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         E = self.n_experts
-        first = is_first_microbatch
         probs_TE = self.router(x_TD).float().softmax(dim=-1)
         gate_TK, expert_TK = probs_TE.topk(self.top_k, dim=-1)
         gate_TK = gate_TK / gate_TK.sum(dim=-1, keepdim=True)
@@ -269,11 +258,10 @@ class MoE(nn.Module):
         self.aux_loss = load_balancing_loss(probs_TE, m_splits_E, self.top_k) if self.balance else None
         x_AD = x_TD[token_A]
         if self.ep is None:
-            y_AD = _leaf(self.fc2, first, F.gelu(_leaf(self.fc1, first, x_AD, m_splits_E)), m_splits_E)
+            y_AD = self.fc2(F.gelu(self.fc1(x_AD, m_splits_E)), m_splits_E)
         else:
             x_local, m_local, route = self.ep.dispatch(x_AD, m_splits_E, overlap=self._drain_experts)
-            y_AD = self.ep.combine(_leaf(self.fc2, first, F.gelu(_leaf(self.fc1, first, x_local, m_local)), m_local),
-                                   route)
+            y_AD = self.ep.combine(self.fc2(F.gelu(self.fc1(x_local, m_local)), m_local), route)
         y_AD = y_AD * gate_TK.reshape(-1)[order_A].unsqueeze(1).to(x_TD.dtype)
         return combine(y_AD, order_A, self.top_k)
 
@@ -300,9 +288,9 @@ class Block(nn.Module):
         router = lin("moe.router.weight", fp8_exempt=True)  # never FP8: [Note: the model's mixed precision]
         self.moe = MoE(config, router, exp("moe.fc1.weight"), exp("moe.fc2.weight"), ep)
 
-    def forward(self, x_BSD: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x_BSD = x_BSD + self.attn(rms_norm(x_BSD), is_first_microbatch)
-        return x_BSD + self.moe(rms_norm(x_BSD).flatten(0, 1), is_first_microbatch).view_as(x_BSD)
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(rms_norm(x_BSD))
+        return x_BSD + self.moe(rms_norm(x_BSD).flatten(0, 1)).view_as(x_BSD)
 
 
 class MoEGPT(nn.Module):
@@ -365,21 +353,18 @@ class MoEGPT(nn.Module):
         self.lm_head = _linear(sharded, self.embedding.weight, param_dtype)
         assert not full, f"unused initial weights {sorted(full)}"
 
-    def forward(self, ids_BS: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        """Next-token logits ``[B, S, V]`` for token ids ``[B, S]`` (S at most ``config.seq_len``).
-        ``is_first_microbatch``: TransformerEngine's, for every Linear and GroupedLinear ([Note: fp8 weights kept
-        across microbatches] in ``distwgrad/fp8/weights.py``); None passes nothing (a graphed block takes none)."""
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, S, V]`` for token ids ``[B, S]`` (S at most ``config.seq_len``)."""
         if ids_BS.dim() != 2 or ids_BS.shape[1] > self.config.seq_len:
             raise ValueError(f"ids must be [batch, seq <= {self.config.seq_len}], got {tuple(ids_BS.shape)}")
         x_BSD = self.embedding(ids_BS)
         for block in self.blocks:
-            x_BSD = _leaf(block, is_first_microbatch, x_BSD)
-        return _leaf(self.lm_head, is_first_microbatch, rms_norm(x_BSD))
+            x_BSD = block(x_BSD)
+        return self.lm_head(rms_norm(x_BSD))
 
-    def loss(self, ids_BS: torch.Tensor, targets_BS: torch.Tensor,
-             is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def loss(self, ids_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in fp32, plus ``aux_loss_coef`` times the load-balancing losses."""
-        logits_BSV = self(ids_BS, is_first_microbatch)
+        logits_BSV = self(ids_BS)
         ce = F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         if not self.config.aux_loss_coef:
             return ce

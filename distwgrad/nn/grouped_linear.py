@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
-from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
+from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized_group
 from distwgrad.nn._base import (
     WgradModule,
@@ -350,7 +350,8 @@ class GroupedLinear(WgradModule):
         call = _Call(len(weights), self.single_grouped_weight, weight_grad, bias_grad,
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
                      ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features),
-                     uses, bias_now=self._biases_in_main_backward, first_microbatch=first)
+                     uses, bias_now=self._biases_in_main_backward,
+                     first_microbatch=current_first_microbatch() if first is None else first)
         return x_TK, offs_E, call
 
     def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool, first: bool | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distwgrad.fp8.recipe import Recipe, current_recipe
+from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe
 from distwgrad.nn._base import (
     WgradModule,
     check_compute_dtype,
@@ -249,6 +249,7 @@ class LayerNormMLP(WgradModule):
         flags = [bool(grad_on and p is not None and p.requires_grad) for p in params]
         uses = self._begin_forward([p for p, f in zip(params, flags) if f and p is not None])
         recipe, store = current_recipe(), self.wgrad_store
+        first = current_first_microbatch() if first is None else first
         delay, fuse = self.delay_wgrad_compute, self.fuse_wgrad_accumulation
         fc1 = _Call(flags[0], flags[1], delay, fuse, store, recipe, (self.fc1_width, self.hidden_size), uses=uses,
                     first_microbatch=first)

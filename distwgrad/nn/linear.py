@@ -17,7 +17,7 @@ from torch import nn
 
 from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
-from distwgrad.fp8.recipe import Recipe, current_recipe, split_accumulator
+from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe, split_accumulator
 from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
 from distwgrad.nn._base import (
     WgradModule,
@@ -230,8 +230,9 @@ class Linear(WgradModule):
         sequence_parallel, tp_group, tp_size, parallel_mode: accepted at their defaults only.
 
     ``forward(inp, is_first_microbatch=None)``: TransformerEngine's flag; True or False (the step's first
-    microbatch, or a later one) keeps the weight's FP8 copies for the step where it is held whole, None keeps none
-    ([Note: fp8 weights kept across microbatches] in ``distwgrad/fp8/weights.py``).
+    microbatch, or a later one) keeps the weight's FP8 copies for the step where it is held whole, None takes the
+    active ``distwgrad.fp8.microbatch(first=...)``, else keeps none ([Note: fp8 weights kept across microbatches]
+    in ``distwgrad/fp8/weights.py``).
 
     [Note: a module out of FP8]
     ``fp8_autocast`` covers every module; a module built with ``fp8_exempt=True`` reads no recipe, so its three
@@ -336,7 +337,8 @@ class Linear(WgradModule):
         uses = self._begin_forward(tracked)
         call = _Call(weight_grad, bias_grad, self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                      self.wgrad_store, None if self.fp8_exempt else current_recipe(),
-                     (self.out_features, self.in_features), uses, first)
+                     (self.out_features, self.in_features), uses,
+                     current_first_microbatch() if first is None else first)
         return inp.reshape(-1, self.in_features), call
 
     def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool, first: bool | None) -> torch.Tensor:

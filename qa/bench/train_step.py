@@ -290,7 +290,7 @@ def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict
                         if mode in GRAPHED else None)  # as the job does
 
         def step_fn(tok):
-            loss = forward_backward(model, tok, mb, recipe, amax_modules, keep_fp8_weights=mode not in GRAPHED)
+            loss = forward_backward(model, tok, mb, recipe, amax_modules)
             distwgrad.finalize_model_grads([model])
             return loss
         runner = model
