@@ -107,6 +107,9 @@ class TrainConfig:
                           "precision and speed", choices=PRECISIONS)
     recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision", "precision and speed",
                        choices=RECIPES)
+    fp8_weight_cache: bool = _opt(True, "with an FP8 --recipe and several microbatches, quantize each weight held "
+                                  "whole on its rank once a step, its FP8 copies kept until the step ends (a byte an "
+                                  "element per layout; docs/fp8.md)", "precision and speed")
     cuda_graph: bool = _opt(False, "replay each transformer block from CUDA graphs (CUDA only; FP8 on one rank "
                             "only; docs/cuda_graphs.md)", "precision and speed")
     compile: bool = _opt(False, "torch.compile each transformer block's forward (with --cuda-graph: then "

@@ -183,7 +183,8 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
             loss = pipe.forward_backward(local_BS.to(rt.device))
             pipe.finalize()
         else:
-            loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe, amax_modules)
+            loss = forward_backward(model, local_BS.to(rt.device), config.microbatches, config.recipe, amax_modules,
+                                    keep_fp8_weights=config.fp8_weight_cache)
             distwgrad.finalize_model_grads([model])
         dist.all_reduce(loss, group=rt.group)
         loss = loss.item() / dp_size  # .item() synchronises, so the step time is real

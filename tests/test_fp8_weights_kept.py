@@ -244,3 +244,23 @@ def test_the_study_runs_its_three_arms(tmp_path):
     assert [(r["precision"], r.get("variant")) for r in rows] == [
         ("bf16", None), ("fp8_blockwise", "fresh"), ("fp8_blockwise", "kept")]
     assert all(r["case"] == "tiny b4x64 mb2 eager, fp8 weights kept, interleaved" for r in rows)
+
+
+def test_the_jobs_step_keeps_weights_across_its_microbatches(quantizations):
+    """``launch.step.forward_backward``: the same bits as ``keep_fp8_weights=False`` (``--no-fp8-weight-cache``),
+    half the weights' quantizations with two microbatches."""
+    from distwgrad.launch.step import forward_backward
+
+    from distwgrad.models import MoEGPT, MoEGPTConfig
+
+    cfg = MoEGPTConfig(vocab_size=64, seq_len=17, d_model=32, n_layers=1, n_heads=2, n_experts=2, top_k=2, d_ff=32)
+    out, counts = {}, {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = MoEGPT(cfg, device=torch.device("cpu"), sharded=True, param_dtype=torch.bfloat16)
+        quantizations[0] = 0
+        loss = forward_backward(model, torch.randint(0, 64, (4, 17)), 2, "fp8_blockwise", keep_fp8_weights=keep)
+        distwgrad.finalize_model_grads([model])
+        out[keep], counts[keep] = [loss, *(p.grad for p in model.parameters())], quantizations[0]
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+    assert counts[True] * 2 == counts[False], counts
