@@ -32,14 +32,14 @@ def _sharded(module: torch.nn.Module, group=None) -> torch.nn.Module:
     return module
 
 
-def _module(kind: str) -> torch.nn.Module:
+def _module(kind: str, device: str = "cpu", k: int = K, n: int = N) -> torch.nn.Module:
     torch.manual_seed(0)
+    kw = dict(params_dtype=torch.bfloat16, device=device)
     if kind == "linear":
-        return Linear(K, N, params_dtype=torch.bfloat16)
+        return Linear(k, n, **kw)
     if kind == "grouped":
-        return GroupedLinear(3, K, N, single_grouped_weight=True, params_dtype=torch.bfloat16,
-                             delay_wgrad_compute=True)
-    return LayerNormMLP(K, N, params_dtype=torch.bfloat16)
+        return GroupedLinear(3, k, n, single_grouped_weight=True, delay_wgrad_compute=True, **kw)
+    return LayerNormMLP(k, n, **kw)
 
 
 def _kept(w) -> list:
@@ -50,7 +50,8 @@ def _kept(w) -> list:
 def _call(module, x, first):
     kw = {} if first is None else {"is_first_microbatch": first}
     if isinstance(module, GroupedLinear):
-        return module(x, [10, 0, T - 10], **kw)
+        t = x.shape[0]
+        return module(x, [t // 2, 0, t - t // 2], **kw)
     return module(x, **kw)
 
 
@@ -69,7 +70,7 @@ def quantizations(monkeypatch) -> list[int]:
     return count
 
 
-def _train(module, recipe, flags, *, steps=2, write_data=False, fused=False):
+def _train(module, recipe, flags, *, steps=2, write_data=False, fused=False, t=T):
     """``steps`` steps of ``len(flags)`` microbatches, microbatch i called with ``flags[i]``; returns every
     output and gradient, in order."""
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, fused=fused)
@@ -77,10 +78,12 @@ def _train(module, recipe, flags, *, steps=2, write_data=False, fused=False):
     seen = []
     for _ in range(steps):
         for first in flags:
-            x = torch.randn(T, K, generator=gen).to(torch.bfloat16).requires_grad_()
+            device = next(module.parameters()).device
+            k = next(p for p in module.parameters() if p.dim() >= 2).shape[-1]
+            x = torch.randn(t, k, generator=gen).to(device, torch.bfloat16).requires_grad_()
             with fp8_autocast(recipe):
                 y = _call(module, x, first)
-            y.backward(torch.randn(y.shape, generator=gen).to(torch.bfloat16))
+            y.backward(torch.randn(y.shape, generator=gen).to(device, torch.bfloat16))
             module.backward_dw()
             seen += [y.detach(), x.grad]  # dgrad reads the weight in its other layout
         distwgrad.finalize_model_grads([module])
@@ -107,6 +110,22 @@ def test_kept_weights_give_the_same_bits_and_quantize_once_a_step(kind, recipe, 
     # three microbatches quantize each weight twice each (forward, dgrad); kept, once a layout a step; the
     # MLP's checkpoint-free backward reads its two weights as Linear does
     assert quantizations[0] // 2 == per_step_fresh // 3, (quantizations[0], per_step_fresh)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("recipe", [PerTensorScaling(), BlockwiseScaling()], ids=["per_tensor", "blockwise"])
+@pytest.mark.parametrize("kind", ["linear", "grouped", "mlp"])
+def test_kept_weights_on_the_kernels(kind, recipe, quantizations):
+    """On CUDA, where the weights take the kernels' fast paths (a stacked layout, cuBLASLt's), at shapes the
+    128-wide blocks tile: the same bits, and no kept copy is written by a GEMM that reads it."""
+    fresh = _train(_sharded(_module(kind, "cuda", 256, 384)), recipe, [None, None, None], fused=True, t=512)
+    per_step_fresh = quantizations[0] // 2
+    quantizations[0] = 0
+    kept = _train(_sharded(_module(kind, "cuda", 256, 384)), recipe, [True, False, False], fused=True, t=512)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+    assert quantizations[0] // 2 == per_step_fresh // 3
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
