@@ -2,6 +2,8 @@
 
     TRITON_INTERPRET=1 DISTWGRAD_KERNELS_ON_CPU=1 python qa/studies/launch_count.py
     TRITON_INTERPRET=1 DISTWGRAD_KERNELS_ON_CPU=1 python qa/studies/launch_count.py --layers 2 --json counts.json
+    TRITON_INTERPRET=1 DISTWGRAD_KERNELS_ON_CPU=1 python qa/studies/launch_count.py --microbatches 2 \
+        --no-fp8-weight-cache
 
 Where a step is host-bound (eager, compiled without CUDA graphs; docs/fp8.md), what the host issues is the cost,
 and it is the same on any device: so the job's model (``MoEGPT``, small widths) runs one eager step per precision
@@ -49,7 +51,8 @@ def _stub_launches(counts: collections.Counter) -> None:
     InterpretedFunction.__getitem__ = getitem
 
 
-def count(precision: str, layers: int, d_model: int, experts: int, tokens: int) -> dict:
+def count(precision: str, layers: int, d_model: int, experts: int, tokens: int, microbatches: int = 1,
+          keep_fp8_weights: bool = True) -> dict:
     """``{"launches": {kernel: n}, "ops": {name: n}}`` of one step after one warm-up step."""
     from distwgrad.launch.train import forward_backward
 
@@ -64,11 +67,11 @@ def count(precision: str, layers: int, d_model: int, experts: int, tokens: int) 
     torch.manual_seed(0)
     model = MoEGPT(cfg, device=torch.device("cpu"), sharded=True, param_dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    batch = torch.randint(0, cfg.vocab_size, (max(1, tokens // seq), seq + 1))
+    batch = torch.randint(0, cfg.vocab_size, (microbatches * max(1, tokens // seq), seq + 1))
     recipe = precision if precision.startswith("fp8") else "none"
 
     def step() -> None:
-        forward_backward(model, batch, 1, recipe, None)
+        forward_backward(model, batch, microbatches, recipe, None, keep_fp8_weights=keep_fp8_weights)
         distwgrad.finalize_model_grads([model])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -89,20 +92,24 @@ def main(argv=None) -> int:
     p.add_argument("--d-model", type=int, default=128, help="width, also the experts' (default 128: blockwise's "
                    "weight blocks; the counts are those of any multiple of 128, narrower experts quantize one by one)")
     p.add_argument("--experts", type=int, default=16, help="experts (default 16, the large preset's)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens a step (sequences of 128)")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens a microbatch (sequences of 128)")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches a step (default 1)")
+    p.add_argument("--no-fp8-weight-cache", action="store_true", help="quantize the weights at every use, not once "
+                   "a step, with several microbatches (the job's --no-fp8-weight-cache)")
     p.add_argument("--json", help="also write the counts here")
     args = p.parse_args(argv)
     precisions = [v for v in args.precisions.split(",") if v]
     if not precisions or any(v not in PRECISIONS for v in precisions):
         p.error(f"--precisions: choose from {','.join(PRECISIONS)}, got {args.precisions!r}")
-    for name in ("layers", "d_model", "experts", "tokens"):
+    for name in ("layers", "d_model", "experts", "tokens", "microbatches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("DISTWGRAD_KERNELS_ON_CPU") != "1":
         p.error("run with TRITON_INTERPRET=1 DISTWGRAD_KERNELS_ON_CPU=1 (CPU tensors through the kernels' code)")
     out = {}
     for precision in precisions:
-        out[precision] = got = count(precision, args.layers, args.d_model, args.experts, args.tokens)
+        out[precision] = got = count(precision, args.layers, args.d_model, args.experts, args.tokens,
+                                     args.microbatches, not args.no_fp8_weight_cache)
         top = ", ".join(f"{k} {v}" for k, v in list(got["launches"].items())[:6])
         print(f"{precision:15s} {sum(got['launches'].values()):6d} Triton launches  {sum(got['ops'].values()):6d} "
               f"torch operations a step ({args.layers} layers)  {top}", flush=True)
