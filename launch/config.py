@@ -88,8 +88,8 @@ class TrainConfig:
     # data
     data: str | None = _opt(None, "a folder prepare_data wrote (its meta.json sets --vocab-size), or any nanoGPT "
                             "uint16 token file (default: a synthetic Markov corpus)", "data", metavar="DIR|FILE")
-    eval_every: int = _opt(0, "validation loss every N steps and at the last (the folder's val.bin; held-out "
-                           "samples of the synthetic corpus) (0: never)", "data")
+    eval_every: int = _opt(0, "validation loss every N steps and at the last (val.bin, or held-out synthetic "
+                           "samples) (0: never)", "data")
     eval_batches: int = _opt(4, "validation batches per evaluation", "data")
     # training
     steps: int = _opt(200, "train until this step (a resumed run continues to it)", "training")
@@ -100,18 +100,17 @@ class TrainConfig:
     warmup_steps: int | None = _opt(None, "linear warm-up: step s trains at lr * min(1, s / N) (0: none)",
                                     "training")
     weight_decay: float = _opt(0.0, "AdamW weight decay", "training")
-    gc_every: int = _opt(50, "automatic garbage collection off, a generation-1 collection every N steps instead "
-                         "(0: the automatic collector)", "training")
+    gc_every: int = _opt(50, "a generation-1 collection every N steps, automatic collection off (0: left on)",
+                         "training")
     # precision and speed
     precision: str = _opt("auto", "compute dtype, masters always fp32: auto is bf16 on CUDA, fp32 on CPU",
                           "precision and speed", choices=PRECISIONS)
     recipe: str = _opt("none", "FP8 recipe: the GEMMs in FP8, the rest in --precision", "precision and speed",
                        choices=RECIPES)
-    fp8_weight_cache: bool = _opt(True, "with an FP8 --recipe and several microbatches, quantize each weight held "
-                                  "whole on its rank once a step, its FP8 copies kept until the step ends (a byte an "
-                                  "element per layout; docs/fp8.md)", "precision and speed")
-    cuda_graph: bool = _opt(False, "replay each transformer block from CUDA graphs (CUDA only; FP8 on one rank "
-                            "only; docs/cuda_graphs.md)", "precision and speed")
+    fp8_weight_cache: bool = _opt(True, "FP8 weights quantized once a step, not each microbatch (docs/fp8.md)",
+                                  "precision and speed")
+    cuda_graph: bool = _opt(False, "replay each block from CUDA graphs (CUDA; FP8 on one rank; docs/cuda_graphs.md)",
+                            "precision and speed")
     compile: bool = _opt(False, "torch.compile each transformer block's forward (with --cuda-graph: then "
                          "graphed)", "precision and speed")
     # parallelism
