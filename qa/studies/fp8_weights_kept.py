@@ -51,11 +51,13 @@ def _model(preset: str, device: torch.device):
 def measure(args, mode: str, recipe: str, device: torch.device) -> dict[str, list[float]]:
     """ms a step of each arm, one value a round."""
     import distwgrad
-    from launch.step import compile_blocks, forward_backward
+    from launch.step import forward_backward
 
     model, cfg = _model(args.model, device)
-    if mode == "compiled":
-        compile_blocks(model)
+    if mode == "compiled":  # as train_step.py's compiled mode; each model its own graphs (a new dynamo cache)
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen).to(device)
