@@ -317,7 +317,7 @@ class GroupedLinear(WgradModule):
 
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int] | torch.Tensor,
                 is_first_microbatch: bool | None = None):
-        first = check_first_microbatch(self.wgrad_store.owner, is_first_microbatch)
+        first = check_first_microbatch(self, is_first_microbatch)
         weights, all_biases = self._weights(), self._biases()
         biases = [] if self.return_bias else all_biases
         if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py

@@ -221,7 +221,7 @@ class LayerNormMLP(WgradModule):
         return dtype
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        first = check_first_microbatch(self.wgrad_store.owner, is_first_microbatch)
+        first = check_first_microbatch(self, is_first_microbatch)
         self._check(inp)
         ln_TH = apply_norm(self, inp.reshape(-1, self.hidden_size))
         params = self._op_params()

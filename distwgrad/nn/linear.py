@@ -316,7 +316,7 @@ class Linear(WgradModule):
             raise ValueError(f"{self.wgrad_store.owner}: input on {inp.device}, weight on {self.weight.device}")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
-        first = check_first_microbatch(self.wgrad_store.owner, is_first_microbatch)
+        first = check_first_microbatch(self, is_first_microbatch)
         bias = None if self.return_bias else self.bias
         if torch.compiler.is_compiling():  # one opaque op: [Note: torch.compile] in nn/_base.py
             out = compiled_forward(self, inp, [self.weight, bias], self.out_features, first_microbatch=first)
