@@ -70,9 +70,8 @@ def check_no_tensor_parallelism(owner: str, *, sequence_parallel: bool, tp_group
 
 
 def check_first_microbatch(module: WgradModule, is_first_microbatch: object) -> bool | None:
-    """TransformerEngine's ``is_first_microbatch``, checked: True, False or None ([Note: fp8 weights kept across
-    microbatches] in ``distwgrad/fp8/weights.py``). The module's name is read only to raise: under torch.compile a
-    read would guard each graph on it, one graph per layer."""
+    """``is_first_microbatch`` checked ([Note: fp8 weights kept across microbatches] in ``fp8/weights.py``); the
+    module's name read only to raise: compiled, a read would guard each graph on it, one graph per layer."""
     if is_first_microbatch is not None and type(is_first_microbatch) is not bool:
         raise TypeError(f"{module.wgrad_store.owner}: is_first_microbatch must be True, False or None, got "
                         f"{is_first_microbatch!r}")

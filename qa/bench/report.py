@@ -93,7 +93,7 @@ _LAYOUT = {
                                    # two-microbatch FP8 steps, process to process: LOG.md, 2026-12-06 (afternoon)
                                    "large b8x2048 mb2 compiled, host spread (H100)",
                                    "large b8x2048 mb2 eager, host spread (H100)",
-                                   # FP8 weights kept across microbatches, interleaved: LOG.md, 2026-12-06 (late afternoon)
+                                   # FP8 weights kept across microbatches: LOG.md, 2026-12-06 (late afternoon)
                                    *(f"large b8x2048 mb2 {mode}, fp8 weights kept, interleaved (H100)"
                                      for mode in ("eager", "compiled")),
                                    # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
