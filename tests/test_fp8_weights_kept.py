@@ -37,8 +37,8 @@ def _module(kind: str, device: str = "cpu", k: int = K, n: int = N) -> torch.nn.
     kw = dict(params_dtype=torch.bfloat16, device=device)
     if kind == "linear":
         return Linear(k, n, **kw)
-    if kind == "grouped":
-        return GroupedLinear(3, k, n, single_grouped_weight=True, delay_wgrad_compute=True, **kw)
+    if kind in ("grouped", "grouped_discrete"):
+        return GroupedLinear(3, k, n, single_grouped_weight=kind == "grouped", delay_wgrad_compute=True, **kw)
     return LayerNormMLP(k, n, **kw)
 
 
@@ -98,7 +98,7 @@ def _train(module, recipe, flags, *, steps=2, write_data=False, fused=False, t=T
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
-@pytest.mark.parametrize("kind", ["linear", "grouped", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", "grouped", "grouped_discrete", "mlp"])
 def test_kept_weights_give_the_same_bits_and_quantize_once_a_step(kind, recipe, quantizations):
     fresh = _train(_sharded(_module(kind)), recipe, [None, None, None])
     per_step_fresh = quantizations[0] // 2
@@ -115,7 +115,7 @@ def test_kept_weights_give_the_same_bits_and_quantize_once_a_step(kind, recipe, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("recipe", [PerTensorScaling(), BlockwiseScaling()], ids=["per_tensor", "blockwise"])
-@pytest.mark.parametrize("kind", ["linear", "grouped", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", "grouped", "grouped_discrete", "mlp"])
 def test_kept_weights_on_the_kernels(kind, recipe, quantizations):
     """On CUDA, where the weights take the kernels' fast paths (a stacked layout, cuBLASLt's), at shapes the
     128-wide blocks tile: the same bits, and no kept copy is written by a GEMM that reads it."""
@@ -156,6 +156,21 @@ def test_kept_copies_are_one_byte_an_element_a_layout_and_die_at_finalize():
     gc.collect()
     assert not _kept(lin.weight)
     assert all(r() is None for r in refs)
+
+
+def test_several_weights_copy_is_dropped_at_a_boundary_of_any(quantizations):
+    """A discrete GroupedLinear's experts share one kept copy, held by the first expert's weight; a step boundary
+    of another expert's weight alone (here forced) makes the next call quantize afresh."""
+    module = _sharded(_module("grouped_discrete"))
+    x = torch.randn(T, K).to(torch.bfloat16)
+    with fp8_autocast(RECIPES[0]):
+        for first, want in ((True, 1), (False, 1), (False, 2)):
+            if want == 2:
+                module.weight2._life._boundary()  # weight2 alone finalized, written or loaded
+            _call(module, x, first).sum().backward()
+            module.backward_dw()
+            assert quantizations[0] == want
+    distwgrad.finalize_model_grads([module], discard=True)
 
 
 def test_what_is_never_kept(quantizations):

@@ -16,8 +16,8 @@ read at run time so compiled code traces no flag) keeps the FP8 copies of a weig
 gathered copy is kept) in its step cache ([Note: weight lifecycle]), one per layout (forward's, dgrad's); True
 quantizes afresh, False reuses. The copies are the bits they save and die with the step, so no step reads an
 earlier one whatever the flags; a byte an element per layout from the first microbatch to the finalize. Never
-kept: weights sharded over ranks, plain tensors (no step), several weights of a call, calls with no gradient
-(no step open), CUDA graph capture ([Note: amax under capture]).
+kept: weights sharded over ranks, plain tensors (no step), calls with no gradient (no step open), CUDA graph
+capture ([Note: amax under capture]).
 
 [Note: amax under capture]
 The step's cached amax (or block grid) is host state a CUDA graph replay never sees: a graph reading it would
@@ -48,6 +48,7 @@ from distwgrad.fp8.quantize import (
 from distwgrad.fp8.recipes.base import Recipe
 from distwgrad.protocol import is_distributed_weight, materialize_weight_for_backward, materialize_weight_for_forward
 from distwgrad.weights.base import DistributedParameter
+from distwgrad.weights.lifecycle import write_token
 from distwgrad.weights.sharded import ShardedWeight
 
 if TYPE_CHECKING:
@@ -168,14 +169,19 @@ def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Ten
     return make() if _capturing(w) else w.cached(key, make)
 
 
+def _whole_here(w: torch.Tensor) -> bool:
+    """A distwgrad weight held whole on this rank, outside a capture: its FP8 copies may be kept."""
+    return (isinstance(w, DistributedParameter) and not (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1)
+            and not _capturing(w))
+
+
 def _kept(weights: list[torch.Tensor], keep: bool | None, key: tuple, make: Callable[[], T]) -> T:
     """``make()``, or the copy kept for the step: [Note: fp8 weights kept across microbatches]."""
-    if keep is None or len(weights) != 1 or not isinstance(weights[0], DistributedParameter):
+    if keep is None or not weights or not all(_whole_here(w) for w in weights):
         return make()
-    w = weights[0]
-    if (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1) or _capturing(w):
-        return make()
-    return w.cached((_KEPT, *key), make, refresh=keep)
+    # several weights' copy is kept by the first, the others' write tokens in its key: a boundary of any misses
+    others = tuple(write_token(w) for w in weights[1:])
+    return weights[0].cached((_KEPT, *key, others), make, refresh=keep)
 
 
 def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool,

@@ -230,7 +230,7 @@ class GroupedLinear(WgradModule):
             (per expert), return_bias (``(output, [biases])``), TP arguments: as ``distwgrad.nn.Linear``'s.
 
     ``forward(inp, m_splits, is_first_microbatch=None)``: ``m_splits`` are ints or a tensor;
-    ``is_first_microbatch`` as ``Linear``'s (a packed weight only: [Note: fp8 weights kept across microbatches]).
+    ``is_first_microbatch`` as ``Linear``'s ([Note: fp8 weights kept across microbatches]).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
