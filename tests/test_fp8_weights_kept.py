@@ -173,6 +173,25 @@ def test_several_weights_copy_is_dropped_at_a_boundary_of_any(quantizations):
     distwgrad.finalize_model_grads([module], discard=True)
 
 
+def test_a_retained_graph_and_two_losses_read_the_kept_copy(quantizations):
+    """Two losses on one forward (``retain_graph=True``): each backward's dgrad reads the copy the first kept,
+    and the gradients are those of the unkept run."""
+    grads = {}
+    for first in (None, True):
+        lin = _sharded(_module("linear"))
+        x = torch.randn(T, K, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
+        quantizations[0] = 0
+        with fp8_autocast(RECIPES[1]):
+            y = _call(lin, x, first)
+        y.sum().backward(retain_graph=True)
+        (y * y).sum().backward()
+        assert quantizations[0] == (3 if first is None else 2)  # forward's, and dgrad's once (kept) or twice
+        distwgrad.finalize_model_grads([lin])
+        grads[first] = [x.grad, lin.weight.grad, lin.bias.grad]
+    for a, b in zip(grads[None], grads[True]):
+        assert torch.equal(a, b)
+
+
 def test_what_is_never_kept(quantizations):
     """A plain weight (no step bounds its copy), an eval forward (no step is open), None (the default)."""
     plain = _module("linear")

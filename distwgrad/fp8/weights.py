@@ -14,8 +14,8 @@
 A call given TransformerEngine's ``is_first_microbatch`` (or, given none, inside ``fp8.microbatch(first=...)``,
 read at run time so compiled code traces no flag) keeps the FP8 copies of a weight held whole here (one rank: no
 gathered copy is kept) in its step cache ([Note: weight lifecycle]), one per layout (forward's, dgrad's); True
-quantizes afresh, False reuses. The copies are the bits they save and die with the step, so no step reads an
-earlier one whatever the flags; a byte an element per layout from the first microbatch to the finalize. Never
+quantizes afresh in forward, backward and False reuse. The copies are the bits they save and die with the step,
+so no step reads an earlier one whatever the flags; a byte an element per layout from the first microbatch on. Never
 kept: weights sharded over ranks, plain tensors (no step), calls with no gradient (no step open), CUDA graph
 capture ([Note: amax under capture]).
 
@@ -182,6 +182,11 @@ def _kept(weights: list[torch.Tensor], keep: bool | None, key: tuple, make: Call
     # several weights' copy is kept by the first, the others' write tokens in its key: a boundary of any misses
     others = tuple(write_token(w) for w in weights[1:])
     return weights[0].cached((_KEPT, *key, others), make, refresh=keep)
+
+
+def in_backward(keep: bool | None) -> bool | None:
+    """A call's ``keep`` for its backward: True reuses what its forward's step kept (the weights cannot change)."""
+    return None if keep is None else False
 
 
 def materialize_quantized(weight: torch.Tensor, recipe: Recipe, *, backward: bool,

@@ -17,7 +17,7 @@ from torch import nn
 
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe, split_accumulator
-from distwgrad.fp8.weights import materialize_quantized_group
+from distwgrad.fp8.weights import in_backward, materialize_quantized_group
 from distwgrad.nn._base import (
     WgradModule,
     check_compute_dtype,
@@ -71,7 +71,8 @@ def _weights_fp8(weights, call: _Call, *, backward: bool, amax=None) -> list[Qua
     if amax is not None and amax[1] != [write_token(w) for w in weights]:
         amax = None
     return materialize_quantized_group(weights, call.recipe, backward=backward, stacked=True,
-                                       amax=None if amax is None else amax[0], keep=call.first_microbatch)
+                                       amax=None if amax is None else amax[0],
+                                       keep=in_backward(call.first_microbatch) if backward else call.first_microbatch)
 
 
 def _wgrad_gemm(dy_TN, x_TK, offs_E, packed: bool, recipe: Recipe | None, dy_qt: Quantized | None = None,

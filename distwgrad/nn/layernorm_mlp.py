@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe
+from distwgrad.fp8.weights import in_backward
 from distwgrad.nn._base import (
     WgradModule,
     check_compute_dtype,
@@ -97,7 +98,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         if call.checkpoint:
             (ln_TH,) = ctx.saved_tensors
             # the forward again, for fc1's output
-            h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe, call.fc1.first_microbatch)
+            h_TF, ln_qt = _fc_forward(ln_TH, w1, b1, call.recipe, in_backward(call.fc1.first_microbatch))
             ln_TH = ln_TH if call.recipe is None else None
         elif call.recipe is None:
             ln_TH, h_TF = ctx.saved_tensors
@@ -110,11 +111,11 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             h = h_TF.detach().requires_grad_(need_fc1)
             a_TG = act(h)
         a_qt = None if call.recipe is None else gg8.quantize_operand(a_TG.detach(), call.recipe, grad=False)[1]
-        da_TG, dy_qt = _dgrad_and_quantized(dy_TH, w2, call.recipe, need_fc1, call.fc2.first_microbatch)
+        da_TG, dy_qt = _dgrad_and_quantized(dy_TH, w2, call.recipe, need_fc1, in_backward(call.fc2.first_microbatch))
         dh_TF = torch.autograd.grad(a_TG, h, da_TG)[0] if need_fc1 else None
         a_TG = a_TG.detach()
         dln_TH, dh_qt = _dgrad_and_quantized(dh_TF, w1, call.recipe, ctx.needs_input_grad[0],
-                                             call.fc1.first_microbatch)
+                                             in_backward(call.fc1.first_microbatch))
         db2 = dy_TH.sum(0) if call.fc2.bias_grad else None  # kept, never recomputed later
         db1 = dh_TF.sum(0) if call.fc1.bias_grad else None
 

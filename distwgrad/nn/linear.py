@@ -18,7 +18,7 @@ from torch import nn
 from distwgrad.fp8.emulate import dequantize_weights
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts, dequantize
 from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe, split_accumulator
-from distwgrad.fp8.weights import materialize_quantized, materialize_quantized_group
+from distwgrad.fp8.weights import in_backward, materialize_quantized, materialize_quantized_group
 from distwgrad.nn._base import (
     WgradModule,
     check_compute_dtype,
@@ -194,7 +194,7 @@ class _LinearFunction(torch.autograd.Function):
             dy_q = None
             if call.recipe is not None:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
                 dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True)
-            dx_TK = _dgrad(dy_TN, weight, call.recipe, dy_q, call.first_microbatch)
+            dx_TK = _dgrad(dy_TN, weight, call.recipe, dy_q, in_backward(call.first_microbatch))
         if not (call.weight_grad or call.bias_grad):
             return dx_TK, None, None, None
         if call.delay:

@@ -63,16 +63,20 @@ def measure(args, mode: str, recipe: str, device: torch.device) -> dict[str, lis
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen).to(device)
     arms = {"bf16": ("none", True), "fresh": (recipe, False), "kept": (recipe, True)}
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     def steps(arm: str, n: int) -> float:
         name, keep = arms[arm]
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        sync()
         t0 = time.perf_counter()
         for _ in range(n):
             forward_backward(model, tokens, args.microbatches, name, keep_fp8_weights=keep)
             distwgrad.finalize_model_grads([model])
             opt.step()
             opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        sync()
         return (time.perf_counter() - t0) / n * 1e3
 
     order = list(arms)
@@ -127,7 +131,8 @@ def main(argv=None) -> int:
                                 precision="bf16" if arm == "bf16" else recipe, world=1, metric="step_ms",
                                 value=med[arm], unit="ms", device=device, rounds_ms=v,
                                 **({} if arm == "bf16" else {"variant": arm})))
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     record(rows, args)
     return 0
 
