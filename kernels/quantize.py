@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 
 from ._dispatch import call
+from ._gate import gate
 from ._host import cdiv, next_pow2
 from ._launch import launch
 from ._quantize_kernels import (
@@ -159,6 +160,7 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
     _check_input(x, two_d=False)
     n = x.numel()
     t = _tuning().quantize
+    given = amax is not None
     if amax is None:
         amax = _amax(x)
     elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
@@ -167,8 +169,9 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, cdiv(n, t.per_tensor_block)),)
-    launch(_cast_per_tensor_kernel, grid, x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=t.per_tensor_block,
-           num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
+    skip, gated = gate(data, scale_inv) if given else (None, False)  # a weight's: [Note: gated weight quantization]
+    launch(_cast_per_tensor_kernel, grid, x, amax, data.view(torch.uint8), scale_inv, skip, n,
+           BLOCK=t.per_tensor_block, SKIP=gated, num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data, scale_inv
 
 
@@ -196,8 +199,9 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
                x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
                num_warps=t.rows_warps, **_fmt_args(dtype))
     else:
-        launch(_quantize_blocks_kernel, grid, x, data.view(torch.uint8), scale_inv, M, N, M, POW2=power_of_two,
-               TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, num_warps=t.blocks_warps,
+        skip, gated = gate(data, scale_inv)  # [Note: gated weight quantization]
+        launch(_quantize_blocks_kernel, grid, x, data.view(torch.uint8), scale_inv, skip, M, N, M, POW2=power_of_two,
+               TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, SKIP=gated, num_warps=t.blocks_warps,
                **_fmt_args(dtype))
     return data, scale_inv
 

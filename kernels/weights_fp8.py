@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ._gate import gate
 from ._host import cdiv, device_table
 from ._launch import launch
-from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _scale_from_amax, _to_fp8_bits
+from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _scale_from_amax, _to_fp8_bits, _writes
 from ._tuning import current as _tuning
 from .quantize import _check_block, _check_input, _fmt_args
 
@@ -51,10 +52,11 @@ def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, ALIGNED: tl.c
 
 
 @triton.jit
-def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
-                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                       HW_CAST: tl.constexpr, ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
-                       TILE: tl.constexpr, PACKED: tl.constexpr = False):
+def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, skip_ptr, N, K, X_TY: tl.constexpr,
+                       NUM: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                       EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr,
+                       TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, PACKED: tl.constexpr = False,
+                       SKIP: tl.constexpr = False):
     """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE. PACKED:
     ``table_ptr`` is the packed ``[E, N, K]`` weight itself and every expert's scale comes from amax[0]."""
     pid = tl.program_id(0)
@@ -66,20 +68,21 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.con
         x_ptr = _expert_ptr(table_ptr, e, X_TY, ALIGNED)
         scale = _scale_from_amax(tl.load(amax_ptr + e), NUM, False)
     q_e = q_ptr + e.to(tl.int64) * N * K
+    live = _writes(skip_ptr, SKIP)
     if TRANSPOSE:
         tiles_k = tl.cdiv(K, TILE)
         rows = (pid // tiles_k) * TILE + tl.arange(0, TILE)
         cols = (pid % tiles_k) * TILE + tl.arange(0, TILE)
-        mask = (rows < N)[:, None] & (cols < K)[None, :]
+        mask = (rows < N * live)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
         tl.store(q_e + cols.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
     else:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < N * K, other=0.0).to(tl.float32)
-        tl.store(q_e + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=offs < N * K)
-    if pid == 0:
-        tl.store(s_inv_ptr + e, _inverse(scale, False))
+        mask = offs < N * K * live
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_e + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
+    tl.store(s_inv_ptr + e, _inverse(scale, False), mask=(pid == 0) & (live > 0))
 
 
 def _first_unlike(weights: Sequence[torch.Tensor]) -> int | None:
@@ -180,7 +183,7 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     t = _tuning().quantize
     tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(n, t.per_tensor_block)
-    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, data.view(torch.uint8), s_inv, N, K,
+    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, data.view(torch.uint8), s_inv, None, N, K,
            X_TY=_TL[w0.dtype], ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
            num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
@@ -203,9 +206,10 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
     tile = t.weights_tile
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
     if E:
-        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, N, K,
+        skip, gated = gate(data, s_inv)
+        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, skip, N, K,
                X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
-               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True,
+               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True, SKIP=gated,
                num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data.transpose(1, 2) if transpose else data, s_inv
 
@@ -225,8 +229,9 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtyp
     grid = (E * N // bm, cdiv(K, bn))
     s_inv = torch.empty(E, N // bm, grid[1], dtype=torch.float32, device=w_ENK.device)
     if data.numel():
-        launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, E * N, K, N, POW2=power_of_two,
-               TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn,
+        skip, gated = gate(data, s_inv)
+        launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, skip, E * N, K, N,
+               POW2=power_of_two, TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn, SKIP=gated,
                num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))
     return data.transpose(1, 2) if transpose else data, s_inv
 
