@@ -259,14 +259,20 @@ def _graph_torch_blocks(model: nn.Module, rows: int, cfg: MoEGPTConfig, dtype: t
             "graph_bytes": torch.cuda.memory_allocated(device) - before}
 
 
+def recipe_name(precision: str) -> str:
+    """The job's ``--recipe`` for a precision of this bench."""
+    return precision if precision.startswith("fp8") else "none"
+
+
 def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype: torch.dtype, args,
            rt: dict) -> dict[str, Any]:
     rows = args.batch // (rt["world"] * args.microbatches)
     if impl == "torch":
         return _graph_torch_blocks(model, rows, cfg, dtype)
     graphs = sys.modules[_launch_train().__package__ + ".cuda_graph"]
-    recipe = graphs.recipe_for_graphs(precision if precision.startswith("fp8") else "none")  # the job's names
-    info = graphs.graph_blocks(model, rows, recipe=recipe)
+    recipe = graphs.recipe_for_graphs(recipe_name(precision))
+    keep = _launch_train().keeps_fp8_weights(not args.no_fp8_weight_cache, args.microbatches, recipe_name(precision))
+    info = graphs.graph_blocks(model, rows, recipe=recipe, keep_fp8_weights=keep)
     return {"graphed_by": "distwgrad.make_graphed_callables, one callable per block (the job's --cuda-graph)",
             **{k: info[k] for k in ("graph_bytes", "capture_s", "sample_shape", "num_warmup_iters")}}
 
@@ -285,12 +291,13 @@ def make_build(impl: str, precision: str, mode: str, cfg: MoEGPTConfig, rt: dict
     mb = args.microbatches
     if impl == "distwgrad":
         forward_backward = _launch_train().forward_backward
-        recipe = precision if precision.startswith("fp8") else "none"
+        recipe = recipe_name(precision)
         amax_modules = (sys.modules[_launch_train().__package__ + ".cuda_graph"].eager_modules(model)
                         if mode in GRAPHED else None)  # as the job does
 
         def step_fn(tok):
-            loss = forward_backward(model, tok, mb, recipe, amax_modules)
+            loss = forward_backward(model, tok, mb, recipe, amax_modules,
+                                    keep_fp8_weights=not args.no_fp8_weight_cache)
             distwgrad.finalize_model_grads([model])
             return loss
         runner = model
@@ -664,6 +671,8 @@ def parse_args(argv=None):
                        help=f"override the preset's {f.name} (default without --model: {f.default})")
     p.add_argument("--batch", type=int, default=None, help="sequences per step over all ranks (default: preset)")
     p.add_argument("--microbatches", type=int, default=None, help="per rank per step (default: preset)")
+    p.add_argument("--no-fp8-weight-cache", action="store_true", help="quantize FP8 weights at every use, not once "
+                   "a step (the job's --no-fp8-weight-cache; the rows' case says so with several microbatches)")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     p.add_argument("--precisions", default="bf16,fp8_per_tensor,fp8_blockwise",
                    help="comma-separated subset of " + ",".join(PRECISIONS))
@@ -719,11 +728,12 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
 
 
-def case_name(preset: str, batch: int, seq_len: int, microbatches: int, mode: str) -> str:
+def case_name(preset: str, batch: int, seq_len: int, microbatches: int, mode: str, every_use: bool = False) -> str:
     """The rows' ``case``: ``large b8x2048 eager``, with ``mb2`` before the mode when the step accumulates over
-    microbatches (a step of two microbatches is another measurement than one of the same batch in one)."""
+    microbatches (a step of two microbatches is another measurement than one of the same batch in one), and
+    ``(fp8 weights at every use)`` after it for ``--no-fp8-weight-cache``; the mode is the last word."""
     mb = f" mb{microbatches}" if microbatches > 1 else ""
-    return f"{preset} b{batch}x{seq_len}{mb} {mode}"
+    return f"{preset} b{batch}x{seq_len}{mb}{' (fp8 weights at every use)' if every_use else ''} {mode}"
 
 
 def _main(args, rt: dict) -> int:
@@ -749,7 +759,8 @@ def _main(args, rt: dict) -> int:
     rows: list[dict] = []
     seen: list[Seen] = []
     def case(mode: str) -> str:
-        return case_name(name, args.batch, cfg.seq_len, args.microbatches, mode)
+        every_use = args.no_fp8_weight_cache and args.microbatches > 1
+        return case_name(name, args.batch, cfg.seq_len, args.microbatches, mode, every_use=every_use)
 
     for precision in args.precisions:
         for modes in [args.modes] if args.together else [(m,) for m in args.modes]:
