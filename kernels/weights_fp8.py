@@ -23,13 +23,23 @@ import triton
 import triton.language as tl
 
 from ._gate import gate
-from ._host import cdiv, device_table
+from ._host import cdiv, device_table, next_pow2
 from ._launch import launch
-from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _scale_from_amax, _to_fp8_bits, _writes
+from ._quantize_kernels import (
+    _amax_into,
+    _inf_if_nan,
+    _inverse,
+    _max_nan,
+    _quantize_blocks_kernel,
+    _scale_from_amax,
+    _to_fp8_bits,
+    _writes,
+)
 from ._tuning import current as _tuning
 from .quantize import _check_block, _check_input, _fmt_args
 
-__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_packed_per_tensor", "quantize_experts_blockwise"]
+__all__ = ["quantize_weights_per_tensor", "group_amax", "weight_amax", "quantize_packed_per_tensor",
+           "quantize_experts_blockwise"]
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -108,6 +118,46 @@ def _check_weights(weights: Sequence[torch.Tensor]) -> None:
         _check_input(w, two_d=True)
         raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
                          f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, part_ptr, skip_ptr, n, BLOCK: tl.constexpr, SKIP: tl.constexpr):
+    """part[pid] = max |x| over program pid's BLOCK-element strides (NaN kept): no atomics, so no zeroing to gate."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    live = _writes(skip_ptr, SKIP)
+    n = n * live
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, tl.cdiv(n, BLOCK * nprog)):
+        offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        acc = _max_nan(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0)).to(tl.float32))
+    tl.store(part_ptr + pid, tl.reduce(acc, 0, _max_nan), mask=live > 0)
+
+
+@triton.jit
+def _amax_of_partials_kernel(part_ptr, amax_ptr, skip_ptr, P, BLOCK_P: tl.constexpr, SKIP: tl.constexpr):
+    live = _writes(skip_ptr, SKIP)
+    offs = tl.arange(0, BLOCK_P)
+    part = tl.load(part_ptr + offs, mask=offs < P * live, other=0.0)
+    tl.store(amax_ptr, _inf_if_nan(tl.reduce(part, 0, _max_nan)), mask=live > 0)
+
+
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[1]``: ``max |w|`` (+inf for a NaN or inf), ``distwgrad.fp8.quantize.compute_amax``'s bits, in two
+    launches a gate can skip ([Note: gated weight quantization] in ``_gate.py``)."""
+    _check_input(w, two_d=False)
+    amax = torch.empty(1, dtype=torch.float32, device=w.device)
+    n = w.numel()
+    if not n:
+        return amax.zero_()
+    t = _tuning().quantize
+    programs = min(cdiv(n, t.per_tensor_block), 1024)
+    part = torch.empty(programs, dtype=torch.float32, device=w.device)
+    skip, gated = gate(part, amax)
+    launch(_amax_partials_kernel, (programs,), w, part, skip, n, BLOCK=t.per_tensor_block, SKIP=gated,
+           num_warps=t.per_tensor_warps)
+    launch(_amax_of_partials_kernel, (1,), part, amax, skip, programs, BLOCK_P=next_pow2(programs), SKIP=gated,
+           num_warps=4)
+    return amax
 
 
 def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ from distwgrad.kernels._gate import gate, gated
 
 import distwgrad
 from distwgrad import ShardedWeight
-from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling
+from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, compute_amax
 from distwgrad.fp8.graph_kept import GraphKept
 from distwgrad.nn import GroupedLinear, LayerNormMLP, Linear
 from distwgrad.testing.interpreter import run_interpreted
@@ -93,7 +93,11 @@ def case_gated(device: str) -> None:
     runs = {"per_tensor": lambda: kq.quantize_per_tensor(w[0], torch.float8_e4m3fn, amax=amax),
             "blocks": lambda: kq.quantize_blockwise(w[0], (32, 32), torch.float8_e4m3fn),
             "packed": lambda: kw.quantize_packed_per_tensor(w, torch.float8_e4m3fn, amax, transpose=True),
-            "experts": lambda: kw.quantize_experts_blockwise(w, (32, 32), torch.float8_e4m3fn, transpose=True)}
+            "experts": lambda: kw.quantize_experts_blockwise(w, (32, 32), torch.float8_e4m3fn, transpose=True),
+            "amax": lambda: (kw.weight_amax(w),)}
+    odd = torch.randn(3, 4099, device=device)  # the gated amax has compute_amax's bits, nonfinite included
+    for x in (odd, odd.index_fill(1, torch.tensor([7], device=device), float("nan")), odd[:0]):
+        assert torch.equal(kw.weight_amax(x).reshape(()), compute_amax(x))
     empty = torch.empty
 
     def sentinel(*a, **k):

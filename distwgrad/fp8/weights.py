@@ -96,7 +96,13 @@ def global_amax(w: DistributedParameter) -> torch.Tensor:
         if isinstance(w, ShardedWeight):
             w.all_reduce_max(amax)
         return amax.reshape(())
-    return make() if _capturing(w) else w.cached(_AMAX, make)
+    if not _capturing(w):
+        return w.cached(_AMAX, make)
+    from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
+    if graph_kept.current() is not None and _held_whole_param(w) and gg.kernels_available(w):
+        from distwgrad.kernels.weights_fp8 import weight_amax  # gated too: [Note: fp8 weights kept in CUDA graphs]
+        return weight_amax(w.detach()).reshape(())
+    return make()
 
 
 def _local_amaxes(weights: list[ShardedWeight]) -> torch.Tensor:
