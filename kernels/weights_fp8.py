@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gate import gate
+from ._gate import gate_outputs
 from ._host import cdiv, device_table, next_pow2
 from ._launch import launch
 from ._quantize_kernels import (
@@ -145,14 +145,12 @@ def weight_amax(w: torch.Tensor) -> torch.Tensor:
     """fp32 ``[1]``: ``max |w|`` (+inf for a NaN or inf), ``distwgrad.fp8.quantize.compute_amax``'s bits, in two
     launches a gate can skip ([Note: gated weight quantization] in ``_gate.py``)."""
     _check_input(w, two_d=False)
-    amax = torch.empty(1, dtype=torch.float32, device=w.device)
     n = w.numel()
     if not n:
-        return amax.zero_()
+        return torch.zeros(1, dtype=torch.float32, device=w.device)
     t = _tuning().quantize
     programs = min(cdiv(n, t.per_tensor_block), 1024)
-    part = torch.empty(programs, dtype=torch.float32, device=w.device)
-    skip, gated = gate(part, amax)
+    (part, amax), skip, gated = gate_outputs(w.device, ((programs,), torch.float32), ((1,), torch.float32))
     launch(_amax_partials_kernel, (programs,), w, part, skip, n, BLOCK=t.per_tensor_block, SKIP=gated,
            num_warps=t.per_tensor_warps)
     launch(_amax_of_partials_kernel, (1,), part, amax, skip, programs, BLOCK_P=next_pow2(programs), SKIP=gated,
@@ -250,13 +248,12 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
         raise ValueError(f"quantize_packed_per_tensor: amax must be one fp32 value on {w_ENK.device}, got "
                          f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
     E, N, K = w_ENK.shape
-    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
-    s_inv = torch.empty(E, dtype=torch.float32, device=w_ENK.device)
+    (data, s_inv), skip, gated = gate_outputs(w_ENK.device, ((E, K, N) if transpose else (E, N, K), dtype),
+                                              ((E,), torch.float32))
     t = _tuning().quantize
     tile = t.weights_tile
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
     if E:
-        skip, gated = gate(data, s_inv)
         launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, skip, N, K,
                X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
                BLOCK=t.per_tensor_block, TILE=tile, PACKED=True, SKIP=gated,
@@ -275,11 +272,10 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtyp
         raise ValueError(f"quantize_experts_blockwise: a [E, N, K] weight with N a multiple of a square block's "
                          f"side, got shape {tuple(w_ENK.shape)} and block {tuple(block)}")
     E, N, K = w_ENK.shape
-    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
     grid = (E * N // bm, cdiv(K, bn))
-    s_inv = torch.empty(E, N // bm, grid[1], dtype=torch.float32, device=w_ENK.device)
+    (data, s_inv), skip, gated = gate_outputs(w_ENK.device, ((E, K, N) if transpose else (E, N, K), dtype),
+                                              ((E, N // bm, grid[1]), torch.float32))
     if data.numel():
-        skip, gated = gate(data, s_inv)
         launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, skip, E * N, K, N,
                POW2=power_of_two, TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn, SKIP=gated,
                num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))

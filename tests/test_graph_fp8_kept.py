@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distwgrad.kernels._gate import gate, gated
+from distwgrad.kernels._gate import gate_outputs, gated
 
 import distwgrad
 from distwgrad import ShardedWeight
@@ -33,7 +33,7 @@ def _weight() -> ShardedWeight:
 
 def _captured(kept: GraphKept, w: torch.Tensor) -> None:
     """A capture that quantized ``w`` under the gate (one recorded output)."""
-    kept.make([w], lambda: gate(torch.empty(8, 4, dtype=torch.float8_e4m3fn)))
+    kept.make([w], lambda: gate_outputs(torch.device("cpu"), ((8, 4), torch.float8_e4m3fn)))
 
 
 def test_the_flag_skips_only_within_a_step_and_only_where_asked():
@@ -70,11 +70,14 @@ def test_a_graph_that_quantized_nothing_under_its_gate_keeps_nothing():
 
 
 def test_a_gate_records_only_outputs_on_its_flags_device():
-    flag = torch.zeros(1, dtype=torch.int32)
+    flag, cpu, spec = torch.zeros(1, dtype=torch.int32), torch.device("cpu"), ((2,), torch.float32)
     with gated(flag) as outs:
-        assert gate(torch.empty(2, device="meta")) == (None, False)
-        assert gate(torch.empty(2)) == (flag, True)
-    assert len(outs) == 1 and gate(torch.empty(2)) == (None, False)
+        (meta,), skip, on = gate_outputs(torch.device("meta"), spec)
+        assert meta.device.type == "meta" and (skip, on) == (None, False)
+        (t,), skip, on = gate_outputs(cpu, spec)
+        assert skip is flag and on and outs == [t]
+    (u,), skip, on = gate_outputs(cpu, spec)
+    assert (skip, on) == (None, False) and len(outs) == 1
     with pytest.raises(ValueError, match="one int32 element, got torch.int64"):
         with gated(torch.zeros(1, dtype=torch.int64)):
             pass
@@ -143,15 +146,15 @@ def test_gated_kernels_gpu():
 K, N, T = 256, 384, 512
 
 
-def _module(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def _module(kind: str, k: int, n: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
     kw = dict(params_dtype=torch.bfloat16, device="cuda")
     if kind == "linear":
-        m = Linear(K, N, **kw)
+        m = Linear(k, n, **kw)
     elif kind == "mlp":
-        m = LayerNormMLP(K, N, **kw)
+        m = LayerNormMLP(k, n, **kw)
     else:
-        m = GroupedLinear(3, K, N, single_grouped_weight=kind == "grouped", delay_wgrad_compute=True, **kw)
+        m = GroupedLinear(3, k, n, single_grouped_weight=kind == "grouped", delay_wgrad_compute=True, **kw)
     for name, p in list(m.named_parameters()):  # held whole on one rank: what is kept
         if p.dim() >= 2:
             setattr(m, name, ShardedWeight.from_full(p.detach().clone()))
@@ -159,38 +162,42 @@ def _module(kind: str) -> torch.nn.Module:
 
 
 def _train(kind: str, recipe, cache: bool, flags, *, steps: int = 3, write_data: bool = False):
-    """``steps`` steps of ``len(flags)`` graphed microbatches with fused AdamW; returns every output, input
-    gradient and parameter gradient in order, and the graphed module."""
-    module = _module(kind)
+    """Two modules graphed as two callables (so a replay of one could overwrite what the other keeps), ``steps``
+    steps of ``len(flags)`` microbatches with fused AdamW; returns every output, input gradient and parameter
+    gradient in order, and the modules."""
+    second = (K, N) if kind == "mlp" else (N, K)  # an MLP maps K to K, the others K to N
+    mods = [_module(kind, K, N, 0), _module(kind, *second, 1)]
     extra = (torch.tensor([T // 2, 0, T - T // 2], device="cuda"),) if "grouped" in kind else ()
     gen = torch.Generator(device="cuda").manual_seed(1)
-    sample = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    graphed = distwgrad.make_graphed_callables(module, (sample, *extra), fp8_enabled=True, fp8_recipe=recipe,
-                                               cache_quantized_params=cache)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, fused=True)
+    samples = ((torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True), *extra),
+               (torch.randn(T, second[0], device="cuda", dtype=torch.bfloat16, requires_grad=True), *extra))
+    a, b = distwgrad.make_graphed_callables(tuple(mods), samples, fp8_enabled=True, fp8_recipe=recipe,
+                                            cache_quantized_params=cache)
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
     seen = []
     for _ in range(steps):
         for first in flags:
             x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-            y = graphed(x, *extra, is_first_microbatch=first)
+            y = b(a(x, *extra, is_first_microbatch=first), *extra, is_first_microbatch=first)
             y.backward(torch.randn(y.shape, device="cuda", dtype=torch.bfloat16, generator=gen))
-            distwgrad.drain_deferred_wgrads(module)
+            for m in mods:
+                distwgrad.drain_deferred_wgrads(m)
             seen += [y.detach().clone(), x.grad.clone()]
-        distwgrad.finalize_model_grads([module])
-        seen += [p.grad.clone() for p in module.parameters()]
+        distwgrad.finalize_model_grads(mods)
+        seen += [p.grad.clone() for p in params]
         opt.step()
         opt.zero_grad(set_to_none=True)
         if write_data:  # a write no version counter sees, between steps
             with torch.no_grad():
-                for p in module.parameters():
+                for p in params:
                     p.data.mul_(0.5)
-    return seen, module
+    return seen, mods
 
 
-def _graph_kept(module) -> list[GraphKept]:
-    """The forward's and the backward's ``GraphKept`` of a module graphed alone (``reset`` is its set's)."""
-    (c,) = module.reset.__self__.callables
-    return [c.kept_fwd, c.kept_bwd]
+def _graph_kept(mods) -> list[tuple[GraphKept, GraphKept, torch.nn.Module]]:
+    """Each callable's forward and backward ``GraphKept`` (``reset`` is the graphed set's)."""
+    return [(c.kept_fwd, c.kept_bwd, c.module) for c in mods[0].reset.__self__.callables]
 
 
 @pytest.mark.gpu
@@ -201,23 +208,19 @@ def _graph_kept(module) -> list[GraphKept]:
                          ids=["first_then_not", "never_first_and_data_writes"])
 def test_kept_in_graphs_gives_the_bits_of_quantizing_at_every_use(kind, recipe, flags, write_data):
     every_use, plain = _train(kind, recipe, False, flags, write_data=write_data)
-    kept, module = _train(kind, recipe, True, flags, write_data=write_data)
+    kept, mods = _train(kind, recipe, True, flags, write_data=write_data)
     assert len(kept) == len(every_use)
-    for i, (a, b) in enumerate(zip(kept, every_use)):
-        assert torch.equal(a, b), f"tensor {i} of {len(kept)}"
-    fwd, bwd = _graph_kept(module)
-    # each step's first replay of each graph quantizes; forwards skip where told, backwards always after
-    assert (fwd.replays, fwd.skips) == (9, 6) and (bwd.replays, bwd.skips) == (9, 6)
-    # the promised bytes: one an element per layout, forward's in the forward graph, dgrad's in the backward's
-    weights = [p for p in module.parameters() if p.dim() >= 2]
-    for g in (fwd, bwd):
-        fp8 = sum(t.numel() for t in g.held if t.dtype == torch.float8_e4m3fn)
-        assert fp8 == sum(p.numel() for p in weights), kind
-    module.reset()
-    plain.reset()
-
-
-
+    for i, (x, y) in enumerate(zip(kept, every_use)):
+        assert torch.equal(x, y), f"tensor {i} of {len(kept)}"
+    for fwd, bwd, module in _graph_kept(mods):
+        # each step's first replay of each graph quantizes; forwards skip where told, backwards always after
+        assert (fwd.replays, fwd.skips) == (9, 6) and (bwd.replays, bwd.skips) == (9, 6)
+        # the promised bytes: one an element per layout, forward's in the forward graph, dgrad's in the backward's
+        weights = sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+        for g in (fwd, bwd):
+            assert sum(t.numel() for t in g.held if t.dtype == torch.float8_e4m3fn) == weights, kind
+    mods[0].reset()
+    plain[0].reset()
 
 if __name__ == "__main__":  # the interpreter's entry point: python tests/test_graph_fp8_kept.py gated
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -35,6 +35,7 @@ class GraphKept:
 
     def __init__(self, device: torch.device) -> None:
         self.flag = torch.zeros(1, dtype=torch.int32, device=device)  # nonzero: the replay skips
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copies' allocations
         self.held: list[torch.Tensor] = []
         self.weights: list[torch.Tensor] = []
         self.fresh: list[tuple[int, int]] | None = None  # the weights' tokens at the last quantizing replay
@@ -43,7 +44,7 @@ class GraphKept:
 
     def make(self, weights: list[torch.Tensor], make: Callable[[], T]) -> T:
         # make() while capturing, its weight quantize kernels gated on this graph's flag
-        with gated(self.flag) as outputs:
+        with gated(self.flag, self.stream) as outputs:
             value = make()
         if outputs:
             self.held += outputs
