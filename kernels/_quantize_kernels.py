@@ -113,44 +113,32 @@ def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _writes(skip_ptr, SKIP: tl.constexpr):
-    """1 where this launch writes its outputs, 0 while its gate's flag is set ([Note: gated weight quantization] in
-    ``_gate.py``); a constant 1 without a gate. The kernels scale their bounds by it (the interpreter cannot
-    broadcast a scalar mask)."""
-    live = tl.program_id(0) * 0 + 1
-    if SKIP:
-        live = tl.where(tl.load(skip_ptr) == 0, 1, 0)
-    return live
-
-
-@triton.jit
-def _cast_per_tensor_kernel(x_ptr, amax_ptr, q_ptr, s_inv_ptr, skip_ptr, n, NUM: tl.constexpr, FP8: tl.constexpr,
+def _cast_per_tensor_kernel(x_ptr, amax_ptr, q_ptr, s_inv_ptr, n, NUM: tl.constexpr, FP8: tl.constexpr,
                             FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
-                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr):
+                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    live = _writes(skip_ptr, SKIP)
     scale = _scale_from_amax(tl.load(amax_ptr), NUM, False)
     blk = tl.num_programs(0) - 1 - pid  # last block first: the amax pass read it last, so it may still be in L2
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n * live
+    mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(q_ptr + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-    tl.store(s_inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale), mask=(pid == 0) & (live > 0))
+    if pid == 0:
+        tl.store(s_inv_ptr, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
 
 
 @triton.jit
-def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, skip_ptr, M, N, GROUP_ROWS, NUM: tl.constexpr,
-                            FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
+def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, GROUP_ROWS, NUM: tl.constexpr, FP8: tl.constexpr,
+                            FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                             HW_CAST: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SKIP: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) block per program: amax, scale, cast. ``TRANSPOSE``: x is stacked ``[GROUP_ROWS, N]``
     matrices (GROUP_ROWS a multiple of BLOCK_M), each stored transposed; the scale grid is x's either way."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = _writes(skip_ptr, SKIP)
-    mask = (offs_m < M * live)[:, None] & (offs_n < N)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     amax = _inf_if_nan(tl.reduce(_absmax(x, 1), 0, _max_nan))
@@ -164,7 +152,7 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, skip_ptr, M, N, GROUP_ROWS,
     else:
         tl.store(q_ptr + offs, q, mask=mask)
     s_inv = _inverse(scale, POW2)
-    tl.store(s_inv_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, s_inv, mask=(pid_n >= 0) & (live > 0))
+    tl.store(s_inv_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n, s_inv)
 
 
 @triton.jit

@@ -35,7 +35,6 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 
 from ._dispatch import call
-from ._gate import gate_outputs
 from ._host import cdiv, next_pow2
 from ._launch import launch
 from ._quantize_kernels import (
@@ -160,20 +159,16 @@ def _per_tensor_impl(x: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dt
     _check_input(x, two_d=False)
     n = x.numel()
     t = _tuning().quantize
-    given = amax is not None
     if amax is None:
         amax = _amax(x)
     elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
         raise ValueError(f"amax must be one float32 value on {x.device}, got shape {tuple(amax.shape)}, "
                          f"{amax.dtype} on {amax.device}")
-    specs = ((tuple(x.shape), dtype), ((), torch.float32))
-    if given:  # a weight's: [Note: gated weight quantization]
-        (data, scale_inv), skip, gated = gate_outputs(x.device, *specs)
-    else:
-        (data, scale_inv), skip, gated = [torch.empty(s, dtype=d, device=x.device) for s, d in specs], None, False
+    data = torch.empty(x.shape, dtype=dtype, device=x.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
     grid = (max(1, cdiv(n, t.per_tensor_block)),)
-    launch(_cast_per_tensor_kernel, grid, x, amax, data.view(torch.uint8), scale_inv, skip, n,
-           BLOCK=t.per_tensor_block, SKIP=gated, num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
+    launch(_cast_per_tensor_kernel, grid, x, amax, data.view(torch.uint8), scale_inv, n, BLOCK=t.per_tensor_block,
+           num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data, scale_inv
 
 
@@ -190,11 +185,8 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
     _check_input(x, two_d=True)
     bm, bn = _check_block((block_m, block_n))
     (M, N), grid = x.shape, (cdiv(x.shape[0], bm), cdiv(x.shape[1], bn))
-    if bm == 1:  # an activation's 1xL tiles
-        data = torch.empty(x.shape, dtype=dtype, device=x.device)
-        scale_inv = torch.empty(grid, dtype=torch.float32, device=x.device)
-    else:  # a weight's blocks: [Note: gated weight quantization]
-        (data, scale_inv), skip, gated = gate_outputs(x.device, (tuple(x.shape), dtype), (grid, torch.float32))
+    data = torch.empty(x.shape, dtype=dtype, device=x.device)
+    scale_inv = torch.empty(grid, dtype=torch.float32, device=x.device)
     if M * N == 0:
         return data, scale_inv
     t = _tuning().quantize
@@ -204,8 +196,8 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
                x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
                num_warps=t.rows_warps, **_fmt_args(dtype))
     else:
-        launch(_quantize_blocks_kernel, grid, x, data.view(torch.uint8), scale_inv, skip, M, N, M, POW2=power_of_two,
-               TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, SKIP=gated, num_warps=t.blocks_warps,
+        launch(_quantize_blocks_kernel, grid, x, data.view(torch.uint8), scale_inv, M, N, M, POW2=power_of_two,
+               TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, num_warps=t.blocks_warps,
                **_fmt_args(dtype))
     return data, scale_inv
 

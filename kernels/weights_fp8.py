@@ -22,24 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gate import gate_outputs
-from ._host import cdiv, device_table, next_pow2
+from ._host import cdiv, device_table
 from ._launch import launch
-from ._quantize_kernels import (
-    _amax_into,
-    _inf_if_nan,
-    _inverse,
-    _max_nan,
-    _quantize_blocks_kernel,
-    _scale_from_amax,
-    _to_fp8_bits,
-    _writes,
-)
+from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _scale_from_amax, _to_fp8_bits
 from ._tuning import current as _tuning
 from .quantize import _check_block, _check_input, _fmt_args
 
-__all__ = ["quantize_weights_per_tensor", "group_amax", "weight_amax", "quantize_packed_per_tensor",
-           "quantize_experts_blockwise"]
+__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_packed_per_tensor", "quantize_experts_blockwise"]
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -62,11 +51,10 @@ def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, ALIGNED: tl.c
 
 
 @triton.jit
-def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, skip_ptr, N, K, X_TY: tl.constexpr,
-                       NUM: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
-                       EMIN_BIASED: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr,
-                       TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, PACKED: tl.constexpr = False,
-                       SKIP: tl.constexpr = False):
+def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
+                       FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
+                       HW_CAST: tl.constexpr, ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
+                       TILE: tl.constexpr, PACKED: tl.constexpr = False):
     """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE. PACKED:
     ``table_ptr`` is the packed ``[E, N, K]`` weight itself and every expert's scale comes from amax[0]."""
     pid = tl.program_id(0)
@@ -78,21 +66,20 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, skip_ptr, N, K, X_
         x_ptr = _expert_ptr(table_ptr, e, X_TY, ALIGNED)
         scale = _scale_from_amax(tl.load(amax_ptr + e), NUM, False)
     q_e = q_ptr + e.to(tl.int64) * N * K
-    live = _writes(skip_ptr, SKIP)
     if TRANSPOSE:
         tiles_k = tl.cdiv(K, TILE)
         rows = (pid // tiles_k) * TILE + tl.arange(0, TILE)
         cols = (pid % tiles_k) * TILE + tl.arange(0, TILE)
-        mask = (rows < N * live)[:, None] & (cols < K)[None, :]
+        mask = (rows < N)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
         tl.store(q_e + cols.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
     else:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N * K * live
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_e + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=mask)
-    tl.store(s_inv_ptr + e, _inverse(scale, False), mask=(pid == 0) & (live > 0))
+        x = tl.load(x_ptr + offs, mask=offs < N * K, other=0.0).to(tl.float32)
+        tl.store(q_e + offs, _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST), mask=offs < N * K)
+    if pid == 0:
+        tl.store(s_inv_ptr + e, _inverse(scale, False))
 
 
 def _first_unlike(weights: Sequence[torch.Tensor]) -> int | None:
@@ -118,44 +105,6 @@ def _check_weights(weights: Sequence[torch.Tensor]) -> None:
         _check_input(w, two_d=True)
         raise ValueError(f"quantize_weights_per_tensor: weights[{i}] is {w.dtype} {tuple(w.shape)} on "
                          f"{w.device}, weights[0] {w0.dtype} {tuple(w0.shape)} on {w0.device}")
-
-
-@triton.jit
-def _amax_partials_kernel(x_ptr, part_ptr, skip_ptr, n, BLOCK: tl.constexpr, SKIP: tl.constexpr):
-    """part[pid] = max |x| over program pid's BLOCK-element strides (NaN kept): no atomics, so no zeroing to gate."""
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    live = _writes(skip_ptr, SKIP)
-    n = n * live
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, tl.cdiv(n, BLOCK * nprog)):
-        offs = (i * nprog + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        acc = _max_nan(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0)).to(tl.float32))
-    tl.store(part_ptr + pid, tl.reduce(acc, 0, _max_nan), mask=live > 0)
-
-
-@triton.jit
-def _amax_of_partials_kernel(part_ptr, amax_ptr, skip_ptr, P, BLOCK_P: tl.constexpr, SKIP: tl.constexpr):
-    live = _writes(skip_ptr, SKIP)
-    offs = tl.arange(0, BLOCK_P)
-    part = tl.load(part_ptr + offs, mask=offs < P * live, other=0.0)
-    tl.store(amax_ptr, _inf_if_nan(tl.reduce(part, 0, _max_nan)), mask=live > 0)
-
-
-def weight_amax(w: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[1]``: ``max |w|`` (+inf for a NaN or inf), ``distwgrad.fp8.quantize.compute_amax``'s bits, in two
-    launches a gate can skip ([Note: gated weight quantization] in ``_gate.py``)."""
-    _check_input(w, two_d=False)
-    n = w.numel()
-    if not n:
-        return torch.zeros(1, dtype=torch.float32, device=w.device)
-    t = _tuning().quantize
-    programs = min(cdiv(n, t.per_tensor_block), 1024)
-    (part, amax), skip, gated = gate_outputs(w.device, ((programs,), torch.float32), ((1,), torch.float32))
-    launch(_amax_partials_kernel, (programs,), w, part, skip, n, BLOCK=t.per_tensor_block, SKIP=gated,
-           num_warps=t.per_tensor_warps)
-    launch(_amax_of_partials_kernel, (1,), part, amax, skip, programs, BLOCK_P=next_pow2(programs), SKIP=gated,
-           num_warps=4)
-    return amax
 
 
 def group_amax(weights: Sequence[torch.Tensor], shared: Sequence[int] | None = None) -> torch.Tensor:
@@ -231,7 +180,7 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     t = _tuning().quantize
     tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(n, t.per_tensor_block)
-    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, data.view(torch.uint8), s_inv, None, N, K,
+    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, data.view(torch.uint8), s_inv, N, K,
            X_TY=_TL[w0.dtype], ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
            num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
@@ -248,15 +197,15 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
         raise ValueError(f"quantize_packed_per_tensor: amax must be one fp32 value on {w_ENK.device}, got "
                          f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
     E, N, K = w_ENK.shape
-    (data, s_inv), skip, gated = gate_outputs(w_ENK.device, ((E, K, N) if transpose else (E, N, K), dtype),
-                                              ((E,), torch.float32))
+    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
+    s_inv = torch.empty(E, dtype=torch.float32, device=w_ENK.device)
     t = _tuning().quantize
     tile = t.weights_tile
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
     if E:
-        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, skip, N, K,
+        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, N, K,
                X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
-               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True, SKIP=gated,
+               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True,
                num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
     return data.transpose(1, 2) if transpose else data, s_inv
 
@@ -272,12 +221,12 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtyp
         raise ValueError(f"quantize_experts_blockwise: a [E, N, K] weight with N a multiple of a square block's "
                          f"side, got shape {tuple(w_ENK.shape)} and block {tuple(block)}")
     E, N, K = w_ENK.shape
+    data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
     grid = (E * N // bm, cdiv(K, bn))
-    (data, s_inv), skip, gated = gate_outputs(w_ENK.device, ((E, K, N) if transpose else (E, N, K), dtype),
-                                              ((E, N // bm, grid[1]), torch.float32))
+    s_inv = torch.empty(E, N // bm, grid[1], dtype=torch.float32, device=w_ENK.device)
     if data.numel():
-        launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, skip, E * N, K, N,
-               POW2=power_of_two, TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn, SKIP=gated,
+        launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, E * N, K, N, POW2=power_of_two,
+               TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn,
                num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))
     return data.transpose(1, 2) if transpose else data, s_inv
 

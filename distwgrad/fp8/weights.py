@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distwgrad.fp8 import graph_kept
 from distwgrad.fp8.quantize import (
     Quantized,
     QuantizedExperts,
@@ -96,13 +95,7 @@ def global_amax(w: DistributedParameter) -> torch.Tensor:
         if isinstance(w, ShardedWeight):
             w.all_reduce_max(amax)
         return amax.reshape(())
-    if not _capturing(w):
-        return w.cached(_AMAX, make)
-    from distwgrad.ops import grouped_gemm as gg  # late: distwgrad.ops imports this package
-    if graph_kept.current() is not None and _held_whole_param(w) and gg.kernels_available(w):
-        from distwgrad.kernels.weights_fp8 import weight_amax  # gated too: [Note: fp8 weights kept in CUDA graphs]
-        return weight_amax(w.detach()).reshape(())
-    return make()
+    return make() if _capturing(w) else w.cached(_AMAX, make)
 
 
 def _local_amaxes(weights: list[ShardedWeight]) -> torch.Tensor:
@@ -176,22 +169,14 @@ def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Ten
     return make() if _capturing(w) else w.cached(key, make)
 
 
-def _held_whole_param(w: torch.Tensor) -> bool:
-    """A distwgrad weight held whole on this rank (no gathered copy is ever kept)."""
-    return isinstance(w, DistributedParameter) and not (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1)
-
-
 def _whole_here(w: torch.Tensor) -> bool:
     """A distwgrad weight held whole on this rank, outside a capture: its FP8 copies may be kept."""
-    return _held_whole_param(w) and not _capturing(w)
+    return (isinstance(w, DistributedParameter) and not (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1)
+            and not _capturing(w))
 
 
 def _kept(weights: list[torch.Tensor], keep: bool | None, key: tuple, make: Callable[[], T]) -> T:
-    # while a graph that keeps copies captures: make() gated on its flag ([Note: fp8 weights kept in CUDA graphs])
     """``make()``, or the copy kept for the step: [Note: fp8 weights kept across microbatches]."""
-    graph = graph_kept.current()
-    if graph is not None and weights and _capturing(weights[0]) and all(_held_whole_param(w) for w in weights):
-        return graph.make(weights, make)
     if keep is None or not weights or not all(_whole_here(w) for w in weights):
         return make()
     # several weights' copy is kept by the first, the others' write tokens in its key: a boundary of any misses
