@@ -96,6 +96,8 @@ _LAYOUT = {
                                    # FP8 weights kept across microbatches: LOG.md, 2026-12-06 (late afternoon)
                                    *(f"large b8x2048 mb2 {mode}, fp8 weights kept, interleaved (H100)"
                                      for mode in ("eager", "compiled")),
+                                   # graphed two-microbatch steps re-measured: LOG.md, 2026-12-06 (late evening)
+                                   "large b8x2048 mb2 compiled_cuda_graph, fp8 weights at every use (H100)",
                                    # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
                                    *(f"large b8x2048 {mb}{mode}, Linear cuBLASLt A/B (H100)"
                                      for mb, mode in (("", "eager"), ("", "compiled"), ("mb2 ", "compiled"))),
