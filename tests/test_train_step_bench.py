@@ -304,3 +304,17 @@ def test_together_times_every_mode_of_a_precision_in_one_group(monkeypatch, toge
     assert {(r["impl"], r["case"]) for r in rows} == {(i, f"tiny b16x64 mb2 {m}") for i, _, m in pairs}
 
 
+
+
+def test_a_case_says_fp8_weights_at_every_use_and_ends_with_its_mode(monkeypatch):
+    """``--no-fp8-weight-cache`` rows are another measurement (docs/fp8.md, "Kept across microbatches"); the table
+    reads a row's mode from the case's last word."""
+    monkeypatch.setattr(sys, "path", [os.path.join(REPO, "qa", "bench"), *sys.path])  # as the tests above
+    import train_step as ts
+
+    assert ts.case_name("large", 8, 2048, 1, "eager") == "large b8x2048 eager"
+    every = ts.case_name("large", 8, 2048, 2, "compiled_cuda_graph", every_use=True)
+    assert every == "large b8x2048 mb2 (fp8 weights at every use) compiled_cuda_graph"
+    assert every.rsplit(" ", 1)[1] == "compiled_cuda_graph"
+    assert ts.parse_args(["--no-fp8-weight-cache"]).no_fp8_weight_cache and not ts.parse_args([]).no_fp8_weight_cache
+    assert (ts.recipe_name("bf16"), ts.recipe_name("fp8_blockwise")) == ("none", "fp8_blockwise")
