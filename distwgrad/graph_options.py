@@ -6,11 +6,10 @@ one option at once is an error). Each keyword, TE's older spelling in brackets:
 
 * ``enabled`` (``fp8_enabled``), ``recipe`` (``fp8_recipe``): warm up and capture the forwards under
   ``fp8_autocast(recipe)``.
-* ``cache_quantized_params`` (``fp8_weight_caching``): accepted, changes nothing: in a replay a weight is
-  quantized at each use, to the values TE's cache would hold within a step, and never kept (a capture keeps no
-  host cache: [Note: amax under capture] in ``fp8/weights.py``), and a replay's ``is_first_microbatch`` is
-  accepted and ignored; eager and compiled calls keep FP8 weights through it ([Note: fp8 weights kept across
-  microbatches]).
+* ``cache_quantized_params=True`` (``fp8_weight_caching``): the graphs keep FP8 weights across a step's
+  microbatches; each replay then takes ``is_first_microbatch`` (or runs inside ``fp8.microbatch(first=...)``)
+  ([Note: fp8 weights kept in CUDA graphs] in ``fp8/graph_kept.py``). Otherwise a replay quantizes each weight
+  at each use and ignores the keyword.
 * ``calibrating=True`` (``fp8_calibrating``), an ``amax_reduction_group`` (``fp8_group``): refused:
   calibration and amax reduction groups serve delayed scaling; distwgrad's recipes scale from the current
   amax, and a weight's amax is of its full (gathered) value.
@@ -56,6 +55,7 @@ class GraphOptions:
     clone_param_grads: bool = True
     pre_warmup_hook: Any = None
     post_warmup_hook: Any = None
+    cache_weights: bool = False  # [Note: fp8 weights kept in CUDA graphs]
 
 
 def _one(name: str, value: Any, old: str, old_value: Any) -> Any:
@@ -103,7 +103,7 @@ def resolve_options(*, num_warmup_iters: Any, enabled: Any, fp8_enabled: Any, re
         if hook is not None and not callable(hook):
             raise TypeError(f"make_graphed_callables: {name} must be a callable or None, got {hook!r}")
     return GraphOptions(num_warmup_iters, fp8, chosen, clone_param_grads_on_return, pre_warmup_hook,
-                        post_warmup_hook)
+                        post_warmup_hook, bool(cache))
 
 
 HOOK_KINDS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from distwgrad.fp8 import graph_kept
+from distwgrad.fp8.graph_kept import GraphKept, replay_first
 from distwgrad.fp8.recipe import Recipe, fp8_autocast
 from distwgrad.graph_options import (
     as_tuple_of_modules,
@@ -210,6 +212,9 @@ class _Callable:
         self.fwd_ledger: CaptureLedger | None = None
         self.bwd_ledger: CaptureLedger | None = None
         self.training = module.training
+        self.kept_fwd: GraphKept | None = None  # [Note: fp8 weights kept in CUDA graphs]
+        self.kept_bwd: GraphKept | None = None
+        self.first: bool | None = None  # the replay's is_first_microbatch
 
     def name(self, t: torch.Tensor) -> str:
         return self.param_names.get(id(t), "?")
@@ -217,6 +222,8 @@ class _Callable:
     def release(self) -> None:
         self.surface = self.static_outputs = self.static_grad_outputs = self.static_grad_inputs = ()
         self.args, self.kwargs, self.dw_items = (), {}, []
+        for kept in (k for k in (self.kept_fwd, self.kept_bwd) if k is not None):
+            kept.release()
 
 
 # --- warm-up and capture -----------------------------------------------------------------------------
@@ -290,7 +297,9 @@ def _warmup(calls: list[_Callable], captures: Sequence[tuple[str, int]], n: int,
                 c = calls[i]
                 what = f"the warm-up of module {i} ({type(c.module).__name__})"
                 hooks.run(i, "forward_pre_hooks" if kind == "fwd" else "backward_pre_hooks")
-                with _explain(what, recipe), _sync_check(it == n - 1), fp8():
+                last = it == n - 1  # records the copies the graphs keep: [Note: fp8 weights kept in CUDA graphs]
+                with _explain(what, recipe), _sync_check(last), fp8(), \
+                        graph_kept.recording((c.kept_fwd if kind == "fwd" else c.kept_bwd) if last else None):
                     if kind == "fwd":
                         outs[i] = [o for o in pytree.tree_leaves(c.module(*c.args, **c.kwargs)) if o.requires_grad]
                     else:
@@ -334,7 +343,7 @@ def _capture(gs: _GraphSet, calls: list[_Callable], captures: Sequence[tuple[str
 def _capture_forward(gs: _GraphSet, c: _Callable, i: int, fp8: Callable, recipe: Recipe | None) -> None:
     c.fwd_ledger = gs.captured.ledger()
     with _explain(f"the forward capture of module {i}", recipe), \
-            torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8():
+            torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8(), graph_kept.capturing(c.kept_fwd):
         out = c.module(*c.args, **c.kwargs)
     c.fwd_ledger.close()
     flat, c.spec = pytree.tree_flatten(out)
@@ -351,7 +360,7 @@ def _capture_backward(gs: _GraphSet, c: _Callable, i: int, stores: dict[int, nn.
     grads: tuple = ()
     if outs:
         with _explain(f"the backward capture of module {i}", recipe), \
-                torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream):
+                torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream), graph_kept.capturing(c.kept_bwd):
             grads = torch.autograd.grad(outs, [c.surface[j] for j in c.bwd_inputs],
                                         [g for g in c.static_grad_outputs if g is not None],
                                         only_inputs=True, allow_unused=True, retain_graph=retain_graph)
@@ -397,6 +406,8 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
                     c.surface[j].copy_(inputs[j])
             assert c.fwd_ledger is not None
             c.fwd_ledger.apply(what)
+            if c.kept_fwd is not None:
+                c.kept_fwd.before_replay(reuse=c.first is False)
             c.fwd_graph.replay()
             return tuple(o.detach() for o in c.static_outputs)
 
@@ -410,6 +421,8 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
             for static, g in zip(c.static_grad_outputs, grads):
                 if static is not None and g is not None and static.data_ptr() != g.data_ptr():
                     static.copy_(g)
+            if c.kept_bwd is not None:
+                c.kept_bwd.before_replay(reuse=True)
             c.bwd_graph.replay()
             c.bwd_ledger.apply(what)
             c.main_grads.mark_added()
@@ -427,9 +440,8 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
             return out
 
     def functionalized(*args, **kwargs):
-        first = kwargs.pop("is_first_microbatch", None) if "is_first_microbatch" not in c.kw_keys else None
-        if first is not None and type(first) is not bool:  # TE's replay keyword; a replay keeps no FP8 weight
-            raise TypeError(f"graphed module {index}: is_first_microbatch must be True, False or None, got {first!r}")
+        if "is_first_microbatch" not in c.kw_keys:  # TE's replay keyword, not a graph input
+            c.first = replay_first(kwargs.pop("is_first_microbatch", None), c.kept_fwd is not None, index)
         if tuple(sorted(kwargs)) != c.kw_keys:
             raise TypeError(f"graphed module {index} was captured with keyword arguments {list(c.kw_keys)}, "
                             f"called with {sorted(kwargs)}")
@@ -545,6 +557,9 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     touched = {id(p): p for m in mods for p in m.parameters() if getattr(p, "main_grad", None) is not None}
     saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(passes, args, kwargs, flat)]
+    if options.cache_weights:
+        for c in calls:
+            c.kept_fwd, c.kept_bwd = GraphKept(), GraphKept()
     gs.callables, gs.per_forward = calls, plan is not None
     gs.clone_param_grads = options.clone_param_grads
     n = len(calls)

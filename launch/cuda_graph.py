@@ -10,6 +10,8 @@
 * FP8: the graphs compute the blocks' amaxes ([Note: amax under capture] in ``distwgrad/fp8/weights.py``),
   so the step syncs amaxes of :func:`eager_modules` only. At world > 1 it is refused (exit code 2, as is a
   CPU device): an NCCL amax all-reduce in every replay is not yet run on several GPUs.
+* FP8 weights kept across microbatches (the step's default) are kept in the graphs too ([Note: fp8 weights kept
+  in CUDA graphs] in ``distwgrad/fp8/graph_kept.py``).
 * Replays skip Python, so the weights' byte counters miss the blocks' collectives (``report.json`` says so).
 
 [Note: compiled blocks under CUDA graphs]
@@ -69,7 +71,9 @@ def _new_main_grad_bytes(params: Sequence[torch.Tensor], before: set[int]) -> in
     return sum(g.untyped_storage().nbytes() for g in grads if g is not None and id(g) not in before)
 
 
-def graph_blocks(model: MoEGPT, rows: int, *, recipe: Recipe | None = None) -> dict[str, Any]:
+def graph_blocks(model: MoEGPT, rows: int, *, recipe: Recipe | None = None,
+                 keep_fp8_weights: bool = False) -> dict[str, Any]:
+    # keep_fp8_weights: the graphs keep FP8 weights across a step's microbatches (step.keeps_fp8_weights)
     """Graphs every block for microbatches of ``rows`` sequences; returns what was captured, for ``report.json``."""
     blocks = tuple(model.blocks)
     cfg, dtype = model.config, model.param_dtype or torch.float32
@@ -84,7 +88,8 @@ def graph_blocks(model: MoEGPT, rows: int, *, recipe: Recipe | None = None) -> d
     torch.cuda.synchronize(device)
     allocated, t0 = torch.cuda.memory_allocated(device), time.perf_counter()
     distwgrad.make_graphed_callables(blocks, samples, num_warmup_iters=NUM_WARMUP_ITERS,
-                                     fp8_enabled=recipe is not None, fp8_recipe=recipe)
+                                     fp8_enabled=recipe is not None, fp8_recipe=recipe,
+                                     cache_quantized_params=keep_fp8_weights and recipe is not None)
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     pool = torch.cuda.memory_allocated(device) - allocated - _new_main_grad_bytes(params, had)
@@ -92,6 +97,7 @@ def graph_blocks(model: MoEGPT, rows: int, *, recipe: Recipe | None = None) -> d
     return {"graphed": [f"blocks.{i}" for i in range(len(blocks))], "eager": list(EAGER_PARTS),
             "sample_shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
             "num_warmup_iters": NUM_WARMUP_ITERS, "recipe": None if recipe is None else repr(recipe),
+            "fp8_weights_kept": keep_fp8_weights and recipe is not None,
             "weights_made_synchronous": switched, "capture_s": seconds, "graph_bytes": pool,
             "comm_bytes": "the blocks' collectives replay inside the graphs, which skip the weights' byte "
                           "counters: bytes_*_per_step count the eager embedding and lm_head only"}

@@ -55,6 +55,12 @@ def optimizer_for(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Op
     return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
 
 
+def keeps_fp8_weights(keep: bool, microbatches: int, recipe: str) -> bool:
+    # so do --cuda-graph's graphs: [Note: fp8 weights kept in CUDA graphs] in distwgrad/fp8/graph_kept.py
+    """Whether a step keeps FP8 weights across its microbatches: asked to, with an FP8 recipe and several."""
+    return keep and microbatches > 1 and recipe != "none"
+
+
 def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatches: int,
                      recipe: str = "none", amax_modules: Sequence[torch.nn.Module] | None = None, *,
                      keep_fp8_weights: bool = True) -> torch.Tensor:
@@ -70,7 +76,7 @@ def forward_backward(model: torch.nn.Module, tokens_BS: torch.Tensor, microbatch
     if recipe.startswith("fp8_per_tensor"):
         # one amax all-reduce for every sharded weight of the step
         sync_weight_amax(model if amax_modules is None else amax_modules)
-    keep = keep_fp8_weights and microbatches > 1 and recipe != "none"
+    keep = keeps_fp8_weights(keep_fp8_weights, microbatches, recipe)
     for i, mb in enumerate(tokens_BS.chunk(microbatches)):
         with RECIPE_CONTEXTS[recipe](), (fp8_microbatch(first=i == 0) if keep else contextlib.nullcontext()):
             loss = model.loss(mb[:, :-1], mb[:, 1:]) / microbatches

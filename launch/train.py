@@ -59,7 +59,15 @@ from . import metrics as _metrics
 from . import report as _out
 from .config import TrainConfig, parse_args
 from .parity import PARITY_BF16, PARITY_LOSS_ATOL, Lockstep, parity_result  # noqa: F401  (tests read them here)
-from .step import RECIPE_CONTEXTS, comm_bytes, compile_blocks, forward_backward, optimizer_for, optimizer_step
+from .step import (
+    RECIPE_CONTEXTS,
+    comm_bytes,
+    compile_blocks,
+    forward_backward,
+    keeps_fp8_weights,
+    optimizer_for,
+    optimizer_step,
+)
 from .step import RECIPE_CONTEXTS as _RECIPES  # noqa: F401  (tests read it here)
 
 if TYPE_CHECKING:
@@ -383,7 +391,9 @@ def _run(config: TrainConfig, rt: _Runtime, progress: _Progress) -> int:
     lockstep = Lockstep(config, rt, start) if config.check_parity else None
     if config.cuda_graph:
         rows = config.global_batch // (rt.world_size * config.microbatches)
-        progress.graphed = _graph.graph_blocks(model, rows, recipe=_graph.recipe_for_graphs(config.recipe))
+        progress.graphed = _graph.graph_blocks(
+            model, rows, recipe=_graph.recipe_for_graphs(config.recipe),
+            keep_fp8_weights=keeps_fp8_weights(config.fp8_weight_cache, config.microbatches, config.recipe))
         log.info("CUDA graphs: %d blocks captured for microbatches of %s in %.1f s (%.2f GiB); %s eager",
                  len(progress.graphed["graphed"]), "x".join(map(str, progress.graphed["sample_shape"])),
                  progress.graphed["capture_s"], progress.graphed["graph_bytes"] / 2**30,

@@ -100,8 +100,9 @@ def test_te_keywords_in_both_spellings():
     want = GraphOptions(3, True, recipe)
     assert resolve_options(**{**none, "enabled": True, "recipe": recipe}) == want
     assert resolve_options(**{**none, "fp8_enabled": True, "fp8_recipe": recipe}) == want
-    for cache in ("cache_quantized_params", "fp8_weight_caching"):  # accepted: nothing is cached
-        assert resolve_options(**{**none, cache: True}) == GraphOptions(3, False, None)
+    for cache in ("cache_quantized_params", "fp8_weight_caching"):  # [Note: fp8 weights kept in CUDA graphs]
+        assert resolve_options(**{**none, cache: True}) == GraphOptions(3, False, None, cache_weights=True)
+        assert resolve_options(**{**none, cache: False}) == GraphOptions(3, False, None)
     with pytest.raises(TypeError, match="cache_quantized_params must be a bool, got 'yes'"):
         resolve_options(**{**none, "cache_quantized_params": "yes"})
     for calibrating in ("calibrating", "fp8_calibrating"):
@@ -317,18 +318,6 @@ def test_a_graphed_distributed_weight_keeps_its_main_grad(modelled_cuda):
     assert w.main_grad is kept
 
 
-def test_a_replay_accepts_and_ignores_is_first_microbatch(modelled_cuda):
-    """TE's graphed callables take ``is_first_microbatch`` at replay (with ``fp8_weight_caching``); distwgrad's
-    replays accept it, check it and keep nothing (graph_options.py), so a TE step runs unchanged."""
-    x = _x(4, 8)
-    for cache in (None, True):
-        graphed = distwgrad.make_graphed_callables(Linear(8, 8, device="cpu"), (x,), cache_quantized_params=cache)
-        for first in (True, False, None):
-            assert graphed(x, is_first_microbatch=first).shape == (4, 8)
-        with pytest.raises(TypeError, match="is_first_microbatch must be True, False or None, got 1"):
-            graphed(x, is_first_microbatch=1)
-
-
 def test_grouped_linear_and_training_state(modelled_cuda):
     torch.manual_seed(0)
     layer = GroupedLinear(2, 8, 8, device="cpu", delay_wgrad_compute=True)
@@ -379,3 +368,20 @@ def test_uncloned_parameter_grads_are_never_kept_as_a_grad(modelled_cuda, monkey
         for name, p in m.named_parameters():
             assert all(p.grad.data_ptr() != t.data_ptr() for t in static), f"{name}.grad is a static buffer"
 
+
+
+def test_a_replay_that_keeps_weights_needs_is_first_microbatch(modelled_cuda):
+    """With ``cache_quantized_params=True`` a replay takes TE's ``is_first_microbatch`` (or ``fp8.microbatch``'s);
+    without, the keyword is accepted and changes nothing ([Note: fp8 weights kept in CUDA graphs])."""
+    x = _x(4, 8)
+    kept = distwgrad.make_graphed_callables(Linear(8, 8, device="cpu"), (x,), cache_quantized_params=True)
+    with pytest.raises(TypeError, match="captured with cache_quantized_params=True .*pass is_first_microbatch=True"):
+        kept(x)
+    with pytest.raises(TypeError, match="is_first_microbatch must be True, False or None, got 1"):
+        kept(x, is_first_microbatch=1)
+    kept(x, is_first_microbatch=True)
+    with distwgrad.fp8.microbatch(first=False):
+        kept(x)
+    plain = distwgrad.make_graphed_callables(Linear(8, 8, device="cpu"), (x,))
+    plain(x)
+    plain(x, is_first_microbatch=False)

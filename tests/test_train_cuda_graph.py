@@ -201,6 +201,27 @@ def test_graphed_step_wiring(modelled_cuda):
 
 
 @pytest.mark.skipif(CUDA, reason="models CUDA on a machine without it")
+def test_graphs_keep_fp8_weights_where_the_step_does(modelled_cuda):
+    """With several microbatches the job's graphs keep FP8 weights and its step hands every replay its
+    ``is_first_microbatch`` ([Note: fp8 weights kept in CUDA graphs]); a step that keeps none cannot replay them."""
+    cfg = MoEGPTConfig(seq_len=16, d_model=32, d_ff=32)
+    model = MoEGPT(cfg)
+    keep = train.keeps_fp8_weights(True, 2, "fp8_per_tensor")
+    assert keep and not train.keeps_fp8_weights(True, 1, "fp8_per_tensor")
+    assert not train.keeps_fp8_weights(True, 2, "none") and not train.keeps_fp8_weights(False, 2, "fp8_blockwise")
+    info = cuda_graph.graph_blocks(model, rows=2, recipe=cuda_graph.recipe_for_graphs("fp8_per_tensor"),
+                                   keep_fp8_weights=keep)
+    assert info["fp8_weights_kept"] is True
+    tokens = torch.randint(cfg.vocab_size, (4, cfg.seq_len + 1))
+    train.forward_backward(model, tokens, 2, "fp8_per_tensor")
+    distwgrad.finalize_model_grads([model])
+    with pytest.raises(TypeError, match="captured with cache_quantized_params=True"):
+        train.forward_backward(model, tokens, 2, "fp8_per_tensor", keep_fp8_weights=False)
+    distwgrad.finalize_model_grads([model], discard=True)
+    cuda_graph.release(model)
+
+
+@pytest.mark.skipif(CUDA, reason="models CUDA on a machine without it")
 def test_compiled_blocks_are_graphed_then_replayed_without_dynamo(monkeypatch):
     """``--compile --cuda-graph`` (and the bench's compiled_cuda_graph mode): the warm-up and capture run the
     compiled forward; afterwards a block's call is the replay, which never enters the compiled code (a

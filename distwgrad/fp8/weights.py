@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distwgrad.fp8 import graph_kept
 from distwgrad.fp8.quantize import (
     Quantized,
     QuantizedExperts,
@@ -83,8 +84,9 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe, *, amax: torch.Tensor | Non
 
 
 def _capturing(w: torch.Tensor) -> bool:
-    """Whether ``w``'s device is capturing a CUDA graph: host caches are off ([Note: amax under capture])."""
-    return w.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Whether ``w``'s device is capturing a CUDA graph, or a graph's kept copies are made: host caches are off
+    ([Note: amax under capture], [Note: fp8 weights kept in CUDA graphs])."""
+    return (w.is_cuda and torch.cuda.is_current_stream_capturing()) or graph_kept.is_fresh()
 
 
 def global_amax(w: DistributedParameter) -> torch.Tensor:
@@ -169,14 +171,22 @@ def global_block_scales(w: ShardedWeight, recipe: BlockwiseScaling) -> torch.Ten
     return make() if _capturing(w) else w.cached(key, make)
 
 
+def _held_whole_param(w: torch.Tensor) -> bool:
+    """A distwgrad weight held whole on this rank (no gathered copy is ever kept)."""
+    return isinstance(w, DistributedParameter) and not (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1)
+
+
 def _whole_here(w: torch.Tensor) -> bool:
     """A distwgrad weight held whole on this rank, outside a capture: its FP8 copies may be kept."""
-    return (isinstance(w, DistributedParameter) and not (isinstance(w, ShardedWeight) and len(w.shard_rows) > 1)
-            and not _capturing(w))
+    return _held_whole_param(w) and not _capturing(w)
 
 
 def _kept(weights: list[torch.Tensor], keep: bool | None, key: tuple, make: Callable[[], T]) -> T:
+    # while a graph that keeps copies records or captures: its copy ([Note: fp8 weights kept in CUDA graphs])
     """``make()``, or the copy kept for the step: [Note: fp8 weights kept across microbatches]."""
+    graph = graph_kept.current()
+    if graph is not None and weights and all(_held_whole_param(w) for w in weights):
+        return graph.kept(weights, key, make)
     if keep is None or not weights or not all(_whole_here(w) for w in weights):
         return make()
     # several weights' copy is kept by the first, the others' write tokens in its key: a boundary of any misses

@@ -270,7 +270,9 @@ def _graph(impl: str, model: nn.Module, precision: str, cfg: MoEGPTConfig, dtype
     if impl == "torch":
         return _graph_torch_blocks(model, rows, cfg, dtype)
     graphs = sys.modules[_launch_train().__package__ + ".cuda_graph"]
-    info = graphs.graph_blocks(model, rows, recipe=graphs.recipe_for_graphs(recipe_name(precision)))
+    recipe = graphs.recipe_for_graphs(recipe_name(precision))
+    keep = _launch_train().keeps_fp8_weights(not args.no_fp8_weight_cache, args.microbatches, recipe_name(precision))
+    info = graphs.graph_blocks(model, rows, recipe=recipe, keep_fp8_weights=keep)
     return {"graphed_by": "distwgrad.make_graphed_callables, one callable per block (the job's --cuda-graph)",
             **{k: info[k] for k in ("graph_bytes", "capture_s", "sample_shape", "num_warmup_iters")}}
 
