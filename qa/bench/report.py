@@ -98,6 +98,8 @@ _LAYOUT = {
                                      for mode in ("eager", "compiled")),
                                    # graphed two-microbatch steps re-measured: LOG.md, 2026-12-06 (late evening)
                                    "large b8x2048 mb2 compiled_cuda_graph, fp8 weights at every use (H100)",
+                                   # and kept in the graphs: LOG.md, 2026-12-06 (late night)
+                                   "large b8x2048 mb2 compiled_cuda_graph, fp8 weights kept in graphs (H100)",
                                    # a Linear's FP8 GEMMs on cuBLASLt, on and off: LOG.md, 2026-12-06 (night)
                                    *(f"large b8x2048 {mb}{mode}, Linear cuBLASLt A/B (H100)"
                                      for mb, mode in (("", "eager"), ("", "compiled"), ("mb2 ", "compiled"))),
