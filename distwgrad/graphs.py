@@ -212,8 +212,7 @@ class _Callable:
         self.fwd_ledger: CaptureLedger | None = None
         self.bwd_ledger: CaptureLedger | None = None
         self.training = module.training
-        self.kept_fwd: GraphKept | None = None  # [Note: fp8 weights kept in CUDA graphs]
-        self.kept_bwd: GraphKept | None = None
+        self.kept: GraphKept | None = None  # [Note: fp8 weights kept in CUDA graphs]
         self.first: bool | None = None  # the replay's is_first_microbatch
 
     def name(self, t: torch.Tensor) -> str:
@@ -222,8 +221,8 @@ class _Callable:
     def release(self) -> None:
         self.surface = self.static_outputs = self.static_grad_outputs = self.static_grad_inputs = ()
         self.args, self.kwargs, self.dw_items = (), {}, []
-        for kept in (k for k in (self.kept_fwd, self.kept_bwd) if k is not None):
-            kept.release()
+        if self.kept is not None:
+            self.kept.release()
 
 
 # --- warm-up and capture -----------------------------------------------------------------------------
@@ -299,7 +298,7 @@ def _warmup(calls: list[_Callable], captures: Sequence[tuple[str, int]], n: int,
                 hooks.run(i, "forward_pre_hooks" if kind == "fwd" else "backward_pre_hooks")
                 last = it == n - 1  # records the copies the graphs keep: [Note: fp8 weights kept in CUDA graphs]
                 with _explain(what, recipe), _sync_check(last), fp8(), \
-                        graph_kept.recording((c.kept_fwd if kind == "fwd" else c.kept_bwd) if last else None):
+                        graph_kept.recording(c.kept if last else None):
                     if kind == "fwd":
                         outs[i] = [o for o in pytree.tree_leaves(c.module(*c.args, **c.kwargs)) if o.requires_grad]
                     else:
@@ -343,7 +342,7 @@ def _capture(gs: _GraphSet, calls: list[_Callable], captures: Sequence[tuple[str
 def _capture_forward(gs: _GraphSet, c: _Callable, i: int, fp8: Callable, recipe: Recipe | None) -> None:
     c.fwd_ledger = gs.captured.ledger()
     with _explain(f"the forward capture of module {i}", recipe), \
-            torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8(), graph_kept.capturing(c.kept_fwd):
+            torch.cuda.graph(c.fwd_graph, pool=gs.pool, stream=gs.stream), fp8(), graph_kept.capturing(c.kept):
         out = c.module(*c.args, **c.kwargs)
     c.fwd_ledger.close()
     flat, c.spec = pytree.tree_flatten(out)
@@ -360,7 +359,7 @@ def _capture_backward(gs: _GraphSet, c: _Callable, i: int, stores: dict[int, nn.
     grads: tuple = ()
     if outs:
         with _explain(f"the backward capture of module {i}", recipe), \
-                torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream), graph_kept.capturing(c.kept_bwd):
+                torch.cuda.graph(c.bwd_graph, pool=gs.pool, stream=gs.stream), graph_kept.capturing(c.kept):
             grads = torch.autograd.grad(outs, [c.surface[j] for j in c.bwd_inputs],
                                         [g for g in c.static_grad_outputs if g is not None],
                                         only_inputs=True, allow_unused=True, retain_graph=retain_graph)
@@ -406,8 +405,8 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
                     c.surface[j].copy_(inputs[j])
             assert c.fwd_ledger is not None
             c.fwd_ledger.apply(what)
-            if c.kept_fwd is not None:
-                c.kept_fwd.before_replay(reuse=c.first is False)
+            if c.kept is not None:
+                c.kept.before_replay(reuse=c.first is False)
             c.fwd_graph.replay()
             return tuple(o.detach() for o in c.static_outputs)
 
@@ -421,8 +420,8 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
             for static, g in zip(c.static_grad_outputs, grads):
                 if static is not None and g is not None and static.data_ptr() != g.data_ptr():
                     static.copy_(g)
-            if c.kept_bwd is not None:
-                c.kept_bwd.before_replay(reuse=True)
+            if c.kept is not None:
+                c.kept.before_replay(reuse=True)
             c.bwd_graph.replay()
             c.bwd_ledger.apply(what)
             c.main_grads.mark_added()
@@ -441,7 +440,7 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
 
     def functionalized(*args, **kwargs):
         if "is_first_microbatch" not in c.kw_keys:  # TE's replay keyword, not a graph input
-            c.first = replay_first(kwargs.pop("is_first_microbatch", None), c.kept_fwd is not None, index)
+            c.first = replay_first(kwargs.pop("is_first_microbatch", None), c.kept is not None, index)
         if tuple(sorted(kwargs)) != c.kw_keys:
             raise TypeError(f"graphed module {index} was captured with keyword arguments {list(c.kw_keys)}, "
                             f"called with {sorted(kwargs)}")
@@ -559,7 +558,7 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(passes, args, kwargs, flat)]
     if options.cache_weights:
         for c in calls:
-            c.kept_fwd, c.kept_bwd = GraphKept(), GraphKept()
+            c.kept = GraphKept()
     gs.callables, gs.per_forward = calls, plan is not None
     gs.clone_param_grads = options.clone_param_grads
     n = len(calls)
@@ -573,6 +572,7 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         _warmup(calls, captures, options.num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream, hooks)
         if options.post_warmup_hook is not None:
             options.post_warmup_hook()
+        graph_kept.capture_refreshes([c.kept for c in calls], gs.stream)
         captured.open_for_capture()
         _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe, hooks)
     except BaseException:

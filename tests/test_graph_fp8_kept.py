@@ -9,6 +9,8 @@ other keeps), and hold the bytes they promise.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_graphs import modelled_cuda  # noqa: F401  (a fixture)
@@ -17,8 +19,9 @@ import distwgrad
 from distwgrad import ShardedWeight
 from distwgrad.fp8 import BlockwiseScaling, PerTensorScaling, fp8_autocast
 from distwgrad.fp8 import graph_kept as gk
+from distwgrad.fp8 import weights as fp8_weights
 from distwgrad.fp8.graph_kept import GraphKept
-from distwgrad.fp8.weights import _materialize_quantized
+from distwgrad.fp8.weights import _materialize_quantized, _materialize_quantized_group
 from distwgrad.nn import GroupedLinear, LayerNormMLP, Linear
 
 RECIPES = [PerTensorScaling(), BlockwiseScaling(act_block=(1, 16), weight_block=(16, 16))]
@@ -41,6 +44,14 @@ def _module(kind: str, k: int, n: int, seed: int = 0, device: str = "cpu") -> to
 
 def _bits(value) -> list[torch.Tensor]:
     return [t.contiguous().view(torch.uint8) if t.element_size() == 1 else t for t in gk._tensors(value)]
+
+
+def _fresh_quantization(weights, key):
+    """What quantizing ``weights`` now gives for a kept copy's key, from nothing an earlier call left."""
+    with gk.fresh():
+        if key[0] == "matrices":
+            return _materialize_quantized(weights[0], key[1], backward=key[2])
+        return _materialize_quantized_group(weights, key[1], backward=key[2], stacked=key[3])
 
 
 def _same(a, b) -> bool:
@@ -135,6 +146,27 @@ def test_a_copy_whose_layout_changed_is_refused():
         kept.before_replay(False)
 
 
+def test_a_kept_copy_carries_no_amax_from_the_call_that_recorded_it(monkeypatch):
+    """A backward passes its forward's amax to skip that pass; a copy a graph keeps is re-made steps later, when
+    that amax is stale, so it is made from the weights alone (recorded, captured and refreshed)."""
+    seen = []
+    real = fp8_weights._materialize_quantized_group
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("amax"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fp8_weights, "_materialize_quantized_group", spy)
+    w = ShardedWeight.from_full(torch.randn(3, 48, 32, dtype=torch.bfloat16))
+    kept, stale = GraphKept(), torch.full((3,), 1e6)
+    for ctx in (gk.recording, gk.capturing):
+        with ctx(kept):
+            fp8_weights.materialize_quantized_group([w], PerTensorScaling(), backward=True, stacked=True, amax=stale)
+    kept.before_replay(False)
+    assert len(seen) == 2 and all(a is None for a in seen)  # recorded, then refreshed (the capture reads the copy)
+    fp8_weights.materialize_quantized_group([w], PerTensorScaling(), backward=True, stacked=True, amax=stale)
+    assert seen[-1] is stale  # outside a graph the call's amax is used
+
+
 def test_kept_values_own_their_tensors_and_keep_their_strides():
     value = [torch.arange(12.0).view(3, 4).t(), (torch.zeros(2), 3)]
     owned = gk._map(value, torch.clone)
@@ -143,9 +175,9 @@ def test_kept_values_own_their_tensors_and_keep_their_strides():
 
 
 # --- the graphs, CUDA modelled ---------------------------------------------------------------------------------
-def _graph_kept(mod) -> list[tuple[GraphKept, GraphKept, torch.nn.Module]]:
-    """Each callable's forward and backward ``GraphKept`` (``reset`` is the graphed set's)."""
-    return [(c.kept_fwd, c.kept_bwd, c.module) for c in mod.reset.__self__.callables]
+def _graph_kept(mod) -> list[tuple[GraphKept, torch.nn.Module]]:
+    """Each callable's ``GraphKept`` (``reset`` is the graphed set's)."""
+    return [(c.kept, c.module) for c in mod.reset.__self__.callables]
 
 
 def _call(mod, kind, x, **kw):
@@ -154,19 +186,21 @@ def _call(mod, kind, x, **kw):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
 @pytest.mark.parametrize("kind", ["linear", "grouped", "grouped_discrete", "mlp"])
-def test_graphs_keep_each_weight_once_a_layout_and_refresh_once_a_step(modelled_cuda, kind, recipe):  # noqa: F811
+def test_graphs_keep_each_weight_once_a_layout_and_refresh_once_a_step(modelled_cuda, monkeypatch, kind,  # noqa: F811
+                                                                       recipe):
     m = _module(kind, 32, 48)
     extra = (torch.tensor([4, 0, 4]),) if "grouped" in kind else ()
     x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
     graphed = distwgrad.make_graphed_callables(m, (x, *extra), fp8_enabled=True, fp8_recipe=recipe,
                                                cache_quantized_params=True)
-    ((fwd, bwd, module),) = _graph_kept(m)
+    ((kept, module),) = _graph_kept(m)
     weights = [p for name, p in module.named_parameters() if p.dim() >= 2 and "bias" not in name]
-    copies = 2 if kind == "mlp" else 1  # fc1 and fc2; a group of experts is one copy
-    assert len(fwd.copies) == len(bwd.copies) == copies and fwd.misses == bwd.misses == 0
-    for g in (fwd, bwd):  # the promised bytes: one an element per layout (plus the scales)
-        fp8 = sum(t.numel() for c in g.copies.values() for t in gk._tensors(c.value) if t.element_size() == 1)
-        assert fp8 == sum(w.numel() for w in weights)
+    layouts = [full[-2 if full[1] == "group" else -1] for full in kept.copies]  # each copy's backward flag
+    # forward's and dgrad's layout of fc1 and fc2 (an MLP), else of the weight or the group of experts
+    n = 2 if kind == "mlp" else 1
+    assert sorted(layouts) == [False] * n + [True] * n and kept.misses == 0
+    fp8 = sum(t.numel() for c in kept.copies.values() for t in gk._tensors(c.value) if t.element_size() == 1)
+    assert fp8 == 2 * sum(w.numel() for w in weights)  # the promised bytes: one an element per layout
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
     for _ in range(3):
         for first in (True, False, False):
@@ -176,14 +210,53 @@ def test_graphs_keep_each_weight_once_a_layout_and_refresh_once_a_step(modelled_
         distwgrad.finalize_model_grads([m])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    assert (fwd.replays, fwd.refreshes) == (9, 3) and (bwd.replays, bwd.refreshes) == (9, 3)
-    assert all(c.captured for g in (fwd, bwd) for c in g.copies.values())
-    for g in (fwd, bwd):  # a refresh leaves the bits of the weights now
-        g.before_replay(False)
-        for c in g.copies.values():
-            assert _same(c.value, c.make())
+    # each step's first forward refreshes forward's and dgrad's copies; its backwards, and the others, reuse
+    assert (kept.replays, kept.refreshes) == (18, 3) and all(c.captured for c in kept.copies.values())
+    weights[0].data.mul_(0.5)  # a write no token sees
+    amaxes = []
+    real = fp8_weights.compute_amax
+    monkeypatch.setattr(fp8_weights, "compute_amax", lambda t: amaxes.append(1) or real(t))
+    kept.before_replay(False)
+    if recipe.family == "per_tensor" and kind in ("linear", "mlp"):
+        assert len(amaxes) == len(weights)  # one a weight, for both layouts
+    for full, c in kept.copies.items():  # a refresh leaves the bits of quantizing the weights now
+        assert _same(c.value, _fresh_quantization(c.weights, full[1:])), full[1:]
     m.reset()
-    assert not fwd.copies and not bwd.copies
+    assert not kept.copies
+
+
+def test_on_a_gpu_a_refresh_is_one_replay_of_a_graph_of_its_own(modelled_cuda, monkeypatch):  # noqa: F811
+    """Weights on a GPU: the copies are the refresh graph's outputs, captured in a pool of its own between the
+    warm-up and the captures, and a refresh replays it (never an eager copy); ``reset()`` frees it."""
+    monkeypatch.setattr(gk, "_on_gpu", lambda w: True)
+    pools = []
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: pools.append(pool) or
+                        contextlib.nullcontext())
+    m, x = _module("mlp", 32, 48), torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    recorded = []
+    real_capture = GraphKept.capture_refresh
+
+    def capture_refresh(self, stream):
+        recorded.extend(t for c in self.copies.values() for t in gk._tensors(c.value))
+        real_capture(self, stream)
+    monkeypatch.setattr(GraphKept, "capture_refresh", capture_refresh)
+    graphed = distwgrad.make_graphed_callables(m, (x,), fp8_enabled=True, fp8_recipe=PerTensorScaling(),
+                                               cache_quantized_params=True)
+    ((kept, _),) = _graph_kept(m)
+    assert pools[0] is None  # the refresh graph first, in a pool of its own; then the captures, in theirs
+    assert len(pools) > 1 and all(p is not None for p in pools[1:])
+    assert len(kept.copies) == 4 and all(c.in_graph for c in kept.copies.values())
+    now = [t for c in kept.copies.values() for t in gk._tensors(c.value)]  # the refresh graph's outputs
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(now, recorded, strict=True))
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a: pytest.fail("an eager refresh on a GPU"))
+    for first in (True, False):
+        y = graphed(x, is_first_microbatch=first)
+        y.backward(torch.ones_like(y))
+    assert kept.graph.replays == 1 and (kept.replays, kept.refreshes) == (4, 1)
+    refresh = kept.graph
+    distwgrad.finalize_model_grads([m])
+    m.reset()
+    assert refresh.was_reset and kept.graph is None and not kept.copies
 
 
 # --- graphs on a GPU -----------------------------------------------------------------------------------------
@@ -235,9 +308,7 @@ def test_kept_in_graphs_gives_the_bits_of_quantizing_at_every_use(kind, recipe, 
     assert len(kept) == len(every_use)
     bad = [i for i, (x, y) in enumerate(zip(kept, every_use)) if not torch.equal(x, y)]
     assert not bad, f"tensors {bad} of {len(kept)} differ"
-    for fwd, bwd, _ in _graph_kept(mods[0]):
-        # each step's first replay of each graph refreshes; the others reuse
-        assert (fwd.replays, fwd.refreshes, fwd.misses) == (9, 3, 0)
-        assert (bwd.replays, bwd.refreshes, bwd.misses) == (9, 3, 0)
+    for kept_, _ in _graph_kept(mods[0]):  # each step's first forward refreshes; the other replays reuse
+        assert (kept_.replays, kept_.refreshes, kept_.misses) == (18, 3, 0)
     mods[0].reset()
     plain[0].reset()

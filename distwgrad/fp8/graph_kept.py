@@ -3,16 +3,18 @@
 [Note: fp8 weights kept in CUDA graphs]
 ``make_graphed_callables(..., cache_quantized_params=True)`` (TE's ``fp8_weight_caching``): a replay runs no Python,
 so the eager step cache ([Note: fp8 weights kept across microbatches] in ``fp8/weights.py``) moves out of the
-graphs. Each captured forward and backward owns a :class:`GraphKept`. In the last warm-up iteration it records,
-eagerly, each FP8 copy of a weight held whole on this rank that its module asks for, into tensors it owns, outside
-any graph pool: a graph's pool memory is taken again by later captures, and their replays would overwrite a copy
-that must outlive them. The capture reads those tensors and quantizes no such weight. Before each replay the host
-refreshes a graph's copies, eagerly and in place, unless the replay may reuse them: a forward whose call passed
-``is_first_microbatch=False`` (or ran in ``fp8.microbatch(first=False)``), or a backward, and no weight's write token
-has moved since that graph last refreshed ([Note: weight lifecycle]: every finalize moves it). So each graph's first
-replay in a step quantizes, in any schedule, and the graphs read the bits of quantizing at every use. A copy the
-warm-up did not record is quantized in the graph at every use and counted (``misses``). The refresh computes the
-weights' amaxes and scales fresh, as a capture does ([Note: amax under capture] in ``fp8/weights.py``).
+graphs. Each graphed callable owns a :class:`GraphKept`. In the last warm-up iteration it records each FP8 copy of a
+weight held whole on this rank that its forward or backward asks for (what makes it from the weights alone, its
+weights). Between the warm-up and the captures it captures those quantizations into one refresh graph whose
+memory pool is its own (each weight's amax taken once): the graphs' shared pool is taken again by later captures,
+whose replays would overwrite a copy that must outlive them. The captures read the refresh graph's outputs and
+quantize no such weight. Before each replay the host replays the refresh graph unless the replay may reuse the
+copies: a forward whose call passed ``is_first_microbatch=False`` (or ran in ``fp8.microbatch(first=False)``), or
+a backward, and no weight's write token has moved since the last refresh ([Note: weight lifecycle]: every finalize
+moves it). So each step's first replay refreshes, in any schedule, with amaxes and scales computed from the weights
+([Note: amax under capture] in ``fp8/weights.py``), and the graphs read the bits of quantizing at every use. A
+copy the warm-up did not record is quantized in the graph at every use and counted (``misses``); weights off the
+GPU (CUDA modelled on a CPU) are refreshed eagerly and copied in place.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import torch
 from distwgrad.fp8.recipe import current_first_microbatch
 from distwgrad.weights.lifecycle import write_token
 
-__all__ = ["GraphKept", "capturing", "current", "fresh", "recording", "replay_first"]
+__all__ = ["GraphKept", "amaxes", "capture_refreshes", "capturing", "current", "fresh", "recording", "replay_first"]
 
 T = TypeVar("T")
 
 # (graph, capturing) innermost last; a module global: a backward runs on the autograd engine's thread
 _active: list[tuple[GraphKept, bool]] = []
-_fresh = [0]  # > 0 while recording or refreshing: the weights' host caches are not read
+_fresh: list[dict[int, torch.Tensor]] = []  # while recording or refreshing: no host cache read; amaxes made so far
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -67,14 +69,16 @@ class _Copy:
     value: Any
     captured: bool = False
     tokens: list[tuple[int, int]] | None = None
+    in_graph: bool = False  # re-made by the refresh graph
 
 
 class GraphKept:
-    """One captured graph's kept FP8 weight copies, and how often its replays refreshed them."""
+    """A graphed callable's kept FP8 weight copies, and how often its replays refreshed them."""
 
     def __init__(self) -> None:
         self.copies: dict[tuple, _Copy] = {}
         self.replays = self.refreshes = self.misses = 0
+        self.graph: Any = None  # the refresh graph, where the weights are on a GPU
 
     def kept(self, weights: list[torch.Tensor], key: tuple, make: Callable[[], T]) -> T:
         """``make()``'s value for ``weights`` while this graph records or captures ([Note: fp8 weights kept in
@@ -85,7 +89,8 @@ class GraphKept:
         if not capturing:
             if copy is None:
                 with fresh():
-                    value = _map(make(), torch.clone)  # owned: no host cache shares it
+                    value = make()  # off the GPU owned (no host cache shares it); on it, replaced by capture_refresh
+                value = value if _on_gpu(weights[0]) else _map(value, torch.clone)
                 copy = self.copies[full] = _Copy(list(weights), make, value)
             return copy.value
         if copy is None:  # the warm-up asked for no such copy: quantized in the graph at every use
@@ -94,40 +99,74 @@ class GraphKept:
         copy.captured = True
         return copy.value
 
+    def capture_refresh(self, stream: Any) -> None:
+        """After the recording warm-up: the copies of weights on a GPU re-made by a graph whose pool is its own, so
+        no other graph's replay reuses their memory; its outputs become the copies the captures read."""
+        cuda = [c for c in self.copies.values() if _on_gpu(c.weights[0])]
+        if not cuda:
+            return
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream), fresh(), torch.no_grad():
+            values = [c.make() for c in cuda]
+        for c, value in zip(cuda, values):
+            _check_layout(c.value, value)
+            c.value, c.in_graph = value, True
+
     def before_replay(self, reuse: bool) -> None:
-        """Refreshes, on the current stream, each copy the graph reads unless ``reuse`` and no weight moved."""
+        """Refreshes, on the current stream, each copy the graph reads unless ``reuse`` and no weight moved: by
+        replaying the refresh graph (every copy), else eagerly, copied in place."""
         stale = []
         for copy in self.copies.values():
             if copy.captured:
                 tokens = [write_token(w) for w in copy.weights]
                 if not reuse or tokens != copy.tokens:
                     stale.append(copy)
-                    copy.tokens = tokens
+                copy.tokens = tokens
         self.replays += 1
         if not stale:
             return
         self.refreshes += 1
+        if self.graph is not None:
+            self.graph.replay()
+            stale = [c for c in stale if not c.in_graph]
         old: list[torch.Tensor] = []
         new: list[torch.Tensor] = []
         with fresh(), torch.no_grad():
             for copy in stale:
-                made = _tensors(copy.make())
-                kept = _tensors(copy.value)
-                if [(t.shape, t.dtype) for t in made] != [(t.shape, t.dtype) for t in kept]:
-                    raise RuntimeError(f"an FP8 weight copy kept in a CUDA graph changed its layout: "
-                                       f"{[(tuple(t.shape), t.dtype) for t in kept]} were captured, the weights "
-                                       f"now give {[(tuple(t.shape), t.dtype) for t in made]}; capture again "
-                                       f"(reset() and make_graphed_callables) after changing a weight's shape")
-                old += kept
-                new += made
-            torch._foreach_copy_(old, new)
+                made = copy.make()
+                _check_layout(copy.value, made)
+                old += _tensors(copy.value)
+                new += _tensors(made)
+            if old:
+                torch._foreach_copy_(old, new)
 
     def held_bytes(self) -> int:
         """What the kept copies hold, scales included."""
         return sum(t.untyped_storage().nbytes() for copy in self.copies.values() for t in _tensors(copy.value))
 
     def release(self) -> None:
-        self.copies = {}
+        if self.graph is not None:
+            self.graph.reset()
+        self.copies, self.graph = {}, None
+
+
+def _on_gpu(w: torch.Tensor) -> bool:
+    return w.is_cuda
+
+
+def _check_layout(kept: Any, made: Any) -> None:
+    before, now = ([(tuple(t.shape), t.dtype) for t in _tensors(v)] for v in (kept, made))
+    if before != now:
+        raise RuntimeError(f"an FP8 weight copy kept in a CUDA graph changed its layout: {before} were captured, the "
+                           f"weights now give {now}; capture again (reset() and make_graphed_callables) after "
+                           f"changing a weight's shape")
+
+
+def capture_refreshes(kepts: list[GraphKept | None], stream: Any) -> None:
+    """:meth:`GraphKept.capture_refresh` of each, between the warm-up and the captures."""
+    for kept in kepts:
+        if kept is not None:
+            kept.capture_refresh(stream)
 
 
 @contextlib.contextmanager
@@ -159,16 +198,22 @@ def current() -> GraphKept | None:
 
 @contextlib.contextmanager
 def fresh() -> Iterator[None]:
-    """Inside: the weights' amaxes and block scales are computed, never read from their host caches."""
-    _fresh[0] += 1
+    """Inside: the weights' amaxes and block scales are computed, never read from their host caches; a weight's
+    amax once (:func:`amaxes`)."""
+    _fresh.append({})
     try:
         yield
     finally:
-        _fresh[0] -= 1
+        _fresh.pop()
 
 
 def is_fresh() -> bool:
-    return _fresh[0] > 0
+    return bool(_fresh)
+
+
+def amaxes() -> dict[int, torch.Tensor] | None:
+    """Inside :func:`fresh`, the amaxes made so far by weight id (the weights cannot change within), else None."""
+    return _fresh[-1] if _fresh else None
 
 
 def replay_first(value: Any, keeps: bool, index: int) -> bool | None:

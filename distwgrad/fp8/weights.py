@@ -97,6 +97,11 @@ def global_amax(w: DistributedParameter) -> torch.Tensor:
         if isinstance(w, ShardedWeight):
             w.all_reduce_max(amax)
         return amax.reshape(())
+    made = graph_kept.amaxes()  # a graph's kept copies made together: [Note: fp8 weights kept in CUDA graphs]
+    if made is not None:
+        if id(w) not in made:
+            made[id(w)] = make()
+        return made[id(w)]
     return make() if _capturing(w) else w.cached(_AMAX, make)
 
 
@@ -244,6 +249,8 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
                                 keep: bool | None = None) -> list[Quantized] | QuantizedExperts:
     """:func:`_materialize_quantized_group`, or its copy kept for the step (``keep``: [Note: fp8 weights kept
     across microbatches])."""
+    if graph_kept.current() is not None:  # a graph's copy is re-made when this call's amax is stale
+        amax = None
     return _kept(weights, keep, ("group", recipe, backward, stacked), lambda: _materialize_quantized_group(
         weights, recipe, backward=backward, stacked=stacked, amax=amax))
 
