@@ -572,7 +572,8 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
         _warmup(calls, captures, options.num_warmup_iters, allow_unused_input, fp8, recipe, gs.stream, hooks)
         if options.post_warmup_hook is not None:
             options.post_warmup_hook()
-        graph_kept.capture_refreshes([c.kept for c in calls], gs.stream)
+        with _explain("the capture of the kept FP8 weights' refresh", recipe):
+            graph_kept.capture_refreshes([c.kept for c in calls], gs.stream)
         captured.open_for_capture()
         _capture(gs, calls, captures, fp8, retain_graph_in_backward, recipe, hooks)
     except BaseException:

@@ -140,10 +140,6 @@ class GraphKept:
             if old:
                 torch._foreach_copy_(old, new)
 
-    def held_bytes(self) -> int:
-        """What the kept copies hold, scales included."""
-        return sum(t.untyped_storage().nbytes() for copy in self.copies.values() for t in _tensors(copy.value))
-
     def release(self) -> None:
         if self.graph is not None:
             self.graph.reset()
