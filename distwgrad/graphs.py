@@ -556,9 +556,10 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
     touched = {id(p): p for m in mods for p in m.parameters() if getattr(p, "main_grad", None) is not None}
     saved = {k: (p.main_grad.clone(), getattr(p, "grad_added_to_main_grad", None)) for k, p in touched.items()}
     calls = [_Callable(m, a, k, f) for m, a, k, f in zip(passes, args, kwargs, flat)]
-    if options.cache_weights:
+    if options.cache_weights:  # one a module: its forward passes' graphs (an _order's microbatches) share the copies
+        kept = {id(m): GraphKept() for m in passes}
         for c in calls:
-            c.kept = GraphKept()
+            c.kept = kept[id(c.module)]
     gs.callables, gs.per_forward = calls, plan is not None
     gs.clone_param_grads = options.clone_param_grads
     n = len(calls)

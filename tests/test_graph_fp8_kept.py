@@ -225,6 +225,25 @@ def test_graphs_keep_each_weight_once_a_layout_and_refresh_once_a_step(modelled_
     assert not kept.copies
 
 
+def test_a_modules_forward_passes_share_its_copies(modelled_cuda):  # noqa: F811
+    """Graphed in a pipeline schedule's order (one callable per microbatch), a module keeps one set of copies,
+    refreshed by its step's first replay whichever microbatch's it is."""
+    m = _module("linear", 32, 48)
+    xs = [torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    f0, f1 = distwgrad.make_graphed_callables((m,), ((xs[0],), (xs[1],)), _order=[1, 1, -1, -1],
+                                              fp8_enabled=True, fp8_recipe=PerTensorScaling(),
+                                              cache_quantized_params=True)
+    (kept, _), (other, _) = _graph_kept(f0)
+    assert kept is other and len(kept.copies) == 2 and kept.misses == 0  # forward's and dgrad's layout
+    for _ in range(2):
+        ys = [f(x, is_first_microbatch=i == 0) for i, (f, x) in enumerate(((f0, xs[0]), (f1, xs[1])))]
+        for y in ys:
+            y.sum().backward()
+        distwgrad.finalize_model_grads([m])
+    assert (kept.replays, kept.refreshes) == (8, 2)
+    f0.reset()
+
+
 def test_on_a_gpu_a_refresh_is_one_replay_of_a_graph_of_its_own(modelled_cuda, monkeypatch):  # noqa: F811
     """Weights on a GPU: the copies are the refresh graph's outputs, captured in a pool of its own between the
     warm-up and the captures, and a refresh replays it (never an eager copy); ``reset()`` frees it."""

@@ -11,7 +11,8 @@ whose replays would overwrite a copy that must outlive them. The captures read t
 quantize no such weight. Before each replay the host replays the refresh graph unless the replay may reuse the
 copies: a forward whose call passed ``is_first_microbatch=False`` (or ran in ``fp8.microbatch(first=False)``), or
 a backward, and no weight's write token has moved since the last refresh ([Note: weight lifecycle]: every finalize
-moves it). So each step's first replay refreshes, in any schedule, with amaxes and scales computed from the weights
+moves it). A module graphed for several forward passes (an ``_order``'s microbatches) keeps one set. So each
+step's first replay refreshes, in any schedule, with amaxes and scales computed from the weights
 ([Note: amax under capture] in ``fp8/weights.py``), and the graphs read the bits of quantizing at every use. A
 copy the warm-up did not record is quantized in the graph at every use and counted (``misses``); weights off the
 GPU (CUDA modelled on a CPU) are refreshed eagerly and copied in place.
@@ -159,10 +160,10 @@ def _check_layout(kept: Any, made: Any) -> None:
 
 
 def capture_refreshes(kepts: list[GraphKept | None], stream: Any) -> None:
-    """:meth:`GraphKept.capture_refresh` of each, between the warm-up and the captures."""
-    for kept in kepts:
-        if kept is not None:
-            kept.capture_refresh(stream)
+    """:meth:`GraphKept.capture_refresh` of each (once, where modules' forward passes share one), between the
+    warm-up and the captures."""
+    for kept in {id(k): k for k in kepts if k is not None}.values():
+        kept.capture_refresh(stream)
 
 
 @contextlib.contextmanager
