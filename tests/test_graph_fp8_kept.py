@@ -1,10 +1,10 @@
 """FP8 weights kept across microbatches in CUDA graphs ([Note: fp8 weights kept in CUDA graphs] in
 ``distwgrad/fp8/graph_kept.py``).
 
-On CPU: what a graph records and its capture reads, when the host refreshes the copies, and the graphs' wiring under
-modelled CUDA. On a GPU: graphs that keep copies give the bits of graphs that quantize at every use, over steps of
-three microbatches with fused AdamW, two graphed modules alive at once (so a replay of one could overwrite what the
-other keeps), and hold the bytes they promise.
+On CPU: what a graph records and its capture reads, when the host refreshes the copies, the bytes they hold, and the
+graphs' wiring under modelled CUDA. On a GPU: graphs that keep copies give the bits of graphs that quantize at every
+use, over steps of three microbatches with fused AdamW, two graphed modules alive at once (so a replay of one could
+overwrite what the other keeps).
 """
 
 from __future__ import annotations
