@@ -58,6 +58,16 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(_bits(a), _bits(b), strict=True))
 
 
+def _linear_captured(recipe):
+    """A ``Linear`` of one held-whole weight, its input, and a ``GraphKept`` that recorded, then captured, its call."""
+    m, x = _module("linear", 32, 48), torch.randn(8, 32, dtype=torch.bfloat16)
+    kept = GraphKept()
+    for open_ in (gk.recording, gk.capturing):
+        with fp8_autocast(recipe), open_(kept):
+            m(x)
+    return m, x, kept
+
+
 # --- a graph's copies, on the host ---------------------------------------------------------------------------
 @pytest.mark.parametrize("recipe", RECIPES, ids=["per_tensor", "blockwise"])
 def test_a_graph_records_its_copies_and_its_capture_reads_them(recipe):
@@ -79,12 +89,7 @@ def test_a_graph_records_its_copies_and_its_capture_reads_them(recipe):
 
 def test_the_host_refreshes_a_copy_only_where_it_cannot_be_reused():
     recipe = PerTensorScaling()
-    m, x = _module("linear", 32, 48), torch.randn(8, 32, dtype=torch.bfloat16)
-    kept = GraphKept()
-    with fp8_autocast(recipe), gk.recording(kept):
-        m(x)
-    with fp8_autocast(recipe), gk.capturing(kept):
-        m(x)
+    m, x, kept = _linear_captured(recipe)
     (copy,) = kept.copies.values()
     read = [t.data_ptr() for t in gk._tensors(copy.value)]
 
@@ -114,12 +119,7 @@ def test_the_host_refreshes_a_copy_only_where_it_cannot_be_reused():
 def test_a_refresh_reads_no_cached_amax():
     """A ``.data`` write moves no token; a refresh the replay's flag asks for still sees it (the amax is fresh)."""
     recipe = PerTensorScaling()
-    m, x = _module("linear", 32, 48), torch.randn(8, 32, dtype=torch.bfloat16)
-    kept = GraphKept()
-    with fp8_autocast(recipe), gk.recording(kept):
-        m(x)
-    with fp8_autocast(recipe), gk.capturing(kept):
-        m(x)
+    m, x, kept = _linear_captured(recipe)
     kept.before_replay(False)
     with fp8_autocast(recipe):
         m(x)  # an eager call caches this epoch's amax
@@ -133,12 +133,7 @@ def test_a_refresh_reads_no_cached_amax():
 
 def test_a_copy_whose_layout_changed_is_refused():
     recipe = PerTensorScaling()
-    m, x = _module("linear", 32, 48), torch.randn(8, 32, dtype=torch.bfloat16)
-    kept = GraphKept()
-    with fp8_autocast(recipe), gk.recording(kept):
-        m(x)
-    with fp8_autocast(recipe), gk.capturing(kept):
-        m(x)
+    m, x, kept = _linear_captured(recipe)
     (copy,) = kept.copies.values()
     copy.make = lambda: _materialize_quantized(ShardedWeight.from_full(torch.randn(16, 32)), recipe, backward=False)
     with pytest.raises(RuntimeError, match=r"changed its layout: \[\(\(48, 32\), torch.float8_e4m3fn\), .*the weights "
