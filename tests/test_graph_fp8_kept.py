@@ -220,6 +220,22 @@ def test_graphs_keep_each_weight_once_a_layout_and_refresh_once_a_step(modelled_
     assert not kept.copies
 
 
+def test_plain_parameters_are_quantized_at_every_use(modelled_cuda):  # noqa: F811
+    """A plain ``nn.Parameter`` (no finalize marks its steps, so a ``.data`` write could not be seen) is never kept:
+    nothing is recorded for it, and its replays still take the flag, as TE's do."""
+    torch.manual_seed(0)
+    m, x = Linear(32, 48, params_dtype=torch.bfloat16, device="cpu"), torch.randn(8, 32, dtype=torch.bfloat16)
+    graphed = distwgrad.make_graphed_callables(m, (x,), fp8_enabled=True, fp8_recipe=PerTensorScaling(),
+                                               cache_quantized_params=True)
+    ((kept, _),) = _graph_kept(m)
+    assert not kept.copies and kept.misses == 0
+    graphed(x, is_first_microbatch=True)
+    assert (kept.replays, kept.refreshes) == (1, 0)
+    with pytest.raises(TypeError, match="captured with cache_quantized_params=True"):
+        graphed(x)
+    m.reset()
+
+
 def test_a_modules_forward_passes_share_its_copies(modelled_cuda):  # noqa: F811
     """Graphed in a pipeline schedule's order (one callable per microbatch), a module keeps one set of copies,
     refreshed by its step's first replay whichever microbatch's it is."""
