@@ -26,7 +26,8 @@
 #                 process a mode (PEER_MODES, default eager compiled)
 #   bench_xl      the xl preset, one build alive at a time (80 GB of fp32 state: one H200), each precision's
 #                 builds in one process: distwgrad bf16 and both recipes, then the plain build bf16 and torchao
-#                 (XL_MODES, default eager compiled_cuda_graph)
+#                 (XL_MODES, default eager compiled_cuda_graph; XL_MB microbatches, default 1; XL_IMPLS, default
+#                 "distwgrad torch")
 #   layer         the layer step (MoE layer and tied embedding, bf16 and both recipes, beside the plain layer and
 #                 torchao's FP8), eager and graphed
 #   kernels       qa/bench/kernels.py gemm and fp8 (KERNEL_ARGS); sweeps: sweep_gemm, sweep_fp8, sweep_quant
@@ -145,9 +146,11 @@ for step in $STEPS; do
           --rounds 6 --steps 2
       done ;;
     bench_xl)  # ratios to bf16 from one process; the plain build's FP8 is torchao's
-      for spec in "distwgrad:bf16,fp8_per_tensor,fp8_blockwise" "torch:bf16,fp8_per_tensor"; do
-        STEP_TIMEOUT=580 run "bench_xl_${spec%%:*}" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py \
-          --model xl --batch 8 --microbatches 1 --impls "${spec%%:*}" --precisions "${spec#*:}" \
+      for impl in ${XL_IMPLS:-distwgrad torch}; do
+        precisions=bf16,fp8_per_tensor,fp8_blockwise
+        [ "$impl" = torch ] && precisions=bf16,fp8_per_tensor
+        STEP_TIMEOUT=580 run "bench_xl_$impl" torchrun --standalone --nproc-per-node 1 qa/bench/train_step.py \
+          --model xl --batch 8 --microbatches "${XL_MB:-1}" --impls "$impl" --precisions "$precisions" \
           --modes "${XL_MODES:-eager,compiled_cuda_graph}" --warmup 2 --rounds 3 --steps 2
       done ;;
     layer) run layer python3 qa/bench/layer_step.py --impls distwgrad,torch
