@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from distwgrad.fp8 import graph_kept
 from distwgrad.fp8.graph_kept import GraphKept, replay_first
 from distwgrad.fp8.recipe import Recipe, fp8_autocast
+from distwgrad.graph_addresses import CapturedTensors, MainGrads
 from distwgrad.graph_options import (
     as_tuple_of_modules,
     check_capture_time_hooks,
@@ -52,7 +53,7 @@ from distwgrad.graph_order import plan_order
 from distwgrad.protocol import is_distributed_weight
 from distwgrad.weights.base import main_grad_of
 from distwgrad.weights.capture import CapturedWeights, CaptureLedger
-from distwgrad.wgrad.accumulate import graph_owned_gradients, hands_fused_dummy
+from distwgrad.wgrad.accumulate import graph_owned_gradients
 from distwgrad.wgrad.store import DeferredWgradError
 
 __all__ = ["make_graphed_callables"]
@@ -83,41 +84,13 @@ def _prepare_main_grads(mods: tuple[nn.Module, ...]) -> None:
                         main_grad_of(p)
 
 
-class _MainGrads:
-    """The ``main_grad`` tensors a set of graphs writes, with their addresses, checked before each replay."""
-
-    def __init__(self, params: list[tuple[str, torch.Tensor]]) -> None:
-        self.entries = [(n, p, p.main_grad, p.main_grad.data_ptr()) for n, p in params
-                        if getattr(p, "main_grad", None) is not None]
-
-    @staticmethod
-    def _layout(t: torch.Tensor) -> tuple:
-        return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
-
-    def check(self, what: str) -> None:
-        for name, p, captured, _ in self.entries:
-            now = getattr(p, "main_grad", None)
-            if now is None or self._layout(now) != self._layout(captured):
-                got = "None" if now is None else f"{tuple(now.shape)} {now.dtype} at 0x{now.data_ptr():x}"
-                raise RuntimeError(
-                    f"{what}: {name}.main_grad was replaced (captured: {tuple(captured.shape)} {captured.dtype} at "
-                    f"0x{captured.data_ptr():x}; now: {got}); the graph accumulates into the captured address. "
-                    f"Zero main_grad in place (main_grad.zero_()) or graph again. [Note: graphed deferred wgrads]")
-
-    def mark_added(self) -> None:
-        """Sets a fused plain weight's flag as its main backward would ([Note: the fused .grad contract])."""
-        for _, p, _, _ in self.entries:
-            if hands_fused_dummy(p) and not is_distributed_weight(p):
-                p.grad_added_to_main_grad = True
-
-
 class _DwItem:
     """One captured ``backward_dw()`` of one module."""
 
     def __init__(self, module: nn.Module, owner: _Callable) -> None:
         self.module, self.owner, self.graph = module, owner, torch.cuda.CUDAGraph()
         self.owned: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, graph-owned gradient)
-        self.main_grads: _MainGrads | None = None
+        self.main_grads: MainGrads | None = None
         self.ledger: CaptureLedger | None = None
 
 
@@ -208,7 +181,8 @@ class _Callable:
         self.static_grad_outputs: tuple[torch.Tensor | None, ...] = ()
         self.static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
         self.dw_items: list[_DwItem] = []
-        self.main_grads: _MainGrads | None = None
+        self.main_grads: MainGrads | None = None
+        self.tensors: CapturedTensors | None = None  # [Note: a graph reads captured addresses]
         self.fwd_ledger: CaptureLedger | None = None
         self.bwd_ledger: CaptureLedger | None = None
         self.training = module.training
@@ -385,7 +359,7 @@ def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, lis
                 m.wgrad_store.pop()  # type: ignore[operator]  # nn.Module attributes
             item.ledger.close()
             item.owned = list(sink.values())
-            item.main_grads = _MainGrads([(type(m).__name__ + "." + n, p)
+            item.main_grads = MainGrads([(type(m).__name__ + "." + n, p)
                                           for n, p in m.named_parameters(recurse=False)])
             calls[i].dw_items.append(item)
     del held
@@ -400,6 +374,8 @@ def _graphed_function(gs: _GraphSet, c: _Callable, index: int) -> Callable[..., 
         def forward(ctx, *inputs):
             what = f"graphed forward of module {index} ({type(c.module).__name__})"
             gs.check_forward(what, c)
+            assert c.tensors is not None
+            c.tensors.check(what)
             for j in range(c.n_user):
                 if c.surface[j].data_ptr() != inputs[j].data_ptr():
                     c.surface[j].copy_(inputs[j])
@@ -590,7 +566,8 @@ def make_graphed_callables(modules: nn.Module | tuple[nn.Module, ...], sample_ar
             else:
                 p.grad_added_to_main_grad = saved[k][1]  # type: ignore[assignment]  # nn.Module attributes
     for c in calls:
-        c.main_grads = _MainGrads([(c.name(p), p) for p in c.params])
+        c.main_grads = MainGrads([(c.name(p), p) for p in c.params])
+        c.tensors = CapturedTensors(c.module)
     if plan is not None:
         return tuple(_forward(gs, c, i) for i, c in enumerate(calls))  # type: ignore[misc]  # TE's form: functions
     ret = tuple(_install(gs, c, i) for i, c in enumerate(calls))

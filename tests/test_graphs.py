@@ -385,3 +385,52 @@ def test_a_replay_that_keeps_weights_needs_is_first_microbatch(modelled_cuda):
     plain = distwgrad.make_graphed_callables(Linear(8, 8, device="cpu"), (x,))
     plain(x)
     plain(x, is_first_microbatch=False)
+
+
+class _Scaled(nn.Module):
+    """A Linear and a buffer its forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = Linear(8, 8, device="cpu")
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_parameter_or_buffer_replaced_after_the_capture_is_refused(modelled_cuda):
+    """A replay reads the addresses its capture baked in, so writes in place go on replaying and a replaced
+    parameter or buffer is refused by name ([Note: a graph reads captured addresses])."""
+    torch.manual_seed(0)
+    m, x = _Scaled(), _x(4, 8)
+    graphed = distwgrad.make_graphed_callables(m, (x,))
+    w = m.lin.weight
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    for _ in range(2):  # in place: an optimizer's step, a .data write, load_state_dict without assign
+        graphed(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    w.data.copy_(torch.randn(8, 8))
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()})
+    graphed(x)
+    captured = w.data
+    w.data = captured.clone()
+    with pytest.raises(RuntimeError, match=r"graphed forward of module 0 \(_Scaled\): lin.weight was replaced after "
+                                           r"the capture \(captured: \(8, 8\) torch.float32 at 0x[0-9a-f]+; now: "
+                                           r"\(8, 8\) torch.float32 at 0x"):
+        graphed(x)
+    w.data = captured  # the captured storage again
+    graphed(x)
+    scale = m.scale
+    m.scale = torch.full((8,), 2.0)  # another tensor under the buffer's name
+    with pytest.raises(RuntimeError, match=r"\): scale was replaced after the capture .*now: another tensor, \(8,\) "):
+        graphed(x)
+    m.scale = scale
+    graphed(x)
+    m.lin.load_state_dict({k: v.clone() for k, v in m.lin.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match=r"lin.weight was replaced after the capture .*now: another tensor, "):
+        graphed(x)
+    m.eval()  # another training state runs eagerly: nothing captured is read
+    with torch.no_grad():
+        assert graphed(x).shape == (4, 8)
