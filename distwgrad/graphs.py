@@ -194,7 +194,7 @@ class _Callable:
 
     def release(self) -> None:
         self.surface = self.static_outputs = self.static_grad_outputs = self.static_grad_inputs = ()
-        self.args, self.kwargs, self.dw_items = (), {}, []
+        self.args, self.kwargs, self.dw_items, self.tensors = (), {}, [], None
         if self.kept is not None:
             self.kept.release()
 
