@@ -360,7 +360,7 @@ def _capture_wgrads(gs: _GraphSet, calls: list[_Callable], queued: dict[int, lis
             item.ledger.close()
             item.owned = list(sink.values())
             item.main_grads = MainGrads([(type(m).__name__ + "." + n, p)
-                                          for n, p in m.named_parameters(recurse=False)])
+                                         for n, p in m.named_parameters(recurse=False)])
             calls[i].dw_items.append(item)
     del held
 
