@@ -31,7 +31,7 @@ class CapturedTensors:
     # a graphed module's parameters and buffers as its capture read them: [Note: a graph reads captured addresses]
 
     def __init__(self, module: nn.Module) -> None:
-        # (qualified name, owning module, its _parameters or _buffers, attribute, tensor, layout)
+        # (qualified name, its module's _parameters or _buffers, attribute, tensor, layout at the capture)
         self.entries = [(f"{prefix}{'.' if prefix else ''}{attr}", table, attr, t, _layout(t))
                         for prefix, sub in module.named_modules(remove_duplicate=False)
                         for table in (sub._parameters, sub._buffers)
