@@ -27,8 +27,8 @@ import torch.distributed as dist
 from distwgrad.checkpoint import CheckpointError, resolve_checkpoint
 
 __all__ = ["INTERRUPTED_EXIT", "Terminated", "catch_sigterm", "ignore_sigterm", "nccl_env", "probe_seconds",
-           "publish_pid", "is_comm_failure", "lost_ranks", "end_siblings", "last_checkpoint", "reason",
-           "wait_for_rank0"]
+           "publish_pid", "is_comm_failure", "monitor_groups", "lost_ranks", "end_siblings", "last_checkpoint",
+           "reason", "wait_for_rank0"]
 
 INTERRUPTED_EXIT = 3  # a rank was lost or a collective timed out (docs/training.md, exit codes)
 _PROBE_MAX_S = 5.0  # survivors reach the probe within one collective of each other (docs/training.md, Faults)
@@ -104,9 +104,25 @@ def is_comm_failure(exc: BaseException) -> bool:
     return (wrapped or isinstance(exc, RuntimeError)) and bool(_COMM_TEXT.search(str(exc)))
 
 
+# [Note: monitored barrier timeouts]
+# gloo's ``monitored_barrier`` holds rank 0 to its ``timeout`` argument, but the other ranks to the group's
+# own timeout, set when the group was made (torch 2.13: with a group of 2 s and an argument of 6 s, rank 1
+# gave up on a late rank 0 after 2.01 s; with a group of 8 s it waited the 3 s). So each kind of wait has a
+# gloo group whose timeout is that wait's: the probe's ``probe_seconds(timeout)``, and ``2 * timeout`` for
+# the others while rank 0 works alone.
+
+def monitor_groups(timeout: float, rank0_works: bool) -> tuple[Any, Any]:
+    """The job's gloo groups for monitored barriers, each made with its wait's timeout ([Note: monitored
+    barrier timeouts]): the probe's (:func:`probe_seconds`), and with ``rank0_works`` (``--check-parity``) the
+    one where the others wait ``2 * timeout`` for rank 0's solo work, else None. Every rank makes them."""
+    def group(seconds: float) -> Any:
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    return group(probe_seconds(timeout)), group(2 * timeout) if rank0_works else None
+
+
 def lost_ranks(monitor: Any, seconds: float) -> list[int]:
     """The ranks that did not reach this probe within ``seconds`` ([Note: lost rank]); every survivor calls it.
-    ``monitor``: a gloo group of all ranks that no failed collective has used."""
+    ``monitor``: the probe's group of :func:`monitor_groups`, which no failed collective has used."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         return []
@@ -177,9 +193,9 @@ def reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
 
-def wait_for_rank0(monitor: Any, timeout: float) -> None:
+def wait_for_rank0(group: Any, timeout: float) -> None:
     """After rank 0's solo work (``--check-parity``'s reference step) the others wait ``2 * timeout`` for it:
-    its work may take one timeout, the collective another."""
+    its work may take one timeout, the collective another. ``group``: :func:`monitor_groups`' second."""
     if dist.get_world_size() > 1:
         seconds = timeout if dist.get_rank() == 0 else 2 * timeout
-        dist.monitored_barrier(monitor, timeout=datetime.timedelta(seconds=seconds))
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=seconds))

@@ -86,6 +86,7 @@ class _Runtime:
     group: Any
     param_dtype: torch.dtype | None  # None: fp32
     monitor: Any = None  # a gloo group of all ranks for the fault probes only ([Note: lost rank])
+    rank0_wait: Any = None  # --check-parity: the others' gloo group while rank 0 runs its reference step
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -146,10 +147,10 @@ def _init(config: TrainConfig) -> _Runtime:
                         format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", force=True)
     torch.manual_seed(config.seed)
     bf16 = config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda")
-    monitor = dist.new_group(backend="gloo", timeout=timeout)  # monitored_barrier is gloo's
+    monitor, rank0_wait = _faults.monitor_groups(config.timeout, rank0_works=config.check_parity)
     _faults.publish_pid()
     return _Runtime(rank, world_size, device, backend, dist.group.WORLD, torch.bfloat16 if bf16 else None,
-                    monitor)
+                    monitor, rank0_wait)
 
 
 # --- the loop --------------------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def _train(config: TrainConfig, rt: _Runtime, model, optimizer, corpus: MarkovCo
                 if logged else None)  # before the optimizer frees .grad
         if lockstep:
             lockstep.check(model, corpus.global_batch(step, config.global_batch), loss, step)
-            _faults.wait_for_rank0(rt.monitor, config.timeout)  # rank 0 alone ran the reference step
+            _faults.wait_for_rank0(rt.rank0_wait, config.timeout)  # rank 0 alone ran the reference step
         t0 = time.perf_counter()
         optimizer_step(optimizer, config.lr_at(step))
         if config.gc_every and step % config.gc_every == 0:

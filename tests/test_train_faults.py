@@ -31,6 +31,7 @@ import torch
 
 from distwgrad.checkpoint import load_checkpoint, resolve_checkpoint
 from distwgrad.models import MoEGPT, MoEGPTConfig
+from distwgrad.testing.multiprocess import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = "distwgrad.launch" if importlib.util.find_spec("distwgrad.launch") else "launch"
@@ -145,6 +146,35 @@ def test_sigterm_while_a_failed_collective_is_handled_raises_nothing():
                                         "outside: Terminated", "in the rank's own error: Terminated"], proc.stdout
 
 
+def _late_rank0(rank: int, world: int) -> tuple[float, list[int] | None, float]:
+    """One rank of :func:`test_each_monitored_wait_holds_every_rank_to_its_own_timeout`."""
+    _faults.publish_pid()
+    _, rank0_wait = _faults.monitor_groups(2, rank0_works=True)
+    probe, _ = _faults.monitor_groups(10, rank0_works=False)
+    t0 = time.monotonic()
+    if rank == 0:
+        time.sleep(3)  # solo work longer than a --timeout of 2 s
+    _faults.wait_for_rank0(rank0_wait, 2)
+    waited = time.monotonic() - t0
+    if rank == 0:
+        time.sleep(8)  # hung past the probe of a --timeout of 10 s, alive until the others are done
+        return waited, None, 0.0
+    t0 = time.monotonic()
+    lost = _faults.lost_ranks(probe, _faults.probe_seconds(10))
+    return waited, lost, time.monotonic() - t0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_each_monitored_wait_holds_every_rank_to_its_own_timeout():
+    """gloo's monitored barrier holds ranks other than 0 to its group's timeout, not its argument ([Note:
+    monitored barrier timeouts]). With ``--timeout 2``, rank 1 waits out rank 0's 3 s of solo work (up to
+    twice the timeout); with ``--timeout 10``, a hung rank 0 is named at the probe's 5 s, not the timeout's 10."""
+    waited, lost, probed = run_distributed(_late_rank0, 2, timeout=45)[1]
+    assert 2.9 <= waited <= 4, waited
+    assert lost == [0] and 4.9 <= probed <= 7, (lost, probed)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("uninterrupted"))
@@ -236,24 +266,55 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(victim, tmp_path, uninte
         _check_resumes(r, tmp_path, uninterrupted)
 
 
+# The job (argv[1]) with rank 0's reference work slowed, as a large model's would be, at no CPU cost: its
+# second lockstep reference step sleeps argv[2] seconds after its work, and the free-running reference argv[3].
+_SLOW_REFERENCE = textwrap.dedent("""
+    import importlib, runpy, sys, time
+    module, lockstep_s, free_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    del sys.argv[1:4]
+    parity = importlib.import_module(module.rsplit(".", 1)[0] + ".parity")
+    check, free_running = parity.Lockstep.check, parity._free_running
+
+    def slow_check(self, model, tokens_BS, loss, step):
+        check(self, model, tokens_BS, loss, step)
+        if self.ref is not None and step == 2:  # rank 0's reference step, once
+            time.sleep(lockstep_s)
+
+    def slow_free_running(*args):
+        losses = free_running(*args)
+        time.sleep(free_s)
+        return losses
+
+    parity.Lockstep.check, parity._free_running = slow_check, slow_free_running
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+""")
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_parity_reference_may_outlast_the_timeout(tmp_path):
-    """Rank 0's free-running reference runs after the last collective (no rank waits on it), and its
-    lockstep reference step is bracketed by a monitored barrier of twice the timeout: a run whose
-    free-running reference alone takes longer than ``--timeout`` passes."""
-    out = str(tmp_path / "run")
-    # a wider model than SMALL, so that the reference's 60 steps take well over --timeout: about 5 s on an
-    # AVX-512 core (at seq-len 64 they took 2 s there, which the log's whole-second stamps cannot tell apart)
-    proc = _run(["--steps", "60", "--check-parity", "--timeout", "2", "--out", out, *SMALL, "--d-model", "128",
-                 "--d-ff", "512", "--seq-len", "128"])
+    """Rank 0's lockstep reference step is bracketed by a monitored barrier of twice the timeout, and its
+    free-running reference runs after the last collective (no rank waits on it): a run whose lockstep reference
+    step takes longer than ``--timeout`` (under twice it) and whose free-running reference alone takes longer
+    than ``--timeout`` passes. The reference's time is slept (``_SLOW_REFERENCE``), so the bounds are exact."""
+    timeout, lockstep_s, free_s = 2, 3.0, 3.0
+    script, out = tmp_path / "slow_reference.py", str(tmp_path / "run")
+    script.write_text(_SLOW_REFERENCE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), MODULE,
+           str(lockstep_s), str(free_s), "--steps", "3", "--check-parity", "--timeout", str(timeout), "--out", out,
+           *SMALL]
+    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     r = _report(out)
-    assert r["parity"]["passed"] and r["config"]["timeout"] == 2
+    assert r["parity"]["passed"] and r["config"]["timeout"] == timeout
     assert r["interrupted"] is None and r["summary"]["interrupted"] is None
     assert "interrupted" not in proc.stderr
+    keys = ("step 1/3", "step 2/3", "step 3/3", r"parity \(lockstep")
     stamps = {key: time.mktime(time.strptime(re.search(rf"^\[(\d\d:\d\d:\d\d)\] {key}", proc.stderr, re.M)[1],
-                                             "%H:%M:%S")) for key in ("step 60/60", r"parity \(lockstep")}
-    assert stamps[r"parity \(lockstep"] - stamps["step 60/60"] > 2, "the free-running reference took under --timeout"
+                                             "%H:%M:%S")) for key in keys}
+    # whole-second stamps: a sleep of 3 s shows as at least 2
+    assert stamps["step 2/3"] - stamps["step 1/3"] >= 2, "the lockstep reference step took under --timeout"
+    assert stamps[r"parity \(lockstep"] - stamps["step 3/3"] >= 2, "the free-running reference took under --timeout"
 
 
 # --- saves killed part-way ([Note: atomic save]) --------------------------------------------------------
