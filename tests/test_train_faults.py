@@ -297,7 +297,7 @@ def test_parity_reference_may_outlast_the_timeout(tmp_path):
     free-running reference runs after the last collective (no rank waits on it): a run whose lockstep reference
     step takes longer than ``--timeout`` (under twice it) and whose free-running reference alone takes longer
     than ``--timeout`` passes. The reference's time is slept (``_SLOW_REFERENCE``), so the bounds are exact."""
-    timeout, lockstep_s, free_s = 2, 3.0, 3.0
+    timeout, lockstep_s, free_s = 3, 4.0, 4.0
     script, out = tmp_path / "slow_reference.py", str(tmp_path / "run")
     script.write_text(_SLOW_REFERENCE)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), MODULE,
@@ -312,9 +312,10 @@ def test_parity_reference_may_outlast_the_timeout(tmp_path):
     keys = ("step 1/3", "step 2/3", "step 3/3", r"parity \(lockstep")
     stamps = {key: time.mktime(time.strptime(re.search(rf"^\[(\d\d:\d\d:\d\d)\] {key}", proc.stderr, re.M)[1],
                                              "%H:%M:%S")) for key in keys}
-    # whole-second stamps: a sleep of 3 s shows as at least 2
-    assert stamps["step 2/3"] - stamps["step 1/3"] >= 2, "the lockstep reference step took under --timeout"
-    assert stamps[r"parity \(lockstep"] - stamps["step 3/3"] >= 2, "the free-running reference took under --timeout"
+    # whole-second stamps: a gap of 4 s shows as at least 4, and one shown as 4 was over 3 (the timeout)
+    assert stamps["step 2/3"] - stamps["step 1/3"] >= timeout + 1, "the lockstep reference step took under --timeout"
+    assert stamps[r"parity \(lockstep"] - stamps["step 3/3"] >= timeout + 1, \
+        "the free-running reference took under --timeout"
 
 
 # --- saves killed part-way ([Note: atomic save]) --------------------------------------------------------
