@@ -55,13 +55,15 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
 
 
-def _torchrun(args: list[str], nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", MODULE,
+def _torchrun(args: list[str], nproc: int = 2, entry: tuple[str, ...] = ("-m", MODULE)) -> list[str]:
+    """The job under torchrun; ``entry``: what each rank runs (the job's module, or a script and its arguments)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
             *args]
 
 
-def _run(args: list[str], nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_torchrun(args, nproc), env=_env(), cwd=REPO, capture_output=True, text=True,
+def _run(args: list[str], nproc: int = 2, timeout: float = 180,
+         entry: tuple[str, ...] = ("-m", MODULE)) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_torchrun(args, nproc, entry), env=_env(), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
@@ -300,11 +302,8 @@ def test_parity_reference_may_outlast_the_timeout(tmp_path):
     timeout, lockstep_s, free_s = 3, 4.0, 4.0
     script, out = tmp_path / "slow_reference.py", str(tmp_path / "run")
     script.write_text(_SLOW_REFERENCE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), MODULE,
-           str(lockstep_s), str(free_s), "--steps", "3", "--check-parity", "--timeout", str(timeout), "--out", out,
-           *SMALL]
-    proc = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    proc = _run(["--steps", "3", "--check-parity", "--timeout", str(timeout), "--out", out, *SMALL],
+                entry=(str(script), MODULE, str(lockstep_s), str(free_s)))
     r = _report(out)
     assert r["parity"]["passed"] and r["config"]["timeout"] == timeout
     assert r["interrupted"] is None and r["summary"]["interrupted"] is None
