@@ -1,14 +1,15 @@
-"""``qa/bench/parallelism.py experts`` runs as docs/experts.md says, on the ``tiny`` preset: 2 CPU ranks under
-torchrun (every build, its rows, FSDP2's bytes counted as distwgrad counts ep 1's) and ``--compute`` on the CPU."""
+"""``qa/bench/parallelism.py experts`` runs as docs/experts.md says, on the ``tiny`` preset: 2 CPU ranks (every
+build, its rows, FSDP2's bytes counted as distwgrad counts ep 1's) and ``--compute`` on the CPU. The ranks are
+forked as torchrun would start them ([Note: forked job ranks]): the rows are the test, not the launcher."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from distwgrad.testing.job_ranks import run_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "qa", "bench", "parallelism.py")
@@ -16,10 +17,8 @@ BENCH = os.path.join(REPO, "qa", "bench", "parallelism.py")
 
 def _run(args: list[str], tmp_path, nproc: int | None = None) -> list[dict]:
     results = tmp_path / "rows.jsonl"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = (launcher if nproc else [sys.executable]) + [BENCH, "experts", *args, "--results", str(results)]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_job(BENCH, ["experts", *args, "--results", str(results)], nproc,
+                   env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in results.read_text().splitlines()]
 

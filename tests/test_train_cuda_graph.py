@@ -33,6 +33,7 @@ import distwgrad
 from distwgrad import graphs
 from distwgrad.models import MoEGPT, MoEGPTConfig
 from distwgrad.models.moe_gpt import MoE
+from distwgrad.testing.job_ranks import run_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -46,6 +47,12 @@ ENV = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
 
 def _python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _forked(*args: str) -> subprocess.CompletedProcess:
+    """``_python(*args)`` forked from a process that imported torch ([Note: forked job ranks]): a CPU refusal."""
+    target, rest = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
+    return run_job(target, list(rest), None, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=300)
 
 
 # --- the router's counts ---------------------------------------------------------------------------------
@@ -131,7 +138,7 @@ def test_allowed_combinations_and_the_device_check():
     (["qa/bench/layer_step.py", "--cuda-graph", "--tiny"], "layer_step.py: error: --cuda-graph needs a CUDA device"),
 ])
 def test_cpu_runs_are_refused_with_one_line(args, message):
-    proc = _python(*args)
+    proc = _forked(*args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     if args[0] == "-m":  # the job: exactly one line
@@ -142,7 +149,7 @@ def test_help_documents_the_flag():
     assert "--cuda-graph" in job_config.build_parser().format_help()
     assert "--cuda-graph" in train.__doc__
     for bench in ("train_step.py", "layer_step.py"):
-        proc = _python(os.path.join("qa", "bench", bench), "--help")
+        proc = _forked(os.path.join("qa", "bench", bench), "--help")
         assert proc.returncode == 0 and "--cuda-graph" in proc.stdout, proc.stdout
 
 

@@ -31,6 +31,7 @@ import torch
 
 from distwgrad.checkpoint import load_checkpoint, resolve_checkpoint
 from distwgrad.models import MoEGPT, MoEGPTConfig
+from distwgrad.testing.job_ranks import run_job
 from distwgrad.testing.multiprocess import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,16 +56,16 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
 
 
-def _torchrun(args: list[str], nproc: int = 2, entry: tuple[str, ...] = ("-m", MODULE)) -> list[str]:
-    """The job under torchrun; ``entry``: what each rank runs (the job's module, or a script and its arguments)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry,
-            *args]
+def _torchrun(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", MODULE, *args]
 
 
-def _run(args: list[str], nproc: int = 2, timeout: float = 180,
-         entry: tuple[str, ...] = ("-m", MODULE)) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_torchrun(args, nproc, entry), env=_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+def _run_forked(args: list[str], entry: tuple[str, ...] = (MODULE,)) -> subprocess.CompletedProcess:
+    """A run that must succeed, its 2 ranks forked ([Note: forked job ranks]): the uninterrupted reference, a
+    resume, the job's own waits. The faults themselves run under torchrun (``_interrupt``); ``entry``: the job's
+    module, or a script and its arguments."""
+    proc = run_job(entry[0], [*entry[1:], *args], 2, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
+                   timeout=180)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -180,7 +181,7 @@ def test_each_monitored_wait_holds_every_rank_to_its_own_timeout():
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("uninterrupted"))
-    _run(["--steps", "16", "--out", out, *SMALL])
+    _run_forked(["--steps", "16", "--out", out, *SMALL])
     return _report(out)
 
 
@@ -236,7 +237,7 @@ def _check_resumes(r: dict, tmp_path, uninterrupted: dict) -> None:
     to = min(at + 3, uninterrupted["steps"][-1])
     assert to > at
     out = str(tmp_path / "resumed")
-    _run(["--steps", str(to), "--resume", os.path.dirname(ckpt), "--out", out, *SMALL])
+    _run_forked(["--steps", str(to), "--resume", os.path.dirname(ckpt), "--out", out, *SMALL])
     resumed = _report(out)
     assert resumed["start_step"] == at and resumed["steps"] == list(range(at + 1, to + 1))
     want = uninterrupted["loss"][at:to]
@@ -302,8 +303,8 @@ def test_parity_reference_may_outlast_the_timeout(tmp_path):
     timeout, lockstep_s, free_s = 3, 4.0, 4.0
     script, out = tmp_path / "slow_reference.py", str(tmp_path / "run")
     script.write_text(_SLOW_REFERENCE)
-    proc = _run(["--steps", "3", "--check-parity", "--timeout", str(timeout), "--out", out, *SMALL],
-                entry=(str(script), MODULE, str(lockstep_s), str(free_s)))
+    proc = _run_forked(["--steps", "3", "--check-parity", "--timeout", str(timeout), "--out", out, *SMALL],
+                       entry=(str(script), MODULE, str(lockstep_s), str(free_s)))
     r = _report(out)
     assert r["parity"]["passed"] and r["config"]["timeout"] == timeout
     assert r["interrupted"] is None and r["summary"]["interrupted"] is None
@@ -439,6 +440,6 @@ def test_the_next_save_clears_leftovers_and_keep_last_prunes_after_completion(ki
 @pytest.mark.timeout(180)
 def test_keep_last_in_the_job(tmp_path):
     out = str(tmp_path / "run")
-    _run(["--steps", "8", "--save-every", "2", "--keep-last", "2", "--out", out, *SMALL])
+    _run_forked(["--steps", "8", "--save-every", "2", "--keep-last", "2", "--out", out, *SMALL])
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_6", "step_8"]
     assert [os.path.basename(p) for p in _report(out)["checkpoints"]] == ["step_2", "step_4", "step_6", "step_8"]

@@ -5,10 +5,7 @@ and bad arguments (one ``error:`` line and exit code 2, with ``python -m`` and u
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from train_job_cases import CONFIG, MODULE, REPO, _launch, _run, _token_file
 import distwgrad
 from distwgrad.data import MarkovCorpus
 from distwgrad.models import MoEGPT, MoEGPTConfig
+from distwgrad.testing.job_ranks import run_job
 
 
 def test_a_step_leaves_no_autograd_history():
@@ -79,11 +77,9 @@ BAD = [
 
 
 def test_bad_arguments_exit_2_with_one_line():
-    procs = [subprocess.Popen([sys.executable, "-m", MODULE, *args], cwd=REPO, text=True,
-                              env=dict(os.environ, PYTHONPATH=REPO, **env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for args, env, _ in BAD]
-    for proc, (args, _, pattern) in zip(procs, BAD):
-        stdout, stderr = proc.communicate(timeout=120)
+    for args, env, pattern in BAD:  # each a process of its own, forked: [Note: forked job ranks]
+        proc = run_job(MODULE, args, None, env=dict(PYTHONPATH=REPO, **env), cwd=REPO, timeout=120)
+        stdout, stderr = proc.stdout, proc.stderr
         assert proc.returncode == 2, (args, stderr)
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("distwgrad.launch.train: error: "), (args, stderr)

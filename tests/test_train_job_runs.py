@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import triton
-from train_job_cases import CONFIG, LOSS_ATOL, SMALL, _launch, _ok, _report, _run, _token_file
+from train_job_cases import CONFIG, LOSS_ATOL, SMALL, _launch, _ok, _report, _run, _run_forked, _token_file
 
 from distwgrad.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from distwgrad.models import MoEGPT
@@ -61,7 +61,7 @@ def test_fp8_recipes_train_with_lockstep_parity(recipe, tmp_path):
     """Under FP8 the reference is the same model with whole weights on rank 0 (plain torch has no FP8):
     sharding must change nothing, so the lockstep tolerances are the fp32 ones."""
     out = str(tmp_path / recipe)
-    proc = _run(["--steps", "6", "--recipe", recipe, "--check-parity", "--out", out, *SMALL])
+    proc = _run_forked(["--steps", "6", "--recipe", recipe, "--check-parity", "--out", out, *SMALL])
     _ok(proc)
     r = _report(out)
     assert r["config"]["recipe"] == recipe
@@ -128,7 +128,7 @@ def test_summary(base_run):
 def test_resume_reshards_and_continues_the_same_losses(base_run, nproc, tmp_path):
     out, _ = base_run
     ckpt = os.path.join(out, "checkpoints", f"step_{RESUME_AT}")
-    _ok(_run(["--steps", str(RESUME_TO), "--resume", ckpt, "--out", str(tmp_path), *SMALL], nproc=nproc))
+    _ok(_run_forked(["--steps", str(RESUME_TO), "--resume", ckpt, "--out", str(tmp_path), *SMALL], nproc=nproc))
     resumed, full = _report(str(tmp_path)), _report(out)
     assert resumed["start_step"] == RESUME_AT and resumed["world_size"] == nproc
     assert resumed["steps"] == list(range(RESUME_AT + 1, RESUME_TO + 1))
@@ -190,7 +190,7 @@ def test_bad_checkpoints_give_clear_errors(base_run, tmp_path):
 @pytest.mark.distributed  # uses the 2-rank base run
 def test_mismatched_resume_exits_2(base_run, tmp_path):
     out, _ = base_run
-    proc = _run(["--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL,
+    proc = _run_forked(["--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL,
                  "--d-model", "16"], nproc=None)  # the last --d-model wins
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.strip().splitlines() if "error" in line]  # after the first log line
@@ -202,7 +202,7 @@ def test_mismatched_resume_exits_2(base_run, tmp_path):
 @pytest.mark.distributed  # uses the 2-rank base run
 def test_resume_at_or_past_steps_exits_2(base_run, tmp_path):
     out, _ = base_run
-    proc = _run(["--steps", "20", "--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL],
+    proc = _run_forked(["--steps", "20", "--resume", os.path.join(out, "checkpoints"), "--out", str(tmp_path), *SMALL],
                 nproc=None)
     assert proc.returncode == 2, proc.stderr
     assert "is at step 30, at or past --steps 20" in proc.stderr.strip().splitlines()[-1], proc.stderr
@@ -214,7 +214,7 @@ def test_resume_into_the_same_out_keeps_the_history(base_run, tmp_path):
     run = str(tmp_path / "run")
     shutil.copytree(out, run)
     ckpt = os.path.join(run, "checkpoints", f"step_{RESUME_AT}")
-    _ok(_run(["--steps", str(RESUME_TO), "--resume", ckpt, "--out", run, *SMALL], nproc=None))
+    _ok(_run_forked(["--steps", str(RESUME_TO), "--resume", ckpt, "--out", run, *SMALL], nproc=None))
     before, after = _report(out), _report(run)
     assert after["steps"] == list(range(1, RESUME_TO + 1))
     assert after["loss"][:RESUME_AT] == before["loss"][:RESUME_AT]
@@ -229,7 +229,7 @@ def test_resume_into_the_same_out_keeps_the_history(base_run, tmp_path):
 
 @pytest.mark.distributed
 def test_bf16_trains_with_lockstep_parity(tmp_path):
-    proc = _run(["--steps", "20", "--precision", "bf16", "--check-parity", "--out", str(tmp_path), *SMALL])
+    proc = _run_forked(["--steps", "20", "--precision", "bf16", "--check-parity", "--out", str(tmp_path), *SMALL])
     _ok(proc)
     r = _report(str(tmp_path))
     assert r["precision"] == "bf16" and r["config"]["precision"] == "bf16"
@@ -248,7 +248,7 @@ def test_compiled_blocks_train_with_lockstep_parity(tmp_path):
     build). Fixed vs eager the gradients differ by 8e-7 relative (the reordered fp32 sums), within the job's
     tolerance."""
     out = str(tmp_path / "compiled")
-    proc = _run(["--steps", "3", "--compile", "--check-parity", "--out", out, *SMALL],
+    proc = _run_forked(["--steps", "3", "--compile", "--check-parity", "--out", out, *SMALL],
                 env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     _ok(proc)
     r = _report(out)
@@ -260,10 +260,10 @@ def test_compiled_blocks_train_with_lockstep_parity(tmp_path):
 @pytest.mark.distributed
 def test_trains_on_a_token_file(tmp_path):
     path = _token_file(tmp_path / "train.bin")
-    proc = _run(["--steps", "4", "--data", path, "--out", str(tmp_path / "run"), *SMALL])
+    proc = _run_forked(["--steps", "4", "--data", path, "--out", str(tmp_path / "run"), *SMALL])
     _ok(proc)
     r = _report(str(tmp_path / "run"))
     assert r["corpus"]["kind"] == "token_file" and r["corpus"]["tokens"] == 20_000 and len(r["loss"]) == 4
-    bad = _run(["--data", path, "--vocab-size", "32", "--out", str(tmp_path / "bad"), *SMALL], nproc=None)
+    bad = _run_forked(["--data", path, "--vocab-size", "32", "--out", str(tmp_path / "bad"), *SMALL], nproc=None)
     assert bad.returncode == 2
     assert "largest token is 59, outside --vocab-size 32" in bad.stderr.strip().splitlines()[-1], bad.stderr

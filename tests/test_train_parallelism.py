@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_job_cases import LOSS_ATOL, _launch, _ok, _report, _run
+from train_job_cases import LOSS_ATOL, _launch, _ok, _report, _run_forked
 
 ARGS = ["--global-batch", "16", "--microbatches", "4", "--seq-len", "32", "--d-model", "32", "--d-ff", "64",
         "--n-layers", "4", "--no-progress", "--log-every", "0", "--steps", "6"]
@@ -51,12 +51,12 @@ def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_pa
       report.json's parallelism, and both checkpoints naming the same parameters (the tied weight once, as
       embedding.weight)."""
     ref, zbv, b, c = (str(tmp_path / n) for n in ("pp1", "zbv", "b", "c"))
-    _ok(_run([*ARGS, "--out", ref]))
+    _ok(_run_forked([*ARGS, "--out", ref]))
     reference = _report(ref)
     assert len(reference["loss"]) == 6 and reference["parallelism"] == {"pp": 1, "dp": 2}
     for nproc in (2, 4):
         out = str(tmp_path / f"ep2_{nproc}")
-        _ok(_run([*ARGS, "--ep", "2", "--save-every", "3", "--out", out], nproc=nproc))
+        _ok(_run_forked([*ARGS, "--ep", "2", "--save-every", "3", "--out", out], nproc=nproc))
         _check_losses(_report(out), reference, range(1, 7), f"--ep 2 on {nproc} ranks")
         par = _report(out)["parallelism"]
         a2a = par.pop("all_to_all")
@@ -67,13 +67,13 @@ def test_pipeline_and_expert_parallel_jobs_reach_the_data_parallel_losses(tmp_pa
         assert sum(a2a["bytes_per_step"]) == 4 * (nproc * 4 * 4 * 8 + 4 * 1024 * 32 * 4), a2a
         assert len(a2a["exposed_s_per_step"]) == nproc and all(t > 0 for t in a2a["exposed_s_per_step"]), a2a
     ep1 = str(tmp_path / "ep1")  # the ep 2 x dp 2 run's step 3, resumed without expert parallelism on 2 ranks
-    _ok(_run([*ARGS, "--resume", f"{tmp_path}/ep2_4/checkpoints/step_3", "--out", ep1]))
+    _ok(_run_forked([*ARGS, "--resume", f"{tmp_path}/ep2_4/checkpoints/step_3", "--out", ep1]))
     _check_losses(_report(ep1), reference, (4, 5, 6), "resumed at --ep 1")
-    _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--save-every", "2", "--out", zbv]))
+    _ok(_run_forked([*ARGS, "--pp", "2", "--pp-schedule", "ZBVZeroBubble", "--save-every", "2", "--out", zbv]))
     _check_losses(_report(zbv), reference, range(1, 7), "pp 2 ZBVZeroBubble")
     _check_parallelism(_report(zbv), 1, "ZBVZeroBubble", 4)
-    _ok(_run([*ARGS, "--steps", "4", "--save-every", "2", "--resume", f"{zbv}/checkpoints/step_2", "--out", b]))
-    _ok(_run([*ARGS, "--pp", "2", "--pp-schedule", "1F1B", "--resume", f"{b}/checkpoints", "--out", c], nproc=4))
+    _ok(_run_forked([*ARGS, "--steps", "4", "--save-every", "2", "--resume", f"{zbv}/checkpoints/step_2", "--out", b]))
+    _ok(_run_forked([*ARGS, "--pp", "2", "--pp-schedule", "1F1B", "--resume", f"{b}/checkpoints", "--out", c], nproc=4))
     _check_parallelism(_report(c), 2, "1F1B", 2)
     for out, steps in ((b, (3, 4)), (c, (5, 6))):
         assert _report(out)["steps"][-2:] == list(steps)

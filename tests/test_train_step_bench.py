@@ -1,6 +1,7 @@
 """``qa/bench/train_step.py`` end to end on CPU: every promised row, and the builds agree at step 1.
 
-The bench runs at world 1 (plain ``python``) and world 2 (torchrun, gloo) on the ``tiny`` preset, one
+The bench runs at world 1 (``python``) and world 2 (torchrun's ranks, gloo; both forked from a process that
+imported torch: [Note: forked job ranks]) on the ``tiny`` preset, one
 warm-up step and one round of one step, ``--no-record``. Its ``--json`` output must hold every (impl,
 precision, metric) a CPU run promises (no MFU or peak memory on CPU: the module docstring says why), the
 FP8 peers must run torchao's FP8 in ``fp8_per_tensor`` where torchao is installed (its experts bf16 on a CPU)
@@ -20,6 +21,8 @@ import sys
 import pytest
 import torch
 
+from distwgrad.testing.job_ranks import run_job
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "qa", "bench", "train_step.py")
 PRECISIONS = ("bf16", "fp8_per_tensor", "fp8_blockwise")
@@ -31,10 +34,8 @@ def _bench(tmp_path, nproc: int | None, precisions=PRECISIONS) -> tuple[dict, st
     out = tmp_path / "bench.json"
     args = [BENCH, "--model", "tiny", "--precisions", ",".join(precisions), "--modes", "eager", "--warmup", "1",
             "--rounds", "1", "--steps", "1", "--no-record", "--json", str(out)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd = (launcher if nproc else [sys.executable]) + args
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # ranks forked from a process that imported torch ([Note: forked job ranks]): the bench's rows are the test
+    proc = run_job(args[0], args[1:], nproc, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     with open(out) as f:
         return json.load(f), proc.stdout

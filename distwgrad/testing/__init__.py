@@ -1,7 +1,8 @@
 """Test support shipped with the package, so tests and benchmarks share one oracle and one harness.
 
 ``reference`` holds the reference implementations; ``multiprocess`` the multi-rank test harness
-(``run_distributed``, ``for_each_case``); ``interpreter`` runs a test script under Triton's interpreter.
+(``run_distributed``, ``for_each_case``); ``job_ranks`` a job's ranks as torchrun would start them, forked
+(``run_job``); ``interpreter`` runs a test script under Triton's interpreter.
 Submodules load on first access, not on ``import distwgrad.testing``, so importing this package stays
 cheap (no ``torch.distributed``).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["interpreter", "multiprocess", "reference", "sweep"]
+__all__ = ["interpreter", "job_ranks", "multiprocess", "reference", "sweep"]
 
 
 def __getattr__(name: str) -> ModuleType:

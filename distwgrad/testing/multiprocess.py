@@ -18,7 +18,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -38,7 +38,12 @@ _STACK_WAIT_S = 1.0  # how long to wait for faulthandler stack dumps before kill
 # themselves). Importing does not start threads or touch CUDA, so forking after it is safe.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.functional",
                        "torch.utils.checkpoint", "pytest", "distwgrad", "distwgrad.models", "distwgrad.nn",
-                       "distwgrad.fp8", "distwgrad.testing.multiprocess", "distwgrad.testing.sweep"]
+                       "distwgrad.fp8", "distwgrad.testing.multiprocess", "distwgrad.testing.sweep",
+                       "distwgrad.testing.job_ranks", "matplotlib.pyplot"]  # the job's plot (job_ranks)
+# Variables this process sets for itself, which no rank reads at start: pytest's, per test; and inductor's
+# cache folder, which importing ``torch._dynamo.aot_compile`` (distwgrad.graphs does) writes to os.environ.
+# A rank takes the caller's values of both with the rest of its environment.
+_SET_IN_PROCESS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 _forkserver_env: dict[str, str] | None = None  # the environment the fork server started with
 
 
@@ -118,16 +123,24 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
 def _context(device: str):
     """The fork server for CPU ranks; spawn for CUDA ranks and for a call whose environment differs from the
     server's (a variable read at process start, glibc's ``MALLOC_*`` say, only reaches a fresh interpreter)."""
-    global _forkserver_env
-    if device != "cpu" or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest sets it per test
-    if _forkserver_env is None:
-        _forkserver_env = env  # the server starts with it at this call's first rank
-        mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
-    elif env != _forkserver_env:
+    if device != "cpu" or not forkserver_serves(os.environ):
         return mp.get_context("spawn")
     return mp.get_context("forkserver")
+
+
+def forkserver_serves(env: Mapping[str, str], applied: Iterable[str] = ()) -> bool:
+    """Whether a rank whose environment is ``env`` may fork from the CPU ranks' fork server: it starts with
+    this process's environment at the first call and serves the ranks whose environment is the same, but for
+    ``applied`` (variables the rank sets up itself after the fork) and those in ``_SET_IN_PROCESS``."""
+    global _forkserver_env
+    if "forkserver" not in mp.get_all_start_methods():
+        return False
+    if _forkserver_env is None:
+        _forkserver_env = dict(os.environ)  # the server starts with it at this call's first rank
+        mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    skip = {*_SET_IN_PROCESS, *applied}
+    return {k: v for k, v in env.items() if k not in skip} == \
+        {k: v for k, v in _forkserver_env.items() if k not in skip}
 
 
 def _skip(reason: str) -> None:

@@ -110,6 +110,11 @@ _LAYOUT = {
                                    # xl build fits an H200 at a time), and the H100's side by side: docs/fp8.md
                                    "xl b8x2048 compiled_cuda_graph, the plain build and torchao",
                                    "large b8x2048 compiled (H100)",
+                                   # xl's shapes at 3 layers (an H100 holds them), every mode: docs/fp8.md
+                                   *(f"xl n_layers=3 b8x2048 {mb}{mode} (H100)" for mb, mode in (
+                                       ("", "eager"), ("", "compiled"), ("", "compiled_cuda_graph"),
+                                       ("mb2 ", "compiled_cuda_graph"))),
+                                   "xl n_layers=3 b8x2048 compiled, recipes profiled (H100)",
                                    "large b8x2048 mb2 eager",  # two microbatches: docs/fp8.md has the H100's
                                    "small b16x64 mb2 eager")),  # CPU ranks: small b16x128 supersedes it
     "layer_step": Layout("Layer step (forward, backward, deferred wgrads, finalize): FP8 against bf16 (TFLOP/s)",
