@@ -28,6 +28,7 @@ _REPORT = textwrap.dedent("""
     if "RANK" in os.environ:  # rendezvous as the job does: env://, rank 0 hosting the store
         dist.init_process_group("gloo")
         env["peers"] = dist.get_world_size()
+        dist.barrier()  # no rank tears down while a peer still builds its connections
         dist.destroy_process_group()
     print(json.dumps({"env": env, "cwd": os.getcwd(), "argv": sys.argv[1:], "main": __name__, "forked": forked}))
     print("to stderr", os.environ.get("RANK"), file=sys.stderr)
