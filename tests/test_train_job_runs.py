@@ -1,9 +1,10 @@
 """The training job end to end under torchrun on CPU/gloo: losses, lockstep parity (fp32, bf16, FP8),
 the report, checkpoints and resharded resume.
 
-One 2-rank run (30 steps, ``--check-parity``, a checkpoint every 10 steps) is shared by the tests that
-read its report or resume its checkpoints (module fixture ``base_run``, so all of them live here), so
-torchrun start-up is paid a few times, not per assertion.
+One 2-rank run under torchrun (30 steps, ``--check-parity``, a checkpoint every 10 steps) is shared by the
+tests that read its report or resume its checkpoints (module fixture ``base_run``, so all of them live here).
+The other runs fork their ranks as torchrun starts them ([Note: forked job ranks]), so torchrun's start-up is
+paid once, and a resume checks the forked ranks against the torchrun run's losses.
 
 Tolerances: a resumed run restores weights, AdamW state and step exactly, so its losses differ from the
 uninterrupted run's only by the order in which ranks' partial losses and gradients are summed; over the

@@ -1,7 +1,7 @@
-"""The training job's parallelism under torchrun on CPU/gloo. ``--pp``: the same losses as the data-parallel
-run at every step, checkpoints that move between pp sizes (pp2 -> pp1 -> pp2), report.json's parallelism.
-``--ep``: the same losses as the data-parallel run at every step, on 2 ranks and at ep 2 x dp 2 on 4. And
-the options each refuses.
+"""The training job's parallelism on CPU/gloo ranks, forked as torchrun starts them ([Note: forked job ranks]).
+``--pp``: the same losses as the data-parallel run at every step, checkpoints that move between pp sizes (pp2 ->
+pp1 -> pp2), report.json's parallelism. ``--ep``: the same losses as the data-parallel run at every step, on 2
+ranks and at ep 2 x dp 2 on 4. And the options each refuses.
 
 Tolerance: the runs train the same global batch in the same 4 microbatches per data-parallel rank; they
 differ only in how the partial sums of losses and gradients are grouped (one data-parallel rank holding the
