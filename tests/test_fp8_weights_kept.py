@@ -281,15 +281,16 @@ def test_a_weight_sharded_over_ranks_keeps_no_gathered_copy():
 def test_the_study_runs_its_three_arms(tmp_path):
     """``qa/studies/fp8_weights_kept.py`` on the tiny preset: a median and a minimum line, and rows for each arm."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from distwgrad.testing.job_ranks import run_job
 
     script = Path(__file__).resolve().parents[1] / "qa" / "studies" / "fp8_weights_kept.py"
     results = tmp_path / "rows.jsonl"
-    proc = subprocess.run([sys.executable, str(script), "--model", "tiny", "--batch", "4", "--modes", "eager",
-                           "--recipes", "fp8_blockwise", "--rounds", "1", "--steps", "1", "--warmup", "1",
-                           "--results", str(results)], capture_output=True, text=True, timeout=120)
+    # one process forked from one that imported torch ([Note: forked job ranks])
+    proc = run_job(str(script), ["--model", "tiny", "--batch", "4", "--modes", "eager", "--recipes", "fp8_blockwise",
+                                 "--rounds", "1", "--steps", "1", "--warmup", "1", "--results", str(results)], None,
+                   timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("fp8_blockwise")]
     assert [line.split()[-1] for line in lines] == ["median", "min"]

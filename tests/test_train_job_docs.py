@@ -13,6 +13,8 @@ import sys
 import pytest
 from train_job_cases import MODULE, REPO, _launch, _prepared, _report
 
+from distwgrad.testing.job_ranks import run_job
+
 
 def _help_commands() -> list[str]:
     """The command lines of ``--help`` (the module docstring's ``Commands::`` block)."""
@@ -32,17 +34,21 @@ def _readme_job_command() -> str:
     return first.split(" && ", 1)[1]
 
 
+def _steps(argv: list[str]) -> list[str]:
+    """``argv`` with a ``--steps`` override appended (argparse takes the last): 4 for a resume, 2 otherwise, none
+    for ``--help``."""
+    return argv if "--help" in argv else [*argv, "--steps", "4" if "--resume" in argv else "2", "--no-progress"]
+
+
 def _shell(command: str, cwd) -> subprocess.Popen:
-    """One documented command, as written but for the interpreter and, in a bare checkout, the module name;
-    a ``--steps`` override is appended (argparse takes the last), 4 for a resume and 2 otherwise."""
+    """One documented command as written, torchrun's agent and all, but for the interpreter, the module name in
+    a bare checkout, and ``_steps``."""
     argv = command.split()
     if argv[0] == "torchrun":
         argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
     elif argv[0] == "python":
         argv[0] = sys.executable
-    argv = [MODULE if a == "distwgrad.launch.train" else a for a in argv]
-    if "--help" not in argv:
-        argv += ["--steps", "4" if "--resume" in argv else "2", "--no-progress"]
+    argv = _steps([MODULE if a == "distwgrad.launch.train" else a for a in argv])
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -53,31 +59,45 @@ def _wait(command: str, proc: subprocess.Popen, timeout: float = 600) -> str:
     return stdout
 
 
+def _forked(command: str, cwd) -> str:
+    """One documented command with its ranks forked ([Note: forked job ranks] in
+    ``distwgrad/testing/job_ranks.py``): the job sees what torchrun gives it, ``--nproc-per-node`` ranks; the
+    agent itself runs in ``_shell``'s commands. Its stdout."""
+    words = command.split()
+    nproc = int(words[words.index("--nproc-per-node") + 1]) if words[0] == "torchrun" else None
+    proc = run_job(MODULE, _steps(words[words.index("-m") + 2:]), nproc,
+                   env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=str(cwd), timeout=300)
+    assert proc.returncode == 0, f"{command}\nexit {proc.returncode}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
 @pytest.mark.distributed
 def test_every_documented_command_runs(tmp_path):
-    """Each in its own folder, three at a time (start-up dominates), but the resume after its save."""
+    """Each in its own folder but the resume, after its save. The README's job command runs as written, under
+    torchrun; the others with their ranks forked, one after another, while it runs (a torchrun start-up costs
+    a 2-rank run of 2 steps most of its time: the agent's and each rank's imports)."""
     commands = _help_commands()
-    assert len(commands) >= 8 and _readme_job_command() in commands
+    readme = _readme_job_command()
+    assert len(commands) >= 8 and readme in commands
     resume = [c for c in commands if "--resume" in c]
     assert len(resume) == 1 and "--nproc-per-node 4" in resume[0]
     save = [c for c in commands if "--out runs/a" in c and c not in resume]
     assert len(save) == 1
-    others = [c for c in commands if c not in resume + save]
-    _wait(save[0], _shell(save[0], tmp_path))
-    batches = [[resume[0]] + others[:2]] + [others[i:i + 3] for i in range(2, len(others), 3)]
+    os.makedirs(tmp_path / "readme")
+    as_written = _shell(readme, tmp_path / "readme")
     outputs = {}
-    for batch in batches:
-        running = []
-        for i, command in enumerate(batch):
-            cwd = tmp_path if command in resume else tmp_path / f"{len(outputs)}_{i}"
-            os.makedirs(cwd, exist_ok=True)
-            if "--data data/corpus" in command:  # the folder its comment prepares from text
-                _prepared(cwd / "data" / "corpus")
-            running.append((command, _shell(command, cwd)))
-        outputs.update({command: _wait(command, proc) for command, proc in running})
+    for i, command in enumerate(save + resume + [c for c in commands if c not in resume + save + [readme]]):
+        cwd = tmp_path if command in save + resume else tmp_path / str(i)
+        os.makedirs(cwd, exist_ok=True)
+        if "--data data/corpus" in command:  # the folder its comment prepares from text
+            _prepared(cwd / "data" / "corpus")
+        outputs[command] = _forked(command, cwd)
+    outputs[readme] = _wait(readme, as_written)
     assert "usage: distwgrad.launch.train" in outputs["python -m distwgrad.launch.train --help"]
     resumed = _report(str(tmp_path / "runs" / "a"))  # saved at step 2, resumed to 4 into the same folder
     assert resumed["steps"] == [1, 2, 3, 4] and [s["world_size"] for s in resumed["segments"]] == [2, 4]
+    as_run = _report(str(tmp_path / "readme" / "runs" / "moe_gpt"))  # the default --out
+    assert as_run["steps"] == [1, 2] and [s["world_size"] for s in as_run["segments"]] == [2], as_run["segments"]
 
 
 @pytest.mark.distributed

@@ -41,6 +41,12 @@ def _bench(tmp_path, nproc: int | None, precisions=PRECISIONS) -> tuple[dict, st
         return json.load(f), proc.stdout
 
 
+def _layer_step(args: list[str]) -> subprocess.CompletedProcess:
+    """``python qa/bench/layer_step.py ARGS``, one process forked as ``_bench``'s ranks are."""
+    return run_job(os.path.join(REPO, "qa", "bench", "layer_step.py"), args, None,
+                   env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=300)
+
+
 def _check(report: dict, stdout: str, world: int, precisions=PRECISIONS) -> None:
     peer_fp8 = tuple(p for p in PEER_FP8 if p in precisions)
     got: dict[tuple[str, str], set[str]] = {}
@@ -107,10 +113,7 @@ def test_layer_step_tiny(tmp_path):
     """qa/bench/layer_step.py --tiny: a MoE layer and the tied embedding, bf16 and both FP8 recipes, beside the
     plain-torch peer: its bf16 rows, and each FP8 case it cannot run here said with the reason."""
     out = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--reps", "1",
-           "--impls", "distwgrad,torch", "--results", str(out)]
-    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = _layer_step(["--tiny", "--reps", "1", "--impls", "distwgrad,torch", "--results", str(out)])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     lines = [line.strip() for line in proc.stdout.splitlines() if " ms " in line or "not run" in line]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -136,11 +139,8 @@ def test_layer_step_tunings_tiny(tmp_path):
     distwgrad@<tuning>, the median against the first tuning's and main_grad's bits (on the CPU the GEMMs are
     torch's whatever the tuning: the same bits)."""
     out = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--reps", "1", "--rounds",
-           "2", "--precisions", "bf16,fp8_blockwise", "--tunings", "", "quantize.per_tensor_block = 8192",
-           "--results", str(out)]
-    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = _layer_step(["--tiny", "--reps", "1", "--rounds", "2", "--precisions", "bf16,fp8_blockwise", "--tunings",
+                        "", "quantize.per_tensor_block = 8192", "--results", str(out)])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     impls = {"distwgrad@defaults", "distwgrad@quantize.per_tensor_block=8192"}
@@ -182,9 +182,7 @@ def test_layer_step_tunings_refused(monkeypatch, capsys, args, message):
 
 
 def test_layer_step_refusal_exits_2_with_one_line():
-    cmd = [sys.executable, os.path.join(REPO, "qa", "bench", "layer_step.py"), "--tiny", "--no-record", "--rounds", "0"]
-    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = _layer_step(["--tiny", "--no-record", "--rounds", "0"])
     assert proc.returncode == 2 and "--rounds must be >= 1, got 0" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
 
