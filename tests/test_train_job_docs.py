@@ -86,12 +86,17 @@ def test_every_documented_command_runs(tmp_path):
     os.makedirs(tmp_path / "readme")
     as_written = _shell(readme, tmp_path / "readme")
     outputs = {}
-    for i, command in enumerate(save + resume + [c for c in commands if c not in resume + save + [readme]]):
-        cwd = tmp_path if command in save + resume else tmp_path / str(i)
-        os.makedirs(cwd, exist_ok=True)
-        if "--data data/corpus" in command:  # the folder its comment prepares from text
-            _prepared(cwd / "data" / "corpus")
-        outputs[command] = _forked(command, cwd)
+    try:
+        for i, command in enumerate(save + resume + [c for c in commands if c not in resume + save + [readme]]):
+            cwd = tmp_path if command in save + resume else tmp_path / str(i)
+            os.makedirs(cwd, exist_ok=True)
+            if "--data data/corpus" in command:  # the folder its comment prepares from text
+                _prepared(cwd / "data" / "corpus")
+            outputs[command] = _forked(command, cwd)
+    finally:
+        if len(outputs) < len(commands) - 1:  # one of them failed: the README's run ends with the test
+            as_written.kill()
+            as_written.communicate()
     outputs[readme] = _wait(readme, as_written)
     assert "usage: distwgrad.launch.train" in outputs["python -m distwgrad.launch.train --help"]
     resumed = _report(str(tmp_path / "runs" / "a"))  # saved at step 2, resumed to 4 into the same folder
