@@ -95,8 +95,8 @@ def test_every_documented_command_runs(tmp_path):
             outputs[command] = _forked(command, cwd)
     finally:
         if len(outputs) < len(commands) - 1:  # one of them failed: the README's run ends with the test
-            as_written.kill()
-            as_written.communicate()
+            as_written.terminate()  # SIGTERM: torchrun's agent stops its ranks (SIGKILL would orphan them)
+            as_written.communicate(timeout=120)
     outputs[readme] = _wait(readme, as_written)
     assert "usage: distwgrad.launch.train" in outputs["python -m distwgrad.launch.train --help"]
     resumed = _report(str(tmp_path / "runs" / "a"))  # saved at step 2, resumed to 4 into the same folder
