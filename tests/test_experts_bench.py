@@ -8,8 +8,7 @@ import json
 import os
 
 import pytest
-
-from distwgrad.testing.job_ranks import run_job
+from train_job_cases import _run_forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "qa", "bench", "parallelism.py")
@@ -17,8 +16,7 @@ BENCH = os.path.join(REPO, "qa", "bench", "parallelism.py")
 
 def _run(args: list[str], tmp_path, nproc: int | None = None) -> list[dict]:
     results = tmp_path / "rows.jsonl"
-    proc = run_job(BENCH, ["experts", *args, "--results", str(results)], nproc,
-                   env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=300)
+    proc = _run_forked(["experts", *args, "--results", str(results)], nproc, timeout=300, target=BENCH)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in results.read_text().splitlines()]
 

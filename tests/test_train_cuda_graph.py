@@ -28,12 +28,12 @@ import sys
 import pytest
 import torch
 from torch import nn
+from train_job_cases import _run_forked
 
 import distwgrad
 from distwgrad import graphs
 from distwgrad.models import MoEGPT, MoEGPTConfig
 from distwgrad.models.moe_gpt import MoE
-from distwgrad.testing.job_ranks import run_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -52,7 +52,7 @@ def _python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def _forked(*args: str) -> subprocess.CompletedProcess:
     """``_python(*args)`` forked from a process that imported torch ([Note: forked job ranks]): a CPU refusal."""
     target, rest = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
-    return run_job(target, list(rest), None, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=300)
+    return _run_forked(list(rest), None, timeout=300, target=target)
 
 
 # --- the router's counts ---------------------------------------------------------------------------------

@@ -28,10 +28,10 @@ import time
 
 import pytest
 import torch
+from train_job_cases import _run_forked as _forked_job
 
 from distwgrad.checkpoint import load_checkpoint, resolve_checkpoint
 from distwgrad.models import MoEGPT, MoEGPTConfig
-from distwgrad.testing.job_ranks import run_job
 from distwgrad.testing.multiprocess import run_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,8 +64,7 @@ def _run_forked(args: list[str], entry: tuple[str, ...] = (MODULE,)) -> subproce
     """A run that must succeed, its 2 ranks forked ([Note: forked job ranks]): the uninterrupted reference, a
     resume, the job's own waits. The faults themselves run under torchrun (``_interrupt``); ``entry``: the job's
     module, or a script and its arguments."""
-    proc = run_job(entry[0], [*entry[1:], *args], 2, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO,
-                   timeout=180)
+    proc = _forked_job([*entry[1:], *args], 2, timeout=180, target=entry[0])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
 

@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from train_job_cases import MODULE, REPO, _launch, _prepared, _report
-
-from distwgrad.testing.job_ranks import run_job
+from train_job_cases import MODULE, REPO, _launch, _prepared, _report, _run_forked
 
 
 def _help_commands() -> list[str]:
@@ -65,8 +63,7 @@ def _forked(command: str, cwd) -> str:
     agent itself runs in ``_shell``'s commands. Its stdout."""
     words = command.split()
     nproc = int(words[words.index("--nproc-per-node") + 1]) if words[0] == "torchrun" else None
-    proc = run_job(MODULE, _steps(words[words.index("-m") + 2:]), nproc,
-                   env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=str(cwd), timeout=300)
+    proc = _run_forked(_steps(words[words.index("-m") + 2:]), nproc, cwd=str(cwd), timeout=300)
     assert proc.returncode == 0, f"{command}\nexit {proc.returncode}\n{proc.stderr[-6000:]}"
     return proc.stdout
 

@@ -20,8 +20,7 @@ import sys
 
 import pytest
 import torch
-
-from distwgrad.testing.job_ranks import run_job
+from train_job_cases import _run_forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "qa", "bench", "train_step.py")
@@ -35,7 +34,7 @@ def _bench(tmp_path, nproc: int | None, precisions=PRECISIONS) -> tuple[dict, st
     args = [BENCH, "--model", "tiny", "--precisions", ",".join(precisions), "--modes", "eager", "--warmup", "1",
             "--rounds", "1", "--steps", "1", "--no-record", "--json", str(out)]
     # ranks forked from a process that imported torch ([Note: forked job ranks]): the bench's rows are the test
-    proc = run_job(args[0], args[1:], nproc, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=600)
+    proc = _run_forked(args[1:], nproc, timeout=600, target=args[0])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     with open(out) as f:
         return json.load(f), proc.stdout
@@ -43,8 +42,7 @@ def _bench(tmp_path, nproc: int | None, precisions=PRECISIONS) -> tuple[dict, st
 
 def _layer_step(args: list[str]) -> subprocess.CompletedProcess:
     """``python qa/bench/layer_step.py ARGS``, one process forked as ``_bench``'s ranks are."""
-    return run_job(os.path.join(REPO, "qa", "bench", "layer_step.py"), args, None,
-                   env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1"), cwd=REPO, timeout=300)
+    return _run_forked(args, None, timeout=300, target=os.path.join(REPO, "qa", "bench", "layer_step.py"))
 
 
 def _check(report: dict, stdout: str, world: int, precisions=PRECISIONS) -> None:

@@ -46,11 +46,13 @@ def _run(args: list[str], nproc: int | None = 2, env: dict | None = None, timeou
     return subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_forked(args: list[str], nproc: int | None = 2, env: dict | None = None, timeout: float = 240):
-    """``_run``'s job, each rank forked from a process that imported torch ([Note: forked job ranks] in
-    ``distwgrad/testing/job_ranks.py``): for the tests of what a run computes, not of how torchrun runs it."""
+def _run_forked(args: list[str], nproc: int | None = 2, env: dict | None = None, timeout: float = 240,
+                target: str = MODULE, cwd: str = REPO):
+    """``_run``'s job (or ``target``: another module, or a script), each rank forked from a process that imported
+    torch ([Note: forked job ranks] in ``distwgrad/testing/job_ranks.py``): for the tests of what a run computes,
+    not of how torchrun runs it."""
     from distwgrad.testing.job_ranks import run_job
-    return run_job(MODULE, args, nproc, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", **(env or {})), cwd=REPO,
+    return run_job(target, args, nproc, env=dict(PYTHONPATH=REPO, OMP_NUM_THREADS="1", **(env or {})), cwd=cwd,
                    timeout=timeout)
 
 
