@@ -2,7 +2,8 @@
 held whole here quantizes it in forward into fprop's and dgrad's layouts from one read, and backward reads the
 saved dgrad copy instead of quantizing the weight again.
 
-Checked against the same module with that path off (backward quantizing its own): the output, the input
+Checked against the same module with that path off (``QuantizeTuning.weights_pair=False``: backward quantizing
+its own): the output, the input
 gradient and the weight gradient are bit-identical (the same casts, the same GEMMs), under both recipes, with
 and without kept weights over two microbatches, and twice through a retained graph. The weight quantization
 launches are counted, so a silent fall back to two reads fails; the saved copy must die with backward. The
@@ -78,20 +79,18 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _check(recipe_name: str, device: str, dtype: torch.dtype, monkeypatch_like) -> None:
     from distwgrad.fp8 import fp8_autocast
-    from distwgrad.fp8 import weights as fw
+    from distwgrad.kernels import tuning
     from distwgrad.ops import quantize as oq
     mod, recipe, x, splits = _module(recipe_name, device, dtype)
     launches = _launches(monkeypatch_like)
-    real_pair = fw._pair
     for firsts, retain in (([None], False), ([True, False], False), ([None], True)):
         launches.clear()
         got = _step(mod, recipe, x, splits, firsts, retain=retain)
         # one read a step (kept) or a microbatch: both layouts at once, never a backward quantization
         assert launches == [(True, True)] * (1 if firsts[0] is not None else len(firsts)), (firsts, launches)
-        monkeypatch_like(fw, "_pair", lambda *a: None)
         launches.clear()
-        want = _step(mod, recipe, x, splits, firsts, retain=retain)
-        monkeypatch_like(fw, "_pair", real_pair)
+        with tuning(quantize=dict(weights_pair=False)):
+            want = _step(mod, recipe, x, splits, firsts, retain=retain)
         apart = [(False, False), (True, False)] + [(True, False)] * retain  # a second backward: again
         assert launches == (apart if firsts[0] is not None else apart * len(firsts)), (firsts, retain, launches)
         assert _same(got, want), (recipe_name, firsts, retain)

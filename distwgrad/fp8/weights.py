@@ -286,11 +286,14 @@ def materialize_quantized_pair(weights: list[torch.Tensor], recipe: Recipe, *, k
 
 def _pair(weights: list[torch.Tensor], recipe: Recipe
           ) -> Callable[[], tuple[QuantizedExperts, QuantizedExperts]] | None:
-    """What quantizes ``weights`` into fprop's and dgrad's layouts in one read, or None where none does."""
+    """What quantizes ``weights`` into fprop's and dgrad's layouts in one read, or None where none does (or the
+    kernels' tuning says not to: ``QuantizeTuning.weights_pair``)."""
     if len(weights) != 1 or not isinstance(weights[0], ShardedWeight) or weights[0].dim() != 3:
         return None
     w = weights[0]
-    if recipe.family == "per_tensor" and _held_whole(w):
+    if not (_held_whole(w) and _pair_wanted()):
+        return None
+    if recipe.family == "per_tensor":
         from distwgrad.ops.quantize import quantize_packed_per_tensor_pair  # late: distwgrad.ops imports this
         pt = cast("PerTensorScaling", recipe)
         return lambda: quantize_packed_per_tensor_pair(w.detach(), pt.fwd_dtype, global_amax(w).reshape(1),
@@ -299,6 +302,11 @@ def _pair(weights: list[torch.Tensor], recipe: Recipe
         from distwgrad.ops.quantize import quantize_experts_blockwise_pair
         return lambda: quantize_experts_blockwise_pair(w.detach(), cast("BlockwiseScaling", recipe))
     return None
+
+
+def _pair_wanted() -> bool:
+    from distwgrad.kernels._tuning import current  # late: where the kernels import
+    return current().quantize.weights_pair
 
 
 def _materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,
