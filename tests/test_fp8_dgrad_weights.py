@@ -78,8 +78,9 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _check(recipe_name: str, device: str, dtype: torch.dtype, monkeypatch_like) -> None:
-    from distwgrad.fp8 import fp8_autocast
     from distwgrad.kernels import tuning
+
+    from distwgrad.fp8 import fp8_autocast
     from distwgrad.ops import quantize as oq
     mod, recipe, x, splits = _module(recipe_name, device, dtype)
     launches = _launches(monkeypatch_like)

@@ -11,9 +11,9 @@ three arms a round, their order rotated from round to round: bf16, FP8 with ever
 (``keep_fp8_weights=False``) and FP8 with each microbatch's ``is_first_microbatch`` ([Note: fp8 weights kept
 across microbatches] in ``distwgrad/fp8/weights.py``). ``--compare pair``: bf16, FP8 with dgrad's weights read
 again in backward (``QuantizeTuning.weights_pair=False``) and FP8 with them from forward's read ([Note: dgrad's
-weights from forward's read]), the weights kept as the job keeps them. Two-microbatch FP8 steps without CUDA graphs are bound by
-the host, whose speed differs from process to process (docs/fp8.md, "At ``large`` on an H100"), so only arms of
-one process, interleaved, compare. Prints medians and ratios; appends rows (case "... fp8 weights kept,
+weights from forward's read]), the weights kept as the job keeps them. Two-microbatch FP8 steps without CUDA
+graphs are bound by the host, whose speed differs from process to process (docs/fp8.md, "At ``large`` on an
+H100"), so only arms of one process, interleaved, compare. Prints medians and ratios; appends rows (case "... fp8 weights kept,
 interleaved", ``variant`` "kept" or "fresh"; "... fp8 dgrad weights, interleaved", ``variant`` "one read" or "two
 reads") unless ``--no-record``.
 """
@@ -59,8 +59,9 @@ def _model(preset: str, device: torch.device, n_layers: int | None = None):
 
 def measure(args, mode: str, recipe: str, device: torch.device) -> dict[str, list[float]]:
     """ms a step of each arm, one value a round."""
-    import distwgrad
     from distwgrad.kernels import tuning
+
+    import distwgrad
     from launch.step import forward_backward
 
     model, cfg = _model(args.model, device, args.n_layers)
