@@ -13,9 +13,9 @@ across microbatches] in ``distwgrad/fp8/weights.py``). ``--compare pair``: bf16,
 again in backward (``QuantizeTuning.weights_pair=False``) and FP8 with them from forward's read ([Note: dgrad's
 weights from forward's read]), the weights kept as the job keeps them. Two-microbatch FP8 steps without CUDA
 graphs are bound by the host, whose speed differs from process to process (docs/fp8.md, "At ``large`` on an
-H100"), so only arms of one process, interleaved, compare. Prints medians and ratios; appends rows (case "... fp8 weights kept,
-interleaved", ``variant`` "kept" or "fresh"; "... fp8 dgrad weights, interleaved", ``variant`` "one read" or "two
-reads") unless ``--no-record``.
+H100"), so only arms of one process, interleaved, compare. Prints medians and ratios; appends rows (case "...
+fp8 weights kept, interleaved", ``variant`` "kept" or "fresh"; "... fp8 dgrad weights, interleaved", ``variant``
+"one read" or "two reads") unless ``--no-record``.
 """
 
 from __future__ import annotations
