@@ -128,13 +128,12 @@ def _cast_per_tensor_kernel(x_ptr, amax_ptr, q_ptr, s_inv_ptr, n, NUM: tl.conste
 
 
 @triton.jit
-def _quantize_blocks_kernel(x_ptr, q_ptr, q2_ptr, s_inv_ptr, M, N, GROUP_ROWS, NUM: tl.constexpr, FP8: tl.constexpr,
+def _quantize_blocks_kernel(x_ptr, q_ptr, s_inv_ptr, M, N, GROUP_ROWS, NUM: tl.constexpr, FP8: tl.constexpr,
                             FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                             HW_CAST: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BOTH: tl.constexpr = False):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) block per program: amax, scale, cast. ``TRANSPOSE``: x is stacked ``[GROUP_ROWS, N]``
-    matrices (GROUP_ROWS a multiple of BLOCK_M), each stored transposed, and with ``BOTH`` also as x into q2; the
-    scale grid is x's either way."""
+    matrices (GROUP_ROWS a multiple of BLOCK_M), each stored transposed; the scale grid is x's either way."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,8 +149,6 @@ def _quantize_blocks_kernel(x_ptr, q_ptr, q2_ptr, s_inv_ptr, M, N, GROUP_ROWS, N
         rows = offs_m - g * GROUP_ROWS
         q_g = q_ptr + g.to(tl.int64) * GROUP_ROWS * N
         tl.store(q_g + offs_n.to(tl.int64)[:, None] * GROUP_ROWS + rows[None, :], tl.trans(q), mask=tl.trans(mask))
-        if BOTH:
-            tl.store(q2_ptr + offs, q, mask=mask)
     else:
         tl.store(q_ptr + offs, q, mask=mask)
     s_inv = _inverse(scale, POW2)

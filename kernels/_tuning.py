@@ -129,10 +129,7 @@ class QuantizeTuning:
     ``per_tensor_block`` (elements per program and amax step) / ``_warps``; ``amax_max_programs``: the amax grid cap,
     bounding atomics on one address; ``blocks_warps``: 128x128 blocks; ``rows_tile_m`` / ``rows_warps``: 1x128 rows;
     ``rowcol_warps`` / ``rowcol_maxnreg`` (None: no cap): the rows + columns Triton kernel; ``rowcol_gluon``: its Gluon
-    kernel where it applies ([Note: rows and columns without a transpose]); ``weights_tile``: the weight cast's tile;
-    ``weights_pair``: forward casts a packed weight held whole into dgrad's layout too, from the same read, and the
-    module saves that copy for backward ([Note: dgrad's weights from forward's read] in ``distwgrad/fp8/weights.py``);
-    False: backward reads the weight again (less memory held from forward to backward)."""
+    kernel where it applies ([Note: rows and columns without a transpose]); ``weights_tile``: the weight cast's tile."""
 
     per_tensor_block: int = 4096
     per_tensor_warps: int = 4
@@ -144,7 +141,6 @@ class QuantizeTuning:
     rowcol_maxnreg: int | None = 128
     rowcol_gluon: bool = True
     weights_tile: int = 64
-    weights_pair: bool = True
 
     def __post_init__(self) -> None:
         warps = (lambda v: v in _WARPS and _is_int(v), f"one of {_WARPS}")

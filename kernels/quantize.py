@@ -196,8 +196,7 @@ def _blockwise_impl(x: torch.Tensor, block_m: int, block_n: int, dtype: torch.dt
                x, data.view(torch.uint8), scale_inv, M, N, POW2=power_of_two, TILE_M=tile_m, L=bn,
                num_warps=t.rows_warps, **_fmt_args(dtype))
     else:
-        q = data.view(torch.uint8)
-        launch(_quantize_blocks_kernel, grid, x, q, q, scale_inv, M, N, M, POW2=power_of_two,
+        launch(_quantize_blocks_kernel, grid, x, data.view(torch.uint8), scale_inv, M, N, M, POW2=power_of_two,
                TRANSPOSE=False, BLOCK_M=bm, BLOCK_N=bn, num_warps=t.blocks_warps,
                **_fmt_args(dtype))
     return data, scale_inv

@@ -12,12 +12,6 @@ K]`` for fprop or ``[E, K, N]`` for dgrad (one ``QuantizedExperts``). Each exper
 Triton assumes nothing of an address loaded from the table and loads one 4-byte element per instruction.
 When every address is a multiple of 16 bytes (a view at an offset may not be), the kernels are told so
 (``ALIGNED``) and vectorize the loads; the arithmetic is the same.
-
-[Note: both layouts from one read]
-An FP8 step reads each weight for its fprop (``[N, K]``) and its dgrad (``[K, N]``). Quantized apart, the weight
-is read twice from its fp32 master (4 bytes an element each time, against 1 written). The ``_pair`` functions
-cast each tile once and store it in both layouts: 4 bytes read and 2 written an element, instead of 8 and 2.
-The bits are those of the two launches, as each layout's value is the same cast of the same element.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ from ._quantize_kernels import _amax_into, _inverse, _quantize_blocks_kernel, _s
 from ._tuning import current as _tuning
 from .quantize import _check_block, _check_input, _fmt_args
 
-__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_packed_per_tensor", "quantize_packed_per_tensor_pair",
-           "quantize_experts_blockwise", "quantize_experts_blockwise_pair"]
+__all__ = ["quantize_weights_per_tensor", "group_amax", "quantize_packed_per_tensor", "quantize_experts_blockwise"]
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -58,13 +51,12 @@ def _amax_group_kernel(table_ptr, amax_ptr, n, X_TY: tl.constexpr, ALIGNED: tl.c
 
 
 @triton.jit
-def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, q2_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
+def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, s_inv_ptr, N, K, X_TY: tl.constexpr, NUM: tl.constexpr,
                        FP8: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN_BIASED: tl.constexpr,
                        HW_CAST: tl.constexpr, ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK: tl.constexpr,
-                       TILE: tl.constexpr, PACKED: tl.constexpr = False, BOTH: tl.constexpr = False):
-    """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE, and then with
-    BOTH also [N, K] into q2. PACKED: ``table_ptr`` is the packed ``[E, N, K]`` weight itself and every expert's
-    scale comes from amax[0]."""
+                       TILE: tl.constexpr, PACKED: tl.constexpr = False):
+    """q[e] = fp8(w_e * scale_e), scale_e from amax[e]; [N, K] as w_e, or [K, N] with TRANSPOSE. PACKED:
+    ``table_ptr`` is the packed ``[E, N, K]`` weight itself and every expert's scale comes from amax[0]."""
     pid = tl.program_id(0)
     e = tl.program_id(1)
     if PACKED:
@@ -82,8 +74,6 @@ def _cast_group_kernel(table_ptr, amax_ptr, q_ptr, q2_ptr, s_inv_ptr, N, K, X_TY
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = _to_fp8_bits(x * scale, FP8, FP8_MAX, MANT, EMIN_BIASED, HW_CAST)
         tl.store(q_e + cols.to(tl.int64)[:, None] * N + rows[None, :], tl.trans(q), mask=tl.trans(mask))
-        if BOTH:
-            tl.store(q2_ptr + e.to(tl.int64) * N * K + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
     else:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < N * K, other=0.0).to(tl.float32)
@@ -190,8 +180,7 @@ def _quantize(weights, dtype, margin, transpose, shared, amax) -> tuple[torch.Te
     t = _tuning().quantize
     tile = t.weights_tile  # the transposing cast's [tile, tile] tiles
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(n, t.per_tensor_block)
-    q = data.view(torch.uint8)
-    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, q, q, s_inv, N, K,
+    launch(_cast_group_kernel, (max(programs, 1), E), table, amax, data.view(torch.uint8), s_inv, N, K,
            X_TY=_TL[w0.dtype], ALIGNED=aligned, TRANSPOSE=transpose, BLOCK=t.per_tensor_block, TILE=tile,
            num_warps=t.per_tensor_warps, **fmt)
     return data.transpose(1, 2) if transpose else data, s_inv, amax
@@ -201,20 +190,6 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
                                transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale_inv)``: a contiguous packed ``[E, N, K]`` weight quantized per tensor with its one fp32
     ``amax``, in one launch, as :func:`quantize_weights_per_tensor` with that amax for every expert."""
-    data, _, s_inv = _packed_per_tensor(w_ENK, dtype, amax, margin, transpose, both=False)
-    return data, s_inv
-
-
-def quantize_packed_per_tensor_pair(w_ENK: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, *,
-                                    margin: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, data_t, scale_inv)``: :func:`quantize_packed_per_tensor` into both layouts from one read of the
-    weight ([Note: both layouts from one read]): ``data`` stored ``[E, N, K]``, ``data_t`` ``[E, K, N]``."""
-    data_t_NK, data, s_inv = _packed_per_tensor(w_ENK, dtype, amax, margin, True, both=True)
-    assert data is not None  # (the transposing launch's own output is dgrad's layout, as an [E, N, K] view)
-    return data, data_t_NK.transpose(1, 2), s_inv
-
-
-def _packed_per_tensor(w_ENK, dtype, amax, margin, transpose, both):
     _check_input(w_ENK, two_d=False)
     if w_ENK.dim() != 3:
         raise ValueError(f"quantize_packed_per_tensor: a packed [E, N, K] weight, got shape {tuple(w_ENK.shape)}")
@@ -223,18 +198,16 @@ def _packed_per_tensor(w_ENK, dtype, amax, margin, transpose, both):
                          f"{amax.dtype} {tuple(amax.shape)} on {amax.device}")
     E, N, K = w_ENK.shape
     data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
-    other = torch.empty((E, N, K), dtype=dtype, device=w_ENK.device) if both else None
     s_inv = torch.empty(E, dtype=torch.float32, device=w_ENK.device)
     t = _tuning().quantize
     tile = t.weights_tile
     programs = cdiv(N, tile) * cdiv(K, tile) if transpose else cdiv(N * K, t.per_tensor_block)
     if E:
-        q = data.view(torch.uint8)
-        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, q, q if other is None else other.view(q.dtype),
-               s_inv, N, K, X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
-               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True, BOTH=both,
+        launch(_cast_group_kernel, (max(programs, 1), E), w_ENK, amax, data.view(torch.uint8), s_inv, N, K,
+               X_TY=_TL[w_ENK.dtype], ALIGNED=True, TRANSPOSE=transpose,
+               BLOCK=t.per_tensor_block, TILE=tile, PACKED=True,
                num_warps=t.per_tensor_warps, **_fmt_args(dtype, margin))
-    return data.transpose(1, 2) if transpose else data, other, s_inv
+    return data.transpose(1, 2) if transpose else data, s_inv
 
 
 def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
@@ -242,21 +215,6 @@ def quantize_experts_blockwise(w_ENK: torch.Tensor, block: tuple[int, int], dtyp
     """``(data, scale_inv)``: a packed ``[E, N, K]`` weight (N a multiple of B) in square ``block`` B x B blocks,
     in one launch, each expert's bits those of ``quantize_blockwise`` on it alone; ``transpose`` as above.
     ``scale_inv``: fp32 ``[E, N / B, cdiv(K, B)]`` for both layouts (square blocks transpose with their scale)."""
-    data, _, s_inv = _experts_blockwise(w_ENK, block, dtype, power_of_two, transpose, both=False)
-    return data, s_inv
-
-
-def quantize_experts_blockwise_pair(w_ENK: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, *,
-                                    power_of_two: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(data, data_t, scale_inv)``: :func:`quantize_experts_blockwise` into both layouts from one read of the
-    weight ([Note: both layouts from one read]): ``data`` stored ``[E, N, K]``, ``data_t`` ``[E, K, N]``; one
-    ``scale_inv`` serves both."""
-    data_t_NK, data, s_inv = _experts_blockwise(w_ENK, block, dtype, power_of_two, True, both=True)
-    assert data is not None  # (as above)
-    return data, data_t_NK.transpose(1, 2), s_inv
-
-
-def _experts_blockwise(w_ENK, block, dtype, power_of_two, transpose, both):
     _check_input(w_ENK, two_d=False)
     bm, bn = _check_block(block)
     if w_ENK.dim() != 3 or bm != bn or w_ENK.shape[1] % bm:
@@ -264,15 +222,13 @@ def _experts_blockwise(w_ENK, block, dtype, power_of_two, transpose, both):
                          f"side, got shape {tuple(w_ENK.shape)} and block {tuple(block)}")
     E, N, K = w_ENK.shape
     data = torch.empty((E, K, N) if transpose else (E, N, K), dtype=dtype, device=w_ENK.device)
-    other = torch.empty((E, N, K), dtype=dtype, device=w_ENK.device) if both else None
     grid = (E * N // bm, cdiv(K, bn))
     s_inv = torch.empty(E, N // bm, grid[1], dtype=torch.float32, device=w_ENK.device)
     if data.numel():
-        q = data.view(torch.uint8)
-        launch(_quantize_blocks_kernel, grid, w_ENK, q, q if other is None else other.view(q.dtype), s_inv,
-               E * N, K, N, POW2=power_of_two, TRANSPOSE=transpose, BOTH=both, BLOCK_M=bm, BLOCK_N=bn,
+        launch(_quantize_blocks_kernel, grid, w_ENK, data.view(torch.uint8), s_inv, E * N, K, N, POW2=power_of_two,
+               TRANSPOSE=transpose, BLOCK_M=bm, BLOCK_N=bn,
                num_warps=_tuning().quantize.blocks_warps, **_fmt_args(dtype))
-    return data.transpose(1, 2) if transpose else data, other, s_inv
+    return data.transpose(1, 2) if transpose else data, s_inv
 
 
 def _on_device(values: tuple[int, ...], device: torch.device) -> torch.Tensor:

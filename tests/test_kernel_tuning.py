@@ -57,7 +57,6 @@ KNOBS = {
         "rowcol_maxnreg": 128,
         "rowcol_gluon": True,
         "weights_tile": 64,
-        "weights_pair": True,
     },
     "token_layout": {
         "block_t": 128,

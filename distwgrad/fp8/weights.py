@@ -23,14 +23,6 @@ capture ([Note: amax under capture]).
 The step's cached amax (or block grid) is host state a CUDA graph replay never sees: a graph reading it would
 quantize every replay with the capture's amax, from a tensor the next refresh frees. So while the weight's
 device captures, the amax is computed afresh in the graph (its all-reduce too), and the cache is untouched.
-
-[Note: dgrad's weights from forward's read]
-A packed weight held whole here ([Note: both layouts from one read] in kernels/weights_fp8.py) is quantized in
-forward into fprop's layout and dgrad's at once, when the call's backward will take dx; the module saves dgrad's
-copy for its backward, as TransformerEngine saves a weight's column-wise copy. That holds a byte an element (and
-the block scales) from forward to backward, and takes a read of the fp32 master (4 bytes an element) from every
-backward; a kept call ([Note: fp8 weights kept across microbatches]) keeps that copy as its backward's. Never a
-sharded weight's gathered copy, which backward re-gathers.
 """
 
 from __future__ import annotations
@@ -64,8 +56,8 @@ if TYPE_CHECKING:
     from distwgrad.fp8.recipes.blockwise import BlockwiseScaling
     from distwgrad.fp8.recipes.per_tensor import PerTensorScaling
 
-__all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_group", "materialize_quantized_pair",
-           "sync_weight_amax", "global_amax", "global_block_scales", "gather_fp8"]
+__all__ = ["quantize_weight", "materialize_quantized", "materialize_quantized_group", "sync_weight_amax",
+           "global_amax", "global_block_scales", "gather_fp8"]
 
 _AMAX = "fp8 amax"  # the cache key of a weight's per-tensor amax ([Note: weight lifecycle])
 _KEPT = "fp8 weight"  # ... and of its kept FP8 copies ([Note: fp8 weights kept across microbatches])
@@ -261,52 +253,6 @@ def materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, 
         amax = None
     return _kept(weights, keep, ("group", recipe, backward, stacked), lambda: _materialize_quantized_group(
         weights, recipe, backward=backward, stacked=stacked, amax=amax))
-
-
-def materialize_quantized_pair(weights: list[torch.Tensor], recipe: Recipe, *, keep: bool | None = None
-                               ) -> tuple[list[Quantized] | QuantizedExperts, QuantizedExperts | None]:
-    """``(fprop's, dgrad's)``: :func:`materialize_quantized_group` stacked, for forward, and dgrad's from the same
-    read where a packed weight is held whole here, else None ([Note: dgrad's weights from forward's read])."""
-    pair = _pair(weights, recipe)
-    if pair is None or graph_kept.current() is not None:
-        return materialize_quantized_group(weights, recipe, backward=False, stacked=True, keep=keep), None
-    made: list[QuantizedExperts] = []
-
-    def make() -> QuantizedExperts:
-        fprop, dgrad = pair()
-        made.append(dgrad)
-        return fprop
-    fprop = _kept(weights, keep, ("group", recipe, False, True), make)
-    if not made:  # forward's kept copy: backward reads its own kept (or fresh) one
-        return fprop, None
-    if keep is not None and _whole_here(weights[0]):
-        _kept(weights, True, ("group", recipe, True, True), lambda: made[0])
-    return fprop, made[0]
-
-
-def _pair(weights: list[torch.Tensor], recipe: Recipe
-          ) -> Callable[[], tuple[QuantizedExperts, QuantizedExperts]] | None:
-    """What quantizes ``weights`` into fprop's and dgrad's layouts in one read, or None where none does (or the
-    kernels' tuning says not to: ``QuantizeTuning.weights_pair``)."""
-    if len(weights) != 1 or not isinstance(weights[0], ShardedWeight) or weights[0].dim() != 3:
-        return None
-    w = weights[0]
-    if not (_held_whole(w) and _pair_wanted()):
-        return None
-    if recipe.family == "per_tensor":
-        from distwgrad.ops.quantize import quantize_packed_per_tensor_pair  # late: distwgrad.ops imports this
-        pt = cast("PerTensorScaling", recipe)
-        return lambda: quantize_packed_per_tensor_pair(w.detach(), pt.fwd_dtype, global_amax(w).reshape(1),
-                                                       margin=pt.margin)
-    if recipe.family == "blockwise" and _whole_experts(w, cast("BlockwiseScaling", recipe)):
-        from distwgrad.ops.quantize import quantize_experts_blockwise_pair
-        return lambda: quantize_experts_blockwise_pair(w.detach(), cast("BlockwiseScaling", recipe))
-    return None
-
-
-def _pair_wanted() -> bool:
-    from distwgrad.kernels._tuning import current  # late: where the kernels import
-    return current().quantize.weights_pair
 
 
 def _materialize_quantized_group(weights: list[torch.Tensor], recipe: Recipe, *, backward: bool,

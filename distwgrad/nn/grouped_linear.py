@@ -17,7 +17,7 @@ from torch import nn
 
 from distwgrad.fp8.quantize import Quantized, QuantizedExperts
 from distwgrad.fp8.recipe import Recipe, current_first_microbatch, current_recipe, split_accumulator
-from distwgrad.fp8.weights import in_backward, materialize_quantized_group, materialize_quantized_pair
+from distwgrad.fp8.weights import in_backward, materialize_quantized_group
 from distwgrad.nn._base import (
     WgradModule,
     check_compute_dtype,
@@ -51,7 +51,6 @@ class _Call:
     uses: Uses | None = None  # this forward's recorded uses ([Note: contribution accounting])
     bias_now: bool = False  # deferring, the biases' gradients still come from the main backward (te.ops)
     first_microbatch: bool | None = None  # keeps FP8 weights: [Note: fp8 weights kept across microbatches]
-    dgrad: bool = False  # backward will take dx: forward quantizes dgrad's FP8 weights too, where one read does
 
 
 def _stack(tensors: Sequence[torch.Tensor], packed: bool) -> torch.Tensor:
@@ -151,10 +150,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             del w_ENK  # transient: never saved, never cached
             ctx.save_for_backward(x_TK, offs_E)
         else:  # [Note: fp8 gemm dispatch]
-            if call.dgrad:  # [Note: dgrad's weights from forward's read] in fp8/weights.py
-                w_qs, w_dgrad = materialize_quantized_pair(weights, call.recipe, keep=call.first_microbatch)
-            else:
-                w_qs, w_dgrad = _weights_fp8(weights, call, backward=False), None
+            w_qs = _weights_fp8(weights, call, backward=False)
             # the weights' amaxes for backward's re-quantization, valid while no weight changes
             ctx.w_amax = ((w_qs.amax, [write_token(w) for w in weights])
                           if isinstance(w_qs, QuantizedExperts) and w_qs.amax is not None else None)
@@ -166,10 +162,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                          split_accumulator=split_accumulator(call.recipe, "fprop"))
             del w_qs, x_q
             wgrad_offs = gg8.wgrad_offsets(offs_E, x_TK.shape[0]) if align else offs_E
-            w_saved = () if w_dgrad is None else (w_dgrad.data, w_dgrad.scale_inv)
-            ctx.save_for_backward(*gg8.saved_tensors(x_qt), offs_E, wgrad_offs, *w_saved)  # wgrad reads x^T
+            ctx.save_for_backward(*gg8.saved_tensors(x_qt), offs_E, wgrad_offs)  # wgrad reads only x^T, in fp8
             ctx.x_meta, ctx.align = gg8.saved_meta(x_qt), align
-            ctx.w_meta = None if w_dgrad is None else (w_dgrad.orig_dtype, w_dgrad.block)
         del b_EN
         # Parameters ride on ctx, not save_for_backward: [Note: what backward may hold].
         ctx.weights, ctx.biases, ctx.call = weights, biases, call
@@ -179,14 +173,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy_TN):
         weights, biases, call = ctx.weights, ctx.biases, ctx.call
         x_TK = x_qt = wgrad_offs = None
-        w_saved = ()  # dgrad's FP8 weights, where forward made them
         if call.recipe is None:
             x_TK, offs_E = ctx.saved_tensors
         else:
-            saved = ctx.saved_tensors
-            n_x = len(saved) - (0 if ctx.w_meta is None else 2)
-            *x_saved, offs_E, wgrad_offs = saved[:n_x]
-            w_saved = saved[n_x:]
+            *x_saved, offs_E, wgrad_offs = ctx.saved_tensors
             x_qt = gg8.from_saved(x_saved, ctx.x_meta)
             wgrad_offs = wgrad_offs if ctx.align else None
         dy_TN = dy_TN.contiguous()
@@ -197,11 +187,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dx_TK = gg.grouped_dgrad(dy_TN, w_ENK, offs_E)
                 del w_ENK
             else:  # one quantization of dy serves dgrad (rows) and wgrad (columns)
-                if ctx.w_meta is None:
-                    w_qs = _weights_fp8(weights, call, backward=True, amax=ctx.w_amax)
-                else:
-                    (orig_dtype, block), (data, scale_inv) = ctx.w_meta, w_saved
-                    w_qs = QuantizedExperts(data, scale_inv, orig_dtype, None, block)
+                w_qs = _weights_fp8(weights, call, backward=True, amax=ctx.w_amax)
                 dy_q, dy_qt = gg8.quantize_operand(dy_TN, call.recipe, grad=True,
                                                    aligned_offs=offs_E if wgrad_offs is not None else None)
                 dx_TK = gg8.grouped_dgrad_fp8(dy_q, w_qs, offs_E, dy_TN.dtype,
@@ -343,17 +329,14 @@ class GroupedLinear(WgradModule):
                 out = compiled_forward(self, inp, weights + biases, self.out_features, aux=(), ints=m_splits,
                                        first_microbatch=first)
             return (out, all_biases) if self.return_bias else out
-        x_TK, offs_E, call = self._prepare(inp, m_splits, weights, biases, torch.is_grad_enabled(), first,
-                                           dgrad=torch.is_grad_enabled() and inp.requires_grad)
+        x_TK, offs_E, call = self._prepare(inp, m_splits, weights, biases, torch.is_grad_enabled(), first)
         y_TN = _GroupedLinearFunction.apply(x_TK, offs_E, call, *weights, *biases)
         out = y_TN.reshape(*inp.shape[:-1], self.out_features)
         return (out, all_biases) if self.return_bias else out
 
     def _prepare(self, inp: torch.Tensor, m_splits, weights: list[torch.Tensor], biases: list[torch.Tensor],
-                 grad_on: bool, first: bool | None = None, *, dgrad: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, _Call]:
-        """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, offs_E, call)``. ``dgrad``:
-        whether backward will take dx."""
+                 grad_on: bool, first: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, _Call]:
+        """Checks, records this forward's uses and fixes its ``_Call``; ``(x_TK, offs_E, call)``."""
         self._check(inp, weights, self._biases())
         x_TK = inp.reshape(-1, self.in_features)
         offs_E = gg.splits_to_offsets(m_splits, self.num_gemms, x_TK.shape[0], x_TK.device)
@@ -369,16 +352,14 @@ class GroupedLinear(WgradModule):
                      self.delay_wgrad_compute, self.fuse_wgrad_accumulation, self.wgrad_store, current_recipe(),
                      ((self.num_gemms,) if self.single_grouped_weight else ()) + (self.out_features, self.in_features),
                      uses, bias_now=self._biases_in_main_backward,
-                     first_microbatch=current_first_microbatch() if first is None else first, dgrad=dgrad)
+                     first_microbatch=current_first_microbatch() if first is None else first)
         return x_TK, offs_E, call
 
     def _op_forward(self, ctx, inp: torch.Tensor, aux, ints, grad_on: bool, first: bool | None) -> torch.Tensor:
         """The eager forward inside ``distwgrad::module_forward`` ([Note: torch.compile])."""
         weights = self._weights()
         biases = [] if self.return_bias else self._biases()
-        # the op's input never requires grad in here: with grad on, backward may take dx
-        x_TK, offs_E, call = self._prepare(inp, aux[0] if aux else list(ints), weights, biases, grad_on, first,
-                                           dgrad=grad_on)
+        x_TK, offs_E, call = self._prepare(inp, aux[0] if aux else list(ints), weights, biases, grad_on, first)
         ctx.op_params, ctx.inp_shape, ctx.run_backward = weights + biases, inp.shape, _op_backward
         y_TN = _GroupedLinearFunction.forward(ctx, x_TK, offs_E, call, *weights, *biases)
         return y_TN.reshape(*inp.shape[:-1], self.out_features)

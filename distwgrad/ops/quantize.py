@@ -17,7 +17,7 @@ from distwgrad.fp8.recipes import BlockwiseScaling, PerTensorScaling, Recipe, fp
 
 __all__ = ["quantize_per_tensor", "quantize_blockwise", "quantize_rowwise_and_columnwise",
            "quantize_weights_per_tensor", "quantize_weights_alike", "quantize_packed_per_tensor",
-           "quantize_packed_per_tensor_pair", "quantize_experts_blockwise", "quantize_experts_blockwise_pair"]
+           "quantize_experts_blockwise"]
 
 
 def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
@@ -91,31 +91,6 @@ def quantize_packed_per_tensor(w_ENK: torch.Tensor, dtype: torch.dtype, amax: to
     fp8_format(dtype)
     data, scale_inv = kw.quantize_packed_per_tensor(w_ENK, dtype, amax, margin=margin, transpose=transpose)
     return QuantizedExperts(data, scale_inv, w_ENK.dtype, amax.reshape(1).expand(w_ENK.shape[0]))
-
-
-def quantize_packed_per_tensor_pair(w_ENK: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor, *, margin: int = 0
-                                    ) -> tuple[QuantizedExperts, QuantizedExperts]:
-    """:func:`quantize_packed_per_tensor` in fprop's and dgrad's layouts from one read of the weight ([Note: both
-    layouts from one read] in kernels/weights_fp8.py)."""
-    from distwgrad.kernels import weights_fp8 as kw
-    fp8_format(dtype)
-    data, data_t, scale_inv = kw.quantize_packed_per_tensor_pair(w_ENK, dtype, amax, margin=margin)
-    amaxes = amax.reshape(1).expand(w_ENK.shape[0])
-    return (QuantizedExperts(data, scale_inv, w_ENK.dtype, amaxes),
-            QuantizedExperts(data_t.transpose(1, 2), scale_inv, w_ENK.dtype, amaxes))
-
-
-def quantize_experts_blockwise_pair(w_ENK: torch.Tensor, recipe: BlockwiseScaling
-                                    ) -> tuple[QuantizedExperts, QuantizedExperts]:
-    """:func:`quantize_experts_blockwise` in fprop's and dgrad's layouts from one read of the weight ([Note: both
-    layouts from one read] in kernels/weights_fp8.py)."""
-    from distwgrad.kernels import weights_fp8 as kw
-    fp8_format(recipe.dtype)
-    data, data_t, scale_inv = kw.quantize_experts_blockwise_pair(w_ENK, recipe.weight_block, recipe.dtype,
-                                                                 power_of_two=recipe.power_of_two)
-    bm, bn = recipe.weight_block
-    return (QuantizedExperts(data, scale_inv, w_ENK.dtype, None, (bm, bn)),
-            QuantizedExperts(data_t.transpose(1, 2), scale_inv, w_ENK.dtype, None, (bm, bn)))
 
 
 def quantize_experts_blockwise(w_ENK: torch.Tensor, recipe: BlockwiseScaling, *, transpose: bool = False
