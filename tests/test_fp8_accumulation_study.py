@@ -11,8 +11,7 @@ import importlib.util
 import os
 
 import torch
-
-from distwgrad.testing.job_ranks import run_job
+from train_job_cases import _run_forked
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STUDY = os.path.join(_ROOT, "qa", "studies", "fp8_accumulation.py")
@@ -38,9 +37,7 @@ def test_hopper_dot_exact_with_enough_bits_and_truncating_with_few():
 
 def test_study_control_reproduces_the_emulation():
     # one process forked from one that imported torch ([Note: forked job ranks])
-    pythonpath = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    proc = run_job(_STUDY, ["--bits", "40", "--steps", "2"], None, env=dict(PYTHONPATH=pythonpath), cwd=_ROOT,
-                   timeout=300)
+    proc = _run_forked(["--bits", "40", "--steps", "2"], None, timeout=300, target=_STUDY)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip().startswith(("emulation", "40 bits"))]
     assert len(lines) == 2 and lines[0].split(":")[1] == lines[1].split(":")[1], proc.stdout

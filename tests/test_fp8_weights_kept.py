@@ -283,14 +283,14 @@ def test_the_study_runs_its_three_arms(tmp_path):
     import json
     from pathlib import Path
 
-    from distwgrad.testing.job_ranks import run_job
+    from train_job_cases import _run_forked
 
     script = Path(__file__).resolve().parents[1] / "qa" / "studies" / "fp8_weights_kept.py"
     results = tmp_path / "rows.jsonl"
     # one process forked from one that imported torch ([Note: forked job ranks])
-    proc = run_job(str(script), ["--model", "tiny", "--batch", "4", "--modes", "eager", "--recipes", "fp8_blockwise",
-                                 "--rounds", "1", "--steps", "1", "--warmup", "1", "--results", str(results)], None,
-                   timeout=120)
+    proc = _run_forked(["--model", "tiny", "--batch", "4", "--modes", "eager", "--recipes", "fp8_blockwise",
+                        "--rounds", "1", "--steps", "1", "--warmup", "1", "--results", str(results)], None,
+                       timeout=120, target=str(script))
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("fp8_blockwise")]
     assert [line.split()[-1] for line in lines] == ["median", "min"]
